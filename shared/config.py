@@ -1,0 +1,144 @@
+"""Agent configuration: the `modules.ebpf_profiler` block of the YAML file.
+
+Owns: the schema (one frozen dataclass), its defaults, and validation. A config
+is validated once, when it is loaded; every stage then trusts the object it got.
+A bad key or value raises ConfigError naming the key, the value and what is
+allowed.
+
+Must not: read anything but the one file it is given, or know about stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+import yaml
+
+# Where the block lives in the agent's YAML file.
+MODULE_PATH = ("modules", "ebpf_profiler")
+# A config file is a few hundred bytes; anything near this is not a config file.
+MAX_CONFIG_BYTES = 1 << 20
+
+DEFAULT_LOCAL_DIR = "/var/lib/ebpfprofiler/profiles"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names key, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    enabled: bool = True
+    sample_hz: int = 19
+    upload_interval_s: int = 60
+    offcpu: bool = True
+    offcpu_min_ms: int = 1
+    strip_process_args: bool = True
+    plain_pid: bool = False
+    endpoint: str = ""
+    local_dir: str = DEFAULT_LOCAL_DIR
+    symbolizer_workers: int = 1
+
+    def replace(self, **changes: Any) -> "ProfilerConfig":
+        """A copy with `changes` applied, validated like a loaded file."""
+        return from_mapping({**dataclasses.asdict(self), **changes}, source="<override>")
+
+    @property
+    def uploads_locally(self) -> bool:
+        return self.endpoint == ""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: type
+    allowed: str
+    low: int | None = None
+    high: int | None = None
+
+
+# One rule per key: the type it must have and, for numbers, the range.
+_RULES: dict[str, _Rule] = {
+    "enabled": _Rule(bool, "true or false"),
+    "sample_hz": _Rule(int, "an integer from 1 to 10000 (samples per second per CPU)", 1, 10000),
+    "upload_interval_s": _Rule(int, "an integer from 1 to 3600 (seconds)", 1, 3600),
+    "offcpu": _Rule(bool, "true or false"),
+    "offcpu_min_ms": _Rule(int, "an integer from 0 to 60000 (milliseconds)", 0, 60000),
+    "strip_process_args": _Rule(bool, "true or false"),
+    "plain_pid": _Rule(bool, "true or false"),
+    "endpoint": _Rule(str, '"" (write profiles to local_dir) or an http:// or https:// base URL'),
+    "local_dir": _Rule(str, "an absolute directory path"),
+    "symbolizer_workers": _Rule(int, "an integer from 1 to 64", 1, 64),
+}
+assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
+
+
+def _check(key: str, value: Any, source: str) -> Any:
+    rule = _RULES[key]
+    where = f"{source}: modules.ebpf_profiler.{key}"
+    bad = ConfigError(f"{where} = {value!r} is not allowed; expected {rule.allowed}")
+    # bool is a subclass of int: `sample_hz: true` must not pass as 1.
+    if rule.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise bad
+    if not isinstance(value, rule.kind):
+        raise bad
+    if rule.low is not None and value < rule.low:
+        raise bad
+    if rule.high is not None and value > rule.high:
+        raise bad
+    if key == "endpoint" and value:
+        url = urlparse(value)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise bad
+    if key == "local_dir" and not os.path.isabs(value):
+        raise bad
+    return value
+
+
+def from_mapping(block: Mapping[str, Any] | None, source: str = "<config>") -> ProfilerConfig:
+    """Validate the `modules.ebpf_profiler` block and return the config."""
+    if block is None:
+        block = {}
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"{source}: modules.ebpf_profiler must be a mapping, not {type(block).__name__}")
+    unknown = sorted(str(k) for k in block if k not in _RULES)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key modules.ebpf_profiler.{unknown[0]}; "
+            f"allowed keys: {', '.join(_RULES)}"
+        )
+    values = {key: _check(key, value, source) for key, value in block.items()}
+    return ProfilerConfig(**values)
+
+
+def load(path: str) -> ProfilerConfig:
+    """Read and validate a YAML config file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping with a 'modules' key")
+    node: Any = doc
+    for i, part in enumerate(MODULE_PATH):
+        node = node.get(part) if isinstance(node, Mapping) else None
+        if node is None:
+            raise ConfigError(f"{path}: missing {'.'.join(MODULE_PATH[: i + 1])}")
+    return from_mapping(node, source=path)
+
+
+def dump(cfg: ProfilerConfig) -> str:
+    """The YAML text of a config (for writing test and default files)."""
+    return yaml.safe_dump({"modules": {"ebpf_profiler": dataclasses.asdict(cfg)}}, sort_keys=False)

@@ -1,0 +1,29 @@
+"""Where stages find each other: the ZeroMQ endpoints inside the runtime directory.
+
+Owns: the names of the ipc:// sockets and the default directories. Every stage
+derives its endpoints from the same run directory through these functions.
+
+Must not: create sockets.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_RUN_DIR = "/run/ebpfprofiler"
+DEFAULT_STATE_DIR = "/var/lib/ebpfprofiler"
+
+
+def symbolizer(run_dir: str, worker: int) -> str:
+    """The PULL socket of symbolizer worker `worker` (0-based); the collector pushes batches to it."""
+    return f"ipc://{os.path.join(run_dir, f'symbolizer-{worker}.sock')}"
+
+
+def uploader(run_dir: str) -> str:
+    """The PULL socket of the uploader; symbolizer workers push profiles to it."""
+    return f"ipc://{os.path.join(run_dir, 'uploader.sock')}"
+
+
+def ready_file(run_dir: str, stage: str) -> str:
+    """Written by a stage once it is serving (the supervisor and tests wait for it)."""
+    return os.path.join(run_dir, f"{stage}.ready")

@@ -1,0 +1,312 @@
+"""The wire format between stages: versioned messages, one encode, one decode.
+
+Owns: every message that crosses a ZeroMQ socket (StackBatch collector →
+symbolizer, ProfileUpload symbolizer → uploader), its version, its size caps
+and its validation. A message is a list of ZeroMQ frames: frame 0 is a JSON
+header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload carries
+the gzip pprof as frame 1, untouched.
+
+decode() treats its input as hostile: anything malformed, of another version
+or over a cap raises WireError, which receivers count, log and skip.
+
+Must not: open sockets, or know what a stage does with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar, Union
+
+WIRE_VERSION = 1
+
+# A drained second of a busy 64-CPU host at 999 Hz is a few MB of JSON; 64 MiB
+# leaves room while bounding what one message can make a worker allocate.
+MAX_BATCH_BYTES = 64 << 20
+# A gzip pprof of one service and window; larger ones are a bug or an attack.
+MAX_PROFILE_BYTES = 32 << 20
+# Bounds on counts inside one message, so a small message cannot claim a huge one.
+MAX_STACK_DEPTH = 512          # kernel limit is 127 frames per stack, DWARF walks 64
+MAX_MAPPINGS_PER_PROCESS = 65536   # vm.max_map_count default is 65530
+MAX_ITEMS = 10_000_000         # samples, stacks, processes in one batch
+MAX_STRING = 4096              # paths, names, labels
+U64 = (1 << 64) - 1
+
+PROFILE_TYPES = ("cpu", "offcpu")
+
+
+class WireError(ValueError):
+    """A message that is not a valid message of this version."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One executable mapping of a process, as /proc/<pid>/maps gives it."""
+    start: int
+    end: int
+    offset: int
+    path: str        # "" for anonymous memory; "[vdso]" and the like for special ones
+    dev: str = ""    # "fd:01"
+    inode: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """What the collector knows of a process; (pid, start_ticks) is its identity."""
+    pid: int
+    start_ticks: int           # field 22 of /proc/<pid>/stat: a reused pid is a new process
+    uid: int
+    nspid: int                 # pid inside its pid namespace (names /tmp/perf-<nspid>.map)
+    comm: str
+    executable: str            # "" for kernel threads
+    service: str               # container id, else executable, else "[kernel]"
+    container_id: str = ""
+    pod_uid: str = ""
+    cmdline: tuple[str, ...] | None = None   # None unless strip_process_args is false
+    mappings: tuple[Mapping, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Aggregated samples of one (pid, tid, user stack, kernel stack)."""
+    pid: int
+    tid: int
+    user_stack: int            # index into StackBatch.user_stacks, -1 if none
+    kernel_stack: int          # index into StackBatch.kernel_stacks, -1 if none
+    count: int                 # samples (cpu) or blocking intervals (offcpu)
+    value: int                 # nanoseconds: on-CPU time or blocked time
+
+
+@dataclass(frozen=True, slots=True)
+class StackBatch:
+    """One drain of one profile type's BPF maps, for the services routed to one worker."""
+    host: str
+    profile_type: str
+    sample_hz: int
+    time_ns: int               # wall clock of the drain (unix ns)
+    processes: tuple[Process, ...]
+    user_stacks: tuple[tuple[int, ...], ...]      # addresses, leaf first
+    kernel_stacks: tuple[tuple[int, ...], ...]
+    samples: tuple[Sample, ...]
+    kernel_symbols: dict[int, str] = field(default_factory=dict)   # address → name
+    lost: dict[str, int] = field(default_factory=dict)             # reason → samples
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileUpload:
+    """One gzip pprof of one service, window and profile type."""
+    profile_id: str
+    host: str
+    service: str
+    profile_type: str
+    window_start_ns: int
+    window_end_ns: int
+    samples: int
+    pprof_gz: bytes
+
+
+Message = Union[StackBatch, ProfileUpload]
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The ZeroMQ frames of a message."""
+    if isinstance(msg, StackBatch):
+        body = {
+            "host": msg.host,
+            "profile_type": msg.profile_type,
+            "sample_hz": msg.sample_hz,
+            "time_ns": msg.time_ns,
+            "processes": [_process_json(p) for p in msg.processes],
+            "user_stacks": msg.user_stacks,
+            "kernel_stacks": msg.kernel_stacks,
+            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value] for s in msg.samples],
+            "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
+            "lost": msg.lost,
+        }
+        return [_header("stack_batch", body)]
+    if isinstance(msg, ProfileUpload):
+        body = {
+            "profile_id": msg.profile_id,
+            "host": msg.host,
+            "service": msg.service,
+            "profile_type": msg.profile_type,
+            "window_start_ns": msg.window_start_ns,
+            "window_end_ns": msg.window_end_ns,
+            "samples": msg.samples,
+        }
+        return [_header("profile", body), msg.pprof_gz]
+    raise TypeError(f"not a wire message: {type(msg).__name__}")
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    """The message in `frames`; WireError if it is not a valid one."""
+    if not frames or len(frames) > 2:
+        raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
+    head = frames[0]
+    if len(head) > MAX_BATCH_BYTES:
+        raise WireError(f"header of {len(head)} bytes is over the cap of {MAX_BATCH_BYTES}")
+    try:
+        doc = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"header is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise WireError("header is not a JSON object")
+    if doc.get("v") != WIRE_VERSION:
+        raise WireError(f"wire version {doc.get('v')!r}, this build speaks {WIRE_VERSION}")
+    kind, body = doc.get("kind"), doc.get("body")
+    if not isinstance(body, dict):
+        raise WireError("body is not a JSON object")
+    try:
+        if kind == "stack_batch":
+            if len(frames) != 1:
+                raise WireError("a stack_batch has one frame")
+            return _batch(body)
+        if kind == "profile":
+            if len(frames) != 2:
+                raise WireError("a profile has two frames")
+            if len(frames[1]) > MAX_PROFILE_BYTES:
+                raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}")
+            return _profile(body, bytes(frames[1]))
+    except (KeyError, TypeError) as e:
+        raise WireError(f"{kind}: malformed body ({type(e).__name__}: {e})") from None
+    raise WireError(f"unknown message kind {kind!r}")
+
+
+# ---------------------------------------------------------------- encoding
+
+def _header(kind: str, body: dict[str, Any]) -> bytes:
+    return json.dumps({"v": WIRE_VERSION, "kind": kind, "body": body}, separators=(",", ":")).encode()
+
+
+def _process_json(p: Process) -> dict[str, Any]:
+    return {
+        "pid": p.pid, "start_ticks": p.start_ticks, "uid": p.uid, "nspid": p.nspid,
+        "comm": p.comm, "executable": p.executable, "service": p.service,
+        "container_id": p.container_id, "pod_uid": p.pod_uid,
+        "cmdline": list(p.cmdline) if p.cmdline is not None else None,
+        "mappings": [[m.start, m.end, m.offset, m.path, m.dev, m.inode] for m in p.mappings],
+    }
+
+
+# ---------------------------------------------------------------- decoding
+
+T = TypeVar("T")
+
+
+def _int(v: Any, what: str, low: int = 0, high: int = U64) -> int:
+    if type(v) is not int or not low <= v <= high:
+        raise WireError(f"{what}: {v!r} is not an integer in [{low}, {high}]")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if type(v) is not str or len(v) > MAX_STRING:
+        raise WireError(f"{what}: not a string of at most {MAX_STRING} characters")
+    return v
+
+
+def _list(v: Any, what: str, cap: int = MAX_ITEMS) -> list[Any]:
+    if type(v) is not list or len(v) > cap:
+        raise WireError(f"{what}: not a list of at most {cap} items")
+    return v
+
+
+def _each(v: Any, what: str, item: Callable[[Any, str], T], cap: int = MAX_ITEMS) -> tuple[T, ...]:
+    return tuple(item(x, what) for x in _list(v, what, cap))
+
+
+def _stack(v: Any, what: str) -> tuple[int, ...]:
+    return _each(v, what, _int, MAX_STACK_DEPTH)
+
+
+def _mapping(v: Any, what: str) -> Mapping:
+    m = _list(v, what, 6)
+    if len(m) != 6:
+        raise WireError(f"{what}: a mapping has 6 fields")
+    start, end = _int(m[0], what), _int(m[1], what)
+    if end < start:
+        raise WireError(f"{what}: end {end:#x} before start {start:#x}")
+    return Mapping(start, end, _int(m[2], what), _str(m[3], what), _str(m[4], what), _int(m[5], what))
+
+
+def _process(v: Any, what: str) -> Process:
+    if type(v) is not dict:
+        raise WireError(f"{what}: not an object")
+    cmd = v["cmdline"]
+    return Process(
+        pid=_int(v["pid"], "pid", 0, 1 << 32),
+        start_ticks=_int(v["start_ticks"], "start_ticks"),
+        uid=_int(v["uid"], "uid", 0, 1 << 32),
+        nspid=_int(v["nspid"], "nspid", 0, 1 << 32),
+        comm=_str(v["comm"], "comm"),
+        executable=_str(v["executable"], "executable"),
+        service=_str(v["service"], "service"),
+        container_id=_str(v["container_id"], "container_id"),
+        pod_uid=_str(v["pod_uid"], "pod_uid"),
+        cmdline=None if cmd is None else _each(cmd, "cmdline", _str, 4096),
+        mappings=_each(v["mappings"], "mappings", _mapping, MAX_MAPPINGS_PER_PROCESS),
+    )
+
+
+def _batch(b: dict[str, Any]) -> StackBatch:
+    profile_type = _str(b["profile_type"], "profile_type")
+    if profile_type not in PROFILE_TYPES:
+        raise WireError(f"profile_type {profile_type!r} is not one of {PROFILE_TYPES}")
+    user_stacks = _each(b["user_stacks"], "user_stacks", _stack)
+    kernel_stacks = _each(b["kernel_stacks"], "kernel_stacks", _stack)
+    nu, nk = len(user_stacks), len(kernel_stacks)
+
+    def sample(v: Any, what: str) -> Sample:
+        s = _list(v, what, 6)
+        if len(s) != 6:
+            raise WireError(f"{what}: a sample has 6 fields")
+        return Sample(
+            pid=_int(s[0], "sample pid", 0, 1 << 32), tid=_int(s[1], "sample tid", 0, 1 << 32),
+            user_stack=_int(s[2], "user_stack index", -1, nu - 1),
+            kernel_stack=_int(s[3], "kernel_stack index", -1, nk - 1),
+            count=_int(s[4], "count"), value=_int(s[5], "value"),
+        )
+
+    def ksym(v: Any, what: str) -> tuple[int, str]:
+        pair = _list(v, what, 2)
+        if len(pair) != 2:
+            raise WireError(f"{what}: not an [address, name] pair")
+        return _int(pair[0], what), _str(pair[1], what)
+
+    return StackBatch(
+        host=_str(b["host"], "host"),
+        profile_type=profile_type,
+        sample_hz=_int(b["sample_hz"], "sample_hz", 1, 1_000_000),
+        time_ns=_int(b["time_ns"], "time_ns"),
+        processes=_each(b["processes"], "processes", _process),
+        user_stacks=user_stacks,
+        kernel_stacks=kernel_stacks,
+        samples=_each(b["samples"], "samples", sample),
+        kernel_symbols=dict(_each(b["kernel_symbols"], "kernel_symbols", ksym)),
+        lost={_str(k, "lost reason"): _int(n, "lost count") for k, n in _dict(b["lost"], "lost").items()},
+    )
+
+
+def _dict(v: Any, what: str) -> dict[str, Any]:
+    if type(v) is not dict or len(v) > 1000:
+        raise WireError(f"{what}: not an object of at most 1000 keys")
+    return v
+
+
+def _profile(b: dict[str, Any], pprof_gz: bytes) -> ProfileUpload:
+    profile_type = _str(b["profile_type"], "profile_type")
+    if profile_type not in PROFILE_TYPES:
+        raise WireError(f"profile_type {profile_type!r} is not one of {PROFILE_TYPES}")
+    start, end = _int(b["window_start_ns"], "window_start_ns"), _int(b["window_end_ns"], "window_end_ns")
+    if end < start:
+        raise WireError("window ends before it starts")
+    return ProfileUpload(
+        profile_id=_str(b["profile_id"], "profile_id"),
+        host=_str(b["host"], "host"),
+        service=_str(b["service"], "service"),
+        profile_type=profile_type,
+        window_start_ns=start,
+        window_end_ns=end,
+        samples=_int(b["samples"], "samples"),
+        pprof_gz=pprof_gz,
+    )
