@@ -1,0 +1,201 @@
+"""What the collector learns about a process from /proc: identity, service, mappings.
+
+Owns: parsing /proc/<pid>/{stat,status,exe,cgroup,cmdline,maps} and a bounded
+cache of processes keyed by (pid, start time), so a reused pid is a new process.
+Container ids and Kubernetes pod uids are recognised in cgroup paths of the
+common runtimes (docker, containerd, cri-o, podman) and of kubepods slices.
+
+Must not: open or parse the files a process maps (that is the symbolizer's job,
+unprivileged), or send anything anywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from ebpfprofiler.shared.wire import Mapping, Process
+
+# /proc/<pid>/maps of a big JVM is a few MB; past this we keep what we read.
+MAX_MAPS_BYTES = 16 << 20
+# Executable mappings kept per process; the wire format caps at 65536 too.
+MAX_EXEC_MAPPINGS = 65536
+# Processes whose metadata is cached; a host rarely runs more at once.
+PROCESS_CACHE_ENTRIES = 32768
+# /proc/<pid>/cmdline is capped by ARG_MAX; we keep this much of it.
+MAX_CMDLINE_BYTES = 16 << 10
+# Service name of kernel threads, which have no executable.
+KERNEL_SERVICE = "[kernel]"
+
+_CONTAINER_RE = re.compile(
+    r"(?:docker|cri-containerd|crio|libpod|containerd)-([0-9a-f]{64})(?:\.scope)?"
+    r"|/(?:docker|containerd|crio|libpod)/([0-9a-f]{64})"
+    r"|/([0-9a-f]{64})(?:/|$)"
+)
+_POD_RE = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+@dataclass(frozen=True)
+class CgroupIdentity:
+    container_id: str = ""
+    pod_uid: str = ""
+
+
+def parse_cgroup(text: str) -> CgroupIdentity:
+    """Container id and pod uid from the text of /proc/<pid>/cgroup ("" when none)."""
+    container = pod = ""
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        if not container:
+            m = _CONTAINER_RE.search(path)
+            if m:
+                container = next(g for g in m.groups() if g)
+        if not pod:
+            m = _POD_RE.search(path)
+            if m:
+                pod = m.group(1).replace("_", "-")
+    return CgroupIdentity(container, pod)
+
+
+def parse_stat(text: str) -> tuple[str, int]:
+    """(comm, start time in clock ticks) from /proc/<pid>/stat."""
+    lpar, rpar = text.index("("), text.rindex(")")
+    comm = text[lpar + 1:rpar]
+    fields = text[rpar + 2:].split()
+    return comm, int(fields[19])   # field 22 of the whole line; fields here start at field 3
+
+
+def parse_status(text: str) -> tuple[int, int]:
+    """(real uid, pid in the innermost pid namespace) from /proc/<pid>/status."""
+    uid = nspid = -1
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            uid = int(line.split()[1])
+        elif line.startswith("NSpid:"):
+            nspid = int(line.split()[-1])
+    return uid, nspid
+
+
+def parse_maps(text: str) -> tuple[Mapping, ...]:
+    """The executable mappings in the text of /proc/<pid>/maps, sorted by start."""
+    out: list[Mapping] = []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5 or "x" not in parts[1]:
+            continue
+        try:
+            lo, hi = parts[0].split("-")
+            start, end, offset, inode = int(lo, 16), int(hi, 16), int(parts[2], 16), int(parts[4])
+        except ValueError:
+            continue
+        path = parts[5].strip() if len(parts) == 6 else ""
+        if path.endswith(" (deleted)"):
+            path = path[: -len(" (deleted)")]
+        out.append(Mapping(start, end, offset, path, parts[3], inode))
+        if len(out) >= MAX_EXEC_MAPPINGS:
+            break
+    out.sort(key=lambda m: m.start)
+    return tuple(out)
+
+
+def _read(path: str, cap: int = 1 << 16) -> str:
+    with open(path, "rb") as f:
+        return f.read(cap).decode("utf-8", "replace")
+
+
+def service_of(container_id: str, executable: str) -> str:
+    """The service a process belongs to: its container, else its executable."""
+    return container_id or executable or KERNEL_SERVICE
+
+
+def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process | None:
+    """Everything but the mappings of `pid`, or None if it is gone."""
+    base = f"{proc}/{pid}"
+    try:
+        comm, start = parse_stat(_read(f"{base}/stat"))
+        uid, nspid = parse_status(_read(f"{base}/status"))
+        try:
+            exe = os.readlink(f"{base}/exe")
+        except OSError:
+            exe = ""   # kernel threads; or the process is exiting
+        if exe.endswith(" (deleted)"):
+            exe = exe[: -len(" (deleted)")]
+        ident = parse_cgroup(_read(f"{base}/cgroup"))
+        cmdline = None
+        if with_cmdline:
+            raw = _read(f"{base}/cmdline", MAX_CMDLINE_BYTES)
+            cmdline = tuple(a for a in raw.split("\0") if a)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return Process(
+        pid=pid, start_ticks=start, uid=max(uid, 0), nspid=nspid if nspid > 0 else pid,
+        comm=comm, executable=exe, service=service_of(ident.container_id, exe),
+        container_id=ident.container_id, pod_uid=ident.pod_uid, cmdline=cmdline,
+    )
+
+
+def read_maps(pid: int, proc: str = "/proc") -> tuple[Mapping, ...]:
+    try:
+        return parse_maps(_read(f"{proc}/{pid}/maps", MAX_MAPS_BYTES))
+    except OSError:
+        return ()
+
+
+def covers(mappings: tuple[Mapping, ...], starts: list[int], address: int) -> bool:
+    i = bisect.bisect_right(starts, address) - 1
+    return i >= 0 and address < mappings[i].end
+
+
+class ProcessTable:
+    """Processes seen recently, keyed by pid and checked against their start time.
+
+    Mappings are re-read only when a sampled address falls outside the known
+    executable mappings (a dlopen, a new JIT region), not on every drain.
+    """
+
+    def __init__(self, with_cmdline: bool, proc: str = "/proc", capacity: int = PROCESS_CACHE_ENTRIES) -> None:
+        self._with_cmdline = with_cmdline
+        self._proc = proc
+        self._capacity = capacity
+        self._entries: OrderedDict[int, tuple[Process, list[int]]] = OrderedDict()
+        self.stats = {"read": 0, "maps_read": 0, "gone": 0}
+
+    def _start_ticks(self, pid: int) -> int | None:
+        try:
+            return parse_stat(_read(f"{self._proc}/{pid}/stat"))[1]
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def get(self, pid: int, addresses: Iterable[int] = ()) -> Process | None:
+        """The process `pid` with mappings that cover `addresses` where it can."""
+        entry = self._entries.get(pid)
+        start = self._start_ticks(pid)
+        if start is None:
+            self.stats["gone"] += 1
+            # Exited since it was sampled: what we knew is still the best answer.
+            return entry[0] if entry else None
+        if entry is None or entry[0].start_ticks != start:
+            p = read_process(pid, self._with_cmdline, self._proc)
+            if p is None:
+                self.stats["gone"] += 1
+                return None
+            self.stats["read"] += 1
+            entry = self._refresh(p)
+        else:
+            p, starts = entry
+            if any(not covers(p.mappings, starts, a) for a in addresses):
+                entry = self._refresh(p)
+        self._entries[pid] = entry
+        self._entries.move_to_end(pid)
+        while len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+        return entry[0]
+
+    def _refresh(self, p: Process) -> tuple[Process, list[int]]:
+        self.stats["maps_read"] += 1
+        maps = read_maps(p.pid, self._proc)
+        return replace(p, mappings=maps), [m.start for m in maps]
