@@ -1,0 +1,118 @@
+"""Turns raw stack addresses into frames: module, build id, module-relative address, name.
+
+Owns: the address → frame rules of DESIGN.md ("Data"): a user frame carries
+its module path, GNU build id and module-relative address (address − mapping
+start + file offset) and a function name where the module has symbols; kernel
+frames take the names the collector resolved from /proc/kallsyms; frames in
+anonymous executable memory take names from the process's /tmp/perf-<pid>.map.
+
+Module files are opened through /proc/<pid>/map_files/<range> (exactly the
+mapped file, even if deleted or in another mount namespace), else through
+/proc/<pid>/root<path>. Symbols are cached per file (ElfCache), perf maps per
+process (PerfMapCache).
+
+Must not: keep per-process state beyond those bounded caches, or build profiles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+from typing import BinaryIO, Sequence
+
+from ebpfprofiler.shared.wire import Mapping, Process
+from ebpfprofiler.symbolizer.elf import ElfCache
+from ebpfprofiler.symbolizer.perfmap import PerfMapCache
+
+KERNEL_MODULE = "[kernel.kallsyms]"
+JIT_MODULE = "[jit]"
+# Addresses outside every executable mapping the collector read.
+UNKNOWN_MODULE = "[unknown]"
+
+# Module files larger than this are not opened for symbols (the backend can
+# still symbolize them by build id): bounds what one frame can cost.
+MAX_MODULE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    module: str
+    build_id: str
+    address: int          # module-relative for user frames; absolute for kernel and JIT
+    function: str         # "" when unknown
+
+
+def _is_anonymous(path: str) -> bool:
+    return path == "" or path.startswith(("[anon", "//anon", "/memfd:", "[heap]", "[stack]"))
+
+
+class FrameResolver:
+    def __init__(self, elf_cache: ElfCache, perf_maps: PerfMapCache, proc: str = "/proc") -> None:
+        self._elf = elf_cache
+        self._perf_maps = perf_maps
+        self._proc = proc
+        self.stats = {"user_frames": 0, "named": 0, "no_mapping": 0, "jit_named": 0}
+
+    def kernel(self, stack: Sequence[int], symbols: dict[int, str]) -> list[Frame]:
+        return [Frame(KERNEL_MODULE, "", a, symbols.get(a, "")) for a in stack]
+
+    def user(self, proc: Process, stack: Sequence[int]) -> list[Frame]:
+        """Frames of a user stack (leaf first) of `proc`."""
+        maps = proc.mappings
+        starts = [m.start for m in maps]
+        perf_map = None
+        perf_map_checked = False
+        out: list[Frame] = []
+        for depth, addr in enumerate(stack):
+            self.stats["user_frames"] += 1
+            # A return address points after its call; look up the call itself.
+            lookup = addr if depth == 0 else addr - 1
+            i = bisect.bisect_right(starts, lookup) - 1
+            m = maps[i] if i >= 0 and lookup < maps[i].end else None
+            if m is not None and not _is_anonymous(m.path):
+                rel = addr - m.start + m.offset
+                name, build_id = self._module_symbol(proc, m, lookup - m.start + m.offset)
+                if name:
+                    self.stats["named"] += 1
+                out.append(Frame(m.path, build_id, rel, name))
+                continue
+            if not perf_map_checked:
+                perf_map = self._perf_maps.get(proc.pid, proc.start_ticks, proc.nspid, proc.uid)
+                perf_map_checked = True
+            name = perf_map.lookup(lookup) if perf_map is not None else None
+            if name:
+                self.stats["jit_named"] += 1
+                out.append(Frame(JIT_MODULE, "", addr, name))
+            else:
+                if m is None:
+                    self.stats["no_mapping"] += 1
+                out.append(Frame(JIT_MODULE if m else UNKNOWN_MODULE, "", addr, ""))
+        return out
+
+    def _module_symbol(self, proc: Process, m: Mapping, file_offset: int) -> tuple[str, str]:
+        if m.path.startswith("["):   # [vdso], [vsyscall]: no file to read
+            return "", ""
+        key = (m.dev, m.inode, m.path) if m.inode else (proc.pid, proc.start_ticks, m.path)
+        syms = self._elf.get(key, lambda: self._open_module(proc, m))
+        if syms is None:
+            return "", ""
+        return syms.function_at(file_offset) or "", syms.build_id
+
+    def _open_module(self, proc: Process, m: Mapping) -> BinaryIO:
+        candidates = (f"{self._proc}/{proc.pid}/map_files/{m.start:x}-{m.end:x}",
+                      f"{self._proc}/{proc.pid}/root{m.path}")
+        err: OSError | None = None
+        for path in candidates:
+            try:
+                f = open(path, "rb")
+            except OSError as e:
+                err = e
+                continue
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MODULE_BYTES:
+                f.close()
+                raise OSError(f"{m.path}: {size} bytes is over the cap of {MAX_MODULE_BYTES}")
+            return f
+        assert err is not None
+        raise err

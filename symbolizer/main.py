@@ -1,0 +1,214 @@
+"""A symbolizer worker: stack batches in, one gzip pprof per service per window out.
+
+Owns: the stage's command line and loop: receive StackBatch messages on its
+own socket, resolve frames (frames.py), label samples, sum them into windows
+(window.py), and when a window closes build its profiles (profile.py) and push
+them to the uploader. On SIGTERM it closes every open window, the one in
+progress included, so a clean stop loses nothing.
+
+Must not: load BPF, write outside its state directory, or talk to the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import zmq
+
+from ebpfprofiler.shared import config as config_mod
+from ebpfprofiler.shared import endpoints, identity
+from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode, encode
+from ebpfprofiler.symbolizer import profile as profile_mod
+from ebpfprofiler.symbolizer.elf import ElfCache
+from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
+from ebpfprofiler.symbolizer.perfmap import PerfMapCache
+from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
+
+# Batches from the collector's last drain of a window arrive within about a
+# drain interval after it ends; windows close this long after their end.
+WINDOW_GRACE_S = 2.5
+# How long the loop waits for a batch before checking for windows to close.
+POLL_MS = 250
+# Profiles queued for the uploader before the worker blocks (backpressure).
+PROFILE_QUEUE = 256
+# Batches queued in the socket before the collector's sends fail (it counts them).
+BATCH_QUEUE = 64
+
+log = logging.getLogger("ebpfprofiler.symbolizer")
+
+
+def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Symbolizer worker of ebpfprofiler: receives stack batches from the collector, "
+                    "names frames (ELF symbols and build ids, /proc/kallsyms names, "
+                    "/tmp/perf-<pid>.map for JIT code), and builds one gzip pprof per service per "
+                    "upload window, which it hands to the uploader. Needs no privileges.")
+    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
+    p.add_argument("--worker", type=int, default=0, help="this worker's index, 0-based (default: 0)")
+    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
+                   help="runtime directory holding the stages' sockets (default: %(default)s)")
+    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
+                   help="state directory: the per-host secret for pid labels (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+class Worker:
+    def __init__(self, cfg: config_mod.ProfilerConfig, worker: int, run_dir: str, state_dir: str) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
+        self.resolver = FrameResolver(ElfCache(), PerfMapCache())
+        self.windows = Windows(cfg.upload_interval_s)
+        self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1}
+        ctx = zmq.Context.instance()
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+        self.inbox.setsockopt(zmq.RCVHWM, BATCH_QUEUE)
+        self.inbox.bind(endpoints.symbolizer(run_dir, worker))
+        self.outbox = ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDHWM, PROFILE_QUEUE)
+        self.outbox.setsockopt(zmq.LINGER, 10_000)
+        self.outbox.connect(endpoints.uploader(run_dir))
+        self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0}
+        self._labels: dict[tuple[int, int], tuple[tuple[str, str], ...]] = {}
+
+    # ------------------------------------------------------------ input
+
+    def handle(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames)
+            if not isinstance(msg, StackBatch):
+                raise WireError(f"a symbolizer takes stack batches, not {type(msg).__name__}")
+        except WireError as e:
+            self.stats["bad_messages"] += 1
+            log.warning("dropped a malformed message (%d so far): %s", self.stats["bad_messages"], e)
+            return
+        self.stats["batches"] += 1
+        if msg.lost:
+            self.stats["lost_in_kernel"] += sum(msg.lost.values())
+        self.add_batch(msg)
+
+    def add_batch(self, batch: StackBatch) -> None:
+        procs = {p.pid: p for p in batch.processes}
+        # One resolution per distinct (process, stack) of the batch.
+        user_frames: dict[tuple[int, int], tuple[Frame, ...]] = {}
+        kernel_frames: dict[int, tuple[Frame, ...]] = {}
+        for s in batch.samples:
+            proc = procs.get(s.pid)
+            if proc is None:
+                self.stats["bad_messages"] += 1
+                continue
+            frames: tuple[Frame, ...] = ()
+            if s.kernel_stack >= 0:
+                kf = kernel_frames.get(s.kernel_stack)
+                if kf is None:
+                    kf = kernel_frames[s.kernel_stack] = tuple(
+                        self.resolver.kernel(batch.kernel_stacks[s.kernel_stack], batch.kernel_symbols))
+                frames += kf
+            if s.user_stack >= 0:
+                key = (s.pid, s.user_stack)
+                uf = user_frames.get(key)
+                if uf is None:
+                    uf = user_frames[key] = tuple(self.resolver.user(proc, batch.user_stacks[s.user_stack]))
+                frames += uf
+            window = self.windows.service(batch.profile_type, batch.time_ns, proc.service)
+            window.add(self.labels(batch.host, proc), frames, s.count, s.value)
+            self.stats["samples"] += s.count
+
+    def labels(self, host: str, p: Process) -> tuple[tuple[str, str], ...]:
+        key = (p.pid, p.start_ticks)
+        got = self._labels.get(key)
+        if got is None:
+            pid = str(p.pid) if self.cfg.plain_pid else identity.pid_label(self.secret, p.pid, p.start_ticks)
+            pairs = [("host", host)]
+            if p.container_id:
+                pairs.append(("container", p.container_id))
+            if p.pod_uid:
+                pairs.append(("k8s.pod", p.pod_uid))
+            pairs.append(("process.executable", p.executable or f"[{p.comm}]"))
+            pairs.append(("pid", pid))
+            if p.cmdline is not None and not self.cfg.strip_process_args:
+                pairs.append(("process.command_line", " ".join(p.cmdline)))
+            got = tuple(pairs)
+            if len(self._labels) >= 65536:   # bounded: labels are cheap to rebuild
+                self._labels.clear()
+            self._labels[key] = got
+        return got
+
+    # ------------------------------------------------------------ output
+
+    def flush(self, closed: list[ClosedWindow]) -> None:
+        for w in closed:
+            gz, n = profile_mod.build(w, self.period[w.profile_type])
+            upload = ProfileUpload(
+                profile_id=str(uuid.uuid4()), host=os.uname().nodename, service=w.service,
+                profile_type=w.profile_type, window_start_ns=w.start_ns, window_end_ns=w.end_ns,
+                samples=n, pprof_gz=gz)
+            # Blocks when the uploader is this far behind: backpressure, not growth.
+            self.outbox.send_multipart(encode(upload))
+            self.stats["profiles"] += 1
+            if w.data.truncated:
+                log.warning("service %s window %d: %d samples summed into [truncated] (row cap)",
+                            w.service, w.start_ns, w.data.truncated)
+            log.info("profile %s of service %s: %d samples, %d bytes", w.profile_type, w.service,
+                     sum(r[0] for r in w.data.rows.values()), len(gz))
+
+    def close(self) -> None:
+        self.flush(list(self.windows.close_all()))
+        self.inbox.close()
+        self.outbox.close()   # lingers until queued profiles reach the uploader
+        log.info("symbolizer worker %d stopped: %s, frames %s", self.worker, self.stats, self.resolver.stats)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer") -> int:
+    args = parse_args(argv, prog)
+    log_mod.setup(f"symbolizer-{args.worker}")
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if not 0 <= args.worker < cfg.symbolizer_workers:
+        print(f"{prog}: --worker {args.worker} is outside 0..{cfg.symbolizer_workers - 1} "
+              f"(symbolizer_workers: {cfg.symbolizer_workers})", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    os.makedirs(args.run_dir, exist_ok=True)
+    worker = Worker(cfg, args.worker, args.run_dir, args.state_dir)
+    ready = endpoints.ready_file(args.run_dir, f"symbolizer-{args.worker}")
+    with open(ready, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    log.info("symbolizer worker %d ready: windows of %d s", args.worker, cfg.upload_interval_s)
+    grace_ns = int(WINDOW_GRACE_S * 1e9)
+    try:
+        while not stop.is_set():
+            if worker.inbox.poll(POLL_MS):
+                worker.handle(worker.inbox.recv_multipart(copy=True))
+            worker.flush(list(worker.windows.close_due(time.time_ns(), grace_ns)))
+        # The collector drains once more when it stops; take what is queued.
+        while worker.inbox.poll(0):
+            worker.handle(worker.inbox.recv_multipart())
+    finally:
+        worker.close()
+        try:
+            os.unlink(ready)
+        except FileNotFoundError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

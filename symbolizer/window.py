@@ -1,0 +1,89 @@
+"""Per-service aggregation windows of one symbolizer worker.
+
+Owns: which upload window a batch belongs to (wall-clock aligned windows of
+upload_interval_s), the per (profile type, window, service) sum of samples by
+(labels, frames), its size bound, and handing closed windows out once.
+
+A batch that arrives after its window was handed out is counted into the
+oldest window still open, never into a second profile of a closed window.
+
+Must not: resolve frames or encode profiles.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
+
+# Distinct (labels, stack) rows per service per window. A service with more is
+# pathological (or hostile); further rows are summed into one truncated row.
+MAX_ROWS_PER_SERVICE_WINDOW = 100_000
+
+TRUNCATED: tuple[Hashable, ...] = ("[truncated]",)
+
+
+@dataclass
+class ServiceWindow:
+    rows: dict[tuple[Hashable, Hashable], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value]
+    truncated: int = 0
+
+    def add(self, labels: Hashable, frames: Hashable, count: int, value: int) -> None:
+        key = (labels, frames)
+        row = self.rows.get(key)
+        if row is None:
+            if len(self.rows) >= MAX_ROWS_PER_SERVICE_WINDOW:
+                self.truncated += count
+                key = (labels, TRUNCATED)
+                row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = [0, 0]
+        row[0] += count
+        row[1] += value
+
+
+@dataclass(frozen=True)
+class ClosedWindow:
+    profile_type: str
+    service: str
+    start_ns: int
+    end_ns: int
+    data: ServiceWindow
+
+
+class Windows:
+    def __init__(self, interval_s: int) -> None:
+        self.interval_ns = interval_s * 1_000_000_000
+        self._open: dict[tuple[str, int], dict[str, ServiceWindow]] = defaultdict(dict)
+        self._closed_before = 0      # windows starting before this were handed out
+        self.late_batches = 0
+
+    def window_start(self, time_ns: int) -> int:
+        start = time_ns - time_ns % self.interval_ns
+        if start < self._closed_before:
+            self.late_batches += 1
+            start = self._closed_before
+        return start
+
+    def service(self, profile_type: str, time_ns: int, service: str) -> ServiceWindow:
+        by_service = self._open[(profile_type, self.window_start(time_ns))]
+        w = by_service.get(service)
+        if w is None:
+            w = by_service[service] = ServiceWindow()
+        return w
+
+    def close_due(self, now_ns: int, grace_ns: int) -> Iterator[ClosedWindow]:
+        """Hand out every window that ended more than grace_ns ago."""
+        yield from self._close(lambda start: start + self.interval_ns + grace_ns <= now_ns)
+        current = now_ns - grace_ns
+        self._closed_before = max(self._closed_before, current - current % self.interval_ns)
+
+    def close_all(self) -> Iterator[ClosedWindow]:
+        """Hand out every open window, the one in progress included (on stop)."""
+        yield from self._close(lambda start: True)
+
+    def _close(self, due: Callable[[int], bool]) -> Iterator[ClosedWindow]:
+        for key in sorted(k for k in self._open if due(k[1])):
+            profile_type, start = key
+            for service, data in self._open.pop(key).items():
+                yield ClosedWindow(profile_type, service, start, start + self.interval_ns, data)
