@@ -1,0 +1,284 @@
+"""A reference backend: the server side of POST /v1/profiles (docs/upload-api.md).
+
+Owns: the HTTP handling of the upload API (query parameters, X-Profile-Id,
+body cap, pprof validation, status codes and JSON replies), GET /healthz, and
+the `ebpfprofiler receiver` command. make_server() is the same server for
+tests that want it in a thread.
+
+Must not: be mistaken for a production backend (no auth, no TLS, no quotas),
+or store a body that shared.pprof.read() rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+from ebpfprofiler.receiver import store
+from ebpfprofiler.shared import log as shared_log
+from ebpfprofiler.shared.pprof import PprofError, read as read_pprof
+from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, MAX_STRING
+
+STAGE = "receiver"
+UPLOAD_PATH = "/v1/profiles"
+HEALTH_PATH = "/healthz"
+
+# The largest body accepted: the same cap the wire puts on a profile.
+MAX_BODY_BYTES = MAX_PROFILE_BYTES
+# A client silent for this long mid-request is dropped, so shutdown cannot hang on it.
+REQUEST_TIMEOUT_S = 30
+# How often the serving loop checks for shutdown; bounds how long SIGTERM takes.
+SHUTDOWN_POLL_S = 0.1
+# Query parameter values are bounded like strings on the wire.
+MAX_PARAM_CHARS = MAX_STRING
+
+REQUIRED_PARAMS = ("source", "type", "service", "start", "end")
+OPTIONAL_PARAMS = ("host",)
+
+log = logging.getLogger("ebpfprofiler.receiver")
+
+
+class RequestError(Exception):
+    """A request answered with `status` and JSON {"error": message}."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ReceiverServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer that stores into `directory`; in-flight requests finish on close."""
+
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, address: tuple[str, int], directory: str) -> None:
+        self.directory = directory
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else host
+        return f"http://{host}:{port}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: ReceiverServer
+    timeout = REQUEST_TIMEOUT_S
+    server_version = "ebpfprofiler-receiver"
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == HEALTH_PATH:
+            self._send(200, b"ok", "text/plain; charset=utf-8")
+        elif path == UPLOAD_PATH:
+            self._error(405, f"{self.command} is not allowed on {path}; use POST", allow="POST")
+        else:
+            self._error(404, f"no such path: {path}")
+
+    def do_POST(self) -> None:
+        url = urlsplit(self.path)
+        if url.path != UPLOAD_PATH:
+            if url.path == HEALTH_PATH:
+                self._error(405, f"POST is not allowed on {url.path}; use GET", allow="GET")
+            else:
+                self._error(404, f"no such path: {url.path}")
+            return
+        try:
+            status, reply = self._upload(url.query)
+        except RequestError as e:
+            self._error(e.status, str(e))
+        except Exception:
+            log.exception("error handling %s %s", self.command, url.path)
+            self._error(500, "internal error")
+        else:
+            self._send(status, json.dumps(reply).encode(), "application/json")
+
+    def __getattr__(self, name: str) -> Callable[[], None]:
+        # Every other method (PUT, DELETE, HEAD, …) is refused with 405, not http.server's 501.
+        if name.startswith("do_"):
+            return self._method_not_allowed
+        raise AttributeError(name)
+
+    def _method_not_allowed(self) -> None:
+        path = urlsplit(self.path).path
+        if path in (UPLOAD_PATH, HEALTH_PATH):
+            allow = "POST" if path == UPLOAD_PATH else "GET"
+            self._error(405, f"{self.command} is not allowed on {path}; use {allow}", allow=allow)
+        else:
+            self._error(404, f"no such path: {path}")
+
+    # ------------------------------------------------------------ upload
+
+    def _upload(self, query: str) -> tuple[int, dict[str, Any]]:
+        body = self._read_body()
+        params = _params(query)
+        profile_id = self.headers.get("X-Profile-Id")
+        if profile_id is None:
+            profile_id = uuid.uuid4().hex
+        elif not store.is_valid_id(profile_id):
+            raise RequestError(400, f"X-Profile-Id {profile_id[:200]!r} is not 1 to 128 characters of [A-Za-z0-9._-]")
+        try:
+            profile = read_pprof(body)
+        except PprofError as e:
+            raise RequestError(400, str(e)) from None
+        meta = {
+            "id": profile_id,
+            **params,
+            "received_at": time.time_ns(),
+            "bytes": len(body),
+            "samples": len(profile.samples),
+        }
+        if not store.save(self.server.directory, profile_id, body, meta):
+            log.info("duplicate profile %s (service=%r type=%s): already stored", profile_id,
+                     params["service"], params["type"])
+            return 200, {"id": profile_id, "stored": False, "duplicate": True}
+        log.info("stored profile %s service=%r type=%s host=%r samples=%d bytes=%d", profile_id,
+                 params["service"], params["type"], params["host"], meta["samples"], meta["bytes"])
+        return 200, {"id": profile_id, "stored": True}
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise RequestError(411, "a Content-Length is required (chunked bodies are not accepted)")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            raise RequestError(411, "a Content-Length is required")
+        if not raw.strip().isdigit():
+            raise RequestError(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
+        length = int(raw)
+        if length > MAX_BODY_BYTES:
+            raise RequestError(413, f"body of {length} bytes is over the cap of {MAX_BODY_BYTES} bytes")
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(408, f"body not received within {REQUEST_TIMEOUT_S}s") from None
+        if len(body) != length:
+            raise RequestError(400, f"body ended after {len(body)} of {length} bytes")
+        return body
+
+    # ------------------------------------------------------------ replies
+
+    def _error(self, status: int, message: str, allow: str | None = None) -> None:
+        # A refused request's unread body would make the reply a connection reset; don't reuse it.
+        self.close_connection = True
+        headers = {"Allow": allow} if allow else {}
+        self._send(status, json.dumps({"error": message}).encode(), "application/json", headers)
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+def _params(query: str) -> dict[str, Any]:
+    """The validated query parameters: strings, except start and end (unix ns ints)."""
+    try:
+        parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False,
+                          max_num_fields=100, errors="strict")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"bad query string: {e}") from None
+    out: dict[str, Any] = {}
+    for name in REQUIRED_PARAMS + OPTIONAL_PARAMS:
+        values = parsed.get(name)
+        if values is None:
+            if name in REQUIRED_PARAMS:
+                raise RequestError(400, f"missing query parameter {name!r}")
+            out[name] = ""
+            continue
+        if len(values) != 1:
+            raise RequestError(400, f"query parameter {name!r} is given {len(values)} times")
+        value = values[0]
+        if len(value) > MAX_PARAM_CHARS:
+            raise RequestError(400, f"query parameter {name!r} is longer than {MAX_PARAM_CHARS} characters")
+        if name in REQUIRED_PARAMS and not value:
+            raise RequestError(400, f"query parameter {name!r} is empty")
+        out[name] = value
+    for name in ("start", "end"):
+        if not (out[name].isascii() and out[name].isdigit()):
+            raise RequestError(400, f"query parameter {name!r} = {out[name][:40]!r} is not unix nanoseconds")
+        out[name] = int(out[name])
+    if out["end"] < out["start"]:
+        raise RequestError(400, f"end {out['end']} is before start {out['start']}")
+    return out
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) → (host, port); port 0 picks a free port."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8080; port 0 picks one)")
+    return host.strip("[]"), int(port)
+
+
+def make_server(listen: str, directory: str) -> ReceiverServer:
+    """A bound (not yet serving) receiver; call serve_forever(), then shutdown() and server_close()."""
+    os.makedirs(directory, exist_ok=True)
+    return ReceiverServer(parse_listen(listen), directory)
+
+
+def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=("A reference profile backend for tests and local demos: accepts "
+                     "POST /v1/profiles (see docs/upload-api.md), checks each body is a valid gzip "
+                     "pprof and stores it as DIR/<id>.pb.gz with DIR/<id>.json metadata. "
+                     "GET /healthz answers ok. No auth, no TLS."),
+    )
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", type=str,
+                   help="address to listen on; port 0 picks a free one (default: %(default)s)")
+    p.add_argument("--dir", required=True, metavar="DIR", help="directory where profiles are stored")
+    args = p.parse_args(argv)
+    try:
+        parse_listen(args.listen)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--listen: {e}")
+    shared_log.setup(STAGE)
+    try:
+        server = make_server(args.listen, args.dir)
+    except OSError as e:
+        log.error("cannot listen on %s or use %s: %s", args.listen, args.dir, e)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    line = f"receiver listening on {server.url}"
+    print(line, flush=True)
+    log.info("%s; storing profiles in %s", line, args.dir)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="receiver", daemon=True)
+    thread.start()
+    stop.wait()
+    log.info("stopping")
+    server.shutdown()
+    server.server_close()
+    thread.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
