@@ -1,0 +1,195 @@
+"""`ebpfprofiler run`: profile this host with every stage, in the foreground.
+
+Owns: starting the stages (uploader, symbolizer workers, collector — in that
+order, so each one's peer is listening), waiting until each says it is ready,
+restarting a stage that dies (with backoff), and stopping them in the order
+that loses nothing: collector first (it drains once more), then the workers
+(they close their open windows), then the uploader (it delivers what it holds).
+
+Children run in their own process group, so a Ctrl-C reaches only this
+supervisor, which then stops them in order; they die with it if it is killed.
+
+Must not: do any stage's work itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ebpfprofiler.collector.main import default_bpf_dir
+from ebpfprofiler.shared import config as config_mod
+from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import log as log_mod
+
+# A stage that has not written its ready file by then is reported (the
+# collector compiles BPF at start: ~5 s here, more on a loaded host).
+READY_TIMEOUT_S = 60.0
+# How long a stopping stage may take before it is killed.
+STOP_TIMEOUT_S = 20.0
+# Restart backoff for a stage that died: doubles from the first to the cap.
+RESTART_BACKOFF_S = (1.0, 30.0)
+# A stage that ran this long before dying starts again from the first backoff.
+STABLE_RUN_S = 60.0
+
+log = logging.getLogger("ebpfprofiler.run")
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    backoff: float = RESTART_BACKOFF_S[0]
+    restart_at: float | None = None
+    restarts: int = field(default=0)
+
+
+def _child_setup() -> None:
+    os.setpgid(0, 0)   # Ctrl-C goes to the supervisor only
+    try:
+        import prctl  # type: ignore[import-not-found]
+        prctl.set_pdeathsig(signal.SIGTERM)
+    except ImportError:
+        pass
+
+
+def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Profile this host now: starts the collector, symbolizer_workers symbolizer "
+                    "workers and the uploader in the foreground, prints where profiles go, "
+                    "restarts a stage that dies, and stops them all cleanly on Ctrl-C or SIGTERM. "
+                    "With endpoint \"\" in the config, profiles are written under local_dir "
+                    "(one directory per service); open one with `go tool pprof -http=:8080 FILE`.")
+    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
+    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
+                   help="runtime directory for the stages' sockets (default: %(default)s)")
+    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
+                   help="state directory (default: %(default)s)")
+    p.add_argument("--bpf-dir", default=default_bpf_dir(), help="BPF programs (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> list[Stage]:
+    py = [sys.executable, "-m"]
+    common = ["--config", args.config, "--run-dir", args.run_dir]
+    out = [Stage("uploader", py + ["ebpfprofiler.uploader.main"] + common)]
+    for w in range(cfg.symbolizer_workers):
+        out.append(Stage(f"symbolizer-{w}", py + ["ebpfprofiler.symbolizer.main"] + common +
+                         ["--worker", str(w), "--state-dir", args.state_dir]))
+    out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", args.bpf_dir]))
+    return out
+
+
+def start(stage: Stage) -> None:
+    try:
+        os.unlink(endpoints.ready_file(run_dir_of(stage), stage.name))
+    except FileNotFoundError:
+        pass
+    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup)
+    stage.started = time.monotonic()
+    stage.restart_at = None
+    log.info("started %s (pid %d)", stage.name, stage.proc.pid)
+
+
+def run_dir_of(stage: Stage) -> str:
+    return stage.argv[stage.argv.index("--run-dir") + 1]
+
+
+def wait_ready(stage: Stage, stop: threading.Event) -> bool:
+    path = endpoints.ready_file(run_dir_of(stage), stage.name)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and not stop.is_set():
+        if os.path.exists(path):
+            return True
+        if stage.proc is None or stage.proc.poll() is not None:
+            return False
+        stop.wait(0.05)
+    return False
+
+
+def stop_stage(stage: Stage) -> None:
+    p = stage.proc
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop within %.0f s: killing it", stage.name, STOP_TIMEOUT_S)
+        p.kill()
+        p.wait()
+    log.info("stopped %s (exit %s)", stage.name, p.returncode)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:
+    args = parse_args(argv, prog)
+    log_mod.setup("run")
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    args.config = os.path.abspath(args.config)
+    os.makedirs(args.run_dir, exist_ok=True)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: stopping every stage", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    if cfg.uploads_locally:
+        where = (f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
+                 f"look at one with: go tool pprof -http=:8080 FILE")
+    else:
+        where = f"profiles go to {cfg.endpoint.rstrip('/')}/v1/profiles every {cfg.upload_interval_s} s"
+    print(f"ebpfprofiler: {where}", flush=True)
+
+    all_stages = stages(args, cfg)
+    try:
+        for stage in all_stages:
+            start(stage)
+            if not wait_ready(stage, stop):
+                if stop.is_set():
+                    return 0
+                log.error("%s did not become ready (exit %s); see its log lines above", stage.name,
+                          stage.proc.poll() if stage.proc else None)
+                return 1
+        log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
+        while not stop.wait(0.5):
+            now = time.monotonic()
+            for stage in all_stages:
+                p = stage.proc
+                if stage.restart_at is not None:
+                    if now >= stage.restart_at:
+                        stage.restarts += 1
+                        start(stage)
+                elif p is not None and p.poll() is not None:
+                    if now - stage.started > STABLE_RUN_S:
+                        stage.backoff = RESTART_BACKOFF_S[0]
+                    log.error("%s exited with %s; restarting in %.0f s", stage.name, p.returncode, stage.backoff)
+                    stage.restart_at = now + stage.backoff
+                    stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
+        return 0
+    finally:
+        for stage in reversed(all_stages):   # collector, workers, uploader
+            stop_stage(stage)
+        print(f"ebpfprofiler: stopped; {where}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
