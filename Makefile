@@ -1,0 +1,31 @@
+# ebpfprofiler: `make setup`, `make run`, `make test`, `make bench`. Run as root.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= deploy/agent.yaml
+
+.PHONY: setup run test unit integration bench clean
+
+## setup: install everything this host needs (idempotent; Debian 12, as root)
+setup:
+	@bash deploy/setup.sh
+
+## run: profile this host with every stage in the foreground (Ctrl-C stops)
+run: setup
+	$(VENV)/bin/ebpfprofiler run --config $(CONFIG)
+
+## test: every test, unit and integration (real BPF, real processes)
+test: setup
+	$(PY) -m pytest -v tests
+
+unit: setup
+	$(PY) -m pytest -v tests/unit
+
+integration: setup
+	$(PY) -m pytest -v tests/integration
+
+## bench: speed and overhead figures into bench/results/, and a table
+bench: setup
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Host set-up for ebpfprofiler on Debian 12, as root. Idempotent: a second run
+# checks each step and does nothing that is already done (it takes ~1 s).
+#
+#   1. Debian packages: bcc (python3-bpfcc, bpfcc-tools), linux-perf, bpftool,
+#      golang-go (for `go tool pprof`), libcap-dev (python-prctl builds on it),
+#      gcc, python3-venv.
+#   2. A kernel header tree for bcc: the running kernel's if Debian has it,
+#      else Debian's newest linux-headers-amd64 linked in place, with a warning.
+#   3. tracefs mounted at /sys/kernel/tracing.
+#   4. A venv in .venv on /usr/bin/python3 with --system-site-packages (bcc is
+#      only in Debian's dist-packages), the pinned requirements, and this
+#      project installed editable (console scripts: ebpfprofiler, ...).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'setup: %s\n' "$*"; }
+warn() { printf 'setup: WARNING: %s\n' "$*" >&2; }
+die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (it installs Debian packages and mounts tracefs)"
+[ "$(uname -s)" = Linux ] || die "ebpfprofiler runs on Linux only"
+command -v apt-get >/dev/null || die "this set-up is for Debian (apt-get not found); install the equivalents of: $*"
+
+PACKAGES="python3-bpfcc bpfcc-tools linux-perf bpftool golang-go libcap-dev gcc make python3-venv python3-dev"
+apt_updated=0
+apt_install() {
+    if [ "$apt_updated" = 0 ]; then
+        say "apt-get update"
+        apt-get update -q >/dev/null
+        apt_updated=1
+    fi
+    say "apt-get install $*"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null
+}
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+missing=""
+for p in $PACKAGES; do installed "$p" || missing="$missing $p"; done
+[ -z "$missing" ] || apt_install $missing
+
+# --- kernel headers -----------------------------------------------------------
+kver=$(uname -r)
+kdir=/lib/modules/$kver
+has_headers() { [ -e "$kdir/build/include/generated/autoconf.h" ] || [ -e "$kdir/build/include/config/auto.conf" ]; }
+if ! has_headers && apt-cache show "linux-headers-$kver" >/dev/null 2>&1; then
+    apt_install "linux-headers-$kver"
+fi
+if ! has_headers; then
+    installed linux-headers-amd64 || apt_install linux-headers-amd64
+    tree=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+    [ -n "$tree" ] || die "no kernel header tree could be installed"
+    common=${tree%-amd64}-common
+    mkdir -p "$kdir"
+    ln -sfn "$tree" "$kdir/build"
+    [ -d "$common" ] && ln -sfn "$common" "$kdir/source"
+    warn "no headers for the running kernel $kver: linked $(basename "$tree") as $kdir/build."
+    warn "BPF programs that read only helper results and tracepoint fields (all of ours) work with it;"
+    warn "install linux-headers-$kver if your distribution has it."
+fi
+case "$(readlink "$kdir/build" 2>/dev/null)" in
+    /usr/src/linux-headers-"$kver") ;;
+    /usr/src/linux-headers-*) warn "kernel headers: $kdir/build is the fallback tree $(readlink "$kdir/build"), not $kver's";;
+esac
+
+# --- tracefs ------------------------------------------------------------------
+if [ ! -e /sys/kernel/tracing/available_events ]; then
+    say "mounting tracefs at /sys/kernel/tracing"
+    mount -t tracefs tracefs /sys/kernel/tracing || die "cannot mount tracefs at /sys/kernel/tracing"
+fi
+
+# --- venv ---------------------------------------------------------------------
+VENV=.venv
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
+    say "creating $VENV (python3 -m venv --system-site-packages on /usr/bin/python3)"
+    rm -rf "$VENV"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip setuptools
+fi
+stamp=$VENV/.installed
+if [ ! -e "$stamp" ] || [ requirements.txt -nt "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    say "installing pinned requirements and the project into $VENV"
+    "$VENV/bin/pip" install -q -r requirements.txt
+    "$VENV/bin/pip" install -q --no-deps -e .
+    touch "$stamp"
+fi
+"$VENV/bin/python" -c 'import bcc, zmq, elftools, google.protobuf, requests, prctl, yaml, ebpfprofiler.cli.main' \
+    || die "the venv is incomplete; remove $VENV and run make setup again"
+go version >/dev/null || die "go is not on PATH (golang-go), needed for go tool pprof"
+say "ready: $VENV/bin/ebpfprofiler"

@@ -1,0 +1,225 @@
+"""On-CPU profiling end to end: real BPF, real workloads, real sockets, real HTTP.
+
+Given the whole pipeline (collector, two symbolizer workers, uploader) posting
+to the reference receiver, when native workloads built from source run, then
+the received cpu profiles carry their stacks, counts, names and labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+from tests.harness import Pipeline, Receiver, require_root, wait_for
+
+SAMPLE_HZ = 99
+HOT_CPU_SECONDS = 4.0
+HOT_STACK = ("main", "top", "mid", "leaf")
+
+
+@dataclass
+class Received:
+    meta: dict
+    profile: pprof.ReadProfile
+
+
+@dataclass
+class Run:
+    profiles: list[Received]
+    hot_exe: str
+    hot_pid: int
+    hot_cpu_seconds: float
+    syscall_exe: str
+    jit_exe: str
+    jit_symlink_exe: str
+    jit_symlink_pid: int
+    log: str
+
+    def samples_of(self, exe: str) -> list[pprof.ReadSample]:
+        return [s for r in self.profiles for s in r.profile.samples
+                if s.labels.get("process.executable") == exe]
+
+
+def read_received(directory: Path) -> list[Received]:
+    return [Received(m, pprof.read(Path(m["path"]).read_bytes())) for m in list_profiles(str(directory))]
+
+
+def start_workload(*argv: str, user: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True,
+                            user=user, group=user)
+
+
+@pytest.fixture(scope="module")
+def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """Given the pipeline with 2 workers and the receiver, when the workloads run, then stop all."""
+    require_root()
+    hot, syscall, jit = build("hot"), build("syscall"), build("jit")
+    work = tmp_path_factory.mktemp("oncpu")
+    # The symlinking "JIT" runs as nobody, from a directory nobody can enter,
+    # and points its perf map at a file owned by root that names its code.
+    shared_dir = Path(tempfile.mkdtemp(prefix="ebpfprofiler-test-"))
+    shared_dir.chmod(0o755)
+    jit_symlink = shared_dir / "jit_symlink"
+    shutil.copy(jit, jit_symlink)
+    stolen = shared_dir / "stolen.map"
+    receiver = Receiver(work / "received")
+    procs: list[subprocess.Popen] = []
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            sample_hz=SAMPLE_HZ, upload_interval_s=5, symbolizer_workers=2, endpoint=receiver.url,
+            local_dir=str(work / "unused")))
+        try:
+            p = start_workload(str(hot), str(HOT_CPU_SECONDS))
+            procs.append(p)
+            out, _ = p.communicate(timeout=60)
+            hot_cpu = float(out.split("=")[1])
+            hot_pid = p.pid
+
+            sc = start_workload(str(syscall), "3")
+            jt = start_workload(str(jit), "3", "own")
+            js = start_workload(str(jit_symlink), "3", "symlink", str(stolen), user=65534)
+            procs += [sc, jt, js]
+            for q in (jt, js):
+                assert q.stdout is not None
+                line = q.stdout.readline().split()
+                assert line[:1] == ["ready"], line
+            stolen.write_text(f"{line[1]} 10 stolen_name\n")
+            for q in (sc, jt, js):
+                q.communicate(timeout=60)
+                assert q.returncode == 0
+        finally:
+            code = pipeline.stop()
+        assert code == 0, pipeline.log()
+        yield Run(read_received(receiver.dir), str(hot.resolve()), hot_pid, hot_cpu,
+                  str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log())
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait()
+        receiver.stop()
+        shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def test_hot_loop_stack_is_main_top_mid_leaf(run: Run) -> None:
+    samples = run.samples_of(run.hot_exe)
+    total = sum(s.values[0] for s in samples)
+    assert total > 0, f"no samples of {run.hot_exe}; services: {[r.meta['service'] for r in run.profiles]}"
+
+    def own_frames(s: pprof.ReadSample) -> tuple[str, ...]:
+        # The workload's own frames; below main are only libc's start-up frames.
+        return tuple(f.function for f in s.frames if f.module == run.hot_exe)
+
+    exact = sum(s.values[0] for s in samples if own_frames(s) == HOT_STACK
+                and all(f.module == run.hot_exe or "libc" in f.module
+                        for f in s.frames))
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for s in samples:
+        stacks[own_frames(s)] += s.values[0]
+    assert exact / total >= 0.90, f"only {exact}/{total} on {HOT_STACK}; top stacks: {stacks.most_common(5)}"
+
+
+def test_sample_count_matches_rate_times_cpu_time(run: Run) -> None:
+    total = sum(s.values[0] for s in run.samples_of(run.hot_exe))
+    expected = SAMPLE_HZ * run.hot_cpu_seconds   # one busy thread
+    assert abs(total - expected) <= 0.15 * expected, f"{total} samples, expected {expected:.0f} ±15%"
+    cpu_ns = sum(s.values[1] for s in run.samples_of(run.hot_exe))
+    assert cpu_ns == total * (1_000_000_000 // SAMPLE_HZ)
+
+
+def test_profiles_are_per_service_and_typed(run: Run) -> None:
+    hot = [r for r in run.profiles if r.meta["service"] == run.hot_exe]
+    assert hot, "no profile for the hot workload's service"
+    for r in run.profiles:
+        assert r.meta["type"] == "cpu" and r.meta["source"] == "ebpf"
+        assert r.profile.sample_types == (("samples", "count"), ("cpu", "nanoseconds"))
+        assert r.profile.period == 1_000_000_000 // SAMPLE_HZ
+        services = {s.labels.get("container") or s.labels.get("process.executable") for s in r.profile.samples}
+        assert len({r.meta["service"]} | services) <= 2   # kernel threads are one service: [kernel]
+    # Two workers share the services, and each service's window comes from one of them.
+    windows = Counter((r.meta["service"], r.meta["start"]) for r in run.profiles)
+    assert max(windows.values()) == 1, f"a service window was split: {windows.most_common(3)}"
+
+
+def test_go_tool_pprof_reads_every_profile(run: Run) -> None:
+    assert run.profiles
+    for r in run.profiles:
+        out = subprocess.run(["go", "tool", "pprof", "-top", r.meta["path"]],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        if r.meta["service"] == run.hot_exe:
+            for fn in HOT_STACK:
+                assert fn in out.stdout, out.stdout
+
+
+def test_labels_hash_pid_and_omit_command_line_by_default(run: Run) -> None:
+    samples = run.samples_of(run.hot_exe)
+    labels = samples[0].labels
+    assert labels["host"] == os.uname().nodename
+    assert labels["process.executable"] == run.hot_exe
+    assert labels["pid"] != str(run.hot_pid) and len(str(labels["pid"])) == 16
+    assert all("process.command_line" not in s.labels for r in run.profiles for s in r.profile.samples)
+    assert len({s.labels["pid"] for s in samples}) == 1
+
+
+def test_syscall_workload_has_named_kernel_frames_under_user_frames(run: Run) -> None:
+    samples = run.samples_of(run.syscall_exe)
+    total = sum(s.values[0] for s in samples)
+    assert total > 0
+    in_kernel = [s for s in samples if any(f.module == "[kernel.kallsyms]" for f in s.frames)]
+    share = sum(s.values[0] for s in in_kernel) / total
+    assert share > 0.5, f"only {share:.0%} of the syscall workload's samples are in the kernel"
+    names: Counter[str] = Counter()
+    callers: Counter[tuple[str, ...]] = Counter()
+    for s in in_kernel:
+        kinds = ["k" if f.module == "[kernel.kallsyms]" else "u" for f in s.frames]
+        # root first: user frames, then the kernel frames above them
+        assert kinds == sorted(kinds, reverse=True), [f.function for f in s.frames]
+        callers[tuple(f.function for f in s.frames if f.module == run.syscall_exe)] += s.values[0]
+        names.update(f.function for f in s.frames if f.module == "[kernel.kallsyms]")
+    # Start-up and exit (exec, page faults before main) are in the kernel too, but rare.
+    in_read = callers[("main", "read_loop", "raw_read")]
+    assert in_read / sum(callers.values()) >= 0.9, callers.most_common(5)
+    assert all(names), "a kernel frame without a name"
+    assert names.keys() & {"ksys_read", "vfs_read", "__x64_sys_read", "read_zero", "do_syscall_64"}, names
+
+
+def test_jit_frames_named_from_perf_map(run: Run) -> None:
+    samples = run.samples_of(run.jit_exe)
+    leaves: Counter[str] = Counter()
+    for s in samples:
+        leaves[s.frames[-1].function if s.frames else ""] += s.values[0]
+    assert leaves.most_common(1)[0][0] == "jit_spin_loop", leaves
+    assert all(s.frames[-1].module == "[jit]" for s in samples if s.frames[-1].function == "jit_spin_loop")
+
+
+def test_symlinked_perf_map_is_refused(run: Run) -> None:
+    samples = run.samples_of(run.jit_symlink_exe)
+    assert samples, "the symlinking process was not profiled"
+    names = {f.function for s in samples for f in s.frames}
+    assert "stolen_name" not in names and "jit_spin_loop" not in names, names
+    refusals = [ln for ln in run.log.splitlines() if f"perf-{run.jit_symlink_pid}.map" in ln]
+    assert refusals and "symlink" in refusals[0], "the refusal was not logged"
+    assert len(refusals) == 1, f"logged {len(refusals)} times, not once"
+
+
+def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
+    progs = json.loads(subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True,
+                                      text=True, check=True).stdout or "[]")
+    assert not [p for p in progs if p.get("name") == "on_cpu_sample"]
+    perf = json.loads(subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True,
+                                     check=True).stdout or "[]")
+    ours = {p["id"] for p in progs if p.get("name") == "on_cpu_sample"}
+    assert not [e for e in perf if e.get("prog_id") in ours]

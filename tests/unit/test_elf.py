@@ -1,0 +1,443 @@
+"""ELF symbols and build ids (symbolizer/elf.py) and the parse time budget (symbolizer/limits.py).
+
+Fixtures are real binaries gcc builds from tests/fixtures/symbols.c; expected
+answers come from binutils (nm, readelf), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import threading
+import time
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from ebpfprofiler.symbolizer import elf
+from ebpfprofiler.symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
+from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
+
+FIXTURE_C = Path(__file__).parent.parent / "fixtures" / "symbols.c"
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+FUNCTIONS = ("fixture_alpha", "fixture_beta", "fixture_gamma", "fixture_local")
+
+# name -> extra gcc flags; "based_shared" gives a shared library whose offsets differ from its addresses.
+BUILDS = {
+    "pie": ["-pie", "-fPIE"],
+    "nopie": ["-no-pie", "-fno-pie"],
+    "shared": ["-shared", "-fPIC"],
+    "based_shared": ["-shared", "-fPIC", "-Wl,-Ttext-segment=0x10000"],
+    "no_build_id": ["-Wl,--build-id=none"],
+}
+
+
+@pytest.fixture(scope="session")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the ELF fixtures")
+    out = tmp_path_factory.mktemp("elf")
+    built = {}
+    for name, flags in BUILDS.items():
+        built[name] = out / name
+        subprocess.run(["gcc", "-O1", "-g0", *flags, "-o", str(built[name]), str(FIXTURE_C)], check=True)
+    built["stripped_shared"] = out / "stripped_shared"
+    subprocess.run(["strip", "--strip-all", "-o", str(built["stripped_shared"]), str(built["shared"])], check=True)
+    built["renamed_shared"] = out / "renamed_shared"  # .symtab says symtab_alpha, .dynsym still fixture_alpha
+    subprocess.run(["objcopy", "--redefine-sym", "fixture_alpha=symtab_alpha",
+                    str(built["shared"]), str(built["renamed_shared"])], check=True)
+    return built
+
+
+def run(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+def nm_functions(path: Path, dynamic: bool = False) -> dict[int, tuple[int, set[str]]]:
+    """vaddr -> (size, names) of the defined text symbols nm lists."""
+    found: dict[int, tuple[int, set[str]]] = {}
+    for line in run("nm", "-S", "--defined-only", *(["-D"] if dynamic else []), str(path)).splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in "TtWiI":
+            vaddr, size = int(parts[0], 16), int(parts[1], 16)
+            found.setdefault(vaddr, (size, set()))[1].add(parts[3].split("@")[0])
+    return found
+
+
+def vaddr_to_offset(path: Path, vaddr: int) -> int:
+    """File offset of `vaddr`, from the PT_LOAD lines of `readelf -lW`."""
+    for line in run("readelf", "-lW", str(path)).splitlines():
+        parts = line.split()
+        if parts[:1] == ["LOAD"]:
+            offset, start, filesz = int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)
+            if start <= vaddr < start + filesz:
+                return vaddr - start + offset
+    raise AssertionError(f"{vaddr:#x} is in no PT_LOAD of {path}")
+
+
+def readelf_build_id(path: Path) -> str:
+    m = re.search(r"Build ID: ([0-9a-f]+)", run("readelf", "-n", str(path)))
+    return m[1] if m else ""
+
+
+def parse(path: Path) -> ElfSymbols:
+    with open(path, "rb") as f:
+        return read_elf(f)
+
+
+# --- build ids ---------------------------------------------------------------
+
+@pytest.mark.parametrize("build", ["pie", "nopie", "shared", "based_shared"])
+def test_build_id_is_what_readelf_prints(binaries: dict[str, Path], build: str) -> None:
+    # Given a binary linked with the default GNU build id note
+    expected = readelf_build_id(binaries[build])
+    assert len(expected) == 40
+    # When it is read / Then the build id is readelf's, as lowercase hex
+    assert parse(binaries[build]).build_id == expected
+
+
+def test_binary_without_build_id_reads_with_empty_build_id(binaries: dict[str, Path]) -> None:
+    # Given a binary linked with --build-id=none
+    assert readelf_build_id(binaries["no_build_id"]) == ""
+    # When it is read / Then it parses, with build id "" and its symbols
+    symbols = parse(binaries["no_build_id"])
+    assert symbols.build_id == ""
+    (vaddr,) = [v for v, (_, names) in nm_functions(binaries["no_build_id"]).items() if "fixture_beta" in names]
+    assert symbols.function_at(vaddr_to_offset(binaries["no_build_id"], vaddr)) == "fixture_beta"
+
+
+def test_libc_build_id(binaries: dict[str, Path]) -> None:
+    # Given the system libc / When read / Then its build id is readelf's
+    assert parse(LIBC).build_id == readelf_build_id(LIBC)
+
+
+# --- function_at ---------------------------------------------------------------
+
+@pytest.mark.parametrize("build", ["pie", "nopie", "shared", "based_shared"])
+def test_function_at_resolves_every_byte_of_each_function(binaries: dict[str, Path], build: str) -> None:
+    # Given a binary and, from nm and readelf, the file offsets of its functions
+    path = binaries[build]
+    by_name = {name: (vaddr, size) for vaddr, (size, names) in nm_functions(path).items() for name in names}
+    symbols = parse(path)
+    for name in FUNCTIONS:
+        vaddr, size = by_name[name]
+        assert size > 0
+        # When first, middle and last byte are looked up / Then each is the function
+        for inside in (vaddr, vaddr + size // 2, vaddr + size - 1):
+            assert symbols.function_at(vaddr_to_offset(path, inside)) == name, (name, hex(inside))
+
+
+def test_translation_uses_program_headers_not_identity(binaries: dict[str, Path]) -> None:
+    # Given builds whose text addresses differ from their file offsets
+    for build in ("nopie", "based_shared"):
+        path = binaries[build]
+        (vaddr,) = [v for v, (_, names) in nm_functions(path).items() if "fixture_gamma" in names]
+        offset = vaddr_to_offset(path, vaddr)
+        assert offset != vaddr
+        # When looked up by file offset / Then the function is found; by raw address it is not
+        assert parse(path).function_at(offset) == "fixture_gamma"
+        assert parse(path).function_at(vaddr) != "fixture_gamma"
+
+
+@pytest.mark.parametrize("build", ["pie", "nopie", "shared"])
+def test_offsets_outside_functions_are_none(binaries: dict[str, Path], build: str) -> None:
+    # Given a binary
+    path = binaries[build]
+    symbols = parse(path)
+    # When the ELF header, a negative offset or offsets past the end are looked up / Then None
+    for offset in (0, 0x10, -1, path.stat().st_size, 1 << 40):
+        assert symbols.function_at(offset) is None, offset
+
+
+def test_stripped_library_resolves_exported_functions_from_dynsym(binaries: dict[str, Path]) -> None:
+    # Given a shared library stripped of .symtab, so only .dynsym is left
+    path, full = binaries["stripped_shared"], binaries["shared"]
+    assert "fixture_local" not in {n for _, names in nm_functions(path, dynamic=True).values() for n in names}
+    by_name = {name: vaddr for vaddr, (_, names) in nm_functions(full).items() for name in names}
+    symbols = parse(path)
+    # When its functions are looked up / Then exported ones resolve, the static one does not
+    for name in ("fixture_alpha", "fixture_beta", "fixture_gamma"):
+        assert symbols.function_at(vaddr_to_offset(path, by_name[name])) == name
+    assert symbols.function_at(vaddr_to_offset(path, by_name["fixture_local"])) is None
+
+
+def test_symtab_name_is_preferred_over_dynsym(binaries: dict[str, Path]) -> None:
+    # Given a library whose .symtab and .dynsym name the same function differently
+    path = binaries["renamed_shared"]
+    (vaddr,) = [v for v, (_, names) in nm_functions(path).items() if "symtab_alpha" in names]
+    assert nm_functions(path, dynamic=True)[vaddr][1] == {"fixture_alpha"}
+    # When it is looked up / Then the .symtab name wins
+    assert parse(path).function_at(vaddr_to_offset(path, vaddr)) == "symtab_alpha"
+
+
+def test_libc_qsort(binaries: dict[str, Path]) -> None:
+    # Given libc's qsort address and its aliases, from nm -D
+    dynamic = nm_functions(LIBC, dynamic=True)
+    (vaddr,) = [v for v, (_, names) in dynamic.items() if "qsort" in names]
+    size, aliases = dynamic[vaddr]
+    symbols = parse(LIBC)
+    # When its first and last byte are looked up by file offset / Then the name is qsort or an alias
+    for inside in (vaddr, vaddr + size - 1):
+        name = symbols.function_at(vaddr_to_offset(LIBC, inside))
+        assert name in aliases and "qsort" in aliases, (name, aliases)
+
+
+# --- hostile files ---------------------------------------------------------------
+
+def scribble(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+def symtab_header_offset(data: bytes) -> int:
+    """File offset of the .symtab section header (from the ELF header, as readelf reads it)."""
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shnum, = struct.unpack_from("<H", data, 0x3C)
+    for i in range(shnum):
+        if struct.unpack_from("<I", data, shoff + i * 64 + 4)[0] == 2:  # SHT_SYMTAB
+            return shoff + i * 64
+    raise AssertionError("no .symtab")
+
+
+def hostile_files(binaries: dict[str, Path]) -> dict[str, bytes]:
+    pie = binaries["pie"].read_bytes()
+    rng = random.Random(1)
+    symtab = symtab_header_offset(pie)
+    return {
+        "empty": b"",
+        "not_elf": FIXTURE_C.read_bytes(),
+        "magic_only": b"\x7fELF",
+        "first_100_bytes": pie[:100],
+        "first_4_KiB": pie[:4096],
+        "random_after_magic": b"\x7fELF" + rng.randbytes(8192),
+        "random_after_valid_ident": b"\x7fELF\x02\x01\x01" + bytes(9) + b"\x03\x00" + rng.randbytes(8192),
+        "elf32": pie[:4] + b"\x01" + pie[5:],
+        "relocatable_type": scribble(pie, 0x10, "<H", 1),
+        "shoff_huge": scribble(pie, 0x28, "<Q", 0xFFFF_FFFF_FFFF_0000),
+        "shoff_near_end": scribble(pie, 0x28, "<Q", len(pie) - 10),
+        "shnum_max": scribble(pie, 0x3C, "<H", 0xFFFF),
+        "shnum_past_end": scribble(pie, 0x3C, "<H", 4000),
+        "phnum_max": scribble(pie, 0x38, "<H", 0xFFFF),
+        "phoff_huge": scribble(pie, 0x20, "<Q", 1 << 62),
+        "symtab_size_huge": scribble(pie, symtab + 0x20, "<Q", 1 << 40),
+        "symtab_entsize_zero": scribble(pie, symtab + 0x38, "<Q", 0),
+        "symtab_link_not_strtab": scribble(pie, symtab + 0x28, "<I", 0),
+        "symtab_link_out_of_range": scribble(pie, symtab + 0x28, "<I", 60000),
+    }
+
+
+HOSTILE = ["empty", "not_elf", "magic_only", "first_100_bytes", "first_4_KiB", "random_after_magic",
+           "random_after_valid_ident", "elf32", "relocatable_type", "shoff_huge", "shoff_near_end",
+           "shnum_max", "shnum_past_end", "phnum_max", "phoff_huge", "symtab_size_huge",
+           "symtab_entsize_zero", "symtab_link_not_strtab", "symtab_link_out_of_range"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_file_is_elf_error_quickly(binaries: dict[str, Path], tmp_path: Path, case: str) -> None:
+    # Given a malformed file
+    path = tmp_path / case
+    path.write_bytes(hostile_files(binaries)[case])
+    # When it is read / Then ElfError, and nothing else, well within a second
+    started = time.monotonic()
+    with pytest.raises(ElfError) as raised:
+        parse(path)
+    assert time.monotonic() - started < 1.0
+    assert str(raised.value)
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_file_is_skipped_logged_and_cached(binaries: dict[str, Path], tmp_path: Path, case: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # Given a malformed file behind an ElfCache
+    path = tmp_path / case
+    path.write_bytes(hostile_files(binaries)[case])
+    cache, opened = ElfCache(), []
+
+    def opener():
+        opened.append(path)
+        return open(path, "rb")
+
+    # When it is asked for twice
+    with caplog.at_level(logging.WARNING, logger=elf.__name__):
+        first = cache.get(("dev", case), opener)
+        second = cache.get(("dev", case), opener)
+    # Then it is None both times, opened once, counted once and logged once with key and reason
+    assert first is None and second is None
+    assert len(opened) == 1
+    assert cache.stats["skipped"] == 1 and cache.stats["parsed"] == 0 and cache.stats["hits"] == 1
+    warnings = [r for r in caplog.records if r.name == elf.__name__]
+    assert len(warnings) == 1 and case in warnings[0].getMessage()
+
+
+def test_randomly_corrupted_binaries_never_raise_anything_but_elf_error(binaries: dict[str, Path]) -> None:
+    # Given 300 copies of a real binary with a few random bytes overwritten, mostly in the headers
+    pie = binaries["pie"].read_bytes()
+    shoff, = struct.unpack_from("<Q", pie, 0x28)
+    rng = random.Random(7)
+    started = time.monotonic()
+    outcomes = {"parsed": 0, "error": 0}
+    for _ in range(300):
+        data = bytearray(pie)
+        for _ in range(rng.randint(1, 8)):
+            where = rng.choice((rng.randrange(0x40), rng.randrange(0x40, 0x400), rng.randrange(shoff, len(pie)),
+                                rng.randrange(len(pie))))
+            data[where] = rng.randrange(256)
+        # When each is read / Then it parses or is ElfError; anything else fails the test
+        try:
+            read_elf(BytesIO(bytes(data)))
+            outcomes["parsed"] += 1
+        except ElfError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 0
+    assert time.monotonic() - started < 10.0
+
+
+def test_parse_over_budget_is_elf_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a budget far below what parsing libc takes
+    monkeypatch.setattr(elf, "ELF_PARSE_SECONDS", 1e-4)
+    # When libc is read / Then ElfError says it took too long
+    with pytest.raises(ElfError, match="took longer than"):
+        parse(LIBC)
+
+
+def test_file_larger_than_cap_is_elf_error(tmp_path: Path) -> None:
+    # Given a sparse file one byte over MAX_FILE_BYTES that starts like our binaries
+    path = tmp_path / "huge"
+    with open(path, "wb") as f:
+        f.write(LIBC.read_bytes()[:4096])
+        f.truncate(elf.MAX_FILE_BYTES + 1)
+    # When it is read / Then ElfError names the size, without reading it
+    with pytest.raises(ElfError, match="larger than"):
+        parse(path)
+
+
+# --- ElfCache --------------------------------------------------------------------
+
+def test_cache_hit_does_not_open_again(binaries: dict[str, Path]) -> None:
+    # Given an ElfCache that has read a binary once
+    cache, opened = ElfCache(), []
+
+    def opener():
+        opened.append(1)
+        return open(binaries["pie"], "rb")
+
+    first = cache.get("pie", opener)
+    # When the same key is asked for again / Then the same symbols come back without opening the file
+    assert cache.get("pie", opener) is first
+    assert first is not None and first.build_id == readelf_build_id(binaries["pie"])
+    assert len(opened) == 1
+    assert cache.stats["parsed"] == 1 and cache.stats["hits"] == 1
+
+
+def test_cache_is_a_bounded_lru(binaries: dict[str, Path]) -> None:
+    # Given a cache of two entries holding a and b, with a used last
+    cache = ElfCache(max_entries=2)
+    opens: list[str] = []
+
+    def opener(name: str):
+        def open_it():
+            opens.append(name)
+            return open(binaries[name], "rb")
+        return open_it
+
+    cache.get("pie", opener("pie"))
+    cache.get("nopie", opener("nopie"))
+    cache.get("pie", opener("pie"))
+    # When a third key is added
+    cache.get("shared", opener("shared"))
+    # Then the least recently used (nopie) was evicted, pie was kept
+    assert cache.stats["evicted"] == 1
+    cache.get("pie", opener("pie"))
+    cache.get("nopie", opener("nopie"))
+    assert opens == ["pie", "nopie", "shared", "nopie"]
+
+
+def test_unreadable_file_is_retried_after_a_while(binaries: dict[str, Path]) -> None:
+    # Given an opener that fails the first time (the fd went away), then works
+    cache, calls = ElfCache(), []
+
+    def opener():
+        calls.append(1)
+        if len(calls) == 1:
+            raise PermissionError("denied")
+        return open(binaries["pie"], "rb")
+
+    # When asked at t=0, t=1 and after UNREADABLE_RETRY_S
+    assert cache.get("k", opener, now=0.0) is None
+    assert cache.get("k", opener, now=1.0) is None
+    later = cache.get("k", opener, now=elf.UNREADABLE_RETRY_S + 1)
+    # Then it is counted unreadable once, not retried at once, and read after the wait
+    assert cache.stats["unreadable"] == 1 and cache.stats["skipped"] == 0
+    assert len(calls) == 2
+    assert later is not None and later.function_at(0) is None
+
+
+# --- time_budget ---------------------------------------------------------------
+
+def test_time_budget_interrupts_a_long_block_and_restores_the_handler() -> None:
+    # Given a handler already installed for SIGALRM
+    def previous(signum, frame):
+        pass
+    old = signal.signal(signal.SIGALRM, previous)
+    try:
+        # When a busy loop runs under a 50 ms budget
+        started = time.monotonic()
+        with pytest.raises(BudgetExceeded):
+            with time_budget(0.05):
+                while True:
+                    pass
+        # Then it is interrupted promptly, the handler is back and no timer is left
+        assert time.monotonic() - started < 1.0
+        assert signal.getsignal(signal.SIGALRM) is previous
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_time_budget_restores_an_outer_timer() -> None:
+    # Given an outer 30 s timer / When a short block runs under its own budget
+    old = signal.signal(signal.SIGALRM, lambda s, f: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        with time_budget(5.0):
+            pass
+        # Then the outer timer is still pending with about its remaining time
+        assert 29.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_time_budget_outside_main_thread_runs_without_budget() -> None:
+    # Given a worker thread / When it runs a block longer than its budget
+    result: list[str] = []
+
+    def work():
+        with time_budget(0.01):
+            time.sleep(0.05)
+        result.append("done")
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    # Then the block completes and no timer was set
+    assert result == ["done"]
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_long_symbol_names_are_cut_to_the_cap(binaries: dict[str, Path], tmp_path: Path) -> None:
+    # Given a library whose .symtab names fixture_beta with 3000 characters
+    long_name = "n" * 3000
+    path = tmp_path / "long_name.so"
+    subprocess.run(["objcopy", f"--redefine-sym=fixture_beta={long_name}", str(binaries["shared"]), str(path)],
+                   check=True)
+    (vaddr,) = [v for v, (_, names) in nm_functions(path).items() if long_name in names]
+    # When it is looked up / Then the name is cut to MAX_SYMBOL_NAME_BYTES
+    assert parse(path).function_at(vaddr_to_offset(path, vaddr)) == long_name[:elf.MAX_SYMBOL_NAME_BYTES]

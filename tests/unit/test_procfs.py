@@ -1,0 +1,87 @@
+"""/proc parsing on recorded files: executable mappings, container and pod identity."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ebpfprofiler.collector import procfs
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "proc"
+
+
+def test_recorded_maps_keep_executable_mappings_only() -> None:
+    maps = procfs.parse_maps((FIXTURES / "python3.11.maps").read_text())
+    text = (FIXTURES / "python3.11.maps").read_text().splitlines()
+    assert len(maps) == sum(1 for ln in text if ln.split()[1][2] == "x")
+    exe = maps[0]
+    assert (exe.start, exe.end, exe.offset, exe.path) == (0x41F000, 0x6D2000, 0x1F000, "/usr/bin/python3.11")
+    assert exe.dev == "fe:00" and exe.inode == 260811
+    assert [m.start for m in maps] == sorted(m.start for m in maps)
+    assert any(m.path == "[vdso]" for m in maps)
+
+
+def cgroup_cases() -> list[tuple[str, str, str]]:
+    cases, cur = [], None
+    for line in (FIXTURES / "cgroups.txt").read_text().splitlines():
+        if line.startswith("## expect"):
+            _, _, cid, pod = line.split()
+            cur = [cid.strip("-"), pod.strip("-"), ""]
+            cases.append(cur)
+        elif cur is not None and not line.startswith("#"):
+            cur[2] += line + "\n"
+    return [(text, cid, pod) for cid, pod, text in cases]
+
+
+@pytest.mark.parametrize("text, container, pod", cgroup_cases())
+def test_container_and_pod_from_recorded_cgroups(text: str, container: str, pod: str) -> None:
+    ident = procfs.parse_cgroup(text)
+    assert (ident.container_id, ident.pod_uid) == (container, pod)
+
+
+def test_stat_with_spaces_and_parens_in_comm() -> None:
+    line = "42 (a b) c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 777 1000 10"
+    assert procfs.parse_stat(line) == ("a b) c)", 777)
+
+
+def test_this_process_is_read_whole() -> None:
+    # given this very process, when read, then identity and mappings are right
+    table = procfs.ProcessTable(with_cmdline=True)
+    p = table.get(os.getpid())
+    assert p is not None and p.pid == os.getpid() and p.uid == os.getuid()
+    assert p.executable == os.path.realpath(f"/proc/{os.getpid()}/exe")
+    assert p.service == (p.container_id or p.executable)
+    assert p.cmdline and "python" in p.cmdline[0]
+    assert any(m.path == p.executable for m in p.mappings)
+    # a look with covered addresses does not re-read maps; an uncovered one does
+    reads = table.stats["maps_read"]
+    table.get(os.getpid(), [p.mappings[0].start])
+    assert table.stats["maps_read"] == reads
+    table.get(os.getpid(), [1])
+    assert table.stats["maps_read"] == reads + 1
+
+
+def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
+    # given a fake /proc where pid 5 is replaced by a process with another start time
+    proc = tmp_path / "proc"
+    (proc / "5").mkdir(parents=True)
+
+    def write(start: int, exe: str) -> None:
+        (proc / "5" / "stat").write_text(f"5 (x) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
+        (proc / "5" / "status").write_text("Uid:\t7\t7\t7\t7\nNSpid:\t5\n")
+        (proc / "5" / "cgroup").write_text("0::/\n")
+        (proc / "5" / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 {exe}\n")
+        link = proc / "5" / "exe"
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(exe)
+
+    write(100, "/bin/one")
+    table = procfs.ProcessTable(with_cmdline=False, proc=str(proc))
+    first = table.get(5)
+    write(200, "/bin/two")
+    second = table.get(5)
+    assert first and second and first.executable == "/bin/one" and second.executable == "/bin/two"
+    assert second.start_ticks == 200 and second.mappings[0].path == "/bin/two"

@@ -1,0 +1,234 @@
+"""The reference receiver, run as `ebpfprofiler receiver` and driven over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from ebpfprofiler.receiver.server import MAX_BODY_BYTES
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared.pprof import ProfileBuilder
+
+START_TIMEOUT_S = 15
+HTTP_TIMEOUT_S = 10
+START_NS = 1_700_000_000_000_000_000
+END_NS = START_NS + 60_000_000_000
+
+
+@dataclass
+class Receiver:
+    proc: subprocess.Popen[bytes]
+    url: str
+    dir: Path
+    host: str
+    port: int
+
+
+def start_receiver(tmp_path: Path) -> Receiver:
+    store_dir = tmp_path / "store"
+    with open(tmp_path / "receiver.err", "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", "127.0.0.1:0",
+             "--dir", str(store_dir)],
+            stdout=subprocess.PIPE, stderr=err,
+        )
+    line = b""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)   # type: ignore[arg-type]
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            if sel.select(timeout=deadline - time.monotonic()):
+                chunk = os.read(proc.stdout.fileno(), 4096)   # type: ignore[union-attr]
+                if not chunk:
+                    break
+                line += chunk
+    text = line.decode()
+    prefix = "receiver listening on http://127.0.0.1:"
+    if not text.startswith(prefix) or text.count("\n") != 1:
+        stop(proc)
+        raise AssertionError(f"receiver did not announce itself: {text!r}; stderr: "
+                             f"{(tmp_path / 'receiver.err').read_text()}")
+    port = int(text[len(prefix):].strip())
+    return Receiver(proc, f"http://127.0.0.1:{port}", store_dir, "127.0.0.1", port)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
+    return proc.returncode
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    r = start_receiver(tmp_path)
+    try:
+        yield r
+    finally:
+        stop(r.proc)
+
+
+def profile_bytes(n_samples: int = 2) -> bytes:
+    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
+                       period=52_631_578, time_ns=START_NS, duration_ns=END_NS - START_NS)
+    m = b.mapping("main", "/usr/bin/python3.11", "abcdef")
+    for i in range(n_samples):
+        loc = b.location(i, m, 0x1000 + i, [b.function(f"fn{i}")])
+        b.sample([loc], [1, 52_631_578], {"pid": 42})
+    return b.gzipped()
+
+
+def params(**changes: object) -> dict[str, object]:
+    p: dict[str, object] = {"source": "ebpf", "type": "cpu", "service": "/usr/bin/python3.11",
+                            "host": "web-1", "start": START_NS, "end": END_NS}
+    p.update(changes)
+    return {k: v for k, v in p.items() if v is not None}
+
+
+def post(r: Receiver, body: bytes, profile_id: str | None = "p-1", **changes: object) -> requests.Response:
+    headers = {"Content-Type": "application/octet-stream"}
+    if profile_id is not None:
+        headers["X-Profile-Id"] = profile_id
+    return requests.post(f"{r.url}/v1/profiles", params=params(**changes), data=body, headers=headers,
+                         timeout=HTTP_TIMEOUT_S)
+
+
+def test_a_valid_profile_is_stored_with_its_metadata(receiver: Receiver) -> None:
+    # given a valid gzip pprof with 3 samples
+    body = profile_bytes(3)
+    # when it is posted with an id
+    resp = post(receiver, body, "prof-0001.a_b")
+    # then the receiver stores body and metadata under that id
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"id": "prof-0001.a_b", "stored": True}
+    assert (receiver.dir / "prof-0001.a_b.pb.gz").read_bytes() == body
+    [meta] = list_profiles(str(receiver.dir))
+    received_at = meta.pop("received_at")
+    assert abs(received_at - time.time_ns()) < 60e9
+    assert meta == {
+        "id": "prof-0001.a_b", "source": "ebpf", "type": "cpu", "service": "/usr/bin/python3.11",
+        "host": "web-1", "start": START_NS, "end": END_NS, "bytes": len(body), "samples": 3,
+        "path": str(receiver.dir / "prof-0001.a_b.pb.gz"),
+    }
+    assert json.loads((receiver.dir / "prof-0001.a_b.json").read_text())["samples"] == 3
+
+
+def test_without_an_id_the_receiver_assigns_one_and_host_is_optional(receiver: Receiver) -> None:
+    # given a profile posted without X-Profile-Id and without host
+    resp = post(receiver, profile_bytes(), profile_id=None, host=None)
+    # then it is stored under a fresh id
+    assert resp.status_code == 200, resp.text
+    [meta] = list_profiles(str(receiver.dir))
+    assert meta["id"] == resp.json()["id"] and len(meta["id"]) == 32
+    assert meta["host"] == ""
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"this is not gzip", "body is not gzip data"),
+    (gzip.compress(b"\xff\xfe garbage that is not a protobuf " * 10), "not a pprof protobuf"),
+    (gzip.compress(b""), "string_table must start with the empty string"),
+], ids=["not-gzip", "gzip-of-garbage", "gzip-of-nothing"])
+def test_an_invalid_body_is_refused_with_the_reason(receiver: Receiver, body: bytes, reason: str) -> None:
+    # when a body that is not a valid gzip pprof is posted
+    resp = post(receiver, body)
+    # then 400 says why, and nothing is stored
+    assert resp.status_code == 400
+    assert resp.headers["Content-Type"] == "application/json"
+    assert resp.json()["error"].startswith(reason), resp.json()
+    assert list_profiles(str(receiver.dir)) == []
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"source": None}, "missing query parameter 'source'"),
+    ({"type": None}, "missing query parameter 'type'"),
+    ({"service": None}, "missing query parameter 'service'"),
+    ({"start": None}, "missing query parameter 'start'"),
+    ({"end": None}, "missing query parameter 'end'"),
+    ({"service": ""}, "query parameter 'service' is empty"),
+    ({"start": "yesterday"}, "query parameter 'start' = 'yesterday' is not unix nanoseconds"),
+    ({"end": START_NS - 1}, f"end {START_NS - 1} is before start {START_NS}"),
+])
+def test_missing_or_bad_params_are_refused(receiver: Receiver, changes: dict[str, object], reason: str) -> None:
+    resp = post(receiver, profile_bytes(), **changes)
+    assert resp.status_code == 400
+    assert resp.json() == {"error": reason}
+    assert list_profiles(str(receiver.dir)) == []
+
+
+def test_an_unsafe_id_is_refused(receiver: Receiver) -> None:
+    resp = post(receiver, profile_bytes(), profile_id="../escape")
+    assert resp.status_code == 400
+    assert "X-Profile-Id" in resp.json()["error"]
+    assert list_profiles(str(receiver.dir)) == []
+    assert not (receiver.dir.parent / "escape.pb.gz").exists()
+
+
+def test_the_same_id_twice_is_stored_once(receiver: Receiver) -> None:
+    # given a profile already stored
+    first_body = profile_bytes(1)
+    assert post(receiver, first_body, "dup-1").json() == {"id": "dup-1", "stored": True}
+    # when the same id is posted again (a retry after a lost reply)
+    resp = post(receiver, profile_bytes(2), "dup-1")
+    # then it succeeds but is not stored again
+    assert resp.status_code == 200
+    assert resp.json() == {"id": "dup-1", "stored": False, "duplicate": True}
+    [meta] = list_profiles(str(receiver.dir))
+    assert meta["samples"] == 1
+    assert (receiver.dir / "dup-1.pb.gz").read_bytes() == first_body
+
+
+def test_an_oversized_or_missing_content_length_is_refused(receiver: Receiver) -> None:
+    query = "/v1/profiles?source=ebpf&type=cpu&service=s&start=1&end=2"
+    for length, status in ((str(MAX_BODY_BYTES + 1), 413), (None, 411)):
+        # given only the headers of a request, no body
+        conn = http.client.HTTPConnection(receiver.host, receiver.port, timeout=HTTP_TIMEOUT_S)
+        try:
+            conn.putrequest("POST", query)
+            if length is not None:
+                conn.putheader("Content-Length", length)
+            conn.endheaders()
+            # then the receiver refuses before reading any body
+            resp = conn.getresponse()
+            assert resp.status == status
+            assert "error" in json.loads(resp.read())
+        finally:
+            conn.close()
+
+
+def test_paths_methods_and_health(receiver: Receiver) -> None:
+    health = requests.get(f"{receiver.url}/healthz", timeout=HTTP_TIMEOUT_S)
+    assert (health.status_code, health.text) == (200, "ok")
+    unknown = requests.post(f"{receiver.url}/v2/profiles", data=b"x", timeout=HTTP_TIMEOUT_S)
+    assert unknown.status_code == 404 and "error" in unknown.json()
+    for method in ("GET", "PUT", "DELETE"):
+        resp = requests.request(method, f"{receiver.url}/v1/profiles", timeout=HTTP_TIMEOUT_S)
+        assert resp.status_code == 405 and resp.headers["Allow"] == "POST" and "error" in resp.json()
+
+
+def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
+    r = start_receiver(tmp_path)
+    try:
+        assert post(r, profile_bytes()).status_code == 200
+    finally:
+        code = stop(r.proc)
+    assert code == 0
+    assert "Traceback" not in (tmp_path / "receiver.err").read_text()

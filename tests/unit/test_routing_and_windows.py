@@ -1,0 +1,52 @@
+"""Routing of services to workers, and the windows a worker sums samples into."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ebpfprofiler.collector.routing import worker_for
+from ebpfprofiler.symbolizer import window as window_mod
+from ebpfprofiler.symbolizer.window import Windows
+
+SERVICES = [f"/usr/bin/svc{i}" for i in range(400)]
+S = 1_000_000_000
+
+
+def test_every_service_has_one_worker_and_the_load_is_spread() -> None:
+    owners = {s: worker_for(s, [0, 1, 2]) for s in SERVICES}
+    assert owners == {s: worker_for(s, [0, 1, 2]) for s in SERVICES}   # stable
+    spread = Counter(owners.values())
+    assert set(spread) == {0, 1, 2} and min(spread.values()) > len(SERVICES) / 3 * 0.7
+
+
+def test_a_missing_worker_moves_only_its_own_services_and_they_move_back() -> None:
+    before = {s: worker_for(s, [0, 1, 2]) for s in SERVICES}
+    during = {s: worker_for(s, [0, 2]) for s in SERVICES}
+    assert all(during[s] == before[s] for s in SERVICES if before[s] != 1)
+    assert all(during[s] != 1 for s in SERVICES)
+    assert {s: worker_for(s, [0, 1, 2]) for s in SERVICES} == before
+
+
+def test_batches_land_in_wall_clock_aligned_windows_and_close_after_grace() -> None:
+    w = Windows(interval_s=10)
+    w.service("cpu", 103 * S, "a").add(("l",), ("f",), 2, 20)
+    w.service("cpu", 109 * S, "a").add(("l",), ("f",), 1, 10)
+    w.service("cpu", 111 * S, "a").add(("l",), ("f",), 5, 50)
+    assert list(w.close_due(now_ns=111 * S, grace_ns=2 * S)) == []     # 100..110 + grace not over
+    closed = list(w.close_due(now_ns=112 * S, grace_ns=2 * S))
+    assert [(c.service, c.start_ns, c.end_ns, c.data.rows) for c in closed] == \
+        [("a", 100 * S, 110 * S, {(("l",), ("f",)): [3, 30]})]
+    # a batch for the closed window arrives late: it joins the open one, never reopens the old
+    w.service("cpu", 108 * S, "a").add(("l",), ("f",), 1, 10)
+    assert w.late_batches == 1
+    rest = list(w.close_all())
+    assert [(c.start_ns, c.data.rows) for c in rest] == [(110 * S, {(("l",), ("f",)): [6, 60]})]
+
+
+def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
+    monkeypatch.setattr(window_mod, "MAX_ROWS_PER_SERVICE_WINDOW", 3)
+    sw = window_mod.ServiceWindow()
+    for i in range(10):
+        sw.add(("l",), (f"f{i}",), 1, 1)
+    assert len(sw.rows) == 4 and sw.truncated == 7
+    assert sw.rows[(("l",), window_mod.TRUNCATED)] == [7, 7]

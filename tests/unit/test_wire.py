@@ -1,0 +1,75 @@
+"""Wire format: one encode, one decode; anything malformed is a WireError, never another exception."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ebpfprofiler.shared import wire
+from ebpfprofiler.shared.wire import Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
+
+
+def batch() -> StackBatch:
+    proc = Process(pid=10, start_ticks=99, uid=1000, nspid=1, comm="app", executable="/usr/bin/app",
+                   service="/usr/bin/app", container_id="c" * 64, pod_uid="p", cmdline=("app", "-x"),
+                   mappings=(Mapping(0x1000, 0x2000, 0, "/usr/bin/app", "fd:01", 42),))
+    return StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=123,
+                      processes=(proc,), user_stacks=((0x1010, 0x1020),), kernel_stacks=((0xffffffff81000000,),),
+                      samples=(Sample(10, 11, 0, 0, 3, 300), Sample(10, 12, -1, -1, 1, 100)),
+                      kernel_symbols={0xffffffff81000000: "schedule"}, lost={"counts_map_full": 2})
+
+
+def test_round_trip_of_both_messages() -> None:
+    b = batch()
+    assert wire.decode(wire.encode(b)) == b
+    up = ProfileUpload("id-1", "h", "svc", "cpu", 1, 2, 5, b"\x1f\x8b data")
+    assert wire.decode(wire.encode(up)) == up
+
+
+def mutate(frames: list[bytes], path: list, value: object) -> list[bytes]:
+    doc = json.loads(frames[0])
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return [json.dumps(doc).encode()] + frames[1:]
+
+
+@pytest.mark.parametrize("path, value", [
+    (["v"], 2),
+    (["kind"], "other"),
+    (["body", "profile_type"], "gpu"),
+    (["body", "samples", 0, 2], 5),          # user stack index out of range
+    (["body", "samples", 0, 4], -1),         # negative count
+    (["body", "samples", 0], [1, 2, 3]),
+    (["body", "processes", 0, "mappings", 0, 1], 0),   # end before start
+    (["body", "processes", 0, "pid"], "10"),
+    (["body", "user_stacks", 0], list(range(600))),    # deeper than any real stack
+    (["body", "kernel_symbols"], {"a": 1}),
+    (["body", "lost"], []),
+])
+def test_malformed_batches_are_wire_errors(path: list, value: object) -> None:
+    with pytest.raises(WireError):
+        wire.decode(mutate(wire.encode(batch()), path, value))
+
+
+def test_garbage_never_raises_anything_but_wire_error() -> None:
+    # given random and truncated inputs, when decoded, then only WireError comes out
+    rng = random.Random(7)
+    good = wire.encode(batch())[0]
+    cases = [[b""], [], [b"x"] * 3, [b"[1,2]"], [b"{}"], [b'{"v":1,"kind":"stack_batch","body":{}}']]
+    cases += [[good[: rng.randrange(len(good))]] for _ in range(200)]
+    cases += [[bytes(rng.randrange(256) for _ in range(64))] for _ in range(100)]
+    for frames in cases:
+        with pytest.raises(WireError):
+            wire.decode(frames)
+
+
+def test_oversized_profile_is_refused() -> None:
+    up = ProfileUpload("id", "h", "svc", "cpu", 1, 2, 5, b"x")
+    frames = wire.encode(up)
+    frames[1] = b"x" * (wire.MAX_PROFILE_BYTES + 1)
+    with pytest.raises(WireError, match="over the cap"):
+        wire.decode(frames)
