@@ -1,0 +1,79 @@
+"""The collector alone: it attaches to every CPU, and a stop leaves nothing of ours behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.config import ProfilerConfig, dump
+from tests.harness import PY, require_root, stop_process, wait_for
+
+
+def bpf_holdings(pid: int) -> tuple[set[int], int]:
+    """(ids of the BPF programs `pid` holds, number of perf event fds it holds)."""
+    progs, perf = set(), 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target == "anon_inode:[perf_event]":
+                perf += 1
+            elif target == "anon_inode:bpf-prog":
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                    if line.startswith("prog_id:"):
+                        progs.add(int(line.split()[1]))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return progs, perf
+
+
+def bpftool(*args: str) -> list[dict]:
+    out = subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout
+    return json.loads(out or "[]")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals) -> None:
+    # given a running collector
+    require_root()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(dump(ProfilerConfig(sample_hz=49)))
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
+                          "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("the collector to be ready",
+                 lambda: p.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
+                 timeout=90)
+        assert p.poll() is None, p.stderr.read() if p.stderr else ""
+        progs, perf_fds = bpf_holdings(p.pid)
+        # then it holds its sampling program and one perf event per CPU
+        assert progs, "no BPF program held by the collector"
+        assert perf_fds == os.cpu_count()
+        loaded = {q["id"]: q for q in bpftool("prog", "show")}
+        assert all(loaded[i]["name"] == "on_cpu_sample" for i in progs)
+        # when it is stopped
+        code = stop_process(p, sig)
+        err = p.stderr.read() if p.stderr else ""
+        # then it exits cleanly and none of its programs or perf links remain
+        assert code == 0, err
+        assert "on-CPU sampling detached" in err
+        assert not progs & {q["id"] for q in bpftool("prog", "show")}
+        assert not [e for e in bpftool("perf") if e.get("prog_id") in progs]
+        assert not os.path.exists(endpoints.ready_file(str(run_dir), "collector"))
+    finally:
+        stop_process(p, signal.SIGKILL)
+
+
+def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("modules:\n  ebpf_profiler:\n    sample_hz: fast\n")
+    out = subprocess.run([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "sample_hz = 'fast' is not allowed" in out.stderr and "Traceback" not in out.stderr

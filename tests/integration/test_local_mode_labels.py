@@ -1,0 +1,39 @@
+"""With no backend: profiles land in local_dir; plain_pid and strip_process_args: false show through."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+from tests.harness import Pipeline, require_root
+
+
+def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
+    # given the pipeline with no endpoint, plain pids and command lines on
+    require_root()
+    hot = build("hot")
+    local = tmp_path / "profiles"
+    pipeline = Pipeline(tmp_path, ProfilerConfig(
+        sample_hz=49, upload_interval_s=2, endpoint="", local_dir=str(local),
+        plain_pid=True, strip_process_args=False))
+    try:
+        # when a workload runs with arguments
+        w = subprocess.Popen([str(hot), "1.5"], stdout=subprocess.DEVNULL)
+        assert w.wait(timeout=60) == 0
+    finally:
+        assert pipeline.stop() == 0, pipeline.log()
+    # then its profiles are files under local_dir, one directory per service
+    files = sorted(local.rglob("cpu-*.pb.gz"))
+    assert files, f"nothing written under {local}: {pipeline.log()}"
+    assert f"profiles go to {local}" in pipeline.log()
+    samples = [s for f in files for s in pprof.read(f.read_bytes()).samples
+               if s.labels.get("process.executable") == str(hot.resolve())]
+    assert samples
+    # and the pid label is the plain pid, the command line is sent
+    pids = {s.labels["pid"] for s in samples}
+    cmdlines = {s.labels.get("process.command_line") for s in samples}
+    assert pids == {str(w.pid)}
+    assert cmdlines == {f"{hot} 1.5"}
+    assert all(str(f.relative_to(local)).count("/") == 1 for f in files)
