@@ -6,12 +6,31 @@ profiler's module-relative address -- to a function name; and ElfCache, a
 bounded LRU of those per file identity, in which failures are cached, logged
 once and counted.
 
-Input is untrusted: a profiled process can map any file it likes. Every read is
-bounded by a cap below, parsing runs under time_budget(ELF_PARSE_SECONDS), and
-every failure becomes ElfError. The parser is `struct` over bounded reads, not
-pyelftools, whose generic paths read C strings up to the end of the file and
-build a Python object per symbol. Only 64-bit little-endian ELF is read (x86-64
-and arm64); anything else is an ElfError.
+Input is untrusted: a profiled process can map any file it likes. pyelftools
+(ELFFile and its ELFStructs) parses the structures: the ELF header, program
+and section headers, note headers, and the layout and decoding of symbol
+entries. Its convenience paths are not safe on hostile files, so we never call
+them: get_section/iter_sections read each section name as a C string up to the
+end of the file, iter_segments builds a DynamicSegment that walks every
+section, num_sections/num_segments follow extended numbering to sizes the file
+claims, iter_notes reads a note at whatever size it claims, and iter_symbols
+reads names the same way as section names and parses one construct object per
+symbol (~30 us each: for node's 185k symbols, longer than the whole budget).
+What we do ourselves, each bounded by a cap below:
+- the byte reads: ELFFile's constructor reads only e_ident and the fixed-size
+  header; every header field is checked (type, counts under the caps, entry
+  sizes equal to pyelftools' struct sizes, tables inside the file) before any
+  table is read, and then each table, note segment, symbol chunk and string
+  table window is one exact, bounds-checked read parsed with elffile.structs;
+- the note walk over a PT_NOTE segment read whole (under MAX_NOTE_BYTES),
+  honouring its 4- or 8-byte alignment, with Elf_Nhdr decoding each header;
+- symbol entries in bulk, by a struct.Struct laid out from pyelftools' Elf_Sym
+  fields, with pyelftools decoding each distinct st_info/st_shndx value once;
+- symbol names, through a bounded window on the string table, cut to
+  MAX_SYMBOL_NAME_BYTES.
+Parsing runs under time_budget(ELF_PARSE_SECONDS) and every failure becomes
+ElfError. Only 64-bit little-endian ELF is read (x86-64 and arm64); anything
+else is an ElfError.
 
 Must not: open files by path, follow anything outside the file object it is
 given (debuglink, build-id directories, DWARF links), or read a whole file into
@@ -29,7 +48,11 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Hashable
+from operator import itemgetter
+from typing import Any, BinaryIO, Callable, Hashable
+
+from elftools.construct.core import Construct, FormatField
+from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
@@ -62,18 +85,9 @@ UNREADABLE_RETRY_S = 60.0
 _SYM_CHUNK = 4096        # symbol entries per read
 _STRTAB_WINDOW = 64 << 10  # string table bytes per read; must be >= MAX_SYMBOL_NAME_BYTES
 
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_PHDR = struct.Struct("<IIQQQQQQ")    # type flags offset vaddr paddr filesz memsz align
-_SHDR = struct.Struct("<IIQQQQIIQQ")  # name type flags addr offset size link info addralign entsize
-_SYM = struct.Struct("<IBBHQQ")       # name info other shndx value size
-_NOTE = struct.Struct("<III")         # namesz descsz type
-_ELFCLASS64, _ELFDATA2LSB = 2, 1
-_ET_EXEC, _ET_DYN = 2, 3
-_PT_LOAD, _PT_NOTE = 1, 4
-_SHT_SYMTAB, _SHT_STRTAB, _SHT_DYNSYM = 2, 3, 11
-_STT_FUNC, _STT_GNU_IFUNC = 2, 10
-_NT_GNU_BUILD_ID = 3
-_BIND_RANK = {1: 0, 2: 1}  # among aliases of one address: STB_GLOBAL, then STB_WEAK, then the rest
+# Names as pyelftools decodes them. It names type 10, STT_GNU_IFUNC, by its range: STT_LOOS.
+_FUNCTION_TYPES = frozenset(("STT_FUNC", "STT_LOOS"))
+_BIND_RANK = {"STB_GLOBAL": 0, "STB_WEAK": 1}  # among aliases of one address: global, weak, then the rest
 _U64_MAX = (1 << 64) - 1
 
 
@@ -116,10 +130,21 @@ def read_elf(f: BinaryIO) -> ElfSymbols:
             return _parse(f)
     except ElfError:
         raise
-    except BudgetExceeded as e:
-        raise ElfError(str(e)) from None
-    except Exception as e:  # anything a hostile file can provoke: struct, Memory, Recursion, OS errors
-        raise ElfError(f"{type(e).__name__}: {e}"[:200]) from None
+    except Exception as e:  # anything a hostile file can provoke: construct, struct, Memory, Recursion, OS errors
+        over = _budget_exceeded(e)
+        raise ElfError(str(over) if over else f"{type(e).__name__}: {e}"[:200]) from None
+
+
+def _budget_exceeded(e: BaseException) -> BudgetExceeded | None:
+    """The BudgetExceeded behind `e`: construct re-raises whatever interrupts a field parse as a FieldError."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, BudgetExceeded):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 class ElfCache:
@@ -212,56 +237,121 @@ class _StringTable:
         return self._window[at - self._at:end - self._at].split(b"\0", 1)[0]
 
 
+class _Decoded(dict):
+    """Raw bytes -> then(what a pyelftools construct parses them to), worked out once per distinct value."""
+
+    def __init__(self, con: Construct, then: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._con, self._then = con, then
+
+    def __missing__(self, raw: bytes) -> Any:
+        value = self[raw] = self._then(self._con.parse(raw))
+        return value
+
+
+class _SymbolLayout:
+    """pyelftools' Elf_Sym as a struct.Struct, for decoding symbol tables in bulk.
+
+    The format is laid out from Elf_Sym's own fields (order, widths, byte
+    order). Fields construct decodes beyond a number (st_info's bit fields, the
+    st_shndx enum) are unpacked as raw bytes; decoded(name, then) maps those
+    to then(construct's result), parsing each distinct value once.
+    """
+
+    def __init__(self, con: Construct, little_endian: bool) -> None:
+        byte_order = "<" if little_endian else ">"
+        formats: list[str] = []
+        self.index: dict[str, int] = {}
+        self._subcons: dict[str, Construct] = {}
+        for i, sub in enumerate(con.subcons):
+            if isinstance(sub, FormatField):
+                if sub.packer.format[0] != byte_order:
+                    raise ElfError("symbol entry fields of mixed byte order")
+                formats.append(sub.packer.format[1:])
+            else:
+                formats.append(f"{sub.sizeof()}s")
+                self._subcons[sub.name] = sub
+            self.index[sub.name] = i
+        self.struct = struct.Struct(byte_order + "".join(formats))
+        if self.struct.size != con.sizeof():
+            raise ElfError("symbol entry layout does not match its size")
+
+    def decoded(self, name: str, then: Callable[[Any], Any]) -> _Decoded:
+        return _Decoded(self._subcons[name], then)
+
+
+def _table(r: _Reader, con: Construct, offset: int, count: int, entsize: int, cap: int,
+           what: str) -> list[Any]:
+    """Parse `count` entries of `con` at `offset`, after checking count, entry size and bounds."""
+    if count > cap:
+        raise ElfError(f"{count} {what}, more than {cap}")
+    if not count:
+        return []
+    size = con.sizeof()
+    if entsize != size:
+        raise ElfError(f"{what}: entries of {entsize} bytes, expected {size}")
+    data = r.read(offset, count * size, what)
+    return [con.parse(data[i:i + size]) for i in range(0, len(data), size)]
+
+
 def _parse(f: BinaryIO) -> ElfSymbols:
     r = _Reader(f)
-    head = r.read(0, min(r.size, _EHDR.size), "ELF header")
-    if not head.startswith(b"\x7fELF"):
+    if r.read(0, min(r.size, 4), "ELF header") != b"\x7fELF":
         raise ElfError("not an ELF file")
-    if len(head) < _EHDR.size:
-        raise ElfError("truncated ELF header")
-    if head[4] != _ELFCLASS64 or head[5] != _ELFDATA2LSB:
+    elffile = ELFFile(f)  # reads e_ident and the fixed-size header only; nothing below follows it unchecked
+    if elffile.elfclass != 64 or not elffile.little_endian:
         raise ElfError("not a 64-bit little-endian ELF file")
-    (_, e_type, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _EHDR.unpack(head)
-    if e_type not in (_ET_EXEC, _ET_DYN):
-        raise ElfError(f"ELF type {e_type} is not an executable or shared object")
-    if phnum > MAX_PROGRAM_HEADERS:
-        raise ElfError(f"{phnum} program headers, more than {MAX_PROGRAM_HEADERS}")
+    h, structs = elffile.header, elffile.structs
+    if h.e_type not in ("ET_EXEC", "ET_DYN"):
+        raise ElfError(f"ELF type {h.e_type} is not an executable or shared object")
+    # e_phnum 0xffff (PN_XNUM) is over the cap; e_shnum 0 (extended numbering, >= 65280 sections)
+    # reads as no sections, so no symbols: pyelftools would read either count from section 0.
+    if h.e_phnum > MAX_PROGRAM_HEADERS:
+        raise ElfError(f"{h.e_phnum} program headers, more than {MAX_PROGRAM_HEADERS}")
+    shnum = h.e_shnum if h.e_shoff else 0
     if shnum > MAX_SECTION_HEADERS:
         raise ElfError(f"{shnum} section headers, more than {MAX_SECTION_HEADERS}")
-    if (phnum and phentsize != _PHDR.size) or (shnum and shentsize != _SHDR.size):
-        raise ElfError("unexpected program or section header size")
+    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS,
+                   "program headers")
+    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS,
+                   "section headers")
 
-    phdrs = list(_PHDR.iter_unpack(r.read(phoff, phnum * _PHDR.size, "program headers"))) if phnum else []
-    loads = tuple(sorted((p[2], p[5], p[3]) for p in phdrs if p[0] == _PT_LOAD and p[5]))
+    segments = [p for p in phdrs if p.p_type == "PT_LOAD"]
+    loads = tuple(sorted((p.p_offset, p.p_filesz, p.p_vaddr) for p in segments if p.p_filesz))
     build_id = ""
-    for p_type, _, p_offset, _, _, p_filesz, _, p_align in phdrs:
-        if p_type == _PT_NOTE and 0 < p_filesz <= MAX_NOTE_BYTES:
-            build_id = _build_id(r.read(p_offset, p_filesz, "note segment"), 8 if p_align == 8 else 4)
+    for p in phdrs:
+        if p.p_type == "PT_NOTE" and 0 < p.p_filesz <= MAX_NOTE_BYTES:
+            notes = r.read(p.p_offset, p.p_filesz, "note segment")
+            build_id = _build_id(structs.Elf_Nhdr, notes, 8 if p.p_align == 8 else 4)
             if build_id:
                 break
 
-    # e_shnum 0 with extended numbering (>= 65280 sections) reads as no sections: no symbols.
-    shdrs = list(_SHDR.iter_unpack(r.read(shoff, shnum * _SHDR.size, "section headers"))) if shnum else []
     symbols: list[tuple[int, int, int, bytes]] = []  # (value, preference, size, name)
-    name_room = MAX_SYMBOL_NAME_TOTAL_BYTES
-    for table_rank, sh_type in enumerate((_SHT_SYMTAB, _SHT_DYNSYM)):  # .symtab names preferred
-        known = {s[0] for s in symbols}  # .dynsym repeats the global symbols of .symtab
-        for sh in shdrs:
-            if sh[1] == sh_type:
-                name_room -= _read_symbol_table(r, shdrs, sh, table_rank * 3, known, symbols, name_room)
-    return _build(build_id, loads, phdrs, symbols)
+    tables = [sh for sh in shdrs if sh.sh_type in ("SHT_SYMTAB", "SHT_DYNSYM")]
+    if tables:
+        layout = _SymbolLayout(structs.Elf_Sym, elffile.little_endian)
+        name_room = MAX_SYMBOL_NAME_TOTAL_BYTES
+        for table_rank, sh_type in enumerate(("SHT_SYMTAB", "SHT_DYNSYM")):  # .symtab names preferred
+            known = {s[0] for s in symbols}  # .dynsym repeats the global symbols of .symtab
+            for sh in tables:
+                if sh.sh_type == sh_type:
+                    name_room -= _read_symbol_table(r, layout, shdrs, sh, table_rank * 3, known, symbols,
+                                                    name_room)
+    return _build(build_id, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
 
 
-def _build_id(notes: bytes, align: int) -> str:
+def _build_id(nhdr: Construct, notes: bytes, align: int) -> str:
+    """The NT_GNU_BUILD_ID of a note segment read whole; "" if none or a note runs past its end."""
+    header = nhdr.sizeof()
     pos = 0
-    while pos + _NOTE.size <= len(notes):
-        namesz, descsz, n_type = _NOTE.unpack_from(notes, pos)
-        desc = _align_up(pos + _NOTE.size + namesz, align)
-        end = desc + descsz
+    while pos + header <= len(notes):
+        note = nhdr.parse(notes[pos:pos + header])
+        name = notes[pos + header:pos + header + note.n_namesz]
+        desc = _align_up(pos + header + note.n_namesz, align)
+        end = desc + note.n_descsz
         if end > len(notes):
             break
-        name = notes[pos + _NOTE.size:pos + _NOTE.size + namesz]
-        if n_type == _NT_GNU_BUILD_ID and name == b"GNU\0" and 0 < descsz <= MAX_BUILD_ID_BYTES:
+        if note.n_type == "NT_GNU_BUILD_ID" and name == b"GNU\0" and 0 < note.n_descsz <= MAX_BUILD_ID_BYTES:
             return notes[desc:end].hex()
         pos = _align_up(end, align)
     return ""
@@ -271,27 +361,33 @@ def _align_up(n: int, align: int) -> int:
     return (n + align - 1) & -align
 
 
-def _read_symbol_table(r: _Reader, shdrs: list[tuple[int, ...]], sh: tuple[int, ...], rank: int,
+def _read_symbol_table(r: _Reader, layout: _SymbolLayout, shdrs: list[Any], sh: Any, rank: int,
                        known: set[int], out: list[tuple[int, int, int, bytes]], name_room: int) -> int:
     """Append the function symbols of one table to `out`, except at `known` addresses;
     return the name bytes used."""
-    offset, size, link, entsize = sh[4], sh[5], sh[6], sh[9]
-    if entsize != _SYM.size:
+    entsize = layout.struct.size
+    if sh.sh_entsize != entsize:
         raise ElfError("unexpected symbol entry size")
-    if link >= len(shdrs) or shdrs[link][1] != _SHT_STRTAB:
+    if sh.sh_link >= len(shdrs) or shdrs[sh.sh_link].sh_type != "SHT_STRTAB":
         raise ElfError("symbol table without a string table")
-    r.check(offset, size, "symbol table")
-    strings = _StringTable(r, shdrs[link][4], shdrs[link][5])
+    r.check(sh.sh_offset, sh.sh_size, "symbol table")
+    strings = _StringTable(r, shdrs[sh.sh_link].sh_offset, shdrs[sh.sh_link].sh_size)
 
+    fields = itemgetter(*(layout.index[k] for k in ("st_name", "st_info", "st_shndx", "st_value", "st_size")))
+    # st_info -> preference among aliases if a function symbol, else None; st_shndx -> defined here
+    preferences = layout.decoded("st_info", lambda info: rank + _BIND_RANK.get(info.bind, 2)
+                                 if info.type in _FUNCTION_TYPES else None)
+    defined = layout.decoded("st_shndx", lambda shndx: shndx != "SHN_UNDEF")
     found: list[tuple[int, int, int, int]] = []  # (name offset, value, size, preference)
-    count, room = size // _SYM.size, MAX_SYMBOLS - len(out)
+    count, room = sh.sh_size // entsize, MAX_SYMBOLS - len(out)
     for first in range(0, count, _SYM_CHUNK):
         if len(found) >= room:
             break
-        chunk = r.read(offset + first * _SYM.size, min(_SYM_CHUNK, count - first) * _SYM.size, "symbols")
-        for st_name, info, _, shndx, value, st_size in _SYM.iter_unpack(chunk):
-            if info & 0xF in (_STT_FUNC, _STT_GNU_IFUNC) and value and shndx and st_name and value not in known:
-                found.append((st_name, value, st_size, rank + _BIND_RANK.get(info >> 4, 2)))
+        chunk = r.read(sh.sh_offset + first * entsize, min(_SYM_CHUNK, count - first) * entsize, "symbols")
+        for st_name, info, shndx, value, st_size in map(fields, layout.struct.iter_unpack(chunk)):
+            preference = preferences[info]
+            if preference is not None and value and st_name and value not in known and defined[shndx]:
+                found.append((st_name, value, st_size, preference))
     del found[room:]
 
     found.sort()  # string table order: the window reads it front to back
@@ -306,8 +402,9 @@ def _read_symbol_table(r: _Reader, shdrs: list[tuple[int, ...]], sh: tuple[int, 
     return used
 
 
-def _build(build_id: str, loads: tuple[tuple[int, int, int], ...], phdrs: list[tuple[int, ...]],
+def _build(build_id: str, loads: tuple[tuple[int, int, int], ...], segments: list[tuple[int, int]],
            symbols: list[tuple[int, int, int, bytes]]) -> ElfSymbols:
+    """`segments`: (p_vaddr, p_memsz) of each PT_LOAD."""
     symbols.sort()
     starts, ends, names = array("Q"), array("Q"), []
     for value, _, size, name in symbols:
@@ -322,6 +419,6 @@ def _build(build_id: str, loads: tuple[tuple[int, int, int], ...], phdrs: list[t
             if i + 1 < len(starts):
                 ends[i] = starts[i + 1]
             else:
-                ends[i] = next((min(p[3] + p[6], _U64_MAX) for p in phdrs
-                                if p[0] == _PT_LOAD and p[3] <= starts[i] < p[3] + p[6]), starts[i])
+                ends[i] = next((min(vaddr + memsz, _U64_MAX) for vaddr, memsz in segments
+                                if vaddr <= starts[i] < vaddr + memsz), starts[i])
     return ElfSymbols(build_id, loads, starts, ends, tuple(names))

@@ -1,7 +1,8 @@
 """ELF symbols and build ids (symbolizer/elf.py) and the parse time budget (symbolizer/limits.py).
 
 Fixtures are real binaries gcc builds from tests/fixtures/symbols.c; expected
-answers come from binutils (nm, readelf), never from the code under test.
+answers come from binutils (nm, readelf), or from pyelftools' own plain API on
+well-formed files, never from the code under test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
+from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.symbolizer import elf
 from ebpfprofiler.symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
@@ -297,6 +299,147 @@ def test_randomly_corrupted_binaries_never_raise_anything_but_elf_error(binaries
             outcomes["error"] += 1
     assert outcomes["error"] > 0
     assert time.monotonic() - started < 10.0
+
+
+# --- bounded reads -----------------------------------------------------------------
+
+# The largest single read the parser makes: the section header table at its cap (256 KiB).
+LARGEST_READ = elf.MAX_SECTION_HEADERS * 64
+
+
+class RecordingFile(BytesIO):
+    """A file that records the size of every read."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.reads: list[int | None] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads.append(size)
+        return super().read(size)
+
+
+def assert_reads_bounded(f: RecordingFile) -> None:
+    assert f.reads
+    assert all(size is not None and 0 <= size <= LARGEST_READ for size in f.reads), max(f.reads, key=str)
+
+
+def section_header_offset(data: bytes, index: int) -> int:
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    return shoff + index * 64
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def usable_files(binaries: dict[str, Path]) -> dict[str, bytes]:
+    """Malformed in ways pyelftools' convenience API would follow; each still has readable symbols."""
+    pie = binaries["pie"].read_bytes()
+    shstrndx, = struct.unpack_from("<H", pie, 0x3E)
+    # Section names are never read: point .shstrtab at 4 MiB without a NUL, appended at the end.
+    unterminated = scribble(pie, section_header_offset(pie, shstrndx) + 0x18, "<Q", len(pie))
+    unterminated = scribble(unterminated, section_header_offset(pie, shstrndx) + 0x20, "<Q", 4 << 20)
+    build_id_note = pie.index(struct.pack("<III", 4, 20, 3) + b"GNU\0")
+    return {
+        "section_names_unterminated": unterminated + b"A" * (4 << 20),
+        "build_id_descsz_huge": scribble(pie, build_id_note + 4, "<I", 0xFFFF_FFF0),
+        # e_shnum 0 means "count in section 0's sh_size": read as no sections, not as 2^64 of them.
+        "extended_section_count": scribble(scribble(pie, 0x3C, "<H", 0), section_header_offset(pie, 0) + 0x20,
+                                           "<Q", _U64_MAX),
+    }
+
+
+
+@pytest.mark.parametrize("build", ["pie", "shared", "stripped_shared"])
+def test_well_formed_binaries_are_read_in_bounded_pieces(binaries: dict[str, Path], build: str) -> None:
+    # Given a well-formed binary / When read
+    f = RecordingFile(binaries[build].read_bytes())
+    read_elf(f)
+    # Then every read asked for an explicit size no larger than the biggest table
+    assert_reads_bounded(f)
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_files_are_read_in_bounded_pieces(binaries: dict[str, Path], case: str) -> None:
+    # Given a malformed file / When read
+    f = RecordingFile(hostile_files(binaries)[case])
+    with pytest.raises(ElfError):
+        read_elf(f)
+    # Then no read was unbounded or larger than the biggest table
+    if case != "empty":
+        assert_reads_bounded(f)
+
+
+@pytest.mark.parametrize("case", ["section_names_unterminated", "build_id_descsz_huge", "extended_section_count"])
+def test_malformed_but_usable_files_parse_in_bounded_reads(binaries: dict[str, Path], case: str) -> None:
+    # Given a binary with a trap for readers that follow sizes or strings the file claims
+    data = usable_files(binaries)[case]
+    path = binaries["pie"]
+    (vaddr,) = [v for v, (_, names) in nm_functions(path).items() if "fixture_beta" in names]
+    f = RecordingFile(data)
+    # When it is read
+    started = time.monotonic()
+    symbols = read_elf(f)
+    # Then quickly, in bounded reads, touching a fraction of the file
+    assert time.monotonic() - started < 1.0
+    assert_reads_bounded(f)
+    assert sum(f.reads) < 256 << 10
+    # And what the trap does not touch is still read
+    if case == "extended_section_count":
+        assert symbols.build_id == readelf_build_id(path)
+        assert symbols.function_at(vaddr_to_offset(path, vaddr)) is None
+    else:
+        expected_id = "" if case == "build_id_descsz_huge" else readelf_build_id(path)
+        assert symbols.build_id == expected_id
+        assert symbols.function_at(vaddr_to_offset(path, vaddr)) == "fixture_beta"
+
+
+# --- agreement with pyelftools' plain API ----------------------------------------------
+
+def pyelftools_view(path: Path) -> tuple[str, dict[int, set[str]], list[tuple[int, int, int]]]:
+    """Build id, defined function symbols (vaddr -> names) and PT_LOADs, as pyelftools' plain API reads them."""
+    with open(path, "rb") as f:
+        e = ELFFile(f)
+        build_id = next((n.n_desc for seg in e.iter_segments("PT_NOTE") for n in seg.iter_notes()
+                         if n.n_type == "NT_GNU_BUILD_ID"), "")
+        functions: dict[int, set[str]] = {}
+        for section in e.iter_sections():
+            if section["sh_type"] in ("SHT_SYMTAB", "SHT_DYNSYM"):
+                for sym in section.iter_symbols():
+                    if (sym["st_info"]["type"] in ("STT_FUNC", "STT_LOOS") and sym["st_shndx"] != "SHN_UNDEF"
+                            and sym["st_value"] and sym.name):
+                        functions.setdefault(sym["st_value"], set()).add(sym.name)
+        loads = [(s["p_offset"], s["p_vaddr"], s["p_filesz"]) for s in e.iter_segments("PT_LOAD")]
+    return build_id, functions, loads
+
+
+@pytest.mark.parametrize("build", ["pie", "nopie", "shared", "based_shared", "stripped_shared", "libc"])
+def test_agrees_with_pyelftools_plain_api_on_well_formed_files(binaries: dict[str, Path], build: str) -> None:
+    # Given a well-formed binary and what pyelftools' convenience API reads from it
+    path = LIBC if build == "libc" else binaries[build]
+    build_id, functions, loads = pyelftools_view(path)
+    assert functions
+    # When it is read
+    symbols = parse(path)
+    # Then the build id is the same, and each function start resolves to one of its names there
+    assert symbols.build_id == build_id
+    for vaddr, names in functions.items():
+        (offset,) = [o + vaddr - v for o, v, size in loads if v <= vaddr < v + size]
+        assert symbols.function_at(offset) in names, (hex(vaddr), names)
+
+
+def test_budget_expiring_inside_pyelftools_is_reported_as_over_budget() -> None:
+    # Given a file whose 2-byte reads (pyelftools parsing e_type) are where the budget runs out
+    class SlowFile(BytesIO):
+        def read(self, size: int | None = -1) -> bytes:
+            if size == 2:
+                raise BudgetExceeded("took longer than 5s")
+            return super().read(size)
+
+    # When it is read / Then ElfError says it took too long, and only that, though construct wrapped it
+    with pytest.raises(ElfError) as raised:
+        read_elf(SlowFile(LIBC.read_bytes()[:4096]))
+    assert str(raised.value) == "took longer than 5s"
 
 
 def test_parse_over_budget_is_elf_error(monkeypatch: pytest.MonkeyPatch) -> None:
