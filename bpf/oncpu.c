@@ -2,48 +2,49 @@
 // sample_hz; each sample of a user task is counted in kernel under
 // (pid, tid, user stack id, kernel stack id).
 //
-// Maps are double-buffered: user space flips `active` before it drains, so it
+// Maps are double-buffered: user space flips `oncpu_active` before it drains, so it
 // reads and clears the buffer the program no longer writes. Nothing is lost
 // silently: a full counts map, or a stack the stack map cannot hold, is
-// counted in `lost` by reason.
+// counted in `oncpu_lost` by reason.
 //
-// Compiled by bcc with -DCOUNTS_ENTRIES=… -DSTACK_ENTRIES=… from the collector.
+// Compiled by bcc (with offcpu.c when off-CPU profiling is on), with
+// -DCOUNTS_ENTRIES and -DSTACK_ENTRIES from the collector.
 
 #include <uapi/linux/bpf_perf_event.h>
 
-struct sample_key {
+struct oncpu_key {
     u32 pid;
     u32 tid;
     s32 user_stack;    // stack id, or -1 (kernel thread, or not recorded)
     s32 kernel_stack;  // stack id, or -1 (sample taken in user mode, or not recorded)
 };
 
-// Indexes of `lost`; the collector names them (LOST_REASONS in collector/bpf.py).
-#define LOST_COUNTS_FULL 0
-#define LOST_USER_STACK 1
-#define LOST_KERNEL_STACK 2
-#define LOST_SLOTS 3
+// Indexes of `oncpu_lost`; the collector names them (LOST_REASONS in collector/oncpu.py).
+#define ONCPU_LOST_COUNTS_FULL 0
+#define ONCPU_LOST_USER_STACK 1
+#define ONCPU_LOST_KERNEL_STACK 2
+#define ONCPU_LOST_SLOTS 3
 
-BPF_HASH(counts_0, struct sample_key, u64, COUNTS_ENTRIES);
-BPF_HASH(counts_1, struct sample_key, u64, COUNTS_ENTRIES);
-BPF_STACK_TRACE(stacks_0, STACK_ENTRIES);
-BPF_STACK_TRACE(stacks_1, STACK_ENTRIES);
-BPF_ARRAY(active, u32, 1);
-BPF_PERCPU_ARRAY(lost, u64, LOST_SLOTS);
+BPF_HASH(oncpu_counts_0, struct oncpu_key, u64, COUNTS_ENTRIES);
+BPF_HASH(oncpu_counts_1, struct oncpu_key, u64, COUNTS_ENTRIES);
+BPF_STACK_TRACE(oncpu_stacks_0, STACK_ENTRIES);
+BPF_STACK_TRACE(oncpu_stacks_1, STACK_ENTRIES);
+BPF_ARRAY(oncpu_active, u32, 1);
+BPF_PERCPU_ARRAY(oncpu_lost, u64, ONCPU_LOST_SLOTS);
 
-static __always_inline void count_lost(int reason) {
-    u64 *n = lost.lookup(&reason);
+static __always_inline void oncpu_count_lost(int reason) {
+    u64 *n = oncpu_lost.lookup(&reason);
     if (n)
         (*n)++;
 }
 
 // -EFAULT means there is no such stack (a kernel thread has no user stack, a
 // sample in user mode no kernel stack); any other error is a stack we lost.
-static __always_inline s32 stack_or_lost(int id, int reason) {
+static __always_inline s32 oncpu_stack_or_lost(int id, int reason) {
     if (id >= 0)
         return id;
     if (id != -EFAULT)
-        count_lost(reason);
+        oncpu_count_lost(reason);
     return -1;
 }
 
@@ -54,30 +55,30 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
         return 0;
 
     u32 zero = 0;
-    u32 *buf = active.lookup(&zero);
+    u32 *buf = oncpu_active.lookup(&zero);
     if (!buf)
         return 0;
 
-    struct sample_key key = {};
+    struct oncpu_key key = {};
     key.pid = pid;
     key.tid = (u32)id;
     u64 one = 1, *n;
     if (*buf == 0) {
-        key.user_stack = stack_or_lost(stacks_0.get_stackid(&ctx->regs, BPF_F_USER_STACK), LOST_USER_STACK);
-        key.kernel_stack = stack_or_lost(stacks_0.get_stackid(&ctx->regs, 0), LOST_KERNEL_STACK);
-        n = counts_0.lookup(&key);
+        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+        key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
+        n = oncpu_counts_0.lookup(&key);
         if (n)
             __sync_fetch_and_add(n, 1);
-        else if (counts_0.update(&key, &one) != 0)
-            count_lost(LOST_COUNTS_FULL);
+        else if (oncpu_counts_0.update(&key, &one) != 0)
+            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
     } else {
-        key.user_stack = stack_or_lost(stacks_1.get_stackid(&ctx->regs, BPF_F_USER_STACK), LOST_USER_STACK);
-        key.kernel_stack = stack_or_lost(stacks_1.get_stackid(&ctx->regs, 0), LOST_KERNEL_STACK);
-        n = counts_1.lookup(&key);
+        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+        key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
+        n = oncpu_counts_1.lookup(&key);
         if (n)
             __sync_fetch_and_add(n, 1);
-        else if (counts_1.update(&key, &one) != 0)
-            count_lost(LOST_COUNTS_FULL);
+        else if (oncpu_counts_1.update(&key, &one) != 0)
+            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
     }
     return 0;
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Sequence
 
-from ebpfprofiler.collector.oncpu import RawDrain
+from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.procfs import ProcessTable
 from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.shared.wire import Process, Sample, StackBatch
@@ -22,8 +22,8 @@ UNKNOWN_SERVICE = "[unknown]"
 
 
 def _unknown(pid: int) -> Process:
-    return Process(pid=pid, start_ticks=0, uid=0, nspid=pid, comm="", executable="",
-                   service=UNKNOWN_SERVICE)
+    return Process(pid=pid, start_ticks=0, uid=0, nspid=pid, comm=UNKNOWN_SERVICE.strip("[]"),
+                   executable="", service=UNKNOWN_SERVICE)
 
 
 class _Builder:
@@ -55,11 +55,10 @@ def build_batches(
     profile_type: str,
     sample_hz: int,
     time_ns: int,
-    value_per_count: int,
     live_workers: Sequence[int],
 ) -> dict[int, StackBatch]:
     """Batches by worker index; workers with nothing to do get none."""
-    by_pid: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    by_pid: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
     for s in drain.samples:
         by_pid[s[0]].append(s)
 
@@ -69,12 +68,12 @@ def build_batches(
         proc = procs.get(pid, addresses) or _unknown(pid)
         b = builders[worker_for(proc.service, live_workers)]
         b.processes[pid] = proc
-        for pid_, tid, ustack, kstack, count in samples:
+        for pid_, tid, ustack, kstack, count, value in samples:
             b.samples.append(Sample(
                 pid=pid_, tid=tid,
                 user_stack=b.stack(ustack, drain.user_stacks, b.user, b.user_stacks),
                 kernel_stack=b.stack(kstack, drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                count=count, value=count * value_per_count,
+                count=count, value=value,
             ))
 
     # Host-wide loss counts travel once, with the lowest live worker's batch.

@@ -1,8 +1,9 @@
 """The collector stage: the one root process. Loads BPF, drains it, ships stack batches.
 
-Owns: the stage's command line, its main loop (drain every DRAIN_INTERVAL_S,
-join with /proc, route to workers, send), and a clean stop: on SIGTERM or
-SIGINT it drains once more, sends, and detaches every program and perf event.
+Owns: the stage's command line, its main loop (drain every source — on-CPU,
+and off-CPU unless offcpu: false — every DRAIN_INTERVAL_S, join with /proc,
+route to workers, send), and a clean stop: on SIGTERM or SIGINT it drains
+once more, sends, and detaches every program and perf event.
 
 Must not: parse ELF files or process memory, or talk to the network.
 """
@@ -25,10 +26,16 @@ import zmq
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared.wire import encode
+from ebpfprofiler.shared.wire import StackBatch, encode
 
 # How often BPF maps are drained into batches; the issue fixes it at one second.
 DRAIN_INTERVAL_S = 1.0
+# Distinct (pid, tid, user stack, kernel stack) keys per drain and family; a
+# 64-CPU host at 999 Hz takes ~64K samples a second, most of them repeats.
+COUNTS_ENTRIES = 40960
+# Distinct stacks per stack map; each entry is 127 x 8 bytes of kernel memory
+# (three maps when off-CPU is on: ~50 MB).
+STACK_ENTRIES = 16384
 # Batches queued per worker before new ones are dropped (and counted): a worker
 # that is this far behind is down or overloaded, and the collector must not grow.
 BATCH_QUEUE_PER_WORKER = 64
@@ -49,10 +56,11 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Root stage of ebpfprofiler: samples on-CPU stacks of every process with BPF "
-                    "(cpu-clock perf event at sample_hz on every CPU), drains the in-kernel counts "
-                    "every second and sends them, with process metadata and mappings, to the "
-                    "symbolizer workers over ZeroMQ. Stops cleanly on SIGTERM/SIGINT, detaching "
-                    "every BPF program and perf event.")
+                    "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
+                    "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
+                    "the in-kernel counts every second and sends them, with process metadata and "
+                    "mappings, to the symbolizer workers over ZeroMQ. Stops cleanly on SIGTERM/SIGINT, "
+                    "detaching every BPF program and perf event.")
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
     p.add_argument("--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs "
                    "(default: %(default)s)")
@@ -63,14 +71,24 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
 
 class Collector:
     def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str) -> None:
-        from ebpfprofiler.collector.oncpu import OnCpuSampler   # imports bcc
+        # bcc is imported here, not at the top: only this stage pays for it.
+        from ebpfprofiler.collector.offcpu import START_ENTRIES, OffCpuTracer
+        from ebpfprofiler.collector.oncpu import OnCpuSampler
         from ebpfprofiler.collector.procfs import ProcessTable
+        from ebpfprofiler.collector.programs import Programs
 
         self.cfg = cfg
         self.run_dir = run_dir
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
-        self.sampler = OnCpuSampler(bpf_dir, cfg.sample_hz)
+        families = ["oncpu"] + (["offcpu"] if cfg.offcpu else [])
+        self.programs = Programs(bpf_dir, families, {
+            "COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
+            "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000})
+        self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz)
+        self.sources: list = [self.oncpu]
+        if cfg.offcpu:
+            self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms))
         self.ctx = zmq.Context.instance()
         self.workers = list(range(cfg.symbolizer_workers))
         self.sockets: list[zmq.Socket] = []
@@ -80,39 +98,57 @@ class Collector:
             s.setsockopt(zmq.LINGER, STOP_LINGER_MS)
             s.connect(endpoints.symbolizer(run_dir, w))
             self.sockets.append(s)
-        self.totals = {"samples": 0, "batches": 0, "batches_dropped": 0, "lost": 0}
+        self.totals = {"batches": 0, "batches_dropped": 0}
+        self.samples = {src.profile_type: 0 for src in self.sources}
+        self.lost: dict[str, int] = {}
 
     def start(self) -> None:
-        self.sampler.attach()
+        self.oncpu.attach()
         _malloc_trim()   # give back what LLVM left behind after compiling
 
     def drain_once(self) -> None:
         from ebpfprofiler.collector.batcher import build_batches
 
-        raw = self.sampler.drain()
-        batches = build_batches(
-            raw, self.procs, self.sampler.ksym, host=self.host, profile_type="cpu",
-            sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(),
-            value_per_count=self.sampler.period_ns, live_workers=self.workers)
-        self.totals["samples"] += sum(s[4] for s in raw.samples)
-        self.totals["lost"] += sum(raw.lost.values())
-        if raw.lost:
-            log.warning("lost in kernel this drain: %s", raw.lost)
-        for worker, batch in batches.items():
-            try:
-                self.sockets[worker].send_multipart(encode(batch), flags=zmq.NOBLOCK)
-                self.totals["batches"] += 1
-            except zmq.Again:
-                self.totals["batches_dropped"] += 1
-                log.warning("symbolizer worker %d is not keeping up: dropped a batch of %d samples "
-                            "(%d dropped so far)", worker, sum(s.count for s in batch.samples),
-                            self.totals["batches_dropped"])
+        for src in self.sources:
+            raw = src.drain()
+            batches = build_batches(
+                raw, self.procs, _ksym, host=self.host, profile_type=src.profile_type,
+                sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(), live_workers=self.workers)
+            self.samples[src.profile_type] += sum(s[4] for s in raw.samples)
+            for reason, n in raw.lost.items():
+                key = f"{src.profile_type}.{reason}"
+                self.lost[key] = self.lost.get(key, 0) + n
+            if raw.lost:
+                log.warning("%s: lost in kernel this drain: %s (totals %s)", src.profile_type, raw.lost, self.lost)
+            for worker, batch in batches.items():
+                self.send(worker, batch)
+
+    def send(self, worker: int, batch: StackBatch) -> None:
+        try:
+            self.sockets[worker].send_multipart(encode(batch), flags=zmq.NOBLOCK)
+            self.totals["batches"] += 1
+        except zmq.Again:
+            self.totals["batches_dropped"] += 1
+            log.warning("symbolizer worker %d is not keeping up: dropped a %s batch of %d samples "
+                        "(%d batches dropped so far)", worker, batch.profile_type,
+                        sum(s.count for s in batch.samples), self.totals["batches_dropped"])
 
     def close(self) -> None:
-        self.sampler.close()
+        for src in self.sources:
+            try:
+                src.detach()
+            except Exception as e:  # what the kernel already dropped cannot be detached
+                log.warning("detaching %s: %s", src.profile_type, e)
+        self.programs.close()
         for s in self.sockets:
             s.close()
-        log.info("collector stopped: %s", self.totals)
+        log.info("collector stopped: samples %s, lost %s, %s", self.samples, self.lost or "none", self.totals)
+
+
+def _ksym(address: int) -> str:
+    """The kernel symbol containing `address` (bcc caches /proc/kallsyms)."""
+    from bcc import BPF  # type: ignore[import-not-found]
+    return BPF.ksym(address).decode("utf-8", "replace")
 
 
 def _malloc_trim() -> None:
@@ -159,8 +195,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         collector.start()
         with open(ready, "w") as f:
             f.write(f"{os.getpid()}\n")
-        log.info("collector ready: %d Hz on-CPU sampling, %d symbolizer worker(s), drain every %.1f s",
-                 cfg.sample_hz, cfg.symbolizer_workers, DRAIN_INTERVAL_S)
+        log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
+                 "drain every %.1f s", cfg.sample_hz,
+                 f"from {cfg.offcpu_min_ms} ms" if cfg.offcpu else "off", cfg.symbolizer_workers, DRAIN_INTERVAL_S)
         next_drain = time.monotonic() + DRAIN_INTERVAL_S
         while not stop.wait(max(0.0, next_drain - time.monotonic())):
             collector.drain_once()

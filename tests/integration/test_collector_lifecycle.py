@@ -37,12 +37,13 @@ def bpftool(*args: str) -> list[dict]:
     return json.loads(out or "[]")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals) -> None:
-    # given a running collector
+@pytest.mark.parametrize("sig, offcpu", [(signal.SIGTERM, True), (signal.SIGINT, False)],
+                         ids=["SIGTERM-offcpu", "SIGINT-oncpu-only"])
+def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool) -> None:
+    # given a running collector, with and without off-CPU profiling
     require_root()
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(dump(ProfilerConfig(sample_hz=49)))
+    cfg.write_text(dump(ProfilerConfig(sample_hz=49, offcpu=offcpu)))
     run_dir = tmp_path / "run"
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
                           "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
@@ -52,11 +53,15 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
                  timeout=90)
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
         progs, perf_fds = bpf_holdings(p.pid)
-        # then it holds its sampling program and one perf event per CPU
-        assert progs, "no BPF program held by the collector"
-        assert perf_fds == os.cpu_count()
+        # then it holds its sampling program, one perf event per CPU, and the
+        # sched_switch tracepoint program only when off-CPU profiling is on
         loaded = {q["id"]: q for q in bpftool("prog", "show")}
-        assert all(loaded[i]["name"] == "on_cpu_sample" for i in progs)
+        kinds = sorted((loaded[i]["type"], loaded[i]["name"]) for i in progs)
+        expected = [("perf_event", "on_cpu_sample")] + ([("tracepoint", "tracepoint__sched__sched_switch")] if offcpu else [])
+        assert kinds == sorted(expected)
+        assert perf_fds == os.cpu_count() + (1 if offcpu else 0)
+        if offcpu:
+            assert [e for e in bpftool("perf") if e.get("prog_id") in progs and e.get("tracepoint") == "sched_switch"]
         # when it is stopped
         code = stop_process(p, sig)
         err = p.stderr.read() if p.stderr else ""

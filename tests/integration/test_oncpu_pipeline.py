@@ -47,8 +47,11 @@ class Run:
     jit_symlink_pid: int
     log: str
 
+    def cpu(self) -> list[Received]:
+        return [r for r in self.profiles if r.meta["type"] == "cpu"]
+
     def samples_of(self, exe: str) -> list[pprof.ReadSample]:
-        return [s for r in self.profiles for s in r.profile.samples
+        return [s for r in self.cpu() for s in r.profile.samples
                 if s.labels.get("process.executable") == exe]
 
 
@@ -140,26 +143,33 @@ def test_sample_count_matches_rate_times_cpu_time(run: Run) -> None:
 
 
 def test_profiles_are_per_service_and_typed(run: Run) -> None:
-    hot = [r for r in run.profiles if r.meta["service"] == run.hot_exe]
-    assert hot, "no profile for the hot workload's service"
+    hot = [r for r in run.cpu() if r.meta["service"] == run.hot_exe]
+    assert hot, "no cpu profile for the hot workload's service"
+    assert {r.meta["type"] for r in run.profiles} == {"cpu", "offcpu"}   # offcpu is on by default
     for r in run.profiles:
-        assert r.meta["type"] == "cpu" and r.meta["source"] == "ebpf"
-        assert r.profile.sample_types == (("samples", "count"), ("cpu", "nanoseconds"))
-        assert r.profile.period == 1_000_000_000 // SAMPLE_HZ
-        services = {s.labels.get("container") or s.labels.get("process.executable") for s in r.profile.samples}
-        assert len({r.meta["service"]} | services) <= 2   # kernel threads are one service: [kernel]
+        assert r.meta["source"] == "ebpf"
+        kind = r.meta["type"]
+        assert r.profile.sample_types == (("samples", "count"), (kind, "nanoseconds"))
+        if kind == "cpu":
+            assert r.profile.period == 1_000_000_000 // SAMPLE_HZ
+        # every sample of a profile is of its service; kernel threads ([kworker/0:1] …) are one: [kernel]
+        for smp in r.profile.samples:
+            exe = str(smp.labels["process.executable"])
+            kernel_thread = exe.startswith("[") and exe != "[unknown]"
+            service = smp.labels.get("container") or ("[kernel]" if kernel_thread else exe)
+            assert service == r.meta["service"]
     # Two workers share the services, and each service's window comes from one of them.
-    windows = Counter((r.meta["service"], r.meta["start"]) for r in run.profiles)
+    windows = Counter((r.meta["type"], r.meta["service"], r.meta["start"]) for r in run.profiles)
     assert max(windows.values()) == 1, f"a service window was split: {windows.most_common(3)}"
 
 
 def test_go_tool_pprof_reads_every_profile(run: Run) -> None:
     assert run.profiles
-    for r in run.profiles:
+    for r in run.profiles:   # cpu and offcpu
         out = subprocess.run(["go", "tool", "pprof", "-top", r.meta["path"]],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        if r.meta["service"] == run.hot_exe:
+        if r.meta["service"] == run.hot_exe and r.meta["type"] == "cpu":
             for fn in HOT_STACK:
                 assert fn in out.stdout, out.stdout
 

@@ -1,0 +1,127 @@
+// Off-CPU time: where threads block, by stack, with blocked time only.
+//
+// sched:sched_switch runs in the context of the task switching out (prev).
+// When prev blocks (state S or D; a preempted task is runnable, state R+, and
+// is not off-CPU) its stacks and the time are kept per thread in
+// offcpu_start. When that thread is switched back in (it is next), the
+// interval is charged to those stacks, unless it is shorter than
+// OFFCPU_MIN_NS: short intervals are dropped here, in the kernel.
+//
+// Counts are double-buffered like the on-CPU counts. The stack map is not:
+// a thread may block in one drain interval and wake in a later one, so its
+// stack id must outlive a drain. The collector deletes stack ids that no
+// pending interval refers to and no drain has used for a while.
+//
+// Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES, -DSTACK_ENTRIES,
+// -DSTART_ENTRIES and -DOFFCPU_MIN_NS from the collector.
+
+#define TASK_INTERRUPTIBLE 0x1     // S
+#define TASK_UNINTERRUPTIBLE 0x2   // D
+
+struct offcpu_key {
+    u32 pid;
+    u32 tid;
+    s32 user_stack;
+    s32 kernel_stack;
+};
+
+struct offcpu_value {
+    u64 count;   // blocking intervals
+    u64 ns;      // blocked nanoseconds
+};
+
+struct offcpu_start_t {
+    u64 ts;
+    u32 pid;
+    s32 user_stack;
+    s32 kernel_stack;
+};
+
+// Indexes of offcpu_lost; the collector names them (collector/offcpu.py).
+#define OFFCPU_LOST_COUNTS_FULL 0
+#define OFFCPU_LOST_USER_STACK 1
+#define OFFCPU_LOST_KERNEL_STACK 2
+#define OFFCPU_LOST_START_FULL 3
+#define OFFCPU_LOST_SLOTS 4
+
+BPF_HASH(offcpu_counts_0, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
+BPF_HASH(offcpu_counts_1, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
+BPF_STACK_TRACE(offcpu_stacks, STACK_ENTRIES);
+// LRU: a thread that exits while blocked never switches in; its entry ages out.
+BPF_TABLE("lru_hash", u32, struct offcpu_start_t, offcpu_start, START_ENTRIES);
+BPF_ARRAY(offcpu_active, u32, 1);
+BPF_PERCPU_ARRAY(offcpu_lost, u64, OFFCPU_LOST_SLOTS);
+
+static __always_inline void offcpu_count_lost(int reason) {
+    u64 *n = offcpu_lost.lookup(&reason);
+    if (n)
+        (*n)++;
+}
+
+static __always_inline s32 offcpu_stack_or_lost(int id, int reason) {
+    if (id >= 0)
+        return id;
+    if (id != -EFAULT)
+        offcpu_count_lost(reason);
+    return -1;
+}
+
+static __always_inline void offcpu_charge(struct offcpu_key *key, u64 ns) {
+    u32 zero = 0;
+    u32 *buf = offcpu_active.lookup(&zero);
+    if (!buf)
+        return;
+    struct offcpu_value one = {1, ns}, *v;
+    if (*buf == 0) {
+        v = offcpu_counts_0.lookup(key);
+        if (v) {
+            __sync_fetch_and_add(&v->count, 1);
+            __sync_fetch_and_add(&v->ns, ns);
+        } else if (offcpu_counts_0.update(key, &one) != 0) {
+            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
+        }
+    } else {
+        v = offcpu_counts_1.lookup(key);
+        if (v) {
+            __sync_fetch_and_add(&v->count, 1);
+            __sync_fetch_and_add(&v->ns, ns);
+        } else if (offcpu_counts_1.update(key, &one) != 0) {
+            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
+        }
+    }
+}
+
+TRACEPOINT_PROBE(sched, sched_switch) {
+    u64 now = bpf_ktime_get_ns();
+    u32 prev = args->prev_pid;
+    long state = args->prev_state;
+    if (prev != 0 && (state == TASK_INTERRUPTIBLE || state == TASK_UNINTERRUPTIBLE)) {
+        struct offcpu_start_t s = {};
+        s.ts = now;
+        s.pid = bpf_get_current_pid_tgid() >> 32;
+        s.user_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, BPF_F_USER_STACK),
+                                            OFFCPU_LOST_USER_STACK);
+        s.kernel_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, 0),
+                                              OFFCPU_LOST_KERNEL_STACK);
+        if (offcpu_start.update(&prev, &s) != 0)
+            offcpu_count_lost(OFFCPU_LOST_START_FULL);
+    }
+
+    u32 next = args->next_pid;
+    if (next == 0)
+        return 0;
+    struct offcpu_start_t *s = offcpu_start.lookup(&next);
+    if (!s)
+        return 0;
+    u64 delta = now - s->ts;
+    struct offcpu_key key = {};
+    key.pid = s->pid;
+    key.tid = next;
+    key.user_stack = s->user_stack;
+    key.kernel_stack = s->kernel_stack;
+    offcpu_start.delete(&next);
+    if (delta < OFFCPU_MIN_NS)
+        return 0;
+    offcpu_charge(&key, delta);
+    return 0;
+}

@@ -1,0 +1,84 @@
+"""Reading the BPF maps that both sampling families share the shape of.
+
+Owns: the flip of a double-buffered counts map (with the grace period for
+programs still writing the retired buffer), reading and clearing a retired
+buffer, reading stacks by id, and turning per-CPU loss counters into deltas.
+
+Must not: know what a count means (on-CPU samples or off-CPU intervals).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+# Programs running on the old buffer when it is flipped finish within
+# microseconds (they run with preemption off); this is ample.
+FLIP_GRACE_S = 0.005
+
+
+@dataclass
+class RawDrain:
+    """One drain: counts by key, and the stacks the keys refer to (leaf first)."""
+    samples: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # (pid, tid, user stack id, kernel stack id, count, value in ns)
+    user_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    kernel_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+
+
+class DoubleBuffer:
+    """counts_0/counts_1 selected by a one-element `active` array the program reads."""
+
+    def __init__(self, bpf: Any, prefix: str) -> None:
+        self._bpf = bpf
+        self._prefix = prefix
+        self._active = 0
+        bpf[f"{prefix}_active"][ctypes.c_int(0)] = ctypes.c_uint32(0)
+
+    def retire(self) -> tuple[int, Any]:
+        """Make the other buffer active; (index, counts table) of the one retired."""
+        old = self._active
+        self._active ^= 1
+        self._bpf[f"{self._prefix}_active"][ctypes.c_int(0)] = ctypes.c_uint32(self._active)
+        time.sleep(FLIP_GRACE_S)
+        return old, self._bpf[f"{self._prefix}_counts_{old}"]
+
+
+def read_stacks(table: Any, ids: Iterable[int], out: dict[int, tuple[int, ...]]) -> int:
+    """Copy the stacks `ids` into `out`; the number of ids the map no longer holds."""
+    missing = 0
+    for sid in ids:
+        try:
+            out[sid] = tuple(table.walk(sid))
+        except KeyError:
+            missing += 1
+    return missing
+
+
+def delete_stacks(table: Any, ids: Iterable[int]) -> None:
+    for sid in ids:
+        try:
+            del table[ctypes.c_int(sid)]
+        except KeyError:
+            pass
+
+
+class LostCounters:
+    """Per-CPU loss counters in kernel → losses since the previous read, by reason."""
+
+    def __init__(self, table: Any, reasons: Sequence[str]) -> None:
+        self._table = table
+        self._reasons = reasons
+        self._seen = [0] * len(reasons)
+
+    def delta(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i, reason in enumerate(self._reasons):
+            total = sum(self._table[ctypes.c_int(i)])
+            if total > self._seen[i]:
+                out[reason] = total - self._seen[i]
+            self._seen[i] = total
+        return out

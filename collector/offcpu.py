@@ -1,0 +1,93 @@
+"""Off-CPU profiling: bpf/offcpu.c on the sched:sched_switch tracepoint.
+
+Owns: draining the double-buffered off-CPU counts (count of blocking
+intervals, blocked nanoseconds) into a RawDrain, and the lifetime of ids in
+the one off-CPU stack map: an id is deleted only when no pending interval
+(a thread still blocked) refers to it and no drain has used it for
+STACK_KEEP_DRAINS drains, so a thread that blocks in one interval and wakes
+in a later one still finds its stack.
+
+Must not: read /proc or talk to other stages.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks
+
+log = logging.getLogger(__name__)
+
+PROFILE_TYPE = "offcpu"
+TRACEPOINT = b"sched:sched_switch"
+# Names of the offcpu_lost slots in bpf/offcpu.c, in order.
+LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded",
+                "start_map_full", "stack_gone")
+# Threads blocked at once that can be tracked; a host with more is rare, and
+# the map is an LRU: the oldest sleepers are forgotten first (and counted).
+START_ENTRIES = 65536
+# Stack ids unused for this many drains (and not pending) are deleted.
+STACK_KEEP_DRAINS = 10
+# The stack map is swept every this many drains (a sweep reads every key).
+STACK_SWEEP_EVERY = 5
+
+
+class OffCpuTracer:
+    profile_type = PROFILE_TYPE
+
+    def __init__(self, bpf: Any, min_ms: int) -> None:
+        self.min_ms = min_ms
+        self._bpf = bpf
+        self._buffers = DoubleBuffer(bpf, "offcpu")
+        self._lost = LostCounters(bpf["offcpu_lost"], LOST_REASONS[:4])
+        self._stacks = bpf["offcpu_stacks"]
+        self._last_used: dict[int, int] = {}
+        self._drains = 0
+        # bcc attached the TRACEPOINT_PROBE when it loaded the module.
+        self._attached = True
+        log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more",
+                 TRACEPOINT.decode(), min_ms)
+
+    def drain(self) -> RawDrain:
+        self._drains += 1
+        _, counts = self._buffers.retire()
+        out = RawDrain()
+        user_ids: set[int] = set()
+        kernel_ids: set[int] = set()
+        for k, v in counts.items():
+            out.samples.append((k.pid, k.tid, k.user_stack, k.kernel_stack, v.count, v.ns))
+            if k.user_stack >= 0:
+                user_ids.add(k.user_stack)
+            if k.kernel_stack >= 0:
+                kernel_ids.add(k.kernel_stack)
+        counts.clear()
+        gone = read_stacks(self._stacks, user_ids, out.user_stacks) + \
+            read_stacks(self._stacks, kernel_ids, out.kernel_stacks)
+        for sid in user_ids | kernel_ids:
+            self._last_used[sid] = self._drains
+        if self._drains % STACK_SWEEP_EVERY == 0:
+            self._sweep()
+        out.lost = self._lost.delta()
+        if gone:
+            out.lost["stack_gone"] = gone
+        return out
+
+    def _sweep(self) -> None:
+        present = [k.value for k in self._stacks.keys()]   # before the pending scan: see the module doc
+        pending: set[int] = set()
+        for v in self._bpf["offcpu_start"].values():
+            pending.add(v.user_stack)
+            pending.add(v.kernel_stack)
+        horizon = self._drains - STACK_KEEP_DRAINS
+        stale = [sid for sid in present if sid not in pending and self._last_used.get(sid, -1) < horizon]
+        delete_stacks(self._stacks, stale)
+        for sid in stale:
+            self._last_used.pop(sid, None)
+        log.debug("off-CPU stack sweep: %d ids, %d pending, %d deleted", len(present), len(pending), len(stale))
+
+    def detach(self) -> None:
+        if self._attached:
+            self._bpf.detach_tracepoint(TRACEPOINT)
+            self._attached = False
+            log.info("off-CPU profiling detached")
