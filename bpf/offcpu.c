@@ -3,8 +3,10 @@
 // sched:sched_switch runs in the context of the task switching out (prev).
 // When prev blocks (state S or D; a preempted task is runnable, state R+, and
 // is not off-CPU) its stacks and the time are kept per thread in
-// offcpu_start. When that thread is switched back in (it is next), the
-// interval is charged to those stacks, unless it is shorter than
+// offcpu_start. sched:sched_wakeup marks when it became runnable again: the
+// wait for a CPU after that is runnable time, not blocked time. When the
+// thread is switched back in (it is next), the blocked interval (switch-out
+// to wakeup) is charged to those stacks, unless it is shorter than
 // OFFCPU_MIN_NS: short intervals are dropped here, in the kernel.
 //
 // Counts are double-buffered like the on-CPU counts. The stack map is not:
@@ -31,7 +33,8 @@ struct offcpu_value {
 };
 
 struct offcpu_start_t {
-    u64 ts;
+    u64 ts;        // switched out
+    u64 wake_ts;   // woken (0 until then)
     u32 pid;
     s32 user_stack;
     s32 kernel_stack;
@@ -113,7 +116,8 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     struct offcpu_start_t *s = offcpu_start.lookup(&next);
     if (!s)
         return 0;
-    u64 delta = now - s->ts;
+    u64 end = s->wake_ts ? s->wake_ts : now;
+    u64 delta = end > s->ts ? end - s->ts : 0;
     struct offcpu_key key = {};
     key.pid = s->pid;
     key.tid = next;
@@ -123,5 +127,13 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     if (delta < OFFCPU_MIN_NS)
         return 0;
     offcpu_charge(&key, delta);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup) {
+    u32 tid = args->pid;
+    struct offcpu_start_t *s = offcpu_start.lookup(&tid);
+    if (s && s->wake_ts == 0)
+        s->wake_ts = bpf_ktime_get_ns();
     return 0;
 }

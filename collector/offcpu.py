@@ -1,4 +1,4 @@
-"""Off-CPU profiling: bpf/offcpu.c on the sched:sched_switch tracepoint.
+"""Off-CPU profiling: bpf/offcpu.c on the sched:sched_switch and sched:sched_wakeup tracepoints.
 
 Owns: draining the double-buffered off-CPU counts (count of blocking
 intervals, blocked nanoseconds) into a RawDrain, and the lifetime of ids in
@@ -20,7 +20,7 @@ from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain,
 log = logging.getLogger(__name__)
 
 PROFILE_TYPE = "offcpu"
-TRACEPOINT = b"sched:sched_switch"
+TRACEPOINTS = (b"sched:sched_switch", b"sched:sched_wakeup")
 # Names of the offcpu_lost slots in bpf/offcpu.c, in order.
 LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded",
                 "start_map_full", "stack_gone")
@@ -47,7 +47,7 @@ class OffCpuTracer:
         # bcc attached the TRACEPOINT_PROBE when it loaded the module.
         self._attached = True
         log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more",
-                 TRACEPOINT.decode(), min_ms)
+                 " and ".join(t.decode() for t in TRACEPOINTS), min_ms)
 
     def drain(self) -> RawDrain:
         self._drains += 1
@@ -88,6 +88,7 @@ class OffCpuTracer:
 
     def detach(self) -> None:
         if self._attached:
-            self._bpf.detach_tracepoint(TRACEPOINT)
+            for tp in TRACEPOINTS:
+                self._bpf.detach_tracepoint(tp)
             self._attached = False
             log.info("off-CPU profiling detached")

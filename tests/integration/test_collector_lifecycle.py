@@ -54,12 +54,14 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
         progs, perf_fds = bpf_holdings(p.pid)
         # then it holds its sampling program, one perf event per CPU, and the
-        # sched_switch tracepoint program only when off-CPU profiling is on
+        # sched_switch and sched_wakeup programs only when off-CPU profiling is on
         loaded = {q["id"]: q for q in bpftool("prog", "show")}
         kinds = sorted((loaded[i]["type"], loaded[i]["name"]) for i in progs)
-        expected = [("perf_event", "on_cpu_sample")] + ([("tracepoint", "tracepoint__sched__sched_switch")] if offcpu else [])
+        expected = [("perf_event", "on_cpu_sample")] + ([
+            ("tracepoint", "tracepoint__sched__sched_switch"),
+            ("tracepoint", "tracepoint__sched__sched_wakeup")] if offcpu else [])
         assert kinds == sorted(expected)
-        assert perf_fds == os.cpu_count() + (1 if offcpu else 0)
+        assert perf_fds == os.cpu_count() + (2 if offcpu else 0)
         if offcpu:
             assert [e for e in bpftool("perf") if e.get("prog_id") in progs and e.get("tracepoint") == "sched_switch"]
         # when it is stopped

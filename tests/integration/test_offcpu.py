@@ -1,0 +1,160 @@
+"""Off-CPU profiles end to end: where threads block, by stack, with blocked time only.
+
+Given the pipeline with off-CPU profiling posting to the receiver, when C
+workloads built from source block in known places, then the received offcpu
+profiles charge those stacks the time they blocked — and nothing for time a
+task spent runnable but preempted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+from tests.harness import Pipeline, Receiver, require_root
+
+RATIO_SECONDS = 6.0
+NS = 1e9
+
+
+@dataclass
+class OffcpuRun:
+    samples_by_exe: dict[str, list[pprof.ReadSample]]
+    types: set[str]
+
+    def of(self, exe: Path) -> list[pprof.ReadSample]:
+        return self.samples_by_exe.get(str(exe.resolve()), [])
+
+
+def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]]) -> tuple[OffcpuRun, list[str]]:
+    """Run the pipeline around `workloads` (started together); their stdout, and the offcpu samples."""
+    receiver = Receiver(work / "received")
+    procs: list[subprocess.Popen] = []
+    try:
+        pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url))
+        try:
+            procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for argv in workloads]
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+            assert all(p.returncode == 0 for p in procs), outputs
+        finally:
+            assert pipeline.stop() == 0, pipeline.log()
+        by_exe: dict[str, list[pprof.ReadSample]] = {}
+        types = set()
+        for meta in list_profiles(str(receiver.dir)):
+            types.add(meta["type"])
+            if meta["type"] != "offcpu":
+                continue
+            for s in pprof.read(Path(meta["path"]).read_bytes()).samples:
+                by_exe.setdefault(str(s.labels["process.executable"]), []).append(s)
+        return OffcpuRun(by_exe, types), outputs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        receiver.stop()
+
+
+@dataclass
+class Workloads:
+    run: OffcpuRun
+    offcpu: Path
+    pinned: Path
+    ratio_wall_s: float
+    pinned_cpu_s: float
+
+
+@pytest.fixture(scope="module")
+def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloads]:
+    """offcpu_min_ms: 1 — the 3:1:2 workload, two CPU hogs on one CPU, a 200 µs sleeper."""
+    require_root()
+    work = tmp_path_factory.mktemp("offcpu")
+    offcpu = build("offcpu")
+    tiny = work / "tiny_sleeper"
+    shutil.copy(offcpu, tiny)
+    pinned = work / "pinned_hog"
+    shutil.copy(build("hot"), pinned)
+    run, outputs = run_pipeline(work, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1), [
+        [str(offcpu), "ratio", str(RATIO_SECONDS)],
+        ["taskset", "-c", "0", str(pinned), "2"],
+        ["taskset", "-c", "0", str(pinned), "2"],
+        [str(tiny), "tiny", "3"],
+    ])
+    ratio_wall = float(outputs[0].split("=")[1])
+    pinned_cpu = float(outputs[1].split("=")[1]) + float(outputs[2].split("=")[1])
+    yield Workloads(run, offcpu, pinned, ratio_wall, pinned_cpu)
+
+
+def blocked_ns_by_waiter(samples: list[pprof.ReadSample]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for s in samples:
+        names = set(s.functions)
+        for waiter in ("slow_wait", "fast_wait", "pipe_wait"):
+            if waiter in names:
+                out[waiter] += s.values[1]
+    return out
+
+
+def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads) -> None:
+    assert min_1ms.run.types == {"cpu", "offcpu"}
+    by = blocked_ns_by_waiter(min_1ms.run.of(min_1ms.offcpu))
+    unit = (by["slow_wait"] / 3 + by["fast_wait"] + by["pipe_wait"] / 2) / 3
+    for waiter, share in (("slow_wait", 3), ("fast_wait", 1), ("pipe_wait", 2)):
+        assert abs(by[waiter] / unit - share) <= 0.10 * share, f"{waiter}: {by[waiter] / NS:.3f}s of {dict(by)}"
+    total = sum(by.values()) / NS
+    assert abs(total - min_1ms.ratio_wall_s) <= 0.10 * min_1ms.ratio_wall_s, \
+        f"blocked {total:.3f}s vs wall {min_1ms.ratio_wall_s:.3f}s"
+
+
+def test_samples_count_blocking_intervals(min_1ms: Workloads) -> None:
+    counts: Counter[str] = Counter()
+    for s in min_1ms.run.of(min_1ms.offcpu):
+        for waiter in ("slow_wait", "fast_wait", "pipe_wait"):
+            if waiter in s.functions:
+                counts[waiter] += s.values[0]
+    loops = round(min_1ms.ratio_wall_s / 0.6)
+    assert all(abs(counts[w] - loops) <= 1 for w in ("slow_wait", "fast_wait", "pipe_wait")), (counts, loops)
+
+
+def test_kernel_frames_of_a_sleeping_stack_are_named(min_1ms: Workloads) -> None:
+    slow = [s for s in min_1ms.run.of(min_1ms.offcpu) if "slow_wait" in s.functions]
+    assert slow
+    for s in slow:
+        kernel = [f.function for f in s.frames if f.module == "[kernel.kallsyms]"]
+        assert kernel and all(kernel), s.functions
+        assert {"schedule", "__schedule"} & set(kernel) and "do_nanosleep" in kernel, kernel
+        user = [f.function for f in s.frames if f.module != "[kernel.kallsyms]"]
+        assert user[-4:] == ["main", "slow_wait", "sleep_ns", "raw_syscall3"], user
+
+
+def test_preempted_cpu_hogs_are_not_off_cpu(min_1ms: Workloads) -> None:
+    blocked = sum(s.values[1] for s in min_1ms.run.of(min_1ms.pinned)) / NS
+    # Two hogs on one CPU ran 2 s of CPU each, preempting each other throughout.
+    run_time = 2 * min_1ms.pinned_cpu_s
+    assert blocked < 0.02 * run_time, f"{blocked:.3f}s off-CPU of {run_time:.1f}s"
+
+
+def test_intervals_under_min_ms_are_dropped(min_1ms: Workloads) -> None:
+    tiny = [s for samples in min_1ms.run.samples_by_exe.values() for s in samples if "tiny_wait" in s.functions]
+    assert not tiny, f"{sum(s.values[0] for s in tiny)} intervals of 200 µs with offcpu_min_ms: 1"
+
+
+def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path) -> None:
+    require_root()
+    offcpu = build("offcpu")
+    run, _ = run_pipeline(tmp_path, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=0),
+                          [[str(offcpu), "tiny", "2"]])
+    tiny = [s for s in run.of(offcpu) if "tiny_wait" in s.functions]
+    intervals = sum(s.values[0] for s in tiny)
+    # ~2 s of 200 µs sleeps (plus timer slack): thousands of intervals
+    assert intervals > 2000, intervals
+    assert sum(s.values[1] for s in tiny) / intervals < 1_000_000

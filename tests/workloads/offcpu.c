@@ -1,0 +1,80 @@
+/* Off-CPU workloads. Every blocking call is an inline syscall instruction in
+ * a function with a frame pointer, so the frame-pointer walk sees each caller
+ * (Debian's libc has no frame pointers).
+ *
+ * Usage:
+ *   offcpu ratio SECONDS   one thread loops: 300 ms of sleep in slow_wait(),
+ *                          100 ms in fast_wait(), and a blocking pipe read in
+ *                          pipe_wait() that a feeder thread answers 200 ms later.
+ *   offcpu tiny SECONDS    one thread sleeps 200 us at a time in tiny_wait().
+ * Prints "wall_seconds=<float>" of the loop at exit. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SYS_read 0
+#define SYS_write 1
+#define SYS_nanosleep 35
+
+__attribute__((noinline)) long raw_syscall3(long nr, long a, long b, long c) {
+    long ret;
+    __asm__ volatile("syscall" : "=a"(ret) : "a"(nr), "D"(a), "S"(b), "d"(c) : "rcx", "r11", "memory");
+    return ret;
+}
+
+static double wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+__attribute__((noinline)) void sleep_ns(long ns) {
+    struct timespec ts = {ns / 1000000000L, ns % 1000000000L};
+    raw_syscall3(SYS_nanosleep, (long)&ts, 0, 0);
+}
+
+static int request[2], data[2];
+
+__attribute__((noinline)) void slow_wait(void) { sleep_ns(300000000L); }
+__attribute__((noinline)) void fast_wait(void) { sleep_ns(100000000L); }
+__attribute__((noinline)) void tiny_wait(void) { sleep_ns(200000L); }
+
+__attribute__((noinline)) void pipe_wait(void) {
+    char c = 1;
+    raw_syscall3(SYS_write, request[1], (long)&c, 1);
+    raw_syscall3(SYS_read, data[0], (long)&c, 1);     /* blocks until the feeder answers */
+}
+
+__attribute__((noinline)) void *feeder(void *arg) {
+    (void)arg;
+    char c;
+    for (;;) {
+        if (raw_syscall3(SYS_read, request[0], (long)&c, 1) != 1)
+            return NULL;
+        sleep_ns(200000000L);
+        raw_syscall3(SYS_write, data[1], (long)&c, 1);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) { fprintf(stderr, "usage: offcpu ratio|tiny SECONDS\n"); return 2; }
+    double seconds = atof(argv[2]);
+    double start = wall(), end = start + seconds;
+    if (strcmp(argv[1], "ratio") == 0) {
+        pthread_t t;
+        if (pipe(request) || pipe(data) || pthread_create(&t, NULL, feeder, NULL)) { perror("setup"); return 1; }
+        while (wall() < end) {
+            slow_wait();
+            fast_wait();
+            pipe_wait();
+        }
+    } else {
+        while (wall() < end)
+            tiny_wait();
+    }
+    printf("wall_seconds=%.6f\n", wall() - start);
+    return 0;
+}
