@@ -23,6 +23,7 @@ from typing import Sequence
 
 import zmq
 
+from ebpfprofiler.collector import preflight
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared import log as log_mod
@@ -39,6 +40,8 @@ STACK_ENTRIES = 16384
 # Batches queued per worker before new ones are dropped (and counted): a worker
 # that is this far behind is down or overloaded, and the collector must not grow.
 BATCH_QUEUE_PER_WORKER = 64
+# A worker that keeps refusing batches is reported at most this often.
+DROP_LOG_EVERY_S = 60
 # On stop, how long queued batches may take to reach the workers.
 STOP_LINGER_MS = 3000
 
@@ -61,12 +64,19 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
                     "the in-kernel counts every second and sends them, with process metadata and "
                     "mappings, to the symbolizer workers over ZeroMQ. Stops cleanly on SIGTERM/SIGINT, "
                     "detaching every BPF program and perf event.")
-    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
+    p.add_argument("--config", help="agent YAML file (modules.ebpf_profiler block); required unless --preflight")
+    p.add_argument("--preflight", action="store_true",
+                   help="check that this host can run the collector (kernel >= 5.8, BTF, capabilities, "
+                        "tracefs, kernel headers, bcc), name what is missing and how to fix it, and exit "
+                        "0 if ready, 1 if not; the collector also runs these checks at every start")
     p.add_argument("--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs "
                    "(default: %(default)s)")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
                    help="runtime directory holding the stages' sockets (default: %(default)s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.preflight and not args.config:
+        p.error("--config is required")
+    return args
 
 
 class Collector:
@@ -99,6 +109,8 @@ class Collector:
             s.connect(endpoints.symbolizer(run_dir, w))
             self.sockets.append(s)
         self.totals = {"batches": 0, "batches_dropped": 0}
+        self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
+        self._drop_logged: dict[int, float] = {}
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
 
@@ -124,14 +136,25 @@ class Collector:
                 self.send(worker, batch)
 
     def send(self, worker: int, batch: StackBatch) -> None:
+        dropped = self._dropped_since_ok
         try:
             self.sockets[worker].send_multipart(encode(batch), flags=zmq.NOBLOCK)
-            self.totals["batches"] += 1
         except zmq.Again:
             self.totals["batches_dropped"] += 1
-            log.warning("symbolizer worker %d is not keeping up: dropped a %s batch of %d samples "
-                        "(%d batches dropped so far)", worker, batch.profile_type,
-                        sum(s.count for s in batch.samples), self.totals["batches_dropped"])
+            n = sum(s.count for s in batch.samples)
+            dropped[worker] = dropped.get(worker, 0) + n
+            now = time.monotonic()
+            if now - self._drop_logged.get(worker, -DROP_LOG_EVERY_S) >= DROP_LOG_EVERY_S:
+                self._drop_logged[worker] = now
+                log.warning("symbolizer worker %d is not keeping up (queue of %d batches full): dropped "
+                            "%d samples so far in this episode; next report in %d s", worker,
+                            BATCH_QUEUE_PER_WORKER, dropped[worker], DROP_LOG_EVERY_S)
+            return
+        self.totals["batches"] += 1
+        if dropped.get(worker):
+            log.warning("symbolizer worker %d takes batches again; %d samples were dropped meanwhile",
+                        worker, dropped.pop(worker))
+            self._drop_logged.pop(worker, None)
 
     def close(self) -> None:
         for src in self.sources:
@@ -160,14 +183,18 @@ def _malloc_trim() -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector") -> int:
     args = parse_args(argv, prog)
+    checks = preflight.run_checks()
+    if args.preflight:
+        print(preflight.report(checks))
+        return 0 if preflight.passed(checks) else 1
     log_mod.setup("collector")
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    if os.geteuid() != 0:
-        print(f"{prog}: must run as root (it loads BPF programs and opens perf events)", file=sys.stderr)
+    if not preflight.passed(checks):
+        print(f"{prog}: this host cannot run the collector:\n{preflight.report(checks)}", file=sys.stderr)
         return 1
 
     stop = threading.Event()
