@@ -24,6 +24,7 @@ from typing import Sequence
 import zmq
 
 from ebpfprofiler.collector import preflight
+from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared import log as log_mod
@@ -37,13 +38,11 @@ COUNTS_ENTRIES = 40960
 # Distinct stacks per stack map; each entry is 127 x 8 bytes of kernel memory
 # (three maps when off-CPU is on: ~50 MB).
 STACK_ENTRIES = 16384
-# Batches queued per worker before new ones are dropped (and counted): a worker
-# that is this far behind is down or overloaded, and the collector must not grow.
-BATCH_QUEUE_PER_WORKER = 64
 # A worker that keeps refusing batches is reported at most this often.
 DROP_LOG_EVERY_S = 60
-# On stop, how long queued batches may take to reach the workers.
-STOP_LINGER_MS = 3000
+# At start, how long to wait for the workers' connections before sampling:
+# the first batches then go to the right workers, not all to the first one.
+CONNECT_WAIT_MS = 2000
 
 log = logging.getLogger("ebpfprofiler.collector")
 
@@ -99,15 +98,7 @@ class Collector:
         self.sources: list = [self.oncpu]
         if cfg.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms))
-        self.ctx = zmq.Context.instance()
-        self.workers = list(range(cfg.symbolizer_workers))
-        self.sockets: list[zmq.Socket] = []
-        for w in self.workers:
-            s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, BATCH_QUEUE_PER_WORKER)
-            s.setsockopt(zmq.LINGER, STOP_LINGER_MS)
-            s.connect(endpoints.symbolizer(run_dir, w))
-            self.sockets.append(s)
+        self.links = WorkerLinks(zmq.Context.instance(), run_dir, cfg.symbolizer_workers)
         self.totals = {"batches": 0, "batches_dropped": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
@@ -115,17 +106,19 @@ class Collector:
         self.lost: dict[str, int] = {}
 
     def start(self) -> None:
+        self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()
         _malloc_trim()   # give back what LLVM left behind after compiling
 
     def drain_once(self) -> None:
         from ebpfprofiler.collector.batcher import build_batches
 
+        live = self.links.live()
         for src in self.sources:
             raw = src.drain()
             batches = build_batches(
                 raw, self.procs, _ksym, host=self.host, profile_type=src.profile_type,
-                sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(), live_workers=self.workers)
+                sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(), live_workers=live)
             self.samples[src.profile_type] += sum(s[4] for s in raw.samples)
             for reason, n in raw.lost.items():
                 key = f"{src.profile_type}.{reason}"
@@ -137,18 +130,16 @@ class Collector:
 
     def send(self, worker: int, batch: StackBatch) -> None:
         dropped = self._dropped_since_ok
-        try:
-            self.sockets[worker].send_multipart(encode(batch), flags=zmq.NOBLOCK)
-        except zmq.Again:
+        if not self.links.send(worker, encode(batch)):
             self.totals["batches_dropped"] += 1
             n = sum(s.count for s in batch.samples)
             dropped[worker] = dropped.get(worker, 0) + n
             now = time.monotonic()
             if now - self._drop_logged.get(worker, -DROP_LOG_EVERY_S) >= DROP_LOG_EVERY_S:
                 self._drop_logged[worker] = now
-                log.warning("symbolizer worker %d is not keeping up (queue of %d batches full): dropped "
-                            "%d samples so far in this episode; next report in %d s", worker,
-                            BATCH_QUEUE_PER_WORKER, dropped[worker], DROP_LOG_EVERY_S)
+                log.warning("symbolizer worker %d is not taking batches (down, or its queue of %d "
+                            "is full): dropped %d samples so far in this episode; next report in %d s",
+                            worker, BATCH_QUEUE_PER_WORKER, dropped[worker], DROP_LOG_EVERY_S)
             return
         self.totals["batches"] += 1
         if dropped.get(worker):
@@ -163,8 +154,7 @@ class Collector:
             except Exception as e:  # what the kernel already dropped cannot be detached
                 log.warning("detaching %s: %s", src.profile_type, e)
         self.programs.close()
-        for s in self.sockets:
-            s.close()
+        self.links.close()
         log.info("collector stopped: samples %s, lost %s, %s", self.samples, self.lost or "none", self.totals)
 
 
