@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import logging
 import os
+import pwd
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from typing import Sequence
 import zmq
 
 from ebpfprofiler.collector import preflight
+from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints
@@ -40,6 +42,8 @@ COUNTS_ENTRIES = 40960
 STACK_ENTRIES = 16384
 # A worker that keeps refusing batches is reported at most this often.
 DROP_LOG_EVERY_S = 60
+# The system user symbolizer workers run as (deploy/ and `ebpfprofiler run`).
+SYMBOLIZER_USER = "ebpfprofiler-symbolizer"
 # At start, how long to wait for the workers' connections before sampling:
 # the first batches then go to the right workers, not all to the first one.
 CONNECT_WAIT_MS = 2000
@@ -99,6 +103,7 @@ class Collector:
         if cfg.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms))
         self.links = WorkerLinks(zmq.Context.instance(), run_dir, cfg.symbolizer_workers)
+        self.broker = FileBroker(run_dir, allowed_uids=broker_peers())
         self.totals = {"batches": 0, "batches_dropped": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
@@ -155,7 +160,19 @@ class Collector:
                 log.warning("detaching %s: %s", src.profile_type, e)
         self.programs.close()
         self.links.close()
-        log.info("collector stopped: samples %s, lost %s, %s", self.samples, self.lost or "none", self.totals)
+        self.broker.close()
+        log.info("collector stopped: samples %s, lost %s, %s, files %s", self.samples, self.lost or "none",
+                 self.totals, self.broker.stats)
+
+
+def broker_peers() -> set[int]:
+    """Users whose processes may ask the file broker for files: symbolizers, and root."""
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(pwd.getpwnam(SYMBOLIZER_USER).pw_uid)
+    except KeyError:
+        pass
+    return uids
 
 
 def _ksym(address: int) -> str:

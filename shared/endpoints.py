@@ -24,6 +24,11 @@ def uploader(run_dir: str) -> str:
     return f"ipc://{os.path.join(run_dir, 'uploader.sock')}"
 
 
+def file_broker(run_dir: str) -> str:
+    """The collector's Unix socket that hands symbolizers descriptors of mapped files."""
+    return os.path.join(run_dir, "files.sock")
+
+
 def ready_file(run_dir: str, stage: str) -> str:
     """Written by a stage once it is serving (the supervisor and tests wait for it)."""
     return os.path.join(run_dir, f"{stage}.ready")

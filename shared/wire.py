@@ -1,10 +1,12 @@
 """The wire format between stages: versioned messages, one encode, one decode.
 
-Owns: every message that crosses a ZeroMQ socket (StackBatch collector →
-symbolizer, ProfileUpload symbolizer → uploader), its version, its size caps
-and its validation. A message is a list of ZeroMQ frames: frame 0 is a JSON
-header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload carries
-the gzip pprof as frame 1, untouched.
+Owns: every message that crosses a socket between stages (StackBatch
+collector → symbolizer, ProfileUpload symbolizer → uploader, FileRequest and
+FileReply between a symbolizer and the collector's file broker), its version,
+its size caps and its validation. A message is a list of frames: frame 0 is a
+JSON header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload
+carries the gzip pprof as frame 1, untouched. File messages are one frame,
+one Unix datagram each (the file descriptor travels beside it as SCM_RIGHTS).
 
 decode() treats its input as hostile: anything malformed, of another version
 or over a cap raises WireError, which receivers count, log and skip.
@@ -105,7 +107,31 @@ class ProfileUpload:
     pprof_gz: bytes
 
 
-Message = Union[StackBatch, ProfileUpload]
+FILE_KINDS = ("module", "perf_map")
+FILE_ERRORS = ("missing", "refused", "unreadable", "bad_request")
+# A file request or reply is a few hundred bytes.
+MAX_FILE_MESSAGE_BYTES = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class FileRequest:
+    """A symbolizer asks the collector to open a file of a profiled process."""
+    pid: int
+    start_ticks: int           # the process it means: a reused pid is refused
+    kind: str                  # "module": the executable mapping [start, end); "perf_map": /tmp/perf-<nspid>.map
+    start: int = 0
+    end: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FileReply:
+    """The answer: ok (the descriptor comes with it), or why not."""
+    ok: bool
+    error: str = ""            # one of FILE_ERRORS when not ok
+    reason: str = ""
+
+
+Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply]
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -135,6 +161,11 @@ def encode(msg: Message) -> list[bytes]:
             "samples": msg.samples,
         }
         return [_header("profile", body), msg.pprof_gz]
+    if isinstance(msg, FileRequest):
+        return [_header("file_request", {"pid": msg.pid, "start_ticks": msg.start_ticks, "kind": msg.kind,
+                                         "start": msg.start, "end": msg.end})]
+    if isinstance(msg, FileReply):
+        return [_header("file_reply", {"ok": msg.ok, "error": msg.error, "reason": msg.reason})]
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
@@ -167,6 +198,10 @@ def decode(frames: Sequence[bytes]) -> Message:
             if len(frames[1]) > MAX_PROFILE_BYTES:
                 raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}")
             return _profile(body, bytes(frames[1]))
+        if kind in ("file_request", "file_reply"):
+            if len(frames) != 1 or len(head) > MAX_FILE_MESSAGE_BYTES:
+                raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
+            return _file_request(body) if kind == "file_request" else _file_reply(body)
     except (KeyError, TypeError) as e:
         raise WireError(f"{kind}: malformed body ({type(e).__name__}: {e})") from None
     raise WireError(f"unknown message kind {kind!r}")
@@ -310,3 +345,24 @@ def _profile(b: dict[str, Any], pprof_gz: bytes) -> ProfileUpload:
         samples=_int(b["samples"], "samples"),
         pprof_gz=pprof_gz,
     )
+
+
+def _file_request(b: dict[str, Any]) -> FileRequest:
+    kind = _str(b["kind"], "kind")
+    if kind not in FILE_KINDS:
+        raise WireError(f"file kind {kind!r} is not one of {FILE_KINDS}")
+    start, end = _int(b["start"], "start"), _int(b["end"], "end")
+    if kind == "module" and not start < end:
+        raise WireError("a module request needs start < end")
+    return FileRequest(pid=_int(b["pid"], "pid", 1, 1 << 32), start_ticks=_int(b["start_ticks"], "start_ticks"),
+                       kind=kind, start=start, end=end)
+
+
+def _file_reply(b: dict[str, Any]) -> FileReply:
+    ok = b["ok"]
+    if type(ok) is not bool:
+        raise WireError("ok is not a boolean")
+    error = _str(b["error"], "error")
+    if not ok and error not in FILE_ERRORS:
+        raise WireError(f"error {error!r} is not one of {FILE_ERRORS}")
+    return FileReply(ok=ok, error=error, reason=_str(b["reason"], "reason"))

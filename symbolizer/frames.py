@@ -6,10 +6,10 @@ start + file offset) and a function name where the module has symbols; kernel
 frames take the names the collector resolved from /proc/kallsyms; frames in
 anonymous executable memory take names from the process's /tmp/perf-<pid>.map.
 
-Module files are opened through /proc/<pid>/map_files/<range> (exactly the
-mapped file, even if deleted or in another mount namespace), else through
-/proc/<pid>/root<path>. Symbols are cached per file (ElfCache), perf maps per
-process (PerfMapCache).
+Module files and perf maps come as descriptors from the collector's file
+broker (files.py): exactly the file mapped at that range, even if deleted or
+in another mount namespace. Symbols are cached per file (ElfCache), perf maps
+per process (PerfMapCache).
 
 Must not: keep per-process state beyond those bounded caches, or build profiles.
 """
@@ -23,6 +23,7 @@ from typing import BinaryIO, Sequence
 
 from ebpfprofiler.shared.wire import Mapping, Process
 from ebpfprofiler.symbolizer.elf import ElfCache
+from ebpfprofiler.symbolizer.files import FileClient
 from ebpfprofiler.symbolizer.perfmap import PerfMapCache
 
 KERNEL_MODULE = "[kernel.kallsyms]"
@@ -48,10 +49,11 @@ def _is_anonymous(path: str) -> bool:
 
 
 class FrameResolver:
-    def __init__(self, elf_cache: ElfCache, perf_maps: PerfMapCache, proc: str = "/proc") -> None:
-        self._elf = elf_cache
-        self._perf_maps = perf_maps
-        self._proc = proc
+    def __init__(self, files: FileClient, elf_cache: ElfCache | None = None,
+                 perf_maps: PerfMapCache | None = None) -> None:
+        self._files = files
+        self._elf = elf_cache or ElfCache()
+        self._perf_maps = perf_maps or PerfMapCache(files.perf_map)
         self.stats = {"user_frames": 0, "named": 0, "no_mapping": 0, "jit_named": 0}
 
     def kernel(self, stack: Sequence[int], symbols: dict[int, str]) -> list[Frame]:
@@ -100,19 +102,9 @@ class FrameResolver:
         return syms.function_at(file_offset) or "", syms.build_id
 
     def _open_module(self, proc: Process, m: Mapping) -> BinaryIO:
-        candidates = (f"{self._proc}/{proc.pid}/map_files/{m.start:x}-{m.end:x}",
-                      f"{self._proc}/{proc.pid}/root{m.path}")
-        err: OSError | None = None
-        for path in candidates:
-            try:
-                f = open(path, "rb")
-            except OSError as e:
-                err = e
-                continue
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_MODULE_BYTES:
-                f.close()
-                raise OSError(f"{m.path}: {size} bytes is over the cap of {MAX_MODULE_BYTES}")
-            return f
-        assert err is not None
-        raise err
+        f = self._files.module(proc, m)
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MODULE_BYTES:
+            f.close()
+            raise OSError(f"{m.path}: {size} bytes is over the cap of {MAX_MODULE_BYTES}")
+        return f

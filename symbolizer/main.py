@@ -28,9 +28,8 @@ from ebpfprofiler.shared import endpoints, identity
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode, encode
 from ebpfprofiler.symbolizer import profile as profile_mod
-from ebpfprofiler.symbolizer.elf import ElfCache
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache
+from ebpfprofiler.symbolizer.files import FileClient
 from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
 
 # Batches from the collector's last drain of a window arrive within about a
@@ -67,7 +66,7 @@ class Worker:
         self.cfg = cfg
         self.worker = worker
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
-        self.resolver = FrameResolver(ElfCache(), PerfMapCache())
+        self.resolver = FrameResolver(FileClient(run_dir))
         self.windows = Windows(cfg.upload_interval_s)
         self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1}
         ctx = zmq.Context.instance()

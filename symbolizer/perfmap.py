@@ -1,26 +1,24 @@
 """JIT symbol maps (/tmp/perf-<pid>.map) written by profiled processes.
 
-Owns: opening a process's perf map through /proc/<pid>/root (the process's own
-/tmp, also inside containers), parsing it into a sorted PerfMap, and
-PerfMapCache, which re-reads a map when it changes.
+Owns: checking and parsing a process's perf map from a descriptor into a
+sorted PerfMap, and PerfMapCache, which re-reads a map when it changes.
 
 The file is untrusted: the profiled process writes it and could make it a
 symlink to a file it wants the symbolizer to read, a FIFO that blocks, or a
-huge file. So the process's /tmp must be a directory and the map a regular
-file owned by the process's uid, each opened without following a symlink; size,
-line length and entry count are capped, and malformed lines are skipped and
-counted.
+huge file. The collector's file broker opens it (inside the process's root,
+refusing a symlink at /tmp or at the map, and anything but a regular file);
+here the descriptor must still be a regular file owned by the process's uid;
+size, line length and entry count are capped, and malformed lines are
+skipped and counted.
 
 Format: one "START SIZE name" per line, START and SIZE hex with or without 0x,
 the name the rest of the line (it may contain spaces).
 
-Must not: follow a symlink at /tmp or at the map, read any other path, or keep
-file descriptors open.
+Must not: open paths itself, or keep file descriptors open.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -30,7 +28,7 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from ebpfprofiler.shared.log import LogOnce
 
@@ -48,7 +46,6 @@ PERF_MAP_RECHECK_S = 1.0
 PERF_MAP_CACHE_ENTRIES = 256
 
 _LINE = re.compile(rb"(?:0[xX])?([0-9A-Fa-f]{1,16})[ \t]+(?:0[xX])?([0-9A-Fa-f]{1,16})[ \t]+(\S.*)")
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class PerfMapRefused(Exception):
@@ -78,27 +75,26 @@ class PerfMap:
         return None
 
 
-def open_perf_map(pid: int, nspid: int, uid: int, proc_dir: str = "/proc") -> PerfMap:
-    """Read the perf map of process `pid` (`nspid` in its namespace), whose uid is `uid`.
+def read_perf_map(fd: int, nspid: int, uid: int) -> PerfMap:
+    """Check and parse the perf map open at `fd` (closed here) of a process whose uid is `uid`.
 
-    Raises PerfMapRefused for a map that must not be read, FileNotFoundError if
-    there is none (the normal case), OSError if it cannot be read.
+    Raises PerfMapRefused for a map that must not be read, OSError if it cannot be read.
     """
-    tmp_fd = _open_no_symlink(f"{proc_dir}/{pid}/root/tmp", os.O_DIRECTORY, "the process's /tmp")
-    try:
-        fd = _open_no_symlink(f"perf-{nspid}.map", 0, f"perf-{nspid}.map", dir_fd=tmp_fd)
-    finally:
-        os.close(tmp_fd)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise PerfMapRefused(f"perf-{nspid}.map is not a regular file")
         if st.st_uid != uid:
-            raise PerfMapRefused(f"owned by uid {st.st_uid}, not the process's uid {uid}")
+            raise PerfMapRefused(f"perf-{nspid}.map is owned by uid {st.st_uid}, not the process's uid {uid}")
         if st.st_size > PERF_MAP_MAX_BYTES:
-            raise PerfMapRefused(f"{st.st_size} bytes, more than {PERF_MAP_MAX_BYTES}")
+            raise PerfMapRefused(f"perf-{nspid}.map has {st.st_size} bytes, more than {PERF_MAP_MAX_BYTES}")
         starts, ends, names, bad_lines = _parse(f)
     return PerfMap(bad_lines, st.st_mtime_ns, st.st_size, starts, ends, names)
+
+
+# Opens the perf map of (pid, start_ticks): a descriptor, FileNotFoundError if
+# there is none, PerfMapRefused or OSError if it must not or cannot be opened.
+Opener = Callable[[int, int], int]
 
 
 @dataclass
@@ -116,11 +112,11 @@ class PerfMapCache:
     per process and returned as None, like a missing one.
     """
 
-    def __init__(self, max_entries: int = PERF_MAP_CACHE_ENTRIES, proc_dir: str = "/proc") -> None:
+    def __init__(self, opener: Opener, max_entries: int = PERF_MAP_CACHE_ENTRIES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self._max_entries = max_entries
-        self._proc_dir = proc_dir
+        self._open = opener
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # by (pid, start_ticks)
         self._log_once = LogOnce(log)
         self.stats: dict[str, int] = dict.fromkeys(
@@ -136,10 +132,10 @@ class PerfMapCache:
                 self.stats["hits"] += 1
                 return entry.perf_map
             entry.checked = now
-            if self._stamp(pid, nspid) == entry.stamp:
-                self.stats["hits"] += 1
-                return entry.perf_map
-        perf_map, stamp = self._load(pid, start_ticks, nspid, uid)
+        perf_map, stamp = self._load(pid, start_ticks, nspid, uid, entry)
+        if entry is not None and stamp == entry.stamp and stamp is not None:
+            self.stats["hits"] += 1
+            return entry.perf_map
         self._entries[key] = _Entry(perf_map, stamp, now)
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
@@ -147,36 +143,31 @@ class PerfMapCache:
             self.stats["evicted"] += 1
         return perf_map
 
-    def _load(self, pid: int, start_ticks: int, nspid: int, uid: int) -> tuple[PerfMap | None, tuple[int, int] | None]:
+    def _load(self, pid: int, start_ticks: int, nspid: int, uid: int,
+              entry: _Entry | None) -> tuple[PerfMap | None, tuple[int, int] | None]:
+        """The map (re-read only if its stamp changed since `entry`) and its stamp."""
         try:
-            perf_map = open_perf_map(pid, nspid, uid, self._proc_dir)
+            fd = self._open(pid, start_ticks)
         except FileNotFoundError:
             self.stats["missing"] += 1
             return None, None
         except (PerfMapRefused, OSError) as e:
+            refused = isinstance(e, PerfMapRefused) or getattr(e, "error", "") == "refused"
+            self.stats["refused" if refused else "unreadable"] += 1
+            self._log_once((pid, start_ticks), logging.WARNING, "not using the perf map of pid %d: %s", pid, e)
+            return None, None
+        st = os.fstat(fd)
+        if entry is not None and entry.stamp == (st.st_mtime_ns, st.st_size):
+            os.close(fd)
+            return entry.perf_map, entry.stamp
+        try:
+            perf_map = read_perf_map(fd, nspid, uid)
+        except (PerfMapRefused, OSError) as e:
             self.stats["refused" if isinstance(e, PerfMapRefused) else "unreadable"] += 1
             self._log_once((pid, start_ticks), logging.WARNING, "not using the perf map of pid %d: %s", pid, e)
-            return None, self._stamp(pid, nspid)
+            return None, (st.st_mtime_ns, st.st_size)
         self.stats["loaded"] += 1
         return perf_map, (perf_map.mtime_ns, perf_map.size)
-
-    def _stamp(self, pid: int, nspid: int) -> tuple[int, int] | None:
-        try:
-            st = os.stat(f"{self._proc_dir}/{pid}/root/tmp/perf-{nspid}.map", follow_symlinks=False)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
-
-def _open_no_symlink(path: str, flags: int, what: str, dir_fd: int | None = None) -> int:
-    try:
-        return os.open(path, _OPEN_FLAGS | flags, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PerfMapRefused(f"{what} is a symlink") from None
-        if e.errno == errno.ENOTDIR:  # what O_DIRECTORY|O_NOFOLLOW gives for a symlink, too
-            raise PerfMapRefused(f"{what} is a symlink or not a directory") from None
-        raise
 
 
 def _parse(f: BinaryIO) -> tuple[array, array, tuple[str, ...], int]:

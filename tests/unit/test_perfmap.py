@@ -1,7 +1,8 @@
-"""JIT perf maps (symbolizer/perfmap.py).
+"""JIT perf maps: opened by the collector's file broker, checked and parsed by the symbolizer.
 
-Most tests lay out a fake /proc in tmp_path: proc/<pid>/root/tmp/perf-<nspid>.map,
-the path the symbolizer reads for a process whose /tmp is its own (containers).
+Most tests lay out a fake /proc in tmp_path: proc/<pid>/root/tmp/perf-<nspid>.map
+and proc/<pid>/status, what the broker opens for a process whose /tmp is its
+own (containers); the symbolizer side (perfmap.py) reads the descriptor.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ebpfprofiler.collector import filebroker
+from ebpfprofiler.shared.wire import FileRequest
 from ebpfprofiler.symbolizer import perfmap
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache, PerfMapRefused, open_perf_map
+from ebpfprofiler.symbolizer.perfmap import PerfMapCache, PerfMapRefused, read_perf_map
 
 PID, NSPID, START_TICKS = 4242, 7, 123456
 UID = os.getuid()
@@ -26,11 +29,31 @@ MAP = (
 )
 
 
+def fake_process(proc: Path, pid: int = PID, nspid: int = NSPID) -> Path:
+    """proc/<pid>/status naming the process's pid in its namespace; returns proc/<pid>/root."""
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "status").write_text(f"Name:\tjit\nUid:\t{UID}\t{UID}\t{UID}\t{UID}\nNSpid:\t{pid}\t{nspid}\n")
+    return proc / str(pid) / "root"
+
+
 @pytest.fixture
 def proc(tmp_path: Path) -> Path:
-    tmp = tmp_path / "proc" / str(PID) / "root" / "tmp"
-    tmp.mkdir(parents=True)
+    (fake_process(tmp_path / "proc") / "tmp").mkdir(parents=True)
     return tmp_path / "proc"
+
+
+def opener(proc: Path) -> perfmap.Opener:
+    """The broker's opening, as the symbolizer's cache sees it through the socket."""
+    def open_fd(pid: int, start_ticks: int) -> int:
+        try:
+            return filebroker.open_perf_map(str(proc), FileRequest(pid, start_ticks, "perf_map"))
+        except filebroker.Refused as e:
+            raise PerfMapRefused(str(e)) from None
+    return open_fd
+
+
+def open_perf_map(pid: int, nspid: int, uid: int, proc_dir: str) -> perfmap.PerfMap:
+    return read_perf_map(opener(Path(proc_dir))(pid, 0), nspid, uid)
 
 
 def map_path(proc: Path) -> Path:
@@ -124,7 +147,7 @@ def test_symlinked_tmp_is_refused(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / f"perf-{NSPID}.map").write_text(MAP)
-    root = tmp_path / "proc" / str(PID) / "root"
+    root = fake_process(tmp_path / "proc")
     root.mkdir(parents=True)
     (root / "tmp").symlink_to(elsewhere)
     # When the map is opened / Then it is refused, naming /tmp
@@ -140,7 +163,7 @@ def test_map_owned_by_another_uid_is_refused(proc: Path) -> None:
     # When it is opened for the process / Then it is refused with both uids in the reason
     with pytest.raises(PerfMapRefused) as refused:
         read(proc, uid=UID)
-    assert str(refused.value) == f"owned by uid 65534, not the process's uid {UID}"
+    assert str(refused.value) == f"perf-{NSPID}.map is owned by uid 65534, not the process's uid {UID}"
 
 
 def test_oversized_map_is_refused(proc: Path) -> None:
@@ -180,7 +203,7 @@ def test_real_proc_self_root_tmp() -> None:
     path.write_text("401000 80 jit_entry for test\n")
     try:
         # When it is read through /proc/<pid>/root/tmp
-        pm = open_perf_map(pid, pid, os.getuid())
+        pm = open_perf_map(pid, pid, os.getuid(), "/proc")
         # Then its entry resolves
         assert pm.lookup(0x401040) == "jit_entry for test"
     finally:
@@ -191,7 +214,7 @@ def test_real_proc_self_root_tmp() -> None:
 
 def test_cache_rereads_a_changed_map_at_most_once_per_recheck_interval(proc: Path) -> None:
     # Given a cached map
-    cache = PerfMapCache(proc_dir=str(proc))
+    cache = PerfMapCache(opener(proc))
     write_map(proc, "1000 10 v1\n")
     first = cache.get(PID, START_TICKS, NSPID, UID, now=100.0)
     assert first is not None and first.lookup(0x1000) == "v1"
@@ -213,13 +236,13 @@ def test_cache_logs_a_refusal_once_and_reads_the_map_once_fixed(proc: Path, tmp_
     target = tmp_path / "target"
     target.write_text(MAP)
     map_path(proc).symlink_to(target)
-    cache = PerfMapCache(proc_dir=str(proc))
+    cache = PerfMapCache(opener(proc))
     # When it is asked for repeatedly, across recheck intervals
     with caplog.at_level(logging.WARNING, logger=perfmap.__name__):
         results = [cache.get(PID, START_TICKS, NSPID, UID, now=float(t)) for t in range(5)]
-    # Then it is None each time, refused once and logged once with pid and reason
+    # Then it is None each time, asked for once per recheck interval, logged once with pid and reason
     assert results == [None] * 5
-    assert cache.stats["refused"] == 1
+    assert cache.stats["refused"] == 5
     logged = [r.getMessage() for r in caplog.records if r.name == perfmap.__name__]
     assert len(logged) == 1 and str(PID) in logged[0] and "is a symlink" in logged[0]
     # When the symlink is replaced by a proper file / Then it is read at the next check
@@ -231,7 +254,7 @@ def test_cache_logs_a_refusal_once_and_reads_the_map_once_fixed(proc: Path, tmp_
 
 def test_cache_missing_map_is_none_until_it_appears(proc: Path) -> None:
     # Given a process without a map
-    cache = PerfMapCache(proc_dir=str(proc))
+    cache = PerfMapCache(opener(proc))
     assert cache.get(PID, START_TICKS, NSPID, UID, now=0.0) is None
     assert cache.stats["missing"] == 1
     # When the process writes one / Then it is picked up after the recheck interval
@@ -243,7 +266,7 @@ def test_cache_missing_map_is_none_until_it_appears(proc: Path) -> None:
 
 def test_cache_treats_a_reused_pid_as_a_new_process(proc: Path) -> None:
     # Given a cached map of a process
-    cache = PerfMapCache(proc_dir=str(proc))
+    cache = PerfMapCache(opener(proc))
     write_map(proc, "1000 10 old_process\n")
     assert cache.get(PID, START_TICKS, NSPID, UID, now=0.0).lookup(0x1000) == "old_process"
     # When a new process with the same pid (other start time) writes its map
@@ -254,7 +277,7 @@ def test_cache_treats_a_reused_pid_as_a_new_process(proc: Path) -> None:
 
 def test_cache_is_a_bounded_lru(proc: Path) -> None:
     # Given a cache of two processes
-    cache = PerfMapCache(max_entries=2, proc_dir=str(proc))
+    cache = PerfMapCache(opener(proc), max_entries=2)
     write_map(proc, MAP)
     for ticks in (1, 2, 1, 3):  # 2 is least recently used when 3 arrives
         cache.get(PID, ticks, NSPID, UID, now=0.0)

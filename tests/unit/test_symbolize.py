@@ -11,12 +11,12 @@ from typing import Iterator
 
 import pytest
 
+from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.procfs import read_maps, read_process
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.symbolizer import profile as profile_mod
-from ebpfprofiler.symbolizer.elf import ElfCache
+from ebpfprofiler.symbolizer.files import FileClient
 from ebpfprofiler.symbolizer.frames import JIT_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache
 from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow
 from tests.harness import stop_process
 
@@ -35,6 +35,18 @@ def live_jit(build) -> Iterator[tuple[subprocess.Popen, int]]:
         Path(f"/tmp/perf-{p.pid}.map").unlink(missing_ok=True)
 
 
+@pytest.fixture
+def resolver(tmp_path: Path) -> Iterator[FrameResolver]:
+    """A resolver whose files come from a real file broker on a socket in tmp_path."""
+    broker = FileBroker(str(tmp_path), allowed_uids={os.getuid()})
+    files = FileClient(str(tmp_path))
+    try:
+        yield FrameResolver(files)
+    finally:
+        files.close()
+        broker.close()
+
+
 def symbol_vaddr(exe: Path, name: str) -> int:
     out = subprocess.run(["nm", str(exe)], capture_output=True, text=True, check=True).stdout
     return int(next(ln.split()[0] for ln in out.splitlines() if ln.endswith(f" {name}")), 16)
@@ -45,7 +57,7 @@ def build_id(exe: Path) -> str:
     return re.search(r"Build ID: ([0-9a-f]+)", out).group(1)
 
 
-def test_user_frames_get_module_build_id_offset_and_name(build, live_jit) -> None:
+def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolver: FrameResolver) -> None:
     # given a live process and its executable mappings as the collector reads them
     p, code = live_jit
     exe = build("jit")
@@ -55,7 +67,6 @@ def test_user_frames_get_module_build_id_offset_and_name(build, live_jit) -> Non
     base = text.start - text.offset
     main_addr = base + symbol_vaddr(exe, "main")          # gcc -O0 PIE: vaddr == file offset
     call_jit = base + symbol_vaddr(exe, "call_jit")
-    resolver = FrameResolver(ElfCache(), PerfMapCache())
     # when a stack (leaf first) is resolved: JIT code, a return address into
     # call_jit, a return address right after main's last byte, an unmapped address
     frames = resolver.user(proc, [code + 2, call_jit + 1, main_addr + 4, 0x10])
@@ -68,14 +79,13 @@ def test_user_frames_get_module_build_id_offset_and_name(build, live_jit) -> Non
     assert frames[3] == Frame(UNKNOWN_MODULE, "", 0x10, "")
 
 
-def test_a_return_address_is_looked_up_at_its_call(build, live_jit) -> None:
+def test_a_return_address_is_looked_up_at_its_call(build, live_jit, resolver: FrameResolver) -> None:
     # given a return address equal to the next function's first byte
     p, _ = live_jit
     exe = build("jit")
     proc = replace(read_process(p.pid, with_cmdline=False), mappings=read_maps(p.pid))
     text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
     main = text.start - text.offset + symbol_vaddr(exe, "main")
-    resolver = FrameResolver(ElfCache(), PerfMapCache())
     # then as a caller's frame it belongs to the function before; as the leaf to main
     caller = resolver.user(proc, [main + 1, main])[1]
     assert caller.function != "main" and caller.function

@@ -1,0 +1,193 @@
+"""The file broker: the collector opens files of profiled processes for the symbolizers.
+
+Owns: a Unix SOCK_SEQPACKET socket (shared.endpoints.file_broker) on which
+symbolizer workers ask for a file (shared.wire.FileRequest) and get back a
+FileReply with an open, read-only descriptor (SCM_RIGHTS). A symbolizer runs
+without privileges; through this socket it can read exactly what is mapped
+executable into profiled processes, and their perf maps, and nothing else:
+
+- module: /proc/<pid>/map_files/<start>-<end>, only if /proc/<pid>/maps has
+  an executable, file-backed mapping with exactly that range;
+- perf_map: /tmp/perf-<nspid>.map inside the process's root, opened without
+  following a symlink at /tmp or at the map, and only if it is a regular file.
+  (The symbolizer checks the owner against the process's uid on the fd.)
+
+Every request names the process by (pid, start time): a pid that was reused
+since the batch is refused. Peers are checked with SO_PEERCRED.
+
+Must not: read or parse what it opens (untrusted content is the symbolizer's),
+or block the collector's drain loop: it serves in its own threads.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from typing import Collection
+
+from ebpfprofiler.collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_stat, parse_status
+from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+# Connections served at once: one per symbolizer worker, with room to spare.
+MAX_CONNECTIONS = 128
+_NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+class Refused(Exception):
+    def __init__(self, error: str, reason: str) -> None:
+        super().__init__(reason)
+        self.error = error
+
+
+def _start_ticks(proc: str, pid: int) -> int:
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            return parse_stat(f.read(4096).decode("utf-8", "replace"))[1]
+    except (OSError, ValueError, IndexError):
+        raise Refused("missing", f"process {pid} is gone") from None
+
+
+def open_module(proc: str, req: FileRequest) -> int:
+    with open(f"{proc}/{req.pid}/maps", "rb") as f:
+        maps = parse_maps(f.read(MAX_MAPS_BYTES).decode("utf-8", "replace"))
+    if not any(m.start == req.start and m.end == req.end and m.inode and not m.path.startswith("[")
+               for m in maps):
+        raise Refused("refused", f"process {req.pid} has no executable file mapping {req.start:x}-{req.end:x}")
+    fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    return _regular_or_close(fd, f"mapping {req.start:x}-{req.end:x}")
+
+
+def open_perf_map(proc: str, req: FileRequest) -> int:
+    with open(f"{proc}/{req.pid}/status", "rb") as f:
+        nspid = parse_status(f.read(16384).decode("utf-8", "replace"))[1]
+    name = f"perf-{nspid if nspid > 0 else req.pid}.map"
+    try:
+        tmp = os.open(f"{proc}/{req.pid}/root/tmp", _NOFOLLOW | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refused("refused", "the process's /tmp is a symlink or not a directory") from None
+        raise
+    try:
+        fd = os.open(name, _NOFOLLOW, dir_fd=tmp)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Refused("refused", f"{name} is a symlink") from None
+        raise
+    finally:
+        os.close(tmp)
+    return _regular_or_close(fd, name)
+
+
+def _regular_or_close(fd: int, what: str) -> int:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Refused("refused", f"{what} is not a regular file")
+    return fd
+
+
+def serve_one(proc: str, req: FileRequest) -> tuple[FileReply, int | None]:
+    """The reply to one request, and the descriptor to pass with it (the caller closes it)."""
+    try:
+        if _start_ticks(proc, req.pid) != req.start_ticks:
+            raise Refused("missing", f"pid {req.pid} is another process now")
+        fd = open_module(proc, req) if req.kind == "module" else open_perf_map(proc, req)
+        return FileReply(ok=True), fd
+    except Refused as e:
+        return FileReply(ok=False, error=e.error, reason=str(e)), None
+    except FileNotFoundError:
+        return FileReply(ok=False, error="missing", reason=f"no {req.kind} for pid {req.pid}"), None
+    except OSError as e:
+        return FileReply(ok=False, error="unreadable", reason=f"{req.kind} of pid {req.pid}: {e.strerror}"), None
+
+
+class FileBroker:
+    """Serves file requests on run_dir/files.sock until close()."""
+
+    def __init__(self, run_dir: str, allowed_uids: Collection[int], proc: str = "/proc") -> None:
+        self.path = endpoints.file_broker(run_dir)
+        self._proc = proc
+        self._allowed = set(allowed_uids)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o007)   # the agent's group may connect; nobody else
+        try:
+            self._sock.bind(self.path)
+        finally:
+            os.umask(old)
+        self._sock.listen(MAX_CONNECTIONS)
+        self._stop = threading.Event()
+        self.stats = {"served": 0, "refused": 0, "bad_requests": 0, "peers_refused": 0}
+        self._thread = threading.Thread(target=self._accept, name="file-broker", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return   # closed
+            uid = _peer_uid(conn)
+            if uid not in self._allowed:
+                self.stats["peers_refused"] += 1
+                log.warning("file broker: refused a connection from uid %d (allowed: %s)", uid, sorted(self._allowed))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="file-broker-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._stop.is_set():
+                try:
+                    data = conn.recv(MAX_FILE_MESSAGE_BYTES + 1)
+                except OSError:
+                    return
+                if not data:
+                    return
+                try:
+                    req = decode([data])
+                    if not isinstance(req, FileRequest):
+                        raise WireError(f"expected a file request, got {type(req).__name__}")
+                except WireError as e:
+                    self.stats["bad_requests"] += 1
+                    reply, fd = FileReply(ok=False, error="bad_request", reason=str(e)), None
+                else:
+                    reply, fd = serve_one(self._proc, req)
+                self.stats["served" if reply.ok else "refused"] += 1
+                try:
+                    fds = [fd] if fd is not None else []
+                    conn.sendmsg(encode(reply), [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                                 if fds else [])
+                except OSError:
+                    return
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
