@@ -7,7 +7,8 @@
 #      gcc, python3-venv.
 #   2. A kernel header tree for bcc: the running kernel's if Debian has it,
 #      else Debian's newest linux-headers-amd64 linked in place, with a warning.
-#   3. tracefs mounted at /sys/kernel/tracing.
+#   3. The agent's group and a system user per stage (deploy/users.sh).
+#      tracefs mounted at /sys/kernel/tracing.
 #   4. A venv in .venv on /usr/bin/python3 with --system-site-packages (bcc is
 #      only in Debian's dist-packages), the pinned requirements, and this
 #      project installed editable (console scripts: ebpfprofiler, ...).
@@ -62,6 +63,9 @@ case "$(readlink "$kdir/build" 2>/dev/null)" in
     /usr/src/linux-headers-"$kver") ;;
     /usr/src/linux-headers-*) warn "kernel headers: $kdir/build is the fallback tree $(readlink "$kdir/build"), not $kver's";;
 esac
+
+# --- the agent's users ---------------------------------------------------------
+bash deploy/users.sh
 
 # --- tracefs ------------------------------------------------------------------
 if [ ! -e /sys/kernel/tracing/available_events ]; then

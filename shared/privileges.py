@@ -1,0 +1,119 @@
+"""Who each stage runs as: its own system user, its capabilities and no others.
+
+Owns: the privilege table of DESIGN.md as data (STAGES), and become(), which a
+stage calls first thing. Started as root (how `ebpfprofiler run` starts it),
+the stage drops to its user in the agent's group, keeps exactly its
+capabilities across the uid change (keep-caps, then effective, permitted,
+inheritable and bounding sets limited) and sets no_new_privs. Started as its
+user already (systemd: User= and AmbientCapabilities=), it drops whatever it
+holds beyond its table entry and sets no_new_privs.
+
+Must not: create users (deploy/ and make setup do), or grant anything.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from dataclasses import dataclass
+
+import _prctl  # type: ignore[import-not-found]
+import prctl  # type: ignore[import-not-found]
+
+AGENT_GROUP = "ebpfprofiler"
+
+# linux/capability.h; python-prctl does not name CAP_CHECKPOINT_RESTORE (5.9+).
+CAP_DAC_READ_SEARCH = 2
+CAP_SYS_PTRACE = 19
+CAP_SYSLOG = 34
+CAP_PERFMON = 38
+CAP_BPF = 39
+CAP_CHECKPOINT_RESTORE = 40
+
+
+@dataclass(frozen=True)
+class StagePrivileges:
+    user: str
+    caps: frozenset[int]
+
+
+STAGES: dict[str, StagePrivileges] = {
+    # BPF programs and perf events; /proc/<pid>/{maps,exe,map_files,root} of every
+    # process; kernel addresses in /proc/kallsyms; tracefs event ids.
+    "collector": StagePrivileges("ebpfprofiler-collector", frozenset({
+        CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_SYSLOG, CAP_DAC_READ_SEARCH, CAP_CHECKPOINT_RESTORE})),
+    "symbolizer": StagePrivileges("ebpfprofiler-symbolizer", frozenset()),
+    "uploader": StagePrivileges("ebpfprofiler-uploader", frozenset()),
+    # process_vm_readv of other users' processes, nothing else.
+    "runtime": StagePrivileges("ebpfprofiler-runtime", frozenset({CAP_SYS_PTRACE})),
+}
+
+
+class PrivilegeError(RuntimeError):
+    """The stage cannot take the identity the table gives it; the message says how to fix it."""
+
+
+def _last_cap() -> int:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return CAP_CHECKPOINT_RESTORE
+
+
+def ids(stage: str) -> tuple[int, int]:
+    """(uid, gid of the agent's group) of a stage's user."""
+    priv = STAGES[stage]
+    try:
+        uid = pwd.getpwnam(priv.user).pw_uid
+        gid = grp.getgrnam(AGENT_GROUP).gr_gid
+    except KeyError as e:
+        raise PrivilegeError(f"{e.args[0]} does not exist: create the agent's users with `make setup` "
+                             f"(or `make install`, or systemd-sysusers deploy/sysusers.conf)") from None
+    return uid, gid
+
+
+def become(stage: str) -> None:
+    """Run as `stage`'s user with exactly its capabilities, and no_new_privs."""
+    priv = STAGES[stage]
+    caps = sorted(priv.caps)
+    if os.geteuid() == 0:
+        uid, gid = ids(stage)
+        for cap in range(_last_cap() + 1):   # needs CAP_SETPCAP: before the uid change
+            if cap not in priv.caps:
+                prctl.capbset.drop(cap)
+        prctl.set_keepcaps(True)
+        os.setgroups([gid])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        prctl.set_keepcaps(False)
+    # One capset: effective = permitted = the stage's caps it holds (one it
+    # lacks cannot be had; preflight names it), inheritable empty.
+    # (python-prctl's C layer takes plain numbers; its Python layer does not
+    # know CAP_CHECKPOINT_RESTORE, and its limit() can only clear.)
+    permitted = held()["CapPrm"]
+    caps = [c for c in caps if permitted >> c & 1]
+    others = [c for c in range(_last_cap() + 1) if c not in caps]
+    _prctl.set_caps(caps, caps, [], others, others, list(range(_last_cap() + 1)))
+    prctl.set_no_new_privs(1)
+    os.umask(0o007)   # sockets and files: the agent's group, nobody else
+    if os.geteuid() == 0 or os.getuid() == 0:
+        raise PrivilegeError(f"{stage} is still root after dropping privileges")
+
+
+def held(status_path: str = "/proc/self/status") -> dict[str, int]:
+    """CapEff, CapPrm, CapBnd, CapAmb, CapInh and NoNewPrivs of a process, as integers."""
+    out: dict[str, int] = {}
+    with open(status_path) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("CapEff", "CapPrm", "CapBnd", "CapAmb", "CapInh"):
+                out[key] = int(value.strip(), 16)
+            elif key == "NoNewPrivs":
+                out[key] = int(value.strip())
+    return out
+
+
+def mask(caps: frozenset[int]) -> int:
+    return sum(1 << c for c in caps)
