@@ -17,8 +17,8 @@
 // Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES, -DSTACK_ENTRIES,
 // -DSTART_ENTRIES and -DOFFCPU_MIN_NS from the collector.
 
-#define TASK_INTERRUPTIBLE 0x1     // S
-#define TASK_UNINTERRUPTIBLE 0x2   // D
+#define OFFCPU_STATE_S 0x1   // TASK_INTERRUPTIBLE
+#define OFFCPU_STATE_D 0x2   // TASK_UNINTERRUPTIBLE
 
 struct offcpu_key {
     u32 pid;
@@ -98,7 +98,7 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     u64 now = bpf_ktime_get_ns();
     u32 prev = args->prev_pid;
     long state = args->prev_state;
-    if (prev != 0 && (state == TASK_INTERRUPTIBLE || state == TASK_UNINTERRUPTIBLE)) {
+    if (prev != 0 && (state == OFFCPU_STATE_S || state == OFFCPU_STATE_D)) {
         struct offcpu_start_t s = {};
         s.ts = now;
         s.pid = bpf_get_current_pid_tgid() >> 32;

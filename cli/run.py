@@ -8,6 +8,10 @@ that loses nothing: collector first (it drains once more), then the workers
 
 Children run in their own process group, so a Ctrl-C reaches only this
 supervisor, which then stops them in order; they die with it if it is killed.
+Each stage drops to its own user and capabilities as it starts
+(shared/privileges.py); the supervisor prepares what those users need: the
+runtime directory (group-writable by the agent's group) and a state
+directory per stage.
 
 Must not: do any stage's work itself.
 """
@@ -18,6 +22,7 @@ import argparse
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -27,7 +32,7 @@ from typing import Sequence
 
 from ebpfprofiler.collector.main import default_bpf_dir
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import endpoints, privileges
 from ebpfprofiler.shared import log as log_mod
 
 # A stage that has not written its ready file by then is reported (the
@@ -83,12 +88,40 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
 def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> list[Stage]:
     py = [sys.executable, "-m"]
     common = ["--config", args.config, "--run-dir", args.run_dir]
-    out = [Stage("uploader", py + ["ebpfprofiler.uploader.main"] + common)]
+    out = [Stage("uploader", py + ["ebpfprofiler.uploader.main"] + common +
+                 ["--state-dir", stage_state_dir(args.state_dir, "uploader")])]
     for w in range(cfg.symbolizer_workers):
         out.append(Stage(f"symbolizer-{w}", py + ["ebpfprofiler.symbolizer.main"] + common +
-                         ["--worker", str(w), "--state-dir", args.state_dir]))
+                         ["--worker", str(w), "--state-dir", stage_state_dir(args.state_dir, "symbolizer")]))
     out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", args.bpf_dir]))
     return out
+
+
+def stage_state_dir(state_dir: str, stage: str) -> str:
+    """Each stage user owns its own part of the state directory."""
+    return os.path.join(state_dir, stage)
+
+
+def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> None:
+    """The directories the stage users need, owned and moded as the systemd units have them."""
+    gid = privileges.ids("uploader")[1]   # the agent's group
+
+    def ensure(path: str, owner: str | None, mode: int) -> None:
+        os.makedirs(path, exist_ok=True)
+        os.chown(path, privileges.ids(owner)[0] if owner else 0, gid)
+        os.chmod(path, mode)
+
+    st = os.stat(args.config)
+    if not st.st_mode & stat.S_IROTH and not (st.st_mode & stat.S_IRGRP and st.st_gid == gid):
+        raise privileges.PrivilegeError(
+            f"{args.config} is not readable by the agent's users: chmod 644 it, or chgrp "
+            f"{privileges.AGENT_GROUP} and chmod 640")
+    ensure(args.run_dir, None, 0o2770)        # every stage binds its sockets here
+    ensure(args.state_dir, None, 0o750)
+    ensure(stage_state_dir(args.state_dir, "symbolizer"), "symbolizer", 0o700)
+    ensure(stage_state_dir(args.state_dir, "uploader"), "uploader", 0o700)
+    if cfg.uploads_locally:
+        ensure(cfg.local_dir, "uploader", 0o750)
 
 
 def start(stage: Stage) -> None:
@@ -141,7 +174,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     args.config = os.path.abspath(args.config)
-    os.makedirs(args.run_dir, exist_ok=True)
+    try:
+        prepare_dirs(args, cfg)
+    except (privileges.PrivilegeError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
 
     stop = threading.Event()
 

@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import logging
 import os
-import pwd
 import signal
 import socket
 import sys
@@ -26,9 +25,10 @@ import zmq
 
 from ebpfprofiler.collector import preflight
 from ebpfprofiler.collector.filebroker import FileBroker
+from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import endpoints, privileges, ready
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.wire import StackBatch, encode
 
@@ -42,8 +42,6 @@ COUNTS_ENTRIES = 40960
 STACK_ENTRIES = 16384
 # A worker that keeps refusing batches is reported at most this often.
 DROP_LOG_EVERY_S = 60
-# The system user symbolizer workers run as (deploy/ and `ebpfprofiler run`).
-SYMBOLIZER_USER = "ebpfprofiler-symbolizer"
 # At start, how long to wait for the workers' connections before sampling:
 # the first batches then go to the right workers, not all to the first one.
 CONNECT_WAIT_MS = 2000
@@ -94,6 +92,7 @@ class Collector:
         self.run_dir = run_dir
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
+        self.ksyms = KernelSymbols()
         families = ["oncpu"] + (["offcpu"] if cfg.offcpu else [])
         self.programs = Programs(bpf_dir, families, {
             "COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
@@ -122,7 +121,7 @@ class Collector:
         for src in self.sources:
             raw = src.drain()
             batches = build_batches(
-                raw, self.procs, _ksym, host=self.host, profile_type=src.profile_type,
+                raw, self.procs, self.ksyms.name, host=self.host, profile_type=src.profile_type,
                 sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(), live_workers=live)
             self.samples[src.profile_type] += sum(s[4] for s in raw.samples)
             for reason, n in raw.lost.items():
@@ -169,16 +168,10 @@ def broker_peers() -> set[int]:
     """Users whose processes may ask the file broker for files: symbolizers, and root."""
     uids = {0, os.geteuid()}
     try:
-        uids.add(pwd.getpwnam(SYMBOLIZER_USER).pw_uid)
-    except KeyError:
+        uids.add(privileges.ids("symbolizer")[0])
+    except privileges.PrivilegeError:
         pass
     return uids
-
-
-def _ksym(address: int) -> str:
-    """The kernel symbol containing `address` (bcc caches /proc/kallsyms)."""
-    from bcc import BPF  # type: ignore[import-not-found]
-    return BPF.ksym(address).decode("utf-8", "replace")
 
 
 def _malloc_trim() -> None:
@@ -190,6 +183,11 @@ def _malloc_trim() -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector") -> int:
     args = parse_args(argv, prog)
+    try:
+        privileges.become("collector")   # first: every check and every step below runs as the stage
+    except privileges.PrivilegeError as e:
+        print(f"{prog}: cannot run as the collector's user: {e}", file=sys.stderr)
+        return 1
     checks = preflight.run_checks()
     if args.preflight:
         print(preflight.report(checks))
@@ -212,12 +210,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    os.makedirs(args.run_dir, exist_ok=True)
-    ready = endpoints.ready_file(args.run_dir, "collector")
 
     if not cfg.enabled:
         log.info("profiling is disabled by config (enabled: false); idle until stopped")
+        ready.announce(args.run_dir, "collector", "disabled by config")
         stop.wait()
+        ready.withdraw(args.run_dir, "collector")
         return 0
 
     try:
@@ -227,8 +225,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         return 1
     try:
         collector.start()
-        with open(ready, "w") as f:
-            f.write(f"{os.getpid()}\n")
+        ready.announce(args.run_dir, "collector")
         log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
                  "drain every %.1f s", cfg.sample_hz,
                  f"from {cfg.offcpu_min_ms} ms" if cfg.offcpu else "off", cfg.symbolizer_workers, DRAIN_INTERVAL_S)
@@ -240,11 +237,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
                 next_drain = time.monotonic() + DRAIN_INTERVAL_S
         collector.drain_once()   # what was sampled since the last drain
     finally:
+        ready.withdraw(args.run_dir, "collector")
         collector.close()
-        try:
-            os.unlink(ready)
-        except FileNotFoundError:
-            pass
     return 0
 
 

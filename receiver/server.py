@@ -2,8 +2,10 @@
 
 Owns: the HTTP handling of the upload API (query parameters, X-Profile-Id,
 body cap, pprof validation, status codes and JSON replies), GET /healthz, and
-the `ebpfprofiler receiver` command. make_server() is the same server for
-tests that want it in a thread.
+the `ebpfprofiler receiver` command, and fault injection for tests and demos
+(Faults: --fail-ratio, --hang-s, --reject-status), applied after the body is
+read and before anything is stored. make_server() is the same server for tests
+that want it in a thread.
 
 Must not: be mistaken for a production backend (no auth, no TLS, no quotas),
 or store a body that shared.pprof.read() rejects.
@@ -15,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -22,6 +25,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
@@ -44,6 +48,9 @@ SHUTDOWN_POLL_S = 0.1
 # Query parameter values are bounded like strings on the wire.
 MAX_PARAM_CHARS = MAX_STRING
 
+# --hang-s is for outlasting a client's read timeout; an hour is plenty.
+MAX_HANG_S = 3600.0
+
 REQUIRED_PARAMS = ("source", "type", "service", "start", "end")
 OPTIONAL_PARAMS = ("host",)
 
@@ -58,14 +65,36 @@ class RequestError(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class Faults:
+    """Test aids: how the receiver misbehaves on purpose (all off by default)."""
+    fail_ratio: float = 0.0        # answer 500 to this share of posts, at random, before storing
+    hang_s: float = 0.0            # wait this long before handling each post
+    reject_status: int = 0         # answer this status to every post (0: off)
+    reject_reason: str = "rejected by --reject-status"
+
+    def describe(self) -> str:
+        parts = []
+        if self.fail_ratio:
+            parts.append(f"500 to {self.fail_ratio:.0%} of posts")
+        if self.hang_s:
+            parts.append(f"a {self.hang_s:g} s hang before each answer")
+        if self.reject_status:
+            parts.append(f"{self.reject_status} to every post")
+        return ", ".join(parts)
+
+
 class ReceiverServer(ThreadingHTTPServer):
     """ThreadingHTTPServer that stores into `directory`; in-flight requests finish on close."""
 
     daemon_threads = False
     block_on_close = True
 
-    def __init__(self, address: tuple[str, int], directory: str) -> None:
+    def __init__(self, address: tuple[str, int], directory: str, faults: Faults = Faults()) -> None:
         self.directory = directory
+        self.faults = faults
+        self.stopping = threading.Event()   # set before shutdown(): cuts a --hang-s wait short
+        self._random = random.Random()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
@@ -74,6 +103,13 @@ class ReceiverServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}"
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        super().shutdown()
+
+    def roll(self) -> float:
+        return self._random.random()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -126,6 +162,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _upload(self, query: str) -> tuple[int, dict[str, Any]]:
         body = self._read_body()
+        self._inject_faults()
         params = _params(query)
         profile_id = self.headers.get("X-Profile-Id")
         if profile_id is None:
@@ -150,6 +187,20 @@ class Handler(BaseHTTPRequestHandler):
         log.info("stored profile %s service=%r type=%s host=%r samples=%d bytes=%d", profile_id,
                  params["service"], params["type"], params["host"], meta["samples"], meta["bytes"])
         return 200, {"id": profile_id, "stored": True}
+
+    def _inject_faults(self) -> None:
+        """Hang, reject or fail this post as the Faults ask; the body was read, nothing is stored yet."""
+        faults, profile_id = self.server.faults, self.headers.get("X-Profile-Id", "")[:128]
+        if faults.hang_s:
+            log.info("hanging %g s before answering profile %s (--hang-s)", faults.hang_s, profile_id)
+            if self.server.stopping.wait(faults.hang_s):
+                raise RequestError(503, "receiver is shutting down")
+        if faults.reject_status:
+            log.info("rejected profile %s with %d (--reject-status)", profile_id, faults.reject_status)
+            raise RequestError(faults.reject_status, faults.reject_reason)
+        if faults.fail_ratio and self.server.roll() < faults.fail_ratio:
+            log.info("injected 500 for profile %s (--fail-ratio %g)", profile_id, faults.fail_ratio)
+            raise RequestError(500, f"injected failure (--fail-ratio {faults.fail_ratio:g})")
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding"):
@@ -179,14 +230,19 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps({"error": message}).encode(), "application/json", headers)
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client gave up (its read timeout) before the answer; it will retry with the same id.
+            self.close_connection = True
+            log.info("client %s went away before the %d answer", self.address_string(), status)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -232,10 +288,36 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_server(listen: str, directory: str) -> ReceiverServer:
+def make_server(listen: str, directory: str, faults: Faults = Faults()) -> ReceiverServer:
     """A bound (not yet serving) receiver; call serve_forever(), then shutdown() and server_close()."""
     os.makedirs(directory, exist_ok=True)
-    return ReceiverServer(parse_listen(listen), directory)
+    return ReceiverServer(parse_listen(listen), directory, faults)
+
+
+def _ratio(value: str) -> float:
+    try:
+        r = float(value)
+    except ValueError:
+        r = -1.0
+    if not 0.0 <= r <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a ratio from 0 to 1")
+    return r
+
+
+def _hang(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not 0.0 <= s <= MAX_HANG_S:
+        raise argparse.ArgumentTypeError(f"{value!r} is not seconds from 0 to {MAX_HANG_S:g}")
+    return s
+
+
+def _status(value: str) -> int:
+    if not (value.isdigit() and 400 <= int(value) <= 599):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an HTTP error status from 400 to 599")
+    return int(value)
 
 
 def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> int:
@@ -249,6 +331,19 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", type=str,
                    help="address to listen on; port 0 picks a free one (default: %(default)s)")
     p.add_argument("--dir", required=True, metavar="DIR", help="directory where profiles are stored")
+    faults = p.add_argument_group(
+        "fault injection (test aids: make the receiver misbehave on purpose; applied after the body is "
+        "read and before anything is stored)")
+    faults.add_argument("--fail-ratio", type=_ratio, default=0.0, metavar="R",
+                        help="answer 500 to this share of posts (0 to 1), chosen at random (default: 0)")
+    faults.add_argument("--hang-s", type=_hang, default=0.0, metavar="S",
+                        help="wait S seconds before handling each post, e.g. longer than the client's read "
+                             "timeout; the post is then handled normally (default: 0)")
+    faults.add_argument("--reject-status", type=_status, default=0, metavar="N",
+                        help="answer every post with HTTP status N (400 to 599) and a JSON reason, "
+                             "storing nothing")
+    faults.add_argument("--reject-reason", default="rejected by --reject-status", metavar="TEXT",
+                        help="the reason sent with --reject-status (default: %(default)r)")
     args = p.parse_args(argv)
     try:
         parse_listen(args.listen)
@@ -256,7 +351,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
         p.error(f"--listen: {e}")
     shared_log.setup(STAGE)
     try:
-        server = make_server(args.listen, args.dir)
+        server = make_server(args.listen, args.dir, Faults(args.fail_ratio, args.hang_s, args.reject_status,
+                                                          args.reject_reason[:MAX_PARAM_CHARS]))
     except OSError as e:
         log.error("cannot listen on %s or use %s: %s", args.listen, args.dir, e)
         return 1
@@ -270,6 +366,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     line = f"receiver listening on {server.url}"
     print(line, flush=True)
     log.info("%s; storing profiles in %s", line, args.dir)
+    if server.faults.describe():
+        log.warning("fault injection on: %s", server.faults.describe())
     thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="receiver", daemon=True)
     thread.start()
     stop.wait()

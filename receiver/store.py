@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from typing import Any
 
-# One atomic-write helper in the project; it belongs in shared/ once someone moves it there.
 from ebpfprofiler.shared.files import write_atomic
-
-# Profile ids become file names: a safe alphabet and a bounded length, no "/".
-ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# Profile ids become file names: the hand-off's safe alphabet and bounded length, no "/".
+from ebpfprofiler.shared.handoff import is_valid_profile_id as is_valid_id
 
 # One writer at a time makes "already stored?" and "store" one step.
 _lock = threading.Lock()
-
-
-def is_valid_id(profile_id: str) -> bool:
-    return ID_PATTERN.fullmatch(profile_id) is not None
 
 
 def save(directory: str, profile_id: str, body: bytes, meta: dict[str, Any]) -> bool:

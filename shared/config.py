@@ -24,6 +24,11 @@ MODULE_PATH = ("modules", "ebpf_profiler")
 MAX_CONFIG_BYTES = 1 << 20
 
 DEFAULT_LOCAL_DIR = "/var/lib/ebpfprofiler/profiles"
+# Profiles kept on disk while the backend is unreachable: 256 MiB is hours of a
+# busy host's profiles; the oldest are dropped (counted, logged) beyond it.
+DEFAULT_SPOOL_MAX_MB = 256
+# Seconds to wait for the backend's reply to one upload (requests' read timeout).
+DEFAULT_UPLOAD_TIMEOUT_S = 30
 
 
 class ConfigError(ValueError):
@@ -42,6 +47,10 @@ class ProfilerConfig:
     endpoint: str = ""
     local_dir: str = DEFAULT_LOCAL_DIR
     symbolizer_workers: int = 1
+    spool_max_mb: int = DEFAULT_SPOOL_MAX_MB
+    upload_timeout_s: int = DEFAULT_UPLOAD_TIMEOUT_S
+    ca_file: str = ""
+    token_file: str = ""
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -72,6 +81,11 @@ _RULES: dict[str, _Rule] = {
     "endpoint": _Rule(str, '"" (write profiles to local_dir) or an http:// or https:// base URL'),
     "local_dir": _Rule(str, "an absolute directory path"),
     "symbolizer_workers": _Rule(int, "an integer from 1 to 64", 1, 64),
+    "spool_max_mb": _Rule(int, "an integer from 1 to 102400 (MiB of profiles kept on disk for the backend)",
+                          1, 102400),
+    "upload_timeout_s": _Rule(int, "an integer from 1 to 600 (seconds to wait for the backend's reply)", 1, 600),
+    "ca_file": _Rule(str, '"" (the system CA certificates) or an absolute path to a PEM file of CA certificates'),
+    "token_file": _Rule(str, '"" (no Authorization header) or an absolute path to a file holding a bearer token'),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -94,6 +108,8 @@ def _check(key: str, value: Any, source: str) -> Any:
         if url.scheme not in ("http", "https") or not url.netloc:
             raise bad
     if key == "local_dir" and not os.path.isabs(value):
+        raise bad
+    if key in ("ca_file", "token_file") and value and not os.path.isabs(value):
         raise bad
     return value
 

@@ -14,19 +14,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, identity
+from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready
 from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode, encode
+from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
 from ebpfprofiler.symbolizer import profile as profile_mod
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
 from ebpfprofiler.symbolizer.files import FileClient
@@ -37,8 +38,9 @@ from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
 WINDOW_GRACE_S = 2.5
 # How long the loop waits for a batch before checking for windows to close.
 POLL_MS = 250
-# Profiles queued for the uploader before the worker blocks (backpressure).
-PROFILE_QUEUE = 256
+# Address space of a worker: Python, ZeroMQ's threads and the caches need a
+# few hundred MB of it (mostly untouched reservations); more is a runaway parse.
+ADDRESS_SPACE_BYTES = 2 << 30
 # Batches queued in the socket before the collector's sends fail (it counts them).
 BATCH_QUEUE = 64
 
@@ -62,7 +64,8 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
 
 
 class Worker:
-    def __init__(self, cfg: config_mod.ProfilerConfig, worker: int, run_dir: str, state_dir: str) -> None:
+    def __init__(self, cfg: config_mod.ProfilerConfig, worker: int, run_dir: str, state_dir: str,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.worker = worker
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
@@ -74,10 +77,16 @@ class Worker:
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
         self.inbox.setsockopt(zmq.RCVHWM, BATCH_QUEUE)
         self.inbox.bind(endpoints.symbolizer(run_dir, worker))
-        self.outbox = ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.SNDHWM, PROFILE_QUEUE)
-        self.outbox.setsockopt(zmq.LINGER, 10_000)
+        # Profiles go to the uploader over a DEALER; the uploader acks each one once it is
+        # on disk, and the sender keeps it until then (bounded; flush blocks when full).
+        self.outbox = ctx.socket(zmq.DEALER)
+        self.outbox.setsockopt(zmq.IMMEDIATE, 1)      # nothing queued towards an absent uploader
+        self.outbox.setsockopt(zmq.SNDHWM, handoff.MAX_UNACKED_PROFILES)
+        self.outbox.setsockopt(zmq.LINGER, 0)         # unacked profiles are the sender's, not the socket's
+        self.outbox.setsockopt(zmq.MAXMSGSIZE, handoff.MAX_ACK_BYTES)
         self.outbox.connect(endpoints.uploader(run_dir))
+        # A flush blocked on the uploader must still notice a stop.
+        self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
         self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0}
         self._labels: dict[tuple[int, int], tuple[tuple[str, str], ...]] = {}
 
@@ -147,31 +156,42 @@ class Worker:
     # ------------------------------------------------------------ output
 
     def flush(self, closed: list[ClosedWindow]) -> None:
+        self.sender.poll()   # acks in, overdue resends out; never blocks
         for w in closed:
             gz, n = profile_mod.build(w, self.period[w.profile_type])
             upload = ProfileUpload(
                 profile_id=str(uuid.uuid4()), host=os.uname().nodename, service=w.service,
                 profile_type=w.profile_type, window_start_ns=w.start_ns, window_end_ns=w.end_ns,
                 samples=n, pprof_gz=gz)
-            # Blocks when the uploader is this far behind: backpressure, not growth.
-            self.outbox.send_multipart(encode(upload))
+            # Blocks while the uploader has not acked MAX_UNACKED_*: backpressure, not growth.
+            self.sender.send(upload)
             self.stats["profiles"] += 1
             if w.data.truncated:
                 log.warning("service %s window %d: %d samples summed into [truncated] (row cap)",
                             w.service, w.start_ns, w.data.truncated)
-            log.info("profile %s of service %s: %d samples, %d bytes", w.profile_type, w.service,
+            log.info("profile %s %s of service %s, window %s: %d samples, %d bytes", upload.profile_id,
+                     w.profile_type, w.service, handoff.window_text(upload),
                      sum(r[0] for r in w.data.rows.values()), len(gz))
 
     def close(self) -> None:
         self.flush(list(self.windows.close_all()))
+        self.sender.close(handoff.CLOSE_TIMEOUT_S)   # waits for the last acks; logs what it could not hand off
         self.inbox.close()
-        self.outbox.close()   # lingers until queued profiles reach the uploader
+        self.outbox.close()
         log.info("symbolizer worker %d stopped: %s, frames %s", self.worker, self.stats, self.resolver.stats)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer") -> int:
     args = parse_args(argv, prog)
     log_mod.setup(f"symbolizer-{args.worker}")
+    try:
+        privileges.become("symbolizer")   # first: nothing below runs with privileges
+    except privileges.PrivilegeError as e:
+        print(f"{prog}: cannot run as the symbolizer's user: {e}", file=sys.stderr)
+        return 1
+    # A hostile ELF may make the parser allocate; past this it gets MemoryError,
+    # which elf.py turns into a counted skip, instead of the host's memory.
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as e:
@@ -185,11 +205,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    os.makedirs(args.run_dir, exist_ok=True)
-    worker = Worker(cfg, args.worker, args.run_dir, args.state_dir)
-    ready = endpoints.ready_file(args.run_dir, f"symbolizer-{args.worker}")
-    with open(ready, "w") as f:
-        f.write(f"{os.getpid()}\n")
+    worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
+    stage = f"symbolizer-{args.worker}"
+    ready.announce(args.run_dir, stage)
     log.info("symbolizer worker %d ready: windows of %d s", args.worker, cfg.upload_interval_s)
     grace_ns = int(WINDOW_GRACE_S * 1e9)
     try:
@@ -201,11 +219,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
         while worker.inbox.poll(0):
             worker.handle(worker.inbox.recv_multipart())
     finally:
+        ready.withdraw(args.run_dir, stage)
         worker.close()
-        try:
-            os.unlink(ready)
-        except FileNotFoundError:
-            pass
     return 0
 
 

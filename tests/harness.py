@@ -6,11 +6,14 @@ the test fails. Waiting is polling with a deadline, never a sleep.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -54,6 +57,28 @@ def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float 
     return p.returncode
 
 
+def bpf_holdings(pid: int) -> tuple[set[int], int]:
+    """(ids of the BPF programs `pid` holds, number of perf event fds it holds)."""
+    progs, perf = set(), 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target == "anon_inode:[perf_event]":
+                perf += 1
+            elif target == "anon_inode:bpf-prog":
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                    if line.startswith("prog_id:"):
+                        progs.add(int(line.split()[1]))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return progs, perf
+
+
+def bpftool(*args: str) -> list[dict]:
+    out = subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout
+    return json.loads(out or "[]")
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
         pytest.fail("integration tests load BPF programs: run them as root (make test does)")
@@ -78,15 +103,30 @@ class Receiver:
         stop_process(self.proc)
 
 
+def open_dir(prefix: str) -> Path:
+    """A directory under /tmp that the stages' users can enter (pytest's are root-only).
+
+    The caller removes it (shutil.rmtree) when done."""
+    path = Path(tempfile.mkdtemp(prefix=f"ebpfprofiler-{prefix}-", dir="/tmp"))
+    path.chmod(0o755)
+    return path
+
+
 class Pipeline:
-    """`ebpfprofiler run` with a config of the test's, until stop()."""
+    """`ebpfprofiler run` with a config of the test's, until stop().
+
+    Its runtime, state and config live in an open directory of its own
+    (removed at stop), as the stages run as their own users; a test that sets
+    local_dir puts it under such a directory too (open_dir)."""
 
     def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig) -> None:
         self.cfg = cfg
-        self.run_dir = workdir / "run"
-        self.state_dir = workdir / "state"
-        self.config_path = workdir / "agent.yaml"
+        self.root = open_dir("pipeline")
+        self.run_dir = self.root / "run"
+        self.state_dir = self.root / "state"
+        self.config_path = self.root / "agent.yaml"
         self.config_path.write_text(config_mod.dump(cfg))
+        self.config_path.chmod(0o644)
         self.log_path = workdir / "pipeline.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
@@ -113,4 +153,5 @@ class Pipeline:
     def stop(self) -> int:
         code = stop_process(self.proc, timeout=90)
         self._log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
         return code

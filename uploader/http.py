@@ -1,12 +1,15 @@
-"""HTTP delivery: POST each profile to `{endpoint}/v1/profiles`, with bounded retries.
+"""HTTP delivery: one POST of one profile to `{endpoint}/v1/profiles`, and the retry policy.
 
 Owns: the client side of the upload API (docs/upload-api.md): URL, query
-parameters, headers, timeouts, which outcomes are retried and how long to wait
-between attempts. deliver() returns True only for a 2xx, so a spool can wrap it
-and keep a profile until then.
+parameters, headers (X-Profile-Id, the bearer token), TLS verification,
+connect and read timeouts, how an answer is classified (delivered, retry
+later, never), and how long to wait before the next attempt (exponential
+backoff with jitter, a numeric Retry-After honoured up to a cap). Also reading
+the bearer token file.
 
-Must not: log or alter profile bytes, read more than MAX_RESPONSE_BYTES of a
-response, or decide what happens to a profile after a final failure.
+Must not: log or alter profile bytes, log the token, read more than
+MAX_RESPONSE_BYTES of a response, or decide what happens to a profile after a
+failure (the sender and the spool do).
 
 Environment: EBPFPROFILER_UPLOAD_BACKOFF_S overrides the backoff base
 (seconds, default DEFAULT_BACKOFF_BASE_S); tests set it small.
@@ -19,13 +22,14 @@ import json
 import logging
 import os
 import random
-import time
+import stat
 from dataclasses import dataclass
 
 import requests
+import requests.auth
 
+from ebpfprofiler.shared.handoff import cut
 from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.local import window_text
 
 log = logging.getLogger("ebpfprofiler.uploader.http")
 
@@ -35,12 +39,7 @@ BACKOFF_ENV = "EBPFPROFILER_UPLOAD_BACKOFF_S"
 
 # A backend that cannot accept a TCP connection in this long is down for us.
 CONNECT_TIMEOUT_S = 5.0
-# Time allowed between bytes of the response; a backend may parse a large profile first.
-READ_TIMEOUT_S = 30.0
-# Attempts per profile (1 + 3 retries): rides out a backend restart without
-# holding the queue behind one profile for long.
-MAX_ATTEMPTS = 4
-# First wait between attempts; it doubles per attempt (1 s, 2 s, 4 s) with jitter.
+# First wait between attempts; it doubles per attempt (1 s, 2 s, 4 s …) with jitter.
 DEFAULT_BACKOFF_BASE_S = 1.0
 # No single wait between attempts is longer than this, whatever the backoff says.
 MAX_BACKOFF_S = 30.0
@@ -50,8 +49,14 @@ MAX_RETRY_AFTER_S = 60.0
 MAX_RESPONSE_BYTES = 4096
 # Reasons quoted in logs are cut to this many characters.
 MAX_REASON_CHARS = 300
+# A bearer token (a JWT included) is a few KB; a larger file is not a token file.
+MAX_TOKEN_BYTES = 16 << 10
 
 RETRY_STATUSES = frozenset({408, 429})   # and every 5xx
+
+
+class TokenError(ValueError):
+    """A token file that cannot be used; the message names the file, never its content."""
 
 
 def user_agent() -> str:
@@ -78,56 +83,88 @@ def backoff_base_s() -> float:
     return value
 
 
+def backoff_delay(base_s: float, attempt: int, retry_after_s: float | None = None) -> float:
+    """Seconds to wait after failed attempt number `attempt` (1-based).
+
+    A server's Retry-After wins (capped); otherwise base × 2^(attempt−1), capped,
+    times a random factor in [0.5, 1] so that many hosts do not retry in step.
+    """
+    if retry_after_s is not None:
+        return min(retry_after_s, MAX_RETRY_AFTER_S)
+    step = min(base_s * 2 ** min(attempt - 1, 62), MAX_BACKOFF_S)
+    return step * random.uniform(0.5, 1.0)
+
+
+def read_token(path: str) -> str:
+    """The bearer token in `path` (surrounding whitespace stripped); TokenError if unusable."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as e:
+        raise TokenError(f"cannot read token file {path}: {e.strerror}") from None
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise TokenError(f"token file {path} is larger than {MAX_TOKEN_BYTES} bytes; not a token file")
+    token = raw.strip()
+    if not token:
+        raise TokenError(f"token file {path} is empty")
+    # Only visible ASCII: anything else could split or corrupt the header.
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise TokenError(f"token file {path} holds characters other than visible ASCII inside the token")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token file %s is accessible by group or others (mode %04o): make it the uploader's user's "
+                    "alone (chown it to that user, chmod 600)", path, stat.S_IMODE(st.st_mode))
+    return token.decode("ascii")
+
+
 @dataclass(frozen=True)
-class _Outcome:
-    ok: bool
-    retry: bool
-    reason: str
+class Outcome:
+    """What one attempt came to."""
+    ok: bool                          # a 2xx: the backend has it
+    retry: bool                       # worth another attempt later
+    reason: str                       # for logs and the dead-letter record
+    status: int | None = None         # HTTP status, None when there was no answer
     retry_after_s: float | None = None
+    reached: bool = True              # False: no connection (nothing about this profile was learnt)
+
+
+class _Bearer(requests.auth.AuthBase):
+    """Authorization: Bearer <token>. Given as the request's auth, so no ~/.netrc entry replaces it."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        r.headers["Authorization"] = f"Bearer {self._token}"
+        return r
+
+    def __repr__(self) -> str:
+        return "_Bearer(<hidden>)"
 
 
 class HttpClient:
-    """Delivers profiles to a backend implementing POST /v1/profiles."""
+    """Posts profiles to one backend; one attempt per post() call."""
 
-    def __init__(self, endpoint: str, backoff_s: float | None = None) -> None:
+    def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "") -> None:
         self.url = endpoint.rstrip("/") + PATH
-        self.backoff_s = backoff_base_s() if backoff_s is None else backoff_s
+        self.read_timeout_s = read_timeout_s
         self._session = requests.Session()
         self._session.headers["User-Agent"] = user_agent()
+        # Certificates are always verified; a CA file replaces the system's CAs. It is passed
+        # with each request: a session-wide verify loses to REQUESTS_CA_BUNDLE in the environment.
+        self._verify: str | bool = ca_file or True
+        self._auth = _Bearer(token) if token else None
+        self.tls_note = f"CA file {ca_file}" if ca_file else "system CAs"
+        self.auth_note = "a bearer token" if token else "no token"
 
     def describe(self) -> str:
         return f"endpoint {self.url}"
 
-    def deliver(self, upload: ProfileUpload) -> bool:
-        """Post one profile, retrying transient failures; True once the backend answered 2xx."""
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            outcome = self._post(upload)
-            if outcome.ok:
-                log.debug("uploaded profile %s service=%r type=%s window=%s on attempt %d",
-                          upload.profile_id, upload.service, upload.profile_type, window_text(upload), attempt)
-                return True
-            if not outcome.retry or attempt == MAX_ATTEMPTS:
-                log.error("upload failed after %d attempt(s): service=%r type=%s window=%s id=%s: %s",
-                          attempt, upload.service, upload.profile_type, window_text(upload),
-                          upload.profile_id, outcome.reason)
-                return False
-            delay = self._delay(attempt, outcome.retry_after_s)
-            log.warning("upload attempt %d/%d for service=%r type=%s failed (%s); retrying in %.2fs",
-                        attempt, MAX_ATTEMPTS, upload.service, upload.profile_type, outcome.reason, delay)
-            time.sleep(delay)
-        return False   # not reached: the last attempt returns above
-
     def close(self) -> None:
         self._session.close()
 
-    def _delay(self, attempt: int, retry_after_s: float | None) -> float:
-        if retry_after_s is not None:
-            return min(retry_after_s, MAX_RETRY_AFTER_S)
-        # Jitter in [50%, 100%] of the exponential step keeps many hosts from retrying in step.
-        step = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-        return step * random.uniform(0.5, 1.0)
-
-    def _post(self, upload: ProfileUpload) -> _Outcome:
+    def post(self, upload: ProfileUpload) -> Outcome:
+        """One attempt at delivering `upload`."""
         params = {
             "source": SOURCE,
             "type": upload.profile_type,
@@ -140,12 +177,18 @@ class HttpClient:
         try:
             resp = self._session.post(
                 self.url, params=params, headers=headers, data=upload.pprof_gz,
-                timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S), stream=True, allow_redirects=False,
+                timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
+                verify=self._verify, auth=self._auth,
             )
-        except (requests.ConnectionError, requests.Timeout) as e:
-            return _Outcome(False, True, f"{type(e).__name__}: {_cut(str(e))}")
-        except requests.RequestException as e:   # bad header value, bad URL: retrying cannot help
-            return _Outcome(False, False, f"{type(e).__name__}: {_cut(str(e))}")
+        except requests.Timeout as e:
+            what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
+            limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
+            return Outcome(False, True, f"no {what} within {limit:g}s ({type(e).__name__})",
+                           reached=what == "read")
+        except requests.ConnectionError as e:   # refused, reset, DNS, TLS verification
+            return Outcome(False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False)
+        except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
+            return Outcome(False, False, f"{type(e).__name__}: {_cut(_cause(e))}")
         head = bytearray()
         try:
             # A body read to its end lets the session reuse the connection; a longer one is cut off.
@@ -159,12 +202,13 @@ class HttpClient:
             resp.close()
         status = resp.status_code
         if 200 <= status < 300:
-            return _Outcome(True, False, f"HTTP {status}")
+            return Outcome(True, False, f"HTTP {status}", status)
         reason = f"HTTP {status} {_reason(head, resp.reason)}"
         if 300 <= status < 400:
             reason += f" (redirect to {resp.headers.get('Location', '?')!r}; set endpoint to the final URL)"
         retry = status in RETRY_STATUSES or 500 <= status < 600
-        return _Outcome(False, retry, reason, _retry_after(resp.headers.get("Retry-After")) if retry else None)
+        retry_after = _retry_after(resp.headers.get("Retry-After")) if retry else None
+        return Outcome(False, retry, reason, status, retry_after)
 
 
 def _reason(head: bytes | bytearray, http_reason: str | None) -> str:
@@ -178,6 +222,13 @@ def _reason(head: bytes | bytearray, http_reason: str | None) -> str:
     return repr(_cut(http_reason or ""))
 
 
+def _cause(e: Exception) -> str:
+    """The useful end of a requests error: what urllib3 says caused it, without the long URL before it."""
+    text = str(e)
+    _, sep, cause = text.partition("(Caused by ")
+    return cause.removesuffix(")") if sep else text
+
+
 def _retry_after(value: str | None) -> float | None:
     """Seconds from a delay-seconds Retry-After; the HTTP-date form is ignored (backoff applies)."""
     value = (value or "").strip()
@@ -185,4 +236,4 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _cut(s: str) -> str:
-    return s if len(s) <= MAX_REASON_CHARS else s[:MAX_REASON_CHARS] + "…"
+    return cut(s, MAX_REASON_CHARS)

@@ -6,6 +6,9 @@ mapping of service names (paths, container ids) to safe directory names, and
 writing each file atomically (temporary file, fsync, rename, fsync of the
 directory), so a reader never sees a partial profile.
 
+In local mode this write is the delivery: the uploader acknowledges a profile
+to its worker once accept() has written it, and has no spool.
+
 Must not: talk to the network, validate or change the pprof bytes, or write
 outside `local_dir`.
 """
@@ -19,6 +22,7 @@ import re
 from datetime import datetime, timezone
 
 from ebpfprofiler.shared.files import write_atomic
+from ebpfprofiler.shared.handoff import RETRY, STORED, window_text
 from ebpfprofiler.shared.wire import ProfileUpload
 
 log = logging.getLogger("ebpfprofiler.uploader.local")
@@ -65,27 +69,20 @@ class LocalWriter:
     def describe(self) -> str:
         return f"local directory {self.local_dir}"
 
-    def deliver(self, upload: ProfileUpload) -> bool:
-        """Write one profile; False (logged) if it could not be written."""
+    def accept(self, upload: ProfileUpload) -> tuple[str, str]:
+        """Write one profile durably: (STORED, "") or (RETRY, why it could not be written, logged)."""
         path = profile_path(self.local_dir, upload)
         window = window_text(upload)
         try:
             os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
             write_atomic(path, upload.pprof_gz)
         except OSError as e:
-            log.error("cannot write profile service=%r type=%s window=%s to %s: %s",
-                      upload.service, upload.profile_type, window, path, e)
-            return False
+            log.error("cannot write profile service=%r type=%s window=%s to %s: %s; the worker keeps it "
+                      "and offers it again", upload.service, upload.profile_type, window, path, e)
+            return RETRY, f"cannot write under local_dir: {e}"
         log.info("wrote profile service=%r type=%s window=%s samples=%d bytes=%d to %s",
                  upload.service, upload.profile_type, window, upload.samples, len(upload.pprof_gz), path)
-        return True
+        return STORED, ""
 
     def close(self) -> None:
         pass
-
-
-def window_text(upload: ProfileUpload) -> str:
-    """The profile's window for log lines: UTC start and length."""
-    start = datetime.fromtimestamp(upload.window_start_ns / 1e9, tz=timezone.utc)
-    length_s = (upload.window_end_ns - upload.window_start_ns) / 1e9
-    return f"{start:%Y-%m-%dT%H:%M:%S}Z+{length_s:g}s"

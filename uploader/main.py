@@ -1,13 +1,16 @@
-"""The uploader stage: receive profiles from symbolizer workers and deliver them.
+"""The uploader stage: take profiles from symbolizer workers, keep them safe, deliver them.
 
-Owns: the uploader's command line, its ZeroMQ PULL socket
-(shared.endpoints.uploader), the receive loop that decodes and checks every
-message, the choice between local delivery (config endpoint "") and HTTP
-delivery, and an orderly stop: on SIGTERM/SIGINT it delivers what is already
-queued, removes its ready file and exits 0.
+Owns: the uploader's command line, its ZeroMQ ROUTER socket
+(shared.endpoints.uploader) and the receive loop: decode each hand-off
+(shared.handoff), store the profile durably, and only then acknowledge it to
+its worker. With an endpoint, "durably" means the disk spool (spool.py) and a
+sender thread (sender.py) posts from it; with endpoint "" it means the file
+under local_dir. Also an orderly stop: on SIGTERM/SIGINT it stops taking new
+profiles, stores and acknowledges what is already queued, makes a bounded
+final delivery attempt, removes its ready file and exits 0.
 
-Must not: read /proc of other processes, parse pprof contents, or need any
-privilege.
+Must not: read /proc of other processes, parse pprof contents, log the bearer
+token, or need any privilege.
 """
 
 from __future__ import annotations
@@ -24,33 +27,42 @@ from typing import Protocol
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import endpoints, privileges, ready
 from ebpfprofiler.shared import log as shared_log
-from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload, WireError, decode
-from ebpfprofiler.uploader.http import HttpClient
+from ebpfprofiler.shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
+from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload
+from ebpfprofiler.uploader.http import HttpClient, TokenError, backoff_base_s, read_token
 from ebpfprofiler.uploader.local import LocalWriter
+from ebpfprofiler.uploader.sender import Sender
+from ebpfprofiler.uploader.spool import Spool
 
 STAGE = "uploader"
 
 # A ZeroMQ frame larger than a profile at its cap plus its small JSON header is
 # refused by the socket itself (the sending peer is disconnected).
-MAX_FRAME_BYTES = MAX_PROFILE_BYTES + (64 << 10)
-# Profiles held in the socket's queue; beyond it symbolizers' sends wait
-# (back-pressure) instead of the uploader's memory growing.
+MAX_FRAME_BYTES = MAX_PROFILE_BYTES + (64 << 10) + MAX_ENVELOPE_BYTES
+# Profiles queued in the socket per worker; the workers' own unacked caps
+# (shared.handoff) bound it long before this.
 RECEIVE_HWM = 256
 # How often the receive loop wakes to notice a stop request.
 POLL_MS = 200
-# On stop, keep draining until the socket has been empty this long, so profiles
-# already in flight from a worker's socket are still delivered.
+# On stop, keep taking profiles until the socket has been empty this long, so
+# profiles already in flight from a worker are still stored and acknowledged.
 DRAIN_IDLE_MS = 100
+# On stop, the sender's final attempt at delivering what is spooled lasts at
+# most this long; the spool keeps the rest for the next start. With
+# JOIN_SLACK_S it stays under `ebpfprofiler run`'s 20 s stop timeout.
+FINAL_ATTEMPT_S = 5.0
+# Extra time for a post in flight when the final attempt ends (connect timeout).
+JOIN_SLACK_S = 5.0
+SPOOL_DIR = "spool"
+DEAD_LETTER_DIR = "dead-letter"
 
 
-class Delivery(Protocol):
-    """Where profiles go: LocalWriter or HttpClient (a spool can wrap either)."""
+class Store(Protocol):
+    """Where an accepted profile is made durable: LocalWriter (local_dir) or Spool."""
 
-    def describe(self) -> str: ...
-    def deliver(self, upload: ProfileUpload) -> bool: ...
-    def close(self) -> None: ...
+    def accept(self, upload: ProfileUpload) -> tuple[str, str]: ...
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
@@ -60,26 +72,28 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
             "Receive gzip pprof profiles from the symbolizer workers over ZeroMQ "
             "(ipc://RUN_DIR/uploader.sock) and deliver each one: POST it to "
             "ENDPOINT/v1/profiles when the config sets modules.ebpf_profiler.endpoint, "
-            "else write it under local_dir. Needs no privileges. On SIGTERM or SIGINT "
-            "it delivers what is already queued and exits 0."),
+            "else write it under local_dir. With an endpoint every profile is first "
+            "written to the spool (STATE_DIR/spool, fsync'd) and acknowledged to its "
+            "worker, and leaves the spool only after a 2xx; refused ones (a 4xx other "
+            "than 408/429) go to STATE_DIR/dead-letter with the reason. Needs no "
+            "privileges. On SIGTERM or SIGINT it stores what is queued, makes a short "
+            "final delivery attempt and exits 0."),
     )
     p.add_argument("--config", required=True, metavar="FILE",
                    help="agent YAML config file (the modules.ebpf_profiler block is used)")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR, metavar="DIR",
                    help="runtime directory holding the stage sockets and ready files (default: %(default)s)")
+    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR, metavar="DIR",
+                   help="state directory holding the spool and dead-letter directories (default: %(default)s)")
     return p.parse_args(argv)
 
 
-def make_delivery(cfg: config_mod.ProfilerConfig) -> Delivery:
-    return LocalWriter(cfg.local_dir) if cfg.uploads_locally else HttpClient(cfg.endpoint)
-
-
 class Uploader:
-    """The receive loop around one socket and one Delivery."""
+    """The receive loop around one ROUTER socket and one Store."""
 
-    def __init__(self, sock: zmq.Socket, delivery: Delivery, log: logging.Logger) -> None:
+    def __init__(self, sock: zmq.Socket, store: Store, log: logging.Logger) -> None:
         self.sock = sock
-        self.delivery = delivery
+        self.store = store
         self.log = log
         self.log_once = shared_log.LogOnce(log)
         self.stopping = False
@@ -87,7 +101,7 @@ class Uploader:
 
     def request_stop(self, signum: int, _frame: FrameType | None = None) -> None:
         if not self.stopping:
-            self.log.info("%s: delivering what is queued, then exiting", signal.Signals(signum).name)
+            self.log.info("%s: storing what is queued, then exiting", signal.Signals(signum).name)
         self.stopping = True
 
     def run(self) -> None:
@@ -96,45 +110,89 @@ class Uploader:
         while not self.stopping:
             if poller.poll(POLL_MS):
                 self._handle(self.sock.recv_multipart())
-        # Stop: no new waiting, but everything already queued is delivered.
+        # Stop: no new waiting, but everything already queued is stored and acknowledged.
         while poller.poll(DRAIN_IDLE_MS):
             self._handle(self.sock.recv_multipart())
 
     def _handle(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
         try:
-            msg = decode(frames)
-            if not isinstance(msg, ProfileUpload):
-                raise WireError(f"a {type(msg).__name__} message was sent to the uploader")
-        except WireError as e:
-            self.counts["dropped"] += 1
+            upload = decode_profile(rest)
+        except HandoffError as e:
+            self.counts["refused"] += 1
             reason = str(e)
-            self.log_once(("drop", reason), logging.WARNING,
-                          "dropped a message: %s (%d dropped so far; this reason is logged once)",
-                          reason, self.counts["dropped"])
+            self.log_once(("refused", reason), logging.WARNING,
+                          "refused a message: %s (%d refused so far; this reason is logged once)",
+                          reason, self.counts["refused"])
+            if e.profile_id is not None:
+                self._reply(identity, e.profile_id, REFUSED, reason)
             return
-        self.counts["delivered" if self.delivery.deliver(msg) else "failed"] += 1
+        status, reason = self.store.accept(upload)
+        self.counts[status] += 1
+        self._reply(identity, upload.profile_id, status, reason)
+
+    def _reply(self, identity: bytes, profile_id: str, status: str, reason: str) -> None:
+        try:
+            self.sock.send_multipart([identity, encode_ack(profile_id, status, reason)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass   # that worker is gone or not reading; it offers the profile again and we ack it then
 
 
 def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:
     args = parse_args(argv, prog)
     try:
+        privileges.become(STAGE)   # first: nothing below runs with privileges
+    except privileges.PrivilegeError as e:
+        print(f"{prog}: cannot run as the uploader's user: {e}", file=sys.stderr)
+        return 1
+    try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    token = ""
+    if not cfg.uploads_locally:
+        try:
+            token = read_token(cfg.token_file) if cfg.token_file else ""
+        except TokenError as e:
+            print(f"{prog}: modules.ebpf_profiler.token_file: {e}", file=sys.stderr)
+            return 2
+        if cfg.ca_file and not os.access(cfg.ca_file, os.R_OK):
+            print(f"{prog}: modules.ebpf_profiler.ca_file: cannot read {cfg.ca_file}", file=sys.stderr)
+            return 2
     log = shared_log.setup(STAGE)
-    delivery = make_delivery(cfg)
+
+    client: HttpClient | None = None
+    sender: Sender | None = None
+    if cfg.uploads_locally:
+        store: Store = LocalWriter(cfg.local_dir)
+        where = f"the {store.describe()}"
+    else:
+        client = HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token)
+        spool = Spool(os.path.join(args.state_dir, SPOOL_DIR), os.path.join(args.state_dir, DEAD_LETTER_DIR),
+                      cfg.spool_max_mb << 20, log)
+        try:
+            spool.open()
+        except OSError as e:
+            log.error("cannot use the spool in %s: %s", spool.directory, e)
+            return 1
+        store = spool
+        sender = Sender(spool, client, log, backoff_base_s())
+        where = (f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
+                 f"{cfg.upload_timeout_s} s) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)")
+        if token and cfg.endpoint.startswith("http://"):
+            log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
+
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
+    sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-    uploader = Uploader(sock, delivery, log)
+    uploader = Uploader(sock, store, log)
     # From here a stop request is remembered; the loop then drains and exits.
     signal.signal(signal.SIGTERM, uploader.request_stop)
     signal.signal(signal.SIGINT, uploader.request_stop)
     address = endpoints.uploader(args.run_dir)
-    ready = endpoints.ready_file(args.run_dir, STAGE)
     try:
         os.makedirs(args.run_dir, exist_ok=True)
         sock.bind(address)
@@ -142,23 +200,32 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         log.error("cannot listen on %s: %s", address, e)
         sock.close()
         ctx.term()
-        delivery.close()
+        if client is not None:
+            client.close()
         return 1
+    if sender is not None:
+        sender.start()
     try:
-        with open(ready, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        log.info("listening on %s; profiles go to the %s", address, delivery.describe())
+        ready.announce(args.run_dir, STAGE)
+        log.info("listening on %s; profiles go to %s", address, where)
         uploader.run()
     finally:
+        ready.withdraw(args.run_dir, STAGE)
         sock.close()
         ctx.term()
-        delivery.close()
-        try:
-            os.unlink(ready)
-        except FileNotFoundError:
-            pass
         c = uploader.counts
-        log.info("exiting: %d delivered, %d failed, %d dropped", c["delivered"], c["failed"], c["dropped"])
+        if sender is not None and client is not None:
+            if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
+                log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
+            client.close()
+            s = spool.counts
+            log.info("exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
+                     "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start",
+                     c["stored"], c["refused"], c["retry"], s["delivered"], s["dead_lettered"],
+                     s["dropped"], len(spool), spool.bytes / 1e6)
+        else:
+            log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"],
+                     c["retry"])
     return 0
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -12,29 +12,7 @@ import pytest
 
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.config import ProfilerConfig, dump
-from tests.harness import PY, require_root, stop_process, wait_for
-
-
-def bpf_holdings(pid: int) -> tuple[set[int], int]:
-    """(ids of the BPF programs `pid` holds, number of perf event fds it holds)."""
-    progs, perf = set(), 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target == "anon_inode:[perf_event]":
-                perf += 1
-            elif target == "anon_inode:bpf-prog":
-                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
-                    if line.startswith("prog_id:"):
-                        progs.add(int(line.split()[1]))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return progs, perf
-
-
-def bpftool(*args: str) -> list[dict]:
-    out = subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout
-    return json.loads(out or "[]")
+from tests.harness import PY, bpf_holdings, bpftool, open_dir, require_root, stop_process, wait_for
 
 
 @pytest.mark.parametrize("sig, offcpu", [(signal.SIGTERM, True), (signal.SIGINT, False)],
@@ -42,9 +20,13 @@ def bpftool(*args: str) -> list[dict]:
 def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool) -> None:
     # given a running collector, with and without off-CPU profiling
     require_root()
-    cfg = tmp_path / "agent.yaml"
+    work = open_dir("collector")
+    cfg = work / "agent.yaml"
     cfg.write_text(dump(ProfilerConfig(sample_hz=49, offcpu=offcpu)))
-    run_dir = tmp_path / "run"
+    run_dir = work / "run"
+    run_dir.mkdir()
+    shutil.chown(run_dir, group="ebpfprofiler")
+    run_dir.chmod(0o2770)
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
                           "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
     try:
@@ -75,6 +57,7 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         assert not os.path.exists(endpoints.ready_file(str(run_dir), "collector"))
     finally:
         stop_process(p, signal.SIGKILL)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:

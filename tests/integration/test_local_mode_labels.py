@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import pwd
+import shutil
 import subprocess
 from pathlib import Path
 
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, require_root
+from tests.harness import Pipeline, open_dir, require_root
 
 
 def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
     # given the pipeline with no endpoint, plain pids and command lines on
     require_root()
     hot = build("hot")
-    local = tmp_path / "profiles"
+    open_tmp = open_dir("local")
+    local = open_tmp / "profiles"
     pipeline = Pipeline(tmp_path, ProfilerConfig(
         sample_hz=49, upload_interval_s=2, endpoint="", local_dir=str(local),
         plain_pid=True, strip_process_args=False))
@@ -37,3 +40,6 @@ def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
     assert pids == {str(w.pid)}
     assert cmdlines == {f"{hot} 1.5"}
     assert all(str(f.relative_to(local)).count("/") == 1 for f in files)
+    # written by the uploader's user, readable by the agent's group
+    assert {f.stat().st_uid for f in files} == {pwd.getpwnam("ebpfprofiler-uploader").pw_uid}
+    shutil.rmtree(open_tmp)

@@ -145,7 +145,11 @@ def test_preempted_cpu_hogs_are_not_off_cpu(min_1ms: Workloads) -> None:
 
 def test_intervals_under_min_ms_are_dropped(min_1ms: Workloads) -> None:
     tiny = [s for samples in min_1ms.run.samples_by_exe.values() for s in samples if "tiny_wait" in s.functions]
-    assert not tiny, f"{sum(s.values[0] for s in tiny)} intervals of 200 µs with offcpu_min_ms: 1"
+    intervals = sum(s.values[0] for s in tiny)
+    # ~3 s of 200 µs sleeps is ~12,000 intervals. On a loaded 2-CPU host a rare
+    # sleep really blocks for over 1 ms (a late timer); those count, nothing shorter.
+    assert intervals <= 30, f"{intervals} intervals of the 200 µs sleeper with offcpu_min_ms: 1"
+    assert all(s.values[1] >= 1_000_000 * s.values[0] for s in tiny), [s.values for s in tiny]
 
 
 def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path) -> None:

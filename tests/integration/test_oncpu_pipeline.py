@@ -7,7 +7,6 @@ the received cpu profiles carry their stacks, counts, names and labels.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,9 +19,9 @@ from typing import Iterator
 import pytest
 
 from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, require_root, wait_for
+from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root
 
 SAMPLE_HZ = 99
 HOT_CPU_SECONDS = 4.0
@@ -46,6 +45,7 @@ class Run:
     jit_symlink_exe: str
     jit_symlink_pid: int
     log: str
+    collector_progs: set[int]
 
     def cpu(self) -> list[Received]:
         return [r for r in self.profiles if r.meta["type"] == "cpu"]
@@ -102,11 +102,14 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             for q in (sc, jt, js):
                 q.communicate(timeout=60)
                 assert q.returncode == 0
+            collector_progs, _ = bpf_holdings(
+                int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text()))
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
         yield Run(read_received(receiver.dir), str(hot.resolve()), hot_pid, hot_cpu,
-                  str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log())
+                  str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log(),
+                  collector_progs)
     finally:
         for q in procs:
             if q.poll() is None:
@@ -226,10 +229,8 @@ def test_symlinked_perf_map_is_refused(run: Run) -> None:
 
 
 def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
-    progs = json.loads(subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True,
-                                      text=True, check=True).stdout or "[]")
-    assert not [p for p in progs if p.get("name") == "on_cpu_sample"]
-    perf = json.loads(subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True,
-                                     check=True).stdout or "[]")
-    ours = {p["id"] for p in progs if p.get("name") == "on_cpu_sample"}
-    assert not [e for e in perf if e.get("prog_id") in ours]
+    # the collector held its programs while it ran (ids from its own fd table) …
+    assert len(run.collector_progs) == 3   # on-CPU sampler, sched_switch and sched_wakeup
+    # … and after the stop none of them, nor a perf link to one, is left
+    assert not run.collector_progs & {p["id"] for p in bpftool("prog", "show")}
+    assert not [e for e in bpftool("perf") if e.get("prog_id") in run.collector_progs]

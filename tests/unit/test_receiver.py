@@ -37,12 +37,12 @@ class Receiver:
     port: int
 
 
-def start_receiver(tmp_path: Path) -> Receiver:
+def start_receiver(tmp_path: Path, *options: str) -> Receiver:
     store_dir = tmp_path / "store"
     with open(tmp_path / "receiver.err", "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", "127.0.0.1:0",
-             "--dir", str(store_dir)],
+             "--dir", str(store_dir), *options],
             stdout=subprocess.PIPE, stderr=err,
         )
     line = b""
@@ -232,3 +232,30 @@ def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
         code = stop(r.proc)
     assert code == 0
     assert "Traceback" not in (tmp_path / "receiver.err").read_text()
+
+
+def test_fault_injection_options_are_documented_and_checked(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver"]
+    help_text = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S).stdout
+    for option in ("--fail-ratio R", "--hang-s S", "--reject-status N", "--reject-reason TEXT", "test aids"):
+        assert option in help_text
+    for bad, message in ((["--fail-ratio", "1.5"], "not a ratio from 0 to 1"),
+                         (["--hang-s", "-1"], "not seconds from 0 to 3600"),
+                         (["--reject-status", "200"], "not an HTTP error status from 400 to 599")):
+        result = subprocess.run(cmd + ["--dir", str(tmp_path / "d")] + bad, capture_output=True, text=True,
+                                timeout=HTTP_TIMEOUT_S)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_fault_injection_answers_without_storing(tmp_path: Path) -> None:
+    # given a receiver that rejects every post with 429
+    r = start_receiver(tmp_path, "--reject-status", "429", "--reject-reason", "slow down")
+    try:
+        # when a valid profile is posted, then it is answered as asked and nothing is stored
+        resp = post(r, profile_bytes(), "p-429")
+        assert resp.status_code == 429 and resp.json() == {"error": "slow down"}
+        assert list_profiles(str(r.dir)) == []
+    finally:
+        stop(r.proc)
+    log = (tmp_path / "receiver.err").read_text()
+    assert "fault injection on: 429 to every post" in log and "rejected profile p-429 with 429" in log

@@ -1,0 +1,467 @@
+"""Uploads that lose nothing (issue 5), shown against the real receiver on 127.0.0.1.
+
+Each test is one fault: the receiver down for three windows, answering 500 at random, hanging past
+the read timeout, refusing with 400; the uploader killed with -9 while posting; the spool on a tiny
+filesystem that fills; a collector or symbolizer killed mid-run. The processes are real (the
+pipeline under `ebpfprofiler run`, or an uploader fed by a test worker over its real socket); every
+one is ended by pid, also when a test fails. Waiting is polling with deadlines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import zmq
+
+from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.config import ProfilerConfig
+from ebpfprofiler.symbolizer.main import WINDOW_GRACE_S
+from ebpfprofiler.uploader.spool import decode_file
+from tests.harness import Pipeline, require_root, stop_process
+from ebpfprofiler.shared.privileges import ids as stage_ids
+from tests.unit.test_uploader import (FAST_BACKOFF, ReceiverProcess, TestWorker, UploaderProcess, http_config,
+                                      launch_uploader, make_upload, reserve_port, wait_for)
+from tests.unit.test_uploader import workdir  # noqa: F401  (the fixture: directories the stages' users can use)
+
+WINDOW_S = 2                      # upload_interval_s of the pipeline tests
+SAMPLE_HZ = 49
+PIPELINE_DEADLINE_S = 60
+# Resident memory each stage must stay under during the hang test. The collector carries bcc and
+# LLVM (~126 MB after compiling, see DESIGN.md); a worker and the uploader have budgets of tens of MB.
+RSS_BOUND_MB = {"collector": 260, "symbolizer-0": 80, "uploader": 80}
+# And none may grow by more than this between the first and the last sample of the hang.
+RSS_GROWTH_MB = 16
+
+PROFILE_LINE = re.compile(r" symbolizer-(\d+)\[(\d+)\] INFO [\w.]+: profile (\S+) (\w+) of service (.*), "
+                          r"window (\S+): ")
+
+
+@dataclass(frozen=True)
+class Produced:
+    """One profile a worker built and handed to the uploader, from its log line."""
+    worker_pid: int
+    profile_id: str
+    profile_type: str
+    service: str
+    window: str
+
+
+def produced(log: str) -> list[Produced]:
+    return [Produced(int(m[2]), m[3], m[4], m[5], m[6]) for m in PROFILE_LINE.finditer(log)]
+
+
+def spool_of(pipeline: Pipeline) -> Path:
+    """The pipeline uploader's spool directory, as its start-up log line names it."""
+    m = re.search(r"through the spool (\S+) \(cap", pipeline.log())
+    assert m, "the uploader did not say where its spool is"
+    return Path(m[1])
+
+
+def spooled(spool: Path) -> dict[str, tuple[str, str, int]]:
+    """id → (service, type, window start) of what is in the spool now."""
+    out = {}
+    for p in spool.glob("*.prof"):
+        try:
+            head = decode_file(p.read_bytes(), header_only=True)
+        except FileNotFoundError:
+            continue      # delivered while we looked
+        out[head.profile_id] = (head.service, head.profile_type, head.window_start_ns)
+    return out
+
+
+def stage_pid(run_dir: Path, stage: str) -> int:
+    try:
+        return int(Path(endpoints.ready_file(str(run_dir), stage)).read_text().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def assert_each_received_once(receiver: ReceiverProcess, ids: set[str]) -> None:
+    """Every id in `ids` is stored, and no (service, type, window) is stored twice under two ids."""
+    got = receiver.received()
+    missing = ids - {m["id"] for m in got}
+    assert not missing, f"{len(missing)} of {len(ids)} profiles never arrived: {sorted(missing)[:5]}"
+    keys = Counter((m["service"], m["type"], m["start"]) for m in got)
+    assert not [k for k, n in keys.items() if n > 1], f"stored twice: {[k for k, n in keys.items() if n > 1]}"
+
+
+@pytest.fixture
+def workload(build) -> Iterator[subprocess.Popen]:
+    """A CPU-bound process for the whole test, so every window has a profile of its service."""
+    p = subprocess.Popen([str(build("hot")), "600"], stdout=subprocess.DEVNULL)
+    try:
+        yield p
+    finally:
+        stop_process(p, signal.SIGKILL)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    try:
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def procs() -> Iterator[list]:
+    """Uploaders, receivers and pipelines a test starts; each is ended by pid at the end."""
+    started: list = []
+    try:
+        yield started
+    finally:
+        for p in reversed(started):
+            if isinstance(p, UploaderProcess):
+                if p.proc.poll() is None:
+                    os.kill(p.proc.pid, signal.SIGCONT)
+                p.kill()
+            elif isinstance(p, (ReceiverProcess, Pipeline)):
+                p.stop()
+
+
+def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConfig:
+    return ProfilerConfig(sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url,
+                          local_dir=str(tmp_path / "unused"), **changes)
+
+
+# ---------------------------------------------------------------- the receiver down for three windows
+
+def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
+        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+    require_root()
+    # given the pipeline posting to a port where no receiver listens yet
+    port = reserve_port()
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, f"http://127.0.0.1:{port}"))
+    procs.append(pipeline)
+    spool = spool_of(pipeline)
+    # when three windows close while it is down, their profiles wait in the spool
+    windows = wait_for(lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and
+                       {w for _, _, w in spooled(spool).values()},
+                       "profiles of three windows in the spool", timeout=PIPELINE_DEADLINE_S)
+    during_outage = spooled(spool)
+    assert "failed (attempt" in pipeline.log() and "ConnectionError" in pipeline.log()
+    # and then the receiver comes up on that port
+    receiver = ReceiverProcess.start(tmp_path, port=port)
+    procs.append(receiver)
+    # then the spooled profiles arrive, oldest first, and the pipeline keeps going
+    wait_for(lambda: set(during_outage) <= set(receiver.received_ids()), "the spooled profiles",
+             timeout=PIPELINE_DEADLINE_S)
+    assert "the backend accepts profiles again" in pipeline.log()
+    first = [m["start"] for m in receiver.received()][: len(during_outage)]
+    assert first == sorted(first)
+    assert pipeline.stop() == 0
+    # and every profile any worker handed over, those of the three windows included, is stored once
+    made = produced(pipeline.log())
+    assert {p.profile_id for p in made} >= set(during_outage)
+    assert len(windows) >= 3
+    assert_each_received_once(receiver, {p.profile_id for p in made})
+    assert not spooled(spool)
+
+
+# ---------------------------------------------------------------- 500 to half the posts
+
+def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
+        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
+    receiver = ReceiverProcess.start(tmp_path, "--fail-ratio", "0.5")
+    procs.append(receiver)
+    u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
+    procs.append(u)
+    worker = TestWorker(u.run_dir, zctx)
+    uploads = [make_upload(f"/usr/bin/svc{i % 7}", start_ns=1_700_000_000_000_000_000 + i * 10**9)
+               for i in range(40)]
+    worker.send(*uploads)
+    worker.wait_acked()
+    wait_for(lambda: len(receiver.received()) == 40 and not u.spooled(), "all 40 profiles at the receiver",
+             timeout=60)
+    failures = receiver.log().count("injected 500")
+    assert failures >= 5, f"only {failures} injected failures in 40+ posts"
+    assert_each_received_once(receiver, {x.profile_id for x in uploads})
+    assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in uploads)
+    assert u.stop() == 0
+    assert "40 delivered, 0 dead-lettered, 0 dropped" in u.log()
+    worker.close()
+
+
+# ---------------------------------------------------------------- a receiver that hangs
+
+def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stays_bounded(
+        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+    require_root()
+    # given the pipeline with a 2 s read timeout, posting to a receiver that hangs 30 s on every post
+    port = reserve_port()
+    hanging = ReceiverProcess.start(tmp_path, "--hang-s", "30", port=port)
+    procs.append(hanging)
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2))
+    procs.append(pipeline)
+    spool = spool_of(pipeline)
+    pids = {s: stage_pid(pipeline.run_dir, s) for s in RSS_BOUND_MB}
+    assert all(pids.values()), pids
+    # when it runs for six windows after the first one closed (the stages' start-up allocations are done)
+    wait_for(lambda: spooled(spool), "the first window's profiles", timeout=PIPELINE_DEADLINE_S)
+    samples: dict[str, list[float]] = {s: [] for s in pids}
+    spool_sizes: list[int] = []
+    deadline = time.monotonic() + 6 * WINDOW_S + WINDOW_GRACE_S
+    while time.monotonic() < deadline:
+        for stage, pid in pids.items():
+            samples[stage].append(rss_mb(pid))
+        spool_sizes.append(len(spooled(spool)))
+        time.sleep(0.5)
+    log = pipeline.log()
+    # then the uploader timed out and retried, more than once
+    assert log.count("no read within 2s") >= 2, log[-3000:]
+    # and the workers kept producing: the spool grew window after window, and no worker waited
+    assert spool_sizes[-1] > spool_sizes[len(spool_sizes) // 2] > 0, spool_sizes
+    assert len({w for _, _, w in spooled(spool).values()}) >= 4
+    assert "waiting on the uploader" not in log
+    # and no stage's memory went past its bound or kept growing
+    for stage, mb in samples.items():
+        assert max(mb) < RSS_BOUND_MB[stage], f"{stage}: RSS up to {max(mb):.0f} MB, bound {RSS_BOUND_MB[stage]}"
+        assert mb[-1] - mb[0] < RSS_GROWTH_MB, f"{stage}: RSS grew from {mb[0]:.0f} to {mb[-1]:.0f} MB"
+    # and once the receiver answers again, everything arrives once
+    hanging.stop()
+    receiver = ReceiverProcess.start(tmp_path, port=port)
+    procs.append(receiver)
+    wait_for(lambda: not spooled(spool), "the spool to drain", timeout=PIPELINE_DEADLINE_S)
+    assert pipeline.stop() == 0
+    assert_each_received_once(receiver, {p.profile_id for p in produced(pipeline.log())})
+
+
+# ---------------------------------------------------------------- kill -9 while posting
+
+def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Path, procs: list,
+                                                    zctx: zmq.Context) -> None:
+    # given an uploader in the middle of a post to a receiver that holds its answer
+    port = reserve_port()
+    hanging = ReceiverProcess.start(tmp_path, "--hang-s", "60", port=port)
+    procs.append(hanging)
+    cfg = http_config(workdir, hanging.url)
+    u = launch_uploader(workdir, cfg, env=FAST_BACKOFF)
+    procs.append(u)
+    worker = TestWorker(u.run_dir, zctx)
+    first = [make_upload(f"/bin/a{i}") for i in range(10)]
+    worker.send(*first)
+    worker.wait_acked()
+    wait_for(lambda: "hanging 60 s before answering profile" in hanging.log(), "a post in progress")
+    # when it is killed with -9, and more profiles are produced while it is gone
+    u.kill()
+    assert len(u.spooled()) == 10
+    later = [make_upload(f"/bin/b{i}") for i in range(5)]
+    worker.send(*later)
+    worker.sender.poll(200)
+    assert worker.sender.pending_profiles == 5       # the worker keeps what nobody acknowledged
+    # and it starts again, with the receiver answering
+    hanging.stop()
+    receiver = ReceiverProcess.start(tmp_path, port=port)
+    procs.append(receiver)
+    u2 = launch_uploader(workdir, cfg, env=FAST_BACKOFF)
+    procs.append(u2)
+    # then the spooled ones and the later ones all arrive, once each
+    worker.wait_acked()
+    wait_for(lambda: len(receiver.received()) == 15 and not u2.spooled(), "15 profiles at the receiver")
+    assert "holds 10 profile(s)" in u2.log()
+    assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in first + later)
+    assert_each_received_once(receiver, {x.profile_id for x in first + later})
+    assert [n for n in os.listdir(u2.spool_dir)] == []        # no partial file left either
+    assert u2.stop() == 0
+    worker.close()
+
+
+# ---------------------------------------------------------------- a spool on a tiny filesystem
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path: Path, leave: int) -> None:
+    """Grow the file `path` until its filesystem has about `leave` bytes free (all of it: leave=0)."""
+    with open(path, "ab") as f:
+        while True:
+            room = free_bytes(path.parent) - leave
+            if room <= 0:
+                return
+            try:
+                f.write(b"\0" * min(room, 64 << 10))
+                f.flush()
+            except OSError:
+                return
+
+
+def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, procs: list,
+                                               zctx: zmq.Context) -> None:
+    require_root()
+    state = workdir / "state"
+    state.mkdir()
+    uid, gid = stage_ids("uploader")     # the uploader runs as its own user
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=1m,mode=0700,uid={uid},gid={gid}", "tmpfs", str(state)],
+                   check=True)
+    try:
+        # given an uploader whose spool is on a 1 MiB tmpfs, with the backend down
+        port = reserve_port()
+        u = launch_uploader(workdir, http_config(workdir, f"http://127.0.0.1:{port}", spool_max_mb=64),
+                            state_dir=state, env=FAST_BACKOFF)
+        procs.append(u)
+        worker = TestWorker(u.run_dir, zctx)
+        filler = state / "filler"
+
+        def big(name: str) -> object:    # ~200 KB gzip: random bytes do not compress
+            return make_upload(name, padding=os.urandom(100_000))
+
+        # when something else fills the filesystem, a profile cannot be spooled even with nothing to drop
+        fill(filler, 0)
+        refused = big("/bin/refused-first")
+        worker.send(refused)
+        wait_for(lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1], "a retry answer")
+        assert worker.sender.pending_profiles == 1       # the worker keeps it
+        log = u.log()
+        assert "no space left for the spool" in log and "No space left on device" in log
+        assert "nothing left to drop" in log and "the worker keeps it and offers it again" in log
+        # and when some space returns, it is spooled
+        filler.unlink()
+        fill(filler, 450 << 10)
+        worker.wait_acked()
+        assert "the spool has room again" in u.log()
+        # when more profiles come than fit, the oldest are dropped, each counted and logged
+        rest = [big(f"/bin/p{i}") for i in range(4)]
+        worker.send(*rest)
+        worker.wait_acked()
+        sent = [refused, *rest]
+        drops = re.findall(r"dropped the oldest spooled profile id=(\w+) service='([^']+)' type=cpu "
+                           r"window=(\S+): no space left on the spool's filesystem \((\d+) dropped so far\)",
+                           u.log())
+        assert drops, u.log()[-3000:]
+        dropped = [d[0] for d in drops]
+        assert dropped == [x.profile_id for x in sent[: len(dropped)]]     # oldest first
+        assert [int(d[3]) for d in drops] == list(range(1, len(drops) + 1))
+        assert all(d[2] == "2023-11-14T22:13:20Z+60s" for d in drops)
+        kept = [x.profile_id for x in sent[len(dropped):]]
+        assert sorted(spooled(u.spool_dir)) == sorted(kept)
+        assert u.proc.poll() is None                      # no crash
+        # then, when space returns and the backend is up, uploads resume: the kept ones and new ones arrive
+        filler.unlink()
+        receiver = ReceiverProcess.start(tmp_path, port=port)
+        procs.append(receiver)
+        after = big("/bin/after")
+        worker.send(after)
+        worker.wait_acked()
+        wait_for(lambda: len(receiver.received()) == len(kept) + 1, "the kept profiles and the new one")
+        assert sorted(receiver.received_ids()) == sorted(kept + [after.profile_id])
+        assert u.stop() == 0
+        assert f"{len(dropped)} dropped" in u.log().splitlines()[-1]
+        worker.close()
+    finally:
+        for p in procs:
+            if isinstance(p, UploaderProcess):
+                p.kill()
+        subprocess.run(["umount", str(state)], check=False)
+
+
+# ---------------------------------------------------------------- a 400
+
+def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(tmp_path: Path, workdir: Path, procs: list,
+                                                                     zctx: zmq.Context) -> None:
+    receiver = ReceiverProcess.start(tmp_path, "--reject-status", "400", "--reject-reason", "profile refused by test")
+    procs.append(receiver)
+    u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
+    procs.append(u)
+    worker = TestWorker(u.run_dir, zctx)
+    upload = make_upload("/bin/refused")
+    worker.send(upload)
+    worker.wait_acked()
+    record = wait_for(lambda: list(u.dead_letter_dir.glob("*.json")), "the dead letter")[0]
+    meta = json.loads(record.read_text())
+    assert meta["id"] == upload.profile_id and meta["status"] == 400
+    assert meta["reason"] == "HTTP 400 'profile refused by test'" and meta["attempts"] == 1
+    assert record.with_suffix(".pb.gz").read_bytes() == upload.pprof_gz
+    assert not u.spooled()
+    # a stop makes a final attempt at what is spooled: nothing is, so the receiver saw one post only
+    assert u.stop() == 0
+    assert receiver.log().count("rejected profile") == 1
+    assert receiver.received() == []
+    assert "0 delivered, 1 dead-lettered, 0 dropped" in u.log()
+    worker.close()
+
+
+# ---------------------------------------------------------------- collector and symbolizer restarts
+
+def window_start_ns(text: str) -> int:
+    """ "2026-11-29T16:53:20Z+2s" → unix ns of the start."""
+    return int(datetime.strptime(text.split("Z")[0], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc)
+               .timestamp()) * 1_000_000_000
+
+
+def kill_and_wait_restart(pipeline: Pipeline, stage: str) -> tuple[int, int]:
+    """kill -9 `stage`; (time of the kill, time it is ready again), unix ns."""
+    old = stage_pid(pipeline.run_dir, stage)
+    assert old
+    killed_at = time.time_ns()
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: stage_pid(pipeline.run_dir, stage) not in (0, old), f"{stage} to be restarted",
+             timeout=PIPELINE_DEADLINE_S)
+    return killed_at, time.time_ns()
+
+
+def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
+        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+    require_root()
+    receiver = ReceiverProcess.start(tmp_path)
+    procs.append(receiver)
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, receiver.url))
+    procs.append(pipeline)
+    hot = str(Path(workload.args[0]).resolve())
+    w = WINDOW_S * 1_000_000_000
+    grace = int(WINDOW_GRACE_S * 1e9)
+
+    def hot_windows() -> set[int]:
+        return {m["start"] for m in receiver.received() if m["service"] == hot and m["type"] == "cpu"}
+
+    # given three windows of the workload received
+    wait_for(lambda: len(hot_windows()) >= 3, "three windows of the workload", timeout=PIPELINE_DEADLINE_S)
+    # when the symbolizer worker is killed with -9, and later the collector
+    worker_kill = kill_and_wait_restart(pipeline, "symbolizer-0")
+    seen = len(hot_windows())
+    wait_for(lambda: len(hot_windows()) >= seen + 2, "two more windows", timeout=PIPELINE_DEADLINE_S)
+    collector_kill = kill_and_wait_restart(pipeline, "collector")
+    seen = len(hot_windows())
+    wait_for(lambda: len(hot_windows()) >= seen + 2, "two more windows", timeout=PIPELINE_DEADLINE_S)
+    assert pipeline.stop() == 0
+    log = pipeline.log()
+    assert "symbolizer-0 exited with -9; restarting" in log and "collector exited with -9; restarting" in log
+    # then every profile a worker handed over arrived once, but what the killed worker had not yet
+    # had acknowledged, which must be of a window open when it died
+    made = produced(log)
+    got = set(receiver.received_ids())
+    lost = [p for p in made if p.profile_id not in got]
+    for p in lost:
+        start = window_start_ns(p.window)
+        assert start <= worker_kill[0] < start + w + grace, f"lost a profile of a closed window: {p}"
+    assert_each_received_once(receiver, {p.profile_id for p in made} - {p.profile_id for p in lost})
+    # and the workload's windows are all there, but those open at a kill or while a stage was down
+    have = hot_windows()
+    first, last = min(have), max(have)
+    allowed = set()
+    for killed_at, ready_at, held_before in ((*worker_kill, grace), (*collector_kill, 1_500_000_000)):
+        # the worker holds windows until end + grace; the collector holds at most one drain (1 s)
+        allowed |= {s for s in range(first, last + w, w) if s + w + held_before > killed_at and s <= ready_at}
+    missing = set(range(first, last + w, w)) - have
+    assert missing <= allowed, f"windows missing beyond those in progress: {sorted(missing - allowed)}"
+    assert len(missing) <= len(allowed)
