@@ -34,6 +34,7 @@ from ebpfprofiler.collector.main import default_bpf_dir
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, privileges
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.stopping import stop_on_signals
 
 # A stage that has not written its ready file by then is reported (the
 # collector compiles BPF at start: ~5 s here, more on a loaded host).
@@ -180,14 +181,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping every stage", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals(log, "stopping every stage")
 
     if cfg.uploads_locally:
         where = (f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "

@@ -14,10 +14,8 @@ import argparse
 import ctypes
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from typing import Sequence
 
@@ -30,6 +28,7 @@ from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, privileges, ready
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import StackBatch, encode
 
 # How often BPF maps are drained into batches; the issue fixes it at one second.
@@ -202,14 +201,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         print(f"{prog}: this host cannot run the collector:\n{preflight.report(checks)}", file=sys.stderr)
         return 1
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals(log, "stopping")
 
     if not cfg.enabled:
         log.info("profiling is disabled by config (enabled: false); idle until stopped")

@@ -15,9 +15,7 @@ import argparse
 import logging
 import os
 import resource
-import signal
 import sys
-import threading
 import time
 import uuid
 from typing import Callable, Sequence
@@ -27,6 +25,7 @@ import zmq
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
 from ebpfprofiler.symbolizer import profile as profile_mod
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
@@ -202,9 +201,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
               f"(symbolizer_workers: {cfg.symbolizer_workers})", file=sys.stderr)
         return 2
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = stop_on_signals(log)
     worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
     stage = f"symbolizer-{args.worker}"
     ready.announce(args.run_dir, stage)
