@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
+import zmq
 
-from tests.harness import FRAME_POINTER_FLAGS, WORKLOADS, Receiver
+from ebpfprofiler.shared.config import ProfilerConfig
+from tests.harness import FRAME_POINTER_FLAGS, WORKLOADS, Pipeline, Receiver, UploaderProcess, launch_uploader, open_dir
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +42,51 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
         yield r
     finally:
         r.stop()
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """Config, runtime and state directories of the processes a test starts (see harness.open_dir)."""
+    path = open_dir("test")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    try:
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def procs() -> Iterator[list]:
+    """Uploaders, receivers and pipelines a test starts; each is ended by pid at the end
+    (an uploader the test froze with SIGSTOP is let go on first)."""
+    started: list = []
+    try:
+        yield started
+    finally:
+        for p in reversed(started):
+            if isinstance(p, UploaderProcess):
+                if p.proc.poll() is None:
+                    os.kill(p.proc.pid, signal.SIGCONT)
+                p.kill()
+            elif isinstance(p, (Receiver, Pipeline)):
+                p.stop()
+
+
+@pytest.fixture
+def start_uploader(workdir: Path, procs: list) -> Callable[..., UploaderProcess]:
+    """start_uploader(cfg, env=..., state_dir=...): an uploader process in `workdir`, killed by pid at the end."""
+
+    def start(cfg: ProfilerConfig, **kwargs: Any) -> UploaderProcess:
+        u = launch_uploader(workdir, cfg, **kwargs)
+        procs.append(u)
+        return u
+
+    return start

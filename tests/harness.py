@@ -1,27 +1,47 @@
 """Test harness: real stages and the receiver as processes, waiting with deadlines.
 
-Every process started here is ended by its owner's stop(), by pid, even when
-the test fails. Waiting is polling with a deadline, never a sleep.
+The helpers the test modules share: the pipeline under `ebpfprofiler run`
+(Pipeline), the reference receiver (Receiver, with its fault-injection options
+when asked), a lone `ebpfprofiler uploader` (launch_uploader) fed by a test
+worker over its real socket (TestWorker), profiles to hand it (make_upload),
+and directories the stages' users can enter (open_dir). The fixtures built on
+them are in tests/conftest.py.
+
+Every process started here is ended by pid by its owner (its stop() or kill(),
+or the fixture that started it), even when the test fails. Waiting is polling
+with a deadline, never a sleep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
+import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
+from urllib.parse import urlsplit
 
 import pytest
+import zmq
 
+from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import endpoints, handoff
+from ebpfprofiler.shared.pprof import ProfileBuilder
+from ebpfprofiler.shared.privileges import ids as stage_ids
+from ebpfprofiler.shared.wire import ProfileUpload
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
@@ -29,6 +49,15 @@ PY = sys.executable
 # -O0: gcc 12 drops the frame of leaf functions at -O1 and above even with
 # -mno-omit-leaf-frame-pointer (seen here), and the tests need every frame.
 FRAME_POINTER_FLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]
+
+# The deadline of a lone stage's start, stop and acknowledgements.
+DEADLINE_S = 15
+START_NS = 1_700_000_000_000_000_000      # 2023-11-14T22:13:20Z
+END_NS = START_NS + 60_000_000_000
+# Retries in tests wait milliseconds, not seconds.
+FAST_BACKOFF = {"EBPFPROFILER_UPLOAD_BACKOFF_S": "0.01"}
+# A test worker offers unacknowledged profiles again after this (the stages use 10 s).
+TEST_ACK_TIMEOUT_S = 1.0
 
 T = TypeVar("T")
 
@@ -84,23 +113,80 @@ def require_root() -> None:
         pytest.fail("integration tests load BPF programs: run them as root (make test does)")
 
 
-class Receiver:
-    """The reference receiver on 127.0.0.1, started as a process."""
+def stderr_file(workdir: Path, name: str) -> Path:
+    """workdir/<name>.err for the first process of that name a test starts, then <name>1.err, <name>2.err..."""
+    n = len(list(workdir.glob(f"{name}*.err")))
+    return workdir / f"{name}{n or ''}.err"
 
-    def __init__(self, directory: Path) -> None:
+
+def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """What `proc` wrote to its stdout up to the end of a line, waiting at most `timeout` seconds."""
+    line = b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)   # type: ignore[arg-type]
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                chunk = os.read(proc.stdout.fileno(), 4096)   # type: ignore[union-attr]
+                if not chunk:
+                    break
+                line += chunk
+    return line.decode(errors="replace")
+
+
+class Receiver:
+    """The reference receiver on 127.0.0.1, started as a process, until stop().
+
+    It stores under `directory`. `options` are more of its options (the fault
+    injection ones: --fail-ratio, --hang-s, --reject-status, --reject-reason);
+    `port` 0 lets it pick a free one, read from the line it prints. Its stderr
+    goes to the file `stderr` (log()) when given, else to the test's."""
+
+    def __init__(self, directory: Path, *options: str, port: int = 0, stderr: Path | None = None) -> None:
         self.dir = directory
-        self.proc = subprocess.Popen(
-            [PY, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", "127.0.0.1:0", "--dir", str(directory)],
-            stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        m = re.search(r"listening on (http://\S+)", line)
+        self.stderr = stderr
+        with open(stderr, "wb") if stderr else contextlib.nullcontext() as err:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
+                 "--dir", str(directory), *options], stdout=subprocess.PIPE, stderr=err)
+        self.announcement = _first_line(self.proc, DEADLINE_S)
+        m = re.search(r"listening on (http://\S+)", self.announcement)
         if not m:
-            stop_process(self.proc)
-            raise AssertionError(f"receiver did not start: {line!r}")
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdout.close()   # type: ignore[union-attr]
+            raise AssertionError(f"receiver did not start: {self.announcement!r}"
+                                 + (f"; {self.log()}" if stderr else ""))
         self.url = m.group(1)
 
-    def stop(self) -> None:
-        stop_process(self.proc)
+    @classmethod
+    def start(cls, workdir: Path, *options: str, port: int = 0, name: str = "receiver") -> Receiver:
+        """One of the receivers of a test's `workdir`: they store in workdir/received, and each
+        writes its stderr to a file of its own there (stderr_file)."""
+        return cls(workdir / "received", *options, port=port, stderr=stderr_file(workdir, name))
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 0
+
+    def received(self) -> list[dict[str, Any]]:
+        return list_profiles(str(self.dir)) if self.dir.exists() else []
+
+    def received_ids(self) -> list[str]:
+        return [m["id"] for m in self.received()]
+
+    def log(self) -> str:
+        return self.stderr.read_text() if self.stderr else ""
+
+    def stop(self) -> int:
+        code = stop_process(self.proc)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        return code
 
 
 def open_dir(prefix: str) -> Path:
@@ -110,6 +196,169 @@ def open_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"ebpfprofiler-{prefix}-", dir="/tmp"))
     path.chmod(0o755)
     return path
+
+
+def reserve_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a receiver started later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, cfg: config_mod.ProfilerConfig) -> Path:
+    path.write_text(config_mod.dump(cfg))
+    path.chmod(0o644)    # the stages read it as their own users
+    return path
+
+
+def give(stage: str, *paths: Path) -> None:
+    """Hand `paths` to `stage`'s user: a stage started as root runs as its own user
+    (shared/privileges.py), and `ebpfprofiler run` or the systemd units prepare its directories."""
+    if os.geteuid() != 0:
+        return
+    uid, gid = stage_ids(stage)
+    for p in paths:
+        os.chown(p, uid, gid)
+
+
+def make_upload(service: str = "/usr/bin/python3.11", n_samples: int = 2, *, start_ns: int = START_NS,
+                length_ns: int = END_NS - START_NS, padding: bytes = b"") -> ProfileUpload:
+    """A valid gzip pprof; `padding` (incompressible, if random) goes into a function name to size it."""
+    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
+                       period=52_631_578, time_ns=start_ns, duration_ns=length_ns)
+    m = b.mapping("main", service, "abcdef")
+    for i in range(n_samples):
+        b.sample([b.location(i, m, 0x1000 + i, [b.function(f"fn{i}")])], [1, 52_631_578], {"pid": 7})
+    if padding:
+        b.sample([b.location("pad", m, 0x9000, [b.function("pad_" + padding.hex())])], [1, 1], {"pid": 7})
+        n_samples += 1
+    return ProfileUpload(profile_id=uuid.uuid4().hex, host="web-1", service=service, profile_type="cpu",
+                         window_start_ns=start_ns, window_end_ns=start_ns + length_ns, samples=n_samples,
+                         pprof_gz=b.gzipped())
+
+
+def http_config(tmp_path: Path, url: str, **changes: Any) -> config_mod.ProfilerConfig:
+    return config_mod.ProfilerConfig(endpoint=url, local_dir=str(tmp_path / "unused"), **changes)
+
+
+class ListHandler(logging.Handler):
+    """Keeps the messages of one logger, for a test worker's log lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class TestWorker:
+    """A symbolizer worker's hand-off side: a DEALER socket and a ProfileSender, used from one thread."""
+
+    __test__ = False
+
+    def __init__(self, run_dir: Path, ctx: zmq.Context, **sender_args: Any) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, sender_args.get("max_profiles", handoff.MAX_UNACKED_PROFILES))
+        self.sock.connect(endpoints.uploader(str(run_dir)))
+        self.logs = ListHandler()
+        self.log = logging.getLogger(f"test-worker-{id(self)}")
+        self.log.addHandler(self.logs)
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        sender_args.setdefault("ack_timeout_s", TEST_ACK_TIMEOUT_S)
+        self.sender = handoff.ProfileSender(self.sock, self.log, **sender_args)
+
+    def send(self, *uploads: ProfileUpload) -> None:
+        for u in uploads:
+            self.sender.send(u)
+
+    def wait_acked(self, timeout: float = DEADLINE_S) -> None:
+        def done() -> bool:
+            self.sender.poll(20)
+            return self.sender.pending_profiles == 0
+        wait_for(f"acknowledgements ({self.sender.pending_profiles} pending; {self.sender.counts})", done, timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass
+class UploaderProcess:
+    """`ebpfprofiler uploader` with its stderr in a file; ended by pid by whoever started it."""
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    state_dir: Path
+    stderr: Path
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    @property
+    def dead_letter_dir(self) -> Path:
+        return self.state_dir / "dead-letter"
+
+    def spooled(self) -> list[str]:
+        return sorted(p.name for p in self.spool_dir.glob("*.prof")) if self.spool_dir.exists() else []
+
+    def log(self) -> str:
+        return self.stderr.read_text()
+
+    def stop(self, timeout: float = DEADLINE_S) -> int:
+        """SIGTERM, then the exit code (killed after a deadline if it does not exit)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"uploader ignored SIGTERM; log:\n{self.log()}")
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def uploader_command(config: Path, run_dir: Path, state_dir: Path) -> list[str]:
+    return [PY, "-m", "ebpfprofiler.cli.main", "uploader", "--config", str(config),
+            "--run-dir", str(run_dir), "--state-dir", str(state_dir)]
+
+
+def launch_uploader(workdir: Path, cfg: config_mod.ProfilerConfig, *, state_dir: Path | None = None,
+                    env: dict[str, str] | None = None, name: str = "uploader") -> UploaderProcess:
+    """Start an uploader and wait for its ready file; the caller ends it (kill() or stop())."""
+    run_dir = workdir / "run"
+    state_dir = state_dir or workdir / "state"
+    for d in (run_dir, state_dir):
+        if not d.exists():
+            d.mkdir()
+            give("uploader", d)
+    ready = Path(endpoints.ready_file(str(run_dir), "uploader"))
+    if ready.exists():
+        ready.unlink()   # left by a killed predecessor
+    stderr = stderr_file(workdir, name)
+    config = write_config(workdir / f"{name}.yaml", cfg)
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen(uploader_command(config, run_dir, state_dir), stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, **(env or {})})
+    u = UploaderProcess(proc, run_dir, state_dir, stderr)
+    try:
+        wait_for("the uploader's ready file", lambda: ready.exists() or proc.poll() is not None, DEADLINE_S)
+    except AssertionError:
+        u.kill()
+        raise
+    if proc.poll() is not None:
+        raise AssertionError(f"uploader exited with {proc.returncode}:\n{u.log()}")
+    return u
 
 
 class Pipeline:
@@ -124,9 +373,7 @@ class Pipeline:
         self.root = open_dir("pipeline")
         self.run_dir = self.root / "run"
         self.state_dir = self.root / "state"
-        self.config_path = self.root / "agent.yaml"
-        self.config_path.write_text(config_mod.dump(cfg))
-        self.config_path.chmod(0o644)
+        self.config_path = write_config(self.root / "agent.yaml", cfg)
         self.log_path = workdir / "pipeline.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

@@ -27,12 +27,10 @@ import zmq
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.symbolizer.main import WINDOW_GRACE_S
-from ebpfprofiler.uploader.spool import decode_file
-from tests.harness import Pipeline, require_root, stop_process
 from ebpfprofiler.shared.privileges import ids as stage_ids
-from tests.unit.test_uploader import (FAST_BACKOFF, ReceiverProcess, TestWorker, UploaderProcess, http_config,
-                                      launch_uploader, make_upload, reserve_port, wait_for)
-from tests.unit.test_uploader import workdir  # noqa: F401  (the fixture: directories the stages' users can use)
+from ebpfprofiler.uploader.spool import decode_file
+from tests.harness import (FAST_BACKOFF, Pipeline, Receiver, TestWorker, UploaderProcess, http_config,
+                           launch_uploader, make_upload, require_root, reserve_port, stop_process, wait_for)
 
 WINDOW_S = 2                      # upload_interval_s of the pipeline tests
 SAMPLE_HZ = 49
@@ -94,7 +92,7 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def assert_each_received_once(receiver: ReceiverProcess, ids: set[str]) -> None:
+def assert_each_received_once(receiver: Receiver, ids: set[str]) -> None:
     """Every id in `ids` is stored, and no (service, type, window) is stored twice under two ids."""
     got = receiver.received()
     missing = ids - {m["id"] for m in got}
@@ -113,31 +111,6 @@ def workload(build) -> Iterator[subprocess.Popen]:
         stop_process(p, signal.SIGKILL)
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def procs() -> Iterator[list]:
-    """Uploaders, receivers and pipelines a test starts; each is ended by pid at the end."""
-    started: list = []
-    try:
-        yield started
-    finally:
-        for p in reversed(started):
-            if isinstance(p, UploaderProcess):
-                if p.proc.poll() is None:
-                    os.kill(p.proc.pid, signal.SIGCONT)
-                p.kill()
-            elif isinstance(p, (ReceiverProcess, Pipeline)):
-                p.stop()
-
-
 def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConfig:
     return ProfilerConfig(sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url,
                           local_dir=str(tmp_path / "unused"), **changes)
@@ -154,16 +127,17 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
     procs.append(pipeline)
     spool = spool_of(pipeline)
     # when three windows close while it is down, their profiles wait in the spool
-    windows = wait_for(lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and
+    windows = wait_for("profiles of three windows in the spool",
+                       lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and
                        {w for _, _, w in spooled(spool).values()},
-                       "profiles of three windows in the spool", timeout=PIPELINE_DEADLINE_S)
+                       timeout=PIPELINE_DEADLINE_S)
     during_outage = spooled(spool)
     assert "failed (attempt" in pipeline.log() and "ConnectionError" in pipeline.log()
     # and then the receiver comes up on that port
-    receiver = ReceiverProcess.start(tmp_path, port=port)
+    receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
     # then the spooled profiles arrive, oldest first, and the pipeline keeps going
-    wait_for(lambda: set(during_outage) <= set(receiver.received_ids()), "the spooled profiles",
+    wait_for("the spooled profiles", lambda: set(during_outage) <= set(receiver.received_ids()),
              timeout=PIPELINE_DEADLINE_S)
     assert "the backend accepts profiles again" in pipeline.log()
     first = [m["start"] for m in receiver.received()][: len(during_outage)]
@@ -181,7 +155,7 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
 
 def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
         tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
-    receiver = ReceiverProcess.start(tmp_path, "--fail-ratio", "0.5")
+    receiver = Receiver.start(tmp_path, "--fail-ratio", "0.5")
     procs.append(receiver)
     u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
     procs.append(u)
@@ -190,7 +164,7 @@ def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
                for i in range(40)]
     worker.send(*uploads)
     worker.wait_acked()
-    wait_for(lambda: len(receiver.received()) == 40 and not u.spooled(), "all 40 profiles at the receiver",
+    wait_for("all 40 profiles at the receiver", lambda: len(receiver.received()) == 40 and not u.spooled(),
              timeout=60)
     failures = receiver.log().count("injected 500")
     assert failures >= 5, f"only {failures} injected failures in 40+ posts"
@@ -208,7 +182,7 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
     require_root()
     # given the pipeline with a 2 s read timeout, posting to a receiver that hangs 30 s on every post
     port = reserve_port()
-    hanging = ReceiverProcess.start(tmp_path, "--hang-s", "30", port=port)
+    hanging = Receiver.start(tmp_path, "--hang-s", "30", port=port)
     procs.append(hanging)
     pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2))
     procs.append(pipeline)
@@ -216,7 +190,7 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
     pids = {s: stage_pid(pipeline.run_dir, s) for s in RSS_BOUND_MB}
     assert all(pids.values()), pids
     # when it runs for six windows after the first one closed (the stages' start-up allocations are done)
-    wait_for(lambda: spooled(spool), "the first window's profiles", timeout=PIPELINE_DEADLINE_S)
+    wait_for("the first window's profiles", lambda: spooled(spool), timeout=PIPELINE_DEADLINE_S)
     samples: dict[str, list[float]] = {s: [] for s in pids}
     spool_sizes: list[int] = []
     deadline = time.monotonic() + 6 * WINDOW_S + WINDOW_GRACE_S
@@ -238,9 +212,9 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
         assert mb[-1] - mb[0] < RSS_GROWTH_MB, f"{stage}: RSS grew from {mb[0]:.0f} to {mb[-1]:.0f} MB"
     # and once the receiver answers again, everything arrives once
     hanging.stop()
-    receiver = ReceiverProcess.start(tmp_path, port=port)
+    receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
-    wait_for(lambda: not spooled(spool), "the spool to drain", timeout=PIPELINE_DEADLINE_S)
+    wait_for("the spool to drain", lambda: not spooled(spool), timeout=PIPELINE_DEADLINE_S)
     assert pipeline.stop() == 0
     assert_each_received_once(receiver, {p.profile_id for p in produced(pipeline.log())})
 
@@ -251,7 +225,7 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
                                                     zctx: zmq.Context) -> None:
     # given an uploader in the middle of a post to a receiver that holds its answer
     port = reserve_port()
-    hanging = ReceiverProcess.start(tmp_path, "--hang-s", "60", port=port)
+    hanging = Receiver.start(tmp_path, "--hang-s", "60", port=port)
     procs.append(hanging)
     cfg = http_config(workdir, hanging.url)
     u = launch_uploader(workdir, cfg, env=FAST_BACKOFF)
@@ -260,7 +234,7 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
     first = [make_upload(f"/bin/a{i}") for i in range(10)]
     worker.send(*first)
     worker.wait_acked()
-    wait_for(lambda: "hanging 60 s before answering profile" in hanging.log(), "a post in progress")
+    wait_for("a post in progress", lambda: "hanging 60 s before answering profile" in hanging.log())
     # when it is killed with -9, and more profiles are produced while it is gone
     u.kill()
     assert len(u.spooled()) == 10
@@ -270,13 +244,13 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
     assert worker.sender.pending_profiles == 5       # the worker keeps what nobody acknowledged
     # and it starts again, with the receiver answering
     hanging.stop()
-    receiver = ReceiverProcess.start(tmp_path, port=port)
+    receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
     u2 = launch_uploader(workdir, cfg, env=FAST_BACKOFF)
     procs.append(u2)
     # then the spooled ones and the later ones all arrive, once each
     worker.wait_acked()
-    wait_for(lambda: len(receiver.received()) == 15 and not u2.spooled(), "15 profiles at the receiver")
+    wait_for("15 profiles at the receiver", lambda: len(receiver.received()) == 15 and not u2.spooled())
     assert "holds 10 profile(s)" in u2.log()
     assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in first + later)
     assert_each_received_once(receiver, {x.profile_id for x in first + later})
@@ -330,7 +304,7 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         fill(filler, 0)
         refused = big("/bin/refused-first")
         worker.send(refused)
-        wait_for(lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1], "a retry answer")
+        wait_for("a retry answer", lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1])
         assert worker.sender.pending_profiles == 1       # the worker keeps it
         log = u.log()
         assert "no space left for the spool" in log and "No space left on device" in log
@@ -358,12 +332,12 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         assert u.proc.poll() is None                      # no crash
         # then, when space returns and the backend is up, uploads resume: the kept ones and new ones arrive
         filler.unlink()
-        receiver = ReceiverProcess.start(tmp_path, port=port)
+        receiver = Receiver.start(tmp_path, port=port)
         procs.append(receiver)
         after = big("/bin/after")
         worker.send(after)
         worker.wait_acked()
-        wait_for(lambda: len(receiver.received()) == len(kept) + 1, "the kept profiles and the new one")
+        wait_for("the kept profiles and the new one", lambda: len(receiver.received()) == len(kept) + 1)
         assert sorted(receiver.received_ids()) == sorted(kept + [after.profile_id])
         assert u.stop() == 0
         assert f"{len(dropped)} dropped" in u.log().splitlines()[-1]
@@ -379,7 +353,7 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
 
 def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(tmp_path: Path, workdir: Path, procs: list,
                                                                      zctx: zmq.Context) -> None:
-    receiver = ReceiverProcess.start(tmp_path, "--reject-status", "400", "--reject-reason", "profile refused by test")
+    receiver = Receiver.start(tmp_path, "--reject-status", "400", "--reject-reason", "profile refused by test")
     procs.append(receiver)
     u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
     procs.append(u)
@@ -387,7 +361,7 @@ def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(tmp_path: P
     upload = make_upload("/bin/refused")
     worker.send(upload)
     worker.wait_acked()
-    record = wait_for(lambda: list(u.dead_letter_dir.glob("*.json")), "the dead letter")[0]
+    record = wait_for("the dead letter", lambda: list(u.dead_letter_dir.glob("*.json")))[0]
     meta = json.loads(record.read_text())
     assert meta["id"] == upload.profile_id and meta["status"] == 400
     assert meta["reason"] == "HTTP 400 'profile refused by test'" and meta["attempts"] == 1
@@ -415,7 +389,7 @@ def kill_and_wait_restart(pipeline: Pipeline, stage: str) -> tuple[int, int]:
     assert old
     killed_at = time.time_ns()
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: stage_pid(pipeline.run_dir, stage) not in (0, old), f"{stage} to be restarted",
+    wait_for(f"{stage} to be restarted", lambda: stage_pid(pipeline.run_dir, stage) not in (0, old),
              timeout=PIPELINE_DEADLINE_S)
     return killed_at, time.time_ns()
 
@@ -423,7 +397,7 @@ def kill_and_wait_restart(pipeline: Pipeline, stage: str) -> tuple[int, int]:
 def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
         tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
     require_root()
-    receiver = ReceiverProcess.start(tmp_path)
+    receiver = Receiver.start(tmp_path)
     procs.append(receiver)
     pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, receiver.url))
     procs.append(pipeline)
@@ -435,14 +409,14 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
         return {m["start"] for m in receiver.received() if m["service"] == hot and m["type"] == "cpu"}
 
     # given three windows of the workload received
-    wait_for(lambda: len(hot_windows()) >= 3, "three windows of the workload", timeout=PIPELINE_DEADLINE_S)
+    wait_for("three windows of the workload", lambda: len(hot_windows()) >= 3, timeout=PIPELINE_DEADLINE_S)
     # when the symbolizer worker is killed with -9, and later the collector
     worker_kill = kill_and_wait_restart(pipeline, "symbolizer-0")
     seen = len(hot_windows())
-    wait_for(lambda: len(hot_windows()) >= seen + 2, "two more windows", timeout=PIPELINE_DEADLINE_S)
+    wait_for("two more windows", lambda: len(hot_windows()) >= seen + 2, timeout=PIPELINE_DEADLINE_S)
     collector_kill = kill_and_wait_restart(pipeline, "collector")
     seen = len(hot_windows())
-    wait_for(lambda: len(hot_windows()) >= seen + 2, "two more windows", timeout=PIPELINE_DEADLINE_S)
+    wait_for("two more windows", lambda: len(hot_windows()) >= seen + 2, timeout=PIPELINE_DEADLINE_S)
     assert pipeline.stop() == 0
     log = pipeline.log()
     assert "symbolizer-0 exited with -9; restarting" in log and "collector exited with -9; restarting" in log

@@ -5,13 +5,9 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import os
-import selectors
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -21,61 +17,20 @@ import requests
 from ebpfprofiler.receiver.server import MAX_BODY_BYTES
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared.pprof import ProfileBuilder
+from tests.harness import END_NS, START_NS, Receiver
 
-START_TIMEOUT_S = 15
 HTTP_TIMEOUT_S = 10
-START_NS = 1_700_000_000_000_000_000
-END_NS = START_NS + 60_000_000_000
-
-
-@dataclass
-class Receiver:
-    proc: subprocess.Popen[bytes]
-    url: str
-    dir: Path
-    host: str
-    port: int
 
 
 def start_receiver(tmp_path: Path, *options: str) -> Receiver:
-    store_dir = tmp_path / "store"
-    with open(tmp_path / "receiver.err", "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", "127.0.0.1:0",
-             "--dir", str(store_dir), *options],
-            stdout=subprocess.PIPE, stderr=err,
-        )
-    line = b""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)   # type: ignore[arg-type]
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            if sel.select(timeout=deadline - time.monotonic()):
-                chunk = os.read(proc.stdout.fileno(), 4096)   # type: ignore[union-attr]
-                if not chunk:
-                    break
-                line += chunk
-    text = line.decode()
+    r = Receiver(tmp_path / "store", *options, stderr=tmp_path / "receiver.err")
+    text = r.announcement
     prefix = "receiver listening on http://127.0.0.1:"
     if not text.startswith(prefix) or text.count("\n") != 1:
-        stop(proc)
+        r.stop()
         raise AssertionError(f"receiver did not announce itself: {text!r}; stderr: "
                              f"{(tmp_path / 'receiver.err').read_text()}")
-    port = int(text[len(prefix):].strip())
-    return Receiver(proc, f"http://127.0.0.1:{port}", store_dir, "127.0.0.1", port)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout:
-        proc.stdout.close()
-    return proc.returncode
+    return r
 
 
 @pytest.fixture
@@ -84,7 +39,7 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
     try:
         yield r
     finally:
-        stop(r.proc)
+        r.stop()
 
 
 def profile_bytes(n_samples: int = 2) -> bytes:
@@ -229,7 +184,7 @@ def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
     try:
         assert post(r, profile_bytes()).status_code == 200
     finally:
-        code = stop(r.proc)
+        code = r.stop()
     assert code == 0
     assert "Traceback" not in (tmp_path / "receiver.err").read_text()
 
@@ -256,6 +211,6 @@ def test_fault_injection_answers_without_storing(tmp_path: Path) -> None:
         assert resp.status_code == 429 and resp.json() == {"error": "slow down"}
         assert list_profiles(str(r.dir)) == []
     finally:
-        stop(r.proc)
+        r.stop()
     log = (tmp_path / "receiver.err").read_text()
     assert "fault injection on: 429 to every post" in log and "rejected profile p-429 with 429" in log

@@ -13,7 +13,7 @@ import pytest
 from ebpfprofiler.shared.handoff import REFUSED, STORED
 from ebpfprofiler.uploader import spool as spool_mod
 from ebpfprofiler.uploader.spool import Spool, decode_file, encode_file
-from tests.unit.test_uploader import END_NS, START_NS, make_upload
+from tests.harness import END_NS, START_NS, make_upload
 
 LOGGER = "test.spool"
 

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq
@@ -21,9 +20,8 @@ import zmq
 from ebpfprofiler.shared import endpoints, handoff
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.wire import Process, Sample, StackBatch, encode
-from tests.unit.test_uploader import (DEADLINE_S, ReceiverProcess, TestWorker, UploaderProcess, give, http_config,
-                                      launch_uploader, make_upload, reserve_port, wait_for, write_config)
-from tests.unit.test_uploader import workdir  # noqa: F401  (the fixture: directories the stages' users can use)
+from tests.harness import (DEADLINE_S, Receiver, TestWorker, give, http_config, launch_uploader, make_upload,
+                           reserve_port, wait_for, write_config)
 
 
 # ---------------------------------------------------------------- frames
@@ -73,32 +71,11 @@ def test_acks_round_trip_and_bad_ones_are_rejected() -> None:
 
 # ---------------------------------------------------------------- with a real uploader
 
-@pytest.fixture
-def uploaders() -> Iterator[list[UploaderProcess]]:
-    started: list[UploaderProcess] = []
-    try:
-        yield started
-    finally:
-        for u in started:
-            if u.proc.poll() is None:
-                os.kill(u.proc.pid, signal.SIGCONT)
-            u.kill()
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
-
-
-def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, uploaders: list[UploaderProcess],
+def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, procs: list,
                                                   zctx: zmq.Context) -> None:
     # given an uploader whose backend is down
     u = launch_uploader(workdir, http_config(workdir, f"http://127.0.0.1:{reserve_port()}"))
-    uploaders.append(u)
+    procs.append(u)
     w = TestWorker(workdir / "run", zctx)
     uploads = [make_upload(f"/bin/s{i}") for i in range(10)]
     # when profiles are handed over and acknowledged
@@ -111,13 +88,13 @@ def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, uploaders: list
 
 
 def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
-        workdir: Path, uploaders: list[UploaderProcess], zctx: zmq.Context) -> None:
+        workdir: Path, procs: list, zctx: zmq.Context) -> None:
     # given a receiver, and an uploader that is frozen (it takes nothing off its socket)
-    receiver = ReceiverProcess.start(workdir)
+    receiver = Receiver.start(workdir)
     try:
         cfg = http_config(workdir, receiver.url)
         u = launch_uploader(workdir, cfg)
-        uploaders.append(u)
+        procs.append(u)
         w = TestWorker(workdir / "run", zctx)
         first = make_upload("/bin/first")
         w.send(first)
@@ -130,12 +107,12 @@ def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
         # when it is killed with what was queued in its socket, and a new one starts
         u.kill()
         u2 = launch_uploader(workdir, cfg)
-        uploaders.append(u2)
+        procs.append(u2)
         # then the worker offers the profiles again and each arrives once
         w.wait_acked()
         assert w.sender.counts["resent"] >= 4
         assert "no acknowledgement from the uploader: offered" in w.logs.text()
-        wait_for(lambda: len(receiver.received()) == 5, "five profiles at the receiver")
+        wait_for("five profiles at the receiver", lambda: len(receiver.received()) == 5)
         assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in [first, *uploads])
         assert u2.stop() == 0
         w.close()
@@ -144,12 +121,12 @@ def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
 
 
 def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
-        workdir: Path, uploaders: list[UploaderProcess], zctx: zmq.Context) -> None:
+        workdir: Path, procs: list, zctx: zmq.Context) -> None:
     # given a worker with room for 3 unacknowledged profiles, and an uploader that stopped answering
     (workdir / "profiles").mkdir()
     give("uploader", workdir / "profiles")
     u = launch_uploader(workdir, ProfilerConfig(endpoint="", local_dir=str(workdir / "profiles")))
-    uploaders.append(u)
+    procs.append(u)
     os.kill(u.proc.pid, signal.SIGSTOP)
     uploads = [make_upload(f"/bin/s{i}") for i in range(5)]
     done = threading.Event()
@@ -169,7 +146,7 @@ def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
     t.start()
     try:
         # when it has handed over three, the fourth send blocks and the worker says why, with figures
-        wait_for(lambda: worker and "waiting on the uploader" in worker[0].logs.text(), "the waiting log line")
+        wait_for("the waiting log line", lambda: worker and "waiting on the uploader" in worker[0].logs.text())
         assert not done.wait(1.0) and len(peak) == 3
         line = next(x for x in worker[0].logs.lines if "waiting on the uploader" in x)
         assert "3 profiles" in line and "caps 3 profiles" in line and "service '/bin/s0'" in line
@@ -234,8 +211,8 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Pat
                                  "--worker", "0", "--run-dir", str(run_dir), "--state-dir", str(workdir / "state")],
                                 stderr=f)
     try:
-        wait_for(lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None,
-                 "the worker's ready file")
+        wait_for("the worker's ready file",
+                 lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None)
         # given one batch of one service
         push = zctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
@@ -246,8 +223,8 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Pat
                            user_stacks=(), kernel_stacks=(), samples=(Sample(4242, 4242, -1, -1, 3, 3),))
         push.send_multipart(encode(batch))
         # when its window has closed (the batch is from 5 s ago, windows are 1 s) and the profile was built
-        wait_for(lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None,
-                 "the worker to build the profile")
+        wait_for("the worker to build the profile",
+                 lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None)
         # and it is stopped with no uploader to take the profile
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -1,25 +1,15 @@
 """The uploader stage, run as `ebpfprofiler uploader`: fed by a test worker (a real DEALER socket
 and shared.handoff.ProfileSender) over a real ipc:// socket, delivering to a local directory, to the
 reference receiver, or to a scripted HTTP(S) server on 127.0.0.1.
-
-The helpers at the top (make_upload, TestWorker, UploaderProcess, ReceiverProcess, reserve_port)
-are shared with tests/unit/test_spool*.py and tests/integration/test_upload_faults.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-import re
-import selectors
-import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -35,297 +25,14 @@ import zmq
 from ebpfprofiler.receiver.server import make_server
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, handoff
-from ebpfprofiler.shared.config import ProfilerConfig, dump
-from ebpfprofiler.shared.pprof import ProfileBuilder
-from ebpfprofiler.shared.privileges import ids as stage_ids
-from ebpfprofiler.shared.wire import ProfileUpload, StackBatch, encode
+from ebpfprofiler.shared.config import ProfilerConfig
+from ebpfprofiler.shared.wire import StackBatch, encode
 from ebpfprofiler.uploader.local import MAX_SERVICE_DIR_CHARS, safe_name
-
-DEADLINE_S = 15
-START_NS = 1_700_000_000_000_000_000      # 2023-11-14T22:13:20Z
-END_NS = START_NS + 60_000_000_000
-# Retries in tests wait milliseconds, not seconds.
-FAST_BACKOFF = {"EBPFPROFILER_UPLOAD_BACKOFF_S": "0.01"}
-# A test worker offers unacknowledged profiles again after this (the stages use 10 s).
-TEST_ACK_TIMEOUT_S = 1.0
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def make_upload(service: str = "/usr/bin/python3.11", n_samples: int = 2, *, start_ns: int = START_NS,
-                length_ns: int = END_NS - START_NS, padding: bytes = b"") -> ProfileUpload:
-    """A valid gzip pprof; `padding` (incompressible, if random) goes into a function name to size it."""
-    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                       period=52_631_578, time_ns=start_ns, duration_ns=length_ns)
-    m = b.mapping("main", service, "abcdef")
-    for i in range(n_samples):
-        b.sample([b.location(i, m, 0x1000 + i, [b.function(f"fn{i}")])], [1, 52_631_578], {"pid": 7})
-    if padding:
-        b.sample([b.location("pad", m, 0x9000, [b.function("pad_" + padding.hex())])], [1, 1], {"pid": 7})
-        n_samples += 1
-    return ProfileUpload(profile_id=uuid.uuid4().hex, host="web-1", service=service, profile_type="cpu",
-                         window_start_ns=start_ns, window_end_ns=start_ns + length_ns, samples=n_samples,
-                         pprof_gz=b.gzipped())
-
-
-def write_config(path: Path, cfg: ProfilerConfig) -> Path:
-    path.write_text(dump(cfg))
-    path.chmod(0o644)    # the stages read it as their own users
-    return path
-
-
-def give(stage: str, *paths: Path) -> None:
-    """Hand `paths` to `stage`'s user: a stage started as root runs as its own user
-    (shared/privileges.py), and `ebpfprofiler run` or the systemd units prepare its directories."""
-    if os.geteuid() != 0:
-        return
-    uid, gid = stage_ids(stage)
-    for p in paths:
-        os.chown(p, uid, gid)
-
-
-def open_workdir(prefix: str) -> Path:
-    """A directory the stages' users can enter (pytest's tmp_path is root-only); the caller removes it."""
-    path = Path(tempfile.mkdtemp(prefix=f"ebpfprofiler-{prefix}-", dir="/tmp"))
-    path.chmod(0o755)
-    return path
-
-
-def reserve_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a receiver started later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ListHandler(logging.Handler):
-    """Keeps the messages of one logger, for a test worker's log lines."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
-class TestWorker:
-    """A symbolizer worker's hand-off side: a DEALER socket and a ProfileSender, used from one thread."""
-
-    __test__ = False
-
-    def __init__(self, run_dir: Path, ctx: zmq.Context, **sender_args: Any) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, sender_args.get("max_profiles", handoff.MAX_UNACKED_PROFILES))
-        self.sock.connect(endpoints.uploader(str(run_dir)))
-        self.logs = ListHandler()
-        self.log = logging.getLogger(f"test-worker-{id(self)}")
-        self.log.addHandler(self.logs)
-        self.log.setLevel(logging.INFO)
-        self.log.propagate = False
-        sender_args.setdefault("ack_timeout_s", TEST_ACK_TIMEOUT_S)
-        self.sender = handoff.ProfileSender(self.sock, self.log, **sender_args)
-
-    def send(self, *uploads: ProfileUpload) -> None:
-        for u in uploads:
-            self.sender.send(u)
-
-    def wait_acked(self, timeout: float = DEADLINE_S) -> None:
-        def done() -> bool:
-            self.sender.poll(20)
-            return self.sender.pending_profiles == 0
-        wait_for(done, f"acknowledgements ({self.sender.pending_profiles} pending; {self.sender.counts})", timeout)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@dataclass
-class UploaderProcess:
-    """`ebpfprofiler uploader` with its stderr in a file; ended by pid by the fixture that started it."""
-    proc: subprocess.Popen[bytes]
-    run_dir: Path
-    state_dir: Path
-    stderr: Path
-
-    @property
-    def spool_dir(self) -> Path:
-        return self.state_dir / "spool"
-
-    @property
-    def dead_letter_dir(self) -> Path:
-        return self.state_dir / "dead-letter"
-
-    def spooled(self) -> list[str]:
-        return sorted(p.name for p in self.spool_dir.glob("*.prof")) if self.spool_dir.exists() else []
-
-    def log(self) -> str:
-        return self.stderr.read_text()
-
-    def stop(self, timeout: float = DEADLINE_S) -> int:
-        """SIGTERM, then the exit code (killed after a deadline if it does not exit)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"uploader ignored SIGTERM; log:\n{self.log()}")
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def uploader_command(config: Path, run_dir: Path, state_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "ebpfprofiler.cli.main", "uploader", "--config", str(config),
-            "--run-dir", str(run_dir), "--state-dir", str(state_dir)]
-
-
-def launch_uploader(workdir: Path, cfg: ProfilerConfig, *, state_dir: Path | None = None,
-                    env: dict[str, str] | None = None, name: str = "uploader") -> UploaderProcess:
-    """Start an uploader and wait for its ready file; the caller ends it (kill() or stop())."""
-    run_dir = workdir / "run"
-    state_dir = state_dir or workdir / "state"
-    for d in (run_dir, state_dir):
-        if not d.exists():
-            d.mkdir()
-            give("uploader", d)
-    ready = Path(endpoints.ready_file(str(run_dir), "uploader"))
-    if ready.exists():
-        ready.unlink()   # left by a killed predecessor
-    n = len(list(workdir.glob(f"{name}*.err")))
-    stderr = workdir / f"{name}{n or ''}.err"
-    config = write_config(workdir / f"{name}.yaml", cfg)
-    with open(stderr, "wb") as err:
-        proc = subprocess.Popen(uploader_command(config, run_dir, state_dir), stdout=subprocess.DEVNULL,
-                                stderr=err, env={**os.environ, **(env or {})})
-    u = UploaderProcess(proc, run_dir, state_dir, stderr)
-    try:
-        wait_for(lambda: ready.exists() or proc.poll() is not None, "the uploader's ready file")
-    except AssertionError:
-        u.kill()
-        raise
-    if proc.poll() is not None:
-        raise AssertionError(f"uploader exited with {proc.returncode}:\n{u.log()}")
-    return u
-
-
-@dataclass
-class ReceiverProcess:
-    """`ebpfprofiler receiver` on 127.0.0.1 (optionally a given port and fault options)."""
-    proc: subprocess.Popen[bytes]
-    url: str
-    dir: Path
-    stderr: Path
-
-    @classmethod
-    def start(cls, workdir: Path, *faults: str, port: int = 0, name: str = "receiver") -> "ReceiverProcess":
-        n = len(list(workdir.glob(f"{name}*.err")))
-        stderr = workdir / f"{name}{n or ''}.err"
-        store = workdir / "received"
-        with open(stderr, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
-                 "--dir", str(store), *faults], stdout=subprocess.PIPE, stderr=err)
-        line = b""
-        deadline = time.monotonic() + DEADLINE_S
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)   # type: ignore[arg-type]
-            while not line.endswith(b"\n") and time.monotonic() < deadline:
-                if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    chunk = os.read(proc.stdout.fileno(), 4096)   # type: ignore[union-attr]
-                    if not chunk:
-                        break
-                    line += chunk
-        m = re.search(rb"listening on (http://\S+)", line)
-        if not m:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"receiver did not start: {line!r}; {stderr.read_text()}")
-        return cls(proc, m.group(1).decode(), store, stderr)
-
-    def received(self) -> list[dict[str, Any]]:
-        return list_profiles(str(self.dir)) if self.dir.exists() else []
-
-    def received_ids(self) -> list[str]:
-        return [m["id"] for m in self.received()]
-
-    def log(self) -> str:
-        return self.stderr.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        return self.proc.returncode
-
-
-def http_config(tmp_path: Path, url: str, **changes: Any) -> ProfilerConfig:
-    return ProfilerConfig(endpoint=url, local_dir=str(tmp_path / "unused"), **changes)
+from tests.harness import (DEADLINE_S, END_NS, FAST_BACKOFF, START_NS, TestWorker, give, http_config, make_upload,
+                           reserve_port, uploader_command, wait_for, write_config)
 
 
 # ---------------------------------------------------------------- fixtures
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    """Config, runtime and state directories of the processes a test starts (see open_workdir)."""
-    path = open_workdir("test")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def start_uploader(workdir: Path) -> Iterator[Callable[..., UploaderProcess]]:
-    """start_uploader(cfg, env=..., state_dir=...): an uploader process, killed by pid at the end."""
-    started: list[UploaderProcess] = []
-
-    def start(cfg: ProfilerConfig, **kwargs: Any) -> UploaderProcess:
-        u = launch_uploader(workdir, cfg, **kwargs)
-        started.append(u)
-        return u
-
-    try:
-        yield start
-    finally:
-        for u in started:
-            u.kill()
-
 
 @pytest.fixture
 def worker(workdir: Path, zctx: zmq.Context) -> Iterator[TestWorker]:
@@ -457,7 +164,7 @@ def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profil
     upload = make_upload("/usr/bin/python3.11")
     worker.send(upload)
     # then the uploader answers "retry" and the worker keeps it and says so
-    wait_for(lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1], "a retry answer")
+    wait_for("a retry answer", lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1])
     assert worker.sender.pending_profiles == 1
     assert "the uploader cannot take profiles now (cannot write under local_dir" in worker.logs.text()
     # and when the obstacle is gone, the next offer is written and acknowledged
@@ -479,7 +186,7 @@ def test_http_mode_spools_acks_and_delivers_with_the_right_params(workdir: Path,
     upload = make_upload("3f2a9c0d1e2b")
     worker.send(upload)
     worker.wait_acked()
-    wait_for(lambda: fault_server.posts, "the post")
+    wait_for("the post", lambda: fault_server.posts)
     [p] = fault_server.posts
     assert p.body == upload.pprof_gz
     assert p.headers["X-Profile-Id"] == upload.profile_id
@@ -488,7 +195,7 @@ def test_http_mode_spools_acks_and_delivers_with_the_right_params(workdir: Path,
     assert "Authorization" not in p.headers
     assert p.query == {"source": ["ebpf"], "type": ["cpu"], "service": ["3f2a9c0d1e2b"],
                        "host": ["web-1"], "start": [str(START_NS)], "end": [str(END_NS)]}
-    wait_for(lambda: not u.spooled(), "the spool to be emptied after the 2xx")
+    wait_for("the spool to be emptied after the 2xx", lambda: not u.spooled())
     assert u.stop() == 0
     assert "1 delivered, 0 dead-lettered, 0 dropped; 0 profile(s) (0.0 MB) left in the spool" in u.log()
 
@@ -500,7 +207,7 @@ def test_http_mode_to_the_reference_receiver(workdir: Path, start_uploader, work
     uploads = [make_upload(f"/usr/bin/svc{i}") for i in range(5)]
     worker.send(*uploads)
     worker.wait_acked()
-    wait_for(lambda: store.exists() and len(list_profiles(str(store))) == 5, "five profiles at the receiver")
+    wait_for("five profiles at the receiver", lambda: store.exists() and len(list_profiles(str(store))) == 5)
     got = {m["id"]: m for m in list_profiles(str(store))}
     for up in uploads:
         assert Path(got[up.profile_id]["path"]).read_bytes() == up.pprof_gz
@@ -524,7 +231,7 @@ def test_transient_failures_are_retried_until_the_profile_arrives(workdir: Path,
     worker.send(upload)
     worker.wait_acked()
     # then the third attempt delivers it: same id, same bytes each time
-    wait_for(lambda: len(fault_server.posts) >= 3 and not u.spooled(), "three attempts and an empty spool")
+    wait_for("three attempts and an empty spool", lambda: len(fault_server.posts) >= 3 and not u.spooled())
     assert u.stop() == 0
     assert fault_server.ids() == [upload.profile_id] * 3
     assert all(p.body == upload.pprof_gz for p in fault_server.posts)
@@ -541,7 +248,7 @@ def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWork
     u = start_uploader(http_config(workdir, fault_server.url), env=FAST_BACKOFF)
     worker.send(make_upload())
     worker.wait_acked()
-    wait_for(lambda: len(fault_server.posts) >= 2, "the retry")
+    wait_for("the retry", lambda: len(fault_server.posts) >= 2)
     # then the retry came no sooner than the server asked
     gap = fault_server.posts[1].at - fault_server.posts[0].at
     assert 1.9 <= gap < 6, gap
@@ -560,7 +267,7 @@ def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(workdir: Path, star
     worker.send(refused, accepted)
     worker.wait_acked()
     # then each is posted once, and the refused one is in the dead-letter directory with the reason
-    wait_for(lambda: len(fault_server.posts) >= 2 and not u.spooled(), "both posts and an empty spool")
+    wait_for("both posts and an empty spool", lambda: len(fault_server.posts) >= 2 and not u.spooled())
     assert u.stop() == 0
     assert fault_server.ids() == [refused.profile_id, accepted.profile_id]
     [record] = list(u.dead_letter_dir.glob("*.json"))
@@ -592,8 +299,8 @@ def test_malformed_messages_are_refused_by_id_when_possible(workdir: Path, start
         worker.sock.send_multipart(frames)
     # then the ones with an id are answered "refused", with the reason
     acks: list[handoff.Ack] = []
-    wait_for(lambda: acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock)) or len(acks) >= 3,
-             "three refusals")
+    wait_for("three refusals",
+             lambda: acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock)) or len(acks) >= 3)
     assert sorted((a.profile_id, a.status) for a in acks) == [
         ("a-batch", "refused"), ("bad-wire", "refused"), ("v9", "refused")]
     assert "hand-off version 9, this build speaks 1" in {a.profile_id: a.reason for a in acks}["v9"]
@@ -625,7 +332,7 @@ def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(workdir: Path, 
     uploads = [make_upload() for _ in range(3)]
     worker.send(*uploads)
     worker.wait_acked()
-    wait_for(lambda: fault_server.posts, "the first post")
+    wait_for("the first post", lambda: fault_server.posts)
     # when it is told to stop, and the backend then answers
     u.proc.send_signal(signal.SIGTERM)
     fault_server.hold_first.set()
@@ -645,7 +352,7 @@ def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_t
     uploads = [make_upload(f"/bin/s{i}") for i in range(3)]
     worker.send(*uploads)
     worker.wait_acked()
-    wait_for(lambda: "failed (attempt" in u.log(), "a failed attempt")
+    wait_for("a failed attempt", lambda: "failed (attempt" in u.log())
     # when it is stopped, it does not wait for the backend
     t0 = time.monotonic()
     assert u.stop() == 0
@@ -658,7 +365,7 @@ def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_t
     thread.start()
     try:
         u2 = start_uploader(cfg, env=FAST_BACKOFF)
-        wait_for(lambda: len(list_profiles(str(workdir / "store"))) == 3, "the spooled profiles")
+        wait_for("the spooled profiles", lambda: len(list_profiles(str(workdir / "store"))) == 3)
         assert [m["id"] for m in list_profiles(str(workdir / "store"))] == [x.profile_id for x in uploads]
         assert "holds 3 profile(s)" in u2.log() and "sending them first, oldest first" in u2.log()
         assert u2.stop() == 0
@@ -681,7 +388,7 @@ def test_bearer_token_is_sent_and_never_logged(workdir: Path, start_uploader, wo
                        env={**FAST_BACKOFF, "EBPFPROFILER_LOG_LEVEL": "DEBUG"})
     worker.send(make_upload(), make_upload())
     worker.wait_acked()
-    wait_for(lambda: len(fault_server.posts) >= 3 and not u.spooled(), "three posts")
+    wait_for("three posts", lambda: len(fault_server.posts) >= 3 and not u.spooled())
     # then every post carries it, stripped, as a bearer token
     assert {p.headers["Authorization"] for p in fault_server.posts} == {f"Bearer {token}"}
     assert u.stop() == 0
@@ -737,13 +444,13 @@ def test_tls_is_verified_and_a_ca_file_can_be_configured(workdir: Path, start_up
         upload = make_upload()
         worker.send(upload)
         worker.wait_acked()
-        wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in u.log(), "a verification failure")
+        wait_for("a verification failure", lambda: "CERTIFICATE_VERIFY_FAILED" in u.log())
         assert state.posts == [] and len(u.spooled()) == 1
         assert u.stop() == 0
         # and with the certificate as its CA file, the spooled profile is delivered
         u2 = start_uploader(http_config(workdir, state.url, ca_file=str(cert)), env=FAST_BACKOFF)
         assert f"CA file {cert}" in u2.log()
-        wait_for(lambda: state.posts, "the post over TLS")
+        wait_for("the post over TLS", lambda: state.posts)
         assert state.ids() == [upload.profile_id]
         assert u2.stop() == 0
     finally:
