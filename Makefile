@@ -29,3 +29,12 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+## install: the agent as systemd units in the standard places (as root; see README, "Deployment with systemd")
+.PHONY: install uninstall
+install:
+	@bash deploy/install.sh
+
+## uninstall: stop the agent and remove what install put in place; PURGE=1 also removes config and state
+uninstall:
+	@PURGE=$(PURGE) bash deploy/uninstall.sh

@@ -35,7 +35,8 @@ struct offcpu_value {
 struct offcpu_start_t {
     u64 ts;        // switched out
     u64 wake_ts;   // woken (0 until then)
-    u32 pid;
+    u32 pid;       // as the collector's /proc names them (common.h)
+    u32 tid;
     s32 user_stack;
     s32 kernel_stack;
 };
@@ -98,10 +99,10 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     u64 now = bpf_ktime_get_ns();
     u32 prev = args->prev_pid;
     long state = args->prev_state;
-    if (prev != 0 && (state == OFFCPU_STATE_S || state == OFFCPU_STATE_D)) {
-        struct offcpu_start_t s = {};
+    struct offcpu_start_t s = {};
+    if (prev != 0 && (state == OFFCPU_STATE_S || state == OFFCPU_STATE_D) &&
+        current_ids(&s.pid, &s.tid) == 0) {   // current is prev
         s.ts = now;
-        s.pid = bpf_get_current_pid_tgid() >> 32;
         s.user_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, BPF_F_USER_STACK),
                                             OFFCPU_LOST_USER_STACK);
         s.kernel_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, 0),
@@ -113,16 +114,16 @@ TRACEPOINT_PROBE(sched, sched_switch) {
     u32 next = args->next_pid;
     if (next == 0)
         return 0;
-    struct offcpu_start_t *s = offcpu_start.lookup(&next);
-    if (!s)
+    struct offcpu_start_t *started = offcpu_start.lookup(&next);
+    if (!started)
         return 0;
-    u64 end = s->wake_ts ? s->wake_ts : now;
-    u64 delta = end > s->ts ? end - s->ts : 0;
+    u64 end = started->wake_ts ? started->wake_ts : now;
+    u64 delta = end > started->ts ? end - started->ts : 0;
     struct offcpu_key key = {};
-    key.pid = s->pid;
-    key.tid = next;
-    key.user_stack = s->user_stack;
-    key.kernel_stack = s->kernel_stack;
+    key.pid = started->pid;
+    key.tid = started->tid;
+    key.user_stack = started->user_stack;
+    key.kernel_stack = started->kernel_stack;
     offcpu_start.delete(&next);
     if (delta < OFFCPU_MIN_NS)
         return 0;

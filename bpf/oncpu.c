@@ -49,9 +49,8 @@ static __always_inline s32 oncpu_stack_or_lost(int id, int reason) {
 }
 
 int on_cpu_sample(struct bpf_perf_event_data *ctx) {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 pid = id >> 32;
-    if (pid == 0)  // the idle task: not work
+    u32 pid, tid;
+    if (current_ids(&pid, &tid) || pid == 0)  // outside our pid namespace; or the idle task: not work
         return 0;
 
     u32 zero = 0;
@@ -61,7 +60,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
 
     struct oncpu_key key = {};
     key.pid = pid;
-    key.tid = (u32)id;
+    key.tid = tid;
     u64 one = 1, *n;
     if (*buf == 0) {
         key.user_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);

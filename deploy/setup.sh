@@ -12,8 +12,20 @@
 #   4. A venv in .venv on /usr/bin/python3 with --system-site-packages (bcc is
 #      only in Debian's dist-packages), the pinned requirements, and this
 #      project installed editable (console scripts: ebpfprofiler, ...).
+#
+# `setup.sh --system` (deploy/install.sh, `make install`) does only what the
+# installed agent needs of the host: the Debian packages of SYSTEM_PACKAGES, the
+# kernel header tree and tracefs; install.sh itself makes the users (from
+# deploy/sysusers.conf) and its own venv under /usr/lib/ebpfprofiler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+MODE=dev
+case "${1:-}" in
+    "") ;;
+    --system) MODE=system ;;
+    *) printf 'usage: %s [--system]\n' "$0" >&2; exit 2 ;;
+esac
 
 say() { printf 'setup: %s\n' "$*"; }
 warn() { printf 'setup: WARNING: %s\n' "$*" >&2; }
@@ -23,7 +35,13 @@ die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 [ "$(uname -s)" = Linux ] || die "ebpfprofiler runs on Linux only"
 command -v apt-get >/dev/null || die "this set-up is for Debian (apt-get not found); install the equivalents of: $*"
 
-PACKAGES="python3-bpfcc bpfcc-tools linux-perf bpftool golang-go libcap-dev gcc make python3-venv python3-dev"
+# What the installed agent needs (bcc; python3-venv; gcc, make, libcap-dev and
+# python3-dev to build python-prctl), and what development and the tests add
+# (systemd-analyze, systemd-nspawn and debootstrap: tests of the systemd units).
+SYSTEM_PACKAGES="python3-bpfcc python3-venv python3-dev libcap-dev gcc make"
+DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap"
+PACKAGES=$SYSTEM_PACKAGES
+[ "$MODE" = system ] || PACKAGES="$PACKAGES $DEV_PACKAGES"
 apt_updated=0
 apt_install() {
     if [ "$apt_updated" = 0 ]; then
@@ -65,12 +83,17 @@ case "$(readlink "$kdir/build" 2>/dev/null)" in
 esac
 
 # --- the agent's users ---------------------------------------------------------
-bash deploy/users.sh
+[ "$MODE" = system ] || bash deploy/users.sh
 
 # --- tracefs ------------------------------------------------------------------
 if [ ! -e /sys/kernel/tracing/available_events ]; then
     say "mounting tracefs at /sys/kernel/tracing"
     mount -t tracefs tracefs /sys/kernel/tracing || die "cannot mount tracefs at /sys/kernel/tracing"
+fi
+
+if [ "$MODE" = system ]; then
+    say "host ready for the installed agent"
+    exit 0
 fi
 
 # --- venv ---------------------------------------------------------------------

@@ -92,10 +92,14 @@ def become(stage: str) -> None:
     # lacks cannot be had; preflight names it), inheritable empty.
     # (python-prctl's C layer takes plain numbers; its Python layer does not
     # know CAP_CHECKPOINT_RESTORE, and its limit() can only clear.)
-    permitted = held()["CapPrm"]
-    caps = [c for c in caps if permitted >> c & 1]
-    others = [c for c in range(_last_cap() + 1) if c not in caps]
-    _prctl.set_caps(caps, caps, [], others, others, list(range(_last_cap() + 1)))
+    now = held()
+    caps = [c for c in caps if now["CapPrm"] >> c & 1]
+    want = sum(1 << c for c in caps)
+    # Started with exactly these (a systemd unit without capabilities): nothing
+    # to change, and such units need not allow the capset system call.
+    if not (now["CapEff"] == now["CapPrm"] == want and now["CapInh"] == 0 and now.get("CapAmb", 0) == 0):
+        others = [c for c in range(_last_cap() + 1) if c not in caps]
+        _prctl.set_caps(caps, caps, [], others, others, list(range(_last_cap() + 1)))
     prctl.set_no_new_privs(1)
     os.umask(0o007)   # sockets and files: the agent's group, nobody else
     if os.geteuid() == 0 or os.getuid() == 0:
