@@ -2,8 +2,12 @@
 
 Owns: the stage's command line, its main loop (drain every source — on-CPU,
 and off-CPU unless offcpu: false — every DRAIN_INTERVAL_S, join with /proc,
-route to workers, send), and a clean stop: on SIGTERM or SIGINT it drains
-once more, sends, and detaches every program and perf event.
+route to workers, send), following remote config's `enabled` (each drain it
+checks the overrides file the uploader writes, shared/remote_config.py:
+`enabled: false` detaches the perf events and tracepoints and keeps the BPF
+programs loaded; `enabled: true` attaches them again), and a clean stop: on
+SIGTERM or SIGINT it drains once more, sends, and detaches every program and
+perf event.
 
 Must not: parse ELF files or process memory, or talk to the network.
 """
@@ -26,7 +30,7 @@ from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges, ready
+from ebpfprofiler.shared import endpoints, privileges, ready, remote_config
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import StackBatch, encode
@@ -107,11 +111,29 @@ class Collector:
         self._drop_logged: dict[int, float] = {}
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
+        self.sampling = False    # perf events and tracepoints attached
 
     def start(self) -> None:
         self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()
+        self.sampling = True     # (bcc attached the off-CPU tracepoints when it loaded them)
         _malloc_trim()   # give back what LLVM left behind after compiling
+
+    def pause(self) -> None:
+        """Stop sampling: detach the perf events and tracepoints; the programs and maps stay loaded."""
+        if not self.sampling:
+            return
+        for src in self.sources:
+            src.detach()
+        self.sampling = False
+
+    def resume(self) -> None:
+        """Sample again after pause()."""
+        if self.sampling:
+            return
+        for src in self.sources:
+            src.attach()
+        self.sampling = True
 
     def drain_once(self) -> None:
         from ebpfprofiler.collector.batcher import build_batches
@@ -163,6 +185,22 @@ class Collector:
                  self.totals, self.broker.stats)
 
 
+def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig,
+                         watcher: remote_config.Watcher) -> None:
+    """Pause or resume sampling when the overrides file changed `enabled`."""
+    if not watcher.check():
+        return
+    enabled = remote_config.effective(cfg, watcher.overrides).enabled
+    if enabled and not collector.sampling:
+        collector.resume()
+        log.info("remote config: profiling enabled again: on-CPU%s sampling attached",
+                 " and off-CPU" if cfg.offcpu else "")
+    elif not enabled and collector.sampling:
+        collector.pause()
+        log.info("remote config: profiling disabled (enabled: false): sampling detached, BPF programs stay "
+                 "loaded; nothing is sampled until remote config enables it again")
+
+
 def broker_peers() -> set[int]:
     """Users whose processes may ask the file broker for files: symbolizers, and root."""
     uids = {0, os.geteuid()}
@@ -203,12 +241,24 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
 
     stop = stop_on_signals(log, "stopping")
 
-    if not cfg.enabled:
-        log.info("profiling is disabled by config (enabled: false); idle until stopped")
-        ready.announce(args.run_dir, "collector", "disabled by config")
-        stop.wait()
-        ready.withdraw(args.run_dir, "collector")
-        return 0
+    watcher = remote_config.Watcher(args.run_dir, log)
+    watcher.check()
+    if not remote_config.effective(cfg, watcher.overrides).enabled:
+        # Nothing is loaded until profiling is enabled: remote config can do that
+        # unless the local config turned it off (shared/remote_config.effective).
+        if cfg.enabled:
+            log.info("profiling is disabled by remote config (enabled: false); idle until remote config "
+                     "enables it, or until stopped")
+        else:
+            log.info("profiling is disabled by config (enabled: false); idle until stopped")
+        ready.announce(args.run_dir, "collector", f"disabled by {'remote ' if cfg.enabled else ''}config")
+        while not stop.wait(DRAIN_INTERVAL_S):
+            if watcher.check() and remote_config.effective(cfg, watcher.overrides).enabled:
+                break
+        else:
+            ready.withdraw(args.run_dir, "collector")
+            return 0
+        log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
         collector = Collector(cfg, args.bpf_dir, args.run_dir)
@@ -224,6 +274,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         next_drain = time.monotonic() + DRAIN_INTERVAL_S
         while not stop.wait(max(0.0, next_drain - time.monotonic())):
             collector.drain_once()
+            follow_remote_config(collector, cfg, watcher)
             next_drain += DRAIN_INTERVAL_S
             if next_drain < time.monotonic():   # fell behind (suspended?): do not burst
                 next_drain = time.monotonic() + DRAIN_INTERVAL_S

@@ -86,6 +86,21 @@ class OffCpuTracer:
             self._last_used.pop(sid, None)
         log.debug("off-CPU stack sweep: %d ids, %d pending, %d deleted", len(present), len(pending), len(stale))
 
+    def attach(self) -> None:
+        """Attach the tracepoints again after detach() (bcc attached them at load).
+
+        Threads that blocked before the pause and were woken during it left
+        start records whose wakeup was never seen; they are cleared first, so
+        no paused time is charged as blocked time."""
+        if self._attached:
+            return
+        self._bpf["offcpu_start"].clear()
+        for tp in TRACEPOINTS:
+            category, name = tp.split(b":")
+            self._bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + category + b"__" + name)
+        self._attached = True
+        log.info("off-CPU profiling attached again to %s", " and ".join(t.decode() for t in TRACEPOINTS))
+
     def detach(self) -> None:
         if self._attached:
             for tp in TRACEPOINTS:

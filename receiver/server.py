@@ -1,7 +1,9 @@
 """A reference backend: the server side of POST /v1/profiles (docs/upload-api.md).
 
 Owns: the HTTP handling of the upload API (query parameters, X-Profile-Id,
-body cap, pprof validation, status codes and JSON replies), GET /healthz, and
+body cap, pprof validation, status codes and JSON replies), GET /healthz,
+GET /v1/agent-config (the agent config document of --agent-config FILE, read
+again on every request so a test or demo can change it; 404 without it), and
 the `ebpfprofiler receiver` command, and fault injection for tests and demos
 (Faults: --fail-ratio, --hang-s, --reject-status), applied after the body is
 read and before anything is stored. make_server() is the same server for tests
@@ -38,6 +40,9 @@ from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, MAX_STRING
 STAGE = "receiver"
 UPLOAD_PATH = "/v1/profiles"
 HEALTH_PATH = "/healthz"
+AGENT_CONFIG_PATH = "/v1/agent-config"
+# Each path and the one method it takes.
+METHODS = {UPLOAD_PATH: "POST", HEALTH_PATH: "GET", AGENT_CONFIG_PATH: "GET"}
 
 # The largest body accepted: the same cap the wire puts on a profile.
 MAX_BODY_BYTES = MAX_PROFILE_BYTES
@@ -50,6 +55,8 @@ MAX_PARAM_CHARS = MAX_STRING
 
 # --hang-s is for outlasting a client's read timeout; an hour is plenty.
 MAX_HANG_S = 3600.0
+# An agent config document is a few hundred bytes; the agent reads at most 64 KiB of one.
+MAX_AGENT_CONFIG_BYTES = 64 << 10
 
 REQUIRED_PARAMS = ("source", "type", "service", "start", "end")
 OPTIONAL_PARAMS = ("host",)
@@ -90,9 +97,11 @@ class ReceiverServer(ThreadingHTTPServer):
     daemon_threads = False
     block_on_close = True
 
-    def __init__(self, address: tuple[str, int], directory: str, faults: Faults = Faults()) -> None:
+    def __init__(self, address: tuple[str, int], directory: str, faults: Faults = Faults(),
+                 agent_config: str | None = None) -> None:
         self.directory = directory
         self.faults = faults
+        self.agent_config = agent_config    # file served at GET /v1/agent-config; None: 404
         self.stopping = threading.Event()   # set before shutdown(): cuts a --hang-s wait short
         self._random = random.Random()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -118,21 +127,23 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "ebpfprofiler-receiver"
 
     def do_GET(self) -> None:
-        path = urlsplit(self.path).path
-        if path == HEALTH_PATH:
+        url = urlsplit(self.path)
+        if url.path == HEALTH_PATH:
             self._send(200, b"ok", "text/plain; charset=utf-8")
-        elif path == UPLOAD_PATH:
-            self._error(405, f"{self.command} is not allowed on {path}; use POST", allow="POST")
+        elif url.path == AGENT_CONFIG_PATH:
+            try:
+                status, body = self._agent_config(url.query)
+            except RequestError as e:
+                self._error(e.status, str(e))
+            else:
+                self._send(status, body, "application/json")
         else:
-            self._error(404, f"no such path: {path}")
+            self._method_not_allowed()
 
     def do_POST(self) -> None:
         url = urlsplit(self.path)
         if url.path != UPLOAD_PATH:
-            if url.path == HEALTH_PATH:
-                self._error(405, f"POST is not allowed on {url.path}; use GET", allow="GET")
-            else:
-                self._error(404, f"no such path: {url.path}")
+            self._method_not_allowed()
             return
         try:
             status, reply = self._upload(url.query)
@@ -152,11 +163,36 @@ class Handler(BaseHTTPRequestHandler):
 
     def _method_not_allowed(self) -> None:
         path = urlsplit(self.path).path
-        if path in (UPLOAD_PATH, HEALTH_PATH):
-            allow = "POST" if path == UPLOAD_PATH else "GET"
+        allow = METHODS.get(path)
+        if allow:
             self._error(405, f"{self.command} is not allowed on {path}; use {allow}", allow=allow)
         else:
             self._error(404, f"no such path: {path}")
+
+    # ------------------------------------------------------------ agent config
+
+    def _agent_config(self, query: str) -> tuple[int, bytes]:
+        """The --agent-config file's bytes as they are (the agent checks them), or 404 without one."""
+        try:
+            host = parse_qs(query, max_num_fields=100).get("host", [""])[0][:MAX_PARAM_CHARS]
+        except ValueError as e:
+            raise RequestError(400, f"bad query string: {e}") from None
+        name = self.server.agent_config
+        if name is None:
+            raise RequestError(404, "no agent config: the receiver runs without --agent-config")
+        try:
+            with open(name, "rb") as f:
+                body = f.read(MAX_AGENT_CONFIG_BYTES + 1)
+        except FileNotFoundError:
+            log.info("agent config asked for by host=%r: %s does not exist (404)", host, name)
+            raise RequestError(404, f"no agent config: {name} does not exist") from None
+        except OSError as e:
+            log.error("cannot read the agent config %s: %s", name, e)
+            raise RequestError(500, f"cannot read the agent config: {e.strerror}") from None
+        if len(body) > MAX_AGENT_CONFIG_BYTES:
+            raise RequestError(500, f"the agent config {name} is larger than {MAX_AGENT_CONFIG_BYTES} bytes")
+        log.info("served the agent config to host=%r (%d bytes)", host, len(body))
+        return 200, body
 
     # ------------------------------------------------------------ upload
 
@@ -288,10 +324,11 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_server(listen: str, directory: str, faults: Faults = Faults()) -> ReceiverServer:
+def make_server(listen: str, directory: str, faults: Faults = Faults(),
+                agent_config: str | None = None) -> ReceiverServer:
     """A bound (not yet serving) receiver; call serve_forever(), then shutdown() and server_close()."""
     os.makedirs(directory, exist_ok=True)
-    return ReceiverServer(parse_listen(listen), directory, faults)
+    return ReceiverServer(parse_listen(listen), directory, faults, agent_config)
 
 
 def _ratio(value: str) -> float:
@@ -326,11 +363,17 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
         description=("A reference profile backend for tests and local demos: accepts "
                      "POST /v1/profiles (see docs/upload-api.md), checks each body is a valid gzip "
                      "pprof and stores it as DIR/<id>.pb.gz with DIR/<id>.json metadata. "
-                     "GET /healthz answers ok. No auth, no TLS."),
+                     "GET /healthz answers ok. GET /v1/agent-config serves --agent-config FILE. "
+                     "No auth, no TLS."),
     )
     p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", type=str,
                    help="address to listen on; port 0 picks a free one (default: %(default)s)")
     p.add_argument("--dir", required=True, metavar="DIR", help="directory where profiles are stored")
+    p.add_argument("--agent-config", metavar="FILE",
+                   help="JSON agent config document served at GET /v1/agent-config, e.g. "
+                        '{"modules": {"ebpf_profiler": {"enabled": false}}}; read again on every request '
+                        "(so it can be changed while the receiver runs) and served as it is; a missing "
+                        "file, or no --agent-config, answers 404 (no remote settings)")
     faults = p.add_argument_group(
         "fault injection (test aids: make the receiver misbehave on purpose; applied after the body is "
         "read and before anything is stored)")
@@ -352,7 +395,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     shared_log.setup(STAGE)
     try:
         server = make_server(args.listen, args.dir, Faults(args.fail_ratio, args.hang_s, args.reject_status,
-                                                          args.reject_reason[:MAX_PARAM_CHARS]))
+                                                          args.reject_reason[:MAX_PARAM_CHARS]),
+                             os.path.abspath(args.agent_config) if args.agent_config else None)
     except OSError as e:
         log.error("cannot listen on %s or use %s: %s", args.listen, args.dir, e)
         return 1
@@ -366,6 +410,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     line = f"receiver listening on {server.url}"
     print(line, flush=True)
     log.info("%s; storing profiles in %s", line, args.dir)
+    if server.agent_config:
+        log.info("serving the agent config in %s at %s", server.agent_config, AGENT_CONFIG_PATH)
     if server.faults.describe():
         log.warning("fault injection on: %s", server.faults.describe())
     thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="receiver", daemon=True)

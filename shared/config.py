@@ -29,6 +29,9 @@ DEFAULT_LOCAL_DIR = "/var/lib/ebpfprofiler/profiles"
 DEFAULT_SPOOL_MAX_MB = 256
 # Seconds to wait for the backend's reply to one upload (requests' read timeout).
 DEFAULT_UPLOAD_TIMEOUT_S = 30
+# How often the uploader asks the backend for remote config: a minute is soon
+# enough for an operator's toggle, and one small GET a minute per host is cheap.
+DEFAULT_REMOTE_CONFIG_INTERVAL_S = 60
 
 
 class ConfigError(ValueError):
@@ -51,6 +54,7 @@ class ProfilerConfig:
     upload_timeout_s: int = DEFAULT_UPLOAD_TIMEOUT_S
     ca_file: str = ""
     token_file: str = ""
+    remote_config_interval_s: int = DEFAULT_REMOTE_CONFIG_INTERVAL_S
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -86,6 +90,9 @@ _RULES: dict[str, _Rule] = {
     "upload_timeout_s": _Rule(int, "an integer from 1 to 600 (seconds to wait for the backend's reply)", 1, 600),
     "ca_file": _Rule(str, '"" (the system CA certificates) or an absolute path to a PEM file of CA certificates'),
     "token_file": _Rule(str, '"" (no Authorization header) or an absolute path to a file holding a bearer token'),
+    # At least 5 s: a fleet of agents polling faster would load the backend for nothing.
+    "remote_config_interval_s": _Rule(int, "an integer from 5 to 3600 (seconds between fetches of remote config)",
+                                      5, 3600),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -112,6 +119,18 @@ def _check(key: str, value: Any, source: str) -> Any:
     if key in ("ca_file", "token_file") and value and not os.path.isabs(value):
         raise bad
     return value
+
+
+def check(key: str, value: Any, source: str = "<config>") -> Any:
+    """Validate one value of the block by its key's rule (ConfigError naming key, value and what is allowed)."""
+    if key not in _RULES:
+        raise ConfigError(f"{source}: unknown key modules.ebpf_profiler.{key}; allowed keys: {', '.join(_RULES)}")
+    return _check(key, value, source)
+
+
+def allowed(key: str) -> str:
+    """What a key accepts, in words (as the ConfigError of a bad value says it)."""
+    return _RULES[key].allowed
 
 
 def from_mapping(block: Mapping[str, Any] | None, source: str = "<config>") -> ProfilerConfig:

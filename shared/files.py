@@ -12,11 +12,15 @@ import os
 import tempfile
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` so that `path` is either absent, old, or complete and durable."""
+def write_atomic(path: str, data: bytes, mode: int | None = None) -> None:
+    """Write `data` to `path` so that `path` is either absent, old, or complete and durable.
+
+    The file is 0600 (mkstemp), or `mode` before it takes its name."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

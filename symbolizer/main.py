@@ -4,7 +4,10 @@ Owns: the stage's command line and loop: receive StackBatch messages on its
 own socket, resolve frames (frames.py), label samples, sum them into windows
 (window.py), and when a window closes build its profiles (profile.py) and push
 them to the uploader. On SIGTERM it closes every open window, the one in
-progress included, so a clean stop loses nothing.
+progress included, so a clean stop loses nothing. When remote config changes
+upload_interval_s (the overrides file, shared/remote_config.py, checked every
+loop turn with one stat), it hands out the windows in progress and goes on
+with windows of the new length.
 
 Must not: load BPF, write outside its state directory, or talk to the network.
 """
@@ -23,7 +26,7 @@ from typing import Callable, Sequence
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready
+from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready, remote_config
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
@@ -172,6 +175,16 @@ class Worker:
                      w.profile_type, w.service, handoff.window_text(upload),
                      sum(r[0] for r in w.data.rows.values()), len(gz))
 
+    def set_interval(self, interval_s: int, why: str) -> None:
+        """Windows of interval_s from now on; the windows in progress are handed out now."""
+        old = self.windows.interval_s
+        if interval_s == old:
+            return
+        closed = self.windows.set_interval(interval_s, time.time_ns())
+        log.info("%s: windows of %d s instead of %d s from now on; handing out the windows in progress now "
+                 "(%d profile(s))", why, interval_s, old, len(closed))
+        self.flush(closed)
+
     def close(self) -> None:
         self.flush(list(self.windows.close_all()))
         self.sender.close(handoff.CLOSE_TIMEOUT_S)   # waits for the last acks; logs what it could not hand off
@@ -203,14 +216,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
 
     stop = stop_on_signals(log)
     worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
+    watcher = remote_config.Watcher(args.run_dir, log)
+    if watcher.check():
+        worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
     stage = f"symbolizer-{args.worker}"
     ready.announce(args.run_dir, stage)
-    log.info("symbolizer worker %d ready: windows of %d s", args.worker, cfg.upload_interval_s)
+    log.info("symbolizer worker %d ready: windows of %d s", args.worker, worker.windows.interval_s)
     grace_ns = int(WINDOW_GRACE_S * 1e9)
     try:
         while not stop.is_set():
             if worker.inbox.poll(POLL_MS):
                 worker.handle(worker.inbox.recv_multipart(copy=True))
+            if watcher.check():
+                worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s,
+                                    "remote config")
             worker.flush(list(worker.windows.close_due(time.time_ns(), grace_ns)))
         # The collector drains once more when it stops; take what is queued.
         while worker.inbox.poll(0):

@@ -2,7 +2,11 @@
 
 Owns: which upload window a batch belongs to (wall-clock aligned windows of
 upload_interval_s), the per (profile type, window, service) sum of samples by
-(labels, frames), its size bound, and handing closed windows out once.
+(labels, frames), its size bound, handing closed windows out once, and a
+change of the window length while running (remote config): set_interval()
+hands out every open window at once, the one in progress ending at the
+moment of the change, and the next window runs from that moment to the next
+boundary of the new length; windows after it are aligned as usual.
 
 A batch that arrives after its window was handed out is counted into the
 oldest window still open, never into a second profile of a closed window.
@@ -53,17 +57,22 @@ class ClosedWindow:
 
 class Windows:
     def __init__(self, interval_s: int) -> None:
+        self.interval_s = interval_s
         self.interval_ns = interval_s * 1_000_000_000
         self._open: dict[tuple[str, int], dict[str, ServiceWindow]] = defaultdict(dict)
-        self._closed_before = 0      # windows starting before this were handed out
+        self._closed_before = 0      # times before this belong to windows that were handed out
+        self._since = 0              # the last change of length: no window starts before it
         self.late_batches = 0
 
     def window_start(self, time_ns: int) -> int:
-        start = time_ns - time_ns % self.interval_ns
-        if start < self._closed_before:
+        if time_ns < self._closed_before:
             self.late_batches += 1
-            start = self._closed_before
-        return start
+            time_ns = self._closed_before
+        return max(time_ns - time_ns % self.interval_ns, self._since)
+
+    def window_end(self, start_ns: int) -> int:
+        """The end of the window starting at start_ns: the next boundary of the current length."""
+        return start_ns - start_ns % self.interval_ns + self.interval_ns
 
     def service(self, profile_type: str, time_ns: int, service: str) -> ServiceWindow:
         by_service = self._open[(profile_type, self.window_start(time_ns))]
@@ -74,7 +83,7 @@ class Windows:
 
     def close_due(self, now_ns: int, grace_ns: int) -> Iterator[ClosedWindow]:
         """Hand out every window that ended more than grace_ns ago."""
-        yield from self._close(lambda start: start + self.interval_ns + grace_ns <= now_ns)
+        yield from self._close(lambda start: self.window_end(start) + grace_ns <= now_ns)
         current = now_ns - grace_ns
         self._closed_before = max(self._closed_before, current - current % self.interval_ns)
 
@@ -82,8 +91,24 @@ class Windows:
         """Hand out every open window, the one in progress included (on stop)."""
         yield from self._close(lambda start: True)
 
-    def _close(self, due: Callable[[int], bool]) -> Iterator[ClosedWindow]:
+    def set_interval(self, interval_s: int, now_ns: int) -> list[ClosedWindow]:
+        """Change the window length at now_ns: every open window is handed out (returned), the one in
+        progress ending at now_ns; later batches go to windows of the new length. A batch timed
+        before now_ns that arrives later counts into the first new window (a late batch)."""
+        if interval_s == self.interval_s:
+            return []
+        closed = list(self._close(lambda start: True, cut_ns=now_ns))
+        self.interval_s = interval_s
+        self.interval_ns = interval_s * 1_000_000_000
+        self._since = max(self._since, now_ns)
+        self._closed_before = max(self._closed_before, now_ns)
+        return closed
+
+    def _close(self, due: Callable[[int], bool], cut_ns: int | None = None) -> Iterator[ClosedWindow]:
         for key in sorted(k for k in self._open if due(k[1])):
             profile_type, start = key
+            end = self.window_end(start)
+            if cut_ns is not None and start < cut_ns < end:
+                end = cut_ns
             for service, data in self._open.pop(key).items():
-                yield ClosedWindow(profile_type, service, start, start + self.interval_ns, data)
+                yield ClosedWindow(profile_type, service, start, end, data)

@@ -1,5 +1,8 @@
 """HTTP delivery: one POST of one profile to `{endpoint}/v1/profiles`, and the retry policy.
 
+Also the one GET of the backend's agent config (`{endpoint}/v1/agent-config`),
+with the same TLS, token and timeouts.
+
 Owns: the client side of the upload API (docs/upload-api.md): URL, query
 parameters, headers (X-Profile-Id, the bearer token), TLS verification,
 connect and read timeouts, how an answer is classified (delivered, retry
@@ -34,6 +37,7 @@ from ebpfprofiler.shared.wire import ProfileUpload
 log = logging.getLogger("ebpfprofiler.uploader.http")
 
 PATH = "/v1/profiles"
+AGENT_CONFIG_PATH = "/v1/agent-config"
 SOURCE = "ebpf"
 BACKOFF_ENV = "EBPFPROFILER_UPLOAD_BACKOFF_S"
 
@@ -51,6 +55,8 @@ MAX_RESPONSE_BYTES = 4096
 MAX_REASON_CHARS = 300
 # A bearer token (a JWT included) is a few KB; a larger file is not a token file.
 MAX_TOKEN_BYTES = 16 << 10
+# An agent config document is a few hundred bytes; a larger reply is not one, and is not read.
+MAX_AGENT_CONFIG_BYTES = 64 << 10
 
 RETRY_STATUSES = frozenset({408, 429})   # and every 5xx
 
@@ -128,6 +134,15 @@ class Outcome:
     reached: bool = True              # False: no connection (nothing about this profile was learnt)
 
 
+@dataclass(frozen=True)
+class ConfigReply:
+    """What one GET of the agent config came to."""
+    ok: bool                          # an answer to use: 200 with JSON, or 404 (no remote settings)
+    doc: object = None                # the parsed JSON of a 200; None for a 404
+    reason: str = ""                  # why not ok, for logs
+    status: int | None = None
+
+
 class _Bearer(requests.auth.AuthBase):
     """Authorization: Bearer <token>. Given as the request's auth, so no ~/.netrc entry replaces it."""
 
@@ -143,10 +158,14 @@ class _Bearer(requests.auth.AuthBase):
 
 
 class HttpClient:
-    """Posts profiles to one backend; one attempt per post() call."""
+    """Posts profiles to one backend; one attempt per post() call.
+
+    One requests.Session per client, used from one thread: the sender and the
+    remote config fetcher each have a client of their own."""
 
     def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "") -> None:
         self.url = endpoint.rstrip("/") + PATH
+        self.agent_config_url = endpoint.rstrip("/") + AGENT_CONFIG_PATH
         self.read_timeout_s = read_timeout_s
         self._session = requests.Session()
         self._session.headers["User-Agent"] = user_agent()
@@ -209,6 +228,47 @@ class HttpClient:
         retry = status in RETRY_STATUSES or 500 <= status < 600
         retry_after = _retry_after(resp.headers.get("Retry-After")) if retry else None
         return Outcome(False, retry, reason, status, retry_after)
+
+    def get_agent_config(self, host: str) -> ConfigReply:
+        """One GET of {endpoint}/v1/agent-config?host=H: its JSON document, no remote settings (404), or why not."""
+        try:
+            resp = self._session.get(
+                self.agent_config_url, params={"host": host}, headers={"Accept": "application/json"},
+                timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
+                verify=self._verify, auth=self._auth,
+            )
+        except requests.Timeout as e:
+            what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
+            limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
+            return ConfigReply(False, reason=f"no {what} within {limit:g}s ({type(e).__name__})")
+        except requests.RequestException as e:
+            return ConfigReply(False, reason=f"{type(e).__name__}: {_cut(_cause(e))}")
+        body = bytearray()
+        try:
+            for chunk in resp.iter_content(chunk_size=4096):
+                body += chunk
+                if len(body) > MAX_AGENT_CONFIG_BYTES:
+                    break
+        except (requests.RequestException, OSError) as e:
+            return ConfigReply(False, reason=f"reply broken off: {type(e).__name__}", status=resp.status_code)
+        finally:
+            resp.close()
+        status = resp.status_code
+        if status == 404:
+            return ConfigReply(True, None, "HTTP 404: no remote settings", status)
+        if status != 200:
+            reason = f"HTTP {status} {_reason(body, resp.reason)}"
+            if 300 <= status < 400:
+                reason += f" (redirect to {resp.headers.get('Location', '?')!r}; set endpoint to the final URL)"
+            return ConfigReply(False, reason=reason, status=status)
+        if len(body) > MAX_AGENT_CONFIG_BYTES:
+            return ConfigReply(False, reason=f"reply larger than {MAX_AGENT_CONFIG_BYTES} bytes; not an agent "
+                                             f"config", status=status)
+        try:
+            doc = json.loads(bytes(body))
+        except (ValueError, UnicodeDecodeError) as e:
+            return ConfigReply(False, reason=f"reply is not JSON: {_cut(str(e))}", status=status)
+        return ConfigReply(True, doc, "HTTP 200", status)
 
 
 def _reason(head: bytes | bytearray, http_reason: str | None) -> str:

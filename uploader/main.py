@@ -7,7 +7,10 @@ its worker. With an endpoint, "durably" means the disk spool (spool.py) and a
 sender thread (sender.py) posts from it; with endpoint "" it means the file
 under local_dir. Also an orderly stop: on SIGTERM/SIGINT it stops taking new
 profiles, stores and acknowledges what is already queued, makes a bounded
-final delivery attempt, removes its ready file and exits 0.
+final delivery attempt, removes its ready file and exits 0. With an endpoint it
+also fetches the backend's agent config (remote.py) and writes the overrides
+file the other stages follow; with endpoint "" there is no backend and so no
+remote config: a stale overrides file is removed.
 
 Must not: read /proc of other processes, parse pprof contents, log the bearer
 token, or need any privilege.
@@ -19,6 +22,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from collections import Counter
 from types import FrameType
@@ -27,12 +31,13 @@ from typing import Protocol
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges, ready
+from ebpfprofiler.shared import endpoints, privileges, ready, remote_config
 from ebpfprofiler.shared import log as shared_log
 from ebpfprofiler.shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
 from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload
 from ebpfprofiler.uploader.http import HttpClient, TokenError, backoff_base_s, read_token
 from ebpfprofiler.uploader.local import LocalWriter
+from ebpfprofiler.uploader.remote import RemoteConfigFetcher
 from ebpfprofiler.uploader.sender import Sender
 from ebpfprofiler.uploader.spool import Spool
 
@@ -55,6 +60,8 @@ DRAIN_IDLE_MS = 100
 FINAL_ATTEMPT_S = 5.0
 # Extra time for a post in flight when the final attempt ends (connect timeout).
 JOIN_SLACK_S = 5.0
+# On stop, a remote config fetch in flight is not waited for longer than this.
+REMOTE_CONFIG_JOIN_S = 1.0
 SPOOL_DIR = "spool"
 DEAD_LETTER_DIR = "dead-letter"
 
@@ -77,7 +84,10 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
             "worker, and leaves the spool only after a 2xx; refused ones (a 4xx other "
             "than 408/429) go to STATE_DIR/dead-letter with the reason. Needs no "
             "privileges. On SIGTERM or SIGINT it stores what is queued, makes a short "
-            "final delivery attempt and exits 0."),
+            "final delivery attempt and exits 0. With an endpoint it also fetches the "
+            "backend's remote config (GET ENDPOINT/v1/agent-config, every remote_config_interval_s), "
+            "keeps only enabled and upload_interval_s, and writes them to RUN_DIR/remote-config.json "
+            "for the other stages."),
     )
     p.add_argument("--config", required=True, metavar="FILE",
                    help="agent YAML config file (the modules.ebpf_profiler block is used)")
@@ -203,8 +213,22 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         if client is not None:
             client.close()
         return 1
+    fetcher: RemoteConfigFetcher | None = None
+    if cfg.uploads_locally:
+        if os.path.lexists(remote_config.path(args.run_dir)):
+            log.info("no endpoint, so no remote config: removing the overrides file of an earlier run")
+            try:
+                remote_config.write_overrides(args.run_dir, {})
+            except OSError as e:
+                log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
+    else:
+        fetcher = RemoteConfigFetcher(
+            HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token),
+            cfg, args.run_dir, socket.gethostname(), log)
     if sender is not None:
         sender.start()
+    if fetcher is not None:
+        fetcher.start()
     try:
         ready.announce(args.run_dir, STAGE)
         log.info("listening on %s; profiles go to %s", address, where)
@@ -213,6 +237,9 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         ready.withdraw(args.run_dir, STAGE)
         sock.close()
         ctx.term()
+        if fetcher is not None:
+            fetcher.stop(REMOTE_CONFIG_JOIN_S)
+            fetcher.client.close()
         c = uploader.counts
         if sender is not None and client is not None:
             if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
