@@ -1,0 +1,1 @@
+"""`make bench`: speed and overhead figures for ebpfprofiler (see bench/README.md)."""

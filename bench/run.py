@@ -1,0 +1,187 @@
+"""`make bench`: run the benchmarks, write bench/results/*.json and bench/RESULTS.md, print tables.
+
+Usage: .venv/bin/python -m bench.run [--rounds N] [--seconds S] [--rates 19,99] ...
+(as root, from the repository root). See bench/README.md for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Sequence
+
+from bench import bpf, procs, report
+from bench.offcpu import ROUND_TRIPS, PingPongBench
+from bench.oncpu import OnCpuBench
+from bench.procs import BenchError
+from bench.scaling import ScalingBench
+
+SUITES = ("oncpu", "offcpu", "scaling")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description="Benchmarks of ebpfprofiler, each against the same work with nothing running "
+                    "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
+                    "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
+                    "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
+                    "(symbolizer throughput with 1 and 2 workers on a recorded batch stream). Writes "
+                    "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds; each runs every configuration once, in turn (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=4.0,
+                   help="size of the workload: about this many wall seconds alone (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=ncpu,
+                   help="workload threads (default: the number of CPUs, %(default)s)")
+    p.add_argument("--rates", default="19,99", help="sampling rates in Hz, comma separated (default: %(default)s)")
+    p.add_argument("--quiet-wait", type=float, default=900.0,
+                   help="longest wait, in seconds, before a run for the host to be quiet: no other "
+                        "profiler's BPF program loaded, little CPU in use (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, profiles)")
+    p.add_argument("--suites", default=",".join(SUITES),
+                   help="which benchmarks, comma separated (default: %(default)s)")
+    p.add_argument("--round-trips", type=int, default=ROUND_TRIPS,
+                   help="offcpu: ping-pong round trips per run (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if not 0.5 <= args.seconds <= 600:
+        p.error("--seconds must be between 0.5 and 600")
+    if not 1 <= args.threads <= 4096:
+        p.error("--threads must be between 1 and 4096")
+    try:
+        args.rates = [int(x) for x in args.rates.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--rates {args.rates!r}: expected integers separated by commas, e.g. 19,99")
+    if not args.rates or any(not 1 <= r <= 10000 for r in args.rates):
+        p.error("--rates: each rate must be from 1 to 10000 Hz")
+    args.suites = [x.strip() for x in args.suites.split(",") if x.strip()]
+    unknown = sorted(set(args.suites) - set(SUITES))
+    if unknown or not args.suites:
+        p.error(f"--suites: {', '.join(unknown) or 'none given'}; choose from {', '.join(SUITES)}")
+    if args.round_trips < 1000:
+        p.error("--round-trips must be at least 1000")
+    return args
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "kernel": platform.release(), "arch": platform.machine(),
+            "cpus": os.sysconf("SC_NPROCESSORS_ONLN"), "cpu_model": model,
+            "memory_mb": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20),
+            "python": platform.python_version(), "bcc": _dpkg_version("python3-bpfcc"),
+            "gcc": _first_line(["gcc", "--version"])}
+
+
+def source_version() -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _first_line(["git", "-C", root, "rev-parse", "HEAD"])
+    dirty = bool(_first_line(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"]))
+    return {"commit": commit, "uncommitted_changes": dirty}
+
+
+def _first_line(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0].strip() if out.strip() else ""
+
+
+def _dpkg_version(pkg: str) -> str:
+    return _first_line(["dpkg-query", "-W", "-f=${Version}", pkg])
+
+
+def log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench: run as root: it loads BPF programs (make bench does)", file=sys.stderr)
+        return 1
+
+    def on_term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    signal.signal(signal.SIGTERM, on_term)   # clean up as on Ctrl-C
+
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    benches = {
+        "oncpu": OnCpuBench(args.rounds, args.seconds, args.threads, args.rates, args.quiet_wait, log, args.keep),
+        "offcpu": PingPongBench(args.rounds, args.round_trips, log, args.keep),
+        "scaling": ScalingBench(args.rounds, log, args.keep),
+    }
+    results: dict[str, dict] = {}
+    failure = None
+    try:
+        for name in args.suites:
+            log(f"running {name}")
+            results[name] = benches[name].run()
+    except BenchError as e:
+        failure = str(e)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+    finally:
+        procs.stop_all()
+        ours = set().union(*(b.our_prog_ids for b in benches.values()))
+        check = bpf_left_behind(ours)
+    log("BPF programs left behind: " + ("none" if check["ok"] else ", ".join(check["left"]))
+        + " (checked with bpftool prog show)")
+    if failure:
+        log(f"FAILED: {failure}")
+        return 1
+    head = {"date": date, "machine": machine(), "source": source_version(), "bpf_check": check}
+    written = []
+    extra: list[str] = []
+    for name, result in results.items():
+        result = {"benchmark": name, **head, **result}
+        written.append(report.write_json(name, result))
+        if name == "oncpu":
+            report.print_oncpu(result)
+            oncpu = result
+        elif name == "offcpu":
+            section = report.offcpu_section(result)
+            report.print_section("Off-CPU cost on a context-switch-heavy workload", section)
+            extra.append(report.md_section("Off-CPU cost: pipe ping-pong", "offcpu", section))
+        else:
+            section = report.scaling_section(result)
+            report.print_section("Symbolizer throughput", section)
+            extra.append(report.md_section("Symbolizer throughput: 1 and 2 workers", "scaling", section))
+    if "oncpu" in results:
+        written.append(report.write_results_md(oncpu, tuple(extra)))
+    print("wrote " + ", ".join(os.path.relpath(p) for p in written))
+    return 0 if check["ok"] else 1
+
+
+def bpf_left_behind(ours: set[int]) -> dict:
+    """Is any program that bench's profilers loaded still loaded? (ids are never reused soon)."""
+    deadline = time.monotonic() + 10.0
+    while True:   # a program goes once the last fd on it closes: allow the kernel a moment
+        try:
+            loaded = {p["id"]: p.get("name", "?") for p in bpf.programs()}
+        except BenchError as e:
+            return {"ok": False, "ours": sorted(ours), "left": [str(e)]}
+        left = [f"{loaded[i]} (prog {i})" for i in sorted(ours) if i in loaded]
+        if not left or time.monotonic() > deadline:
+            return {"ok": not left, "ours": sorted(ours), "left": left,
+                    "programs_loaded_at_end": len(loaded)}
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

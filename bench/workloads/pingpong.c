@@ -1,0 +1,38 @@
+/* Context-switch-heavy workload: two processes ping-pong one byte over a pair
+ * of pipes. Every round trip is two blocking reads, so four context switches.
+ * Usage: pingpong ROUND_TRIPS   prints "round_trips=N seconds=S" and exits. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv) {
+    long n = argc > 1 ? atol(argv[1]) : 100000;
+    int ping[2], pong[2];
+    char c = 0;
+    if (pipe(ping) || pipe(pong)) { perror("pipe"); return 1; }
+    pid_t child = fork();
+    if (child < 0) { perror("fork"); return 1; }
+    if (child == 0) {
+        for (long i = 0; i < n; i++) {
+            if (read(ping[0], &c, 1) != 1 || write(pong[1], &c, 1) != 1) _exit(1);
+        }
+        _exit(0);
+    }
+    double start = wall();
+    for (long i = 0; i < n; i++) {
+        if (write(ping[1], &c, 1) != 1 || read(pong[0], &c, 1) != 1) { perror("ping"); return 1; }
+    }
+    double seconds = wall() - start;
+    int status;
+    waitpid(child, &status, 0);
+    printf("round_trips=%ld seconds=%.6f\n", n, seconds);
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
