@@ -7,7 +7,7 @@
  *                          100 ms in fast_wait(), and a blocking pipe read in
  *                          pipe_wait() that a feeder thread answers 200 ms later.
  *   offcpu tiny SECONDS    one thread sleeps 200 us at a time in tiny_wait().
- * Prints "wall_seconds=<float>" of the loop at exit. */
+ * Prints "wall_seconds=<float> loops=<n>" of the loop at exit. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,18 +63,19 @@ int main(int argc, char **argv) {
     if (argc < 3) { fprintf(stderr, "usage: offcpu ratio|tiny SECONDS\n"); return 2; }
     double seconds = atof(argv[2]);
     double start = wall(), end = start + seconds;
+    long loops = 0;
     if (strcmp(argv[1], "ratio") == 0) {
         pthread_t t;
         if (pipe(request) || pipe(data) || pthread_create(&t, NULL, feeder, NULL)) { perror("setup"); return 1; }
-        while (wall() < end) {
+        for (; wall() < end; loops++) {
             slow_wait();
             fast_wait();
             pipe_wait();
         }
     } else {
-        while (wall() < end)
+        for (; wall() < end; loops++)
             tiny_wait();
     }
-    printf("wall_seconds=%.6f\n", wall() - start);
+    printf("wall_seconds=%.6f loops=%ld\n", wall() - start, loops);
     return 0;
 }
