@@ -21,11 +21,15 @@ int main(int argc, char **argv) {
     pid_t child = fork();
     if (child < 0) { perror("fork"); return 1; }
     if (child == 0) {
+        close(ping[1]);   /* so that the parent's exit is an end of file here */
+        close(pong[0]);
         for (long i = 0; i < n; i++) {
             if (read(ping[0], &c, 1) != 1 || write(pong[1], &c, 1) != 1) _exit(1);
         }
         _exit(0);
     }
+    close(ping[0]);
+    close(pong[1]);
     double start = wall();
     for (long i = 0; i < n; i++) {
         if (write(ping[1], &c, 1) != 1 || read(pong[0], &c, 1) != 1) { perror("ping"); return 1; }
