@@ -115,6 +115,14 @@ def print_oncpu(result: dict) -> str:
     return text
 
 
+def read_json(name: str) -> dict | None:
+    """The last results of a suite, or None."""
+    try:
+        return json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_json(name: str, result: dict) -> Path:
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

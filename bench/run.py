@@ -147,23 +147,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     head = {"date": date, "machine": machine(), "source": source_version(), "bpf_check": check}
     written = []
-    extra: list[str] = []
     for name, result in results.items():
-        result = {"benchmark": name, **head, **result}
+        results[name] = result = {"benchmark": name, **head, **result}
         written.append(report.write_json(name, result))
-        if name == "oncpu":
-            report.print_oncpu(result)
-            oncpu = result
-        elif name == "offcpu":
-            section = report.offcpu_section(result)
-            report.print_section("Off-CPU cost on a context-switch-heavy workload", section)
-            extra.append(report.md_section("Off-CPU cost: pipe ping-pong", "offcpu", section))
-        else:
-            section = report.scaling_section(result)
-            report.print_section("Symbolizer throughput", section)
-            extra.append(report.md_section("Symbolizer throughput: 1 and 2 workers", "scaling", section))
-    if "oncpu" in results:
-        written.append(report.write_results_md(oncpu, tuple(extra)))
+    # RESULTS.md shows every suite: those not run now from their last results file.
+    for name in SUITES:
+        if name not in results:
+            results[name] = report.read_json(name)
+    extra: list[str] = []
+    for name in ("offcpu", "scaling"):
+        if results.get(name):
+            section = (report.offcpu_section if name == "offcpu" else report.scaling_section)(results[name])
+            title = ("Off-CPU cost on a context-switch-heavy workload" if name == "offcpu"
+                     else "Symbolizer throughput: 1 and 2 workers")
+            if name in args.suites:
+                report.print_section(title, section)
+            extra.append(report.md_section(title, name, section))
+    if "oncpu" in args.suites:
+        report.print_oncpu(results["oncpu"])
+    if results.get("oncpu"):
+        written.append(report.write_results_md(results["oncpu"], tuple(extra)))
     print("wrote " + ", ".join(os.path.relpath(p) for p in written))
     return 0 if check["ok"] else 1
 

@@ -1,8 +1,11 @@
 """Symbolizer throughput with 1 and 2 workers, on a recorded stream of stack batches.
 
 Recording: the real collector (999 Hz, on-CPU and off-CPU) runs for
-RECORD_S while a few workloads with distinct binaries run; bench stands in
-for its one symbolizer worker and keeps every batch it is sent.
+RECORD_S while four copies of a CPU loop run, named so that two services go
+to each of two workers; bench stands in for its one symbolizer worker and
+keeps every batch it is sent. Only those four services are replayed: the
+rest of the host (bench itself, kernel threads) is a few services whose hash
+would decide the figure.
 
 Replay: the workloads stay alive but stopped (so their files can still be
 opened and they take no CPU), a
@@ -45,7 +48,7 @@ RECORD_S = 8.0
 RECORD_HZ = 999
 # The recorded stream is pushed this many times per run, so ELF parsing
 # (once per file per worker) is a small part of the time.
-REPEAT = 60
+REPEAT = 600
 READY_TIMEOUT_S = 90.0
 WORKLOADS = Path(__file__).parent / "workloads"
 
@@ -75,12 +78,8 @@ class ScalingBench:
 
     def _workloads(self, tmp: str) -> list[subprocess.Popen]:
         loop = os.path.join(tmp, "cpu_loop")
-        pong = os.path.join(tmp, "pingpong")
         subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-pthread", "-o", loop,
                         str(WORKLOADS / "cpu_loop.c")], check=True)
-        subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-o", pong, str(WORKLOADS / "pingpong.c")],
-                       check=True)
-        script = "import time\nwhile True:\n    sum(i * i for i in range(10000)); time.sleep(0.001)\n"
         # Four copies of the loop, the hot services, named so that two go to each of
         # two workers: the figure is then the workers' capacity, not the luck of
         # the hash (one worker per service: a skewed mix cannot scale).
@@ -91,7 +90,7 @@ class ScalingBench:
         for copy in picked:
             shutil.copy(loop, copy)
             loops.append(procs.start([copy, "100000000", "1", "0"]))
-        return loops + [procs.start([pong, "1000000000"]), procs.start([sys.executable, "-c", script])]
+        return loops
 
     def _record(self, tmp: Path) -> list[StackBatch]:
         run_dir = tmp / "record-run"
@@ -130,17 +129,20 @@ class ScalingBench:
     # ------------------------------------------------------------ replay
 
     @staticmethod
-    def _split(batches: list[StackBatch], workers: int) -> list[tuple[int, list[bytes]]]:
-        """Each batch cut per worker, as the collector routes services, encoded once."""
+    def _split(batches: list[StackBatch], workers: int, services: set[str]) -> list[tuple[int, list[bytes]]]:
+        """Each batch cut per worker, as the collector routes services, encoded once.
+
+        Only the workloads' services are kept: the rest of the host (bench itself,
+        kernel threads) is a few services whose hash would decide the figure."""
         out = []
         live = list(range(workers))
         for b in batches:
-            owner = {p.pid: worker_for(p.service, live) for p in b.processes}
+            owner = {p.pid: worker_for(p.service, live) for p in b.processes if p.service in services}
             for w in live:
                 samples = tuple(s for s in b.samples if owner.get(s.pid) == w)
                 if samples:
                     part = replace(b, samples=samples,
-                                   processes=tuple(p for p in b.processes if owner[p.pid] == w))
+                                   processes=tuple(p for p in b.processes if owner.get(p.pid) == w))
                     out.append((w, encode(part)))
         return out
 
@@ -185,7 +187,9 @@ class ScalingBench:
             socks = []
             cpu1 = [procs.cpu_seconds(p.pid) for p in stages[1:]]
             for p in stages[1:]:
-                procs.stop(p)                          # drains its queue, closes its windows, exits
+                p.send_signal(signal.SIGTERM)          # all at once: each drains its queue,
+            for p in stages[1:]:                       # closes its windows and exits
+                procs.stop(p)
             elapsed = time.monotonic() - t0
         finally:
             for s in socks:
@@ -212,10 +216,12 @@ class ScalingBench:
             batches = self._record(tmp)
             for p in loads:   # alive, so their files can be opened, but not competing for CPU
                 os.kill(p.pid, signal.SIGSTOP)
-            samples = sum(s.count for b in batches for s in b.samples)
+            services = {os.path.realpath(p.args[0]) for p in loads}
+            samples = sum(s.count for b in batches for s in b.samples
+                          if next((p.service for p in b.processes if p.pid == s.pid), "") in services)
             self.log(f"scaling: recorded {len(batches)} batches, {samples} samples, "
                      f"{len({p.service for b in batches for p in b.processes})} services")
-            streams = {n: self._split(batches, n) for n in (1, 2)}
+            streams = {n: self._split(batches, n, services) for n in (1, 2)}
             runs = []
             for r in range(self.rounds):
                 for n in (1, 2):
