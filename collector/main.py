@@ -1,4 +1,4 @@
-"""The collector stage: the one root process. Loads BPF, drains it, ships stack batches.
+"""The collector stage: the one privileged stage. Loads BPF, drains it, ships stack batches.
 
 Owns: the stage's command line, its main loop (drain every source — on-CPU,
 and off-CPU unless offcpu: false — every DRAIN_INTERVAL_S, join with /proc,
@@ -105,7 +105,7 @@ class Collector:
         if cfg.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms))
         self.links = WorkerLinks(zmq.Context.instance(), run_dir, cfg.symbolizer_workers)
-        self.broker = FileBroker(run_dir, allowed_uids=broker_peers())
+        self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.totals = {"batches": 0, "batches_dropped": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
@@ -199,16 +199,6 @@ def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig,
         collector.pause()
         log.info("remote config: profiling disabled (enabled: false): sampling detached, BPF programs stay "
                  "loaded; nothing is sampled until remote config enables it again")
-
-
-def broker_peers() -> set[int]:
-    """Users whose processes may ask the file broker for files: symbolizers, and root."""
-    uids = {0, os.geteuid()}
-    try:
-        uids.add(privileges.ids("symbolizer")[0])
-    except privileges.PrivilegeError:
-        pass
-    return uids
 
 
 def _malloc_trim() -> None:

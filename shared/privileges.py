@@ -106,6 +106,16 @@ def become(stage: str) -> None:
         raise PrivilegeError(f"{stage} is still root after dropping privileges")
 
 
+def uids_with(stage: str) -> set[int]:
+    """root, this process's own user, and `stage`'s user if it exists: the peers a stage trusts as `stage`."""
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(ids(stage)[0])
+    except PrivilegeError:
+        pass
+    return uids
+
+
 def held(status_path: str = "/proc/self/status") -> dict[str, int]:
     """CapEff, CapPrm, CapBnd, CapAmb, CapInh and NoNewPrivs of a process, as integers."""
     out: dict[str, int] = {}

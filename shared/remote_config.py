@@ -186,12 +186,7 @@ def write_overrides(run_dir: str, overrides: Mapping[str, Any]) -> None:
 
 def trusted_writers() -> set[int]:
     """Users whose overrides file a reader believes: the uploader's user, root, and the reader's own."""
-    uids = {0, os.geteuid()}
-    try:
-        uids.add(privileges.ids("uploader")[0])
-    except privileges.PrivilegeError:
-        pass
-    return uids
+    return privileges.uids_with("uploader")
 
 
 class OverridesFileError(ValueError):
