@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 import zmq
 
-from ebpfprofiler.shared.wire import ProfileUpload, WireError, decode, encode
+from ebpfprofiler.shared.wire import ProfileUpload, WireError, decode, encode, json_object
 
 HANDOFF_VERSION = 1
 
@@ -134,14 +134,7 @@ def decode_profile(frames: Sequence[bytes]) -> ProfileUpload:
 
 
 def _envelope_id(frame: bytes) -> str:
-    if len(frame) > MAX_ENVELOPE_BYTES:
-        raise HandoffError(f"envelope of {len(frame)} bytes is over the cap of {MAX_ENVELOPE_BYTES}")
-    try:
-        doc = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HandoffError(f"envelope is not JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise HandoffError("envelope is not a JSON object")
+    doc = json_object(frame, MAX_ENVELOPE_BYTES, "envelope", HandoffError)
     profile_id = doc.get("id")
     if not isinstance(profile_id, str) or not is_valid_profile_id(profile_id):
         raise HandoffError("envelope has no valid profile id")
@@ -163,13 +156,8 @@ def encode_ack(profile_id: str, status: str, reason: str = "") -> bytes:
 
 def decode_ack(frame: bytes) -> Ack:
     """The ack in `frame`; HandoffError if it is not a valid one."""
-    if len(frame) > MAX_ACK_BYTES:
-        raise HandoffError(f"ack of {len(frame)} bytes is over the cap of {MAX_ACK_BYTES}")
-    try:
-        doc = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HandoffError(f"ack is not JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("handoff") != HANDOFF_VERSION:
+    doc = json_object(frame, MAX_ACK_BYTES, "ack", HandoffError)
+    if doc.get("handoff") != HANDOFF_VERSION:
         raise HandoffError(f"not an ack of hand-off version {HANDOFF_VERSION}")
     profile_id, status, reason = doc.get("id"), doc.get("status"), doc.get("reason", "")
     if not isinstance(profile_id, str) or not is_valid_profile_id(profile_id):

@@ -174,14 +174,7 @@ def decode(frames: Sequence[bytes]) -> Message:
     if not frames or len(frames) > 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
     head = frames[0]
-    if len(head) > MAX_BATCH_BYTES:
-        raise WireError(f"header of {len(head)} bytes is over the cap of {MAX_BATCH_BYTES}")
-    try:
-        doc = json.loads(head)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise WireError(f"header is not JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise WireError("header is not a JSON object")
+    doc = json_object(head, MAX_BATCH_BYTES, "header")
     if doc.get("v") != WIRE_VERSION:
         raise WireError(f"wire version {doc.get('v')!r}, this build speaks {WIRE_VERSION}")
     kind, body = doc.get("kind"), doc.get("body")
@@ -205,6 +198,19 @@ def decode(frames: Sequence[bytes]) -> Message:
     except (KeyError, TypeError) as e:
         raise WireError(f"{kind}: malformed body ({type(e).__name__}: {e})") from None
     raise WireError(f"unknown message kind {kind!r}")
+
+
+def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = WireError) -> dict[str, Any]:
+    """The JSON object in `frame`, at most `cap` bytes; `error` naming `what` otherwise."""
+    if len(frame) > cap:
+        raise error(f"{what} of {len(frame)} bytes is over the cap of {cap}")
+    try:
+        doc = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise error(f"{what} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{what} is not a JSON object")
+    return doc
 
 
 # ---------------------------------------------------------------- encoding

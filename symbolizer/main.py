@@ -33,7 +33,7 @@ from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, St
 from ebpfprofiler.symbolizer import profile as profile_mod
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
 from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
+from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
 
 # Batches from the collector's last drain of a window arrive within about a
 # drain interval after it ends; windows close this long after their end.
@@ -110,7 +110,10 @@ class Worker:
 
     def add_batch(self, batch: StackBatch) -> None:
         procs = {p.pid: p for p in batch.processes}
-        # One resolution per distinct (process, stack) of the batch.
+        # Once per batch: its window; once per process: labels and service window;
+        # once per distinct (process, stack): frames.
+        by_service = self.windows.services(batch.profile_type, batch.time_ns)
+        targets: dict[int, tuple[tuple[tuple[str, str], ...], ServiceWindow]] = {}
         user_frames: dict[tuple[int, int], tuple[Frame, ...]] = {}
         kernel_frames: dict[int, tuple[Frame, ...]] = {}
         for s in batch.samples:
@@ -118,6 +121,12 @@ class Worker:
             if proc is None:
                 self.stats["bad_messages"] += 1
                 continue
+            target = targets.get(s.pid)
+            if target is None:
+                window = by_service.get(proc.service)
+                if window is None:
+                    window = by_service[proc.service] = ServiceWindow()
+                target = targets[s.pid] = (self.labels(batch.host, proc), window)
             frames: tuple[Frame, ...] = ()
             if s.kernel_stack >= 0:
                 kf = kernel_frames.get(s.kernel_stack)
@@ -131,8 +140,8 @@ class Worker:
                 if uf is None:
                     uf = user_frames[key] = tuple(self.resolver.user(proc, batch.user_stacks[s.user_stack]))
                 frames += uf
-            window = self.windows.service(batch.profile_type, batch.time_ns, proc.service)
-            window.add(self.labels(batch.host, proc), frames, s.count, s.value)
+            labels, window = target
+            window.add(labels, frames, s.count, s.value)
             self.stats["samples"] += s.count
 
     def labels(self, host: str, p: Process) -> tuple[tuple[str, str], ...]:

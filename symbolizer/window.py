@@ -74,8 +74,12 @@ class Windows:
         """The end of the window starting at start_ns: the next boundary of the current length."""
         return start_ns - start_ns % self.interval_ns + self.interval_ns
 
+    def services(self, profile_type: str, time_ns: int) -> dict[str, ServiceWindow]:
+        """The open window of a batch drained at time_ns, by service (look it up once per batch)."""
+        return self._open[(profile_type, self.window_start(time_ns))]
+
     def service(self, profile_type: str, time_ns: int, service: str) -> ServiceWindow:
-        by_service = self._open[(profile_type, self.window_start(time_ns))]
+        by_service = self.services(profile_type, time_ns)
         w = by_service.get(service)
         if w is None:
             w = by_service[service] = ServiceWindow()
