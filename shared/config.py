@@ -55,6 +55,8 @@ class ProfilerConfig:
     ca_file: str = ""
     token_file: str = ""
     remote_config_interval_s: int = DEFAULT_REMOTE_CONFIG_INTERVAL_S
+    dwarf_unwind: bool = True
+    offcpu_dwarf: bool = False
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -93,6 +95,9 @@ _RULES: dict[str, _Rule] = {
     # At least 5 s: a fleet of agents polling faster would load the backend for nothing.
     "remote_config_interval_s": _Rule(int, "an integer from 5 to 3600 (seconds between fetches of remote config)",
                                       5, 3600),
+    "dwarf_unwind": _Rule(bool, "true (unwind user stacks with .eh_frame tables in BPF, x86-64) or false "
+                                "(frame pointers only)"),
+    "offcpu_dwarf": _Rule(bool, "true (off-CPU stacks unwound with the same tables; needs dwarf_unwind) or false"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 

@@ -24,6 +24,11 @@ def uploader(run_dir: str) -> str:
     return f"ipc://{os.path.join(run_dir, 'uploader.sock')}"
 
 
+def unwind(run_dir: str) -> str:
+    """The collector's PULL socket; symbolizer workers push unwind tables (answers to its requests) to it."""
+    return f"ipc://{os.path.join(run_dir, 'unwind.sock')}"
+
+
 def file_broker(run_dir: str) -> str:
     """The collector's Unix socket that hands symbolizers descriptors of mapped files."""
     return os.path.join(run_dir, "files.sock")

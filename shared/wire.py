@@ -1,11 +1,13 @@
 """The wire format between stages: versioned messages, one encode, one decode.
 
 Owns: every message that crosses a socket between stages (StackBatch
-collector → symbolizer, ProfileUpload symbolizer → uploader, FileRequest and
+collector → symbolizer, with the UnwindRequests it carries; UnwindTable
+symbolizer → collector; ProfileUpload symbolizer → uploader; FileRequest and
 FileReply between a symbolizer and the collector's file broker), its version,
 its size caps and its validation. A message is a list of frames: frame 0 is a
 JSON header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload
-carries the gzip pprof as frame 1, untouched. File messages are one frame,
+carries the gzip pprof as frame 1, untouched, and an UnwindTable its table
+(shared/unwind_table.py format, checked by its reader) as frame 1. File messages are one frame,
 one Unix datagram each (the file descriptor travels beside it as SCM_RIGHTS).
 
 decode() treats its input as hostile: anything malformed, of another version
@@ -35,6 +37,12 @@ MAX_STRING = 4096              # paths, names, labels
 U64 = (1 << 64) - 1
 
 PROFILE_TYPES = ("cpu", "offcpu")
+# An unwind table of one module: /usr/bin/node's is ~400K rows (6.4 MB); 64 MiB
+# is ten times that and bounds what one answer can make the collector hold.
+MAX_UNWIND_TABLE_BYTES = 64 << 20
+# Unwind requests in one batch: the collector asks for a few modules per drain.
+MAX_UNWIND_REQUESTS = 4096
+UNWIND_STATUSES = ("ok", "none", "failed")
 
 
 class WireError(ValueError):
@@ -80,6 +88,29 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class UnwindRequest:
+    """The collector asks for the unwind table of the module pid maps at [start, end)."""
+    pid: int
+    start_ticks: int           # the process it means (a reused pid is refused by the file broker)
+    start: int
+    end: int
+    dev: str                   # the module's identity, as /proc/<pid>/maps gives it
+    inode: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnwindTable:
+    """A symbolizer's answer to an UnwindRequest: the module's table, or why there is none."""
+    dev: str
+    inode: int
+    path: str
+    build_id: str              # "" when the module has none
+    status: str                # one of UNWIND_STATUSES: ok (table attached), none (no CFI), failed
+    reason: str = ""
+    table: bytes = b""         # shared/unwind_table.py format when status is ok
+
+
+@dataclass(frozen=True, slots=True)
 class StackBatch:
     """One drain of one profile type's BPF maps, for the services routed to one worker."""
     host: str
@@ -92,6 +123,7 @@ class StackBatch:
     samples: tuple[Sample, ...]
     kernel_symbols: dict[int, str] = field(default_factory=dict)   # address → name
     lost: dict[str, int] = field(default_factory=dict)             # reason → samples
+    unwind_requests: tuple[UnwindRequest, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +163,7 @@ class FileReply:
     reason: str = ""
 
 
-Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply]
+Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable]
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -148,8 +180,14 @@ def encode(msg: Message) -> list[bytes]:
             "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value] for s in msg.samples],
             "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
             "lost": msg.lost,
+            "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode]
+                                for r in msg.unwind_requests],
         }
         return [_header("stack_batch", body)]
+    if isinstance(msg, UnwindTable):
+        return [_header("unwind_table", {"dev": msg.dev, "inode": msg.inode, "path": msg.path,
+                                         "build_id": msg.build_id, "status": msg.status,
+                                         "reason": msg.reason}), msg.table]
     if isinstance(msg, ProfileUpload):
         body = {
             "profile_id": msg.profile_id,
@@ -191,6 +229,12 @@ def decode(frames: Sequence[bytes]) -> Message:
             if len(frames[1]) > MAX_PROFILE_BYTES:
                 raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}")
             return _profile(body, bytes(frames[1]))
+        if kind == "unwind_table":
+            if len(frames) != 2:
+                raise WireError("an unwind_table has two frames")
+            if len(frames[1]) > MAX_UNWIND_TABLE_BYTES:
+                raise WireError(f"unwind table of {len(frames[1])} bytes is over the cap of {MAX_UNWIND_TABLE_BYTES}")
+            return _unwind_table(body, bytes(frames[1]))
         if kind in ("file_request", "file_reply"):
             if len(frames) != 1 or len(head) > MAX_FILE_MESSAGE_BYTES:
                 raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
@@ -325,7 +369,31 @@ def _batch(b: dict[str, Any]) -> StackBatch:
         samples=_each(b["samples"], "samples", sample),
         kernel_symbols=dict(_each(b["kernel_symbols"], "kernel_symbols", ksym)),
         lost={_str(k, "lost reason"): _int(n, "lost count") for k, n in _dict(b["lost"], "lost").items()},
+        unwind_requests=_each(b.get("unwind_requests", []), "unwind_requests", _unwind_request,
+                              MAX_UNWIND_REQUESTS),
     )
+
+
+def _unwind_request(v: Any, what: str) -> UnwindRequest:
+    r = _list(v, what, 6)
+    if len(r) != 6:
+        raise WireError(f"{what}: an unwind request has 6 fields")
+    start, end = _int(r[2], what), _int(r[3], what)
+    if not start < end:
+        raise WireError(f"{what}: needs start < end")
+    return UnwindRequest(pid=_int(r[0], what, 1, 1 << 32), start_ticks=_int(r[1], what), start=start, end=end,
+                         dev=_str(r[4], what), inode=_int(r[5], what))
+
+
+def _unwind_table(b: dict[str, Any], table: bytes) -> UnwindTable:
+    status = _str(b["status"], "status")
+    if status not in UNWIND_STATUSES:
+        raise WireError(f"unwind status {status!r} is not one of {UNWIND_STATUSES}")
+    if (status == "ok") != bool(table):
+        raise WireError("an unwind table comes with status ok, and only then")
+    return UnwindTable(dev=_str(b["dev"], "dev"), inode=_int(b["inode"], "inode"), path=_str(b["path"], "path"),
+                       build_id=_str(b["build_id"], "build_id"), status=status,
+                       reason=_str(b["reason"], "reason"), table=table)
 
 
 def _dict(v: Any, what: str) -> dict[str, Any]:
