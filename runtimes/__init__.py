@@ -1,0 +1,1 @@
+"""Runtime readers: stacks of interpreted runtimes read from process memory (CAP_SYS_PTRACE only)."""

@@ -1,0 +1,217 @@
+"""Thread stacks of one CPython process, read from its memory while it runs.
+
+Owns: the walk from _PyRuntime to every interpreter, every thread state and
+its chain of interpreter frames (shim and entry frames skipped by their
+owner; 3.14's tagged frame references masked), each frame turned into
+(qualified name, file, line): the code object checked to be a code object,
+its names read as compact unicode, its line decoded from the location table
+at the frame's instruction pointer. Code objects are cached by address and
+header, bounded.
+
+Validation: a frame whose code pointer is not a code object, whose
+instruction pointer lies outside its code, whose line the table does not give,
+or that was already seen in this chain (a loop), is dropped and counted in
+`dropped` by reason; a loop also ends the chain. A thread whose reads fail
+is skipped. Reads are bounded per thread (MAX_FRAMES) and per process
+(MAX_THREADS, MAX_INTERPRETERS); the ReadBudget of the ProcessMemory bounds
+the bytes.
+
+Must not: write to, stop or attach to the target; log (the caller counts).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ebpfprofiler.runtimes.cpython_lines import addr2line
+from ebpfprofiler.runtimes.cpython_version import Target
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+
+# Frames read per thread: deeper stacks are cut (and counted), like the kernel's 127.
+MAX_FRAMES = 128
+# Thread states per interpreter; a process with more is read up to here.
+MAX_THREADS = 512
+# Subinterpreters per process.
+MAX_INTERPRETERS = 16
+# Characters of a function or file name; longer ones are cut.
+MAX_NAME_CHARS = 1024
+# Location table bytes of one code object (a 10,000-line function has ~40 KB).
+MAX_LINETABLE_BYTES = 64 << 10
+# Code objects cached per process (names and table: ~1 KB each).
+CODE_CACHE_ENTRIES = 4096
+# Code units of one function: past this an instruction pointer is not inside its code.
+MAX_CODE_UNITS = 1 << 22
+
+_Q = struct.Struct("<Q")
+_I = struct.Struct("<i")
+
+
+@dataclass(frozen=True, slots=True)
+class PyFrame:
+    function: str      # co_qualname
+    filename: str      # co_filename
+    line: int          # 0 when the instruction has no location
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    native_tid: int
+    frames: tuple[PyFrame, ...]       # leaf first
+
+
+@dataclass(frozen=True, slots=True)
+class _Code:
+    qualname: str
+    filename: str
+    firstlineno: int
+    linetable: bytes
+
+
+class CPythonProcess:
+    """Reads the stacks of one Target; sample() once per tick."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        lay = target.layout
+        self._frame_bytes = max(lay.frame_previous, lay.frame_executable, lay.frame_instr_ptr) + 8
+        self._frame_bytes = max(self._frame_bytes, lay.frame_owner + 1)
+        self._code_bytes = max(lay.code_filename, lay.code_qualname, lay.code_linetable,
+                               lay.code_firstlineno) + 8
+        self._codes: OrderedDict[tuple[int, ...], _Code] = OrderedDict()
+        self.dropped: dict[str, int] = {}
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def sample(self, mem: ProcessMemory) -> list[ThreadStack]:
+        """Every thread's stack. MemoryReadError 'gone' or 'budget' propagates; other failures skip a thread."""
+        lay, out = self.target.layout, []
+        interp = mem.u64(self.target.runtime + lay.runtime_interpreters_head)
+        seen_interps: set[int] = set()
+        while interp and interp not in seen_interps and len(seen_interps) < MAX_INTERPRETERS:
+            seen_interps.add(interp)
+            tstate = mem.u64(interp + lay.interp_threads_head)
+            seen_threads: set[int] = set()
+            while tstate and tstate not in seen_threads and len(seen_threads) < MAX_THREADS:
+                seen_threads.add(tstate)
+                try:
+                    out.append(self._thread(mem, tstate))
+                    tstate = mem.u64(tstate + lay.tstate_next)
+                except MemoryReadError as e:
+                    if e.reason in ("gone", "budget"):
+                        raise
+                    self._drop("thread_unreadable")
+                    break
+            interp = mem.u64(interp + lay.interp_next)
+        return out
+
+    def _thread(self, mem: ProcessMemory, tstate: int) -> ThreadStack:
+        lay = self.target.layout
+        tid = mem.u64(tstate + lay.tstate_native_thread_id)
+        frame = mem.u64(tstate + lay.tstate_current_frame)
+        if lay.cframe_current_frame is not None and frame:
+            frame = mem.u64(frame + lay.cframe_current_frame)
+        frames: list[PyFrame] = []
+        seen: set[int] = set()
+        while frame:
+            if frame in seen:
+                self._drop("loop")
+                break
+            if len(seen) >= MAX_FRAMES:
+                self._drop("too_deep")
+                break
+            seen.add(frame)
+            try:
+                raw = mem.read(frame, self._frame_bytes)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                self._drop("bad_pointer")
+                break
+            previous = _Q.unpack_from(raw, lay.frame_previous)[0]
+            if raw[lay.frame_owner] not in lay.skip_owners:
+                got = self._frame(mem, raw)
+                if got is not None:
+                    frames.append(got)
+            frame = previous
+        return ThreadStack(tid, tuple(frames))
+
+    def _frame(self, mem: ProcessMemory, raw: bytes) -> PyFrame | None:
+        lay = self.target.layout
+        code = _Q.unpack_from(raw, lay.frame_executable)[0] & ~lay.tag_mask
+        instr = _Q.unpack_from(raw, lay.frame_instr_ptr)[0]
+        try:
+            info = self._code(mem, code)
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("bad_pointer")
+            return None
+        if info is None:
+            return None
+        units = (instr - (code + lay.code_adaptive)) // 2 if instr else -1
+        if units == -1:       # not started yet (3.11/3.12 point before the first instruction)
+            return PyFrame(info.qualname, info.filename, info.firstlineno)
+        if not 0 <= units < MAX_CODE_UNITS:
+            self._drop("bad_instruction_pointer")
+            return None
+        line = addr2line(info.linetable, info.firstlineno, units * 2)
+        if line is None:
+            self._drop("impossible_line")
+            return None
+        return PyFrame(info.qualname, info.filename, max(line, 0))
+
+    def _code(self, mem: ProcessMemory, code: int) -> _Code | None:
+        lay = self.target.layout
+        if not code or code & 7:
+            self._drop("bad_pointer")
+            return None
+        head = mem.read(code, self._code_bytes)
+        if _Q.unpack_from(head, lay.ob_type)[0] != self.target.code_type:
+            self._drop("not_code")
+            return None
+        filename = _Q.unpack_from(head, lay.code_filename)[0]
+        qualname = _Q.unpack_from(head, lay.code_qualname)[0]
+        linetable = _Q.unpack_from(head, lay.code_linetable)[0]
+        first = _I.unpack_from(head, lay.code_firstlineno)[0]
+        key = (code, filename, qualname, linetable, first)
+        got = self._codes.get(key)
+        if got is not None:
+            self._codes.move_to_end(key)
+            return got
+        if not 0 < first <= 1 << 24:
+            self._drop("impossible_line")
+            return None
+        got = _Code(self._unicode(mem, qualname), self._unicode(mem, filename), first, self._bytes(mem, linetable))
+        self._codes[key] = got
+        if len(self._codes) > CODE_CACHE_ENTRIES:
+            self._codes.popitem(last=False)
+        return got
+
+    def _unicode(self, mem: ProcessMemory, address: int) -> str:
+        """A compact str object's text (names and paths are compact); '?' if it is not one."""
+        lay = self.target.layout
+        head = mem.read(address, lay.unicode_ascii_size)
+        length = _Q.unpack_from(head, lay.unicode_length)[0]
+        state = struct.unpack_from("<I", head, lay.unicode_state)[0]
+        kind, compact, ascii_ = state >> 2 & 7, state >> 5 & 1, state >> 6 & 1
+        if not compact or kind not in (1, 2, 4) or length > 1 << 20:
+            self._drop("bad_string")
+            return "?"
+        n = min(length, MAX_NAME_CHARS)
+        if n == 0:
+            return ""
+        start = address + (lay.unicode_ascii_size if ascii_ else lay.unicode_compact_size)
+        data = mem.read(start, n * kind)
+        codec = {1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind]
+        return data.decode(codec, "replace")
+
+    def _bytes(self, mem: ProcessMemory, address: int) -> bytes:
+        lay = self.target.layout
+        size = mem.u64(address + lay.bytes_size)
+        if size > MAX_LINETABLE_BYTES:
+            self._drop("linetable_too_large")
+            return b""
+        return mem.read(address + lay.bytes_data, size) if size else b""

@@ -1,0 +1,175 @@
+"""Which CPython a process runs, whether we read it, and with which layout: decided here, once.
+
+Owns: finding the interpreter among a process's mappings (libpython3.X, else
+the python3.X executable), opening that file through /proc/<pid>/root (so a
+container's own files are read), its symbols (_PyRuntime, Py_Version,
+PyCode_Type, PyType_Type), the load bias, the version the process reports in
+memory (Py_Version), and for 3.13+ the _Py_DebugOffsets cookie, version and
+free-threading flag at _PyRuntime; then the Layout (cpython_layouts.py) and a
+self-check: PyCode_Type must be a type object (its ob_type is &PyType_Type)
+named "code". The answer is a Target to read, a Refusal with the reason, or
+None for a process that is not CPython.
+
+Must not: walk frames, or log (the caller logs each refusal once).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+from ebpfprofiler.runtimes import cpython_layouts as layouts
+from ebpfprofiler.runtimes.elfsyms import ElfInfo, ElfSymbolError, read_symbols
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+
+# /proc/<pid>/maps of a Python process is a few hundred lines; a JVM's a few MB.
+MAX_MAPS_BYTES = 4 << 20
+# tp_name of a type is a short C string.
+MAX_TYPE_NAME = 64
+
+# libpython3.13.so.1.0, libpython3.13t.so.1.0, python3.11, python3.14d ...
+_NAME = re.compile(r"^(lib)?python(\d)\.(\d+)([td]*)(\.so[.\d]*)?$")
+SYMBOLS = ("_PyRuntime", "Py_Version", "PyCode_Type", "PyType_Type")
+
+
+@dataclass(frozen=True)
+class Target:
+    pid: int
+    version: str                      # "3.13.5"
+    layout: layouts.Layout
+    runtime: int                      # address of _PyRuntime in the process
+    code_type: int                    # address of PyCode_Type
+    module: str                       # the interpreter's path as the process maps it
+
+
+@dataclass(frozen=True)
+class Refusal:
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Module:
+    path: str
+    start: int
+    offset: int
+    inode: int
+    major: int
+    minor: int
+    flags: str                        # "t": free-threaded, "d": debug build
+
+
+def _modules(pid: int, proc: str) -> list[_Module]:
+    with open(f"{proc}/{pid}/maps", "rb") as f:
+        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "replace")
+    out: dict[str, _Module] = {}
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        path = parts[5]
+        m = _NAME.match(os.path.basename(path))
+        if not m:
+            continue
+        start = int(parts[0].split("-")[0], 16)
+        offset = int(parts[2], 16)
+        known = out.get(path)
+        if known is None or offset < known.offset:
+            out[path] = _Module(path, start, offset, int(parts[4]), int(m.group(2)), int(m.group(3)), m.group(4))
+    # The library holds the runtime when there is one; the executable is then a stub.
+    return sorted(out.values(), key=lambda mod: not os.path.basename(mod.path).startswith("lib"))
+
+
+def parse_hexversion(v: int) -> tuple[int, int, int]:
+    return v >> 24 & 0xFF, v >> 16 & 0xFF, v >> 8 & 0xFF
+
+
+def read_c_string(mem: ProcessMemory, address: int, cap: int) -> str:
+    raw = mem.read(address, cap)
+    end = raw.find(b"\0")
+    if end < 0:
+        raise MemoryReadError("bad_address", "string without an end")
+    return raw[:end].decode("utf-8", "replace")
+
+
+def _symbols_of(pid: int, mod: _Module, proc: str) -> ElfInfo | None:
+    """The interpreter's symbols, from the file the process maps: through /proc/<pid>/root (a
+    container's own files), else the path as this host sees it (maps shows a chroot's files with
+    the host's path); only a file with the mapped inode is used."""
+    for path in (f"{proc}/{pid}/root{mod.path}", mod.path):
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_ino != mod.inode:
+                    continue
+                return read_symbols(f, SYMBOLS)
+        except OSError:
+            continue
+    return None
+
+
+def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: str = "/proc") -> Target | Refusal | None:
+    """What to do with process `pid`; MemoryReadError/OSError only if it vanished meanwhile."""
+    mods = _modules(pid, proc)
+    if not mods:
+        return None
+    mod = mods[0]
+    where = f"{mod.path} (CPython {mod.major}.{mod.minor}{mod.flags})"
+    if mod.major != 3:
+        return Refusal(pid, f"{where}: only CPython 3 is read")
+    if "t" in mod.flags:
+        return Refusal(pid, f"{where}: a free-threaded build (no GIL): its objects and frames are laid out "
+                            f"differently and this reader does not support it")
+    if mod.minor <= 10:
+        return Refusal(pid, f"{where}: CPython 3.10 and older are not supported (3.11 and newer are)")
+    try:
+        info = _symbols_of(pid, mod, proc)
+    except ElfSymbolError as e:
+        return Refusal(pid, f"{where}: unreadable ELF file: {e}")
+    if info is None:
+        return Refusal(pid, f"{where}: the file is not reachable as the process maps it "
+                            f"(through /proc/{pid}/root, nor on this host)")
+    missing = [s for s in SYMBOLS if s not in info.symbols]
+    if "Py_Version" in missing:
+        return Refusal(pid, f"{where}: no Py_Version symbol: CPython 3.10 or older, or a stripped build")
+    if missing:
+        return Refusal(pid, f"{where}: no {', '.join(missing)} symbol")
+    bias = mod.start - (mod.offset + info.first_load_vaddr - info.first_load_offset) if info.is_pie else 0
+    sym = {name: value + bias for name, value in info.symbols.items()}
+    hexversion = mem.u64(sym["Py_Version"])
+    major, minor, micro = parse_hexversion(hexversion)
+    version = f"{major}.{minor}.{micro}"
+    if (major, minor) != (mod.major, mod.minor):
+        return Refusal(pid, f"{where}: self-check failed: Py_Version in memory says {version}")
+    if (major, minor) in layouts.LEGACY:
+        if not legacy:
+            return Refusal(pid, f"{where}: CPython {major}.{minor} is read only with runtime_stacks: "
+                                f"[python_legacy]")
+        layout = layouts.LEGACY[(major, minor)]
+    elif (major, minor) in layouts.DEBUG:
+        if not modern:
+            return Refusal(pid, f"{where}: python_stacks is false")
+        extras = layouts.DEBUG[(major, minor)]
+        raw = mem.read(sym["_PyRuntime"], layouts.DEBUG_OFFSETS_BYTES)
+        if raw[:8] != layouts.COOKIE:
+            return Refusal(pid, f"{where}: self-check failed: no {layouts.COOKIE.decode()} cookie at _PyRuntime")
+        values = {name: struct.unpack_from("<Q", raw, at)[0]
+                  for name, at in layouts.debug_field_offsets(extras).items()}
+        if struct.unpack_from("<Q", raw, 8)[0] != hexversion:
+            return Refusal(pid, f"{where}: self-check failed: the debug offsets are of another version")
+        if values["free_threaded"]:
+            return Refusal(pid, f"{where}: a free-threaded build (no GIL): not supported")
+        layout = layouts.layout_from_debug(values, extras)
+        if layout.ob_type != 8 or not 0 < layout.unicode_ascii_size <= 128:
+            return Refusal(pid, f"{where}: self-check failed: implausible debug offsets")
+    else:
+        return Refusal(pid, f"{where}: no layout for CPython {major}.{minor} in this version of the profiler")
+    # Self-check: PyCode_Type is a type object named "code".
+    code_type = sym["PyCode_Type"]
+    if mem.u64(code_type + layout.ob_type) != sym["PyType_Type"]:
+        return Refusal(pid, f"{where}: self-check failed: PyCode_Type is not a type object")
+    name = read_c_string(mem, mem.u64(code_type + layout.type_name), MAX_TYPE_NAME)
+    if name != "code":
+        return Refusal(pid, f"{where}: self-check failed: PyCode_Type is named {name!r}")
+    return Target(pid, version, layout, sym["_PyRuntime"], code_type, mod.path)

@@ -1,0 +1,97 @@
+"""Reading another process's memory: process_vm_readv, bounded, never anything else.
+
+Owns: ProcessMemory (reads of one process, each at most MAX_READ_BYTES, each
+charged to a per-tick ReadBudget), and turning every failure into a
+MemoryReadError with a short reason: the process is gone (ESRCH), an address
+is not mapped (EFAULT), or we may not read it (EPERM).
+
+Must not: ptrace-attach, stop, or write to a process. process_vm_readv does
+none of these: the target runs on while we read, so whatever we read may be
+torn; callers validate it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+
+# One read is at most this: a code object's location table or a name is far
+# smaller; a larger request means a corrupt length.
+MAX_READ_BYTES = 64 << 10
+# User-space addresses on x86-64 and arm64 (48-bit): anything above is not a pointer into a process.
+MAX_USER_ADDRESS = (1 << 47) - 1
+
+
+class MemoryReadError(Exception):
+    """A read that failed; `reason` is one of gone, unmapped, denied, too_large, budget, bad_address."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class ReadBudget:
+    """Bytes that may still be read this tick; every read is charged to it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    def charge(self, n: int) -> None:
+        if self.used + n > self.max_bytes:
+            raise MemoryReadError("budget", f"{self.max_bytes} bytes per tick spent")
+        self.used += n
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = _libc.process_vm_readv
+_readv.restype = ctypes.c_ssize_t
+_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+
+_REASONS = {errno.ESRCH: "gone", errno.EFAULT: "unmapped", errno.EPERM: "denied", errno.EACCES: "denied"}
+
+
+class ProcessMemory:
+    """Reads of one process's memory, charged to `budget` (replace it every tick)."""
+
+    def __init__(self, pid: int, budget: ReadBudget) -> None:
+        self.pid = pid
+        self.budget = budget
+        self.reads = 0
+        self._buf = ctypes.create_string_buffer(MAX_READ_BYTES)
+
+    def read(self, address: int, size: int) -> bytes:
+        if size <= 0 or size > MAX_READ_BYTES:
+            raise MemoryReadError("too_large", f"{size} bytes at {address:#x}")
+        if not 0 < address <= MAX_USER_ADDRESS - size:
+            raise MemoryReadError("bad_address", f"{address:#x}")
+        self.budget.charge(size)
+        self.reads += 1
+        local = _IoVec(ctypes.cast(self._buf, ctypes.c_void_p), size)
+        remote = _IoVec(address, size)
+        n = _readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n < 0:
+            err = ctypes.get_errno()
+            raise MemoryReadError(_REASONS.get(err, "failed"), f"{os.strerror(err)} at {address:#x}")
+        if n != size:
+            raise MemoryReadError("unmapped", f"short read ({n} of {size}) at {address:#x}")
+        return self._buf.raw[:size]
+
+    def u64(self, address: int) -> int:
+        return _U64.unpack(self.read(address, 8))[0]
+
+    def u32(self, address: int) -> int:
+        return _U32.unpack(self.read(address, 4))[0]
+
+    def i32(self, address: int) -> int:
+        return _I32.unpack(self.read(address, 4))[0]
