@@ -4,7 +4,8 @@ The helpers the test modules share: the pipeline under `ebpfprofiler run`
 (Pipeline), the reference receiver (Receiver, with its fault-injection options
 when asked), a lone `ebpfprofiler uploader` (launch_uploader) fed by a test
 worker over its real socket (TestWorker), profiles to hand it (make_upload),
-and directories the stages' users can enter (open_dir). The fixtures built on
+directories the stages' users can enter (open_dir), and where an ELF file
+holds an address (vaddr_to_offset). The fixtures built on
 them are in tests/conftest.py.
 
 Every process started here is ended by pid by its owner (its stop() or kill(),
@@ -101,6 +102,18 @@ def bpf_holdings(pid: int) -> tuple[set[int], int]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return progs, perf
+
+
+def vaddr_to_offset(path: Path, vaddr: int) -> int:
+    """File offset of `vaddr` in the ELF file `path`, from the PT_LOAD lines of `readelf -lW`."""
+    out = subprocess.run(["readelf", "-lW", str(path)], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if parts[:1] == ["LOAD"]:
+            offset, start, filesz = int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)
+            if start <= vaddr < start + filesz:
+                return vaddr - start + offset
+    raise AssertionError(f"{vaddr:#x} is in no PT_LOAD of {path}")
 
 
 def bpftool(*args: str) -> list[dict]:

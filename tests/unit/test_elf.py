@@ -25,6 +25,7 @@ from elftools.elf.elffile import ELFFile
 from ebpfprofiler.symbolizer import elf
 from ebpfprofiler.symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
 from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
+from tests.harness import vaddr_to_offset
 
 FIXTURE_C = Path(__file__).parent.parent / "fixtures" / "symbols.c"
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
@@ -70,17 +71,6 @@ def nm_functions(path: Path, dynamic: bool = False) -> dict[int, tuple[int, set[
             vaddr, size = int(parts[0], 16), int(parts[1], 16)
             found.setdefault(vaddr, (size, set()))[1].add(parts[3].split("@")[0])
     return found
-
-
-def vaddr_to_offset(path: Path, vaddr: int) -> int:
-    """File offset of `vaddr`, from the PT_LOAD lines of `readelf -lW`."""
-    for line in run("readelf", "-lW", str(path)).splitlines():
-        parts = line.split()
-        if parts[:1] == ["LOAD"]:
-            offset, start, filesz = int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)
-            if start <= vaddr < start + filesz:
-                return vaddr - start + offset
-    raise AssertionError(f"{vaddr:#x} is in no PT_LOAD of {path}")
 
 
 def readelf_build_id(path: Path) -> str:
