@@ -1,10 +1,17 @@
 """Build ids and function symbols of the ELF files mapped by profiled processes.
 
 Owns: turning one ELF file object into an ElfSymbols (GNU build id, PT_LOAD
-layout, function symbols of .symtab and .dynsym) that maps a file offset -- the
-profiler's module-relative address -- to a function name; and ElfCache, a
-bounded LRU of those per file identity, in which failures are cached, logged
-once and counted.
+layout, function symbols of .symtab and .dynsym, and whether a .symtab gave
+any) that maps a file offset -- the profiler's module-relative address -- to a
+function name; and ElfCache, a bounded LRU of those per file identity or build
+id, in which failures (and files the caller's check rejects) are cached,
+logged once and counted.
+
+A separate debug file (objcopy --only-keep-debug: a .symtab, SHT_NOBITS code,
+PT_LOADs whose p_filesz is 0) is read the same way; its symbols have the
+module's virtual addresses, so the caller maps a module file offset to an
+address with the module's ElfSymbols (address_of) and names it with the
+debug file's (function_at_address).
 
 Input is untrusted: a profiled process can map any file it likes. pyelftools
 (ELFFile and its ELFStructs) parses the structures: the ELF header, program
@@ -34,7 +41,8 @@ else is an ElfError.
 
 Must not: open files by path, follow anything outside the file object it is
 given (debuglink, build-id directories, DWARF links), or read a whole file into
-memory.
+memory. Finding a module's debug file is frames.py's, through the collector's
+file broker; here it is one more file object.
 """
 
 from __future__ import annotations
@@ -100,19 +108,32 @@ class ElfSymbols:
     """What the symbolizer needs of one ELF file. Equality and hash use build id and layout."""
 
     build_id: str  # lowercase hex of NT_GNU_BUILD_ID, "" if none
+    has_symtab: bool = field(compare=False)  # a .symtab gave function names; else .dynsym's (exported) only
     _loads: tuple[tuple[int, int, int], ...] = field(repr=False)  # (p_offset, p_filesz, p_vaddr) by offset
+    _segments: tuple[tuple[int, int], ...] = field(repr=False, compare=False)  # (p_vaddr, p_memsz), sorted
     _starts: array = field(repr=False, compare=False)  # sorted function start addresses ("Q")
     _ends: array = field(repr=False, compare=False)    # exclusive end of each ("Q")
     _names: tuple[str, ...] = field(repr=False, compare=False)
 
     def function_at(self, file_offset: int) -> str | None:
         """The function containing `file_offset` (a module-relative address), else None."""
+        address = self.address_of(file_offset)
+        return None if address is None else self.function_at_address(address)
+
+    def address_of(self, file_offset: int) -> int | None:
+        """The virtual address `file_offset` is loaded at (by this file's PT_LOADs), else None."""
         for offset, filesz, vaddr in self._loads:
             if offset <= file_offset < offset + filesz:
-                address = file_offset - offset + vaddr
-                break
-        else:
-            return None
+                return file_offset - offset + vaddr
+        return None
+
+    def loads_like(self, other: ElfSymbols) -> bool:
+        """Whether `other` has the same PT_LOAD address ranges (p_vaddr, p_memsz): true of a
+        module and its separate debug file, whose p_offset and p_filesz differ."""
+        return self._segments == other._segments
+
+    def function_at_address(self, address: int) -> str | None:
+        """The function containing virtual address `address`, else None."""
         i = bisect_right(self._starts, address) - 1
         if i >= 0 and address < self._ends[i]:
             return self._names[i]
@@ -161,11 +182,16 @@ class ElfCache:
         self._max_entries = max_entries
         self._entries: OrderedDict[Hashable, tuple[ElfSymbols | None, float]] = OrderedDict()  # value, expiry
         self._log_once = LogOnce(log)
-        self.stats: dict[str, int] = dict.fromkeys(("parsed", "skipped", "unreadable", "hits", "evicted"), 0)
+        self.stats: dict[str, int] = dict.fromkeys(("parsed", "skipped", "unreadable", "rejected", "hits",
+                                                          "evicted"), 0)
 
-    def get(self, key: Hashable, opener: Callable[[], BinaryIO],
-            now: float | None = None) -> ElfSymbols | None:
-        """Symbols of the file `key` names; `opener` is called only on a miss. None: unusable."""
+    def get(self, key: Hashable, opener: Callable[[], BinaryIO], now: float | None = None,
+            check: Callable[[ElfSymbols], str] | None = None) -> ElfSymbols | None:
+        """Symbols of the file `key` names; `opener` is called only on a miss. None: unusable.
+
+        `check`, if given, sees a freshly parsed file and returns why it must not be
+        used ("" if it may): such a file is cached as None, counted as "rejected"
+        and logged once."""
         now = time.monotonic() if now is None else now
         entry = self._entries.get(key)
         if entry is not None and now < entry[1]:
@@ -186,6 +212,11 @@ class ElfCache:
                 self._log_once(key, logging.WARNING, "skipping ELF file %r: %s", key, e)
                 return self._put(key, None, math.inf)
         self.stats["parsed"] += 1
+        reason = check(symbols) if check is not None else ""
+        if reason:
+            self.stats["rejected"] += 1
+            self._log_once(key, logging.WARNING, "ignoring ELF file %r: %s", key, reason)
+            return self._put(key, None, math.inf)
         return self._put(key, symbols, math.inf)
 
     def _put(self, key: Hashable, value: ElfSymbols | None, expiry: float) -> ElfSymbols | None:
@@ -327,6 +358,7 @@ def _parse(f: BinaryIO) -> ElfSymbols:
                 break
 
     symbols: list[tuple[int, int, int, bytes]] = []  # (value, preference, size, name)
+    has_symtab = False
     tables = [sh for sh in shdrs if sh.sh_type in ("SHT_SYMTAB", "SHT_DYNSYM")]
     if tables:
         layout = _SymbolLayout(structs.Elf_Sym, elffile.little_endian)
@@ -337,7 +369,9 @@ def _parse(f: BinaryIO) -> ElfSymbols:
                 if sh.sh_type == sh_type:
                     name_room -= _read_symbol_table(r, layout, shdrs, sh, table_rank * 3, known, symbols,
                                                     name_room)
-    return _build(build_id, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
+            if sh_type == "SHT_SYMTAB":
+                has_symtab = bool(symbols)
+    return _build(build_id, has_symtab, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
 
 
 def _build_id(nhdr: Construct, notes: bytes, align: int) -> str:
@@ -402,8 +436,8 @@ def _read_symbol_table(r: _Reader, layout: _SymbolLayout, shdrs: list[Any], sh: 
     return used
 
 
-def _build(build_id: str, loads: tuple[tuple[int, int, int], ...], segments: list[tuple[int, int]],
-           symbols: list[tuple[int, int, int, bytes]]) -> ElfSymbols:
+def _build(build_id: str, has_symtab: bool, loads: tuple[tuple[int, int, int], ...],
+           segments: list[tuple[int, int]], symbols: list[tuple[int, int, int, bytes]]) -> ElfSymbols:
     """`segments`: (p_vaddr, p_memsz) of each PT_LOAD."""
     symbols.sort()
     starts, ends, names = array("Q"), array("Q"), []
@@ -421,4 +455,4 @@ def _build(build_id: str, loads: tuple[tuple[int, int, int], ...], segments: lis
             else:
                 ends[i] = next((min(vaddr + memsz, _U64_MAX) for vaddr, memsz in segments
                                 if vaddr <= starts[i] < vaddr + memsz), starts[i])
-    return ElfSymbols(build_id, loads, starts, ends, tuple(names))
+    return ElfSymbols(build_id, has_symtab, loads, tuple(sorted(segments)), starts, ends, tuple(names))

@@ -159,6 +159,38 @@ def test_stripped_library_resolves_exported_functions_from_dynsym(binaries: dict
     assert symbols.function_at(vaddr_to_offset(path, by_name["fixture_local"])) is None
 
 
+def test_has_symtab_says_whether_a_symtab_gave_names(binaries: dict[str, Path]) -> None:
+    # Given a library with a .symtab, the same stripped to .dynsym, and Debian's libc (.dynsym only)
+    assert "symtab" in run("readelf", "-SW", str(binaries["shared"]))
+    assert "symtab" not in run("readelf", "-SW", str(LIBC))
+    # When read / Then has_symtab tells them apart
+    assert parse(binaries["shared"]).has_symtab
+    assert not parse(binaries["stripped_shared"]).has_symtab
+    assert not parse(LIBC).has_symtab
+
+
+def test_a_separate_debug_file_names_its_stripped_module_at_the_module_addresses(
+        binaries: dict[str, Path], tmp_path: Path) -> None:
+    # Given a library whose file offsets differ from its addresses, stripped, and its
+    # separate debug file (objcopy --only-keep-debug: .symtab kept, code SHT_NOBITS)
+    full, stripped = binaries["based_shared"], tmp_path / "stripped"
+    debug_path = tmp_path / "lib.debug"
+    run("objcopy", "--only-keep-debug", str(full), str(debug_path))
+    run("strip", "--strip-all", "-o", str(stripped), str(full))
+    (vaddr,) = [v for v, (_, names) in nm_functions(full).items() if "fixture_local" in names]
+    offset = vaddr_to_offset(stripped, vaddr)
+    module, debug = parse(stripped), parse(debug_path)
+    # When the debug file is read / Then it has the module's build id and addresses, and a .symtab
+    assert debug.build_id == module.build_id == readelf_build_id(full)
+    assert debug.has_symtab and module.loads_like(debug)
+    # and the static function, unnamed by the module, is named at the module's address of its offset
+    assert module.function_at(offset) is None
+    assert module.address_of(offset) == vaddr
+    assert debug.function_at_address(vaddr) == "fixture_local"
+    # but not by the debug file's own offsets: its code has no file bytes
+    assert debug.function_at(offset) is None
+
+
 def test_symtab_name_is_preferred_over_dynsym(binaries: dict[str, Path]) -> None:
     # Given a library whose .symtab and .dynsym name the same function differently
     path = binaries["renamed_shared"]
@@ -467,6 +499,28 @@ def test_cache_hit_does_not_open_again(binaries: dict[str, Path]) -> None:
     assert first is not None and first.build_id == readelf_build_id(binaries["pie"])
     assert len(opened) == 1
     assert cache.stats["parsed"] == 1 and cache.stats["hits"] == 1
+
+
+def test_a_file_the_check_rejects_is_cached_counted_and_logged_once(
+        binaries: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    # Given a check that refuses every build id but one the file does not have
+    cache, opened = ElfCache(), []
+
+    def opener():
+        opened.append(1)
+        return open(binaries["pie"], "rb")
+
+    def check(symbols: ElfSymbols) -> str:
+        return "" if symbols.build_id == "00" else f"build id {symbols.build_id}, not 00"
+
+    # When it is asked for three times
+    with caplog.at_level(logging.WARNING, logger=elf.__name__):
+        results = [cache.get("debug", opener, check=check) for _ in range(3)]
+    # Then it is unusable each time, parsed once, counted once and logged once, with the reason
+    assert results == [None, None, None] and len(opened) == 1
+    assert cache.stats["rejected"] == 1 and cache.stats["parsed"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == elf.__name__]
+    assert len(warnings) == 1 and "not 00" in warnings[0]
 
 
 def test_cache_is_a_bounded_lru(binaries: dict[str, Path]) -> None:
