@@ -4,13 +4,26 @@ Owns: a Unix SOCK_SEQPACKET socket (shared.endpoints.file_broker) on which
 symbolizer workers ask for a file (shared.wire.FileRequest) and get back a
 FileReply with an open, read-only descriptor (SCM_RIGHTS). A symbolizer runs
 without privileges; through this socket it can read exactly what is mapped
-executable into profiled processes, and their perf maps, and nothing else:
+executable into profiled processes, their perf maps, and the debug files root
+installed for their build ids, and nothing else:
 
 - module: /proc/<pid>/map_files/<start>-<end>, only if /proc/<pid>/maps has
   an executable, file-backed mapping with exactly that range;
 - perf_map: /tmp/perf-<nspid>.map inside the process's root, opened without
   following a symlink at /tmp or at the map, and only if it is a regular file.
   (The symbolizer checks the owner against the process's uid on the fd.)
+- debug: the separate debug file of a GNU build id,
+  usr/lib/debug/.build-id/<first 2 hex>/<rest>.debug, first inside the
+  process's root (/proc/<pid>/root: a container has its own) and then in the
+  host's. The path is resolved with openat2(RESOLVE_IN_ROOT), so its symlinks
+  (normal there: they point into ../../..) are followed but cannot leave the
+  root they are in. Only a regular file owned by root (uid 0 as this host
+  sees it) and readable by everyone is served, under MAX_DEBUG_FILE_BYTES: the
+  symbolizer trusts a debug file's names only when root installed it, and is
+  never handed a file root keeps from other users. (A container whose root is
+  mapped to another uid by a user namespace gets no debug files served.)
+  The file is opened O_PATH first and checked before it is opened for
+  reading, so a device or FIFO planted at that path is never opened.
 
 Every request names the process by (pid, start time): a pid that was reused
 since the batch is refused. Peers are checked with SO_PEERCRED.
@@ -22,6 +35,7 @@ or block the collector's drain loop: it serves in its own threads.
 from __future__ import annotations
 
 import array
+import ctypes
 import errno
 import logging
 import os
@@ -29,7 +43,7 @@ import socket
 import stat
 import struct
 import threading
-from typing import Collection
+from typing import Collection, Sequence
 
 from ebpfprofiler.collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_stat, parse_status
 from ebpfprofiler.shared import endpoints
@@ -40,6 +54,22 @@ log = logging.getLogger(__name__)
 # Connections served at once: one per symbolizer worker, with room to spare.
 MAX_CONNECTIONS = 128
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+# Where a root keeps debug files by build id (the layout of Debian's -dbg/-dbgsym packages and of GDB).
+DEBUG_DIR = "usr/lib/debug/.build-id"
+# symbolizer/elf.py reads no file larger than 2 GiB (its MAX_FILE_BYTES): a larger one is not passed for nothing.
+MAX_DEBUG_FILE_BYTES = 2 << 30
+
+_SYS_OPENAT2 = 437            # one number on every architecture (added after the syscall tables were unified)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_syscall = ctypes.CDLL(None, use_errno=True).syscall
+_syscall.restype = ctypes.c_long
 
 
 class Refused(Exception):
@@ -87,6 +117,72 @@ def open_perf_map(proc: str, req: FileRequest) -> int:
     return _regular_or_close(fd, name)
 
 
+def open_debug(roots: Sequence[str], build_id: str) -> int:
+    """A read-only descriptor of the debug file of `build_id` (lowercase hex, as wire.decode
+    checks it) in the first of `roots` that has a trusted one: regular, owned by root, readable
+    by everyone, at most MAX_DEBUG_FILE_BYTES. FileNotFoundError if no root has one; else, if
+    none could be served, the first reason (Refused, or the OSError of a root or file we
+    could not open)."""
+    path = f"{DEBUG_DIR}/{build_id[:2]}/{build_id[2:]}.debug"
+    failed: Exception | None = None   # the first reason a root had none to give, other than "not there"
+    seen: set[tuple[int, int]] = set()
+    for root in roots:
+        try:
+            dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:   # the process is gone, or its root is not ours to see: the host may have it
+            failed = failed or (None if isinstance(e, FileNotFoundError) else e)
+            continue
+        try:
+            st = os.fstat(dirfd)
+            if (st.st_dev, st.st_ino) in seen:   # the process's root is the host's
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            fd = _open_in_root(dirfd, path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except (OSError, Refused) as e:
+            failed = failed or e
+            continue
+        finally:
+            os.close(dirfd)
+        try:
+            return _reopen_trusted(fd, path)
+        except (OSError, Refused) as e:
+            failed = failed or e
+        finally:
+            os.close(fd)
+    if failed is not None:
+        raise failed
+    raise FileNotFoundError(errno.ENOENT, f"no debug file for build id {build_id}")
+
+
+def _open_in_root(dirfd: int, path: str) -> int:
+    """An O_PATH descriptor of `path` resolved with `dirfd` as its root (symlinks and .. stay inside)."""
+    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd), path.encode(), ctypes.byref(how),
+                  ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            raise Refused("unreadable", "this kernel has no openat2 (Linux 5.6+): debug files are not served")
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+def _reopen_trusted(path_fd: int, what: str) -> int:
+    """`path_fd` (O_PATH) opened for reading, if it is a debug file the symbolizer may trust."""
+    st = os.fstat(path_fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused("refused", f"{what} is not a regular file")
+    if st.st_uid != 0:
+        raise Refused("refused", f"{what} is owned by uid {st.st_uid}, not root")
+    if not st.st_mode & stat.S_IROTH:
+        raise Refused("refused", f"{what} is not readable by everyone")
+    if st.st_size > MAX_DEBUG_FILE_BYTES:
+        raise Refused("refused", f"{what}: {st.st_size} bytes is over the cap of {MAX_DEBUG_FILE_BYTES}")
+    return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+
+
 def _regular_or_close(fd: int, what: str) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -99,7 +195,12 @@ def serve_one(proc: str, req: FileRequest) -> tuple[FileReply, int | None]:
     try:
         if _start_ticks(proc, req.pid) != req.start_ticks:
             raise Refused("missing", f"pid {req.pid} is another process now")
-        fd = open_module(proc, req) if req.kind == "module" else open_perf_map(proc, req)
+        if req.kind == "module":
+            fd = open_module(proc, req)
+        elif req.kind == "debug":
+            fd = open_debug((f"{proc}/{req.pid}/root", "/"), req.build_id)
+        else:
+            fd = open_perf_map(proc, req)
         return FileReply(ok=True), fd
     except Refused as e:
         return FileReply(ok=False, error=e.error, reason=str(e)), None

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.collector.filebroker import FileBroker
+from ebpfprofiler.collector.filebroker import DEBUG_DIR, FileBroker, Refused, open_debug
 from ebpfprofiler.collector.procfs import parse_stat, read_maps
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.wire import FileReply, Mapping, Process, decode
@@ -117,3 +117,97 @@ def test_a_peer_of_another_uid_is_turned_away(tmp_path: Path) -> None:
         assert b.stats["peers_refused"] == 1
     finally:
         b.close()
+
+
+# --- debug files by build id: open_debug with temporary directories standing in for roots ---
+
+BUILD_ID = "abcdef0123"
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="root-owned debug files need root to make")
+
+
+def debug_file(root: Path, content: bytes = b"debug", build_id: str = BUILD_ID) -> Path:
+    """root/usr/lib/debug/.build-id/ab/cdef0123.debug, a regular file readable by everyone."""
+    path = root / DEBUG_DIR / build_id[:2] / f"{build_id[2:]}.debug"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    path.chmod(0o644)
+    return path
+
+
+def served(roots: list[Path]) -> bytes:
+    fd = open_debug([str(r) for r in roots], BUILD_ID)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+@as_root
+def test_a_debug_file_comes_from_the_process_root_before_the_host(tmp_path: Path) -> None:
+    # given a process root and a host root that both have a debug file for the build id
+    proc_root, host_root = tmp_path / "proc_root", tmp_path / "host"
+    debug_file(proc_root, b"container's")
+    debug_file(host_root, b"host's")
+    # when asked / then the process root's is served; without it, the host's; without both, none
+    assert served([proc_root, host_root]) == b"container's"
+    (proc_root / DEBUG_DIR).rename(proc_root / "elsewhere")
+    assert served([proc_root, host_root]) == b"host's"
+    with pytest.raises(FileNotFoundError):
+        served([proc_root])
+
+
+def test_a_debug_file_not_owned_by_root_is_refused(tmp_path: Path) -> None:
+    # given a debug file owned by another user (nobody, or this non-root user)
+    path = debug_file(tmp_path)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    # when asked / then it is refused, naming the owner
+    with pytest.raises(Refused, match="not root") as refused:
+        served([tmp_path])
+    assert refused.value.error == "refused"
+
+
+@as_root
+def test_an_untrusted_debug_file_in_the_process_root_gives_way_to_the_host_one(tmp_path: Path) -> None:
+    # given a process root whose debug file is not root's, and a host root with a trusted one
+    proc_root, host_root = tmp_path / "proc_root", tmp_path / "host"
+    os.chown(debug_file(proc_root, b"planted"), 65534, 65534)
+    debug_file(host_root, b"host's")
+    # when asked / then the host's is served
+    assert served([proc_root, host_root]) == b"host's"
+
+
+@as_root
+def test_a_debug_file_nobody_else_may_read_a_fifo_or_an_oversized_one_is_refused(tmp_path: Path) -> None:
+    # given a root-owned debug file only root may read
+    path = debug_file(tmp_path)
+    path.chmod(0o600)
+    # when asked / then refused: the symbolizer gets nothing a user could not read
+    with pytest.raises(Refused, match="not readable by everyone"):
+        served([tmp_path])
+    # given a FIFO in its place / when asked / then refused at once, never opened (it would block)
+    path.unlink()
+    os.mkfifo(path, 0o644)
+    with pytest.raises(Refused, match="not a regular file"):
+        served([tmp_path])
+
+
+@as_root
+def test_debug_symlinks_are_followed_inside_their_root_only(tmp_path: Path) -> None:
+    # given a root whose build-id entry is a relative symlink into ../../.., as Debian ships them
+    root = tmp_path / "root"
+    target = root / "usr/lib/debug/usr/lib/libfoo.so.debug"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"by symlink")
+    target.chmod(0o644)
+    link = debug_file(root)
+    link.unlink()
+    link.symlink_to("../../../debug/usr/lib/libfoo.so.debug")
+    # when asked / then the file it points to is served
+    assert served([root]) == b"by symlink"
+    # given links that would leave the root for a host file that is root's and readable by all
+    assert Path("/etc/hostname").stat().st_uid == 0
+    for escape in ("/etc/hostname", "../../../../../../../../../../etc/hostname"):
+        link.unlink()
+        link.symlink_to(escape)
+        # when asked / then they resolve inside the root, where there is no such file
+        with pytest.raises(FileNotFoundError):
+            served([root])
