@@ -1,8 +1,9 @@
 """How an unprivileged symbolizer gets the files it reads: from the collector's file broker.
 
 Owns: the client side of collector/filebroker.py — one SOCK_SEQPACKET
-connection to the broker's socket, a request per file, the descriptor that
-comes back with the reply. A broker that is not there (the collector is
+connection to the broker's socket, a request per file (a mapped module, a
+perf map, a separate debug file by build id), the descriptor that comes back
+with the reply. A broker that is not there (the collector is
 restarting) is an OSError the caller counts; the next request reconnects.
 
 Must not: open files of other processes itself (it has no right to), or
@@ -40,6 +41,12 @@ class FileClient:
     def module(self, proc: Process, m: Mapping) -> BinaryIO:
         """The file mapped at [m.start, m.end) in `proc`, open for reading."""
         fd = self._request(FileRequest(proc.pid, proc.start_ticks, "module", m.start, m.end))
+        return os.fdopen(fd, "rb")
+
+    def debug(self, proc: Process, build_id: str) -> BinaryIO:
+        """The separate debug file of `build_id` (lowercase hex), from `proc`'s root or the host's,
+        open for reading (FileNotFoundError if neither has one)."""
+        fd = self._request(FileRequest(proc.pid, proc.start_ticks, "debug", build_id=build_id))
         return os.fdopen(fd, "rb")
 
     def perf_map(self, pid: int, start_ticks: int) -> int:

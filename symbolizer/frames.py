@@ -8,8 +8,15 @@ anonymous executable memory take names from the process's /tmp/perf-<pid>.map.
 
 Module files and perf maps come as descriptors from the collector's file
 broker (files.py): exactly the file mapped at that range, even if deleted or
-in another mount namespace. Symbols are cached per file (ElfCache), perf maps
-per process (PerfMapCache).
+in another mount namespace. A module with a build id but no .symtab (Debian's
+libc: its static functions, such as __libc_start_call_main, are in no
+.dynsym) is named from its separate debug file, which the broker finds by
+build id (the process's root first, then the host's). That file is read by
+the same read_elf under the same caps and budget, used only if its build id
+and PT_LOAD addresses are the module's (else it is counted, logged once and
+ignored), and asked at the module's virtual address of the frame: its own
+PT_LOADs carry no file bytes. Symbols are cached per file and per debug build
+id (ElfCache), perf maps per process (PerfMapCache).
 
 Must not: keep per-process state beyond those bounded caches, or build profiles.
 """
@@ -21,8 +28,8 @@ import os
 from dataclasses import dataclass
 from typing import BinaryIO, Sequence
 
-from ebpfprofiler.shared.wire import Mapping, Process
-from ebpfprofiler.symbolizer.elf import ElfCache
+from ebpfprofiler.shared.wire import MAX_BUILD_ID_HEX, Mapping, Process
+from ebpfprofiler.symbolizer.elf import ElfCache, ElfSymbols
 from ebpfprofiler.symbolizer.files import FileClient
 from ebpfprofiler.symbolizer.perfmap import PerfMapCache
 
@@ -31,8 +38,8 @@ JIT_MODULE = "[jit]"
 # Addresses outside every executable mapping the collector read.
 UNKNOWN_MODULE = "[unknown]"
 
-# Module files larger than this are not opened for symbols (the backend can
-# still symbolize them by build id): bounds what one frame can cost.
+# Module files (and their debug files) larger than this are not opened for symbols (the
+# backend can still symbolize them by build id): bounds what one frame can cost.
 MAX_MODULE_BYTES = 2 << 30
 
 
@@ -54,7 +61,7 @@ class FrameResolver:
         self._files = files
         self._elf = elf_cache or ElfCache()
         self._perf_maps = perf_maps or PerfMapCache(files.perf_map)
-        self.stats = {"user_frames": 0, "named": 0, "no_mapping": 0, "jit_named": 0}
+        self.stats = {"user_frames": 0, "named": 0, "debug_named": 0, "no_mapping": 0, "jit_named": 0}
 
     def kernel(self, stack: Sequence[int], symbols: dict[int, str]) -> list[Frame]:
         return [Frame(KERNEL_MODULE, "", a, symbols.get(a, "")) for a in stack]
@@ -96,15 +103,39 @@ class FrameResolver:
         if m.path.startswith("["):   # [vdso], [vsyscall]: no file to read
             return "", ""
         key = (m.dev, m.inode, m.path) if m.inode else (proc.pid, proc.start_ticks, m.path)
-        syms = self._elf.get(key, lambda: self._open_module(proc, m))
+        syms = self._elf.get(key, lambda: _capped(self._files.module(proc, m), m.path))
         if syms is None:
             return "", ""
-        return syms.function_at(file_offset) or "", syms.build_id
+        name = None
+        if syms.build_id and not syms.has_symtab and len(syms.build_id) <= MAX_BUILD_ID_HEX:
+            debug = self._debug_symbols(proc, syms)
+            address = syms.address_of(file_offset)   # the module's layout: the debug file's has no file bytes
+            if debug is not None and address is not None:
+                name = debug.function_at_address(address)
+                if name:
+                    self.stats["debug_named"] += 1
+        return name or syms.function_at(file_offset) or "", syms.build_id
 
-    def _open_module(self, proc: Process, m: Mapping) -> BinaryIO:
-        f = self._files.module(proc, m)
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_MODULE_BYTES:
-            f.close()
-            raise OSError(f"{m.path}: {size} bytes is over the cap of {MAX_MODULE_BYTES}")
-        return f
+    def _debug_symbols(self, proc: Process, module: ElfSymbols) -> ElfSymbols | None:
+        """The symbols of `module`'s separate debug file, once per build id; None if there is none to use."""
+        build_id = module.build_id
+
+        def check(debug: ElfSymbols) -> str:
+            if debug.build_id != build_id:
+                return f"debug file for build id {build_id} has build id {debug.build_id or '(none)'}"
+            if not module.loads_like(debug):
+                return f"debug file for build id {build_id} loads at other addresses than its module"
+            return ""
+
+        return self._elf.get(("debug", build_id),
+                             lambda: _capped(self._files.debug(proc, build_id), f"debug file of {build_id}"),
+                             check=check)
+
+
+def _capped(f: BinaryIO, what: str) -> BinaryIO:
+    """`f`, or OSError (and `f` closed) if it is larger than MAX_MODULE_BYTES."""
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_MODULE_BYTES:
+        f.close()
+        raise OSError(f"{what}: {size} bytes is over the cap of {MAX_MODULE_BYTES}")
+    return f

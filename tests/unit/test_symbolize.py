@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.procfs import read_maps, read_process
 from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.wire import Process
+from ebpfprofiler.symbolizer import elf
 from ebpfprofiler.symbolizer import profile as profile_mod
+from ebpfprofiler.symbolizer.elf import ElfCache
 from ebpfprofiler.symbolizer.files import FileClient
 from ebpfprofiler.symbolizer.frames import JIT_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
 from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow
-from tests.harness import stop_process
+from tests.harness import stop_process, vaddr_to_offset, wait_for
+
+LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+DEBUG_DIR = Path("/usr/lib/debug/.build-id")
 
 
 @pytest.fixture
@@ -36,15 +43,21 @@ def live_jit(build) -> Iterator[tuple[subprocess.Popen, int]]:
 
 
 @pytest.fixture
-def resolver(tmp_path: Path) -> Iterator[FrameResolver]:
-    """A resolver whose files come from a real file broker on a socket in tmp_path."""
+def files(tmp_path: Path) -> Iterator[FileClient]:
+    """A client of a real file broker on a socket in tmp_path."""
     broker = FileBroker(str(tmp_path), allowed_uids={os.getuid()})
-    files = FileClient(str(tmp_path))
+    client = FileClient(str(tmp_path))
     try:
-        yield FrameResolver(files)
+        yield client
     finally:
-        files.close()
+        client.close()
         broker.close()
+
+
+@pytest.fixture
+def resolver(files: FileClient) -> FrameResolver:
+    """A resolver whose files come from a real file broker."""
+    return FrameResolver(files)
 
 
 def symbol_vaddr(exe: Path, name: str) -> int:
@@ -55,6 +68,22 @@ def symbol_vaddr(exe: Path, name: str) -> int:
 def build_id(exe: Path) -> str:
     out = subprocess.run(["readelf", "-n", str(exe)], capture_output=True, text=True, check=True).stdout
     return re.search(r"Build ID: ([0-9a-f]+)", out).group(1)
+
+
+def has_symtab(path: Path) -> bool:
+    out = subprocess.run(["readelf", "-SW", str(path)], capture_output=True, text=True, check=True).stdout
+    return " .symtab " in out
+
+
+def live(pid: int) -> Process:
+    return replace(read_process(pid, with_cmdline=False), mappings=read_maps(pid))
+
+
+def address_in(proc: Process, module: Path, file_offset: int) -> int:
+    """The address `file_offset` of `module` is mapped at in `proc` (module matched by file name)."""
+    m = next(m for m in proc.mappings if Path(m.path).name == module.name
+             and m.offset <= file_offset < m.offset + m.end - m.start)
+    return m.start + file_offset - m.offset
 
 
 def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolver: FrameResolver) -> None:
@@ -117,3 +146,100 @@ def test_a_closed_window_becomes_a_pprof_go_can_read(tmp_path: Path) -> None:
     out = subprocess.run(["go", "tool", "pprof", "-raw", str(f)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "do_nanosleep" in out.stdout, out.stderr
     assert os.path.getsize(f) == len(gz)
+
+
+# --- names from separate debug files, found by build id ---
+
+def test_libc_static_functions_are_named_from_libc_debug_file(build, live_jit, resolver: FrameResolver) -> None:
+    # given a live process whose stack runs main <- __libc_start_call_main, and qsort's msort_with_tmp:
+    # static functions of Debian's libc, which has no .symtab, named only in libc6-dbg's debug file
+    p, _ = live_jit
+    libc_id = build_id(LIBC)
+    debug = DEBUG_DIR / libc_id[:2] / f"{libc_id[2:]}.debug"
+    assert debug.is_file(), f"{debug} is missing: deploy/setup.sh installs libc6-dbg"
+    assert not has_symtab(LIBC) and has_symtab(debug)
+    proc = live(p.pid)
+    exe = build("jit")
+    main = address_in(proc, exe.resolve(), vaddr_to_offset(exe, symbol_vaddr(exe, "main")))
+    start_call_main, msort = (address_in(proc, LIBC, vaddr_to_offset(LIBC, symbol_vaddr(debug, name)))
+                              for name in ("__libc_start_call_main", "msort_with_tmp.part.0"))
+    # when stacks with return addresses into them are resolved (leaf first)
+    frames = resolver.user(proc, [main + 4, start_call_main + 4])
+    leaf = resolver.user(proc, [msort + 1])[0]
+    # then they are named, and carry libc's path and build id
+    assert [f.function for f in frames] == ["main", "__libc_start_call_main"]
+    assert leaf.function == "msort_with_tmp.part.0"
+    assert (frames[1].module, frames[1].build_id) == (str(LIBC), libc_id)
+    assert resolver.stats["debug_named"] == 2
+
+
+# A made-up build id: no debug file on the host has it; the second is another build's.
+STATIC_ID, OTHER_ID = "5a" * 20, "6b" * 20
+
+
+@pytest.fixture
+def stripped_in_root(build, tmp_path: Path) -> Iterator[tuple[Process, Path, Callable[..., Path]]]:
+    """The offcpu workload, static, with build id STATIC_ID and stripped of .symtab, running
+    chrooted in its own root (as in a container): (process, unstripped build, place) where
+    place(build_id, *flags) installs the debug file of the build with that id (and extra gcc
+    flags) as the root's debug file for STATIC_ID (root-owned, mode 0644) and returns its path."""
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    root = tmp_path / "root"
+    root.mkdir()
+    full = build("offcpu", ["-O0", "-static", f"-Wl,--build-id=0x{STATIC_ID}"])
+    subprocess.run(["strip", "--strip-all", "-o", str(root / "offcpu"), str(full)], check=True)
+
+    def place(debug_of: str, *flags: str) -> Path:
+        path = root / "usr/lib/debug/.build-id" / STATIC_ID[:2] / f"{STATIC_ID[2:]}.debug"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source = build("offcpu", ["-O0", "-static", f"-Wl,--build-id=0x{debug_of}", *flags])
+        subprocess.run(["objcopy", "--only-keep-debug", str(source), str(path)], check=True)
+        path.chmod(0o644)
+        return path
+
+    p = subprocess.Popen(["chroot", str(root), "/offcpu", "tiny", "30"], stdout=subprocess.DEVNULL)
+    try:   # chroot(8) execs the workload in the same process
+        wait_for("the chrooted workload to run", lambda: os.readlink(f"/proc/{p.pid}/exe") == str(root / "offcpu"))
+        assert os.readlink(f"/proc/{p.pid}/root") == str(root)
+        yield live(p.pid), full, place
+    finally:
+        stop_process(p)
+
+
+def tiny_wait_address(proc: Process, full: Path) -> int:
+    return address_in(proc, Path("offcpu"), vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait")))
+
+
+def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(stripped_in_root, files: FileClient) -> None:
+    # given a stripped module running in its own root, whose debug file only that root has
+    proc, full, place = stripped_in_root
+    place(STATIC_ID)
+    resolver = FrameResolver(files)
+    # when an address in a static function of it is resolved
+    frame = resolver.user(proc, [tiny_wait_address(proc, full)])[0]
+    # then the function is named from the root's debug file
+    assert frame.function == "tiny_wait" and frame.build_id == STATIC_ID
+    assert resolver.stats["debug_named"] == 1
+
+
+@pytest.mark.parametrize("debug_of, flags, reason", [
+    (OTHER_ID, (), f"has build id {OTHER_ID}"),                                   # another build
+    (STATIC_ID, ("-Wl,-Ttext-segment=0x800000",), "loads at other addresses"),   # the id, but moved
+])
+def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
+        stripped_in_root, files: FileClient, caplog: pytest.LogCaptureFixture,
+        debug_of: str, flags: tuple[str, ...], reason: str) -> None:
+    # given a stripped module whose root has, at its build id's path, the debug file of another build
+    proc, full, place = stripped_in_root
+    assert build_id(place(debug_of, *flags)) == debug_of
+    cache = ElfCache()
+    resolver = FrameResolver(files, elf_cache=cache)
+    # when an address in it is resolved, twice
+    with caplog.at_level(logging.WARNING, logger=elf.__name__):
+        frames = [resolver.user(proc, [tiny_wait_address(proc, full)])[0] for _ in range(2)]
+    # then no name comes from it; it was parsed once, rejected once and logged once, saying why
+    assert [f.function for f in frames] == ["", ""] and frames[0].build_id == STATIC_ID
+    assert cache.stats["rejected"] == 1 and resolver.stats["debug_named"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == elf.__name__]
+    assert len(warnings) == 1 and STATIC_ID in warnings[0] and reason in warnings[0]

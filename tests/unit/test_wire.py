@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ebpfprofiler.shared import wire
-from ebpfprofiler.shared.wire import Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
+from ebpfprofiler.shared.wire import FileRequest, Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
 
 
 def batch() -> StackBatch:
@@ -73,3 +73,24 @@ def test_oversized_profile_is_refused() -> None:
     frames[1] = b"x" * (wire.MAX_PROFILE_BYTES + 1)
     with pytest.raises(WireError, match="over the cap"):
         wire.decode(frames)
+
+
+def test_a_debug_file_request_round_trips_with_its_build_id() -> None:
+    # given a request for the debug file of a SHA-1 build id / when encoded and decoded / then equal
+    req = FileRequest(10, 99, "debug", build_id="93ac61ec5a8eb1396f9fbd350e3169a558528a40")
+    assert wire.decode(wire.encode(req)) == req
+
+
+@pytest.mark.parametrize("kind, build_id", [
+    ("debug", ""),                  # a debug request names a build id
+    ("debug", "a"),                 # shorter than a byte
+    ("debug", "ab" * 33),           # over MAX_BUILD_ID_HEX
+    ("debug", "93AC61EC"),          # not lowercase
+    ("debug", "../../etc/passwd"),  # not hex: it becomes a path in the broker
+    ("debug", 1234),
+    ("perf_map", "abcd"),           # only debug requests carry one
+])
+def test_a_bad_build_id_in_a_file_request_is_a_wire_error(kind: str, build_id: object) -> None:
+    frames = wire.encode(FileRequest(10, 99, kind, build_id="ab"))
+    with pytest.raises(WireError):
+        wire.decode(mutate(frames, ["body", "build_id"], build_id))
