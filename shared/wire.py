@@ -2,7 +2,8 @@
 
 Owns: every message that crosses a socket between stages (StackBatch
 collector → symbolizer, with the UnwindRequests it carries; UnwindTable
-symbolizer → collector; ProfileUpload symbolizer → uploader; FileRequest and
+symbolizer → collector; ProfileUpload symbolizer or runtime reader → uploader;
+ProcessAnnouncement collector → runtime readers; FileRequest and
 FileReply between a symbolizer and the collector's file broker), its version,
 its size caps and its validation. A message is a list of frames: frame 0 is a
 JSON header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload
@@ -36,13 +37,15 @@ MAX_ITEMS = 10_000_000         # samples, stacks, processes in one batch
 MAX_STRING = 4096              # paths, names, labels
 U64 = (1 << 64) - 1
 
-PROFILE_TYPES = ("cpu", "offcpu")
+PROFILE_TYPES = ("cpu", "offcpu", "python_wall")
 # An unwind table of one module: /usr/bin/node's is ~400K rows (6.4 MB); 64 MiB
 # is ten times that and bounds what one answer can make the collector hold.
 MAX_UNWIND_TABLE_BYTES = 64 << 20
 # Unwind requests in one batch: the collector asks for a few modules per drain.
 MAX_UNWIND_REQUESTS = 4096
 UNWIND_STATUSES = ("ok", "none", "failed")
+# Processes (new or exited) in one announcement: the collector sends the rest in the next one.
+MAX_ANNOUNCED_PROCESSES = 4096
 
 
 class WireError(ValueError):
@@ -139,10 +142,26 @@ class ProfileUpload:
     pprof_gz: bytes
 
 
-FILE_KINDS = ("module", "perf_map")
+@dataclass(frozen=True, slots=True)
+class ProcessAnnouncement:
+    """The collector tells runtime readers which processes run (without mappings) and which exited.
+
+    `full` marks a periodic re-announcement of every live process the collector
+    has announced, so a reader that started (or restarted) late catches up."""
+    host: str
+    time_ns: int
+    processes: tuple[Process, ...]
+    exited: tuple[tuple[int, int], ...] = ()     # (pid, start_ticks)
+    full: bool = False
+
+
+FILE_KINDS = ("module", "perf_map", "debug")
 FILE_ERRORS = ("missing", "refused", "unreadable", "bad_request")
 # A file request or reply is a few hundred bytes.
 MAX_FILE_MESSAGE_BYTES = 8192
+# A build id in a debug file request, in hex: SHA-1 ids are 40; longer ones have no debug files to name.
+MAX_BUILD_ID_HEX = 64
+_LOWER_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +169,10 @@ class FileRequest:
     """A symbolizer asks the collector to open a file of a profiled process."""
     pid: int
     start_ticks: int           # the process it means: a reused pid is refused
-    kind: str                  # "module": the executable mapping [start, end); "perf_map": /tmp/perf-<nspid>.map
-    start: int = 0
+    kind: str                  # "module": the executable mapping [start, end); "perf_map": /tmp/perf-<nspid>.map;
+    start: int = 0             # "debug": the separate debug file of build_id (process's root, else host's)
     end: int = 0
+    build_id: str = ""         # lowercase hex, in "debug" requests only
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +183,7 @@ class FileReply:
     reason: str = ""
 
 
-Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable]
+Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, ProcessAnnouncement]
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -199,9 +219,14 @@ def encode(msg: Message) -> list[bytes]:
             "samples": msg.samples,
         }
         return [_header("profile", body), msg.pprof_gz]
+    if isinstance(msg, ProcessAnnouncement):
+        return [_header("process_announcement", {
+            "host": msg.host, "time_ns": msg.time_ns, "full": msg.full,
+            "processes": [_process_json(p) for p in msg.processes],
+            "exited": [[pid, ticks] for pid, ticks in msg.exited]})]
     if isinstance(msg, FileRequest):
         return [_header("file_request", {"pid": msg.pid, "start_ticks": msg.start_ticks, "kind": msg.kind,
-                                         "start": msg.start, "end": msg.end})]
+                                         "start": msg.start, "end": msg.end, "build_id": msg.build_id})]
     if isinstance(msg, FileReply):
         return [_header("file_reply", {"ok": msg.ok, "error": msg.error, "reason": msg.reason})]
     raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -235,6 +260,10 @@ def decode(frames: Sequence[bytes]) -> Message:
             if len(frames[1]) > MAX_UNWIND_TABLE_BYTES:
                 raise WireError(f"unwind table of {len(frames[1])} bytes is over the cap of {MAX_UNWIND_TABLE_BYTES}")
             return _unwind_table(body, bytes(frames[1]))
+        if kind == "process_announcement":
+            if len(frames) != 1:
+                raise WireError("a process_announcement has one frame")
+            return _announcement(body)
         if kind in ("file_request", "file_reply"):
             if len(frames) != 1 or len(head) > MAX_FILE_MESSAGE_BYTES:
                 raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
@@ -374,6 +403,22 @@ def _batch(b: dict[str, Any]) -> StackBatch:
     )
 
 
+def _announcement(b: dict[str, Any]) -> ProcessAnnouncement:
+    def exited(v: Any, what: str) -> tuple[int, int]:
+        pair = _list(v, what, 2)
+        if len(pair) != 2:
+            raise WireError(f"{what}: not a [pid, start_ticks] pair")
+        return _int(pair[0], what, 1, 1 << 32), _int(pair[1], what)
+
+    full = b["full"]
+    if type(full) is not bool:
+        raise WireError("full is not a boolean")
+    return ProcessAnnouncement(
+        host=_str(b["host"], "host"), time_ns=_int(b["time_ns"], "time_ns"),
+        processes=_each(b["processes"], "processes", _process, MAX_ANNOUNCED_PROCESSES),
+        exited=_each(b["exited"], "exited", exited, MAX_ANNOUNCED_PROCESSES), full=full)
+
+
 def _unwind_request(v: Any, what: str) -> UnwindRequest:
     r = _list(v, what, 6)
     if len(r) != 6:
@@ -428,8 +473,13 @@ def _file_request(b: dict[str, Any]) -> FileRequest:
     start, end = _int(b["start"], "start"), _int(b["end"], "end")
     if kind == "module" and not start < end:
         raise WireError("a module request needs start < end")
+    build_id = _str(b.get("build_id", ""), "build_id")
+    if (kind == "debug") != bool(build_id):
+        raise WireError("a debug request, and only a debug request, names a build id")
+    if build_id and not (2 <= len(build_id) <= MAX_BUILD_ID_HEX and _LOWER_HEX.issuperset(build_id)):
+        raise WireError(f"build_id is not 2 to {MAX_BUILD_ID_HEX} lowercase hex digits")
     return FileRequest(pid=_int(b["pid"], "pid", 1, 1 << 32), start_ticks=_int(b["start_ticks"], "start_ticks"),
-                       kind=kind, start=start, end=end)
+                       kind=kind, start=start, end=end, build_id=build_id)
 
 
 def _file_reply(b: dict[str, Any]) -> FileReply:
