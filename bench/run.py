@@ -22,8 +22,10 @@ from bench.offcpu import ROUND_TRIPS, PingPongBench
 from bench.oncpu import OnCpuBench
 from bench.procs import BenchError
 from bench.scaling import ScalingBench
+from bench.tables import TablesBench
+from bench.tables import section as tables_section
 
-SUITES = ("oncpu", "offcpu", "scaling")
+SUITES = ("oncpu", "offcpu", "scaling", "tables")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -34,7 +36,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
                     "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
                     "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
-                    "(symbolizer throughput with 1 and 2 workers on a recorded batch stream). Writes "
+                    "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
+                    "table build time and size for libc, libpython and node, pyelftools as the peer). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -125,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "oncpu": OnCpuBench(args.rounds, args.seconds, args.threads, args.rates, args.quiet_wait, log, args.keep),
         "offcpu": PingPongBench(args.rounds, args.round_trips, log, args.keep),
         "scaling": ScalingBench(args.rounds, log, args.keep),
+        "tables": TablesBench(args.rounds, log),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -155,11 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in results:
             results[name] = report.read_json(name)
     extra: list[str] = []
-    for name in ("offcpu", "scaling"):
+    sections = {"offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
+                "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
+                "tables": (tables_section, "Unwind table build time and size")}
+    for name, (make_section, title) in sections.items():
         if results.get(name):
-            section = (report.offcpu_section if name == "offcpu" else report.scaling_section)(results[name])
-            title = ("Off-CPU cost on a context-switch-heavy workload" if name == "offcpu"
-                     else "Symbolizer throughput: 1 and 2 workers")
+            section = make_section(results[name])
             if name in args.suites:
                 report.print_section(title, section)
             extra.append(report.md_section(title, name, section))

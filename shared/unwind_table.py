@@ -120,7 +120,7 @@ def encode(header: Header, rows: Iterable[Row] | bytes) -> bytes:
     """The table of `header` and `rows` (Row tuples, or rows already packed with ROW).
 
     The result is checked with decode(): UnwindTableError if it would not be a valid table."""
-    body = bytes(rows) if isinstance(rows, (bytes, bytearray, memoryview)) else b"".join(
+    body = rows if isinstance(rows, (bytes, bytearray, memoryview)) else b"".join(
         ROW.pack(r.pc, r.cfa_off, r.fp_off, r.ra_off, r.cfa_kind, r.fp_kind, r.ra_kind, 0) for r in rows)
     if len(body) % ROW.size:
         raise UnwindTableError(f"rows of {len(body)} bytes are not a whole number of {ROW.size}-byte rows")
@@ -131,8 +131,8 @@ def encode(header: Header, rows: Iterable[Row] | bytes) -> bytes:
             raise UnwindTableError(f"{name} {value} does not fit its field")
     if not 0 <= n <= MAX_ROWS or header.arch not in ARCHES:
         raise UnwindTableError(f"{n} rows of arch {header.arch}: not encodable")
-    data = HEADER.pack(MAGIC, VERSION, header.arch, n, header.span, header.pc_base, header.text_offset,
-                       header.text_vaddr, header.text_size) + body
+    data = b"".join((HEADER.pack(MAGIC, VERSION, header.arch, n, header.span, header.pc_base, header.text_offset,
+                                 header.text_vaddr, header.text_size), body))
     decode(data)
     return data
 

@@ -348,10 +348,10 @@ class _Parser:
             return ident == 0
         return ident == (0xFFFFFFFF if id_size == 4 else _U64)
 
-    def fdes(self) -> list[tuple[int, int, bytes, tuple, tuple]]:
-        """(begin, end, packed rows, first row contents, last row contents) of each FDE kept."""
+    def fdes(self) -> list[tuple[int, int, bytes]]:
+        """(begin, end, packed rows) of each FDE kept."""
         d, n = self.data, len(self.data)
-        out: list[tuple[int, int, bytes, tuple, tuple]] = []
+        out: list[tuple[int, int, bytes]] = []
         count = 0
         pos = 0
         while pos < n:
@@ -498,7 +498,7 @@ class _Parser:
             v += self.m.got_addr
         return v & _U64, q
 
-    def _fde(self, cie: _Cie, p: int, end: int) -> tuple[int, int, bytes, tuple, tuple] | None:
+    def _fde(self, cie: _Cie, p: int, end: int) -> tuple[int, int, bytes] | None:
         st = self.stats
         if cie.unsupported:
             st["skipped_fdes"] += 1
@@ -526,23 +526,22 @@ class _Parser:
         if init is not None and end - p <= MAX_CFA_PROGRAM_BYTES:
             self._signed = False
             try:
-                _, parts, first, last = self._run(d[p:end], init, init, begin, stop, cie, [],
-                                                  self.sec.addr + p)
+                parts = self._run(d[p:end], init, init, begin, stop, cie, [], self.sec.addr + p)[1]
                 if self._signed:
                     st["signed_ra_fdes"] += 1
-                return begin, stop, b"".join(parts), first, last
+                return begin, stop, b"".join(parts)
             except (IndexError, struct.error, _BadFde, ValueError):
                 pass
         st["fallback_fdes"] += 1
-        return begin, stop, ut.ROW.pack(begin - self.lo, *_FALLBACK), _FALLBACK, _FALLBACK
+        return begin, stop, ut.ROW.pack(begin - self.lo, *_FALLBACK)
 
     # ------------------------------------------------ CFA programs
 
     def _run(self, prog: bytes, state: tuple, initial: tuple, loc: int, stop: int, cie: _Cie,
-             parts: list[bytes] | None, prog_addr: int) -> tuple[tuple, list[bytes], tuple, tuple]:
+             parts: list[bytes] | None, prog_addr: int) -> tuple[tuple, list[bytes]]:
         """Interpret `prog` from `state`; with `parts`, append the packed rows of [loc, stop) to it.
 
-        Returns (final state, parts, first row contents, last row contents). Raises _BadFde (or
+        Returns (final state, parts). Raises _BadFde (or
         IndexError/struct.error for an operand past the end) for what the table cannot express."""
         cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = state
         fp_reg, ra_reg = self.fp_reg, self.ra_col
@@ -550,7 +549,6 @@ class _Parser:
         row = self.row
         pack = ut.ROW.pack
         base = self.lo
-        first: tuple = ()
         last: tuple = ()
         dirty = True
         stack: list[tuple[int, ...]] = []
@@ -694,8 +692,6 @@ class _Parser:
                 c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
                 if c != last:
                     parts.append(pack(loc - base, *c))
-                    if not first:
-                        first = c
                     last = c
                 dirty = False
             loc = new
@@ -707,10 +703,7 @@ class _Parser:
             c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
             if c != last:
                 parts.append(pack(loc - base, *c))
-                if not first:
-                    first = c
-                last = c
-        return (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), parts or [], first, last
+        return (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), parts or []
 
 
 def _fits16(v: int) -> bool:
@@ -760,36 +753,38 @@ def _arm_row(cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: in
 
 # ---------------------------------------------------------------- the table
 
-def _assemble(fdes: list[tuple[int, int, bytes, tuple, tuple]], parser: _Parser, source: str,
+def _assemble(fdes: list[tuple[int, int, bytes]], parser: _Parser, source: str,
               m: Module) -> Built:
     fdes.sort(key=lambda t: t[0])
     pack = ut.ROW.pack
+    size = ut.ROW.size
+    fallback = pack(0, *_FALLBACK)[4:]   # a row's contents: every field after its pc
     base = m.text_vaddr
     parts: list[bytes] = []
     rows = 0
-    last: tuple = ()
+    last = b""
     prev_end = base
     overlapping = 0
-    for begin, stop, body, first, fde_last in fdes:
+    for begin, stop, body in fdes:
         if begin < prev_end:
             overlapping += 1     # two FDEs claim one pc: keep the first
             continue
-        if begin > prev_end and last != _FALLBACK:
+        if begin > prev_end and last != fallback:
             parts.append(pack(prev_end - base, *_FALLBACK))   # a gap (or the start before the first FDE)
             rows += 1
-            last = _FALLBACK
-        if first == last:
-            body = body[ut.ROW.size:]   # the same rules carry on across the boundary
+            last = fallback
+        if body[4:size] == last:
+            body = body[size:]   # the same rules carry on across the boundary
         if body:
             parts.append(body)
-            rows += len(body) // ut.ROW.size
-            last = fde_last
+            rows += len(body) // size
+            last = body[-size + 4:]
         prev_end = stop
         if rows > ut.MAX_ROWS:
             raise CfiError("over_cap", f"more than {ut.MAX_ROWS} rows")
     if not rows:
         raise NoCfi(f"no FDE in {source} covers the executable segment")
-    if last != _FALLBACK:
+    if last != fallback:
         parts.append(pack(prev_end - base, *_FALLBACK))
         rows += 1
     end_pc = prev_end - base
