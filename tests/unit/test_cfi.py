@@ -567,3 +567,14 @@ def test_random_corruption_of_libc_is_survived_within_the_budget() -> None:
         except cfi.CfiError as e:
             assert e.kind != "internal", str(e)
     assert time.monotonic() - started < 30
+
+
+def test_a_build_over_its_time_budget_is_a_too_slow_cfi_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # given a budget far below what node's table takes (~1 s), when node's table is built
+    monkeypatch.setattr(cfi, "CFI_BUILD_SECONDS", 0.01)
+    started = time.monotonic()
+    with pytest.raises(cfi.CfiError) as e:
+        build_file(Path("/usr/bin/node").resolve())
+    # then the build stops at the budget with a skip the caller counts as too slow
+    assert e.value.kind == "too_slow"
+    assert time.monotonic() - started < 1.0
