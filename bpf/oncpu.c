@@ -7,6 +7,11 @@
 // silently: a full counts map, or a stack the stack map cannot hold, is
 // counted in `oncpu_lost` by reason.
 //
+// With dwarf_unwind (-DDWARF_UNWIND, after unwind.h), a sample of a process
+// the collector loaded unwind tables for is walked with them instead: its
+// user stack goes to oncpu_dwarf_stacks_<buf> under a hash, and the key's
+// user_hash names it (user_stack is then -1).
+//
 // Compiled by bcc (with offcpu.c when off-CPU profiling is on), with
 // -DCOUNTS_ENTRIES and -DSTACK_ENTRIES from the collector.
 
@@ -17,6 +22,7 @@ struct oncpu_key {
     u32 tid;
     s32 user_stack;    // stack id, or -1 (kernel thread, or not recorded)
     s32 kernel_stack;  // stack id, or -1 (sample taken in user mode, or not recorded)
+    u64 user_hash;     // DWARF-unwound user stack in oncpu_dwarf_stacks_<buf>, or 0
 };
 
 // Indexes of `oncpu_lost`; the collector names them (LOST_REASONS in collector/oncpu.py).
@@ -31,6 +37,12 @@ BPF_STACK_TRACE(oncpu_stacks_0, STACK_ENTRIES);
 BPF_STACK_TRACE(oncpu_stacks_1, STACK_ENTRIES);
 BPF_ARRAY(oncpu_active, u32, 1);
 BPF_PERCPU_ARRAY(oncpu_lost, u64, ONCPU_LOST_SLOTS);
+
+#ifdef DWARF_UNWIND
+BPF_HASH(oncpu_dwarf_stacks_0, u64, struct unwind_stack, DWARF_STACK_ENTRIES);
+BPF_HASH(oncpu_dwarf_stacks_1, u64, struct unwind_stack, DWARF_STACK_ENTRIES);
+BPF_PROG_ARRAY(oncpu_unwind_progs, 1);
+#endif
 
 static __always_inline void oncpu_count_lost(int reason) {
     u64 *n = oncpu_lost.lookup(&reason);
@@ -48,6 +60,58 @@ static __always_inline s32 oncpu_stack_or_lost(int id, int reason) {
     return -1;
 }
 
+static __always_inline void oncpu_count(struct oncpu_key *key, u32 buf) {
+    u64 one = 1, *n;
+    if (buf == 0) {
+        n = oncpu_counts_0.lookup(key);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else if (oncpu_counts_0.update(key, &one) != 0)
+            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
+    } else {
+        n = oncpu_counts_1.lookup(key);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else if (oncpu_counts_1.update(key, &one) != 0)
+            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
+    }
+}
+
+#ifdef DWARF_UNWIND
+// The walk is over: store the stack in the buffer the sample was taken in, count it.
+static __always_inline void oncpu_count_dwarf(struct unwind_state *st) {
+    u64 hash = unwind_finish(st);
+    int err = st->buf == 0 ? oncpu_dwarf_stacks_0.insert(&hash, &st->stack)
+                           : oncpu_dwarf_stacks_1.insert(&hash, &st->stack);
+    if (err != 0 && err != -EEXIST) {
+        unwind_count(UNWIND_LOST_STACK_FULL);
+        oncpu_count_lost(ONCPU_LOST_USER_STACK);
+        hash = 0;
+    }
+    struct oncpu_key key = {};
+    key.pid = st->pid;
+    key.tid = st->tid;
+    key.user_stack = -1;
+    key.kernel_stack = st->kernel_stack;
+    key.user_hash = hash;
+    oncpu_count(&key, st->buf);
+}
+
+int oncpu_unwind_step(struct bpf_perf_event_data *ctx) {
+    u32 slot = 0;
+    struct unwind_state *st = unwind_scratch.lookup(&slot);
+    if (!st)
+        return 0;
+    unwind_frames(st);
+    if (!st->done) {
+        oncpu_unwind_progs.call(ctx, 0);
+        unwind_count(UNWIND_LOST_TAIL_CALL);   // reached only when the tail call failed
+    }
+    oncpu_count_dwarf(st);
+    return 0;
+}
+#endif
+
 int on_cpu_sample(struct bpf_perf_event_data *ctx) {
     u32 pid, tid;
     if (current_ids(&pid, &tid) || pid == 0)  // outside our pid namespace; or the idle task: not work
@@ -61,23 +125,31 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
     struct oncpu_key key = {};
     key.pid = pid;
     key.tid = tid;
-    u64 one = 1, *n;
-    if (*buf == 0) {
-        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+    u32 b = *buf;
+    if (b == 0)
         key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
-        n = oncpu_counts_0.lookup(&key);
-        if (n)
-            __sync_fetch_and_add(n, 1);
-        else if (oncpu_counts_0.update(&key, &one) != 0)
-            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
-    } else {
-        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+    else
         key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
-        n = oncpu_counts_1.lookup(&key);
-        if (n)
-            __sync_fetch_and_add(n, 1);
-        else if (oncpu_counts_1.update(&key, &one) != 0)
-            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
+
+#ifdef DWARF_UNWIND
+    if (unwind_procs.lookup(&pid)) {   // the collector loaded unwind tables for this process
+        u32 slot = 0;
+        struct unwind_state *st = unwind_scratch.lookup(&slot);
+        if (st && unwind_begin(st, (struct pt_regs *)&ctx->regs)) {
+            st->pid = pid;
+            st->tid = tid;
+            st->buf = b;
+            st->kernel_stack = key.kernel_stack;
+            oncpu_unwind_progs.call(ctx, 0);
+            unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below
+        }
     }
+#endif
+
+    if (b == 0)
+        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+    else
+        key.user_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
+    oncpu_count(&key, b);
     return 0;
 }

@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+# Ids of DWARF-unwound user stacks in a RawDrain: their 64-bit hash plus this,
+# so they never meet the small ids of bcc's stack maps.
+DWARF_STACK_ID_BASE = 1 << 64
+
 # Programs running on the old buffer when it is flipped finish within
 # microseconds (they run with preemption off); this is ample.
 FLIP_GRACE_S = 0.005
@@ -56,6 +60,33 @@ def read_stacks(table: Any, ids: Iterable[int], out: dict[int, tuple[int, ...]])
         except KeyError:
             missing += 1
     return missing
+
+
+def read_dwarf_stacks(table: Any, hashes: Iterable[int], out: dict[int, tuple[int, ...]]) -> int:
+    """Copy the DWARF stacks `hashes` (struct unwind_stack, zero after the last frame) into `out`
+    under DWARF_STACK_ID_BASE + hash; the number the map no longer holds."""
+    missing = 0
+    for h in hashes:
+        try:
+            pcs = table[ctypes.c_uint64(h)].pcs
+        except KeyError:
+            missing += 1
+            continue
+        frames = []
+        for pc in pcs:
+            if pc == 0:
+                break
+            frames.append(pc)
+        out[DWARF_STACK_ID_BASE + h] = tuple(frames)
+    return missing
+
+
+def delete_dwarf_stacks(table: Any, hashes: Iterable[int]) -> None:
+    for h in hashes:
+        try:
+            del table[ctypes.c_uint64(h)]
+        except KeyError:
+            pass
 
 
 def delete_stacks(table: Any, ids: Iterable[int]) -> None:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import preflight
+from ebpfprofiler.collector import preflight, unwind
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
@@ -97,14 +97,28 @@ class Collector:
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
         self.ksyms = KernelSymbols()
         families = ["oncpu"] + (["offcpu"] if cfg.offcpu else [])
-        self.programs = Programs(bpf_dir, families, {
-            "COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
-            "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000})
-        self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz)
+        defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
+                   "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000}
+        dwarf = cfg.dwarf_unwind
+        if dwarf and unwind.supported():
+            log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())
+            dwarf = False
+        offcpu_dwarf = dwarf and cfg.offcpu and cfg.offcpu_dwarf
+        if dwarf:
+            defines.update(unwind.bpf_defines(offcpu_dwarf))
+        self.programs = Programs(bpf_dir, families, defines)
+        self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz, dwarf=dwarf)
         self.sources: list = [self.oncpu]
         if cfg.offcpu:
-            self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms))
-        self.links = WorkerLinks(zmq.Context.instance(), run_dir, cfg.symbolizer_workers)
+            self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms, dwarf=offcpu_dwarf))
+        ctx = zmq.Context.instance()
+        self.unwind = None
+        if dwarf:
+            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["offcpu"] if offcpu_dwarf else []),
+                                              run_dir, ctx)
+            log.info("DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from "
+                     "the symbolizers at %s", " and off-CPU" if offcpu_dwarf else "", endpoints.unwind(run_dir))
+        self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.totals = {"batches": 0, "batches_dropped": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
@@ -112,6 +126,7 @@ class Collector:
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
         self.sampling = False    # perf events and tracepoints attached
+        self.unwind_counters: dict[str, int] = {}
 
     def start(self) -> None:
         self.links.wait_connected(CONNECT_WAIT_MS)
@@ -139,6 +154,9 @@ class Collector:
         from ebpfprofiler.collector.batcher import build_batches
 
         live = self.links.live()
+        if self.unwind is not None:
+            self.unwind.receive()
+            self.unwind.sweep()
         for src in self.sources:
             raw = src.drain()
             batches = build_batches(
@@ -151,7 +169,15 @@ class Collector:
             if raw.lost:
                 log.warning("%s: lost in kernel this drain: %s (totals %s)", src.profile_type, raw.lost, self.lost)
             for worker, batch in batches.items():
+                if self.unwind is not None:
+                    batch = self.unwind.annotate(batch)
                 self.send(worker, batch)
+        if self.unwind is not None:
+            counters = self.unwind.counters()
+            if counters.get("tail_call_failed") or counters.get("stack_map_full"):
+                log.warning("DWARF unwinder this drain: %s", counters)
+            for name, n in counters.items():
+                self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
 
     def send(self, worker: int, batch: StackBatch) -> None:
         dropped = self._dropped_since_ok
@@ -178,6 +204,9 @@ class Collector:
                 src.detach()
             except Exception as e:  # what the kernel already dropped cannot be detached
                 log.warning("detaching %s: %s", src.profile_type, e)
+        if self.unwind is not None:
+            self.unwind.close()
+            log.info("DWARF unwinding: %s; in kernel: %s", self.unwind.stats, self.unwind_counters)
         self.programs.close()
         self.links.close()
         self.broker.close()

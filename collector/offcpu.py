@@ -15,7 +15,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks
+from ebpfprofiler.collector.bpfmaps import (
+    DWARF_STACK_ID_BASE,
+    DoubleBuffer,
+    LostCounters,
+    RawDrain,
+    delete_dwarf_stacks,
+    delete_stacks,
+    read_dwarf_stacks,
+    read_stacks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +45,11 @@ STACK_SWEEP_EVERY = 5
 class OffCpuTracer:
     profile_type = PROFILE_TYPE
 
-    def __init__(self, bpf: Any, min_ms: int) -> None:
+    def __init__(self, bpf: Any, min_ms: int, dwarf: bool = False) -> None:
         self.min_ms = min_ms
+        self.dwarf = dwarf     # bpf/offcpu.c compiled with OFFCPU_DWARF: offcpu_dwarf_stacks exists
+        self._dwarf_stacks = bpf["offcpu_dwarf_stacks"] if dwarf else None
+        self._hash_used: dict[int, int] = {}
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "offcpu")
         self._lost = LostCounters(bpf["offcpu_lost"], LOST_REASONS[:4])
@@ -55,15 +67,25 @@ class OffCpuTracer:
         out = RawDrain()
         user_ids: set[int] = set()
         kernel_ids: set[int] = set()
+        hashes: set[int] = set()
         for k, v in counts.items():
-            out.samples.append((k.pid, k.tid, k.user_stack, k.kernel_stack, v.count, v.ns))
-            if k.user_stack >= 0:
-                user_ids.add(k.user_stack)
+            if k.user_hash:
+                hashes.add(k.user_hash)
+                user = DWARF_STACK_ID_BASE + k.user_hash
+            else:
+                user = k.user_stack
+                if user >= 0:
+                    user_ids.add(user)
+            out.samples.append((k.pid, k.tid, user, k.kernel_stack, v.count, v.ns))
             if k.kernel_stack >= 0:
                 kernel_ids.add(k.kernel_stack)
         counts.clear()
         gone = read_stacks(self._stacks, user_ids, out.user_stacks) + \
             read_stacks(self._stacks, kernel_ids, out.kernel_stacks)
+        if self._dwarf_stacks is not None:
+            gone += read_dwarf_stacks(self._dwarf_stacks, hashes, out.user_stacks)
+            for h in hashes:
+                self._hash_used[h] = self._drains
         for sid in user_ids | kernel_ids:
             self._last_used[sid] = self._drains
         if self._drains % STACK_SWEEP_EVERY == 0:
@@ -85,6 +107,13 @@ class OffCpuTracer:
         for sid in stale:
             self._last_used.pop(sid, None)
         log.debug("off-CPU stack sweep: %d ids, %d pending, %d deleted", len(present), len(pending), len(stale))
+        if self._dwarf_stacks is not None:
+            present = [k.value for k in self._dwarf_stacks.keys()]
+            pending_hashes = {v.user_hash for v in self._bpf["offcpu_start"].values()}
+            stale = [h for h in present if h not in pending_hashes and self._hash_used.get(h, -1) < horizon]
+            delete_dwarf_stacks(self._dwarf_stacks, stale)
+            for h in stale:
+                self._hash_used.pop(h, None)
 
     def attach(self) -> None:
         """Attach the tracepoints again after detach() (bcc attached them at load).

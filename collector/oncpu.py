@@ -14,8 +14,15 @@ import os
 from typing import Any
 
 from bcc import PerfSWConfig, PerfType  # type: ignore[import-not-found]
-
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks
+from ebpfprofiler.collector.bpfmaps import (
+    DWARF_STACK_ID_BASE,
+    DoubleBuffer,
+    LostCounters,
+    RawDrain,
+    delete_stacks,
+    read_dwarf_stacks,
+    read_stacks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +36,9 @@ NSEC_PER_SEC = 1_000_000_000
 class OnCpuSampler:
     profile_type = PROFILE_TYPE
 
-    def __init__(self, bpf: Any, sample_hz: int) -> None:
+    def __init__(self, bpf: Any, sample_hz: int, dwarf: bool = False) -> None:
         self.sample_hz = sample_hz
+        self.dwarf = dwarf     # bpf/oncpu.c compiled with DWARF_UNWIND: oncpu_dwarf_stacks_<buf> exist
         self.period_ns = NSEC_PER_SEC // sample_hz
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
@@ -52,15 +60,25 @@ class OnCpuSampler:
         out = RawDrain()
         user_ids: set[int] = set()
         kernel_ids: set[int] = set()
+        hashes: set[int] = set()
         for k, v in counts.items():
-            out.samples.append((k.pid, k.tid, k.user_stack, k.kernel_stack, v.value, v.value * self.period_ns))
-            if k.user_stack >= 0:
-                user_ids.add(k.user_stack)
+            if k.user_hash:
+                hashes.add(k.user_hash)
+                user = DWARF_STACK_ID_BASE + k.user_hash
+            else:
+                user = k.user_stack
+                if user >= 0:
+                    user_ids.add(user)
+            out.samples.append((k.pid, k.tid, user, k.kernel_stack, v.value, v.value * self.period_ns))
             if k.kernel_stack >= 0:
                 kernel_ids.add(k.kernel_stack)
         counts.clear()
         gone = read_stacks(stacks, user_ids, out.user_stacks) + read_stacks(stacks, kernel_ids, out.kernel_stacks)
         delete_stacks(stacks, user_ids | kernel_ids)
+        if self.dwarf:
+            dwarf_stacks = self._bpf[f"oncpu_dwarf_stacks_{old}"]
+            gone += read_dwarf_stacks(dwarf_stacks, hashes, out.user_stacks)
+            dwarf_stacks.clear()
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone

@@ -31,8 +31,10 @@ class Programs:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"BPF program {path} not found (--bpf-dir {bpf_dir})")
         # Concatenated, not #included: bcc generates TRACEPOINT_PROBE argument
-        # structs only for the main source. common.h comes first.
-        text = "\n".join(_read(os.path.join(bpf_dir, f)) for f in ["common.h"] + [f"{f}.c" for f in families])
+        # structs only for the main source. common.h comes first, then the
+        # DWARF unwinder both families use when it is on.
+        headers = ["common.h"] + (["unwind.h"] if "DWARF_UNWIND" in defines else [])
+        text = "\n".join(_read(os.path.join(bpf_dir, f)) for f in headers + [f"{f}.c" for f in families])
         cflags = [f"-D{k}={v}" for k, v in {**defines, **pid_namespace_defines()}.items()]
         self.families = tuple(families)
         self.bpf = BPF(text=text.encode(), cflags=cflags)

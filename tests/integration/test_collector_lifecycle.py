@@ -15,14 +15,15 @@ from ebpfprofiler.shared.config import ProfilerConfig, dump
 from tests.harness import PY, bpf_holdings, bpftool, open_dir, require_root, stop_process, wait_for
 
 
-@pytest.mark.parametrize("sig, offcpu", [(signal.SIGTERM, True), (signal.SIGINT, False)],
-                         ids=["SIGTERM-offcpu", "SIGINT-oncpu-only"])
-def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool) -> None:
-    # given a running collector, with and without off-CPU profiling
+@pytest.mark.parametrize("sig, offcpu, dwarf", [(signal.SIGTERM, True, True), (signal.SIGINT, False, False)],
+                         ids=["SIGTERM-offcpu-dwarf", "SIGINT-oncpu-only-frame-pointers"])
+def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool,
+                                                    dwarf: bool) -> None:
+    # given a running collector, with and without off-CPU profiling and DWARF unwinding
     require_root()
     work = open_dir("collector")
     cfg = work / "agent.yaml"
-    cfg.write_text(dump(ProfilerConfig(sample_hz=49, offcpu=offcpu)))
+    cfg.write_text(dump(ProfilerConfig(sample_hz=49, offcpu=offcpu, dwarf_unwind=dwarf, offcpu_dwarf=dwarf)))
     run_dir = work / "run"
     run_dir.mkdir()
     shutil.chown(run_dir, group="ebpfprofiler")
@@ -35,13 +36,16 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
                  timeout=90)
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
         progs, perf_fds = bpf_holdings(p.pid)
-        # then it holds its sampling program, one perf event per CPU, and the
-        # sched_switch and sched_wakeup programs only when off-CPU profiling is on
+        # then it holds its sampling program, one perf event per CPU, the
+        # sched_switch and sched_wakeup programs only when off-CPU profiling is
+        # on, and the DWARF unwinder's step programs only when that is on
         loaded = {q["id"]: q for q in bpftool("prog", "show")}
         kinds = sorted((loaded[i]["type"], loaded[i]["name"]) for i in progs)
         expected = [("perf_event", "on_cpu_sample")] + ([
             ("tracepoint", "tracepoint__sched__sched_switch"),
-            ("tracepoint", "tracepoint__sched__sched_wakeup")] if offcpu else [])
+            ("tracepoint", "tracepoint__sched__sched_wakeup")] if offcpu else []) + ([
+            ("perf_event", "oncpu_unwind_step")] if dwarf else []) + ([
+            ("tracepoint", "offcpu_unwind_step")] if dwarf and offcpu else [])
         assert kinds == sorted(expected)
         assert perf_fds == os.cpu_count() + (2 if offcpu else 0)
         if offcpu:
