@@ -7,7 +7,8 @@ them to the uploader. On SIGTERM it closes every open window, the one in
 progress included, so a clean stop loses nothing. When remote config changes
 upload_interval_s (the overrides file, shared/remote_config.py, checked every
 loop turn with one stat), it hands out the windows in progress and goes on
-with windows of the new length.
+with windows of the new length. With dwarf_unwind, it also answers the
+unwind requests a batch carries (unwind.py), after the batch's samples.
 
 Must not: load BPF, write outside its state directory, or talk to the network.
 """
@@ -33,6 +34,7 @@ from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, St
 from ebpfprofiler.symbolizer import profile as profile_mod
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
 from ebpfprofiler.symbolizer.files import FileClient
+from ebpfprofiler.symbolizer.unwind import UnwindServer
 from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
 
 # Batches from the collector's last drain of a window arrive within about a
@@ -71,7 +73,10 @@ class Worker:
         self.cfg = cfg
         self.worker = worker
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
-        self.resolver = FrameResolver(FileClient(run_dir))
+        files = FileClient(run_dir)
+        self.resolver = FrameResolver(files)
+        # Answers the collector's unwind requests (docs/unwinding.md); same broker connection.
+        self.unwind = UnwindServer(files, run_dir, state_dir) if cfg.dwarf_unwind else None
         self.windows = Windows(cfg.upload_interval_s)
         self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1}
         ctx = zmq.Context.instance()
@@ -107,6 +112,8 @@ class Worker:
         if msg.lost:
             self.stats["lost_in_kernel"] += sum(msg.lost.values())
         self.add_batch(msg)
+        if self.unwind is not None:
+            self.unwind.serve(msg)
 
     def add_batch(self, batch: StackBatch) -> None:
         procs = {p.pid: p for p in batch.processes}
@@ -197,6 +204,8 @@ class Worker:
     def close(self) -> None:
         self.flush(list(self.windows.close_all()))
         self.sender.close(handoff.CLOSE_TIMEOUT_S)   # waits for the last acks; logs what it could not hand off
+        if self.unwind is not None:
+            self.unwind.close()
         self.inbox.close()
         self.outbox.close()
         log.info("symbolizer worker %d stopped: %s, frames %s", self.worker, self.stats, self.resolver.stats)
