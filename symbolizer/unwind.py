@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 ANSWERED_RECENTLY_S = 60.0
 # Modules remembered as answered; bounds the worker's memory on a host with many distinct files.
 MAX_ANSWERED = 4096
-# Answers queued towards the collector: each can be a few MB (node's table is 6 MB).
-SEND_QUEUE = 4
+# Answers queued towards the collector, which takes them once a drain: most are tens of KB,
+# node's is 6 MB.
+SEND_QUEUE = 32
 # Building stops for this batch once this much time went into it (node's table takes ~1 s here);
 # the rest is asked again later, so a batch's samples are not held up for long.
 BUILD_SECONDS_PER_BATCH = 5.0
