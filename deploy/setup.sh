@@ -39,7 +39,7 @@ command -v apt-get >/dev/null || die "this set-up is for Debian (apt-get not fou
 # python3-dev to build python-prctl), and what development and the tests add
 # (systemd-analyze, systemd-nspawn and debootstrap: tests of the systemd units).
 SYSTEM_PACKAGES="python3-bpfcc python3-venv python3-dev libcap-dev gcc make"
-DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu"
+DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg"
 PACKAGES=$SYSTEM_PACKAGES
 [ "$MODE" = system ] || PACKAGES="$PACKAGES $DEV_PACKAGES"
 apt_updated=0
