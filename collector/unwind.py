@@ -153,7 +153,9 @@ def supported() -> str:
 
 
 class UnwindTables:
-    def __init__(self, bpf: Any, families: Sequence[str], run_dir: str, ctx: zmq.Context) -> None:
+    def __init__(self, bpf: Any, families: Sequence[str], run_dir: str, ctx: zmq.Context,
+                 rows: int = UNWIND_ROWS, max_table_rows: int = MAX_TABLE_ROWS) -> None:
+        """`rows` must be the UNWIND_ROWS the programs were compiled with (bpf_defines)."""
         from bcc import BPF  # type: ignore[import-not-found]   # only the collector imports bcc
 
         self._bpf = bpf
@@ -172,7 +174,9 @@ class UnwindTables:
         self.sock.setsockopt(zmq.RCVHWM, TABLE_QUEUE)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoints.unwind(run_dir))
-        self._alloc = RowAllocator(UNWIND_ROWS)
+        self.rows = rows
+        self.max_table_rows = max_table_rows
+        self._alloc = RowAllocator(rows)
         self._free_slots = list(range(UNWIND_MODULES - 1, -1, -1))
         self.modules: dict[ModuleKey, _Module] = {}
         self.unavailable: dict[ModuleKey, str] = {}
@@ -228,11 +232,11 @@ class UnwindTables:
 
     def _load(self, key: ModuleKey, path: str, build_id: str, table: unwind_table.Table) -> None:
         n = table.row_count
-        if n > MAX_TABLE_ROWS:
+        if n > self.max_table_rows:
             self.stats["too_large"] += 1
-            self._mark_unavailable(key, f"{n} rows, more than the {MAX_TABLE_ROWS} one table may take")
+            self._mark_unavailable(key, f"{n} rows, more than the {self.max_table_rows} one table may take")
             log.warning("unwind table for %s has %d rows, more than the %d one module may take (a quarter "
-                        "of the map); its frames use frame pointers", path, n, MAX_TABLE_ROWS)
+                        "of the map); its frames use frame pointers", path, n, self.max_table_rows)
             return
         start = self._alloc.alloc(n)
         while (start is None or not self._free_slots) and self.modules:
@@ -252,7 +256,7 @@ class UnwindTables:
         self.stats["loaded"] += 1
         self.stats["rows"] += n
         log.info("unwind table loaded for %s: %d rows (%d of %d rows in use)", path, n,
-                 UNWIND_ROWS - self._alloc.free_rows, UNWIND_ROWS)
+                 self.rows - self._alloc.free_rows, self.rows)
 
     def _evict(self, m: _Module) -> None:
         """Unload the least recently sampled module; processes mapping it walk it with frame pointers."""
