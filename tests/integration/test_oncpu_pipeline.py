@@ -125,8 +125,10 @@ def test_hot_loop_stack_is_main_top_mid_leaf(run: Run) -> None:
     assert total > 0, f"no samples of {run.hot_exe}; services: {[r.meta['service'] for r in run.profiles]}"
 
     def own_frames(s: pprof.ReadSample) -> tuple[str, ...]:
-        # The workload's own frames; below main are only libc's start-up frames.
-        return tuple(f.function for f in s.frames if f.module == run.hot_exe)
+        # The workload's own frames from main up; below main are libc's start-up frames
+        # and, once DWARF unwinding walks through them, the workload's _start.
+        own = tuple(f.function for f in s.frames if f.module == run.hot_exe)
+        return own[own.index("main"):] if "main" in own else own
 
     exact = sum(s.values[0] for s in samples if own_frames(s) == HOT_STACK
                 and all(f.module == run.hot_exe or "libc" in f.module
@@ -200,7 +202,8 @@ def test_syscall_workload_has_named_kernel_frames_under_user_frames(run: Run) ->
         kinds = ["k" if f.module == "[kernel.kallsyms]" else "u" for f in s.frames]
         # root first: user frames, then the kernel frames above them
         assert kinds == sorted(kinds, reverse=True), [f.function for f in s.frames]
-        callers[tuple(f.function for f in s.frames if f.module == run.syscall_exe)] += s.values[0]
+        own = tuple(f.function for f in s.frames if f.module == run.syscall_exe)
+        callers[own[own.index("main"):] if "main" in own else own] += s.values[0]
         names.update(f.function for f in s.frames if f.module == "[kernel.kallsyms]")
     # Start-up and exit (exec, page faults before main) are in the kernel too, but rare.
     in_read = callers[("main", "read_loop", "raw_read")]
@@ -230,7 +233,8 @@ def test_symlinked_perf_map_is_refused(run: Run) -> None:
 
 def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
     # the collector held its programs while it ran (ids from its own fd table) …
-    assert len(run.collector_progs) == 3   # on-CPU sampler, sched_switch and sched_wakeup
+    # on-CPU sampler, sched_switch and sched_wakeup, and the DWARF unwinder's on-CPU step program
+    assert len(run.collector_progs) == 4
     # … and after the stop none of them, nor a perf link to one, is left
     assert not run.collector_progs & {p["id"] for p in bpftool("prog", "show")}
     assert not [e for e in bpftool("perf") if e.get("prog_id") in run.collector_progs]

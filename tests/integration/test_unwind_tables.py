@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq
-
 from ebpfprofiler.collector import unwind
 from ebpfprofiler.collector.main import default_bpf_dir
 from ebpfprofiler.collector.procfs import read_maps
@@ -26,6 +25,7 @@ from ebpfprofiler.collector.programs import Programs
 from ebpfprofiler.shared import endpoints, unwind_table
 from ebpfprofiler.shared.wire import Process, Sample, StackBatch, UnwindTable, encode
 from ebpfprofiler.symbolizer import cfi
+
 from tests.harness import require_root, wait_for
 
 LIB = "/usr/lib/x86_64-linux-gnu"
