@@ -2,7 +2,8 @@
 
 Each round runs the same number of round trips once under every
 configuration, in turn: nothing; the pipeline with on-CPU profiling only; the
-pipeline with on-CPU and off-CPU profiling; and `perf record -e
+pipeline with on-CPU and off-CPU profiling; the same with offcpu_dwarf (each
+switch-out walks the user stack with the unwind tables); and `perf record -e
 sched:sched_switch -g`, the off-CPU peer that runs on these machines (bcc's
 offcputime needs kprobes, and CONFIG_KPROBES is off here). Every profiler is
 started fresh for its run, the workload starts once it is attached on every
@@ -27,10 +28,15 @@ from bench.procs import BenchError
 WORKLOAD = Path(__file__).parent / "workloads" / "pingpong.c"
 # Round trips per run: ~0.7 s alone here, a few seconds under the slowest profiler.
 ROUND_TRIPS = 200_000
+# Untimed ping-pong before the timed part, in every configuration: the profiler
+# sees the two processes (on-CPU samples) and, with offcpu_dwarf, loads their
+# unwind tables and process entries before the measurement.
+WARMUP_S = 3.0
 SAMPLE_HZ = 19
 RUN_TIMEOUT_S = 300.0
 PERF_ATTACH_TIMEOUT_S = 60.0
-CONFIGS = ("none", "pipeline on-CPU", "pipeline on+off-CPU", "perf sched_switch -g")
+CONFIGS = ("none", "pipeline on-CPU", "pipeline on+off-CPU", "pipeline on+off-CPU, offcpu_dwarf",
+           "perf sched_switch -g")
 PEER_NOT_RUN = ("bcc offcputime", "needs kprobes; CONFIG_KPROBES is off on these machines, so it cannot run")
 
 
@@ -46,7 +52,7 @@ def run_workload(binary: str, round_trips: int) -> float:
     Pinned, every round trip is the same two context switches on one CPU; on
     two CPUs it is dominated by cross-CPU wakeup latency, which a profiler that
     keeps CPUs out of deep idle can even shorten."""
-    out = subprocess.run(["taskset", "-c", "0", binary, str(round_trips)], capture_output=True, text=True,
+    out = subprocess.run(["taskset", "-c", "0", binary, str(round_trips), str(WARMUP_S)], capture_output=True, text=True,
                          timeout=RUN_TIMEOUT_S)
     if out.returncode != 0:
         raise BenchError(f"pingpong failed: {out.stderr.strip()}")
@@ -92,7 +98,8 @@ class PingPongBench:
         if config == "none":
             return run_workload(binary, self.round_trips)
         if config.startswith("pipeline"):
-            p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=config.endswith("off-CPU"))
+            p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu="off-CPU" in config,
+                         offcpu_dwarf=config.endswith("offcpu_dwarf"))
             try:
                 p.start()
                 self.our_prog_ids |= p.prog_ids

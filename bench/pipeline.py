@@ -37,7 +37,7 @@ class WrittenProfile:
 
 class Pipeline:
     def __init__(self, workdir: Path, sample_hz: int, upload_interval_s: int, workers: int,
-                 offcpu: bool = False) -> None:
+                 offcpu: bool = False, **changes: object) -> None:
         self.workdir = workdir
         self.run_dir = workdir / "run"
         self.local_dir = workdir / "profiles"
@@ -46,7 +46,8 @@ class Pipeline:
         self.cfg = config_mod.ProfilerConfig().replace(
             sample_hz=sample_hz, upload_interval_s=upload_interval_s, endpoint="",
             local_dir=str(self.local_dir), symbolizer_workers=workers,
-            offcpu=offcpu)   # explicit: off unless asked for, whatever the default becomes
+            offcpu=offcpu,   # explicit: off unless asked for, whatever the default becomes
+            **changes)
         self.config_path = workdir / "agent.yaml"
         self.config_path.write_text(config_mod.dump(self.cfg))
         self.config_path.chmod(0o644)    # read by every stage's own user

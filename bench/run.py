@@ -24,8 +24,10 @@ from bench.procs import BenchError
 from bench.scaling import ScalingBench
 from bench.tables import TablesBench
 from bench.tables import section as tables_section
+from bench.unwind import UnwindBench
+from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables")
+SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -129,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "offcpu": PingPongBench(args.rounds, args.round_trips, log, args.keep),
         "scaling": ScalingBench(args.rounds, log, args.keep),
         "tables": TablesBench(args.rounds, log),
+        "unwind": UnwindBench(args.rounds, args.rates, log, args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -161,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra: list[str] = []
     sections = {"offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
                 "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
-                "tables": (tables_section, "Unwind table build time and size")}
+                "tables": (tables_section, "Unwind table build time and size"),
+                "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
