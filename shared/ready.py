@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import endpoints, files
 
 
 def _notify(message: str) -> None:
@@ -29,9 +29,8 @@ def _notify(message: str) -> None:
 
 def announce(run_dir: str, stage: str, status: str = "") -> None:
     """The stage is serving: write its ready file, tell systemd."""
-    path = endpoints.ready_file(run_dir, stage)
-    with open(path, "w") as f:
-        f.write(f"{os.getpid()}\n")
+    # Whole or absent: a supervisor polling for the file must never read it empty.
+    files.write_atomic(endpoints.ready_file(run_dir, stage), f"{os.getpid()}\n".encode(), mode=0o644)
     _notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
 
