@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collector": ("ebpfprofiler.collector.main", "the root stage: BPF programs, /proc discovery, stack batches"),
     "symbolizer": ("ebpfprofiler.symbolizer.main", "a symbolizer worker: names frames, builds one pprof per service"),
     "uploader": ("ebpfprofiler.uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
+    "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: CPython stacks by process_vm_readv, python_wall pprofs"),
     "receiver": ("ebpfprofiler.receiver.server", "a reference backend implementing POST /v1/profiles"),
 }
 

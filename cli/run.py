@@ -94,8 +94,16 @@ def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> list[Sta
     for w in range(cfg.symbolizer_workers):
         out.append(Stage(f"symbolizer-{w}", py + ["ebpfprofiler.symbolizer.main"] + common +
                          ["--worker", str(w), "--state-dir", stage_state_dir(args.state_dir, "symbolizer")]))
+    if runtime_reader_wanted(cfg):   # before the collector: subscribed before the first announcement
+        out.append(Stage("runtime", py + ["ebpfprofiler.runtimes.main"] + common +
+                         ["--state-dir", stage_state_dir(args.state_dir, "runtime")]))
     out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", args.bpf_dir]))
     return out
+
+
+def runtime_reader_wanted(cfg: config_mod.ProfilerConfig) -> bool:
+    """The runtime reader runs when some runtime's stacks are asked for."""
+    return cfg.python_stacks or bool(cfg.runtime_stacks)
 
 
 def stage_state_dir(state_dir: str, stage: str) -> str:
@@ -121,6 +129,8 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
     ensure(args.state_dir, None, 0o750)
     ensure(stage_state_dir(args.state_dir, "symbolizer"), "symbolizer", 0o700)
     ensure(stage_state_dir(args.state_dir, "uploader"), "uploader", 0o700)
+    if runtime_reader_wanted(cfg):
+        ensure(stage_state_dir(args.state_dir, "runtime"), "runtime", 0o700)
     if cfg.uploads_locally:
         ensure(cfg.local_dir, "uploader", 0o750)
 

@@ -32,6 +32,12 @@ DEFAULT_UPLOAD_TIMEOUT_S = 30
 # How often the uploader asks the backend for remote config: a minute is soon
 # enough for an operator's toggle, and one small GET a minute per host is cheap.
 DEFAULT_REMOTE_CONFIG_INTERVAL_S = 60
+# Runtime stacks that need an opt-in: CPython 3.11 and 3.12 are read from
+# layouts kept as data (no debug offsets in the target to check them against).
+RUNTIME_STACKS = ("python_legacy",)
+# Percent of one CPU the runtime reader may spend; 2% at 19 Hz reads a few
+# dozen Python processes. A window over it halves the reader's per-tick caps.
+DEFAULT_CPU_BUDGET = 2.0
 
 
 class ConfigError(ValueError):
@@ -57,6 +63,9 @@ class ProfilerConfig:
     remote_config_interval_s: int = DEFAULT_REMOTE_CONFIG_INTERVAL_S
     dwarf_unwind: bool = True
     offcpu_dwarf: bool = False
+    python_stacks: bool = True
+    runtime_stacks: tuple[str, ...] = ()
+    cpu_budget: float = DEFAULT_CPU_BUDGET
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -98,6 +107,11 @@ _RULES: dict[str, _Rule] = {
     "dwarf_unwind": _Rule(bool, "true (unwind user stacks with .eh_frame tables in BPF, x86-64) or false "
                                 "(frame pointers only)"),
     "offcpu_dwarf": _Rule(bool, "true (off-CPU stacks unwound with the same tables; needs dwarf_unwind) or false"),
+    "python_stacks": _Rule(bool, "true (python_wall profiles of CPython 3.13 and newer) or false"),
+    "runtime_stacks": _Rule(tuple, f"a list of names from {list(RUNTIME_STACKS)} "
+                                   "(python_legacy: CPython 3.11 and 3.12 too)"),
+    "cpu_budget": _Rule(float, "a number from 0.1 to 100 (percent of one CPU the runtime reader may use)",
+                        0.1, 100),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -106,6 +120,12 @@ def _check(key: str, value: Any, source: str) -> Any:
     rule = _RULES[key]
     where = f"{source}: modules.ebpf_profiler.{key}"
     bad = ConfigError(f"{where} = {value!r} is not allowed; expected {rule.allowed}")
+    if rule.kind is tuple:   # a YAML list of known names, kept as a tuple (the config is frozen)
+        if not isinstance(value, (list, tuple)) or any(v not in RUNTIME_STACKS for v in value):
+            raise bad
+        return tuple(dict.fromkeys(value))
+    if rule.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
     # bool is a subclass of int: `sample_hz: true` must not pass as 1.
     if rule.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise bad
@@ -181,4 +201,5 @@ def load(path: str) -> ProfilerConfig:
 
 def dump(cfg: ProfilerConfig) -> str:
     """The YAML text of a config (for writing test and default files)."""
-    return yaml.safe_dump({"modules": {"ebpf_profiler": dataclasses.asdict(cfg)}}, sort_keys=False)
+    block = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    return yaml.safe_dump({"modules": {"ebpf_profiler": block}}, sort_keys=False)

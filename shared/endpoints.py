@@ -37,3 +37,8 @@ def file_broker(run_dir: str) -> str:
 def ready_file(run_dir: str, stage: str) -> str:
     """Written by a stage once it is serving (the supervisor and tests wait for it)."""
     return os.path.join(run_dir, f"{stage}.ready")
+
+
+def processes(run_dir: str) -> str:
+    """The collector's PUB socket; runtime readers subscribe to process announcements on it."""
+    return f"ipc://{os.path.join(run_dir, 'processes.sock')}"

@@ -29,6 +29,7 @@ import zmq
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready, remote_config
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.labels import process_labels
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
 from ebpfprofiler.symbolizer import profile as profile_mod
@@ -155,17 +156,8 @@ class Worker:
         key = (p.pid, p.start_ticks)
         got = self._labels.get(key)
         if got is None:
-            pid = str(p.pid) if self.cfg.plain_pid else identity.pid_label(self.secret, p.pid, p.start_ticks)
-            pairs = [("host", host)]
-            if p.container_id:
-                pairs.append(("container", p.container_id))
-            if p.pod_uid:
-                pairs.append(("k8s.pod", p.pod_uid))
-            pairs.append(("process.executable", p.executable or f"[{p.comm}]"))
-            pairs.append(("pid", pid))
-            if p.cmdline is not None and not self.cfg.strip_process_args:
-                pairs.append(("process.command_line", " ".join(p.cmdline)))
-            got = tuple(pairs)
+            got = process_labels(host, p, self.secret, plain_pid=self.cfg.plain_pid,
+                                 strip_process_args=self.cfg.strip_process_args)
             if len(self._labels) >= 65536:   # bounded: labels are cheap to rebuild
                 self._labels.clear()
             self._labels[key] = got

@@ -1,0 +1,115 @@
+"""Process announcements to the runtime readers: which processes run, which exited.
+
+Owns: the collector's PUB socket for runtime readers (shared/endpoints.processes)
+and what goes on it: every process the collector has seen in its drains,
+announced once (without mappings) when first seen, its exit (or pid reuse)
+announced when a check of /proc finds it gone, and every FULL_EVERY_S a full
+re-announcement of the live ones, so a reader that (re)started late catches
+up. Sends never block: with no reader listening, or a slow one, ZeroMQ drops
+them (the next full announcement repairs that).
+
+Must not: read runtime memory, or decide which processes a reader reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import replace
+
+import zmq
+from ebpfprofiler.collector.procfs import parse_stat
+from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.wire import (
+    MAX_ANNOUNCED_PROCESSES,
+    Process,
+    ProcessAnnouncement,
+    encode,
+)
+
+# Processes remembered as announced; a host rarely runs more at once (the oldest are forgotten).
+MAX_KNOWN = 32768
+# How often announced processes are checked for exit (one /proc/<pid>/stat read each).
+EXIT_CHECK_S = 2.0
+# How often every live process is announced again, for readers that started late.
+FULL_EVERY_S = 30.0
+# Announcements queued for a slow reader before ZeroMQ drops them.
+SEND_QUEUE = 64
+
+log = logging.getLogger(__name__)
+
+
+def _start_ticks(pid: int, proc: str = "/proc") -> int | None:
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            return parse_stat(f.read(4096).decode("utf-8", "replace"))[1]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Announcer:
+    def __init__(self, ctx: zmq.Context, run_dir: str, host: str) -> None:
+        self.host = host
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoints.processes(run_dir))
+        self._known: OrderedDict[int, Process] = OrderedDict()    # pid → the process announced
+        self._new: list[Process] = []
+        self._next_exit_check = time.monotonic() + EXIT_CHECK_S
+        self._next_full = time.monotonic() + FULL_EVERY_S
+        self.stats = {"announced": 0, "exited": 0, "messages": 0, "dropped_messages": 0}
+
+    def observe(self, processes: Iterable[Process]) -> None:
+        """Processes of a drain; the new ones (or a pid's new process) are announced at the next flush."""
+        for p in processes:
+            if not p.executable:           # kernel threads and processes gone before we read them
+                continue
+            known = self._known.get(p.pid)
+            if known is not None and known.start_ticks == p.start_ticks:
+                continue
+            slim = replace(p, mappings=())
+            self._known[p.pid] = slim
+            self._known.move_to_end(p.pid)
+            self._new.append(slim)
+            if len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
+
+    def flush(self) -> None:
+        """Send what is new, exits found by a check of /proc, and the periodic full list."""
+        now = time.monotonic()
+        exited: list[tuple[int, int]] = []
+        if now >= self._next_exit_check:
+            self._next_exit_check = now + EXIT_CHECK_S
+            for pid, p in list(self._known.items()):
+                if _start_ticks(pid) != p.start_ticks:
+                    exited.append((pid, p.start_ticks))
+                    del self._known[pid]
+            self.stats["exited"] += len(exited)
+        full = now >= self._next_full
+        if full:
+            self._next_full = now + FULL_EVERY_S
+            processes = list(self._known.values())
+        else:
+            processes = [p for p in self._new if self._known.get(p.pid) is p]
+        self.stats["announced"] += len(self._new)
+        self._new.clear()
+        if not processes and not exited:
+            return
+        for i in range(0, max(len(processes), len(exited)), MAX_ANNOUNCED_PROCESSES):
+            self._send(ProcessAnnouncement(
+                host=self.host, time_ns=time.time_ns(),
+                processes=tuple(processes[i:i + MAX_ANNOUNCED_PROCESSES]),
+                exited=tuple(exited[i:i + MAX_ANNOUNCED_PROCESSES]), full=full))
+
+    def _send(self, msg: ProcessAnnouncement) -> None:
+        try:
+            self.sock.send_multipart(encode(msg), zmq.NOBLOCK)
+            self.stats["messages"] += 1
+        except zmq.Again:
+            self.stats["dropped_messages"] += 1
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,282 @@
+"""The runtime reader stage: Python stacks of announced processes, one python_wall pprof per service per window.
+
+Owns: the stage's command line and loop: become the runtime user
+(CAP_SYS_PTRACE only) first; subscribe to the collector's process
+announcements; every 1/SAMPLE_HZ s (a tick) detect a few new processes and
+read the thread stacks of the CPython ones (targets.py, cpython.py), within
+this tick's caps — MAX_PROCESSES_PER_TICK processes and MAX_BYTES_PER_TICK
+bytes read, halved for every window whose CPU time went over cpu_budget and
+doubled back (up to the caps) for every window well under it, the figures
+logged each window; sum the stacks per service per window
+(symbolizer/window.py) with the process labels plus thread.name and
+thread.id; hand each closed window's profile (profile.py) to the uploader.
+A stop (SIGTERM/SIGINT) hands out the window in progress.
+
+Must not: write to, stop or ptrace-attach a target (process_vm_readv only),
+load BPF, or talk to the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+import zmq
+from ebpfprofiler.runtimes import profile as profile_mod
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from ebpfprofiler.runtimes.targets import Targets
+from ebpfprofiler.shared import config as config_mod
+from ebpfprofiler.shared import (
+    endpoints,
+    handoff,
+    identity,
+    privileges,
+    ready,
+    remote_config,
+)
+from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.labels import process_labels
+from ebpfprofiler.shared.stopping import stop_on_signals
+from ebpfprofiler.shared.wire import (
+    MAX_BATCH_BYTES,
+    ProcessAnnouncement,
+    ProfileUpload,
+    WireError,
+    decode,
+)
+from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
+
+# Stacks per second per process: wall-clock sampling, every thread each time.
+SAMPLE_HZ = 19
+# Processes read per tick at most; the others wait for the next tick (round robin).
+MAX_PROCESSES_PER_TICK = 64
+# Bytes read per tick at most: a thread of 30 frames costs ~3 KB once its code objects are cached.
+MAX_BYTES_PER_TICK = 4 << 20
+# The caps never fall below these, however far over budget a window is.
+MIN_PROCESSES_PER_TICK = 1
+MIN_BYTES_PER_TICK = 64 << 10
+# A window under this fraction of cpu_budget doubles the caps back.
+RELAX_BELOW = 0.5
+# Windows close this long after their end (as in the symbolizer; nothing arrives late here).
+WINDOW_GRACE_S = 0.5
+
+log = logging.getLogger("ebpfprofiler.runtime")
+
+
+def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Runtime reader of ebpfprofiler: reads the thread stacks of the CPython processes the "
+                    "collector announces (3.13+ with python_stacks, 3.11/3.12 with runtime_stacks: "
+                    f"[python_legacy]) with process_vm_readv at {SAMPLE_HZ} Hz, never stopping or writing "
+                    "them, and hands one python_wall pprof per service per window to the uploader. "
+                    "Needs CAP_SYS_PTRACE only.")
+    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
+    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
+                   help="runtime directory holding the stages' sockets (default: %(default)s)")
+    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
+                   help="state directory: the per-host secret for pid labels (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+class Reader:
+    def __init__(self, cfg: config_mod.ProfilerConfig, run_dir: str, state_dir: str,
+                 should_stop=lambda: False) -> None:
+        self.cfg = cfg
+        self.host = socket.gethostname()
+        self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
+        self.targets = Targets(modern=cfg.python_stacks, legacy="python_legacy" in cfg.runtime_stacks)
+        self.windows = Windows(cfg.upload_interval_s)
+        self.period_ns = 1_000_000_000 // SAMPLE_HZ
+        ctx = zmq.Context.instance()
+        self.inbox = ctx.socket(zmq.SUB)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
+        self.inbox.connect(endpoints.processes(run_dir))
+        self.outbox = ctx.socket(zmq.DEALER)
+        self.outbox.setsockopt(zmq.IMMEDIATE, 1)
+        self.outbox.setsockopt(zmq.SNDHWM, handoff.MAX_UNACKED_PROFILES)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        self.outbox.setsockopt(zmq.MAXMSGSIZE, handoff.MAX_ACK_BYTES)
+        self.outbox.connect(endpoints.uploader(run_dir))
+        self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
+        self.max_processes, self.max_bytes = MAX_PROCESSES_PER_TICK, MAX_BYTES_PER_TICK
+        self._rr = 0
+        self._window_cpu = time.process_time()
+        self._window_wall = time.monotonic()
+        self.stats = {"ticks": 0, "stacks": 0, "bad_messages": 0, "profiles": 0, "capped_processes": 0,
+                      "budget_spent": 0}
+        self._window_stacks = 0
+
+    # ------------------------------------------------------------ input
+
+    def receive(self) -> None:
+        while self.inbox.poll(0):
+            frames = self.inbox.recv_multipart()
+            try:
+                msg = decode(frames)
+                if not isinstance(msg, ProcessAnnouncement):
+                    raise WireError(f"a runtime reader takes process announcements, not {type(msg).__name__}")
+            except WireError as e:
+                self.stats["bad_messages"] += 1
+                log.warning("dropped a malformed message (%d so far): %s", self.stats["bad_messages"], e)
+                continue
+            self.targets.announce(msg)
+
+    # ------------------------------------------------------------ sampling
+
+    def tick(self, now_ns: int) -> None:
+        self.stats["ticks"] += 1
+        budget = ReadBudget(self.max_bytes)
+        self.targets.detect_some(budget)
+        entries = self.targets.readable()
+        if not entries:
+            return
+        n = min(len(entries), self.max_processes)
+        if n < len(entries):
+            self.stats["capped_processes"] += len(entries) - n
+        start = self._rr % len(entries)
+        chosen = (entries[start:] + entries[:start])[:n]
+        self._rr += n
+        by_service = self.windows.services(profile_mod.PROFILE_TYPE, now_ns)
+        for e in chosen:
+            if not self.targets.current(e):        # exited, or its pid names another process now
+                continue
+            assert e.reader is not None
+            try:
+                stacks = e.reader.sample(ProcessMemory(e.process.pid, budget))
+            except MemoryReadError as err:
+                if err.reason == "budget":
+                    self.stats["budget_spent"] += 1
+                    break
+                self.targets.stats["gone_while_reading"] += 1
+                self.targets.forget(e)
+                continue
+            if not self.targets.current(e):        # reused while we read: what we read is not e's
+                continue
+            base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
+                                  strip_process_args=self.cfg.strip_process_args)
+            window = by_service.get(e.process.service)
+            if window is None:
+                window = by_service[e.process.service] = ServiceWindow()
+            for st in stacks:
+                if not st.frames:
+                    continue
+                tid, name = self.targets.thread(e, st.native_tid)
+                labels = base + (("thread.name", name), ("thread.id", str(tid)))
+                window.add(labels, st.frames, 1, self.period_ns)
+                self.stats["stacks"] += 1
+                self._window_stacks += 1
+
+    # ------------------------------------------------------------ budget
+
+    def account_window(self) -> None:
+        """At the end of a window: CPU used against cpu_budget; halve or relax the caps; log the figures."""
+        cpu, wall = time.process_time(), time.monotonic()
+        used = cpu - self._window_cpu
+        pct = 100.0 * used / max(wall - self._window_wall, 1e-6)
+        self._window_cpu, self._window_wall = cpu, wall
+        before = (self.max_processes, self.max_bytes)
+        if pct > self.cfg.cpu_budget:
+            self.max_processes = max(MIN_PROCESSES_PER_TICK, self.max_processes // 2)
+            self.max_bytes = max(MIN_BYTES_PER_TICK, self.max_bytes // 2)
+        elif pct < self.cfg.cpu_budget * RELAX_BELOW:
+            self.max_processes = min(MAX_PROCESSES_PER_TICK, self.max_processes * 2)
+            self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
+        per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
+        log.info("window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
+                 "%d processes, %d bytes%s; targets %s", pct, self.cfg.cpu_budget, self._window_stacks, per_stack,
+                 self.max_processes, self.max_bytes,
+                 "" if before == (self.max_processes, self.max_bytes) else
+                 f" (were {before[0]}, {before[1]})", self.targets.stats)
+        self._window_stacks = 0
+
+    # ------------------------------------------------------------ output
+
+    def flush(self, closed: list[ClosedWindow]) -> None:
+        self.sender.poll()
+        for w in closed:
+            gz, n = profile_mod.build(w, self.period_ns)
+            upload = ProfileUpload(
+                profile_id=str(uuid.uuid4()), host=self.host, service=w.service, profile_type=w.profile_type,
+                window_start_ns=w.start_ns, window_end_ns=w.end_ns, samples=n, pprof_gz=gz)
+            self.sender.send(upload)
+            self.stats["profiles"] += 1
+            log.info("profile %s %s of service %s, window %s: %d stacks, %d bytes", upload.profile_id,
+                     w.profile_type, w.service, handoff.window_text(upload),
+                     sum(r[0] for r in w.data.rows.values()), len(gz))
+
+    def dropped(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.targets.readable():
+            assert e.reader is not None
+            for k, v in e.reader.dropped.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        self.flush(list(self.windows.close_all()))
+        self.sender.close(handoff.CLOSE_TIMEOUT_S)
+        self.inbox.close()
+        self.outbox.close()
+        log.info("runtime reader stopped: %s, targets %s, frames dropped %s", self.stats, self.targets.stats,
+                 self.dropped() or "none")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") -> int:
+    args = parse_args(argv, prog)
+    log_mod.setup("runtime")
+    try:
+        privileges.become("runtime")   # first: nothing below runs with more than CAP_SYS_PTRACE
+    except privileges.PrivilegeError as e:
+        print(f"{prog}: cannot run as the runtime reader's user: {e}", file=sys.stderr)
+        return 1
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    stop = stop_on_signals(log)
+    reader = Reader(cfg, args.run_dir, args.state_dir, should_stop=stop.is_set)
+    watcher = remote_config.Watcher(args.run_dir, log)
+    watcher.check()
+    ready.announce(args.run_dir, "runtime")
+    log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, 3.11/3.12 %s, cpu_budget %.2f%%",
+             SAMPLE_HZ, reader.windows.interval_s, "on" if cfg.python_stacks else "off",
+             "on" if "python_legacy" in cfg.runtime_stacks else "off", cfg.cpu_budget)
+    period = 1.0 / SAMPLE_HZ
+    grace_ns = int(WINDOW_GRACE_S * 1e9)
+    next_tick = time.monotonic()
+    try:
+        while not stop.is_set():
+            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            if reader.inbox.poll(timeout_ms):
+                reader.receive()
+            if time.monotonic() < next_tick:
+                continue
+            next_tick += period
+            if next_tick < time.monotonic():       # fell behind: skip, do not burst
+                next_tick = time.monotonic() + period
+            if watcher.check():
+                eff = remote_config.effective(cfg, watcher.overrides)
+                closed = reader.windows.set_interval(eff.upload_interval_s, time.time_ns())
+                reader.flush(closed)
+            if remote_config.effective(cfg, watcher.overrides).enabled:
+                reader.tick(time.time_ns())
+            closed = list(reader.windows.close_due(time.time_ns(), grace_ns))
+            if closed:
+                reader.account_window()
+                reader.flush(closed)
+    finally:
+        ready.withdraw(args.run_dir, "runtime")
+        reader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The processes a runtime reader reads: announced by the collector, checked, detected, refused.
+
+Owns: the set of announced processes keyed by (pid, start time), so a reused
+pid is a new process and an exited one is dropped; detection of each (at most
+DETECTS_PER_TICK per tick, cpython_version.detect) into a reader, a refusal
+(logged once at info level with its reason, then the process is left alone),
+or "not CPython"; the check, before every read of a process, that its pid
+still names the same process (else no stack is read for it); thread names
+(/proc/<pid>/task/<tid>/comm) and, for processes in a pid namespace, the map
+from the thread ids CPython records to this host's tids.
+
+Must not: read process memory itself (cpython*.py do), or build profiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ebpfprofiler.runtimes.cpython import CPythonProcess
+from ebpfprofiler.runtimes.cpython_version import Refusal, detect
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.shared.wire import Process, ProcessAnnouncement
+
+# Processes remembered (read, refused or not CPython); the oldest are forgotten beyond this.
+MAX_PROCESSES = 16384
+# Detections per tick: each opens the interpreter file and reads its symbols (~1 ms).
+DETECTS_PER_TICK = 4
+# Threads named per process (a comm read each); more threads are labelled by id only.
+MAX_THREAD_NAMES = 4096
+
+log = logging.getLogger("ebpfprofiler.runtime")
+
+
+def start_ticks(pid: int, proc: str = "/proc") -> int | None:
+    """Field 22 of /proc/<pid>/stat, or None if the process is gone."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            text = f.read(4096).decode("utf-8", "replace")
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Entry:
+    process: Process
+    state: str = "new"                         # new, reading, refused, other
+    reader: CPythonProcess | None = None
+    thread_names: dict[int, str] = field(default_factory=dict)
+    host_tids: dict[int, int] = field(default_factory=dict)   # CPython's thread id → this host's tid
+
+
+class Targets:
+    def __init__(self, *, modern: bool, legacy: bool, proc: str = "/proc") -> None:
+        self.modern, self.legacy, self.proc = modern, legacy, proc
+        self.entries: dict[int, Entry] = {}
+        self._log_once = LogOnce(log)
+        self.stats = {"announced": 0, "exited": 0, "refused": 0, "reading": 0, "reused_pid": 0,
+                      "gone_while_reading": 0, "detect_failed": 0}
+
+    def announce(self, msg: ProcessAnnouncement) -> None:
+        for pid, ticks in msg.exited:
+            e = self.entries.get(pid)
+            if e is not None and e.process.start_ticks == ticks:
+                del self.entries[pid]
+                self.stats["exited"] += 1
+        for p in msg.processes:
+            e = self.entries.get(p.pid)
+            if e is not None and e.process.start_ticks == p.start_ticks:
+                continue
+            if len(self.entries) >= MAX_PROCESSES:
+                self.entries.pop(next(iter(self.entries)))
+            self.entries[p.pid] = Entry(p)
+            self.stats["announced"] += 1
+
+    def current(self, e: Entry) -> bool:
+        """Whether e's pid still names e's process; forgets it if not."""
+        ticks = start_ticks(e.process.pid, self.proc)
+        if ticks == e.process.start_ticks:
+            return True
+        self.entries.pop(e.process.pid, None)
+        self.stats["reused_pid" if ticks is not None else "exited"] += 1
+        return False
+
+    def detect_some(self, budget: ReadBudget) -> None:
+        done = 0
+        for e in list(self.entries.values()):
+            if e.state != "new":
+                continue
+            if done >= DETECTS_PER_TICK:
+                break
+            done += 1
+            if not self.current(e):
+                continue
+            pid = e.process.pid
+            try:
+                got = detect(pid, ProcessMemory(pid, budget), modern=self.modern, legacy=self.legacy,
+                             proc=self.proc)
+            except (MemoryReadError, OSError) as err:
+                self.stats["detect_failed"] += 1
+                log.debug("pid %d: detection failed: %s", pid, err)
+                e.state = "other"
+                continue
+            if got is None:
+                e.state = "other"
+            elif isinstance(got, Refusal):
+                e.state = "refused"
+                self.stats["refused"] += 1
+                self._log_once((pid, e.process.start_ticks), logging.INFO,
+                               "pid %d (%s) refused: %s", pid, e.process.executable, got.reason)
+            else:
+                e.state, e.reader = "reading", CPythonProcess(got)
+                self.stats["reading"] += 1
+                log.info("pid %d (%s): reading CPython %s stacks", pid, e.process.executable, got.version)
+
+    def readable(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.state == "reading"]
+
+    def forget(self, e: Entry) -> None:
+        self.entries.pop(e.process.pid, None)
+
+    def thread(self, e: Entry, native_tid: int) -> tuple[int, str]:
+        """(this host's tid, thread name) of a thread id CPython recorded."""
+        pid = e.process.pid
+        tid = native_tid
+        if e.process.nspid != pid:             # in a pid namespace: CPython saw its own tids
+            tid = e.host_tids.get(native_tid, 0)
+            if not tid:
+                e.host_tids = self._host_tids(pid)
+                tid = e.host_tids.get(native_tid, native_tid)
+        name = e.thread_names.get(tid)
+        if name is None:
+            try:
+                with open(f"{self.proc}/{pid}/task/{tid}/comm", "rb") as f:
+                    name = f.read(64).decode("utf-8", "replace").strip()
+            except OSError:
+                name = ""
+            if len(e.thread_names) < MAX_THREAD_NAMES:
+                e.thread_names[tid] = name
+        return tid, name
+
+    def _host_tids(self, pid: int) -> dict[int, int]:
+        out: dict[int, int] = {}
+        try:
+            tids = os.listdir(f"{self.proc}/{pid}/task")[:MAX_THREAD_NAMES]
+        except OSError:
+            return out
+        for t in tids:
+            try:
+                with open(f"{self.proc}/{pid}/task/{t}/status", "rb") as f:
+                    for line in f.read(8192).decode("utf-8", "replace").splitlines():
+                        if line.startswith("NSpid:"):
+                            out[int(line.split()[-1])] = int(t)
+            except (OSError, ValueError):
+                continue
+        return out

@@ -1,0 +1,257 @@
+"""CPython stacks end to end: real interpreters, the whole pipeline, the real receiver.
+
+Given `ebpfprofiler run` (collector, symbolizer, runtime reader, uploader)
+posting to the reference receiver with runtime_stacks: [python_legacy], when
+tests/workloads/py_threads.py runs under the host's CPython 3.11 and under
+CPython 3.13 and 3.14 from Debian sid in a debootstrap root (chroot: its
+files are found through /proc/<pid>/root or the host's view of them), then
+the received python_wall profiles show, per interpreter, the worker thread in
+run() → cpu_a()/cpu_b() at the workload's lines with a 3:1 ratio (±10%), the
+blocked thread in wait_here(), thread names and ids as labels; and py-spy
+names the same functions per thread for the same processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import endpoints, pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+
+from tests.debroot import cached_root
+from tests.harness import (
+    PY,
+    WORKLOADS,
+    Pipeline,
+    Receiver,
+    require_root,
+    wait_for,
+)
+
+SCRIPT = WORKLOADS / "py_threads.py"
+SID_PACKAGES = ["python3.13", "python3.14"]
+# Bump when the way the sid root is built changes.
+SID_RECIPE = 1
+# Worker-thread stacks per interpreter before the ratio is judged: ~16 s at 19 Hz.
+WANT_WORKER_STACKS = 300
+# The workload's own deadline: it ends by itself even if the test cannot end it.
+WORKLOAD_SECONDS = 240
+PY_SPY = str(Path(PY).parent / "py-spy")
+
+
+def marked_lines(tag: str) -> set[int]:
+    return {i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
+
+
+def function_lines(name: str) -> range:
+    lines = SCRIPT.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines, 1) if line.startswith(f"def {name}("))
+    end = next((i for i, line in enumerate(lines[start:], start + 1) if line and not line[0].isspace()),
+               len(lines) + 1)
+    return range(start, end)
+
+
+@dataclass
+class Workload:
+    version: str
+    proc: subprocess.Popen
+    filename: str          # the script's path as the interpreter sees it
+    tids: dict[str, int]   # thread name → native id
+    py_spy: dict[int, list[str]]   # tid → function names, leaf first (py-spy dump)
+
+
+@dataclass
+class Run:
+    workloads: list[Workload]
+    samples: dict[int, list[pprof.ReadSample]]   # pid → python_wall samples
+    log: str
+
+
+def sid_root() -> Path:
+    root, _ = cached_root("sid", SID_PACKAGES, SID_RECIPE, name="sid-python",
+                          log=lambda m: print(f"test_python_stacks: {m}", flush=True))
+    return root
+
+
+def start(version: str, argv: list[str], filename: str) -> Workload:
+    p = subprocess.Popen(argv + [filename, str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line, f"{version} workload printed nothing (exit {p.poll()})"
+    return Workload(version, p, filename, json.loads(line), {})
+
+
+def py_spy_dump(pid: int) -> dict[int, list[str]]:
+    out = subprocess.run([PY_SPY, "dump", "--nonblocking", "--json", "--pid", str(pid)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return {t["os_thread_id"]: [f["name"] for f in t["frames"]] for t in json.loads(out.stdout)}
+
+
+def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
+    by_pid: dict[int, list[pprof.ReadSample]] = {}
+    for meta in list_profiles(str(directory)):
+        if meta["type"] != "python_wall":
+            continue
+        for s in pprof.read(Path(meta["path"]).read_bytes()).samples:
+            by_pid.setdefault(int(s.labels["pid"]), []).append(s)
+    return by_pid
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    require_root()
+    root = sid_root()
+    work = tmp_path_factory.mktemp("python")
+    inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
+    (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
+    shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
+    host_copy = work / SCRIPT.name
+    shutil.copy(SCRIPT, host_copy)
+    receiver = Receiver(work / "received")
+    workloads: list[Workload] = []
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
+            # Other processes of a busy test host are read too; a budget this test's CPU
+            # will not hit keeps the reader at full rate for the workloads.
+            runtime_stacks=("python_legacy",), cpu_budget=50.0))
+        try:
+            wait_for("the runtime reader", lambda: os.path.exists(
+                endpoints.ready_file(str(pipeline.run_dir), "runtime")), timeout=30)
+            # One interpreter at a time: the worker thread then has a CPU to itself, and the
+            # reader's 19 Hz ticks fall at phases of its 20 ms cycle spread evenly (not at the
+            # moments a scheduler hands the CPU back), so 300 stacks judge a 3:1 ratio tightly.
+            argvs = {"3.11": (["/usr/bin/python3.11"], str(host_copy))}
+            for v in ("3.13", "3.14"):
+                argvs[v] = (["chroot", str(root), f"/usr/bin/python{v}"], str(inside / SCRIPT.name))
+            for v, (argv, filename) in argvs.items():
+                w = start(v, argv, filename)
+                workloads.append(w)
+
+                def enough() -> bool:
+                    got = received_samples(receiver.dir).get(w.proc.pid, [])   # noqa: B023
+                    return sum(s.values[0] for s in got
+                               if s.labels.get("thread.id") == str(w.tids["worker"])) >= WANT_WORKER_STACKS  # noqa: B023
+                w.py_spy = py_spy_dump(w.proc.pid)
+                try:
+                    wait_for(f"python_wall profiles of CPython {v}", enough, timeout=120, interval=1.0)
+                except AssertionError as e:
+                    runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
+                    raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+                w.proc.communicate(timeout=30)   # closing stdin ends it
+        finally:
+            for w in workloads:
+                if w.proc.poll() is None:
+                    w.proc.communicate(timeout=30)   # closing stdin ends it
+            code = pipeline.stop()
+        assert code == 0, pipeline.log()
+        yield Run(workloads, received_samples(receiver.dir), pipeline.log())
+    finally:
+        for w in workloads:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+        receiver.stop()
+        shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
+
+
+VERSIONS = ["3.11", "3.13", "3.14"]
+
+
+def workload(run: Run, version: str) -> Workload:
+    return next(w for w in run.workloads if w.version == version)
+
+
+def thread_samples(run: Run, w: Workload, name: str) -> list[pprof.ReadSample]:
+    return [s for s in run.samples.get(w.proc.pid, []) if s.labels.get("thread.id") == str(w.tids[name])]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_worker_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
+    w = workload(run, version)
+    samples = thread_samples(run, w, "worker")
+    leaf: Counter[str] = Counter()
+    for s in samples:
+        leaf[s.frames[-1].function] += s.values[0]
+    a, b = leaf["cpu_a"], leaf["cpu_b"]
+    total = sum(leaf.values())
+    assert a + b >= 0.95 * total, f"{version}: leaf functions {leaf.most_common(5)}"
+    assert 2.7 <= a / max(b, 1) <= 3.3, f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_frames_carry_file_and_lines_of_the_workload(run: Run, version: str) -> None:
+    w = workload(run, version)
+    calls = {"cpu_a": marked_lines("CALL_A"), "cpu_b": marked_lines("CALL_B")}
+    bodies = {"cpu_a": marked_lines("LINE_A"), "cpu_b": marked_lines("LINE_B")}
+    body_lines: Counter[tuple[str, int]] = Counter()
+    consistent = torn = 0
+    for s in thread_samples(run, w, "worker"):
+        names = [f.function for f in s.frames]
+        assert "run" in names, f"{version}: worker stack without run(): {names}"
+        leaf, caller = s.frames[-1], s.frames[-2]
+        if leaf.function not in bodies:
+            continue
+        assert (caller.function, caller.filename) == ("run", w.filename)
+        assert leaf.filename == w.filename
+        assert leaf.line in function_lines(leaf.function), f"{version}: {leaf.function} at line {leaf.line}"
+        # The target runs while it is read (leaf first): a call or return between two reads can
+        # pair a leaf with its caller's next call line. Rare, never the rule.
+        if caller.line in calls[leaf.function]:
+            consistent += s.values[0]
+        else:
+            torn += s.values[0]
+        body_lines[(leaf.function, leaf.line)] += s.values[0]
+    assert torn <= 0.05 * (consistent + torn), f"{version}: run() at the other call's line in {torn} of " \
+                                               f"{consistent + torn} stacks"
+    for fn, lines in bodies.items():
+        top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
+        assert top in lines, f"{version}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_blocked_thread_is_in_wait_here(run: Run, version: str) -> None:
+    w = workload(run, version)
+    samples = thread_samples(run, w, "waiter")
+    n = sum(s.values[0] for s in samples)
+    assert n >= WANT_WORKER_STACKS * 0.8, f"{version}: only {n} stacks of the waiter"
+    wait_line = marked_lines("WAIT")
+    for s in samples:
+        frame = next((f for f in s.frames if f.function == "wait_here"), None)
+        assert frame is not None, f"{version}: waiter stack {[f.function for f in s.frames]}"
+        assert frame.filename == w.filename and frame.line in wait_line
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_samples_are_labelled_with_thread_and_process(run: Run, version: str) -> None:
+    w = workload(run, version)
+    s = thread_samples(run, w, "worker")[0]
+    assert s.labels["thread.name"], s.labels
+    assert s.labels["pid"] == str(w.proc.pid)
+    assert s.labels["process.executable"].endswith(f"python{version}")
+    assert {"host", "process.executable", "pid", "thread.name", "thread.id"} <= set(s.labels)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_py_spy_names_the_same_functions_per_thread(run: Run, version: str) -> None:
+    w = workload(run, version)
+    ours = {name: {f.function for s in thread_samples(run, w, name) for f in s.frames}
+            for name in ("worker", "waiter")}
+    theirs = {name: w.py_spy.get(w.tids[name]) for name in ("worker", "waiter")}
+    assert theirs["worker"] and theirs["waiter"], f"{version}: py-spy saw threads {list(w.py_spy)}"
+    # py-spy's one snapshot of each thread names functions that our profile has for that thread.
+    for name in ("worker", "waiter"):
+        missing = [f for f in theirs[name] if f not in ours[name] and not f.startswith("<")]
+        assert not missing, f"{version} {name}: py-spy named {theirs[name]}, ours lack {missing}"
+    assert "wait_here" in theirs["waiter"] and "run" in theirs["worker"]
