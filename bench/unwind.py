@@ -26,11 +26,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ebpfprofiler.shared import pprof
+
 from bench import bpf, procs, stats
 from bench.pipeline import PROGRAM_NAME, Pipeline
 from bench.procs import BenchError
 
 WORKLOAD = Path(__file__).parent / "workloads" / "deep.c"
+PINGPONG = Path(__file__).parent / "workloads" / "pingpong.c"
+SWITCH_PROGRAM = "tracepoint__sched__sched_switch"
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 DEPTHS = (20, 64)
 MEASURE_S = 4.0
 # Units of deep.c that run for hours: the BPF measurement stops it by pid.
@@ -47,15 +52,41 @@ def build(tmpdir: str) -> dict[str, str]:
         binary = os.path.join(tmpdir, f"deep-{name}")
         subprocess.run(["gcc", "-O2", *flags, "-o", binary, str(WORKLOAD), "-lpthread"], check=True)
         out[name] = binary
+    pingpong = os.path.join(tmpdir, "pingpong-nofp")
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-o", pingpong, str(PINGPONG)], check=True)
+    out["pingpong"] = pingpong
     return out
 
 
-def prog_stats(prog_ids: set[int]) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of the collector's on_cpu_sample program."""
+def prog_stats(prog_ids: set[int], name: str = PROGRAM_NAME) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of the collector's program `name` (bpftool shows at most 15 characters)."""
     for p in bpf.programs():
-        if p["id"] in prog_ids and p.get("name") == PROGRAM_NAME:
+        if p["id"] in prog_ids and name.startswith(p.get("name", "\0")):
             return int(p.get("run_time_ns", 0)), int(p.get("run_cnt", 0))
-    raise BenchError(f"the collector's {PROGRAM_NAME} program is not loaded")
+    raise BenchError(f"the collector's {name} program is not loaded")
+
+
+def wait_for_tables(p: Pipeline, *paths: str) -> None:
+    """Until the collector loaded the tables of `paths`, and one more drain wrote the process entries."""
+    for path in paths:
+        procs.wait_for(f"the unwind table of {os.path.basename(path)} in the collector",
+                       lambda: f"unwind table loaded for {path}" in p.log_path.read_text(errors="replace"),
+                       TABLES_TIMEOUT_S, 0.1)
+    time.sleep(2.0)    # the next drains write the processes' unwind_procs entries
+
+
+def whole_share(p: Pipeline, binary: str, depth: int) -> float:
+    """Share of the workload's samples (after the tables came) whose user stack has its full depth:
+    the figure is only the cost of a walk of that depth if the walk went that deep."""
+    total = whole = 0
+    for path in p.local_dir.glob("*/*.pb.gz"):
+        for s in pprof.read(path.read_bytes()).samples:
+            if s.labels.get("process.executable") != binary:
+                continue
+            user = [f for f in s.frames if f.module != "[kernel.kallsyms]"]
+            total += s.values[0]
+            whole += s.values[0] if len(user) >= depth else 0
+    return whole / total if total else 0.0
 
 
 class UnwindBench:
@@ -75,11 +106,7 @@ class UnwindBench:
             self.our_prog_ids |= p.prog_ids
             workers = [procs.start([binary, str(depth), str(FOREVER_UNITS), "1"]) for _ in range(self.ncpu)]
             if mode == "dwarf":
-                name = os.path.basename(binary)
-                procs.wait_for(f"the unwind table of {name} in the collector",
-                               lambda: f"unwind table loaded for {binary}" in p.log_path.read_text(errors="replace"),
-                               TABLES_TIMEOUT_S, 0.1)
-                time.sleep(1.5)    # the next drain writes the process's unwind_procs entry
+                wait_for_tables(p, binary, LIBC)
             t0, c0 = prog_stats(p.prog_ids)
             time.sleep(MEASURE_S)
             t1, c1 = prog_stats(p.prog_ids)
@@ -89,7 +116,28 @@ class UnwindBench:
             p.stop()
         if c1 <= c0:
             raise BenchError(f"{mode} {depth}: {PROGRAM_NAME} did not run")
-        return {"ns_per_sample": (t1 - t0) / (c1 - c0), "samples": c1 - c0}
+        return {"ns_per_sample": (t1 - t0) / (c1 - c0), "samples": c1 - c0,
+                "whole_share": whole_share(p, binary, depth)}
+
+    def _switch_ns(self, mode: str, binary: str, d: Path) -> dict:
+        """BPF ns per sched_switch with off-CPU stacks by frame pointers or by DWARF tables (offcpu_dwarf)."""
+        p = Pipeline(d, 19, upload_interval_s=5, workers=1, offcpu=True, dwarf_unwind=True,
+                     offcpu_dwarf=(mode == "dwarf"))
+        w = None
+        try:
+            p.start()
+            self.our_prog_ids |= p.prog_ids
+            w = procs.start(["taskset", "-c", "0", binary, str(FOREVER_UNITS)])
+            if mode == "dwarf":
+                wait_for_tables(p, binary, LIBC)
+            t0, c0 = prog_stats(p.prog_ids, SWITCH_PROGRAM)
+            time.sleep(MEASURE_S)
+            t1, c1 = prog_stats(p.prog_ids, SWITCH_PROGRAM)
+        finally:
+            if w is not None:
+                procs.stop(w, timeout=10)
+            p.stop()
+        return {"ns_per_switch": (t1 - t0) / max(c1 - c0, 1), "switches": c1 - c0}
 
     def _elapsed(self, binary: str, units: int) -> float:
         out = subprocess.run([binary, str(SLOWDOWN_DEPTH), str(units), str(self.ncpu)], capture_output=True,
@@ -113,6 +161,11 @@ class UnwindBench:
                         row[key] = self._bpf_ns(mode, binaries[mode], depth, Path(tmp) / f"b{r}-{key.replace(' ', '-')}")
                         self.log(f"unwind round {r + 1}/{self.rounds} {key} frames: "
                                  f"{row[key]['ns_per_sample']:.0f} ns per sample ({row[key]['samples']} samples)")
+                for mode in ("fp", "dwarf"):
+                    key = f"offcpu {mode}"
+                    row[key] = self._switch_ns(mode, binaries["pingpong"], Path(tmp) / f"o{r}-{mode}")
+                    self.log(f"unwind round {r + 1}/{self.rounds} {key}: {row[key]['ns_per_switch']:.0f} ns per "
+                             f"sched_switch ({row[key]['switches']} switches)")
                 bpf_runs.append(row)
             # Slowdown: a fixed amount of work, about 4 s alone.
             units = max(1000, int(4000 * 4.0 / max(self._elapsed(binaries["dwarf"], 4000), 1e-3)))
@@ -139,12 +192,17 @@ class UnwindBench:
             Path(STATS_SYSCTL).write_text(old_stats)
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
-        summary = {key: stats.summary([row[key]["ns_per_sample"] for row in bpf_runs]) for key in bpf_runs[0]}
+        on = [k for k in bpf_runs[0] if not k.startswith("offcpu")]
+        summary = {key: stats.summary([row[key]["ns_per_sample"] for row in bpf_runs]) for key in on}
+        whole = {key: stats.summary([row[key]["whole_share"] for row in bpf_runs]) for key in on}
+        switch = {key: stats.summary([row[key]["ns_per_switch"] for row in bpf_runs])
+                  for key in bpf_runs[0] if key.startswith("offcpu")}
         slowdown = {cfg: stats.summary([row[cfg] / row["none"] for row in slow_runs])
                     for cfg in slow_runs[0] if cfg != "none"}
         return {"workload": f"bench/workloads/deep.c: one thread per CPU in a stack of {DEPTHS} frames",
                 "method": __doc__, "rounds": self.rounds, "bpf_runs": bpf_runs, "slow_runs": slow_runs,
-                "bpf_ns_per_sample": summary, "slowdown": slowdown, "units": units,
+                "bpf_ns_per_sample": summary, "whole_stack_share": whole,
+                "bpf_ns_per_sched_switch": switch, "slowdown": slowdown, "units": units,
                 "seconds": round(time.monotonic() - t_start, 1)}
 
 
@@ -158,6 +216,14 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
         mode, depth = key.split()
         rows.append(["BPF ns per sample (on_cpu_sample and its tail calls)",
                      f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames", _mmm(s, "{:,.0f}")])
+    for key, s in result.get("whole_stack_share", {}).items():
+        mode, depth = key.split()
+        rows.append(["share of samples with all their frames (whole profile)",
+                     f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames", _mmm(s, "{:.3f}")])
+    for key, s in result.get("bpf_ns_per_sched_switch", {}).items():
+        rows.append(["BPF ns per sched_switch (pingpong without frame pointers, pinned to CPU 0)",
+                     "off-CPU stacks by frame pointers" if key.endswith("fp") else "offcpu_dwarf: DWARF tables",
+                     _mmm(s, "{:,.0f}")])
     for cfg, s in result["slowdown"].items():
         rows.append(["slowdown: elapsed / elapsed alone (> 1: slower)", cfg.replace("pipeline", "pipeline,"),
                      _mmm(s)])
