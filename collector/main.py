@@ -26,6 +26,7 @@ from typing import Sequence
 import zmq
 
 from ebpfprofiler.collector import preflight, unwind
+from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
@@ -120,6 +121,7 @@ class Collector:
                      "the symbolizers at %s", " and off-CPU" if offcpu_dwarf else "", endpoints.unwind(run_dir))
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
+        self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
         self.totals = {"batches": 0, "batches_dropped": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
@@ -172,6 +174,8 @@ class Collector:
                 if self.unwind is not None:
                     batch = self.unwind.annotate(batch)
                 self.send(worker, batch)
+                self.announcer.observe(batch.processes)
+        self.announcer.flush()
         if self.unwind is not None:
             counters = self.unwind.counters()
             if counters.get("tail_call_failed") or counters.get("stack_map_full"):
@@ -210,6 +214,7 @@ class Collector:
         self.programs.close()
         self.links.close()
         self.broker.close()
+        self.announcer.close()
         log.info("collector stopped: samples %s, lost %s, %s, files %s", self.samples, self.lost or "none",
                  self.totals, self.broker.stats)
 

@@ -105,9 +105,9 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import bcc' 2>/dev/nu
     "$VENV/bin/pip" install -q --upgrade pip setuptools
 fi
 stamp=$VENV/.installed
-if [ ! -e "$stamp" ] || [ requirements.txt -nt "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -e "$stamp" ] || [ requirements.txt -nt "$stamp" ] || [ requirements-dev.txt -nt "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     say "installing pinned requirements and the project into $VENV"
-    "$VENV/bin/pip" install -q -r requirements.txt
+    "$VENV/bin/pip" install -q -r requirements.txt -r requirements-dev.txt
     "$VENV/bin/pip" install -q --no-deps -e .
     touch "$stamp"
 fi
