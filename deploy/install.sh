@@ -14,7 +14,7 @@
 #                dependencies at the versions pinned in requirements.txt
 #                /usr/lib/ebpfprofiler/bpf: the BPF C programs
 #   units        /usr/lib/systemd/system/ebpfprofiler{.target,-collector.service,
-#                -symbolizer@.service,-uploader.service}
+#                -symbolizer@.service,-runtime.service,-uploader.service}
 #   config       /etc/wt-agent/agent.yaml (0640 root:ebpfprofiler) from
 #                deploy/agent.yaml, only if there is none
 #
@@ -74,7 +74,7 @@ say "installing ebpfprofiler and its pinned dependencies into $VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check --use-pep517 -c requirements.txt "$src"
 "$VENV/bin/python" -c 'import bcc, zmq, elftools, google.protobuf, requests, prctl, yaml, ebpfprofiler.cli.main' \
     || die "$VENV is incomplete; remove it and run make install again"
-for stage in collector symbolizer uploader; do
+for stage in collector symbolizer runtime uploader; do
     [ -x "$VENV/bin/ebpfprofiler-$stage" ] || die "$VENV/bin/ebpfprofiler-$stage was not installed"
 done
 
@@ -95,7 +95,7 @@ else
     say "installed the default config as $CONF"
 fi
 # Every stage reads it as its own user, in the agent's group.
-for stage in collector symbolizer uploader; do
+for stage in collector symbolizer runtime uploader; do
     if ! setpriv --reuid="ebpfprofiler-$stage" --regid="$GROUP" --clear-groups test -r "$CONF"; then
         printf 'install: WARNING: ebpfprofiler-%s cannot read %s; the stages will not start. Fix: %s\n' \
             "$stage" "$CONF" "chgrp $GROUP $CONF && chmod g+r $CONF" >&2

@@ -13,7 +13,8 @@ umask 022
 
 LIB=/usr/lib/ebpfprofiler
 UNIT_DIR=/usr/lib/systemd/system
-UNITS="ebpfprofiler.target ebpfprofiler-collector.service ebpfprofiler-symbolizer@.service ebpfprofiler-uploader.service"
+UNITS="ebpfprofiler.target ebpfprofiler-collector.service ebpfprofiler-symbolizer@.service ebpfprofiler-runtime.service
+       ebpfprofiler-uploader.service"
 SYSUSERS=/usr/lib/sysusers.d/ebpfprofiler.conf
 TMPFILES=/usr/lib/tmpfiles.d/ebpfprofiler.conf
 CONF_DIR=/etc/wt-agent

@@ -47,9 +47,10 @@ BOOT_PACKAGES = ("systemd", "systemd-sysv", "dbus", "ca-certificates", "linux-he
 ROOT_RECIPE = 1
 DEBOOTSTRAP_TIMEOUT_S = 600
 
-UNITS = ("ebpfprofiler-uploader.service", "ebpfprofiler-symbolizer@0.service", "ebpfprofiler-collector.service")
-READY_FILES = ("uploader.ready", "symbolizer-0.ready", "collector.ready")
-STAGE_OF_UNIT = {UNITS[0]: "uploader", UNITS[1]: "symbolizer", UNITS[2]: "collector"}
+UNITS = ("ebpfprofiler-uploader.service", "ebpfprofiler-symbolizer@0.service", "ebpfprofiler-collector.service",
+         "ebpfprofiler-runtime.service")
+READY_FILES = ("uploader.ready", "symbolizer-0.ready", "collector.ready", "runtime.ready")
+STAGE_OF_UNIT = {UNITS[0]: "uploader", UNITS[1]: "symbolizer", UNITS[2]: "collector", UNITS[3]: "runtime"}
 RUN_DIR = "/run/ebpfprofiler"
 PROFILES = "/var/lib/ebpfprofiler/profiles"
 # Every default but the window, so a profile is written within seconds.
@@ -58,7 +59,7 @@ WORKLOAD_USER = "profiled"
 WORKLOAD = f"/home/{WORKLOAD_USER}/jit"
 WORKLOAD_SERVICE_DIR = "home_profiled_jit"     # uploader/local.py's safe_name of WORKLOAD
 # Program names of bpf/*.c as `bpftool prog` shows them (the kernel keeps 15 characters).
-OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|tracepoint__sch)")
+OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|tracepoint__sch|oncpu_unwind_st|offcpu_unwind_s)")
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
