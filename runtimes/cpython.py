@@ -43,6 +43,9 @@ MAX_LINETABLE_BYTES = 64 << 10
 CODE_CACHE_ENTRIES = 4096
 # Code units of one function: past this an instruction pointer is not inside its code.
 MAX_CODE_UNITS = 1 << 22
+# Lines remembered per code object, by instruction offset (a sampled function sits at a few
+# instructions; decoding its table at every sample was half the reader's CPU).
+MAX_CACHED_LINES = 256
 
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<i")
@@ -67,6 +70,15 @@ class _Code:
     filename: str
     firstlineno: int
     linetable: bytes
+    lines: dict[int, int | None]      # byte offset → addr2line's answer, at most MAX_CACHED_LINES
+
+    def line(self, byte_offset: int) -> int | None:
+        if byte_offset in self.lines:
+            return self.lines[byte_offset]
+        got = addr2line(self.linetable, self.firstlineno, byte_offset)
+        if len(self.lines) < MAX_CACHED_LINES:
+            self.lines[byte_offset] = got
+        return got
 
 
 class CPythonProcess:
@@ -157,7 +169,7 @@ class CPythonProcess:
         if not 0 <= units < MAX_CODE_UNITS:
             self._drop("bad_instruction_pointer")
             return None
-        line = addr2line(info.linetable, info.firstlineno, units * 2)
+        line = info.line(units * 2)
         if line is None:
             self._drop("impossible_line")
             return None
@@ -184,7 +196,7 @@ class CPythonProcess:
         if not 0 < first <= 1 << 24:
             self._drop("impossible_line")
             return None
-        got = _Code(self._unicode(mem, qualname), self._unicode(mem, filename), first, self._bytes(mem, linetable))
+        got = _Code(self._unicode(mem, qualname), self._unicode(mem, filename), first, self._bytes(mem, linetable), {})
         self._codes[key] = got
         if len(self._codes) > CODE_CACHE_ENTRIES:
             self._codes.popitem(last=False)
