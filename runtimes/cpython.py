@@ -91,6 +91,8 @@ class CPythonProcess:
         self._frame_bytes = max(self._frame_bytes, lay.frame_owner + 1)
         self._code_bytes = max(lay.code_filename, lay.code_qualname, lay.code_linetable,
                                lay.code_firstlineno) + 8
+        # A str's header up to its data, and at least its state and length (whatever the offsets say).
+        self._unicode_head = max(lay.unicode_ascii_size, lay.unicode_state + 4, lay.unicode_length + 8)
         self._codes: OrderedDict[tuple[int, ...], _Code] = OrderedDict()
         self.dropped: dict[str, int] = {}
 
@@ -205,7 +207,7 @@ class CPythonProcess:
     def _unicode(self, mem: ProcessMemory, address: int) -> str:
         """A compact str object's text (names and paths are compact); '?' if it is not one."""
         lay = self.target.layout
-        head = mem.read(address, lay.unicode_ascii_size)
+        head = mem.read(address, self._unicode_head)
         length = _Q.unpack_from(head, lay.unicode_length)[0]
         state = struct.unpack_from("<I", head, lay.unicode_state)[0]
         kind, compact, ascii_ = state >> 2 & 7, state >> 5 & 1, state >> 6 & 1

@@ -161,7 +161,8 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
         if values["free_threaded"]:
             return Refusal(pid, f"{where}: a free-threaded build (no GIL): not supported")
         layout = layouts.layout_from_debug(values, extras)
-        if layout.ob_type != 8 or not 0 < layout.unicode_ascii_size <= 128:
+        if (layout.ob_type != 8 or not 0 < layout.unicode_ascii_size <= 128
+                or max(layout.unicode_state + 4, layout.unicode_length + 8) > layout.unicode_ascii_size):
             return Refusal(pid, f"{where}: self-check failed: implausible debug offsets")
     else:
         return Refusal(pid, f"{where}: no layout for CPython {major}.{minor} in this version of the profiler")

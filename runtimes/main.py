@@ -157,6 +157,9 @@ class Reader:
                 self.targets.stats["gone_while_reading"] += 1
                 self.targets.forget(e)
                 continue
+            except Exception as err:   # noqa: BLE001 - what a target's memory holds must never end the reader
+                self.targets.give_up(e, err)
+                continue
             if not self.targets.current(e):        # reused while we read: what we read is not e's
                 continue
             base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
@@ -190,10 +193,10 @@ class Reader:
             self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
         per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
         log.info("window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
-                 "%d processes, %d bytes%s; targets %s", pct, self.cfg.cpu_budget, self._window_stacks, per_stack,
-                 self.max_processes, self.max_bytes,
+                 "%d processes, %d bytes%s; targets %s; frames dropped %s", pct, self.cfg.cpu_budget,
+                 self._window_stacks, per_stack, self.max_processes, self.max_bytes,
                  "" if before == (self.max_processes, self.max_bytes) else
-                 f" (were {before[0]}, {before[1]})", self.targets.stats)
+                 f" (were {before[0]}, {before[1]})", self.targets.stats, self.dropped() or "none")
         self._window_stacks = 0
 
     # ------------------------------------------------------------ output

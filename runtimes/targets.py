@@ -59,7 +59,7 @@ class Targets:
         self.entries: dict[int, Entry] = {}
         self._log_once = LogOnce(log)
         self.stats = {"announced": 0, "exited": 0, "refused": 0, "reading": 0, "reused_pid": 0,
-                      "gone_while_reading": 0, "detect_failed": 0}
+                      "gone_while_reading": 0, "detect_failed": 0, "read_errors": 0}
 
     def announce(self, msg: ProcessAnnouncement) -> None:
         for pid, ticks in msg.exited:
@@ -121,6 +121,15 @@ class Targets:
 
     def forget(self, e: Entry) -> None:
         self.entries.pop(e.process.pid, None)
+
+    def give_up(self, e: Entry, err: Exception) -> None:
+        """A read of e failed in a way the reader does not expect (its memory is not what its
+        layout says): log it once, read it no more (until a new process has its pid)."""
+        e.state, e.reader = "refused", None
+        self.stats["read_errors"] += 1
+        self._log_once((e.process.pid, e.process.start_ticks), logging.WARNING,
+                       "pid %d (%s): reading its stacks failed (%s: %s); it is left alone", e.process.pid,
+                       e.process.executable, type(err).__name__, err)
 
     def thread(self, e: Entry, native_tid: int) -> tuple[int, str]:
         """(this host's tid, thread name) of a thread id CPython recorded."""
