@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "uploader": ("ebpfprofiler.uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
     "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: CPython stacks by process_vm_readv, python_wall pprofs"),
     "receiver": ("ebpfprofiler.receiver.server", "a reference backend implementing POST /v1/profiles"),
+    "status": ("ebpfprofiler.cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
 }
 
 

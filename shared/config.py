@@ -38,6 +38,9 @@ RUNTIME_STACKS = ("python_legacy",)
 # Percent of one CPU the runtime reader may spend; 2% at 19 Hz reads a few
 # dozen Python processes. A window over it halves the reader's per-tick caps.
 DEFAULT_CPU_BUDGET = 2.0
+# Percent of one CPU the whole profiler (every stage's CPU plus its BPF run
+# time) may use per upload window; over it the collector halves sample_hz.
+DEFAULT_OVERHEAD_BUDGET_PCT = 1.0
 
 
 class ConfigError(ValueError):
@@ -66,6 +69,7 @@ class ProfilerConfig:
     python_stacks: bool = True
     runtime_stacks: tuple[str, ...] = ()
     cpu_budget: float = DEFAULT_CPU_BUDGET
+    overhead_budget_pct: float = DEFAULT_OVERHEAD_BUDGET_PCT
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -112,6 +116,9 @@ _RULES: dict[str, _Rule] = {
                                    "(python_legacy: CPython 3.11 and 3.12 too)"),
     "cpu_budget": _Rule(float, "a number from 0.1 to 100 (percent of one CPU the runtime reader may use)",
                         0.1, 100),
+    # From 0.001: a budget a test can exceed on purpose; 100: all of one CPU.
+    "overhead_budget_pct": _Rule(float, "a number from 0.001 to 100 (percent of one CPU the whole profiler, "
+                                        "its BPF programs included, may use per upload window)", 0.001, 100),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 

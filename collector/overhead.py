@@ -1,0 +1,273 @@
+"""The overhead guard: what the profiler cost in each upload window, and the sampling rate it allows.
+
+Owns: the window's figures — CPU time of every stage's process (the pids in
+the run directory's ready files, utime + stime from /proc/<pid>/stat, all
+threads), RSS of each, the kernel's BPF run time and run count of each of the
+collector's programs (collector/bpfstats.py), samples and lost samples — the
+budget decision (over overhead_budget_pct of the window's wall time: halve
+the rate, floor 1 Hz; three windows in a row under half of it: double it
+back, never above the configured rate), the log line of every window, and
+the status file (RUN_DIR/status.json) that `ebpfprofiler status` prints.
+
+Must not: attach, detach or drain anything (the collector changes the rate
+when told to), or read anything of a process but its /proc stat and status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+
+from ebpfprofiler.collector.bpfstats import ProgStats
+from ebpfprofiler.shared import files
+
+log = logging.getLogger("ebpfprofiler.collector.overhead")
+
+# Windows in a row under half the budget before the rate is doubled back (the issue's three).
+RECOVER_AFTER_WINDOWS = 3
+# The lowest rate the guard goes to: below 1 Hz a cpu-clock period is over a second.
+FLOOR_HZ = 1
+STATUS_FILE = "status.json"
+# Version of the status file's layout, for `ebpfprofiler status` and other readers.
+STATUS_VERSION = 1
+# The stages' ready files: "<stage>.ready" holding the pid (shared/ready.py).
+READY_SUFFIX = ".ready"
+# Clock ticks and page size, to turn /proc/<pid>/stat fields into nanoseconds and bytes.
+_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def status_path(run_dir: str) -> str:
+    return os.path.join(run_dir, STATUS_FILE)
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    pid: int
+    start_ticks: int     # field 22 of /proc/<pid>/stat: tells a reused pid from the stage's
+    cpu_ns: int          # utime + stime of every thread, since the process started
+    rss_bytes: int
+
+
+def read_proc(pid: int) -> ProcSample | None:
+    """CPU time and RSS of `pid`, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = raw[raw.rfind(b")") + 2:].split()
+    # fields[0] is field 3 (state): field N is fields[N - 3].
+    utime, stime, start, rss = int(fields[11]), int(fields[12]), int(fields[19]), int(fields[21])
+    return ProcSample(pid, start, (utime + stime) * 1_000_000_000 // _TICKS, rss * _PAGE)
+
+
+def stage_pids(run_dir: str) -> dict[str, int]:
+    """stage name → pid, from the ready files in the run directory (unreadable or stale ones skipped)."""
+    out: dict[str, int] = {}
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(READY_SUFFIX):
+            continue
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                out[name[: -len(READY_SUFFIX)]] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+class Budget:
+    """The rate decision alone: levels of halving below the configured rate."""
+
+    def __init__(self, configured_hz: int, budget_pct: float) -> None:
+        self.configured_hz = configured_hz
+        self.budget_pct = budget_pct
+        self.level = 0          # the rate is configured_hz // 2**level
+        self.under = 0          # windows in a row under half the budget
+
+    @property
+    def rate_hz(self) -> int:
+        return max(FLOOR_HZ, self.configured_hz >> self.level)
+
+    def judge(self, used_ns: int, wall_ns: int) -> str:
+        """"halve", "double" or "" for a window that cost `used_ns` in `wall_ns`; updates the rate."""
+        budget_ns = self.budget_pct / 100 * wall_ns
+        if used_ns > budget_ns:
+            self.under = 0
+            if self.rate_hz > FLOOR_HZ:
+                self.level += 1
+                return "halve"
+            return ""
+        if used_ns < budget_ns / 2:
+            self.under += 1
+            if self.under >= RECOVER_AFTER_WINDOWS and self.level > 0:
+                self.level -= 1
+                self.under = 0
+                return "double"
+            return ""
+        self.under = 0
+        return ""
+
+
+@dataclass
+class WindowFigures:
+    time_ns: int
+    window_s: float
+    rate_hz: int
+    configured_hz: int
+    budget_pct: float
+    used_pct: float                     # (stage CPU + BPF run time) / wall time, percent of one CPU
+    stage_cpu_ns: dict[str, int]        # stage → CPU time in the window
+    stage_rss_bytes: dict[str, int]
+    stage_pids: dict[str, int]
+    bpf: dict[str, dict[str, int]]      # program → {"run_time_ns", "run_cnt"} in the window
+    samples: dict[str, int]             # profile type → samples in the window
+    lost: dict[str, int]                # reason → lost in the window
+    bpf_stats: str                      # how the kernel's statistics are on (bpfstats.RunTimeStats.how)
+    # The kernel's counters as read at the window's end ({"id", "run_time_ns", "run_cnt"} per program,
+    # since the program was loaded), and the wall-clock interval of that read: what `bpftool prog
+    # show` prints for the same ids before that interval must be <=, after it >=.
+    bpf_totals: dict[str, dict[str, int]] = field(default_factory=dict)
+    bpf_read_ns: tuple[int, int] = (0, 0)
+    decision: str = ""
+    next_rate_hz: int = 0
+    pid: int = field(default_factory=os.getpid)
+
+    @property
+    def stage_ns(self) -> int:
+        return sum(self.stage_cpu_ns.values())
+
+    @property
+    def bpf_ns(self) -> int:
+        return sum(p["run_time_ns"] for p in self.bpf.values())
+
+
+def _ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def describe(w: WindowFigures) -> str:
+    """The figures of a window in one line."""
+    stages = ", ".join(f"{s} {_ms(ns)}" for s, ns in sorted(w.stage_cpu_ns.items()))
+    progs = ", ".join(
+        f"{name} {_ms(p['run_time_ns'])}/{p['run_cnt']} runs"
+        + (f" = {p['run_time_ns'] // p['run_cnt']} ns each" if p["run_cnt"] else "")
+        for name, p in sorted(w.bpf.items()))
+    lost = sum(w.lost.values())
+    return (f"{w.used_pct:.3f}% of one CPU in {w.window_s:.1f} s (budget {w.budget_pct:g}%): "
+            f"stages {_ms(w.stage_ns)} ({stages or 'none'}), BPF {_ms(w.bpf_ns)} ({progs or 'no statistics'}); "
+            f"samples {dict(sorted(w.samples.items()))}, lost {lost}{' ' + str(w.lost) if lost else ''}; "
+            f"rate {w.rate_hz} Hz (configured {w.configured_hz} Hz)")
+
+
+class OverheadGuard:
+    """Measures each window and keeps the rate within the budget; the collector applies the rate."""
+
+    def __init__(self, run_dir: str, configured_hz: int, budget_pct: float, bpf_stats: str,
+                 prog_fds: Callable[[], Mapping[str, int]], read_prog: Callable[[int], ProgStats],
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.run_dir = run_dir
+        self.budget = Budget(configured_hz, budget_pct)
+        self.bpf_stats = bpf_stats
+        self._prog_fds = prog_fds
+        self._read_prog = read_prog
+        self._clock = clock
+        self._start_ns = clock()
+        self._cpu: dict[str, ProcSample] = {}
+        self._bpf: dict[str, ProgStats] = {}
+        self._samples: dict[str, int] = {}
+        self._lost: dict[str, int] = {}
+        self.last: WindowFigures | None = None
+        self._baseline({}, {})
+
+    def _read_bpf(self) -> dict[str, ProgStats]:
+        out = {}
+        for name, fd in self._prog_fds().items():
+            try:
+                out[name] = self._read_prog(fd)
+            except OSError as e:
+                log.warning("BPF statistics of %s: %s", name, e.strerror)
+        return out
+
+    def _read_stages(self) -> dict[str, ProcSample]:
+        pids = stage_pids(self.run_dir)
+        pids["collector"] = os.getpid()    # before its ready file exists, too
+        return {s: got for s, pid in pids.items() if (got := read_proc(pid)) is not None}
+
+    def _baseline(self, samples: Mapping[str, int], lost: Mapping[str, int]) -> None:
+        self._cpu = self._read_stages()
+        self._bpf = self._read_bpf()
+        self._samples = dict(samples)
+        self._lost = dict(lost)
+
+    def set_budget(self, budget_pct: float) -> None:
+        self.budget.budget_pct = budget_pct
+
+    def window_due(self, interval_s: int, slack_s: float = 0.0) -> bool:
+        """An upload window has passed since the last one ended; `slack_s` early counts (the caller
+        checks once per drain, and a window a drain's jitter short must not wait a whole drain more)."""
+        return self._clock() - self._start_ns >= (interval_s - slack_s) * 1_000_000_000
+
+    def end_window(self, samples: Mapping[str, int], lost: Mapping[str, int]) -> WindowFigures:
+        """Close the window: its figures, with the decision taken on them (budget.rate_hz is the new rate)."""
+        now = self._clock()
+        wall_ns = max(1, now - self._start_ns)
+        cpu = self._read_stages()
+        stage_cpu: dict[str, int] = {}
+        for stage, s in cpu.items():
+            before = self._cpu.get(stage)
+            if before is not None and (before.pid, before.start_ticks) == (s.pid, s.start_ticks):
+                stage_cpu[stage] = s.cpu_ns - before.cpu_ns
+            else:
+                # A stage that (re)started in this window: all its CPU so far is this window's.
+                stage_cpu[stage] = s.cpu_ns if self.last is not None or before is not None else 0
+        read_start = time.time_ns()
+        bpf_now = self._read_bpf()
+        read_end = time.time_ns()
+        bpf: dict[str, dict[str, int]] = {}
+        for name, p in bpf_now.items():
+            b = self._bpf.get(name, ProgStats(0, 0))
+            bpf[name] = {"run_time_ns": max(0, p.run_time_ns - b.run_time_ns),
+                         "run_cnt": max(0, p.run_cnt - b.run_cnt)}
+        used = sum(stage_cpu.values()) + sum(p["run_time_ns"] for p in bpf.values())
+        rate = self.budget.rate_hz
+        w = WindowFigures(
+            time_ns=time.time_ns(), window_s=wall_ns / 1e9, rate_hz=rate,
+            configured_hz=self.budget.configured_hz, budget_pct=self.budget.budget_pct,
+            used_pct=100.0 * used / wall_ns, stage_cpu_ns=stage_cpu,
+            stage_rss_bytes={s: p.rss_bytes for s, p in cpu.items()},
+            stage_pids={s: p.pid for s, p in cpu.items()}, bpf=bpf,
+            samples={k: v - self._samples.get(k, 0) for k, v in samples.items()},
+            lost={k: d for k, v in lost.items() if (d := v - self._lost.get(k, 0))},
+            bpf_stats=self.bpf_stats, bpf_read_ns=(read_start, read_end),
+            bpf_totals={n: {"id": p.prog_id, "run_time_ns": p.run_time_ns, "run_cnt": p.run_cnt}
+                        for n, p in bpf_now.items()})
+        w.decision = self.budget.judge(used, wall_ns)
+        w.next_rate_hz = self.budget.rate_hz
+        self._start_ns = now
+        self._cpu, self._bpf = cpu, bpf_now
+        self._samples, self._lost = dict(samples), dict(lost)
+        self.last = w
+        return w
+
+
+def write_status(run_dir: str, w: WindowFigures) -> None:
+    """RUN_DIR/status.json, whole or absent (shared/files.write_atomic), readable by the agent's group."""
+    doc = {"version": STATUS_VERSION, **asdict(w), "stage_ns": w.stage_ns, "bpf_ns": w.bpf_ns}
+    files.write_atomic(status_path(run_dir), json.dumps(doc, sort_keys=True).encode() + b"\n", mode=0o644)
+
+
+def remove_status(run_dir: str) -> None:
+    try:
+        os.unlink(status_path(run_dir))
+    except FileNotFoundError:
+        pass
