@@ -79,6 +79,8 @@ class Worker:
         # Answers the collector's unwind requests (docs/unwinding.md); same broker connection.
         self.unwind = UnwindServer(files, run_dir, state_dir) if cfg.dwarf_unwind else None
         self.windows = Windows(cfg.upload_interval_s)
+        # The period of a profile type whose batches do not set it (cpu takes the batch's
+        # sample_hz: the collector's overhead guard changes the rate while it runs).
         self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1}
         ctx = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
@@ -121,6 +123,7 @@ class Worker:
         # Once per batch: its window; once per process: labels and service window;
         # once per distinct (process, stack): frames.
         by_service = self.windows.services(batch.profile_type, batch.time_ns)
+        period = 1_000_000_000 // batch.sample_hz if batch.profile_type == "cpu" else 0
         targets: dict[int, tuple[tuple[tuple[str, str], ...], ServiceWindow]] = {}
         user_frames: dict[tuple[int, int], tuple[Frame, ...]] = {}
         kernel_frames: dict[int, tuple[Frame, ...]] = {}
@@ -150,6 +153,7 @@ class Worker:
                 frames += uf
             labels, window = target
             window.add(labels, frames, s.count, s.value)
+            window.period = period or window.period
             self.stats["samples"] += s.count
 
     def labels(self, host: str, p: Process) -> tuple[tuple[str, str], ...]:
@@ -168,7 +172,7 @@ class Worker:
     def flush(self, closed: list[ClosedWindow]) -> None:
         self.sender.poll()   # acks in, overdue resends out; never blocks
         for w in closed:
-            gz, n = profile_mod.build(w, self.period[w.profile_type])
+            gz, n = profile_mod.build(w, w.data.period or self.period[w.profile_type])
             upload = ProfileUpload(
                 profile_id=str(uuid.uuid4()), host=os.uname().nodename, service=w.service,
                 profile_type=w.profile_type, window_start_ns=w.start_ns, window_end_ns=w.end_ns,

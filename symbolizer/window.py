@@ -31,6 +31,7 @@ TRUNCATED: tuple[Hashable, ...] = ("[truncated]",)
 class ServiceWindow:
     rows: dict[tuple[Hashable, Hashable], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value]
     truncated: int = 0
+    period: int = 0      # the pprof period: of the last batch added (the collector's rate may change)
 
     def add(self, labels: Hashable, frames: Hashable, count: int, value: int) -> None:
         key = (labels, frames)
