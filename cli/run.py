@@ -8,6 +8,7 @@ that loses nothing: collector first (it drains once more), then the workers
 
 Children run in their own process group, so a Ctrl-C reaches only this
 supervisor, which then stops them in order; they die with it if it is killed.
+SIGHUP is passed on to the collector (which reads overhead_budget_pct again).
 Each stage drops to its own user and capabilities as it starts
 (shared/privileges.py); the supervisor prepares what those users need: the
 runtime directory (group-writable by the agent's group) and a state
@@ -76,7 +77,10 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
                     "workers and the uploader in the foreground, prints where profiles go, "
                     "restarts a stage that dies, and stops them all cleanly on Ctrl-C or SIGTERM. "
                     "With endpoint \"\" in the config, profiles are written under local_dir "
-                    "(one directory per service); open one with `go tool pprof -http=:8080 FILE`.")
+                    "(one directory per service); open one with `go tool pprof -http=:8080 FILE`. "
+                    "SIGHUP (kill -HUP PID) is passed to the collector, which reads overhead_budget_pct "
+                    "from --config again: edit the file, then send it to change the overhead budget "
+                    "without a restart. `ebpfprofiler status` prints what the profiler costs.")
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
                    help="runtime directory for the stages' sockets (default: %(default)s)")
@@ -201,6 +205,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     print(f"ebpfprofiler: {where}", flush=True)
 
     all_stages = stages(args, cfg)
+
+    def forward_hup(_signum: int, _frame: object) -> None:
+        for stage in all_stages:
+            if stage.name == "collector" and stage.proc is not None and stage.proc.poll() is None:
+                log.info("received SIGHUP: passing it to the collector (pid %d)", stage.proc.pid)
+                stage.proc.send_signal(signal.SIGHUP)
+                return
+        log.warning("received SIGHUP, but the collector is not running: nothing to reload")
+
+    signal.signal(signal.SIGHUP, forward_hup)
     try:
         for stage in all_stages:
             start(stage)
