@@ -40,7 +40,8 @@ def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]]) ->
     receiver = Receiver(work / "received")
     procs: list[subprocess.Popen] = []
     try:
-        pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url))
+        # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
+        pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url, python_stacks=False))
         try:
             procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for argv in workloads]
             outputs = [p.communicate(timeout=120)[0] for p in procs]
