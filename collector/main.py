@@ -5,9 +5,13 @@ and off-CPU unless offcpu: false — every DRAIN_INTERVAL_S, join with /proc,
 route to workers, send), following remote config's `enabled` (each drain it
 checks the overrides file the uploader writes, shared/remote_config.py:
 `enabled: false` detaches the perf events and tracepoints and keeps the BPF
-programs loaded; `enabled: true` attaches them again), and a clean stop: on
-SIGTERM or SIGINT it drains once more, sends, and detaches every program and
-perf event.
+programs loaded; `enabled: true` attaches them again), the overhead guard's
+rate (collector/overhead.py decides it each upload window; changing it
+detaches the perf event, drains at the old period, and attaches at the new
+one), SIGHUP (reads overhead_budget_pct from the config file again), the
+kernel's BPF statistics (on while it runs, collector/bpfstats.py), and a
+clean stop: on SIGTERM or SIGINT it drains once more, sends, and detaches
+every program and perf event.
 
 Must not: parse ELF files or process memory, or talk to the network.
 """
@@ -16,16 +20,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import preflight, unwind
+from ebpfprofiler.collector import bpfstats, overhead, preflight, unwind
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
@@ -67,8 +74,13 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
                     "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
                     "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
                     "the in-kernel counts every second and sends them, with process metadata and "
-                    "mappings, to the symbolizer workers over ZeroMQ. Stops cleanly on SIGTERM/SIGINT, "
-                    "detaching every BPF program and perf event.")
+                    "mappings, to the symbolizer workers over ZeroMQ. Each upload window it counts what "
+                    "the profiler cost (every stage's CPU plus the kernel's BPF run time of its programs) "
+                    "and halves sample_hz while that is over overhead_budget_pct of one CPU (doubling it "
+                    "back after three windows under half the budget); the figures go to the log and to "
+                    "RUN_DIR/status.json (`ebpfprofiler status`). SIGHUP reads overhead_budget_pct from "
+                    "--config again. Stops cleanly on SIGTERM/SIGINT, detaching every BPF program and "
+                    "perf event.")
     p.add_argument("--config", help="agent YAML file (modules.ebpf_profiler block); required unless --preflight")
     p.add_argument("--preflight", action="store_true",
                    help="check that this host can run the collector (kernel >= 5.8, BTF, capabilities, "
@@ -85,7 +97,8 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
 
 
 class Collector:
-    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str) -> None:
+    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
+                 stats: bpfstats.RunTimeStats | None = None) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from ebpfprofiler.collector.offcpu import START_ENTRIES, OffCpuTracer
         from ebpfprofiler.collector.oncpu import OnCpuSampler
@@ -129,6 +142,14 @@ class Collector:
         self.lost: dict[str, int] = {}
         self.sampling = False    # perf events and tracepoints attached
         self.unwind_counters: dict[str, int] = {}
+        self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
+                                            stats.how if stats else "", self.prog_fds, bpfstats.prog_stats)
+
+    def prog_fds(self) -> dict[str, int]:
+        """Name → descriptor of each of our loaded BPF programs (bcc loads a program when it is attached)."""
+        bpf = self.programs.bpf
+        return {} if bpf is None else {
+            (n.decode() if isinstance(n, bytes) else n): f.fd for n, f in bpf.funcs.items()}
 
     def start(self) -> None:
         self.links.wait_connected(CONNECT_WAIT_MS)
@@ -163,7 +184,7 @@ class Collector:
             raw = src.drain()
             batches = build_batches(
                 raw, self.procs, self.ksyms.name, host=self.host, profile_type=src.profile_type,
-                sample_hz=self.cfg.sample_hz, time_ns=time.time_ns(), live_workers=live)
+                sample_hz=self.oncpu.sample_hz, time_ns=time.time_ns(), live_workers=live)
             self.samples[src.profile_type] += sum(s[4] for s in raw.samples)
             for reason, n in raw.lost.items():
                 key = f"{src.profile_type}.{reason}"
@@ -182,6 +203,42 @@ class Collector:
                 log.warning("DWARF unwinder this drain: %s", counters)
             for name, n in counters.items():
                 self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
+
+    def set_rate(self, sample_hz: int) -> None:
+        """Sample at `sample_hz`: detach, drain what was taken at the old period, attach at the new one."""
+        from ebpfprofiler.collector.oncpu import NSEC_PER_SEC
+
+        attached = self.sampling      # the on-CPU perf events are attached exactly while sampling
+        if attached:
+            self.oncpu.detach()
+            self.drain_once()
+        # OnCpuSampler reads both at its next attach() and drain()
+        self.oncpu.sample_hz = sample_hz
+        self.oncpu.period_ns = NSEC_PER_SEC // sample_hz
+        if attached:
+            self.oncpu.attach()
+
+    def end_window_if_due(self, interval_s: int) -> None:
+        """At the end of an upload window: its overhead figures logged and in the status file, the rate decided."""
+        if not self.guard.window_due(interval_s, slack_s=DRAIN_INTERVAL_S / 2):
+            return
+        w = self.guard.end_window(self.samples, self.lost)
+        budget_ms = w.budget_pct / 100 * w.window_s * 1e3
+        if w.decision == "halve":
+            log.warning("overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
+                        "sample_hz %d -> %d Hz. Window: %s", w.used_pct / 100 * w.window_s * 1e3, budget_ms,
+                        w.budget_pct, w.rate_hz, w.next_rate_hz, overhead.describe(w))
+        elif w.decision == "double":
+            log.info("overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
+                     overhead.RECOVER_AFTER_WINDOWS, w.rate_hz, w.next_rate_hz, overhead.describe(w))
+        else:
+            log.info("overhead: %s", overhead.describe(w))
+        if w.next_rate_hz != self.oncpu.sample_hz:
+            self.set_rate(w.next_rate_hz)
+        try:
+            overhead.write_status(self.run_dir, w)
+        except OSError as e:
+            log.warning("cannot write %s: %s", overhead.status_path(self.run_dir), e.strerror)
 
     def send(self, worker: int, batch: StackBatch) -> None:
         dropped = self._dropped_since_ok
@@ -212,6 +269,7 @@ class Collector:
             self.unwind.close()
             log.info("DWARF unwinding: %s; in kernel: %s", self.unwind.stats, self.unwind_counters)
         self.programs.close()
+        overhead.remove_status(self.run_dir)
         self.links.close()
         self.broker.close()
         self.announcer.close()
@@ -235,6 +293,27 @@ def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig,
                  "loaded; nothing is sampled until remote config enables it again")
 
 
+def reload_budget(collector: Collector, cfg: config_mod.ProfilerConfig,
+                  path: str) -> config_mod.ProfilerConfig:
+    """SIGHUP: take overhead_budget_pct from the config file again; other keys need a restart."""
+    try:
+        new = config_mod.load(path)
+    except config_mod.ConfigError as e:
+        log.error("SIGHUP: config not reloaded, the old one stays: %s", e)
+        return cfg
+    others = sorted(k for k, v in dataclasses.asdict(new).items()
+                    if k != "overhead_budget_pct" and getattr(cfg, k) != v)
+    if others:
+        log.warning("SIGHUP: only overhead_budget_pct is reloaded; restart the collector for %s", ", ".join(others))
+    if new.overhead_budget_pct != cfg.overhead_budget_pct:
+        log.info("SIGHUP: overhead_budget_pct %g -> %g (the window in progress is judged by it)",
+                 cfg.overhead_budget_pct, new.overhead_budget_pct)
+        collector.guard.set_budget(new.overhead_budget_pct)
+    else:
+        log.info("SIGHUP: overhead_budget_pct stays %g", cfg.overhead_budget_pct)
+    return cfg.replace(overhead_budget_pct=new.overhead_budget_pct)
+
+
 def _malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -244,6 +323,21 @@ def _malloc_trim() -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector") -> int:
     args = parse_args(argv, prog)
+    # Before anything else: SIGHUP's default action would end the process.
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda _s, _f: hup.set())
+    # The statistics need CAP_SYS_ADMIN, which the stage does not keep: the
+    # descriptor is taken before the drop and keeps them on until exit.
+    stats = None if args.preflight else bpfstats.RunTimeStats(allow_sysctl=False)
+    try:
+        return _main(args, prog, hup, stats)
+    finally:
+        if stats is not None:
+            stats.close()
+
+
+def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
+          stats: bpfstats.RunTimeStats | None) -> int:
     try:
         privileges.become("collector")   # first: every check and every step below runs as the stage
     except privileges.PrivilegeError as e:
@@ -285,7 +379,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
-        collector = Collector(cfg, args.bpf_dir, args.run_dir)
+        collector = Collector(cfg, args.bpf_dir, args.run_dir, stats)
     except Exception as e:  # bcc raises bare Exception for compile and load failures
         log.error("cannot load BPF programs from %s: %s", args.bpf_dir, e)
         return 1
@@ -295,10 +389,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
         log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
                  "drain every %.1f s", cfg.sample_hz,
                  f"from {cfg.offcpu_min_ms} ms" if cfg.offcpu else "off", cfg.symbolizer_workers, DRAIN_INTERVAL_S)
+        if stats is not None and stats.on:
+            log.info("BPF run-time statistics on while the collector runs: %s; overhead budget %g%% of one CPU "
+                     "per upload window", stats.how, cfg.overhead_budget_pct)
+        else:
+            log.warning("BPF run-time statistics are off (%s): the overhead guard counts the stages' CPU only, "
+                        "BPF run time as 0", stats.problem if stats else "not asked for")
         next_drain = time.monotonic() + DRAIN_INTERVAL_S
         while not stop.wait(max(0.0, next_drain - time.monotonic())):
             collector.drain_once()
             follow_remote_config(collector, cfg, watcher)
+            if hup.is_set():
+                hup.clear()
+                cfg = reload_budget(collector, cfg, args.config)
+            collector.end_window_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s)
             next_drain += DRAIN_INTERVAL_S
             if next_drain < time.monotonic():   # fell behind (suspended?): do not burst
                 next_drain = time.monotonic() + DRAIN_INTERVAL_S

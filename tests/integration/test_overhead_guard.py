@@ -1,0 +1,163 @@
+"""The overhead guard with real BPF and the real pipeline: the rate follows the budget, and the
+BPF time it counts is the kernel's own figure for our programs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+
+from tests.harness import (
+    PY,
+    Pipeline,
+    bpftool,
+    open_dir,
+    require_root,
+    wait_for,
+    write_config,
+)
+
+CONFIGURED_HZ = 999
+# Far below what the collector alone spends on a drain a second: every window is over it.
+TINY_BUDGET_PCT = 0.001
+# A whole CPU: no window of this pipeline comes near half of it.
+LARGE_BUDGET_PCT = 100.0
+WINDOW_S = 1
+STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+def fd_targets(pid: int) -> set[str]:
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.add(os.readlink(fd))
+        except FileNotFoundError:   # closed meanwhile
+            pass
+    return out
+
+
+def status(p: Pipeline) -> dict | None:
+    try:
+        return json.loads((p.run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def next_status(p: Pipeline, after_ns: int, timeout: float = 30) -> dict:
+    """The first status written for a window that ended after `after_ns`."""
+    return wait_for("the collector's next window status",
+                    lambda: (s := status(p)) is not None and s["time_ns"] > after_ns and s, timeout)
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path) -> Iterator[tuple[Pipeline, Path]]:
+    require_root()
+    out = open_dir("overhead")
+    cfg = ProfilerConfig(sample_hz=CONFIGURED_HZ, upload_interval_s=WINDOW_S, overhead_budget_pct=TINY_BUDGET_PCT,
+                         local_dir=str(out / "profiles"), python_stacks=False)
+    stats_before = STATS_SYSCTL.read_text()
+    p = Pipeline(tmp_path, cfg)
+    try:
+        yield p, out
+    finally:
+        p.stop()
+        shutil.rmtree(out, ignore_errors=True)
+    # and the kernel's statistics setting is as it was: the collector held a descriptor, not the sysctl
+    assert STATS_SYSCTL.read_text() == stats_before
+
+
+def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline: tuple[Pipeline, Path]) -> None:
+    # given the pipeline at 999 Hz with a budget of 0.001% of one CPU
+    p, out = pipeline
+    # when its first upload window ends
+    first = next_status(p, 0)
+    # then that window was sampled at the configured rate, went over the budget, and the rate is halved
+    assert first["rate_hz"] == CONFIGURED_HZ and first["configured_hz"] == CONFIGURED_HZ
+    assert first["decision"] == "halve" and first["next_rate_hz"] == CONFIGURED_HZ // 2
+    assert first["used_pct"] > TINY_BUDGET_PCT
+    assert first["stage_cpu_ns"]["collector"] > 0 and {"uploader", "symbolizer-0"} <= set(first["stage_cpu_ns"])
+    # and the warning says why, with the figures: used against allowed, stages, BPF, the rates
+    log = wait_for("the over-budget warning", lambda: re.search(
+        r"WARNING .*overhead over budget: ([\d.]+) ms used > ([\d.]+) ms allowed \(0.001% of one CPU\); "
+        rf"halving sample_hz {CONFIGURED_HZ} -> {CONFIGURED_HZ // 2} Hz\. Window: .*stages .*collector .*"
+        r"BPF .*on_cpu_sample .* runs", p.log()), 10)
+    assert float(log.group(1)) > float(log.group(2))
+    # and the perf event now fires at the lower rate: a cpu profile written after the change says so
+    lower_periods = {1_000_000_000 // max(1, CONFIGURED_HZ >> k) for k in range(1, 11)}
+
+    def lower_rate_profile() -> bool:
+        return any(pprof.read(f.read_bytes()).period in lower_periods for f in (out / "profiles").glob("*/cpu-*.pb.gz"))
+    wait_for("a cpu profile at a halved rate's period", lower_rate_profile, 30)
+    # when the budget is raised in the config file and `ebpfprofiler run` gets SIGHUP
+    write_config(p.config_path, p.cfg.replace(overhead_budget_pct=LARGE_BUDGET_PCT))
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for("the collector to take the new budget",
+             lambda: f"SIGHUP: overhead_budget_pct {TINY_BUDGET_PCT:g} -> {LARGE_BUDGET_PCT:g}" in p.log(), 15)
+    # then the rate doubles back, window by window, up to the configured rate and not beyond
+    back = wait_for("the rate back at the configured rate", lambda: (s := status(p)) is not None and
+                    s["budget_pct"] == LARGE_BUDGET_PCT and s["next_rate_hz"] == CONFIGURED_HZ and s, 90)
+    assert "overhead under half the budget for 3 windows: doubling sample_hz" in p.log()
+    later = next_status(p, back["time_ns"])
+    assert later["rate_hz"] == later["next_rate_hz"] == CONFIGURED_HZ
+    # and `ebpfprofiler status` prints the figures as a table
+    shown = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "status", "--run-dir", str(p.run_dir)],
+                           check=False, capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert f"sampling rate: {CONFIGURED_HZ} Hz (configured {CONFIGURED_HZ} Hz" in shown.stdout
+    assert re.search(r"^on_cpu_sample\s+\d+\s+[\d.]+ ms", shown.stdout, re.MULTILINE)
+    assert re.search(r"^collector\s+\d+\s+[\d.]+ ms", shown.stdout, re.MULTILINE)
+
+
+def test_bpf_time_is_what_bpftool_shows_for_the_same_programs(pipeline: tuple[Pipeline, Path]) -> None:
+    # given the running pipeline, and `bpftool prog show` polled with the wall-clock interval of each poll
+    p, _ = pipeline
+    first = next_status(p, 0)
+    # (the collector keeps the statistics on with the descriptor BPF_ENABLE_STATS gave it)
+    assert "anon_inode:bpf-stats" in fd_targets(first["pid"])
+    assert first["bpf_stats"] == "BPF_ENABLE_STATS"
+    polls: list[tuple[int, int, dict[int, dict]]] = []
+    deadline = time.monotonic() + 30
+
+    def poll_until_next_window() -> dict:
+        while time.monotonic() < deadline:
+            t0 = time.time_ns()
+            progs = {q["id"]: q for q in bpftool("prog", "show")}
+            polls.append((t0, time.time_ns(), progs))
+            s = status(p)
+            if s is not None and s["time_ns"] > first["time_ns"] and polls[0][1] < s["bpf_read_ns"][0]:
+                # one more poll, after the collector's read
+                t0 = time.time_ns()
+                progs = {q["id"]: q for q in bpftool("prog", "show")}
+                polls.append((t0, time.time_ns(), progs))
+                return s
+        raise AssertionError("no window ended while bpftool was polled")
+    # when the next window ends
+    second = poll_until_next_window()
+    read_start, read_end = second["bpf_read_ns"]
+    before = [progs for _, t1, progs in polls if t1 < read_start][-1]
+    after = next(progs for t0, _, progs in polls if t0 > read_end)
+    # then each of our programs' counters as the collector read them lie between bpftool's figures for
+    # the same program id taken just before and just after that read (monotonic counters: no tolerance)
+    assert {"on_cpu_sample", "tracepoint__sched__sched_switch"} <= set(second["bpf_totals"])
+    for name, total in second["bpf_totals"].items():
+        assert total["id"] in before and total["id"] in after, name
+        for key in ("run_time_ns", "run_cnt"):
+            assert int(before[total["id"]].get(key, 0)) <= total[key] <= int(after[total["id"]].get(key, 0)), \
+                (name, key, before[total["id"]], total, after[total["id"]])
+    # and the window's BPF figure is the change of those counters over the window
+    for name, total in second["bpf_totals"].items():
+        prev = first["bpf_totals"].get(name, {"run_time_ns": 0, "run_cnt": 0})
+        assert second["bpf"][name] == {"run_time_ns": total["run_time_ns"] - prev["run_time_ns"],
+                                       "run_cnt": total["run_cnt"] - prev["run_cnt"]}
+    assert second["bpf"]["on_cpu_sample"]["run_cnt"] > 0 and second["bpf"]["on_cpu_sample"]["run_time_ns"] > 0
+    assert second["bpf_ns"] == sum(v["run_time_ns"] for v in second["bpf"].values())
