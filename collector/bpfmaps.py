@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # Ids of DWARF-unwound user stacks in a RawDrain: their 64-bit hash plus this,
 # so they never meet the small ids of bcc's stack maps.
@@ -49,6 +49,33 @@ class DoubleBuffer:
         self._bpf[f"{self._prefix}_active"][ctypes.c_int(0)] = ctypes.c_uint32(self._active)
         time.sleep(FLIP_GRACE_S)
         return old, self._bpf[f"{self._prefix}_counts_{old}"]
+
+
+@dataclass
+class StackRefs:
+    """The stacks the keys of one drain name: stack-map ids, and hashes of DWARF-unwound user stacks."""
+    user: set[int] = field(default_factory=set)
+    kernel: set[int] = field(default_factory=set)
+    hashes: set[int] = field(default_factory=set)
+
+
+def take_counts(counts: Any, out: RawDrain, values: Callable[[Any], tuple[int, int]]) -> StackRefs:
+    """Move a retired counts map into out.samples and clear it; `values` turns a map value into
+    (count, value in ns). A DWARF stack (key.user_hash) gets the id DWARF_STACK_ID_BASE + hash."""
+    refs = StackRefs()
+    for k, v in counts.items():
+        if k.user_hash:
+            refs.hashes.add(k.user_hash)
+            user = DWARF_STACK_ID_BASE + k.user_hash
+        else:
+            user = k.user_stack
+            if user >= 0:
+                refs.user.add(user)
+        out.samples.append((k.pid, k.tid, user, k.kernel_stack, *values(v)))
+        if k.kernel_stack >= 0:
+            refs.kernel.add(k.kernel_stack)
+    counts.clear()
+    return refs
 
 
 def read_stacks(table: Any, ids: Iterable[int], out: dict[int, tuple[int, ...]]) -> int:

@@ -15,16 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import (
-    DWARF_STACK_ID_BASE,
-    DoubleBuffer,
-    LostCounters,
-    RawDrain,
-    delete_dwarf_stacks,
-    delete_stacks,
-    read_dwarf_stacks,
-    read_stacks,
-)
+from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
+                                            delete_stacks, read_dwarf_stacks, read_stacks, take_counts)
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +57,14 @@ class OffCpuTracer:
         self._drains += 1
         _, counts = self._buffers.retire()
         out = RawDrain()
-        user_ids: set[int] = set()
-        kernel_ids: set[int] = set()
-        hashes: set[int] = set()
-        for k, v in counts.items():
-            if k.user_hash:
-                hashes.add(k.user_hash)
-                user = DWARF_STACK_ID_BASE + k.user_hash
-            else:
-                user = k.user_stack
-                if user >= 0:
-                    user_ids.add(user)
-            out.samples.append((k.pid, k.tid, user, k.kernel_stack, v.count, v.ns))
-            if k.kernel_stack >= 0:
-                kernel_ids.add(k.kernel_stack)
-        counts.clear()
-        gone = read_stacks(self._stacks, user_ids, out.user_stacks) + \
-            read_stacks(self._stacks, kernel_ids, out.kernel_stacks)
+        refs = take_counts(counts, out, lambda v: (v.count, v.ns))
+        gone = read_stacks(self._stacks, refs.user, out.user_stacks) + \
+            read_stacks(self._stacks, refs.kernel, out.kernel_stacks)
         if self._dwarf_stacks is not None:
-            gone += read_dwarf_stacks(self._dwarf_stacks, hashes, out.user_stacks)
-            for h in hashes:
+            gone += read_dwarf_stacks(self._dwarf_stacks, refs.hashes, out.user_stacks)
+            for h in refs.hashes:
                 self._hash_used[h] = self._drains
-        for sid in user_ids | kernel_ids:
+        for sid in refs.user | refs.kernel:
             self._last_used[sid] = self._drains
         if self._drains % STACK_SWEEP_EVERY == 0:
             self._sweep()

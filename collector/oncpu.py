@@ -14,15 +14,9 @@ import os
 from typing import Any
 
 from bcc import PerfSWConfig, PerfType  # type: ignore[import-not-found]
-from ebpfprofiler.collector.bpfmaps import (
-    DWARF_STACK_ID_BASE,
-    DoubleBuffer,
-    LostCounters,
-    RawDrain,
-    delete_stacks,
-    read_dwarf_stacks,
-    read_stacks,
-)
+
+from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks,
+                                            read_dwarf_stacks, read_stacks, take_counts)
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +52,12 @@ class OnCpuSampler:
         old, counts = self._buffers.retire()
         stacks = self._bpf[f"oncpu_stacks_{old}"]
         out = RawDrain()
-        user_ids: set[int] = set()
-        kernel_ids: set[int] = set()
-        hashes: set[int] = set()
-        for k, v in counts.items():
-            if k.user_hash:
-                hashes.add(k.user_hash)
-                user = DWARF_STACK_ID_BASE + k.user_hash
-            else:
-                user = k.user_stack
-                if user >= 0:
-                    user_ids.add(user)
-            out.samples.append((k.pid, k.tid, user, k.kernel_stack, v.value, v.value * self.period_ns))
-            if k.kernel_stack >= 0:
-                kernel_ids.add(k.kernel_stack)
-        counts.clear()
-        gone = read_stacks(stacks, user_ids, out.user_stacks) + read_stacks(stacks, kernel_ids, out.kernel_stacks)
-        delete_stacks(stacks, user_ids | kernel_ids)
+        refs = take_counts(counts, out, lambda v: (v.value, v.value * self.period_ns))
+        gone = read_stacks(stacks, refs.user, out.user_stacks) + read_stacks(stacks, refs.kernel, out.kernel_stacks)
+        delete_stacks(stacks, refs.user | refs.kernel)
         if self.dwarf:
             dwarf_stacks = self._bpf[f"oncpu_dwarf_stacks_{old}"]
-            gone += read_dwarf_stacks(dwarf_stacks, hashes, out.user_stacks)
+            gone += read_dwarf_stacks(dwarf_stacks, refs.hashes, out.user_stacks)
             dwarf_stacks.clear()
         out.lost = self._lost.delta()
         if gone:

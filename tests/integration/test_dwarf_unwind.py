@@ -68,14 +68,23 @@ def own(s: pprof.ReadSample, exe: str) -> tuple[str, ...]:
 
 
 def scribble_eh_frame(src: Path, dst: Path) -> None:
-    """A copy of src whose .eh_frame is 0xff bytes (the program runs: nothing unwinds it)."""
+    """A copy of src whose .eh_frame is 0xff bytes (the program runs: nothing unwinds it), and
+    whose build id differs in its last byte: tables are cached by build id, and the copy must
+    not be taken for the original."""
     shutil.copy(src, dst)
     with open(dst, "rb") as f:
-        sec = ELFFile(f).get_section_by_name(".eh_frame")
+        elf = ELFFile(f)
+        sec = elf.get_section_by_name(".eh_frame")
         offset, size = sec["sh_offset"], sec["sh_size"]
+        note = elf.get_section_by_name(".note.gnu.build-id")
+        id_end = note["sh_offset"] + note["sh_size"]
     with open(dst, "r+b") as f:
         f.seek(offset)
         f.write(b"\xff" * size)
+        f.seek(id_end - 1)
+        last = f.read(1)[0]
+        f.seek(id_end - 1)
+        f.write(bytes([last ^ 0xff]))
 
 
 @pytest.fixture(scope="module")
