@@ -150,6 +150,7 @@ def test_whole_named_stacks_from_the_second_window_on(run: Run) -> None:
         if not whole(s):
             broken[names(s)] += s.values[0]
     assert total > 0
+    print(f"whole stacks from the second window on: {complete}/{total} = {complete / total:.3f}")
     assert complete / total >= 0.95, f"{complete}/{total} whole; broken: {broken.most_common(5)}"
     unnamed = sum(s.values[0] for s in samples if whole(s) and not all(names(s)))
     assert unnamed / total <= 0.01, [names(s) for s in samples if not all(names(s))][:5]
