@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 import sys
 import time
@@ -257,7 +258,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
     next_tick = time.monotonic()
     try:
         while not stop.is_set():
-            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            # Rounded up: rounded down, the last millisecond before a tick was a loop of poll(0)
+            # calls, 40 a tick, most of the reader's CPU.
+            timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
             if reader.inbox.poll(timeout_ms):
                 reader.receive()
             if time.monotonic() < next_tick:
