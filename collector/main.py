@@ -228,6 +228,11 @@ class Collector:
             log.warning("overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
                         "sample_hz %d -> %d Hz. Window: %s", w.used_pct / 100 * w.window_s * 1e3, budget_ms,
                         w.budget_pct, w.rate_hz, w.next_rate_hz, overhead.describe(w))
+        elif w.decision == "over at floor":
+            log.warning("overhead over budget at %d Hz already: %.1f ms used > %.1f ms allowed; the rest is not the "
+                        "sampling rate's (stage CPU, off-CPU tracepoints): raise overhead_budget_pct, or turn off "
+                        "what costs. Window: %s", w.rate_hz, w.used_pct / 100 * w.window_s * 1e3, budget_ms,
+                        overhead.describe(w))
         elif w.decision == "double":
             log.info("overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
                      overhead.RECOVER_AFTER_WINDOWS, w.rate_hz, w.next_rate_hz, overhead.describe(w))

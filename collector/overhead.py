@@ -15,6 +15,7 @@ when told to), or read anything of a process but its /proc stat and status.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ READY_SUFFIX = ".ready"
 # Clock ticks and page size, to turn /proc/<pid>/stat fields into nanoseconds and bytes.
 _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def status_path(run_dir: str) -> str:
@@ -53,6 +55,17 @@ class ProcSample:
     rss_bytes: int
 
 
+def _cpu_clock_ns(pid: int) -> int | None:
+    """The process's CPU-time clock (clock_getcpuclockid): utime + stime in ns, not 10 ms ticks."""
+    clock = ctypes.c_int()
+    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        return None
+    try:
+        return time.clock_gettime_ns(clock.value)
+    except OSError:
+        return None
+
+
 def read_proc(pid: int) -> ProcSample | None:
     """CPU time and RSS of `pid`, or None if it is gone."""
     try:
@@ -64,7 +77,10 @@ def read_proc(pid: int) -> ProcSample | None:
     fields = raw[raw.rfind(b")") + 2:].split()
     # fields[0] is field 3 (state): field N is fields[N - 3].
     utime, stime, start, rss = int(fields[11]), int(fields[12]), int(fields[19]), int(fields[21])
-    return ProcSample(pid, start, (utime + stime) * 1_000_000_000 // _TICKS, rss * _PAGE)
+    cpu_ns = _cpu_clock_ns(pid)
+    if cpu_ns is None:
+        cpu_ns = (utime + stime) * 1_000_000_000 // _TICKS
+    return ProcSample(pid, start, cpu_ns, rss * _PAGE)
 
 
 def stage_pids(run_dir: str) -> dict[str, int]:
@@ -99,14 +115,15 @@ class Budget:
         return max(FLOOR_HZ, self.configured_hz >> self.level)
 
     def judge(self, used_ns: int, wall_ns: int) -> str:
-        """"halve", "double" or "" for a window that cost `used_ns` in `wall_ns`; updates the rate."""
+        """"halve", "double", "over at floor" (over budget at 1 Hz already) or "" for a window that
+        cost `used_ns` in `wall_ns`; updates the rate."""
         budget_ns = self.budget_pct / 100 * wall_ns
         if used_ns > budget_ns:
             self.under = 0
             if self.rate_hz > FLOOR_HZ:
                 self.level += 1
                 return "halve"
-            return ""
+            return "over at floor"
         if used_ns < budget_ns / 2:
             self.under += 1
             if self.under >= RECOVER_AFTER_WINDOWS and self.level > 0:

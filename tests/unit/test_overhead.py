@@ -33,6 +33,7 @@ def test_over_budget_halves_down_to_1_hz_and_three_windows_under_half_double_bac
         b.judge(over, WALL_NS)
         rates.append(b.rate_hz)
     assert rates == [49, 24, 12, 6, 3, 1, 1, 1]
+    assert b.judge(over, WALL_NS) == "over at floor"
     # when windows are under half the budget, the rate doubles after every third one in a row
     assert [b.judge(under_half, WALL_NS) for _ in range(3)] == ["", "", "double"] and b.rate_hz == 3
     # and a window between half and all of the budget restarts the count
