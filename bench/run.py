@@ -21,13 +21,15 @@ from bench import bpf, procs, report
 from bench.offcpu import ROUND_TRIPS, PingPongBench
 from bench.oncpu import OnCpuBench
 from bench.procs import BenchError
+from bench.python import PythonBench
+from bench.python import section as python_section
 from bench.scaling import ScalingBench
 from bench.tables import TablesBench
 from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind")
+SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -39,7 +41,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
                     "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
                     "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
-                    "table build time and size for libc, libpython and node, pyelftools as the peer). Writes "
+                    "table build time and size for libc, libpython and node, pyelftools as the peer), python "
+                    "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
+                    "per stack). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -132,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scaling": ScalingBench(args.rounds, log, args.keep),
         "tables": TablesBench(args.rounds, log),
         "unwind": UnwindBench(args.rounds, args.rates, log, args.keep),
+        "python": PythonBench(args.rounds, log, args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -165,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections = {"offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
                 "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
                 "tables": (tables_section, "Unwind table build time and size"),
-                "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown")}
+                "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
+                "python": (python_section, "Python stacks: the runtime reader against py-spy")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
