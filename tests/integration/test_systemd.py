@@ -2,13 +2,15 @@
 
 Given a Debian bookworm root (debootstrap, cached between runs) booted with
 systemd-nspawn, with a copy of this working tree inside and a config that
-keeps every default but a 2 s window, when `make install` runs there and
-ebpfprofiler.target is started, then every stage reports ready (Type=notify)
-as its own user with its own capabilities, a JIT workload run by an ordinary
-user from its home directory is profiled into the default local_dir with
-names from its ELF symbols and from its perf map (so ProtectHome= and the
-collector's PrivateTmp= hide neither), and stopping the target ends every
-stage cleanly and leaves no BPF program behind.
+keeps every default but a 2 s window (and reads CPython 3.11 stacks too),
+when `make install` runs there and ebpfprofiler.target is started, then
+every stage reports ready (Type=notify) as its own user with its own
+capabilities, a JIT workload run by an ordinary user from its home directory
+is profiled into the default local_dir with names from its ELF symbols and
+from its perf map (so ProtectHome= and the collector's PrivateTmp= hide
+neither), a Python workload of that user is read by the runtime reader as
+its hardened unit runs it, and stopping the target ends every stage cleanly
+and leaves no BPF program behind.
 
 Every process the test starts ends, by pid, even when it fails: the container
 is powered off (SIGTERM to systemd-nspawn, SIGKILL to the container's init
@@ -53,11 +55,23 @@ READY_FILES = ("uploader.ready", "symbolizer-0.ready", "collector.ready", "runti
 STAGE_OF_UNIT = {UNITS[0]: "uploader", UNITS[1]: "symbolizer", UNITS[2]: "collector", UNITS[3]: "runtime"}
 RUN_DIR = "/run/ebpfprofiler"
 PROFILES = "/var/lib/ebpfprofiler/profiles"
-# Every default but the window, so a profile is written within seconds.
-TEST_CONFIG = "modules:\n  ebpf_profiler:\n    upload_interval_s: 2\n"
+# Every default but the window, so a profile is written within seconds, and CPython 3.11
+# (bookworm's) read by the runtime reader too.
+TEST_CONFIG = "modules:\n  ebpf_profiler:\n    upload_interval_s: 2\n    runtime_stacks: [python_legacy]\n"
 WORKLOAD_USER = "profiled"
 WORKLOAD = f"/home/{WORKLOAD_USER}/jit"
 WORKLOAD_SERVICE_DIR = "home_profiled_jit"     # uploader/local.py's safe_name of WORKLOAD
+# A Python workload of the ordinary user, for the runtime reader: spin_here() for up to 120 s.
+PY_WORKLOAD = f"/home/{WORKLOAD_USER}/spin.py"
+PY_WORKLOAD_TEXT = """import time
+
+def spin_here(end):
+    while time.monotonic() < end:
+        pass
+
+spin_here(time.monotonic() + 120)
+"""
+PY_SERVICE_DIR = "usr_bin_python3.11"
 # Program names of bpf/*.c as `bpftool prog` shows them (the kernel keeps 15 characters).
 OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|tracepoint__sch|oncpu_unwind_st|offcpu_unwind_s)")
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -349,7 +363,8 @@ def unit_states(ct: Container) -> dict[str, str]:
 
 def journal(ct: Container) -> str:
     return ct.run(["journalctl", "--no-pager", "-o", "short-monotonic", "-u", "ebpfprofiler*",
-                   "-u", "ebpfprofiler-test-workload"], check=False, timeout=30).stdout[-15000:]
+                   "-u", "ebpfprofiler-test-workload", "-u", "ebpfprofiler-test-python"], check=False,
+                  timeout=30).stdout[-15000:]
 
 
 def wait_ready(ct: Container, what: str) -> None:
@@ -465,6 +480,20 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
         lap("profile written")
 
         ct.run(["systemctl", "stop", "ebpfprofiler-test-workload.service"], timeout=30)
+
+        # The runtime reader, as its unit runs it (CAP_SYS_PTRACE, hardened), reads the
+        # Python stacks of another user's process.
+        ct.path(PY_WORKLOAD).write_text(PY_WORKLOAD_TEXT)
+        ct.run(["systemd-run", "--unit=ebpfprofiler-test-python", f"--uid={WORKLOAD_USER}",
+                "/usr/bin/python3.11", PY_WORKLOAD])
+        py_dir = ct.path(f"{PROFILES}/{PY_SERVICE_DIR}")
+
+        def python_profile() -> bool:
+            return any("spin_here" in {fn for smp in pprof.read(f.read_bytes()).samples for fn in smp.functions}
+                       for f in sorted(py_dir.glob("python_wall-*.pb.gz")))
+        wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
+        ct.run(["systemctl", "stop", "ebpfprofiler-test-python.service"], timeout=30)
+        lap("python stacks read")
         # The target's own stop job ends at once (it stops before the units it is After=):
         # wait for the units.
         ct.run(["systemctl", "stop", "ebpfprofiler.target"], timeout=60)
