@@ -91,6 +91,7 @@ class CPythonProcess:
         self._frame_bytes = max(self._frame_bytes, lay.frame_owner + 1)
         self._code_bytes = max(lay.code_filename, lay.code_qualname, lay.code_linetable,
                                lay.code_firstlineno) + 8
+        self._tstate_bytes = max(lay.tstate_next, lay.tstate_native_thread_id, lay.tstate_current_frame) + 8
         # A str's header up to its data, and at least its state and length (whatever the offsets say).
         self._unicode_head = max(lay.unicode_ascii_size, lay.unicode_state + 4, lay.unicode_length + 8)
         self._codes: OrderedDict[tuple[int, ...], _Code] = OrderedDict()
@@ -111,8 +112,9 @@ class CPythonProcess:
             while tstate and tstate not in seen_threads and len(seen_threads) < MAX_THREADS:
                 seen_threads.add(tstate)
                 try:
-                    out.append(self._thread(mem, tstate))
-                    tstate = mem.u64(tstate + lay.tstate_next)
+                    raw = mem.read(tstate, self._tstate_bytes)
+                    out.append(self._thread(mem, raw))
+                    tstate = _Q.unpack_from(raw, lay.tstate_next)[0]
                 except MemoryReadError as e:
                     if e.reason in ("gone", "budget"):
                         raise
@@ -121,13 +123,15 @@ class CPythonProcess:
             interp = mem.u64(interp + lay.interp_next)
         return out
 
-    def _thread(self, mem: ProcessMemory, tstate: int) -> ThreadStack:
+    def _thread(self, mem: ProcessMemory, tstate: bytes) -> ThreadStack:
+        """One thread's stack from its thread state: the frame chain first, then the code
+        objects of its Python frames, in one read."""
         lay = self.target.layout
-        tid = mem.u64(tstate + lay.tstate_native_thread_id)
-        frame = mem.u64(tstate + lay.tstate_current_frame)
+        tid = _Q.unpack_from(tstate, lay.tstate_native_thread_id)[0]
+        frame = _Q.unpack_from(tstate, lay.tstate_current_frame)[0]
         if lay.cframe_current_frame is not None and frame:
             frame = mem.u64(frame + lay.cframe_current_frame)
-        frames: list[PyFrame] = []
+        raws: list[bytes] = []
         seen: set[int] = set()
         while frame:
             if frame in seen:
@@ -144,20 +148,28 @@ class CPythonProcess:
                     raise
                 self._drop("bad_pointer")
                 break
-            previous = _Q.unpack_from(raw, lay.frame_previous)[0]
             if raw[lay.frame_owner] not in lay.skip_owners:
-                got = self._frame(mem, raw)
-                if got is not None:
-                    frames.append(got)
-            frame = previous
+                raws.append(raw)
+            frame = _Q.unpack_from(raw, lay.frame_previous)[0]
+        codes = [_Q.unpack_from(raw, lay.frame_executable)[0] & ~lay.tag_mask for raw in raws]
+        wanted = sorted({c for c in codes if c and not c & 7})
+        heads = dict(zip(wanted, mem.read_many([(c, self._code_bytes) for c in wanted])))
+        frames: list[PyFrame] = []
+        for raw, code in zip(raws, codes):
+            got = self._frame(mem, raw, code, heads.get(code))
+            if got is not None:
+                frames.append(got)
         return ThreadStack(tid, tuple(frames))
 
-    def _frame(self, mem: ProcessMemory, raw: bytes) -> PyFrame | None:
+    def _frame(self, mem: ProcessMemory, raw: bytes, code: int, head: bytes | None) -> PyFrame | None:
+        """A frame whose code object's header `head` was read (None: it could not be)."""
         lay = self.target.layout
-        code = _Q.unpack_from(raw, lay.frame_executable)[0] & ~lay.tag_mask
         instr = _Q.unpack_from(raw, lay.frame_instr_ptr)[0]
+        if head is None:              # a null, misaligned or unreadable code pointer
+            self._drop("bad_pointer")
+            return None
         try:
-            info = self._code(mem, code)
+            info = self._code(mem, code, head)
         except MemoryReadError as e:
             if e.reason in ("gone", "budget"):
                 raise
@@ -177,12 +189,8 @@ class CPythonProcess:
             return None
         return PyFrame(info.qualname, info.filename, max(line, 0))
 
-    def _code(self, mem: ProcessMemory, code: int) -> _Code | None:
+    def _code(self, mem: ProcessMemory, code: int, head: bytes) -> _Code | None:
         lay = self.target.layout
-        if not code or code & 7:
-            self._drop("bad_pointer")
-            return None
-        head = mem.read(code, self._code_bytes)
         if _Q.unpack_from(head, lay.ob_type)[0] != self.target.code_type:
             self._drop("not_code")
             return None

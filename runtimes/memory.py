@@ -1,7 +1,8 @@
 """Reading another process's memory: process_vm_readv, bounded, never anything else.
 
 Owns: ProcessMemory (reads of one process, each at most MAX_READ_BYTES, each
-charged to a per-tick ReadBudget), and turning every failure into a
+charged to a per-tick ReadBudget; several independent reads in one system
+call with read_many), and turning every failure into a
 MemoryReadError with a short reason: the process is gone (ESRCH), an address
 is not mapped (EFAULT), or we may not read it (EPERM).
 
@@ -22,6 +23,8 @@ import struct
 MAX_READ_BYTES = 64 << 10
 # User-space addresses on x86-64 and arm64 (48-bit): anything above is not a pointer into a process.
 MAX_USER_ADDRESS = (1 << 47) - 1
+# Reads in one process_vm_readv call (the kernel's UIO_MAXIOV).
+MAX_IOVECS = 1024
 
 
 class MemoryReadError(Exception):
@@ -58,6 +61,13 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 
+# read_many's iovec arrays, shared (the reader reads from one thread): 16 bytes a range.
+_IOVEC = struct.Struct("<QQ")
+_LOCAL_VECS = ctypes.create_string_buffer(_IOVEC.size * MAX_IOVECS)
+_REMOTE_VECS = ctypes.create_string_buffer(_IOVEC.size * MAX_IOVECS)
+_LOCAL_VECS_P = ctypes.cast(_LOCAL_VECS, ctypes.POINTER(_IoVec))
+_REMOTE_VECS_P = ctypes.cast(_REMOTE_VECS, ctypes.POINTER(_IoVec))
+
 _REASONS = {errno.ESRCH: "gone", errno.EFAULT: "unmapped", errno.EPERM: "denied", errno.EACCES: "denied"}
 
 
@@ -92,6 +102,50 @@ class ProcessMemory:
             raise MemoryReadError("unmapped", f"short read ({n} of {size}) at {address:#x}")
         # Only `size` bytes: the buffer's .raw would copy all MAX_READ_BYTES of it first.
         return ctypes.string_at(self._buf_address, size)
+
+    def read_many(self, requests: list[tuple[int, int]]) -> list[bytes | None]:
+        """Independent reads (address, size) in as few system calls as fit (MAX_IOVECS elements,
+        MAX_READ_BYTES in all); None for each that could not be read (unmapped, a bad address or
+        size). MemoryReadError only if the process is gone, may not be read, or the budget is spent."""
+        out: list[bytes | None] = [None] * len(requests)
+        todo = [i for i, (address, size) in enumerate(requests)
+                if 0 < size <= MAX_READ_BYTES and 0 < address <= MAX_USER_ADDRESS - size]
+        while todo:
+            batch, total = [], 0
+            for i in todo:
+                size = requests[i][1]
+                if len(batch) == MAX_IOVECS or total + size > MAX_READ_BYTES:
+                    break
+                batch.append(i)
+                total += size
+            self.budget.charge(total)
+            self.reads += 1
+            k = len(batch)
+            at = 0
+            for j, i in enumerate(batch):
+                address, size = requests[i]
+                _IOVEC.pack_into(_LOCAL_VECS, j * 16, self._buf_address + at, size)
+                _IOVEC.pack_into(_REMOTE_VECS, j * 16, address, size)
+                at += size
+            n = _readv(self.pid, _LOCAL_VECS_P, k, _REMOTE_VECS_P, k, 0)
+            if n < 0:
+                err = ctypes.get_errno()
+                reason = _REASONS.get(err, "failed")
+                if reason != "unmapped":
+                    raise MemoryReadError(reason, f"{os.strerror(err)} reading {k} ranges")
+                n = 0                      # the first range is not mapped
+            # The kernel copies whole elements, in order, and stops at the first it cannot read.
+            got = ctypes.string_at(self._buf_address, n) if n else b""
+            at = done = 0
+            for i in batch:
+                size = requests[i][1]
+                if at + size > n:
+                    break
+                out[i] = got[at:at + size]
+                at += size
+                done += 1
+            todo = todo[done + 1:] if done < k else todo[k:]   # past the one that failed
+        return out
 
     def u64(self, address: int) -> int:
         return _U64.unpack(self.read(address, 8))[0]
