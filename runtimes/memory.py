@@ -110,6 +110,7 @@ class ProcessMemory:
         out: list[bytes | None] = [None] * len(requests)
         todo = [i for i, (address, size) in enumerate(requests)
                 if 0 < size <= MAX_READ_BYTES and 0 < address <= MAX_USER_ADDRESS - size]
+        self.budget.charge(sum(requests[i][1] for i in todo))   # once, however many calls it takes
         while todo:
             batch, total = [], 0
             for i in todo:
@@ -118,7 +119,6 @@ class ProcessMemory:
                     break
                 batch.append(i)
                 total += size
-            self.budget.charge(total)
             self.reads += 1
             k = len(batch)
             at = 0
