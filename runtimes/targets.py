@@ -104,6 +104,9 @@ class Targets:
                 log.debug("pid %d: detection failed: %s", pid, err)
                 e.state = "other"
                 continue
+            except Exception as err:   # noqa: BLE001 - what a process maps or holds must never end the reader
+                self.give_up(e, err)
+                continue
             if got is None:
                 e.state = "other"
             elif isinstance(got, Refusal):
@@ -123,12 +126,12 @@ class Targets:
         self.entries.pop(e.process.pid, None)
 
     def give_up(self, e: Entry, err: Exception) -> None:
-        """A read of e failed in a way the reader does not expect (its memory is not what its
-        layout says): log it once, read it no more (until a new process has its pid)."""
+        """Detecting or reading e failed in a way the reader does not expect (its files or memory
+        are not what they should be): log it once, read it no more (until a new process has its pid)."""
         e.state, e.reader = "refused", None
         self.stats["read_errors"] += 1
         self._log_once((e.process.pid, e.process.start_ticks), logging.WARNING,
-                       "pid %d (%s): reading its stacks failed (%s: %s); it is left alone", e.process.pid,
+                       "pid %d (%s): detecting or reading it failed (%s: %s); it is left alone", e.process.pid,
                        e.process.executable, type(err).__name__, err)
 
     def thread(self, e: Entry, native_tid: int) -> tuple[int, str]:
