@@ -20,6 +20,8 @@ from typing import Sequence
 from bench import bpf, procs, report
 from bench.offcpu import ROUND_TRIPS, PingPongBench
 from bench.oncpu import OnCpuBench
+from bench.overhead import OverheadBench
+from bench.overhead import section as overhead_section
 from bench.procs import BenchError
 from bench.python import PythonBench
 from bench.python import section as python_section
@@ -29,7 +31,7 @@ from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python")
+SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "overhead")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -43,7 +45,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
                     "table build time and size for libc, libpython and node, pyelftools as the peer), python "
                     "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
-                    "per stack). Writes "
+                    "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
+                    "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
+                    "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
+                    "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
+                    "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
+                    "--high-rates and --seconds). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -52,6 +59,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=ncpu,
                    help="workload threads (default: the number of CPUs, %(default)s)")
     p.add_argument("--rates", default="19,99", help="sampling rates in Hz, comma separated (default: %(default)s)")
+    p.add_argument("--high-rates", default="999,4999",
+                   help="overhead: rates where a profiler's cost is above the noise, for the cost per sample; "
+                        "comma separated, \"\" for none (default: %(default)s)")
     p.add_argument("--quiet-wait", type=float, default=900.0,
                    help="longest wait, in seconds, before a run for the host to be quiet: no other "
                         "profiler's BPF program loaded, little CPU in use (default: %(default)s)")
@@ -73,6 +83,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--rates {args.rates!r}: expected integers separated by commas, e.g. 19,99")
     if not args.rates or any(not 1 <= r <= 10000 for r in args.rates):
         p.error("--rates: each rate must be from 1 to 10000 Hz")
+    try:
+        args.high_rates = [int(x) for x in args.high_rates.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--high-rates {args.high_rates!r}: expected integers separated by commas, e.g. 999,4999")
+    if any(not 1 <= r <= 10000 for r in args.high_rates):
+        p.error("--high-rates: each rate must be from 1 to 10000 Hz")
     args.suites = [x.strip() for x in args.suites.split(",") if x.strip()]
     unknown = sorted(set(args.suites) - set(SUITES))
     if unknown or not args.suites:
@@ -137,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tables": TablesBench(args.rounds, log),
         "unwind": UnwindBench(args.rounds, args.rates, log, args.keep),
         "python": PythonBench(args.rounds, log, args.keep),
+        "overhead": OverheadBench(args.rounds, args.seconds, args.rates, args.high_rates, args.quiet_wait, log,
+                                  args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -171,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
                 "tables": (tables_section, "Unwind table build time and size"),
                 "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
-                "python": (python_section, "Python stacks: the runtime reader against py-spy")}
+                "python": (python_section, "Python stacks: the runtime reader against py-spy"),
+                "overhead": (overhead_section, "Measured overhead against the peers")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
