@@ -18,7 +18,7 @@ from ebpfprofiler.collector.overhead import (
 )
 from ebpfprofiler.shared import config as config_mod
 
-from tests.harness import PY
+from tests.harness import PY, wait_for
 
 WALL_NS = 1_000_000_000
 
@@ -77,6 +77,8 @@ def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_pare
     exe.symlink_to("/bin/sleep")
     p = subprocess.Popen([str(exe), "30"])
     try:
+        wait_for("the process to run under that name",
+                 lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10)
         # when its stat is read, then the fields after the name are found
         got = read_proc(p.pid)
         assert got is not None and got.pid == p.pid and got.rss_bytes > 0 and got.cpu_ns >= 0
