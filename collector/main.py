@@ -233,6 +233,9 @@ class Collector:
                         "sampling rate's (stage CPU, off-CPU tracepoints): raise overhead_budget_pct, or turn off "
                         "what costs. Window: %s", w.rate_hz, w.used_pct / 100 * w.window_s * 1e3, budget_ms,
                         overhead.describe(w))
+        elif w.decision == overhead.START_UP:
+            log.info("overhead of the start-up window (one-off costs: compiling BPF, building unwind tables; "
+                     "reported, not judged against the budget): %s", overhead.describe(w))
         elif w.decision == "double":
             log.info("overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
                      overhead.RECOVER_AFTER_WINDOWS, w.rate_hz, w.next_rate_hz, overhead.describe(w))

@@ -32,6 +32,8 @@ log = logging.getLogger("ebpfprofiler.collector.overhead")
 RECOVER_AFTER_WINDOWS = 3
 # The lowest rate the guard goes to: below 1 Hz a cpu-clock period is over a second.
 FLOOR_HZ = 1
+# The decision of the first window since start: not judged (see end_window).
+START_UP = "start-up"
 STATUS_FILE = "status.json"
 # Version of the status file's layout, for `ebpfprofiler status` and other readers.
 STATUS_VERSION = 1
@@ -268,7 +270,10 @@ class OverheadGuard:
             bpf_stats=self.bpf_stats, bpf_read_ns=(read_start, read_end),
             bpf_totals={n: {"id": p.prog_id, "run_time_ns": p.run_time_ns, "run_cnt": p.run_cnt}
                         for n, p in bpf_now.items()})
-        w.decision = self.budget.judge(used, wall_ns)
+        # The first window since start holds one-off costs (compiling BPF, building the unwind
+        # tables of every running process's modules) that no sampling rate would lower: it is
+        # measured and reported, not judged.
+        w.decision = START_UP if self.last is None else self.budget.judge(used, wall_ns)
         w.next_rate_hz = self.budget.rate_hz
         self._start_ns = now
         self._cpu, self._bpf = cpu, bpf_now

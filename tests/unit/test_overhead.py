@@ -54,9 +54,14 @@ def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp
     clock = [0]
     guard = OverheadGuard(str(tmp_path), 99, 1.0, "test", lambda: {"on_cpu_sample": 3},
                           lambda fd: counters["on_cpu_sample"], clock=lambda: clock[0])
-    # when the BPF program runs 50 ms in a 1 s window
-    counters["on_cpu_sample"] = ProgStats(50_001_000, 110, 7)
+    # when the start-up window ends, whatever it cost, it is reported and not judged
+    counters["on_cpu_sample"] = ProgStats(1_000, 10, 7)
     clock[0] = WALL_NS
+    first = guard.end_window({}, {})
+    assert first.decision == "start-up" and first.next_rate_hz == 99
+    # when the BPF program then runs 50 ms in a 1 s window
+    counters["on_cpu_sample"] = ProgStats(50_001_000, 110, 7)
+    clock[0] = 2 * WALL_NS
     w = guard.end_window({"cpu": 500}, {"cpu.counts_map_full": 2})
     # then the window shows it, per program, with the totals read and 5% used: over 1%, halved
     assert w.bpf == {"on_cpu_sample": {"run_time_ns": 50_000_000, "run_cnt": 100}}
