@@ -41,8 +41,9 @@ SCRIPT = WORKLOADS / "py_threads.py"
 SID_PACKAGES = ["python3.13", "python3.14"]
 # Bump when the way the sid root is built changes.
 SID_RECIPE = 1
-# Worker-thread stacks per interpreter before the ratio is judged: ~16 s at 19 Hz.
-WANT_WORKER_STACKS = 300
+# Worker-thread stacks per interpreter before the ratio is judged: ~27 s at 19 Hz (with 300,
+# 3:1 came out anywhere in 2.85..3.25 on a quiet host: too close to the ±10% edge).
+WANT_WORKER_STACKS = 500
 # The workload's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 240
 PY_SPY = str(Path(PY).parent / "py-spy")
@@ -125,7 +126,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
             # Other processes of a busy test host are read too; a budget this test's CPU
             # will not hit keeps the reader at full rate for the workloads.
-            runtime_stacks=("python_legacy",), cpu_budget=50.0))
+            runtime_stacks=("python_legacy",), cpu_budget=50.0,
+            # Nothing else of the pipeline competes for the CPU with the worker thread: building
+            # unwind tables for every process on a fresh start takes seconds of CPU, and a
+            # preempted thread's wall time blurs the CPU-time ratio this test judges.
+            dwarf_unwind=False, offcpu=False))
         try:
             wait_for("the runtime reader", lambda: os.path.exists(
                 endpoints.ready_file(str(pipeline.run_dir), "runtime")), timeout=30)
@@ -187,6 +192,7 @@ def test_worker_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str
     a, b = leaf["cpu_a"], leaf["cpu_b"]
     total = sum(leaf.values())
     assert a + b >= 0.95 * total, f"{version}: leaf functions {leaf.most_common(5)}"
+    print(f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
     assert 2.7 <= a / max(b, 1) <= 3.3, f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
 
 

@@ -1,9 +1,9 @@
 """A Python workload for the runtime reader's tests (runs on any CPython 3.x).
 
-One thread spends 75% of its CPU time in cpu_a() and 25% in cpu_b() (CPU
-time, not wall time: a preempted thread's wait would count for whichever
-function it was in, blurring the ratio on a loaded host), both
-called from run(); another is blocked in wait_here(). It prints one JSON line
+One thread spends 75% of its wall time in cpu_a() and 25% in cpu_b(), busy
+(python_wall profiles count wall time: a thread preempted in cpu_a() is still
+in cpu_a(), so the split holds on a loaded host, where a split by CPU time
+would charge cpu_a()'s waits to it and tilt the ratio), both called from run(); another is blocked in wait_here(). It prints one JSON line
 with the native thread ids, then runs until its stdin closes or SECONDS pass.
 """
 
@@ -16,14 +16,14 @@ SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
 
 
 def cpu_a():
-    end = time.thread_time() + 0.015
-    while time.thread_time() < end:  # LINE_A
+    end = time.monotonic() + 0.015
+    while time.monotonic() < end:  # LINE_A
         pass  # LINE_A
 
 
 def cpu_b():
-    end = time.thread_time() + 0.005
-    while time.thread_time() < end:  # LINE_B
+    end = time.monotonic() + 0.005
+    while time.monotonic() < end:  # LINE_B
         pass  # LINE_B
 
 
