@@ -65,7 +65,7 @@ class ProfilerConfig:
     token_file: str = ""
     remote_config_interval_s: int = DEFAULT_REMOTE_CONFIG_INTERVAL_S
     dwarf_unwind: bool = True
-    offcpu_dwarf: bool = False
+    offcpu_dwarf: bool = True
     python_stacks: bool = True
     runtime_stacks: tuple[str, ...] = ()
     cpu_budget: float = DEFAULT_CPU_BUDGET

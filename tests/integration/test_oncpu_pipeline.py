@@ -234,8 +234,8 @@ def test_symlinked_perf_map_is_refused(run: Run) -> None:
 
 def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
     # the collector held its programs while it ran (ids from its own fd table) …
-    # on-CPU sampler, sched_switch and sched_wakeup, and the DWARF unwinder's on-CPU step program
-    assert len(run.collector_progs) == 4
+    # on-CPU sampler, sched_switch and sched_wakeup, and the DWARF unwinder's on- and off-CPU step programs
+    assert len(run.collector_progs) == 5
     # … and after the stop none of them, nor a perf link to one, is left
     assert not run.collector_progs & {p["id"] for p in bpftool("prog", "show")}
     assert not [e for e in bpftool("perf") if e.get("prog_id") in run.collector_progs]
