@@ -88,6 +88,9 @@ struct unwind_state {
     u32 buf;           // counts buffer selected when the sample was taken
     u32 n;             // frames recorded in pcs
     u32 done;
+    u32 hint;          // index of the mapping the previous frame was in: tried first
+    u32 fp_steps;      // counted once per walk (unwind_finish), not per frame
+    u32 dwarf_steps;
     struct unwind_stack stack;
 };
 
@@ -107,10 +110,14 @@ BPF_HASH(unwind_procs, u32, struct unwind_proc, UNWIND_PROCS);
 BPF_PERCPU_ARRAY(unwind_scratch, struct unwind_state, 2);
 BPF_PERCPU_ARRAY(unwind_counters, u64, UNWIND_COUNTER_SLOTS);
 
-static __always_inline void unwind_count(int slot) {
+static __always_inline void unwind_add(int slot, u64 k) {
     u64 *n = unwind_counters.lookup(&slot);
     if (n)
-        (*n)++;
+        *n += k;
+}
+
+static __always_inline void unwind_count(int slot) {
+    unwind_add(slot, 1);
 }
 
 #define UNWIND_HASH_PRIME 0x100000001b3ULL
@@ -129,6 +136,9 @@ static __always_inline void unwind_record(struct unwind_state *st, u64 pc) {
 static __always_inline int unwind_begin(struct unwind_state *st, struct pt_regs *regs) {
     st->n = 0;
     st->done = 0;
+    st->hint = 0;
+    st->fp_steps = 0;
+    st->dwarf_steps = 0;
     st->hash = 0xcbf29ce484222325ULL;
     if (regs && (regs->cs & 3) == 3) {
         st->pc = regs->ip;
@@ -164,14 +174,18 @@ static __always_inline int unwind_fp_step(struct unwind_state *st) {
     st->sp = fp + 16;
     st->fp = frame[0];
     st->pc = frame[1];
-    unwind_count(UNWIND_FP_STEPS);
+    st->fp_steps++;
     return 1;
 }
 
-static __always_inline struct unwind_mapping *unwind_find_mapping(struct unwind_proc *proc, u64 pc) {
+static __always_inline struct unwind_mapping *unwind_find_mapping(struct unwind_proc *proc, u64 pc, u32 *hint) {
     u32 lo = 0, hi = proc->count;
     if (hi > UNWIND_MAPPINGS)
         hi = UNWIND_MAPPINGS;
+    // Callers are mostly in the same module as their callees: try the last frame's mapping first.
+    struct unwind_mapping *last = &proc->maps[*hint & (UNWIND_MAPPINGS - 1)];
+    if (*hint < hi && last->start <= pc && pc < last->end)
+        return last;
     for (int i = 0; i < UNWIND_MAPPING_STEPS; i++) {
         if (lo >= hi)
             break;
@@ -183,6 +197,7 @@ static __always_inline struct unwind_mapping *unwind_find_mapping(struct unwind_
     }
     if (lo == 0)
         return 0;
+    *hint = lo - 1;
     struct unwind_mapping *m = &proc->maps[(lo - 1) & (UNWIND_MAPPINGS - 1)];
     return pc < m->end ? m : 0;
 }
@@ -216,7 +231,7 @@ static __always_inline struct unwind_row *unwind_find_row(u32 module, u32 rel) {
 static __always_inline int unwind_step(struct unwind_state *st, struct unwind_proc *proc) {
     // A return address points after its call: look up the call itself.
     u64 lookup = st->n > 1 ? st->pc - 1 : st->pc;
-    struct unwind_mapping *m = proc ? unwind_find_mapping(proc, lookup) : 0;
+    struct unwind_mapping *m = proc ? unwind_find_mapping(proc, lookup, &st->hint) : 0;
     struct unwind_row *row = 0;
     if (m && lookup - m->bias < m->span)
         row = unwind_find_row(m->module, (u32)(lookup - m->bias));
@@ -237,15 +252,24 @@ static __always_inline int unwind_step(struct unwind_state *st, struct unwind_pr
     if (cfa <= st->sp)
         return 0;
     u64 ra = 0, fp = st->fp;
-    if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa + (s64)row->ra_off)))
-        return 0;
-    if (row->fp_kind == FP_SAVED &&
-        bpf_probe_read_user(&fp, sizeof(fp), (void *)(cfa + (s64)row->fp_off)))
-        return 0;
+    if (row->fp_kind == FP_SAVED && row->fp_off + 8 == row->ra_off) {
+        // The usual frame that saves rbp (pushed first, below the return address): one read.
+        u64 saved[2] = {};
+        if (bpf_probe_read_user(saved, sizeof(saved), (void *)(cfa + (s64)row->fp_off)))
+            return 0;
+        fp = saved[0];
+        ra = saved[1];
+    } else {
+        if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa + (s64)row->ra_off)))
+            return 0;
+        if (row->fp_kind == FP_SAVED &&
+            bpf_probe_read_user(&fp, sizeof(fp), (void *)(cfa + (s64)row->fp_off)))
+            return 0;
+    }
     st->sp = cfa;
     st->fp = fp;
     st->pc = ra;
-    unwind_count(UNWIND_DWARF_STEPS);
+    st->dwarf_steps++;
     return 1;
 }
 
@@ -268,6 +292,8 @@ static __always_inline void unwind_frames(struct unwind_state *st) {
 
 // The stack's key in a DWARF stack map: never 0 (0 means "no DWARF stack").
 static __always_inline u64 unwind_finish(struct unwind_state *st) {
+    unwind_add(UNWIND_FP_STEPS, st->fp_steps);
+    unwind_add(UNWIND_DWARF_STEPS, st->dwarf_steps);
     for (int i = 0; i < UNWIND_MAX_FRAMES; i++)
         if (i >= st->n)
             st->stack.pcs[i] = 0;
