@@ -20,8 +20,6 @@ if that does not do it) and its overlay unmounted.
 from __future__ import annotations
 
 import ast
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -36,6 +34,7 @@ import pytest
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.privileges import STAGES, mask
 
+from tests import debroot
 from tests.harness import FRAME_POINTER_FLAGS, PY, ROOT, bpf_holdings, bpftool, require_root, wait_for
 
 CACHE = Path("/var/cache/ebpfprofiler-test")
@@ -47,7 +46,6 @@ SUITE = "bookworm"
 BOOT_PACKAGES = ("systemd", "systemd-sysv", "dbus", "ca-certificates", "linux-headers-amd64")
 # Bump when the way the root is built changes: a new cache key.
 ROOT_RECIPE = 1
-DEBOOTSTRAP_TIMEOUT_S = 600
 
 UNITS = ("ebpfprofiler-uploader.service", "ebpfprofiler-symbolizer@0.service", "ebpfprofiler-collector.service",
          "ebpfprofiler-runtime.service")
@@ -90,59 +88,9 @@ def system_packages() -> list[str]:
     return m.group(1).split()
 
 
-def debian_mirror() -> str:
-    """The first URI of the host's apt sources that serves SUITE."""
-    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
-        for stanza in path.read_text().split("\n\n"):
-            fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", stanza, re.MULTILINE))
-            if SUITE in fields.get("Suites", "").split() and fields.get("URIs"):
-                return fields["URIs"].split()[0]
-    return "http://deb.debian.org/debian"
-
-
-def _run_killing_group(argv: list[str], timeout: float, log_path: Path) -> None:
-    """Run argv in its own process group; on timeout kill that group (by its id) and fail."""
-    with open(log_path, "w") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            raise AssertionError(f"{argv[0]} took over {timeout:.0f} s; log: {log_path}") from None
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    assert rc == 0, f"{' '.join(argv[:3])} … failed ({rc}):\n{log_path.read_text()[-3000:]}"
-
-
 def cached_root() -> tuple[Path, bool]:
     """(the root directory, whether it was built now). Built once per package list and mirror."""
-    packages = sorted(set(BOOT_PACKAGES) | set(system_packages()))
-    mirror = debian_mirror()
-    key = hashlib.sha256(json.dumps([ROOT_RECIPE, SUITE, mirror, packages]).encode()).hexdigest()[:16]
-    root = CACHE / f"root-{key}"
-    if (root / ".complete").exists():
-        return root, False
-    CACHE.mkdir(parents=True, exist_ok=True)
-    partial = CACHE / f"root-{key}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    log(f"building the container root ({len(packages)} packages from {mirror}) into {root}")
-    try:
-        _run_killing_group(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE,
-                            str(partial), mirror], DEBOOTSTRAP_TIMEOUT_S, CACHE / f"debootstrap-{key}.log")
-        for deb in (partial / "var/cache/apt/archives").glob("*.deb"):
-            deb.unlink()
-        (partial / ".complete").write_text(json.dumps({"suite": SUITE, "mirror": mirror, "packages": packages}))
-        try:
-            partial.rename(root)
-        except OSError:   # another run finished the same root first
-            if not (root / ".complete").exists():
-                raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return root, True
+    return debroot.cached_root(SUITE, [*BOOT_PACKAGES, *system_packages()], ROOT_RECIPE, name="root", log=log)
 
 
 # ------------------------------------------------------------------ pip as on this host
