@@ -84,9 +84,12 @@ def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_pare
     try:
         wait_for("the process to run under that name",
                  lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10)
-        # when its stat is read, then the fields after the name are found
-        got = read_proc(p.pid)
-        assert got is not None and got.pid == p.pid and got.rss_bytes > 0 and got.cpu_ns >= 0
+        # when its stat is read (once exec has mapped and touched its pages: just after the name
+        # changes, the new image can have no resident pages yet), then the fields after the name
+        # are found
+        got = wait_for("its stat to show resident pages",
+                       lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10)
+        assert got.pid == p.pid and got.cpu_ns >= 0
     finally:
         p.kill()
         p.wait()
