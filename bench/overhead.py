@@ -12,10 +12,12 @@ record -a --call-graph dwarf`; py-spy on the Python workload only. The
 pipeline runs with overhead_budget_pct 100 so its guard keeps the asked
 rate.
 
-Every (workload, profiler) run is paired with a run of the same workload
-with nothing running just before it (A B A C A D ...; the order of the
-profilers is reversed every other round), and each figure is the median,
-min and max over the rounds. Figures: throughput ratio (elapsed alone /
+Every profiler configuration starts once a round and runs each workload
+in turn; just before it, each of those workloads runs once with nothing
+running, so every run under a profiler is paired with a run alone (A B A C
+...; the order of the configurations and of the workloads is reversed
+every other round). Each figure is the median, min and max over the
+rounds. Figures: throughput ratio (elapsed alone /
 elapsed under the profiler; < 1: slower); CPU of all the profiler's
 processes during the workload, as % of one CPU; RSS of each of its
 processes at the end of the workload; BPF ns per sample of its sampling
@@ -340,17 +342,19 @@ class OverheadBench:
         self.our_prog_ids: set[int] = set()
         self.ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
 
-    def configs(self, workload: str) -> list[tuple[str, int]]:
-        """(profiler, rate) pairs run on `workload`."""
+    def configs(self) -> list[tuple[str, int, tuple[str, ...]]]:
+        """(profiler, rate, the workloads run under one start of it), in a round's order."""
         out = []
         for hz in self.rates:
-            out += [("pipeline on-CPU", hz), ("pipeline on+off-CPU", hz), ("pipeline on+off-CPU, DWARF", hz),
-                    ("profile-bpfcc", hz), ("perf -g", hz), ("perf --call-graph dwarf", hz)]
-            if workload == "python":
-                out.append(("py-spy", hz))
-        if workload == HIGH_RATE_WORKLOAD:
+            for profiler in ("pipeline on-CPU", "pipeline on+off-CPU", "pipeline on+off-CPU, DWARF",
+                             "profile-bpfcc", "perf -g", "perf --call-graph dwarf"):
+                out.append((profiler, hz, self.workloads))
+            if "python" in self.workloads:
+                out.append(("py-spy", hz, ("python",)))
+        if HIGH_RATE_WORKLOAD in self.workloads:
             for hz in self.high_rates:
-                out += [("pipeline on-CPU", hz), ("profile-bpfcc", hz), ("perf -g", hz)]
+                for profiler in ("pipeline on-CPU", "profile-bpfcc", "perf -g"):
+                    out.append((profiler, hz, (HIGH_RATE_WORKLOAD,)))
         return out
 
     def make(self, profiler: str, hz: int, d: Path) -> Profiler:
@@ -362,11 +366,14 @@ class OverheadBench:
             return PerfProfiler(d, hz, dwarf="dwarf" in profiler)
         return PySpyProfiler(d, hz)
 
-    def one(self, workload: str, argv: list[str], profiler: str, hz: int, d: Path, alone_cpu_s: float,
-            warmup_argv: list[str]) -> dict:
-        """One run of `workload` under `profiler` at `hz`: its figures. `alone_cpu_s`: the workload's
-        CPU alone, for a profiler that starts the workload (py-spy: its CPU is the difference)."""
+    def under(self, profiler: str, hz: int, d: Path, runs: list[tuple[str, list[str], float]],
+              warmup_argv: dict[str, list[str]]) -> list[dict]:
+        """`runs` ((workload, argv, CPU seconds alone), in turn) under one start of `profiler` at `hz`:
+        each one's figures. The CPU alone is for a profiler that starts the workload (py-spy: its CPU
+        is the difference)."""
         prof = self.make(profiler, hz, d)
+        out: list[dict] = []
+        pids_of_runs: list[int] = []
         try:
             prof.start()
             pids = prof.pids()
@@ -374,38 +381,39 @@ class OverheadBench:
                 self.our_prog_ids |= prof.p.prog_ids
             for pid in pids.values():
                 self.our_prog_ids |= bpf.held_by(pid)[0]
-            cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
-            bpf0 = bpf_totals(list(pids.values()))
-            if prof.wraps_workload:   # py-spy: its CPU is that of it and its child minus the child's alone
-                elapsed, both_cpu_s, _ = run_workload(prof.wrap(argv), workload)
-                rss: dict[str, int] = {}
-                profiler_cpu_s = max(0.0, both_cpu_s - alone_cpu_s)
-            else:
-                if workload == "deep-nofp":   # untimed, in every configuration: tables load for DWARF
-                    run_workload(warmup_argv, workload)
+            for workload, argv, alone_cpu_s in runs:
+                if workload == "deep-nofp" and not prof.wraps_workload:
+                    run_workload(warmup_argv[workload], workload)   # untimed: tables load for DWARF
                     if isinstance(prof, PipelineProfiler) and "DWARF" in prof.name:
                         wait_for_tables(prof.p, argv[0], LIBC)
-                    cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
-                    bpf0 = bpf_totals(list(pids.values()))
-                elapsed, _, pid = run_workload(argv, workload)
-                rss = {n: rss_bytes(pid) for n, pid in pids.items()}
-                cpu = {n: procs.cpu_seconds(pid) - cpu0[n] for n, pid in pids.items()}
-                profiler_cpu_s = sum(cpu.values())
-            bpf1 = bpf_totals(list(pids.values()))
+                cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
+                bpf0 = bpf_totals(list(pids.values()))
+                if prof.wraps_workload:
+                    elapsed, both_cpu_s, pid = run_workload(prof.wrap(argv), workload)
+                    rss: dict[str, int] = {}
+                    profiler_cpu_s = max(0.0, both_cpu_s - alone_cpu_s)
+                else:
+                    elapsed, _, pid = run_workload(argv, workload)
+                    rss = {n: rss_bytes(p) for n, p in pids.items()}
+                    profiler_cpu_s = sum(procs.cpu_seconds(p) - cpu0[n] for n, p in pids.items())
+                bpf1 = bpf_totals(list(pids.values()))
+                pids_of_runs.append(pid)
+                sampling = [(bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
+                            for n in bpf1 if n in SAMPLING_PROGRAMS]
+                sampled_ns, sampled = sum(t for t, _ in sampling), sum(c for _, c in sampling)
+                bpf_ns = sum(bpf1[n][0] - bpf0.get(n, (0, 0))[0] for n in bpf1)
+                out.append({"workload": workload, "elapsed_s": elapsed, "profiler_cpu_s": profiler_cpu_s,
+                            "profiler_cpu_pct": 100 * profiler_cpu_s / elapsed,
+                            "rss_bytes": rss, "bpf_ns": bpf_ns, "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
+                            "bpf_ns_per_sample": sampled_ns / sampled if sampled else None,
+                            "samples": sampled or None})
         finally:
             prof.stop()
-        sampling = {n: (bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
-                    for n in bpf1 if n in SAMPLING_PROGRAMS}
-        bpf_ns = sum(bpf1[n][0] - bpf0.get(n, (0, 0))[0] for n in bpf1)
-        samples = sum(c for _, c in sampling.values()) or prof.samples()
-        ns_per_sample = (sum(t for t, _ in sampling.values()) / sum(c for _, c in sampling.values())
-                         if sampling and sum(c for _, c in sampling.values()) else None)
-        out = {"elapsed_s": elapsed, "profiler_cpu_s": profiler_cpu_s,
-               "profiler_cpu_pct": None if profiler_cpu_s is None else 100 * profiler_cpu_s / elapsed,
-               "rss_bytes": rss, "bpf_ns": bpf_ns, "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
-               "bpf_ns_per_sample": ns_per_sample, "samples": samples}
-        if workload == "deep-nofp":
-            out["whole_stack_share"] = prof.completeness(argv[0], pid)
+        if len(runs) == 1 and out[0]["samples"] is None:
+            out[0]["samples"] = prof.samples()    # perf counts its samples for the whole of its run
+        for fig, (workload, argv, _), pid in zip(out, runs, pids_of_runs):
+            if workload == "deep-nofp":   # from what the profiler wrote by its stop
+                fig["whole_stack_share"] = prof.completeness(argv[0], pid)
         if not self.keep:
             shutil.rmtree(d, ignore_errors=True)
         return out
@@ -421,28 +429,29 @@ class OverheadBench:
         try:
             cmds = build(tmp)
             units = {w: size(cmds, w, self.seconds) for w in self.workloads}
-            warmup = {w: max(1, int(u * DEEP_WARMUP_S / self.seconds)) for w, u in units.items()}
+            argvs = {w: workload_argv(cmds, w, units[w]) for w in self.workloads}
+            warmup = {w: workload_argv(cmds, w, max(1, int(u * DEEP_WARMUP_S / self.seconds)))
+                      for w, u in units.items()}
             self.log(f"overhead: workloads sized to ~{self.seconds} s alone: {units}")
             n = 0
             for r in range(self.rounds):
                 bpf.wait_until_no_foreign_profiler(self.our_prog_ids, self.quiet_wait, self.log)
-                for workload in self.workloads:
-                    argv = workload_argv(cmds, workload, units[workload])
-                    configs = self.configs(workload)
-                    if r % 2:
-                        configs.reverse()
-                    for profiler, hz in configs:
-                        alone, alone_cpu_s, _ = run_workload(argv, workload)          # A
-                        n += 1
-                        fig = self.one(workload, argv, profiler, hz, Path(tmp) / f"r{n}", alone_cpu_s,  # B
-                                       workload_argv(cmds, workload, warmup[workload]))
-                        fig.update({"round": r, "workload": workload, "profiler": profiler, "hz": hz,
-                                    "alone_s": alone, "ratio": alone / fig["elapsed_s"]})
+                configs = self.configs()
+                if r % 2:
+                    configs.reverse()
+                for profiler, hz, workloads in configs:
+                    order = list(reversed(workloads)) if r % 2 else list(workloads)
+                    alone = {w: run_workload(argvs[w], w)[:2] for w in order}                  # A, each
+                    n += 1
+                    figs = self.under(profiler, hz, Path(tmp) / f"r{n}",                        # B, each
+                                      [(w, argvs[w], alone[w][1]) for w in order], warmup)
+                    for fig in figs:
+                        alone_s = alone[fig["workload"]][0]
+                        fig.update({"round": r, "profiler": profiler, "hz": hz, "alone_s": alone_s,
+                                    "ratio": alone_s / fig["elapsed_s"]})
                         runs.append(fig)
-                        self.log(f"overhead round {r + 1}/{self.rounds} {workload} {profiler} {hz} Hz: ratio "
-                                 f"{fig['ratio']:.3f}, profiler CPU "
-                                 + (f"{fig['profiler_cpu_pct']:.2f}%" if fig["profiler_cpu_pct"] is not None
-                                    else "n/a")
+                        self.log(f"overhead round {r + 1}/{self.rounds} {fig['workload']} {profiler} {hz} Hz: "
+                                 f"ratio {fig['ratio']:.3f}, profiler CPU {fig['profiler_cpu_pct']:.2f}%"
                                  + (f", BPF {fig['bpf_ns_per_sample']:.0f} ns/sample"
                                     if fig["bpf_ns_per_sample"] else ""))
         finally:
