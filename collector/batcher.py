@@ -58,7 +58,7 @@ def build_batches(
     live_workers: Sequence[int],
 ) -> dict[int, StackBatch]:
     """Batches by worker index; workers with nothing to do get none."""
-    by_pid: dict[int, list[tuple[int, int, int, int, int, int]]] = defaultdict(list)
+    by_pid: dict[int, list[tuple]] = defaultdict(list)
     for s in drain.samples:
         by_pid[s[0]].append(s)
 
@@ -68,12 +68,12 @@ def build_batches(
         proc = procs.get(pid, addresses) or _unknown(pid)
         b = builders[worker_for(proc.service, live_workers)]
         b.processes[pid] = proc
-        for pid_, tid, ustack, kstack, count, value in samples:
+        for s in samples:
             b.samples.append(Sample(
-                pid=pid_, tid=tid,
-                user_stack=b.stack(ustack, drain.user_stacks, b.user, b.user_stacks),
-                kernel_stack=b.stack(kstack, drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                count=count, value=value,
+                pid=s[0], tid=s[1],
+                user_stack=b.stack(s[2], drain.user_stacks, b.user, b.user_stacks),
+                kernel_stack=b.stack(s[3], drain.kernel_stacks, b.kernel, b.kernel_stacks),
+                count=s[4], value=s[5], extra=tuple(s[6]) if len(s) > 6 else (),
             ))
 
     # Host-wide loss counts travel once, with the lowest live worker's batch.

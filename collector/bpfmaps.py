@@ -26,8 +26,8 @@ FLIP_GRACE_S = 0.005
 @dataclass
 class RawDrain:
     """One drain: counts by key, and the stacks the keys refer to (leaf first)."""
-    samples: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    # (pid, tid, user stack id, kernel stack id, count, value in ns)
+    samples: list[tuple] = field(default_factory=list)
+    # (pid, tid, user stack id, kernel stack id, count, value[, extra values]): value in ns, or bytes (alloc)
     user_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     kernel_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)

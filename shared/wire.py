@@ -37,7 +37,9 @@ MAX_ITEMS = 10_000_000         # samples, stacks, processes in one batch
 MAX_STRING = 4096              # paths, names, labels
 U64 = (1 << 64) - 1
 
-PROFILE_TYPES = ("cpu", "offcpu", "python_wall")
+PROFILE_TYPES = ("cpu", "offcpu", "python_wall", "alloc", "lock")
+# Values a sample carries beyond (count, value): alloc's inuse objects and bytes.
+MAX_EXTRA_VALUES = 2
 # An unwind table of one module: /usr/bin/node's is ~400K rows (6.4 MB); 64 MiB
 # is ten times that and bounds what one answer can make the collector hold.
 MAX_UNWIND_TABLE_BYTES = 64 << 20
@@ -86,8 +88,9 @@ class Sample:
     tid: int
     user_stack: int            # index into StackBatch.user_stacks, -1 if none
     kernel_stack: int          # index into StackBatch.kernel_stacks, -1 if none
-    count: int                 # samples (cpu) or blocking intervals (offcpu)
-    value: int                 # nanoseconds: on-CPU time or blocked time
+    count: int                 # samples (cpu), blocking intervals (offcpu), waits (lock), allocations (alloc)
+    value: int                 # nanoseconds: on-CPU, blocked or waiting time; bytes (alloc)
+    extra: tuple[int, ...] = ()   # alloc: (inuse objects, inuse bytes); at most MAX_EXTRA_VALUES
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +200,8 @@ def encode(msg: Message) -> list[bytes]:
             "processes": [_process_json(p) for p in msg.processes],
             "user_stacks": msg.user_stacks,
             "kernel_stacks": msg.kernel_stacks,
-            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value] for s in msg.samples],
+            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value, *s.extra]
+                        for s in msg.samples],
             "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
             "lost": msg.lost,
             "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode]
@@ -371,14 +375,15 @@ def _batch(b: dict[str, Any]) -> StackBatch:
     nu, nk = len(user_stacks), len(kernel_stacks)
 
     def sample(v: Any, what: str) -> Sample:
-        s = _list(v, what, 6)
-        if len(s) != 6:
-            raise WireError(f"{what}: a sample has 6 fields")
+        s = _list(v, what, 6 + MAX_EXTRA_VALUES)
+        if not 6 <= len(s) <= 6 + MAX_EXTRA_VALUES:
+            raise WireError(f"{what}: a sample has 6 to {6 + MAX_EXTRA_VALUES} fields")
         return Sample(
             pid=_int(s[0], "sample pid", 0, 1 << 32), tid=_int(s[1], "sample tid", 0, 1 << 32),
             user_stack=_int(s[2], "user_stack index", -1, nu - 1),
             kernel_stack=_int(s[3], "kernel_stack index", -1, nk - 1),
             count=_int(s[4], "count"), value=_int(s[5], "value"),
+            extra=tuple(_int(x, "extra value") for x in s[6:]),
         )
 
     def ksym(v: Any, what: str) -> tuple[int, str]:

@@ -81,7 +81,8 @@ class Worker:
         self.windows = Windows(cfg.upload_interval_s)
         # The period of a profile type whose batches do not set it (cpu takes the batch's
         # sample_hz: the collector's overhead guard changes the rate while it runs).
-        self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1}
+        self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1, "lock": 1,
+                       "alloc": max(1, cfg.alloc_sample_bytes)}
         ctx = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
@@ -152,7 +153,7 @@ class Worker:
                     uf = user_frames[key] = tuple(self.resolver.user(proc, batch.user_stacks[s.user_stack]))
                 frames += uf
             labels, window = target
-            window.add(labels, frames, s.count, s.value)
+            window.add(labels, frames, s.count, s.value, s.extra)
             window.period = period or window.period
             self.stats["samples"] += s.count
 

@@ -18,13 +18,17 @@ from ebpfprofiler.symbolizer.window import TRUNCATED, ClosedWindow
 
 @dataclass(frozen=True)
 class ProfileKind:
-    sample_types: tuple[tuple[str, str], ...]   # values of a row: (count, value)
+    sample_types: tuple[tuple[str, str], ...]   # values of a row: (count, value, *extra)
     period_type: tuple[str, str]
 
 
 KINDS: dict[str, ProfileKind] = {
     "cpu": ProfileKind((("samples", "count"), ("cpu", "nanoseconds")), ("cpu", "nanoseconds")),
     "offcpu": ProfileKind((("samples", "count"), ("offcpu", "nanoseconds")), ("offcpu", "nanoseconds")),
+    # Go's heap profile's names; inuse: sampled allocations not freed when the window ended.
+    "alloc": ProfileKind((("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"),
+                          ("inuse_space", "bytes")), ("space", "bytes")),
+    "lock": ProfileKind((("contentions", "count"), ("delay", "nanoseconds")), ("contentions", "count")),
 }
 
 # Module-relative addresses are file offsets; every mapping spans them all.
@@ -36,7 +40,9 @@ def build(window: ClosedWindow, period: int) -> tuple[bytes, int]:
     kind = KINDS[window.profile_type]
     b = ProfileBuilder(kind.sample_types, kind.period_type, period, window.start_ns,
                        window.end_ns - window.start_ns)
-    for (labels, frames), (count, value) in window.data.rows.items():
+    width = len(kind.sample_types)
+    for (labels, frames), row in window.data.rows.items():
+        values = (row + [0] * width)[:width]
         locations = []
         if frames == TRUNCATED:
             m = b.mapping("[truncated]", "[truncated]")
@@ -48,5 +54,5 @@ def build(window: ClosedWindow, period: int) -> tuple[bytes, int]:
                               memory_limit=_MAPPING_LIMIT, has_functions=bool(f.function))
                 fids = [b.function(f.function)] if f.function else []
                 locations.append(b.location(f, m, f.address, fids))
-        b.sample(locations, [count, value], dict(labels))
+        b.sample(locations, values, dict(labels))
     return b.gzipped(), b.sample_count

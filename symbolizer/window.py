@@ -29,11 +29,12 @@ TRUNCATED: tuple[Hashable, ...] = ("[truncated]",)
 
 @dataclass
 class ServiceWindow:
-    rows: dict[tuple[Hashable, Hashable], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value]
+    rows: dict[tuple[Hashable, Hashable], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value, *extra]
     truncated: int = 0
     period: int = 0      # the pprof period: of the last batch added (the collector's rate may change)
 
-    def add(self, labels: Hashable, frames: Hashable, count: int, value: int) -> None:
+    def add(self, labels: Hashable, frames: Hashable, count: int, value: int, extra: tuple[int, ...] = ()) -> None:
+        """Sum one sample's values into its row; `extra`: values after (count, value) (alloc's inuse)."""
         key = (labels, frames)
         row = self.rows.get(key)
         if row is None:
@@ -45,6 +46,10 @@ class ServiceWindow:
                 row = self.rows[key] = [0, 0]
         row[0] += count
         row[1] += value
+        for i, x in enumerate(extra):
+            if len(row) <= 2 + i:
+                row.append(0)
+            row[2 + i] += x
 
 
 @dataclass(frozen=True)
