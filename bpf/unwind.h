@@ -105,9 +105,9 @@ struct unwind_state {
 BPF_ARRAY(unwind_rows, struct unwind_row, UNWIND_ROWS);
 BPF_ARRAY(unwind_modules, struct unwind_module, UNWIND_MODULES);
 BPF_HASH(unwind_procs, u32, struct unwind_proc, UNWIND_PROCS);
-// Slot 0: on-CPU, slot 1: off-CPU (a sched_switch cannot interrupt a sample
-// on its CPU, nor the other way round, but they must not share a slot).
-BPF_PERCPU_ARRAY(unwind_scratch, struct unwind_state, 2);
+// Slot 0: on-CPU, slot 1: off-CPU, slot 2: lock (a tracing program cannot
+// interrupt another on its CPU, but no two families share a slot).
+BPF_PERCPU_ARRAY(unwind_scratch, struct unwind_state, 3);
 BPF_PERCPU_ARRAY(unwind_counters, u64, UNWIND_COUNTER_SLOTS);
 
 static __always_inline void unwind_add(int slot, u64 k) {

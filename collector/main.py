@@ -32,16 +32,20 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import bpfstats, overhead, preflight, unwind
+from ebpfprofiler.collector import alloc, bpfstats, overhead, preflight, unwind
+from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
+from ebpfprofiler.collector.lock import LOCK_PIDS, LockTracer
+from ebpfprofiler.collector.routing import worker_for
+from ebpfprofiler.collector.targets import TargetWatcher
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, privileges, ready, remote_config
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import StackBatch, encode
+from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 
 # How often BPF maps are drained into batches; the issue fixes it at one second.
 DRAIN_INTERVAL_S = 1.0
@@ -110,26 +114,42 @@ class Collector:
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
         self.ksyms = KernelSymbols()
-        families = ["oncpu"] + (["offcpu"] if cfg.offcpu else [])
+        families = (["oncpu"] + (["offcpu"] if cfg.offcpu else []) + (["lock"] if cfg.lock_targets else [])
+                    + (["alloc"] if cfg.alloc_targets else []))
         defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
-                   "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000}
+                   "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
+                   "LOCK_PIDS": LOCK_PIDS, **alloc.bpf_defines(cfg.alloc_sample_bytes)}
         dwarf = cfg.dwarf_unwind
         if dwarf and unwind.supported():
             log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())
             dwarf = False
         offcpu_dwarf = dwarf and cfg.offcpu and cfg.offcpu_dwarf
+        lock_dwarf = dwarf and bool(cfg.lock_targets)
         if dwarf:
-            defines.update(unwind.bpf_defines(offcpu_dwarf))
+            defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
         self.programs = Programs(bpf_dir, families, defines)
         self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz, dwarf=dwarf)
         self.sources: list = [self.oncpu]
         if cfg.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms, dwarf=offcpu_dwarf))
+        # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
+        self.lock = self.alloc = None
+        self.watchers: list[tuple[TargetWatcher, LockTracer | alloc.AllocTracer]] = []
+        if cfg.lock_targets:
+            self.lock = LockTracer(self.programs.bpf, dwarf=lock_dwarf)
+            self.sources.append(self.lock)
+            self.watchers.append((TargetWatcher(cfg.lock_targets), self.lock))
+        if cfg.alloc_targets:
+            self.alloc = alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes)
+            self.sources.append(self.alloc)
+            self.watchers.append((TargetWatcher(cfg.alloc_targets), self.alloc))
+        self._inuse_window: int | None = None
+        self._lock_tables: dict[int, int] = {}    # lock target → modules with tables, as last logged
         ctx = zmq.Context.instance()
         self.unwind = None
         if dwarf:
-            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["offcpu"] if offcpu_dwarf else []),
-                                              run_dir, ctx)
+            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["offcpu"] if offcpu_dwarf else [])
+                                              + (["lock"] if lock_dwarf else []), run_dir, ctx)
             log.info("DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from "
                      "the symbolizers at %s", " and off-CPU" if offcpu_dwarf else "", endpoints.unwind(run_dir))
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
@@ -174,28 +194,22 @@ class Collector:
         self.sampling = True
 
     def drain_once(self) -> None:
-        from ebpfprofiler.collector.batcher import build_batches
-
         live = self.links.live()
         if self.unwind is not None:
             self.unwind.receive()
             self.unwind.sweep()
+        if self.sampling:
+            for watcher, tracer in self.watchers:
+                appeared, gone = watcher.scan()
+                for t in gone:
+                    tracer.remove(t)
+                    self._lock_tables.pop(t.pid, None)
+                for t in appeared:
+                    tracer.add(t)
+        if self.unwind is not None and self.lock is not None and self.lock.pids:
+            self.track_lock_targets(live)
         for src in self.sources:
-            raw = src.drain()
-            batches = build_batches(
-                raw, self.procs, self.ksyms.name, host=self.host, profile_type=src.profile_type,
-                sample_hz=self.oncpu.sample_hz, time_ns=time.time_ns(), live_workers=live)
-            self.samples[src.profile_type] += sum(s[4] for s in raw.samples)
-            for reason, n in raw.lost.items():
-                key = f"{src.profile_type}.{reason}"
-                self.lost[key] = self.lost.get(key, 0) + n
-            if raw.lost:
-                log.warning("%s: lost in kernel this drain: %s (totals %s)", src.profile_type, raw.lost, self.lost)
-            for worker, batch in batches.items():
-                if self.unwind is not None:
-                    batch = self.unwind.annotate(batch)
-                self.send(worker, batch)
-                self.announcer.observe(batch.processes)
+            self.ship(src.drain(), src.profile_type, time.time_ns(), live)
         self.announcer.flush()
         if self.unwind is not None:
             counters = self.unwind.counters()
@@ -203,6 +217,64 @@ class Collector:
                 log.warning("DWARF unwinder this drain: %s", counters)
             for name, n in counters.items():
                 self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
+
+    def ship(self, raw: RawDrain, profile_type: str, time_ns: int, live: Sequence[int]) -> None:
+        """One drain of one family: joined with /proc, batched per worker, sent; its losses counted."""
+        from ebpfprofiler.collector.batcher import build_batches
+
+        batches = build_batches(
+            raw, self.procs, self.ksyms.name, host=self.host, profile_type=profile_type,
+            sample_hz=self.oncpu.sample_hz, time_ns=time_ns, live_workers=live)
+        self.samples[profile_type] += sum(s[4] for s in raw.samples)
+        for reason, n in raw.lost.items():
+            key = f"{profile_type}.{reason}"
+            self.lost[key] = self.lost.get(key, 0) + n
+        if raw.lost:
+            log.warning("%s: lost in kernel this drain: %s (totals %s)", profile_type, raw.lost, self.lost)
+        for worker, batch in batches.items():
+            if self.unwind is not None:
+                batch = self.unwind.annotate(batch)
+            self.send(worker, batch)
+            self.announcer.observe(batch.processes)
+
+    def track_lock_targets(self, live: Sequence[int]) -> None:
+        """Unwind tables for every module of each lock target, asked for in a batch of no samples."""
+        assert self.unwind is not None and self.lock is not None
+        by_worker: dict[int, tuple[list[Process], list[UnwindRequest]]] = {}
+        for pid in sorted(self.lock.pids):
+            proc = self.procs.get(pid)
+            if proc is None:
+                continue
+            requests = self.unwind.track(proc)
+            covered = self.unwind.covered(proc)
+            if len(covered) > self._lock_tables.get(pid, 0):
+                self._lock_tables[pid] = len(covered)
+                log.info("lock profiling: pid %d unwound with the tables of %s", pid,
+                         ", ".join(os.path.basename(c) for c in covered))
+            if requests:
+                procs, reqs = by_worker.setdefault(worker_for(proc.service, live), ([], []))
+                procs.append(proc)
+                reqs.extend(requests)
+        for worker, (procs, reqs) in by_worker.items():
+            self.send(worker, StackBatch(host=self.host, profile_type="lock", sample_hz=self.oncpu.sample_hz,
+                                         time_ns=time.time_ns(), processes=tuple(procs), user_stacks=(),
+                                         kernel_stacks=(), samples=(), unwind_requests=tuple(reqs)))
+
+    def inuse_if_due(self, interval_s: int, final: bool = False) -> None:
+        """Once an upload window has ended (or on stop): the live allocations, into that window's alloc profile."""
+        if self.alloc is None:
+            return
+        now = time.time_ns()
+        start = now - now % (interval_s * 1_000_000_000)
+        if self._inuse_window is None and not final:
+            self._inuse_window = start
+            return
+        if start == self._inuse_window and not final:
+            return
+        self._inuse_window = start
+        # Stamped inside the window that ended (a drain runs within a second of its end; the
+        # symbolizers close a window WINDOW_GRACE_S after it), or now on stop.
+        self.ship(self.alloc.inuse(), alloc.PROFILE_TYPE, now if final else start - 1, self.links.live())
 
     def set_rate(self, sample_hz: int) -> None:
         """Sample at `sample_hz`: detach, drain what was taken at the old period, attach at the new one."""
@@ -276,6 +348,9 @@ class Collector:
         if self.unwind is not None:
             self.unwind.close()
             log.info("DWARF unwinding: %s; in kernel: %s", self.unwind.stats, self.unwind_counters)
+        if self.alloc is not None:
+            self.alloc.close()
+            log.info("allocation profiling: %s", self.alloc.stats)
         self.programs.close()
         overhead.remove_status(self.run_dir)
         self.links.close()
@@ -346,8 +421,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
 
 def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
           stats: bpfstats.RunTimeStats | None) -> int:
+    # Allocation profiling's uprobes need CAP_SYS_ADMIN: kept only when the config asks for it (a
+    # config that cannot be read is reported below, as the stage).
+    extra: frozenset[int] = frozenset()
+    if args.config and not args.preflight:
+        try:
+            if config_mod.load(args.config).alloc_targets:
+                extra = privileges.OPTIONAL_CAPS["collector"]
+        except config_mod.ConfigError:
+            pass
     try:
-        privileges.become("collector")   # first: every check and every step below runs as the stage
+        privileges.become("collector", extra)   # first: every check and every step below runs as the stage
     except privileges.PrivilegeError as e:
         print(f"{prog}: cannot run as the collector's user: {e}", file=sys.stderr)
         return 1
@@ -410,11 +494,14 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             if hup.is_set():
                 hup.clear()
                 cfg = reload_budget(collector, cfg, args.config)
-            collector.end_window_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s)
+            interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
+            collector.inuse_if_due(interval_s)
+            collector.end_window_if_due(interval_s)
             next_drain += DRAIN_INTERVAL_S
             if next_drain < time.monotonic():   # fell behind (suspended?): do not burst
                 next_drain = time.monotonic() + DRAIN_INTERVAL_S
         collector.drain_once()   # what was sampled since the last drain
+        collector.inuse_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
         ready.withdraw(args.run_dir, "collector")
         collector.close()

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from bcc import BPF  # type: ignore[import-not-found]
 
-FAMILIES = ("oncpu", "offcpu")
+FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace.
 INIT_PID_NS_INO = 0xEFFFFFFC
 

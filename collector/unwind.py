@@ -74,7 +74,8 @@ PROC_IDLE_S = 120.0
 COUNTERS = ("tail_call_failed", "stack_map_full", "truncated", "fp_steps", "dwarf_steps")
 # The step program of each family, and the program array it goes in.
 STEP_PROGRAMS = {"oncpu": ("oncpu_unwind_step", "oncpu_unwind_progs"),
-                 "offcpu": ("offcpu_unwind_step", "offcpu_unwind_progs")}
+                 "offcpu": ("offcpu_unwind_step", "offcpu_unwind_progs"),
+                 "lock": ("lock_unwind_step", "lock_unwind_progs")}
 
 ModuleKey = tuple[str, int]    # (dev, inode) as /proc/<pid>/maps gives them
 
@@ -123,7 +124,7 @@ class RowAllocator:
             del self._free[i]
 
 
-def bpf_defines(offcpu_dwarf: bool) -> dict[str, int]:
+def bpf_defines(offcpu_dwarf: bool, lock_dwarf: bool = False) -> dict[str, int]:
     """The -D flags of bpf/unwind.h and the families' DWARF paths."""
     d = {"DWARF_UNWIND": 1, "UNWIND_ROWS": UNWIND_ROWS, "UNWIND_MODULES": UNWIND_MODULES,
          "UNWIND_PROCS": UNWIND_PROCS, "DWARF_STACK_ENTRIES": DWARF_STACK_ENTRIES}
@@ -131,6 +132,8 @@ def bpf_defines(offcpu_dwarf: bool) -> dict[str, int]:
         d["HAVE_TASK_PT_REGS"] = 1
     if offcpu_dwarf:
         d["OFFCPU_DWARF"] = 1
+    if lock_dwarf:
+        d["LOCK_DWARF"] = 1
     return d
 
 
@@ -285,32 +288,58 @@ class UnwindTables:
             if s.user_stack >= 0:
                 addresses.setdefault(s.pid, set()).update(batch.user_stacks[s.user_stack])
         requests: list[UnwindRequest] = []
-        budget = MAX_REQUESTS_PER_DRAIN
         # The most sampled processes ask first: their stacks matter most.
         for proc in sorted(batch.processes, key=lambda p: -weight.get(p.pid, 0)):
             if proc.start_ticks == 0 or not proc.mappings:    # exited before it was read
                 continue
-            for m in self._sampled_mappings(proc, addresses.get(proc.pid, ()), now):
-                if budget <= 0:
-                    break
-                key = (m.dev, m.inode)
-                if not m.path.startswith("/") or m.inode == 0 or key in self.modules or key in self.unavailable:
-                    continue
-                asked = self._requested.get(key)
-                if asked is not None and now - asked < REQUEST_RETRY_S:
-                    continue
-                self._requested[key] = now
-                requests.append(UnwindRequest(pid=proc.pid, start_ticks=proc.start_ticks, start=m.start,
-                                              end=m.end, dev=m.dev, inode=m.inode))
-                budget -= 1
+            self._ask(proc, self._sampled_mappings(proc, addresses.get(proc.pid, ()), now), now, requests)
             self._update_process(proc, now)
-        if len(self._requested) > MAX_UNAVAILABLE:   # answers that never came, for modules long gone
-            for key in [k for k, t in self._requested.items() if now - t >= REQUEST_RETRY_S]:
-                del self._requested[key]
-        self.stats["requested"] += len(requests)
+        self._forget_old_requests(now)
         if not requests:
             return batch
         return replace(batch, unwind_requests=batch.unwind_requests + tuple(requests))
+
+    def track(self, proc: Process) -> list[UnwindRequest]:
+        """A target process (lock profiling): tables for every module it maps, not only the sampled
+        ones, so its stacks are whole from its first futex wait; its unwind_procs entry kept current."""
+        now = time.monotonic()
+        requests: list[UnwindRequest] = []
+        if proc.start_ticks == 0 or not proc.mappings:
+            return requests
+        for m in proc.mappings:
+            mod = self.modules.get((m.dev, m.inode))
+            if mod is not None:
+                mod.last_used = now
+        self._ask(proc, proc.mappings, now, requests)
+        self._update_process(proc, now)
+        self._forget_old_requests(now)
+        return requests
+
+    def covered(self, proc: Process) -> list[str]:
+        """The paths of `proc`'s modules that have a table loaded."""
+        return sorted({m.path for m in proc.mappings if (m.dev, m.inode) in self.modules})
+
+    def _ask(self, proc: Process, mappings: Iterable[Mapping], now: float, requests: list[UnwindRequest]) -> None:
+        """Append requests for the modules of `mappings` that have no table and were not asked for lately
+        (up to MAX_REQUESTS_PER_DRAIN in `requests`)."""
+        for m in mappings:
+            if len(requests) >= MAX_REQUESTS_PER_DRAIN:
+                break
+            key = (m.dev, m.inode)
+            if not m.path.startswith("/") or m.inode == 0 or key in self.modules or key in self.unavailable:
+                continue
+            asked = self._requested.get(key)
+            if asked is not None and now - asked < REQUEST_RETRY_S:
+                continue
+            self._requested[key] = now
+            requests.append(UnwindRequest(pid=proc.pid, start_ticks=proc.start_ticks, start=m.start,
+                                          end=m.end, dev=m.dev, inode=m.inode))
+            self.stats["requested"] += 1
+
+    def _forget_old_requests(self, now: float) -> None:
+        if len(self._requested) > MAX_UNAVAILABLE:   # answers that never came, for modules long gone
+            for key in [k for k, t in self._requested.items() if now - t >= REQUEST_RETRY_S]:
+                del self._requested[key]
 
     def _sampled_mappings(self, proc: Process, addresses: Iterable[int], now: float) -> list[Mapping]:
         """The mappings that sampled stacks went through, leaf modules first; their tables are marked used.

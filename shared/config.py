@@ -41,6 +41,14 @@ DEFAULT_CPU_BUDGET = 2.0
 # Percent of one CPU the whole profiler (every stage's CPU plus its BPF run
 # time) may use per upload window; over it the collector halves sample_hz.
 DEFAULT_OVERHEAD_BUDGET_PCT = 1.0
+# Allocation profiling samples one allocation per this many bytes on average
+# (Go's and tcmalloc's heap profilers use 512 KiB): most malloc calls then only
+# decrement a counter in the uprobe. 0 records every allocation.
+DEFAULT_ALLOC_SAMPLE_BYTES = 512 * 1024
+# Each alloc target process costs seven uprobes; each lock target a map entry.
+MAX_TARGETS = 64
+# A target: an executable name or path, a container id, or cgroup:/path.
+MAX_TARGET_CHARS = 4096
 
 
 class ConfigError(ValueError):
@@ -70,6 +78,9 @@ class ProfilerConfig:
     runtime_stacks: tuple[str, ...] = ()
     cpu_budget: float = DEFAULT_CPU_BUDGET
     overhead_budget_pct: float = DEFAULT_OVERHEAD_BUDGET_PCT
+    alloc_targets: tuple[str, ...] = ()
+    lock_targets: tuple[str, ...] = ()
+    alloc_sample_bytes: int = DEFAULT_ALLOC_SAMPLE_BYTES
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -87,6 +98,10 @@ class _Rule:
     low: int | None = None
     high: int | None = None
 
+
+_TARGETS = (f"a list of at most {MAX_TARGETS} targets, each an executable name (matched against the "
+            "executable's file name and the process name) or absolute path, a container id (12 to 64 hex "
+            "digits, a prefix of the full id) or cgroup:/path (the process's cgroup v2 path or one under it)")
 
 # One rule per key: the type it must have and, for numbers, the range.
 _RULES: dict[str, _Rule] = {
@@ -119,6 +134,10 @@ _RULES: dict[str, _Rule] = {
     # From 0.001: a budget a test can exceed on purpose; 100: all of one CPU.
     "overhead_budget_pct": _Rule(float, "a number from 0.001 to 100 (percent of one CPU the whole profiler, "
                                         "its BPF programs included, may use per upload window)", 0.001, 100),
+    "alloc_targets": _Rule(list, _TARGETS),
+    "lock_targets": _Rule(list, _TARGETS),
+    "alloc_sample_bytes": _Rule(int, "an integer from 0 (every allocation) to 1073741824 (bytes between sampled "
+                                     "allocations, on average)", 0, 1 << 30),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -129,6 +148,11 @@ def _check(key: str, value: Any, source: str) -> Any:
     bad = ConfigError(f"{where} = {value!r} is not allowed; expected {rule.allowed}")
     if rule.kind is tuple:   # a YAML list of known names, kept as a tuple (the config is frozen)
         if not isinstance(value, (list, tuple)) or any(v not in RUNTIME_STACKS for v in value):
+            raise bad
+        return tuple(dict.fromkeys(value))
+    if rule.kind is list:    # target specs (collector/targets.py matches them)
+        if not isinstance(value, (list, tuple)) or len(value) > MAX_TARGETS or not all(
+                isinstance(v, str) and _valid_target(v) for v in value):
             raise bad
         return tuple(dict.fromkeys(value))
     if rule.kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -151,6 +175,14 @@ def _check(key: str, value: Any, source: str) -> Any:
     if key in ("ca_file", "token_file") and value and not os.path.isabs(value):
         raise bad
     return value
+
+
+def _valid_target(spec: str) -> bool:
+    if not spec or len(spec) > MAX_TARGET_CHARS or any(c.isspace() or c == "\0" for c in spec):
+        return False
+    if spec.startswith("cgroup:"):
+        return spec[len("cgroup:"):].startswith("/")
+    return not spec.startswith("/") or os.path.isabs(spec)
 
 
 def check(key: str, value: Any, source: str = "<config>") -> Any:

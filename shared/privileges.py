@@ -26,6 +26,7 @@ AGENT_GROUP = "ebpfprofiler"
 # linux/capability.h; python-prctl does not name CAP_CHECKPOINT_RESTORE (5.9+).
 CAP_DAC_READ_SEARCH = 2
 CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
 CAP_SYSLOG = 34
 CAP_PERFMON = 38
 CAP_BPF = 39
@@ -47,6 +48,14 @@ STAGES: dict[str, StagePrivileges] = {
     "uploader": StagePrivileges("ebpfprofiler-uploader", frozenset()),
     # process_vm_readv of other users' processes, nothing else.
     "runtime": StagePrivileges("ebpfprofiler-runtime", frozenset({CAP_SYS_PTRACE})),
+}
+
+
+# Capabilities a stage takes only when its config asks for what needs them.
+OPTIONAL_CAPS: dict[str, frozenset[int]] = {
+    # alloc_targets: creating a uprobe takes CAP_SYS_ADMIN since Linux 6.16 (CAP_PERFMON before):
+    # a uprobe writes a breakpoint into another process's code.
+    "collector": frozenset({CAP_SYS_ADMIN}),
 }
 
 
@@ -74,14 +83,18 @@ def ids(stage: str) -> tuple[int, int]:
     return uid, gid
 
 
-def become(stage: str) -> None:
-    """Run as `stage`'s user with exactly its capabilities, and no_new_privs."""
+def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
+    """Run as `stage`'s user with exactly its capabilities (and those of `extra`, which must be among
+    its OPTIONAL_CAPS), and no_new_privs."""
     priv = STAGES[stage]
-    caps = sorted(priv.caps)
+    if not extra <= OPTIONAL_CAPS.get(stage, frozenset()):
+        raise ValueError(f"{stage} has no optional capabilities {sorted(extra)}")
+    keep = priv.caps | extra
+    caps = sorted(keep)
     if os.geteuid() == 0:
         uid, gid = ids(stage)
         for cap in range(_last_cap() + 1):   # needs CAP_SETPCAP: before the uid change
-            if cap not in priv.caps:
+            if cap not in keep:
                 prctl.capbset.drop(cap)
         prctl.set_keepcaps(True)
         os.setgroups([gid])

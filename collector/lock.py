@@ -1,0 +1,55 @@
+"""Lock contention: bpf/lock.c on syscalls:sys_enter_futex and sys_exit_futex, for target processes.
+
+Owns: the family's name and tracepoints, and lock_pids, the set of processes
+whose futex waits are recorded (the collector adds a lock target when it
+appears and removes it when it exits). Draining and the stack map's lifetime
+are collector/intervals.py's, shared with off-CPU.
+
+Must not: read /proc (collector/targets.py finds the targets) or talk to
+other stages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from ebpfprofiler.collector.intervals import IntervalTracer
+from ebpfprofiler.collector.targets import Target
+
+log = logging.getLogger(__name__)
+
+PROFILE_TYPE = "lock"
+TRACEPOINTS = (b"syscalls:sys_enter_futex", b"syscalls:sys_exit_futex")
+# Lock target processes at once (bpf/lock.c lock_pids): a map entry each.
+LOCK_PIDS = 4096
+
+
+class LockTracer(IntervalTracer):
+    def __init__(self, bpf: Any, dwarf: bool = False) -> None:
+        super().__init__(bpf, "lock", PROFILE_TYPE, TRACEPOINTS, dwarf)
+        self._pids = bpf["lock_pids"]
+        self.pids: set[int] = set()
+        self.refused = 0
+        log.info("lock profiling attached to %s for target processes", " and ".join(t.decode() for t in TRACEPOINTS))
+
+    def add(self, t: Target) -> None:
+        if len(self.pids) >= LOCK_PIDS:
+            self.refused += 1
+            log.warning("lock profiling: %d target processes already; pid %d (%s) is not profiled",
+                        LOCK_PIDS, t.pid, t.executable)
+            return
+        self._pids[ctypes.c_uint32(t.pid)] = ctypes.c_uint8(1)
+        self.pids.add(t.pid)
+        log.info("lock profiling: futex waits of pid %d (%s, target %r) are recorded", t.pid, t.executable, t.spec)
+
+    def remove(self, t: Target) -> None:
+        if t.pid not in self.pids:
+            return
+        self.pids.discard(t.pid)
+        try:
+            del self._pids[ctypes.c_uint32(t.pid)]
+        except KeyError:
+            pass
+        log.info("lock profiling: pid %d (%s) is gone; no longer recorded", t.pid, t.executable)

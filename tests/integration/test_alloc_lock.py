@@ -1,0 +1,274 @@
+"""Allocation and lock-contention profiles end to end, for target processes only.
+
+Given the pipeline with alloc_targets (uprobes on libc's allocator, sampled
+by bytes) or lock_targets (futex waits), when C workloads built from source
+allocate and contend in known functions, then the received alloc profiles
+split the allocated bytes 3:1 between path_a() and path_b() and show only
+path_leak()'s bytes in use, the lock profiles put the waiting in
+contended() and none in quiet(), and a process that is not a target has no
+uprobe in its memory and never enters our programs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import endpoints, pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root, stop_process, wait_for
+
+INTERVAL_S = 4
+ITERATIONS = 60000
+ALLOC_FUNCTIONS = ("path_a", "path_b", "path_leak")
+LOCK_SECONDS = 4.0
+INT3 = 0xCC
+
+
+def fields(line: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+
+
+def read_line(p: subprocess.Popen, what: str, timeout: float = 120.0) -> str:
+    """The next line `p` prints (its stdout is a pipe), or fail at the deadline."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            raise AssertionError(f"{what}: nothing printed in {timeout:.0f} s")
+        line = p.stdout.readline()
+    finally:
+        sel.close()
+    assert line, f"{what}: exited with {p.wait(timeout=10)} before printing"
+    return line
+
+
+def first_byte(pid: int, addr: int) -> int:
+    with open(f"/proc/{pid}/mem", "rb") as f:
+        f.seek(addr)
+        return f.read(1)[0]
+
+
+def program_runs(collector_pid: int, name: str) -> int:
+    ids = bpf_holdings(collector_pid)[0]
+    return sum(p.get("run_cnt", 0) for p in bpftool("prog", "show") if p["id"] in ids and p.get("name") == name)
+
+
+def profiles(receiver: Receiver, kind: str, exe: Path) -> list[pprof.ReadProfile]:
+    """The `kind` profiles with samples of `exe`, oldest window first."""
+    out = []
+    for meta in list_profiles(str(receiver.dir)):
+        if meta["type"] != kind:
+            continue
+        p = pprof.read(Path(meta["path"]).read_bytes())
+        if any(s.labels.get("process.executable") == str(exe) for s in p.samples):
+            out.append(p)
+    return sorted(out, key=lambda p: p.time_ns)
+
+
+def by_function(p: pprof.ReadProfile, exe: Path, value: int, names: tuple[str, ...]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for s in p.samples:
+        if s.labels.get("process.executable") != str(exe):
+            continue
+        for name in names:
+            if name in s.functions:
+                out[name] += s.values[value]
+    return out
+
+
+def collector_pid(pipeline: Pipeline) -> int:
+    return int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text().split()[0])
+
+
+@dataclass
+class AllocRun:
+    target: Path
+    done: dict[str, str]
+    bystander: dict[str, str]
+    target_byte: int           # malloc's first byte in the target's memory, uprobes attached
+    bystander_byte: int        # the same in the bystander's, at the same moment
+    bystander_runs: int        # our malloc program's runs while the bystander made ITERATIONS loops
+    uprobes_after_exit: list[dict]
+    log: str
+    alloc: list[pprof.ReadProfile]
+
+
+@pytest.fixture(scope="module")
+def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AllocRun]:
+    require_root()
+    work = tmp_path_factory.mktemp("alloc")
+    exe = build("alloc")
+    target, bystander = work / "alloc_target", work / "alloc_bystander"
+    shutil.copy(exe, target)
+    shutil.copy(exe, bystander)
+    receiver = Receiver(work / "received")
+    procs: list[subprocess.Popen] = []
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False, dwarf_unwind=False,
+            alloc_targets=("alloc_target",), endpoint=receiver.url))
+        try:
+            collector = collector_pid(pipeline)
+            # Given a target that waits for its uprobes, then allocates and leaks
+            t = subprocess.Popen([str(target), str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+            procs.append(t)
+            done = fields(read_line(t, "the target"))
+            addr = int(done["malloc_addr"], 16)
+            # and a process that is not a target, allocating as much while the target's probes are on
+            runs0 = program_runs(collector, "alloc_malloc_enter")
+            b = subprocess.Popen([str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            procs.append(b)
+            by = fields(read_line(b, "the bystander"))
+            bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
+            target_byte, bystander_byte = first_byte(t.pid, addr), first_byte(b.pid, int(by["malloc_addr"], 16))
+            # When an upload window ends with the target idle (its leak live, the rest freed)
+            idle_from = time.time()
+            wait_for("a window boundary after the target finished", lambda: (
+                time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0),
+                timeout=2 * INTERVAL_S + 5)
+            # and then the target exits
+            t.stdin.close()
+            assert t.wait(timeout=30) == 0
+            wait_for("the collector to detach from the exited target",
+                     lambda: f"pid {t.pid} (" in pipeline.log() and "uprobes detached" in pipeline.log(),
+                     timeout=15)
+            uprobes = [p for p in bpftool("perf") if p.get("pid") == collector]
+        finally:
+            assert pipeline.stop() == 0, pipeline.log()
+        log = pipeline.log()
+        yield AllocRun(target, done, by, target_byte, bystander_byte, bystander_runs, uprobes, log,
+                       profiles(receiver, "alloc", target))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+                stop_process(p)
+        receiver.stop()
+
+
+def test_alloc_space_splits_3_to_1(alloc_run: AllocRun) -> None:
+    space: dict[str, int] = defaultdict(int)
+    objects: dict[str, int] = defaultdict(int)
+    for p in alloc_run.alloc:
+        assert [t for t, _ in p.sample_types] == ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]
+        for name, v in by_function(p, alloc_run.target, 1, ALLOC_FUNCTIONS).items():
+            space[name] += v
+        for name, v in by_function(p, alloc_run.target, 0, ALLOC_FUNCTIONS).items():
+            objects[name] += v
+    ratio = space["path_a"] / space["path_b"]
+    assert abs(ratio - 3) <= 0.05 * 3, dict(space)
+    # Sampled one per 512 KiB on average and scaled back: the estimates are near what was allocated.
+    for name, actual in (("path_a", int(alloc_run.done["a_bytes"])), ("path_b", int(alloc_run.done["b_bytes"]))):
+        assert abs(space[name] - actual) <= 0.05 * actual, (name, space[name], actual)
+    # Calls too (4 of each path per iteration), though an estimate of many small allocations rests on
+    # few samples (a 100-byte malloc is sampled about once in 5,000 calls): a wide bound, far from the
+    # 1/60 an unscaled count would be.
+    calls = objects["path_a"] + objects["path_b"]
+    assert abs(calls - 8 * ITERATIONS) <= 0.35 * 8 * ITERATIONS, dict(objects)
+
+
+def test_inuse_shows_only_the_leak(alloc_run: AllocRun) -> None:
+    with_leak = [p for p in alloc_run.alloc
+                 if by_function(p, alloc_run.target, 3, ALLOC_FUNCTIONS).get("path_leak", 0) > 0]
+    assert with_leak, "no window shows path_leak's bytes in use"
+    last = by_function(with_leak[-1], alloc_run.target, 3, ALLOC_FUNCTIONS)   # idle: only the leak is live
+    assert last.get("path_a", 0) == 0 and last.get("path_b", 0) == 0, dict(last)
+    leaked = int(alloc_run.done["leak_bytes"])
+    assert abs(last["path_leak"] - leaked) <= 0.35 * leaked, (last["path_leak"], leaked)
+
+
+def test_stacks_name_the_allocating_function_under_main(alloc_run: AllocRun) -> None:
+    # Root first; the caller the entry probe's frame-pointer walk skips is back between main and malloc
+    # (libc names it __libc_malloc with its debug symbols).
+    stacks = {tuple(s.functions) for p in alloc_run.alloc for s in p.samples
+              if s.labels.get("process.executable") == str(alloc_run.target)}
+    for path, allocator in (("path_a", "malloc"), ("path_a", "calloc"), ("path_a", "realloc"),
+                            ("path_b", "malloc"), ("path_leak", "malloc")):
+        assert any(st[-3:-1] == ("main", path) and st[-1] in (allocator, f"__libc_{allocator}")
+                   for st in stacks), (path, allocator, sorted(stacks))
+
+
+def test_a_process_that_is_not_a_target_has_no_uprobe(alloc_run: AllocRun) -> None:
+    assert alloc_run.target_byte == INT3, "the target's malloc has no breakpoint: the test saw nothing"
+    assert alloc_run.bystander_byte != INT3
+    assert alloc_run.bystander["malloc_byte"] != "0xcc"
+    assert alloc_run.bystander_runs == 0, f"our malloc probe ran {alloc_run.bystander_runs} times in a bystander"
+
+
+def test_uprobes_are_detached_when_the_target_exits(alloc_run: AllocRun) -> None:
+    assert alloc_run.uprobes_after_exit == [], alloc_run.uprobes_after_exit
+    assert "7 uprobes attached to pid" in alloc_run.log
+
+
+@dataclass
+class LockRun:
+    exe: Path
+    out: dict[str, str]
+    lock: list[pprof.ReadProfile]
+
+
+@pytest.fixture(scope="module")
+def lock_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockRun]:
+    require_root()
+    work = tmp_path_factory.mktemp("lock")
+    exe = work / "lock_target"
+    shutil.copy(build("lock"), exe)
+    receiver = Receiver(work / "received")
+    procs: list[subprocess.Popen] = []
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False,
+            lock_targets=("lock_target",), endpoint=receiver.url))
+        try:
+            p = subprocess.Popen([str(exe), str(LOCK_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+            procs.append(p)
+            # Given the collector found it and loaded the unwind tables of its modules (libc has no
+            # frame pointers: the waits inside pthread_mutex_lock are unwound with them)
+            def unwound() -> bool:
+                lines = [ln for ln in pipeline.log().splitlines()
+                         if f"lock profiling: pid {p.pid} unwound with the tables of" in ln]
+                return bool(lines) and "libc.so.6" in lines[-1] and exe.name in lines[-1]
+            wait_for("the target's futex waits recorded, with its tables", unwound, timeout=60)
+            # when it runs its threads
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            out = fields(read_line(p, "the lock workload"))
+            assert p.wait(timeout=30) == 0
+        finally:
+            assert pipeline.stop() == 0, pipeline.log()
+        yield LockRun(exe, out, profiles(receiver, "lock", exe))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_process(p)
+        receiver.stop()
+
+
+def test_lock_delay_is_in_contended_and_quiet_is_absent(lock_run: LockRun) -> None:
+    assert int(lock_run.out["quiet_locks"]) > 1000 and int(lock_run.out["contended_locks"]) > 100, lock_run.out
+    total = contended = quiet = 0
+    for p in lock_run.lock:
+        assert [t for t, _ in p.sample_types] == ["contentions", "delay"]
+        for s in p.samples:
+            if s.labels.get("process.executable") != str(lock_run.exe):
+                continue
+            total += s.values[1]
+            contended += s.values[1] if "contended" in s.functions else 0
+            quiet += 1 if "quiet" in s.functions else 0
+    assert total > 0.5 * 1e9, f"only {total / 1e9:.3f} s of waiting recorded"
+    assert contended >= 0.9 * total, f"contended() {contended / 1e9:.3f} s of {total / 1e9:.3f} s"
+    assert quiet == 0
