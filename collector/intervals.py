@@ -41,8 +41,9 @@ class IntervalTracer:
     """One interval family: `prefix` names its maps, `tracepoints` its TRACEPOINT_PROBEs."""
 
     def __init__(self, bpf: Any, prefix: str, profile_type: str, tracepoints: tuple[bytes, ...],
-                 dwarf: bool = False) -> None:
+                 label: str, dwarf: bool = False) -> None:
         self.profile_type = profile_type
+        self.label = label     # how the log names it
         self.prefix = prefix
         self.tracepoints = tracepoints
         self.dwarf = dwarf     # compiled with its DWARF path: <prefix>_dwarf_stacks exists
@@ -110,7 +111,7 @@ class IntervalTracer:
             category, name = tp.split(b":")
             self._bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + category + b"__" + name)
         self._attached = True
-        log.info("%s profiling attached again to %s", self.profile_type,
+        log.info("%s profiling attached again to %s", self.label,
                  " and ".join(t.decode() for t in self.tracepoints))
 
     def detach(self) -> None:
@@ -118,4 +119,4 @@ class IntervalTracer:
             for tp in self.tracepoints:
                 self._bpf.detach_tracepoint(tp)
             self._attached = False
-            log.info("%s profiling detached", self.profile_type)
+            log.info("%s profiling detached", self.label)

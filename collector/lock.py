@@ -28,7 +28,7 @@ LOCK_PIDS = 4096
 
 class LockTracer(IntervalTracer):
     def __init__(self, bpf: Any, dwarf: bool = False) -> None:
-        super().__init__(bpf, "lock", PROFILE_TYPE, TRACEPOINTS, dwarf)
+        super().__init__(bpf, "lock", PROFILE_TYPE, TRACEPOINTS, "lock", dwarf)
         self._pids = bpf["lock_pids"]
         self.pids: set[int] = set()
         self.refused = 0

@@ -1,8 +1,10 @@
 """The collector stage: the one privileged stage. Loads BPF, drains it, ships stack batches.
 
 Owns: the stage's command line, its main loop (drain every source — on-CPU,
-and off-CPU unless offcpu: false — every DRAIN_INTERVAL_S, join with /proc,
-route to workers, send), following remote config's `enabled` (each drain it
+off-CPU unless offcpu: false, lock waits and allocations of the configured
+targets — every DRAIN_INTERVAL_S, join with /proc, route to workers, send;
+follow the targets as they come and go; once per upload window the live
+allocations, into that window's alloc profiles), following remote config's `enabled` (each drain it
 checks the overrides file the uploader writes, shared/remote_config.py:
 `enabled: false` detaches the perf events and tracepoints and keeps the BPF
 programs loaded; `enabled: true` attaches them again), the overhead guard's
@@ -78,7 +80,10 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
                     "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
                     "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
                     "the in-kernel counts every second and sends them, with process metadata and "
-                    "mappings, to the symbolizer workers over ZeroMQ. Each upload window it counts what "
+                    "mappings, to the symbolizer workers over ZeroMQ. With alloc_targets or lock_targets it also "
+                    "records, for those processes only, allocations (uprobes on libc malloc/calloc/realloc/free, "
+                    "sampled one per alloc_sample_bytes) and futex waits (lock contention). Each upload window "
+                    "it counts what "
                     "the profiler cost (every stage's CPU plus the kernel's BPF run time of its programs) "
                     "and halves sample_hz while that is over overhead_budget_pct of one CPU (doubling it "
                     "back after three windows under half the budget); the figures go to the log and to "

@@ -23,7 +23,7 @@ TRACEPOINTS = (b"sched:sched_switch", b"sched:sched_wakeup")
 
 class OffCpuTracer(IntervalTracer):
     def __init__(self, bpf: Any, min_ms: int, dwarf: bool = False) -> None:
-        super().__init__(bpf, "offcpu", PROFILE_TYPE, TRACEPOINTS, dwarf)
+        super().__init__(bpf, "offcpu", PROFILE_TYPE, TRACEPOINTS, "off-CPU", dwarf)
         self.min_ms = min_ms
         log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more",
                  " and ".join(t.decode() for t in TRACEPOINTS), min_ms)

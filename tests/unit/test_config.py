@@ -36,6 +36,11 @@ def test_an_empty_block_is_all_defaults(tmp_path: Path) -> None:
     ("local_dir: relative/dir", ["local_dir", "relative/dir", "absolute"]),
     ("symbolizer_workers: 65", ["symbolizer_workers", "65", "1 to 64"]),
     ("sampel_hz: 19", ["unknown key", "sampel_hz", "allowed keys", "sample_hz"]),
+    ("alloc_targets: myapp", ["alloc_targets", "'myapp'", "a list of at most 64 targets"]),
+    ("alloc_targets: ['']", ["alloc_targets", "['']", "executable name"]),
+    ("lock_targets: ['two words']", ["lock_targets", "two words", "container id"]),
+    ("lock_targets: ['cgroup:relative']", ["lock_targets", "cgroup:relative", "cgroup:/path"]),
+    ("alloc_sample_bytes: -1", ["alloc_sample_bytes", "-1", "0 (every allocation)"]),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(tmp_path: Path, body: str, names: list[str]) -> None:
     path = write(tmp_path, f"modules:\n  ebpf_profiler:\n    {body}\n")
@@ -60,3 +65,13 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     assert cfg.replace(sample_hz=7).sample_hz == 7
     with pytest.raises(config.ConfigError):
         cfg.replace(sample_hz=-1)
+
+
+def test_targets_are_kept_as_given_without_repeats(tmp_path: Path) -> None:
+    # given targets of every kind, one twice, when loaded, then they are a tuple in their order, once each
+    cfg = config.load(write(tmp_path, "modules:\n  ebpf_profiler:\n    alloc_targets: [myapp, /usr/bin/app, "
+                                      "0123456789ab, 'cgroup:/system.slice/app.service', myapp]\n"
+                                      "    lock_targets: []\n    alloc_sample_bytes: 0\n"))
+    assert cfg.alloc_targets == ("myapp", "/usr/bin/app", "0123456789ab", "cgroup:/system.slice/app.service")
+    assert cfg.lock_targets == () and cfg.alloc_sample_bytes == 0
+    assert config.load(write(tmp_path, config.dump(cfg))) == cfg

@@ -28,6 +28,16 @@ def test_round_trip_of_both_messages() -> None:
     assert wire.decode(wire.encode(up)) == up
 
 
+def test_alloc_samples_carry_their_inuse_values() -> None:
+    # given an alloc batch with (objects, bytes) allocated and (objects, bytes) in use, when it
+    # travels, then the extra values arrive in order, and a cpu sample still has none
+    b = batch()
+    alloc = StackBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "profile_type": "alloc",
+                          "samples": (Sample(10, 11, 0, -1, 4, 4096, (1, 1024)),)})
+    assert wire.decode(wire.encode(alloc)) == alloc
+    assert wire.decode(wire.encode(b)).samples[0].extra == ()
+
+
 def mutate(frames: list[bytes], path: list, value: object) -> list[bytes]:
     doc = json.loads(frames[0])
     node = doc
@@ -49,6 +59,8 @@ def mutate(frames: list[bytes], path: list, value: object) -> list[bytes]:
     (["body", "user_stacks", 0], list(range(600))),    # deeper than any real stack
     (["body", "kernel_symbols"], {"a": 1}),
     (["body", "lost"], []),
+    (["body", "samples", 0], [10, 11, 0, 0, 3, 300, 1, 2, 3]),   # more extra values than any profile has
+    (["body", "samples", 0], [10, 11, 0, 0, 3, 300, -1]),        # a negative extra value
 ])
 def test_malformed_batches_are_wire_errors(path: list, value: object) -> None:
     with pytest.raises(WireError):
