@@ -20,6 +20,8 @@ from typing import Sequence
 from bench import bpf, procs, report
 from bench.offcpu import ROUND_TRIPS, PingPongBench
 from bench.oncpu import OnCpuBench
+from bench.alloc import AllocLockBench
+from bench.alloc import section as alloc_section
 from bench.overhead import OverheadBench
 from bench.overhead import section as overhead_section
 from bench.procs import BenchError
@@ -31,7 +33,7 @@ from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "overhead")
+SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "overhead", "alloc")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,7 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
                     "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
                     "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
-                    "--high-rates and --seconds). Writes "
+                    "--high-rates and --seconds), alloc (a malloc/free loop with nothing, with allocation profiling of "
+                    "every allocation, one per 4 KiB and one per 512 KiB; a contended mutex loop with lock "
+                    "profiling off and on). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -155,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": PythonBench(args.rounds, log, args.keep),
         "overhead": OverheadBench(args.rounds, args.seconds, args.rates, args.high_rates, args.quiet_wait, log,
                                   args.keep),
+        "alloc": AllocLockBench(args.rounds, log, args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -190,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tables": (tables_section, "Unwind table build time and size"),
                 "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
                 "python": (python_section, "Python stacks: the runtime reader against py-spy"),
-                "overhead": (overhead_section, "Measured overhead against the peers")}
+                "overhead": (overhead_section, "Measured overhead against the peers"),
+                "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
