@@ -83,7 +83,7 @@ def _start_ticks(proc: str, pid: int) -> int:
         with open(f"{proc}/{pid}/stat", "rb") as f:
             return parse_stat(f.read(4096).decode("utf-8", "replace"))[1]
     except (OSError, ValueError, IndexError):
-        raise Refused("missing", f"process {pid} is gone") from None
+        raise Refused("gone", f"process {pid} is gone") from None
 
 
 def open_module(proc: str, req: FileRequest) -> int:
@@ -194,7 +194,7 @@ def serve_one(proc: str, req: FileRequest) -> tuple[FileReply, int | None]:
     """The reply to one request, and the descriptor to pass with it (the caller closes it)."""
     try:
         if _start_ticks(proc, req.pid) != req.start_ticks:
-            raise Refused("missing", f"pid {req.pid} is another process now")
+            raise Refused("gone", f"pid {req.pid} is another process now")
         if req.kind == "module":
             fd = open_module(proc, req)
         elif req.kind == "debug":

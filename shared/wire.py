@@ -159,7 +159,8 @@ class ProcessAnnouncement:
 
 
 FILE_KINDS = ("module", "perf_map", "debug")
-FILE_ERRORS = ("missing", "refused", "unreadable", "bad_request")
+# gone: the process exited (or its pid is another process's): says nothing about the file.
+FILE_ERRORS = ("missing", "gone", "refused", "unreadable", "bad_request")
 # A file request or reply is a few hundred bytes.
 MAX_FILE_MESSAGE_BYTES = 8192
 # A build id in a debug file request, in hex: SHA-1 ids are 40; longer ones have no debug files to name.

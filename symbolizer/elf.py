@@ -63,6 +63,7 @@ from elftools.construct.core import Construct, FormatField
 from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.symbolizer.files import ProcessGone
 from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,10 @@ class ElfCache:
 
     A file that fails to parse is cached as None, so it is parsed, logged and
     counted once. A file the opener cannot open counts as "unreadable" and is
-    tried again after UNREADABLE_RETRY_S. get() closes the file the opener returns.
+    tried again after UNREADABLE_RETRY_S; one it could not open because the process it
+    asked through had exited (ProcessGone) is not remembered at all: the file is keyed by
+    its identity, and the next process that maps it opens it. get() closes the file the
+    opener returns.
     """
 
     def __init__(self, max_entries: int = ELF_CACHE_ENTRIES) -> None:
@@ -203,6 +207,8 @@ class ElfCache:
         except OSError as e:
             self.stats["unreadable"] += 1
             log.debug("cannot open ELF file %r: %s", key, e)
+            if isinstance(e, ProcessGone):   # the next process that maps the file opens it
+                return None
             return self._put(key, None, now + UNREADABLE_RETRY_S)
         with f:
             try:

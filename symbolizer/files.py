@@ -33,6 +33,10 @@ class FileRefused(OSError):
         self.error = reply.error
 
 
+class ProcessGone(FileNotFoundError):
+    """The process the request named has exited: the file may well be there for another process."""
+
+
 class FileClient:
     def __init__(self, run_dir: str) -> None:
         self._path = endpoints.file_broker(run_dir)
@@ -77,6 +81,8 @@ class FileClient:
         if not reply.ok or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
+            if reply.error == "gone":
+                raise ProcessGone(reply.reason)
             if reply.error == "missing":
                 raise FileNotFoundError(reply.reason)
             raise FileRefused(reply if not reply.ok else FileReply(False, "unreadable", "no descriptor in reply"))

@@ -24,6 +24,7 @@ from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.symbolizer import elf
 from ebpfprofiler.symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
+from ebpfprofiler.symbolizer.files import ProcessGone
 from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
 from tests.harness import vaddr_to_offset
 
@@ -564,6 +565,23 @@ def test_unreadable_file_is_retried_after_a_while(binaries: dict[str, Path]) -> 
     assert cache.stats["unreadable"] == 1 and cache.stats["skipped"] == 0
     assert len(calls) == 2
     assert later is not None and later.function_at(0) is None
+
+
+def test_a_file_asked_for_through_an_exited_process_is_not_remembered(binaries: dict[str, Path]) -> None:
+    # Given the file broker's answer that the process a frame came from has exited
+    cache, calls = ElfCache(), []
+
+    def opener():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ProcessGone("process 4242 is gone")
+        return open(binaries["pie"], "rb")
+
+    # When the next process that maps the same file asks a moment later
+    assert cache.get("k", opener, now=0.0) is None
+    later = cache.get("k", opener, now=0.1)
+    # Then the file is opened for it (a short-lived process must not hide libc's names for a minute)
+    assert len(calls) == 2 and later is not None
 
 
 # --- time_budget ---------------------------------------------------------------
