@@ -6,8 +6,10 @@ the kernel), as iterations per second. Configurations, each round in turn
 (the order reversed every other round): nothing; the pipeline with the
 workload as its alloc target, recording every allocation
 (alloc_sample_bytes 0), sampling one per 4 KiB, and one per 512 KiB (the
-default). Under a profiler the workload waits until its uprobes are on
-before it times its loop. A profiled run does fewer iterations than one
+default); and the pipeline profiling the allocations of another process
+name, with this one not a target (it must run at full speed: no uprobe is
+in its memory). Under a profiler that targets it the workload waits until
+its uprobes are on before it times its loop. A profiled run does fewer iterations than one
 alone (it is two orders of magnitude slower): the figure is a rate.
 
 Locks: bench/workloads/mutex_loop.c, two threads taking one mutex in a
@@ -35,8 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import procs, stats
-from bench.overhead import bpf_totals
+from bench import stats
+from bench.overhead import bpf_totals, run_workload
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
 
@@ -48,9 +50,9 @@ MALLOC_PROFILED = 500_000
 # Lock/unlock pairs per thread per run (~1 s alone), after the warm-up.
 MUTEX_PAIRS = 3_000_000
 MUTEX_WARMUP_S = 3.0
-RUN_TIMEOUT_S = 300.0
 ALLOC_CONFIGS = {"none": None, "alloc, every allocation": 0, "alloc, 1 per 4 KiB": 4096,
-                 "alloc, 1 per 512 KiB (default)": 512 * 1024}
+                 "alloc, 1 per 512 KiB (default)": 512 * 1024,
+                 "alloc of another process (this one not a target)": -1}
 LOCK_CONFIGS = ("none", "pipeline, no lock targets", "pipeline, lock target")
 PROBE_PROGRAMS = ("alloc_malloc_enter", "alloc_return_probe", "alloc_free_enter",
                   "tracepoint__syscalls__sys_enter_futex", "tracepoint__syscalls__sys_exit_futex")
@@ -67,19 +69,9 @@ def build(tmp: str) -> dict[str, str]:
     return out
 
 
-def rate(argv: list[str]) -> float:
-    """Iterations per second as the workload timed them."""
-    p = procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{argv[0]} ran longer than {RUN_TIMEOUT_S:.0f} s") from None
-    finally:
-        procs.stop(p, timeout=10)
-    if p.returncode != 0:
-        raise BenchError(f"{argv[0]} exited with {p.returncode}: {err.strip()[-500:]}")
-    f = dict(kv.split("=", 1) for kv in out.split())
-    return int(f["iterations"]) / float(f["seconds"])
+def rate(argv: list[str], iterations: int) -> float:
+    """Iterations per second of one run, as the workload timed them."""
+    return iterations / run_workload(argv, os.path.basename(argv[0]))[0]
 
 
 class AllocLockBench:
@@ -89,14 +81,14 @@ class AllocLockBench:
         self.keep = keep
         self.our_prog_ids: set[int] = set()
 
-    def _profiled(self, d: Path, argv: list[str], **changes: object) -> tuple[float, dict[str, float]]:
+    def _profiled(self, d: Path, argv: list[str], iterations: int, **changes: object) -> tuple[float, dict[str, float]]:
         """(rate of `argv` under the pipeline, BPF ns per run of each probe program that ran)."""
         p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=False, **changes)
         try:
             p.start()
             self.our_prog_ids |= p.prog_ids
             before = bpf_totals([p.pids["collector"]])
-            r = rate(argv)
+            r = rate(argv, iterations)
             after = bpf_totals([p.pids["collector"]])
         finally:
             p.stop()
@@ -124,9 +116,12 @@ class AllocLockBench:
                 for i, (config, n) in enumerate(alloc):
                     d = Path(tmp) / f"r{r}-a{i}"
                     if n is None:
-                        fig, ns = rate([bins["malloc_loop"], str(MALLOC_ALONE), "0"]), {}
+                        fig, ns = rate([bins["malloc_loop"], str(MALLOC_ALONE), "0"], MALLOC_ALONE), {}
+                    elif n < 0:   # allocation profiling on, for a name this process does not have
+                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(MALLOC_ALONE), "0"], MALLOC_ALONE,
+                                                 alloc_targets=("not_this_process",))
                     else:
-                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(MALLOC_PROFILED), "1"],
+                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(MALLOC_PROFILED), "1"], MALLOC_PROFILED,
                                                  alloc_targets=("malloc_loop",), alloc_sample_bytes=n)
                     runs.append({"round": r, "suite": "malloc", "config": config, "rate": fig, "bpf_ns": ns})
                     self.log(f"alloc round {r + 1}/{self.rounds} {config}: {fig:,.0f} malloc+free/s")
@@ -134,10 +129,10 @@ class AllocLockBench:
                     d = Path(tmp) / f"r{r}-l{i}"
                     argv = [bins["mutex_loop"], str(MUTEX_PAIRS), str(MUTEX_WARMUP_S)]
                     if config == "none":
-                        fig, ns = rate(argv), {}
+                        fig, ns = rate(argv, 2 * MUTEX_PAIRS), {}
                     else:
                         targets = ("mutex_loop",) if config.endswith("lock target") else ()
-                        fig, ns = self._profiled(d, argv, lock_targets=targets)
+                        fig, ns = self._profiled(d, argv, 2 * MUTEX_PAIRS, lock_targets=targets)
                     runs.append({"round": r, "suite": "mutex", "config": config, "rate": fig, "bpf_ns": ns})
                     self.log(f"lock round {r + 1}/{self.rounds} {config}: {fig:,.0f} lock/unlock pairs/s")
         finally:

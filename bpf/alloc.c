@@ -75,13 +75,14 @@ struct alloc_pending_t {
 #define ALLOC_EXP_ENTRIES 256          // quantiles of Exp(1) in 16.16 fixed point
 #define ALLOC_BIG_FACTOR 16            // sizes of 16 means are sampled with p > 1 - 1e-7: always
 #define ALLOC_MAX_DRAWS 32             // sample points one allocation may cross before the rest is cut
+#define ALLOC_PENDING_ENTRIES 16384    // threads inside a probed call at once
 
 BPF_HASH(alloc_counts_0, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
 BPF_HASH(alloc_counts_1, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
 BPF_STACK_TRACE(alloc_stacks, ALLOC_STACK_ENTRIES);
 BPF_HASH(alloc_live, struct alloc_live_key, struct alloc_live_t, ALLOC_LIVE_ENTRIES);
 // LRU: a thread killed inside malloc never returns; its record ages out.
-BPF_TABLE("lru_hash", u32, struct alloc_pending_t, alloc_pending, 16384);
+BPF_TABLE("lru_hash", u32, struct alloc_pending_t, alloc_pending, ALLOC_PENDING_ENTRIES);
 BPF_ARRAY(alloc_active, u32, 1);
 BPF_ARRAY(alloc_exp, u32, ALLOC_EXP_ENTRIES);
 BPF_PERCPU_ARRAY(alloc_left, s64, 1);

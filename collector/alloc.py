@@ -207,7 +207,7 @@ class AllocTracer:
         rows = [(k.pid, k.tid, k.user_stack, k.caller, v.objects_milli, v.bytes) for k, v in counts.items()]
         counts.clear()
         out = self._raw(rows, inuse=False)
-        out.lost = self._lost.delta()
+        out.lost.update(self._lost.delta())
         if self._drains % STACK_SWEEP_EVERY == 0:
             self._sweep()
         return out

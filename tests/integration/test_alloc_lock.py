@@ -87,6 +87,11 @@ def by_function(p: pprof.ReadProfile, exe: Path, value: int, names: tuple[str, .
     return out
 
 
+def collector_uprobes(collector: int) -> list[dict]:
+    """The uprobes and uretprobes the collector holds, as `bpftool perf` lists them."""
+    return [p for p in bpftool("perf") if p.get("pid") == collector and p.get("fd_type") in ("uprobe", "uretprobe")]
+
+
 def collector_pid(pipeline: Pipeline) -> int:
     return int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text().split()[0])
 
@@ -99,6 +104,7 @@ class AllocRun:
     target_byte: int           # malloc's first byte in the target's memory, uprobes attached
     bystander_byte: int        # the same in the bystander's, at the same moment
     bystander_runs: int        # our malloc program's runs while the bystander made ITERATIONS loops
+    uprobes_attached: list[dict]   # `bpftool perf`'s uprobes of the collector while the target ran
     uprobes_after_exit: list[dict]
     log: str
     alloc: list[pprof.ReadProfile]
@@ -134,6 +140,7 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
             by = fields(read_line(b, "the bystander"))
             bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
             target_byte, bystander_byte = first_byte(t.pid, addr), first_byte(b.pid, int(by["malloc_addr"], 16))
+            uprobes_attached = collector_uprobes(collector)
             # When an upload window ends with the target idle (its leak live, the rest freed)
             idle_from = time.time()
             wait_for("a window boundary after the target finished", lambda: (
@@ -145,11 +152,11 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
             wait_for("the collector to detach from the exited target",
                      lambda: f"pid {t.pid} (" in pipeline.log() and "uprobes detached" in pipeline.log(),
                      timeout=15)
-            uprobes = [p for p in bpftool("perf") if p.get("pid") == collector]
+            uprobes = collector_uprobes(collector)
         finally:
             assert pipeline.stop() == 0, pipeline.log()
         log = pipeline.log()
-        yield AllocRun(target, done, by, target_byte, bystander_byte, bystander_runs, uprobes, log,
+        yield AllocRun(target, done, by, target_byte, bystander_byte, bystander_runs, uprobes_attached, uprobes, log,
                        profiles(receiver, "alloc", target))
     finally:
         for p in procs:
@@ -209,6 +216,10 @@ def test_a_process_that_is_not_a_target_has_no_uprobe(alloc_run: AllocRun) -> No
 
 
 def test_uprobes_are_detached_when_the_target_exits(alloc_run: AllocRun) -> None:
+    # seven while the target ran (malloc, calloc, realloc: entry and return; free), in its libc
+    assert sorted(p["fd_type"] for p in alloc_run.uprobes_attached) == ["uprobe"] * 4 + ["uretprobe"] * 3, \
+        alloc_run.uprobes_attached
+    assert all("libc.so" in p.get("filename", "") for p in alloc_run.uprobes_attached), alloc_run.uprobes_attached
     assert alloc_run.uprobes_after_exit == [], alloc_run.uprobes_after_exit
     assert "7 uprobes attached to pid" in alloc_run.log
 
@@ -272,3 +283,15 @@ def test_lock_delay_is_in_contended_and_quiet_is_absent(lock_run: LockRun) -> No
     assert total > 0.5 * 1e9, f"only {total / 1e9:.3f} s of waiting recorded"
     assert contended >= 0.9 * total, f"contended() {contended / 1e9:.3f} s of {total / 1e9:.3f} s"
     assert quiet == 0
+
+
+def test_lock_stacks_go_through_libc_to_the_thread_start(lock_run: LockRun) -> None:
+    # Root first: the thread's start, the function that took the lock, and libc's frames below it,
+    # named (libc has no frame pointers: unwound with its tables; names from its debug file).
+    stacks = {tuple(s.functions) for p in lock_run.lock for s in p.samples
+              if s.labels.get("process.executable") == str(lock_run.exe) and "contended" in s.functions}
+    assert stacks
+    for st in stacks:
+        i = st.index("contended")
+        assert st[i - 1] == "contender" and "start_thread" in st[:i - 1], st
+        assert "mutex_lock" in st[i + 1] and "lll_lock_wait" in st[-1], st
