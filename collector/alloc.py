@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks
+from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids
 from ebpfprofiler.collector.procfs import read_maps
 from ebpfprofiler.collector.targets import Target
 from ebpfprofiler.shared import privileges
@@ -214,14 +214,20 @@ class AllocTracer:
 
     def inuse(self) -> RawDrain:
         """Allocations sampled and not freed, by stack: extra values (inuse objects, inuse bytes)."""
-        gone = {k.pid for k in self._live.keys()} - set(self.attached)
-        if gone:
-            self._forget_live(gone)
         sums: dict[tuple[int, int, int, int], list[int]] = defaultdict(lambda: [0, 0])
+        gone: list[Any] = []      # entries of processes no longer attached (exited while paused)
         for k, v in self._live.items():
+            if k.pid not in self.attached:
+                gone.append(k)
+                continue
             s = sums[(k.pid, v.tid, v.user_stack, v.caller)]
             s[0] += v.objects_milli
             s[1] += v.bytes
+        for k in gone:
+            try:
+                del self._live[k]
+            except KeyError:
+                pass
         return self._raw([(*key, o, b) for key, (o, b) in sums.items()], inuse=True)
 
     def _raw(self, rows: list[tuple[int, int, int, int, int, int]], inuse: bool) -> RawDrain:
@@ -260,14 +266,10 @@ class AllocTracer:
 
     def _sweep(self) -> None:
         present = [k.value for k in self._stacks.keys()]
-        keep = {v.user_stack for v in self._live.values()} | {v.user_stack for v in self._pending.values()}
-        horizon = self._drains - STACK_KEEP_DRAINS
-        stale = [sid for sid in present if sid not in keep and self._last_used.get(sid, self._drains) < horizon]
-        for sid in present:
+        for sid in present:   # an id no drain has used yet may belong to a call still in progress: young
             self._last_used.setdefault(sid, self._drains)
-        delete_stacks(self._stacks, stale)
-        for sid in stale:
-            self._last_used.pop(sid, None)
+        keep = {v.user_stack for v in self._live.values()} | {v.user_stack for v in self._pending.values()}
+        delete_stacks(self._stacks, stale_ids(present, keep, self._last_used, self._drains - STACK_KEEP_DRAINS))
 
     def close(self) -> None:
         for a in self.attached.values():

@@ -2,7 +2,7 @@
 
 Owns: the flip of a double-buffered counts map (with the grace period for
 programs still writing the retired buffer), reading and clearing a retired
-buffer, reading stacks by id, and turning per-CPU loss counters into deltas.
+buffer, reading stacks by id, which ids of a long-lived stack map may go, and turning per-CPU loss counters into deltas.
 
 Must not: know what a count means (on-CPU samples or off-CPU intervals).
 """
@@ -114,6 +114,16 @@ def delete_dwarf_stacks(table: Any, hashes: Iterable[int]) -> None:
             del table[ctypes.c_uint64(h)]
         except KeyError:
             pass
+
+
+def stale_ids(present: Iterable[int], keep: set[int], last_used: dict[int, int], horizon: int) -> list[int]:
+    """The ids of a stack map that may go: not in `keep` (still referred to) and not used by a drain
+    since `horizon` (last_used: id → drain; an id it does not know counts as never used). They are
+    dropped from last_used; the caller deletes them from the map."""
+    stale = [i for i in present if i not in keep and last_used.get(i, -1) < horizon]
+    for i in stale:
+        last_used.pop(i, None)
+    return stale
 
 
 def delete_stacks(table: Any, ids: Iterable[int]) -> None:

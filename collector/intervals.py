@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
-                                            delete_stacks, read_dwarf_stacks, read_stacks, take_counts)
+                                            delete_stacks, read_dwarf_stacks, read_stacks, stale_ids, take_counts)
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +85,13 @@ class IntervalTracer:
             pending.add(v.user_stack)
             pending.add(v.kernel_stack)
         horizon = self._drains - STACK_KEEP_DRAINS
-        stale = [sid for sid in present if sid not in pending and self._last_used.get(sid, -1) < horizon]
+        stale = stale_ids(present, pending, self._last_used, horizon)
         delete_stacks(self._stacks, stale)
-        for sid in stale:
-            self._last_used.pop(sid, None)
         log.debug("%s stack sweep: %d ids, %d pending, %d deleted", self.prefix, len(present), len(pending), len(stale))
         if self._dwarf_stacks is not None:
             present = [k.value for k in self._dwarf_stacks.keys()]
             pending_hashes = {v.user_hash for v in self._bpf[f"{self.prefix}_start"].values()}
-            stale = [h for h in present if h not in pending_hashes and self._hash_used.get(h, -1) < horizon]
-            delete_dwarf_stacks(self._dwarf_stacks, stale)
-            for h in stale:
-                self._hash_used.pop(h, None)
+            delete_dwarf_stacks(self._dwarf_stacks, stale_ids(present, pending_hashes, self._hash_used, horizon))
 
     def attach(self) -> None:
         """Attach the tracepoints again after detach() (bcc attached them at load).

@@ -102,7 +102,8 @@ def parse_maps(text: str) -> tuple[Mapping, ...]:
     return tuple(out)
 
 
-def _read(path: str, cap: int = 1 << 16) -> str:
+def read_capped(path: str, cap: int = 1 << 16) -> str:
+    """At most `cap` bytes of a /proc file, as text."""
     with open(path, "rb") as f:
         return f.read(cap).decode("utf-8", "replace")
 
@@ -116,18 +117,18 @@ def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process |
     """Everything but the mappings of `pid`, or None if it is gone."""
     base = f"{proc}/{pid}"
     try:
-        comm, start = parse_stat(_read(f"{base}/stat"))
-        uid, nspid = parse_status(_read(f"{base}/status"))
+        comm, start = parse_stat(read_capped(f"{base}/stat"))
+        uid, nspid = parse_status(read_capped(f"{base}/status"))
         try:
             exe = os.readlink(f"{base}/exe")
         except OSError:
             exe = ""   # kernel threads; or the process is exiting
         if exe.endswith(" (deleted)"):
             exe = exe[: -len(" (deleted)")]
-        ident = parse_cgroup(_read(f"{base}/cgroup"))
+        ident = parse_cgroup(read_capped(f"{base}/cgroup"))
         cmdline = None
         if with_cmdline:
-            raw = _read(f"{base}/cmdline", MAX_CMDLINE_BYTES)
+            raw = read_capped(f"{base}/cmdline", MAX_CMDLINE_BYTES)
             cmdline = tuple(a for a in raw.split("\0") if a)
     except (OSError, ValueError, IndexError, StopIteration):
         return None
@@ -140,7 +141,7 @@ def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process |
 
 def read_maps(pid: int, proc: str = "/proc") -> tuple[Mapping, ...]:
     try:
-        return parse_maps(_read(f"{proc}/{pid}/maps", MAX_MAPS_BYTES))
+        return parse_maps(read_capped(f"{proc}/{pid}/maps", MAX_MAPS_BYTES))
     except OSError:
         return ()
 
@@ -166,7 +167,7 @@ class ProcessTable:
 
     def _start_ticks(self, pid: int) -> int | None:
         try:
-            return parse_stat(_read(f"{self._proc}/{pid}/stat"))[1]
+            return parse_stat(read_capped(f"{self._proc}/{pid}/stat"))[1]
         except (OSError, ValueError, IndexError):
             return None
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ebpfprofiler.collector.procfs import parse_cgroup, parse_stat
+from ebpfprofiler.collector.procfs import parse_cgroup, parse_stat, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,6 @@ def _cgroup_v2_path(text: str) -> str:
     return ""
 
 
-def _read(path: str, cap: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(cap).decode("utf-8", "replace")
-
-
 class TargetWatcher:
     """Matching processes as they come and go; each scan costs one readlink per process."""
 
@@ -81,8 +76,8 @@ class TargetWatcher:
 
     def _read(self, pid: int, exe: str) -> tuple[int, Target | None]:
         base = f"{self.proc}/{pid}"
-        comm, start = parse_stat(_read(f"{base}/stat", 4096))
-        cgroup_text = _read(f"{base}/cgroup", MAX_CGROUP_BYTES)
+        comm, start = parse_stat(read_capped(f"{base}/stat", 4096))
+        cgroup_text = read_capped(f"{base}/cgroup", MAX_CGROUP_BYTES)
         p = _Proc(exe, comm, parse_cgroup(cgroup_text).container_id, _cgroup_v2_path(cgroup_text))
         for spec in self.specs:
             if matches(spec, p):
@@ -92,7 +87,7 @@ class TargetWatcher:
     def _same_start(self, pid: int, start: int) -> bool:
         """A target's pid still names the same process (not exited and reused by one with the same exe)."""
         try:
-            return parse_stat(_read(f"{self.proc}/{pid}/stat", 4096))[1] == start
+            return parse_stat(read_capped(f"{self.proc}/{pid}/stat", 4096))[1] == start
         except (OSError, ValueError, IndexError):
             return False
 

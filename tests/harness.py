@@ -134,7 +134,7 @@ def stderr_file(workdir: Path, name: str) -> Path:
     return workdir / f"{name}{n or ''}.err"
 
 
-def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
     """What `proc` wrote to its stdout up to the end of a line, waiting at most `timeout` seconds."""
     line = b""
     deadline = time.monotonic() + timeout
@@ -147,6 +147,11 @@ def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
                     break
                 line += chunk
     return line.decode(errors="replace")
+
+
+def workload_fields(output: str) -> dict[str, str]:
+    """The key=value pairs a test workload prints (other words are ignored)."""
+    return dict(kv.split("=", 1) for kv in output.split() if "=" in kv)
 
 
 class Receiver:
@@ -164,7 +169,7 @@ class Receiver:
             self.proc = subprocess.Popen(
                 [PY, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
                  "--dir", str(directory), *options], stdout=subprocess.PIPE, stderr=err)
-        self.announcement = _first_line(self.proc, DEADLINE_S)
+        self.announcement = first_line(self.proc, DEADLINE_S)
         m = re.search(r"listening on (http://\S+)", self.announcement)
         if not m:
             self.proc.kill()

@@ -24,7 +24,8 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root, stop_process, wait_for
+from tests.harness import (Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root, stop_process,
+                           wait_for, workload_fields)
 
 INTERVAL_S = 4
 ITERATIONS = 60000
@@ -33,24 +34,11 @@ LOCK_SECONDS = 4.0
 INT3 = 0xCC
 
 
-def fields(line: str) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-
-
-def read_line(p: subprocess.Popen, what: str, timeout: float = 120.0) -> str:
-    """The next line `p` prints (its stdout is a pipe), or fail at the deadline."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    try:
-        if not sel.select(timeout):
-            raise AssertionError(f"{what}: nothing printed in {timeout:.0f} s")
-        line = p.stdout.readline()
-    finally:
-        sel.close()
-    assert line, f"{what}: exited with {p.wait(timeout=10)} before printing"
-    return line
+def next_fields(p: subprocess.Popen, what: str, timeout: float = 120.0) -> dict[str, str]:
+    """The key=value pairs of the next line `p` prints, or fail at the deadline."""
+    line = first_line(p, timeout)
+    assert line.endswith("\n"), f"{what}: printed {line!r} in {timeout:.0f} s (exit code {p.poll()})"
+    return workload_fields(line)
 
 
 def first_byte(pid: int, addr: int) -> int:
@@ -130,14 +118,14 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
             t = subprocess.Popen([str(target), str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
             procs.append(t)
-            done = fields(read_line(t, "the target"))
+            done = next_fields(t, "the target")
             addr = int(done["malloc_addr"], 16)
             # and a process that is not a target, allocating as much while the target's probes are on
             runs0 = program_runs(collector, "alloc_malloc_enter")
             b = subprocess.Popen([str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
             procs.append(b)
-            by = fields(read_line(b, "the bystander"))
+            by = next_fields(b, "the bystander")
             bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
             target_byte, bystander_byte = first_byte(t.pid, addr), first_byte(b.pid, int(by["malloc_addr"], 16))
             uprobes_attached = collector_uprobes(collector)
@@ -257,7 +245,7 @@ def lock_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockRu
             # when it runs its threads
             p.stdin.write("go\n")
             p.stdin.flush()
-            out = fields(read_line(p, "the lock workload"))
+            out = next_fields(p, "the lock workload")
             assert p.wait(timeout=30) == 0
         finally:
             assert pipeline.stop() == 0, pipeline.log()

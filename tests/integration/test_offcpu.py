@@ -20,7 +20,7 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, require_root
+from tests.harness import Pipeline, Receiver, require_root, workload_fields
 
 RATIO_SECONDS = 6.0
 NS = 1e9
@@ -96,15 +96,10 @@ def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloa
         ["taskset", "-c", "0", str(pinned), "2"],
         [str(tiny), "tiny", "3"],
     ])
-    ratio_wall = float(fields(outputs[0])["wall_seconds"])
-    pinned_cpu = float(fields(outputs[1])["cpu_seconds"]) + float(fields(outputs[2])["cpu_seconds"])
-    yield Workloads(run, offcpu, pinned, ratio_wall, pinned_cpu, int(fields(outputs[3])["loops"]),
-                    int(fields(outputs[0])["loops"]))
-
-
-def fields(output: str) -> dict[str, str]:
-    """The key=value pairs a workload prints."""
-    return dict(kv.split("=", 1) for kv in output.split())
+    ratio_wall = float(workload_fields(outputs[0])["wall_seconds"])
+    pinned_cpu = sum(float(workload_fields(out)["cpu_seconds"]) for out in outputs[1:3])
+    yield Workloads(run, offcpu, pinned, ratio_wall, pinned_cpu, int(workload_fields(outputs[3])["loops"]),
+                    int(workload_fields(outputs[0])["loops"]))
 
 
 def blocked_ns_by_waiter(samples: list[pprof.ReadSample]) -> Counter[str]:
