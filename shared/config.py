@@ -18,11 +18,16 @@ from urllib.parse import urlparse
 
 import yaml
 
+from ebpfprofiler.shared.safestr import quote
+from ebpfprofiler.shared import runtime_registry
+
 # Where the block lives in the agent's YAML file.
 MODULE_PATH = ("modules", "ebpf_profiler")
 # A config file is a few hundred bytes; anything near this is not a config file.
 MAX_CONFIG_BYTES = 1 << 20
 
+# Our backend's agent config document, under its endpoint (docs/upload-api.md).
+AGENT_CONFIG_PATH = "/v1/agent-config"
 DEFAULT_LOCAL_DIR = "/var/lib/ebpfprofiler/profiles"
 # Profiles kept on disk while the backend is unreachable: 256 MiB is hours of a
 # busy host's profiles; the oldest are dropped (counted, logged) beyond it.
@@ -32,23 +37,33 @@ DEFAULT_UPLOAD_TIMEOUT_S = 30
 # How often the uploader asks the backend for remote config: a minute is soon
 # enough for an operator's toggle, and one small GET a minute per host is cheap.
 DEFAULT_REMOTE_CONFIG_INTERVAL_S = 60
-# Runtime stacks that need an opt-in: CPython 3.11 and 3.12 are read from
-# layouts kept as data (no debug offsets in the target to check them against).
-RUNTIME_STACKS = ("python_legacy",)
+# Runtime stacks that need an opt-in, one or more per runtime in the registry (CPython 3.11 and
+# 3.12 are read from layouts kept as data, with no debug offsets in the target to check them against).
+RUNTIME_STACKS = runtime_registry.OPT_INS
 # Percent of one CPU the runtime reader may spend; 2% at 19 Hz reads a few
 # dozen Python processes. A window over it halves the reader's per-tick caps.
 DEFAULT_CPU_BUDGET = 2.0
 # Percent of one CPU the whole profiler (every stage's CPU plus its BPF run
 # time) may use per upload window; over it the collector halves sample_hz.
 DEFAULT_OVERHEAD_BUDGET_PCT = 1.0
-# Allocation profiling samples one allocation per this many bytes on average
-# (Go's and tcmalloc's heap profilers use 512 KiB): most malloc calls then only
-# decrement a counter in the uprobe. 0 records every allocation.
-DEFAULT_ALLOC_SAMPLE_BYTES = 512 * 1024
+# Allocation profiling samples one allocation per this many bytes on average.
+# Go's 512 KiB is for profiles that accumulate from the process's start; ours
+# are per window: a process allocating 10 MB/s gives ~9,000 samples a minute
+# at 64 KiB (a 3:1 split within ~3%), ~1,100 at 512 KiB (~9%). A sample costs
+# ~1 us of BPF (stack walk, two map updates). 0 records every allocation.
+DEFAULT_ALLOC_SAMPLE_BYTES = 64 * 1024
+# Percent of the time the allocation uprobes are attached to a target (bursts
+# with a random phase, collector/alloc.py). Each probed call traps into the
+# kernel (a malloc/free pair ~8 us here against ~20 ns unprobed), so it is the
+# slowdown of a program that does nothing but allocate; 100: always attached.
+DEFAULT_ALLOC_DUTY_PCT = 5.0
 # Each alloc target process costs seven uprobes; each lock target a map entry.
 MAX_TARGETS = 64
 # A target: an executable name or path, a container id, or cgroup:/path.
 MAX_TARGET_CHARS = 4096
+# How the uploader speaks to the backend (uploader/formats/): our /v1/profiles, OTLP/HTTP
+# profiles to an OpenTelemetry Collector, or Pyroscope's /ingest.
+UPLOAD_FORMATS = ("pprof", "otlp", "pyroscope")
 
 
 class ConfigError(ValueError):
@@ -81,6 +96,9 @@ class ProfilerConfig:
     alloc_targets: tuple[str, ...] = ()
     lock_targets: tuple[str, ...] = ()
     alloc_sample_bytes: int = DEFAULT_ALLOC_SAMPLE_BYTES
+    upload_format: str = "pprof"
+    remote_config_url: str = ""
+    alloc_duty_pct: float = DEFAULT_ALLOC_DUTY_PCT
 
     def replace(self, **changes: Any) -> "ProfilerConfig":
         """A copy with `changes` applied, validated like a loaded file."""
@@ -90,13 +108,28 @@ class ProfilerConfig:
     def uploads_locally(self) -> bool:
         return self.endpoint == ""
 
+    @property
+    def agent_config_url(self) -> str:
+        """Where the uploader fetches remote config; "" when it is off.
+
+        remote_config_url when set; else, with upload_format pprof, our backend's
+        {endpoint}/v1/agent-config; else (an OpenTelemetry Collector or Pyroscope,
+        which serve no agent config of ours) off."""
+        if self.uploads_locally:
+            return ""
+        if self.remote_config_url:
+            return self.remote_config_url
+        if self.upload_format == "pprof":
+            return self.endpoint.rstrip("/") + AGENT_CONFIG_PATH
+        return ""
+
 
 @dataclass(frozen=True)
 class _Rule:
-    kind: type
+    kind: type[Any]
     allowed: str
-    low: int | None = None
-    high: int | None = None
+    low: float | None = None
+    high: float | None = None
 
 
 _TARGETS = (f"a list of at most {MAX_TARGETS} targets, each an executable name (matched against the "
@@ -128,7 +161,7 @@ _RULES: dict[str, _Rule] = {
     "offcpu_dwarf": _Rule(bool, "true (off-CPU stacks unwound with the same tables; needs dwarf_unwind) or false"),
     "python_stacks": _Rule(bool, "true (python_wall profiles of CPython 3.13 and newer) or false"),
     "runtime_stacks": _Rule(tuple, f"a list of names from {list(RUNTIME_STACKS)} "
-                                   "(python_legacy: CPython 3.11 and 3.12 too)"),
+                                   f"({runtime_registry.opt_in_help()})"),
     "cpu_budget": _Rule(float, "a number from 0.1 to 100 (percent of one CPU the runtime reader may use)",
                         0.1, 100),
     # From 0.001: a budget a test can exceed on purpose; 100: all of one CPU.
@@ -138,6 +171,13 @@ _RULES: dict[str, _Rule] = {
     "lock_targets": _Rule(list, _TARGETS),
     "alloc_sample_bytes": _Rule(int, "an integer from 0 (every allocation) to 1073741824 (bytes between sampled "
                                      "allocations, on average)", 0, 1 << 30),
+    "upload_format": _Rule(str, f"one of {list(UPLOAD_FORMATS)} (pprof: our POST /v1/profiles; otlp: OTLP/HTTP "
+                                "profiles to an OpenTelemetry Collector; pyroscope: Pyroscope's POST /ingest)"),
+    "remote_config_url": _Rule(str, '"" (pprof: {endpoint}/v1/agent-config; otlp and pyroscope: no remote config) '
+                                    "or the http:// or https:// URL of an agent config document"),
+    # From 1: a 10-ms burst a second (shorter bursts are mostly attach and detach); 100: always attached.
+    "alloc_duty_pct": _Rule(float, "a number from 1 to 100 (percent of the time allocation uprobes are attached to "
+                                   "a target; the worst-case slowdown of a target that only allocates)", 1, 100),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -145,7 +185,7 @@ assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 def _check(key: str, value: Any, source: str) -> Any:
     rule = _RULES[key]
     where = f"{source}: modules.ebpf_profiler.{key}"
-    bad = ConfigError(f"{where} = {value!r} is not allowed; expected {rule.allowed}")
+    bad = ConfigError(f"{where} = {quote(value)} is not allowed; expected {rule.allowed}")
     if rule.kind is tuple:   # a YAML list of known names, kept as a tuple (the config is frozen)
         if not isinstance(value, (list, tuple)) or any(v not in RUNTIME_STACKS for v in value):
             raise bad
@@ -166,7 +206,9 @@ def _check(key: str, value: Any, source: str) -> Any:
         raise bad
     if rule.high is not None and value > rule.high:
         raise bad
-    if key == "endpoint" and value:
+    if key == "upload_format" and value not in UPLOAD_FORMATS:
+        raise bad
+    if key in ("endpoint", "remote_config_url") and value:
         url = urlparse(value)
         if url.scheme not in ("http", "https") or not url.netloc:
             raise bad

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 import zmq
 
+from ebpfprofiler.shared.safestr import quote
 from ebpfprofiler.shared.wire import ProfileUpload, WireError, decode, encode, json_object
 
 HANDOFF_VERSION = 1
@@ -129,7 +130,8 @@ def decode_profile(frames: Sequence[bytes]) -> ProfileUpload:
     if not isinstance(msg, ProfileUpload):
         raise HandoffError(f"a {type(msg).__name__} message was sent to the uploader", profile_id)
     if msg.profile_id != profile_id:
-        raise HandoffError(f"envelope id {profile_id!r} differs from the profile's {msg.profile_id!r}", profile_id)
+        raise HandoffError(f"envelope id {quote(profile_id)} differs from the profile's {quote(msg.profile_id)}",
+                           profile_id)
     return msg
 
 
@@ -139,7 +141,7 @@ def _envelope_id(frame: bytes) -> str:
     if not isinstance(profile_id, str) or not is_valid_profile_id(profile_id):
         raise HandoffError("envelope has no valid profile id")
     if doc.get("handoff") != HANDOFF_VERSION:
-        raise HandoffError(f"hand-off version {doc.get('handoff')!r}, this build speaks {HANDOFF_VERSION}",
+        raise HandoffError(f"hand-off version {quote(doc.get('handoff'))}, this build speaks {HANDOFF_VERSION}",
                            profile_id)
     return profile_id
 
@@ -149,7 +151,7 @@ def _envelope_id(frame: bytes) -> str:
 def encode_ack(profile_id: str, status: str, reason: str = "") -> bytes:
     """The one ack frame the uploader sends back for a profile."""
     if status not in STATUSES:
-        raise ValueError(f"ack status {status!r} is not one of {sorted(STATUSES)}")
+        raise ValueError(f"ack status {quote(status)} is not one of {sorted(STATUSES)}")
     return json.dumps({"handoff": HANDOFF_VERSION, "id": profile_id, "status": status,
                        "reason": cut(reason)}, separators=(",", ":")).encode()
 
@@ -163,7 +165,7 @@ def decode_ack(frame: bytes) -> Ack:
     if not isinstance(profile_id, str) or not is_valid_profile_id(profile_id):
         raise HandoffError("ack has no valid profile id")
     if status not in STATUSES or not isinstance(reason, str):
-        raise HandoffError(f"ack status {status!r} is not one of {sorted(STATUSES)}")
+        raise HandoffError(f"ack status {quote(status)} is not one of {sorted(STATUSES)}")
     return Ack(profile_id, status, cut(reason))
 
 

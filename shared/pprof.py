@@ -252,9 +252,10 @@ def gunzip_capped(data: bytes, cap: int = MAX_DECOMPRESSED_BYTES) -> bytes:
     return out
 
 
-def read(gz: bytes) -> ReadProfile:
-    """Parse and check a gzip pprof; PprofError says what is wrong with a bad one."""
-    raw = gunzip_capped(gz)
+def read(gz: bytes, max_inflated: int = MAX_DECOMPRESSED_BYTES) -> ReadProfile:
+    """Parse and check a gzip pprof, inflating at most `max_inflated` bytes; PprofError says what is wrong
+    with a bad one."""
+    raw = gunzip_capped(gz, max_inflated)
     p = Profile()
     try:
         p.ParseFromString(raw)
@@ -283,7 +284,7 @@ def read(gz: bytes) -> ReadProfile:
         if loc.mapping_id and loc.mapping_id not in mappings:
             raise PprofError(f"location {loc.id}: unknown mapping {loc.mapping_id}")
         module, build_id = mappings.get(loc.mapping_id, ("", ""))
-        frames = []
+        frames: list[Frame] = []
         for ln in loc.line:
             if ln.function_id not in functions:
                 raise PprofError(f"location {loc.id}: unknown function {ln.function_id}")
@@ -296,7 +297,7 @@ def read(gz: bytes) -> ReadProfile:
     for smp in p.sample:
         if len(smp.value) != len(types):
             raise PprofError(f"a sample has {len(smp.value)} values for {len(types)} sample types")
-        frames: list[Frame] = []
+        frames = []
         for lid in reversed(smp.location_id):
             if lid not in locations:
                 raise PprofError(f"sample refers to unknown location {lid}")

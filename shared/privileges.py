@@ -1,6 +1,6 @@
 """Who each stage runs as: its own system user, its capabilities and no others.
 
-Owns: the privilege table of DESIGN.md as data (STAGES), and become(), which a
+Owns: the privilege table of docs/architecture.md ("Processes") as data (STAGES), and become(), which a
 stage calls first thing. Started as root (how `ebpfprofiler run` starts it),
 the stage drops to its user in the agent's group, keeps exactly its
 capabilities across the uid change (keep-caps, then effective, permitted,
@@ -18,19 +18,37 @@ import os
 import pwd
 from dataclasses import dataclass
 
-import _prctl  # type: ignore[import-not-found]
-import prctl  # type: ignore[import-not-found]
+import _prctl
+import prctl
 
 AGENT_GROUP = "ebpfprofiler"
 
 # linux/capability.h; python-prctl does not name CAP_CHECKPOINT_RESTORE (5.9+).
 CAP_DAC_READ_SEARCH = 2
+CAP_SETGID = 6
+CAP_SETUID = 7
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_SYSLOG = 34
 CAP_PERFMON = 38
 CAP_BPF = 39
 CAP_CHECKPOINT_RESTORE = 40
+CAPABILITY_NAMES: dict[int, str] = {
+    CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SYS_PTRACE: "CAP_SYS_PTRACE", CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+    CAP_SYSLOG: "CAP_SYSLOG", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF",
+    CAP_CHECKPOINT_RESTORE: "CAP_CHECKPOINT_RESTORE",
+}
+
+# What the collector needs each of its capabilities for, in the order collector/preflight.py
+# reports them: its row of STAGES below.
+COLLECTOR_CAPS: dict[int, str] = {
+    CAP_BPF: "load BPF programs and create maps",
+    CAP_PERFMON: "open system-wide perf events and attach to tracepoints",
+    CAP_SYS_PTRACE: "read /proc/<pid>/maps and exe of other users' processes",
+    CAP_SYSLOG: "read kernel addresses in /proc/kallsyms",
+    CAP_DAC_READ_SEARCH: "read tracefs event ids and /proc files of other users",
+    CAP_CHECKPOINT_RESTORE: "open /proc/<pid>/map_files/* for the symbolizer",
+}
 
 
 @dataclass(frozen=True)
@@ -42,8 +60,7 @@ class StagePrivileges:
 STAGES: dict[str, StagePrivileges] = {
     # BPF programs and perf events; /proc/<pid>/{maps,exe,map_files,root} of every
     # process; kernel addresses in /proc/kallsyms; tracefs event ids.
-    "collector": StagePrivileges("ebpfprofiler-collector", frozenset({
-        CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_SYSLOG, CAP_DAC_READ_SEARCH, CAP_CHECKPOINT_RESTORE})),
+    "collector": StagePrivileges("ebpfprofiler-collector", frozenset(COLLECTOR_CAPS)),
     "symbolizer": StagePrivileges("ebpfprofiler-symbolizer", frozenset()),
     "uploader": StagePrivileges("ebpfprofiler-uploader", frozenset()),
     # process_vm_readv of other users' processes, nothing else.
@@ -56,6 +73,10 @@ OPTIONAL_CAPS: dict[str, frozenset[int]] = {
     # alloc_targets: creating a uprobe takes CAP_SYS_ADMIN since Linux 6.16 (CAP_PERFMON before):
     # a uprobe writes a breakpoint into another process's code.
     "collector": frozenset({CAP_SYS_ADMIN}),
+    # runtime_stacks: [dotnet]: only the connector the runtime reader forks at start keeps them, to
+    # connect to a .NET process's diagnostics socket as that process's user (runtimes/dotnet/connect.py);
+    # the reader itself drops them once it has forked it.
+    "runtime": frozenset({CAP_SETGID, CAP_SETUID}),
 }
 
 
@@ -105,18 +126,24 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
     # lacks cannot be had; preflight names it), inheritable empty.
     # (python-prctl's C layer takes plain numbers; its Python layer does not
     # know CAP_CHECKPOINT_RESTORE, and its limit() can only clear.)
-    now = held()
-    caps = [c for c in caps if now["CapPrm"] >> c & 1]
-    want = sum(1 << c for c in caps)
-    # Started with exactly these (a systemd unit without capabilities): nothing
-    # to change, and such units need not allow the capset system call.
-    if not (now["CapEff"] == now["CapPrm"] == want and now["CapInh"] == 0 and now.get("CapAmb", 0) == 0):
-        others = [c for c in range(_last_cap() + 1) if c not in caps]
-        _prctl.set_caps(caps, caps, [], others, others, list(range(_last_cap() + 1)))
+    keep_only(frozenset(caps))
     prctl.set_no_new_privs(1)
     os.umask(0o007)   # sockets and files: the agent's group, nobody else
     if os.geteuid() == 0 or os.getuid() == 0:
         raise PrivilegeError(f"{stage} is still root after dropping privileges")
+
+
+def keep_only(caps: frozenset[int]) -> None:
+    """Effective = permitted = those of `caps` this process holds, inheritable empty: one capset
+    (a capability given up here cannot be had again)."""
+    now = held()
+    keep = sorted(c for c in caps if now["CapPrm"] >> c & 1)
+    want = sum(1 << c for c in keep)
+    # Holding exactly these already (a systemd unit without capabilities): nothing
+    # to change, and such units need not allow the capset system call.
+    if not (now["CapEff"] == now["CapPrm"] == want and now["CapInh"] == 0 and now.get("CapAmb", 0) == 0):
+        others = [c for c in range(_last_cap() + 1) if c not in keep]
+        _prctl.set_caps(keep, keep, [], others, others, list(range(_last_cap() + 1)))
 
 
 def uids_with(stage: str) -> set[int]:

@@ -1,7 +1,7 @@
 """Remote config: what the backend may change in a running agent, and how the stages learn it.
 
 Owns: the keys the backend may set (REMOTE_KEYS: `enabled` and
-`upload_interval_s`, as DESIGN.md allows), parse(), which checks the backend's
+`upload_interval_s`, as docs/remote-config.md says), parse(), which checks the backend's
 agent config document against them and against shared.config's rules and says
 what it refused and why, the overrides file in the runtime directory
 (<run_dir>/remote-config.json: the accepted overrides only, written by the
@@ -36,9 +36,11 @@ from typing import Any, Mapping
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import privileges
 from ebpfprofiler.shared.files import write_atomic
+from ebpfprofiler.shared.safestr import cut, quote
+from ebpfprofiler.shared.wire import json_object
 
-# What the backend may change; DESIGN.md: "Remote config may only toggle
-# `enabled` and set `upload_interval_s`; anything else it sends is refused".
+# What the backend may change (docs/remote-config.md): only `enabled` and `upload_interval_s`;
+# anything else it sends is refused.
 REMOTE_KEYS = ("enabled", "upload_interval_s")
 FILE_NAME = "remote-config.json"
 # The overrides file: group-readable (collector and symbolizers are in the
@@ -74,7 +76,7 @@ class Refusal:
 
     def describe(self, local: config_mod.ProfilerConfig) -> str:
         """The log line: key, value, why, and what stays in force."""
-        head = f"remote config: refused modules.ebpf_profiler.{self.key} = {self.value_text}: {self.reason}"
+        head = f"remote config: refused modules.ebpf_profiler.{cut(self.key)} = {self.value_text}: {self.reason}"
         if hasattr(local, self.key):
             return f"{head}; the local value {show(getattr(local, self.key))} stays"
         return f"{head}; nothing changes"
@@ -82,8 +84,7 @@ class Refusal:
 
 def show(value: Any) -> str:
     """A value as log lines and ConfigError texts quote it (repr), cut to MAX_VALUE_CHARS."""
-    text = repr(value)
-    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
+    return quote(value, MAX_VALUE_CHARS)
 
 
 def path(run_dir: str) -> str:
@@ -218,16 +219,12 @@ def load_overrides(run_dir: str, writers: set[int] | None = None) -> dict[str, A
         os.close(fd)
     if len(raw) > MAX_OVERRIDES_BYTES:
         raise OverridesFileError(f"{name} is larger than {MAX_OVERRIDES_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OverridesFileError(f"{name} is not JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise OverridesFileError(f"{name} holds {type(doc).__name__}, not an object")
+    # json_object: RecursionError (nesting past the interpreter's limit) too is a refusal, not a crash.
+    doc = json_object(raw, MAX_OVERRIDES_BYTES, name, OverridesFileError)
     overrides, refused = parse({"modules": {"ebpf_profiler": doc}})
     if refused:
         r = refused[0]
-        raise OverridesFileError(f"{name}: {r.key} = {r.value_text}: {r.reason}")
+        raise OverridesFileError(f"{name}: {cut(r.key)} = {r.value_text}: {r.reason}")
     return overrides
 
 

@@ -23,6 +23,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar, Union
 
+from ebpfprofiler.shared.safestr import cut, quote
+from ebpfprofiler.shared import runtime_registry
+
 WIRE_VERSION = 1
 
 # A drained second of a busy 64-CPU host at 999 Hz is a few MB of JSON; 64 MiB
@@ -37,7 +40,8 @@ MAX_ITEMS = 10_000_000         # samples, stacks, processes in one batch
 MAX_STRING = 4096              # paths, names, labels
 U64 = (1 << 64) - 1
 
-PROFILE_TYPES = ("cpu", "offcpu", "python_wall", "alloc", "lock")
+# The runtime readers' types follow from the registry.
+PROFILE_TYPES = ("cpu", "offcpu", "alloc", "lock") + runtime_registry.PROFILE_TYPES
 # Values a sample carries beyond (count, value): alloc's inuse objects and bytes.
 MAX_EXTRA_VALUES = 2
 # An unwind table of one module: /usr/bin/node's is ~400K rows (6.4 MB); 64 MiB
@@ -244,7 +248,7 @@ def decode(frames: Sequence[bytes]) -> Message:
     head = frames[0]
     doc = json_object(head, MAX_BATCH_BYTES, "header")
     if doc.get("v") != WIRE_VERSION:
-        raise WireError(f"wire version {doc.get('v')!r}, this build speaks {WIRE_VERSION}")
+        raise WireError(f"wire version {quote(doc.get('v'))}, this build speaks {WIRE_VERSION}")
     kind, body = doc.get("kind"), doc.get("body")
     if not isinstance(body, dict):
         raise WireError("body is not a JSON object")
@@ -274,8 +278,8 @@ def decode(frames: Sequence[bytes]) -> Message:
                 raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
             return _file_request(body) if kind == "file_request" else _file_reply(body)
     except (KeyError, TypeError) as e:
-        raise WireError(f"{kind}: malformed body ({type(e).__name__}: {e})") from None
-    raise WireError(f"unknown message kind {kind!r}")
+        raise WireError(f"{quote(kind)}: malformed body ({type(e).__name__}: {cut(str(e))})") from None
+    raise WireError(f"unknown message kind {quote(kind)}")
 
 
 def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = WireError) -> dict[str, Any]:
@@ -284,8 +288,10 @@ def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = Wire
         raise error(f"{what} of {len(frame)} bytes is over the cap of {cap}")
     try:
         doc = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise error(f"{what} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError: UnicodeDecodeError, JSONDecodeError, and an integer of more digits than
+        # int() takes (sys.get_int_max_str_digits, 4,300), which json raises as a plain ValueError.
+        raise error(f"{what} is not JSON: {cut(str(e))}") from None
     if not isinstance(doc, dict):
         raise error(f"{what} is not a JSON object")
     return doc
@@ -314,7 +320,7 @@ T = TypeVar("T")
 
 def _int(v: Any, what: str, low: int = 0, high: int = U64) -> int:
     if type(v) is not int or not low <= v <= high:
-        raise WireError(f"{what}: {v!r} is not an integer in [{low}, {high}]")
+        raise WireError(f"{what}: {quote(v)} is not an integer in [{low}, {high}]")
     return v
 
 
@@ -370,7 +376,7 @@ def _process(v: Any, what: str) -> Process:
 def _batch(b: dict[str, Any]) -> StackBatch:
     profile_type = _str(b["profile_type"], "profile_type")
     if profile_type not in PROFILE_TYPES:
-        raise WireError(f"profile_type {profile_type!r} is not one of {PROFILE_TYPES}")
+        raise WireError(f"profile_type {quote(profile_type)} is not one of {PROFILE_TYPES}")
     user_stacks = _each(b["user_stacks"], "user_stacks", _stack)
     kernel_stacks = _each(b["kernel_stacks"], "kernel_stacks", _stack)
     nu, nk = len(user_stacks), len(kernel_stacks)
@@ -439,7 +445,7 @@ def _unwind_request(v: Any, what: str) -> UnwindRequest:
 def _unwind_table(b: dict[str, Any], table: bytes) -> UnwindTable:
     status = _str(b["status"], "status")
     if status not in UNWIND_STATUSES:
-        raise WireError(f"unwind status {status!r} is not one of {UNWIND_STATUSES}")
+        raise WireError(f"unwind status {quote(status)} is not one of {UNWIND_STATUSES}")
     if (status == "ok") != bool(table):
         raise WireError("an unwind table comes with status ok, and only then")
     return UnwindTable(dev=_str(b["dev"], "dev"), inode=_int(b["inode"], "inode"), path=_str(b["path"], "path"),
@@ -456,7 +462,7 @@ def _dict(v: Any, what: str) -> dict[str, Any]:
 def _profile(b: dict[str, Any], pprof_gz: bytes) -> ProfileUpload:
     profile_type = _str(b["profile_type"], "profile_type")
     if profile_type not in PROFILE_TYPES:
-        raise WireError(f"profile_type {profile_type!r} is not one of {PROFILE_TYPES}")
+        raise WireError(f"profile_type {quote(profile_type)} is not one of {PROFILE_TYPES}")
     start, end = _int(b["window_start_ns"], "window_start_ns"), _int(b["window_end_ns"], "window_end_ns")
     if end < start:
         raise WireError("window ends before it starts")
@@ -475,7 +481,7 @@ def _profile(b: dict[str, Any], pprof_gz: bytes) -> ProfileUpload:
 def _file_request(b: dict[str, Any]) -> FileRequest:
     kind = _str(b["kind"], "kind")
     if kind not in FILE_KINDS:
-        raise WireError(f"file kind {kind!r} is not one of {FILE_KINDS}")
+        raise WireError(f"file kind {quote(kind)} is not one of {FILE_KINDS}")
     start, end = _int(b["start"], "start"), _int(b["end"], "end")
     if kind == "module" and not start < end:
         raise WireError("a module request needs start < end")
@@ -494,5 +500,5 @@ def _file_reply(b: dict[str, Any]) -> FileReply:
         raise WireError("ok is not a boolean")
     error = _str(b["error"], "error")
     if not ok and error not in FILE_ERRORS:
-        raise WireError(f"error {error!r} is not one of {FILE_ERRORS}")
+        raise WireError(f"error {quote(error)} is not one of {FILE_ERRORS}")
     return FileReply(ok=ok, error=error, reason=_str(b["reason"], "reason"))
