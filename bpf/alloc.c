@@ -2,15 +2,26 @@
 // attached by the collector to each target process only (a per-process uprobe
 // traps in that process's address space and no other).
 //
+// In bursts (collector/alloc.py): every uprobe traps into the kernel on every
+// call whatever the sampling, so the collector attaches them for a short part
+// of each period only. A burst has a sampling phase (alloc_state.sampling = 1)
+// and a tail (0) in which nothing new is sampled but frees, and addresses
+// malloc hands out again, still end live allocations sampled in the phase.
+// alloc_state.burst numbers the bursts; a live allocation keeps the number of
+// the burst that sampled it, and a free of one from an earlier burst is
+// counted by stack in alloc_survivors_freed (the collector turns it into the
+// frees it could not see, collector/alloc.py).
+//
 // Sampling by bytes, as Go's and tcmalloc's heap profilers do: each CPU
 // counts down the bytes until its next sample point (exponentially
 // distributed with mean ALLOC_SAMPLE_BYTES, drawn from alloc_exp, which the
-// collector fills), and an allocation that crosses k points is sampled. It
-// then stands for k * ALLOC_SAMPLE_BYTES bytes and k * ALLOC_SAMPLE_BYTES /
-// size objects (kept in thousandths): both unbiased estimates, so sums over
-// stacks come out right with no scaling in user space. Most calls only
-// subtract from the counter. An allocation of ALLOC_BIG_FACTOR means or more
-// is always sampled, at its own size. ALLOC_SAMPLE_BYTES 0 records every one.
+// collector fills, as it fills each CPU's first countdown), and an allocation
+// that crosses k points is sampled. It then stands for k * ALLOC_SAMPLE_BYTES
+// bytes and k * ALLOC_SAMPLE_BYTES / size objects (kept in thousandths):
+// unbiased estimates of what the sampling phase allocated; the collector
+// scales them to the whole period. Most calls only subtract from the counter.
+// An allocation of ALLOC_BIG_FACTOR means or more is always sampled, at its
+// own size. ALLOC_SAMPLE_BYTES 0 records every one.
 //
 // The stack is taken at entry: the uprobe fires on the first instruction of
 // malloc, before it sets up a frame, so the frame-pointer walk from the
@@ -19,9 +30,13 @@
 //
 // A sampled allocation is counted when it returns (the address is known): in
 // the double-buffered alloc_counts_<buf>, and in alloc_live until free() or
-// realloc() of its address (bounded; overflow counted). realloc(NULL, n)
-// calls malloc inside libc: `depth` in the thread's pending record makes the
-// inner call not count twice.
+// realloc() of its address, or until malloc returns that address again (it
+// was freed unseen; bounded; overflow counted). The thread's pending record
+// keeps the stack pointer at entry: the return whose stack pointer is one
+// word above it is that call's (realloc(NULL, n) calls malloc inside libc:
+// that inner call runs deeper and is neither sampled nor counted), and a
+// record the stack has already unwound past (a return never seen: the
+// uretprobe attached or detached while the call ran) is replaced, never kept.
 //
 // Compiled with -DALLOC_SAMPLE_BYTES, -DALLOC_COUNTS_ENTRIES,
 // -DALLOC_STACK_ENTRIES, -DALLOC_LIVE_ENTRIES from the collector.
@@ -53,16 +68,27 @@ struct alloc_live_t {
     u64 caller;
     u64 objects_milli;
     u64 bytes;
+    u64 burst;            // alloc_state.burst when it was sampled
 };
 
 struct alloc_pending_t {
-    u32 depth;            // calls of the probed functions nested in this one (realloc -> malloc)
+    u64 sp;               // the stack pointer at entry: [sp] is the return address
     u32 sampled;
     s32 user_stack;
-    u32 pad;
     u64 caller;
     u64 objects_milli;
     u64 bytes;
+};
+
+struct alloc_state_t {
+    u64 sampling;         // 1 in a burst's sampling phase, 0 in its tail
+    u64 burst;            // the burst's number, from 1
+};
+
+struct alloc_stack_key {
+    u32 pid;
+    s32 user_stack;
+    u64 caller;
 };
 
 // Indexes of alloc_lost; the collector names them (collector/alloc.py).
@@ -76,6 +102,8 @@ struct alloc_pending_t {
 #define ALLOC_BIG_FACTOR 16            // sizes of 16 means are sampled with p > 1 - 1e-7: always
 #define ALLOC_MAX_DRAWS 32             // sample points one allocation may cross before the rest is cut
 #define ALLOC_PENDING_ENTRIES 16384    // threads inside a probed call at once
+#define ALLOC_NEST_BYTES 4096          // realloc's inner malloc runs less than this below realloc's entry
+#define ALLOC_SURVIVOR_STACKS 4096     // stacks whose survivors were seen freed, per drain
 
 BPF_HASH(alloc_counts_0, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
 BPF_HASH(alloc_counts_1, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
@@ -84,6 +112,8 @@ BPF_HASH(alloc_live, struct alloc_live_key, struct alloc_live_t, ALLOC_LIVE_ENTR
 // LRU: a thread killed inside malloc never returns; its record ages out.
 BPF_TABLE("lru_hash", u32, struct alloc_pending_t, alloc_pending, ALLOC_PENDING_ENTRIES);
 BPF_ARRAY(alloc_active, u32, 1);
+BPF_ARRAY(alloc_state, struct alloc_state_t, 1);
+BPF_HASH(alloc_survivors_freed, struct alloc_stack_key, u64, ALLOC_SURVIVOR_STACKS);
 BPF_ARRAY(alloc_exp, u32, ALLOC_EXP_ENTRIES);
 BPF_PERCPU_ARRAY(alloc_left, s64, 1);
 BPF_PERCPU_ARRAY(alloc_lost, u64, ALLOC_LOST_SLOTS);
@@ -138,23 +168,36 @@ static __always_inline int alloc_sample(u64 size, struct alloc_pending_t *p) {
 #endif
 }
 
+static __always_inline struct alloc_state_t *alloc_now(void) {
+    u32 zero = 0;
+    return alloc_state.lookup(&zero);
+}
+
 static __always_inline void alloc_enter(struct pt_regs *ctx, u64 size, int always_pending) {
     u32 ktid = (u32)bpf_get_current_pid_tgid();
+    u64 sp = PT_REGS_SP(ctx);
     struct alloc_pending_t *outer = alloc_pending.lookup(&ktid);
-    if (outer) {
-        outer->depth++;
+    // Inside a probed call of this thread (realloc's own malloc): below its entry, close to it.
+    if (outer && sp < outer->sp && outer->sp - sp < ALLOC_NEST_BYTES)
+        return;
+    struct alloc_state_t *st = alloc_now();
+    if (!st)
+        return;
+    struct alloc_pending_t p = {};
+    p.sp = sp;
+    if (st->sampling)
+        p.sampled = alloc_sample(size, &p);
+    if (!p.sampled && !always_pending) {
+        if (outer)                 // a call that returned unseen: its record must not wait for it
+            alloc_pending.delete(&ktid);
         return;
     }
-    struct alloc_pending_t p = {};
-    p.sampled = alloc_sample(size, &p);
-    if (!p.sampled && !always_pending)
-        return;
     if (p.sampled) {
         int id = alloc_stacks.get_stackid(ctx, BPF_F_USER_STACK);
         if (id < 0 && id != -EFAULT)
             alloc_count_lost(ALLOC_LOST_USER_STACK);
         p.user_stack = id < 0 ? -1 : id;
-        bpf_probe_read_user(&p.caller, sizeof(p.caller), (void *)PT_REGS_SP(ctx));
+        bpf_probe_read_user(&p.caller, sizeof(p.caller), (void *)sp);
     }
     if (alloc_pending.update(&ktid, &p) != 0)
         alloc_count_lost(ALLOC_LOST_PENDING_FULL);
@@ -169,6 +212,22 @@ static __always_inline void alloc_free(u64 addr) {
     struct alloc_live_key k = {};
     k.pid = pid;
     k.addr = addr;
+    struct alloc_live_t *v = alloc_live.lookup(&k);
+    if (!v)
+        return;
+    struct alloc_state_t *st = alloc_now();
+    if (st && v->burst != st->burst) {    // it lived past its burst: seen freed by chance
+        struct alloc_stack_key sk = {};
+        sk.pid = pid;
+        sk.user_stack = v->user_stack;
+        sk.caller = v->caller;
+        u64 one = 1;
+        u64 *n = alloc_survivors_freed.lookup(&sk);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else
+            alloc_survivors_freed.update(&sk, &one);
+    }
     alloc_live.delete(&k);
 }
 
@@ -198,20 +257,27 @@ static __always_inline void alloc_count(struct alloc_key *key, struct alloc_valu
 }
 
 static __always_inline void alloc_return(struct pt_regs *ctx) {
+    u64 addr = PT_REGS_RC(ctx);
+    u32 pid, tid;
+    if (addr == 0 || current_ids(&pid, &tid))
+        return;
+    // Whatever was at this address was freed, seen or not: it is not live any more.
+    struct alloc_live_key lk = {};
+    lk.pid = pid;
+    lk.addr = addr;
+    alloc_live.delete(&lk);
     u32 ktid = (u32)bpf_get_current_pid_tgid();
     struct alloc_pending_t *p = alloc_pending.lookup(&ktid);
     if (!p)
         return;
-    if (p->depth > 0) {
-        p->depth--;
+    u64 sp = PT_REGS_SP(ctx);
+    if (sp < p->sp + 8)          // an inner call's return (the outer one's is still to come)
         return;
-    }
     struct alloc_pending_t done = *p;
     alloc_pending.delete(&ktid);
-    u64 addr = PT_REGS_RC(ctx);
-    u32 pid, tid;
-    if (!done.sampled || addr == 0 || current_ids(&pid, &tid))
+    if (sp != done.sp + 8 || !done.sampled)    // past it: a record whose return went unseen
         return;
+    struct alloc_state_t *st = alloc_now();
     struct alloc_key key = {};
     key.pid = pid;
     key.tid = tid;
@@ -219,15 +285,13 @@ static __always_inline void alloc_return(struct pt_regs *ctx) {
     key.caller = done.caller;
     struct alloc_value add = {done.objects_milli, done.bytes};
     alloc_count(&key, &add);
-    struct alloc_live_key lk = {};
-    lk.pid = pid;
-    lk.addr = addr;
     struct alloc_live_t live = {};
     live.tid = tid;
     live.user_stack = done.user_stack;
     live.caller = done.caller;
     live.objects_milli = done.objects_milli;
     live.bytes = done.bytes;
+    live.burst = st ? st->burst : 0;
     if (alloc_live.update(&lk, &live) != 0)
         alloc_count_lost(ALLOC_LOST_LIVE_FULL);
 }

@@ -1,38 +1,63 @@
 // Off-CPU time: where threads block, by stack, with blocked time only.
 //
-// sched:sched_switch runs in the context of the task switching out (prev).
-// When prev blocks (state S or D; a preempted task is runnable, state R+, and
-// is not off-CPU) its stacks and the time are kept per thread in
-// offcpu_start. sched:sched_wakeup marks when it became runnable again: the
-// wait for a CPU after that is runnable time, not blocked time. When the
-// thread is switched back in (it is next), the blocked interval (switch-out
-// to wakeup) is charged to those stacks, unless it is shorter than
-// OFFCPU_MIN_NS: short intervals are dropped here, in the kernel.
+// Three tp_btf programs (BTF-typed raw tracepoints, loaded by
+// collector/btfprog.py) keep a record per thread in task local storage:
 //
-// Counts are double-buffered like the on-CPU counts. The stack map is not:
-// a thread may block in one drain interval and wake in a later one, so its
-// stack id must outlive a drain. The collector deletes stack ids that no
-// pending interval refers to and no drain has used for a while.
+//   offcpu_switch   sched_switch, in the context of the task switching out
+//                   (prev). Switch-in half first: if next was blocked, its
+//                   blocked interval ends (at its wakeup, else now). An
+//                   interval shorter than OFFCPU_MIN_NS costs nothing more:
+//                   no stack is read for it. A longer one takes next's
+//                   kernel stack as it was saved when it blocked
+//                   (bpf_get_task_stack) and waits, pending, for the thread
+//                   to return to user space. Switch-out half: prev blocks
+//                   (state S or D; a preempted task is runnable and does not
+//                   count): only the time is kept.
+//   offcpu_wakeup   sched_wakeup: when the blocked thread became runnable;
+//                   the wait for a CPU after that is not blocked time.
+//   offcpu_resume   rseq_update, in the context of a thread about to return
+//                   to user space after it was switched in (glibc registers
+//                   rseq for every thread): its user registers and stack are
+//                   still those it blocked with. A pending interval is
+//                   charged here to that user stack (frame pointers, or the
+//                   DWARF tables with offcpu_dwarf) and the kernel stack
+//                   taken at switch-in.
 //
-// With offcpu_dwarf (-DOFFCPU_DWARF, after unwind.h), the user stack of a
-// thread that blocks in a process with unwind tables is walked with them from
-// the registers it entered the kernel with (bpf_task_pt_regs): the walk ends
-// in offcpu_dwarf_finish, which stores the stack in offcpu_dwarf_stacks (kept
-// like offcpu_stacks) and names it in the thread's start record. The switch-in
-// half of sched_switch runs first, because the walk ends the program.
+// Threads that never pass rseq_update (no rseq: static or musl binaries, Go,
+// a thread before its first return to user) are read the old way: their
+// stacks are taken when they block and charged at switch-in. Kernel threads
+// (no user registers) are charged at switch-in, kernel stack only.
 //
-// Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES, -DSTACK_ENTRIES,
-// -DSTART_ENTRIES and -DOFFCPU_MIN_NS from the collector.
+// Stacks go to offcpu_stacks_<buf> under a 64-bit hash of their frames (user
+// and kernel stacks share the map); counts under (pid, tid, user hash,
+// kernel hash) in offcpu_counts_<buf>. Both are double-buffered, like the
+// on-CPU maps: a stack is stored in the buffer of the count that names it.
+//
+// offcpu_gen counts attachments: a record written before the last detach
+// (its wakeup unseen) is stale and not charged.
+//
+// Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES,
+// -DSTACK_ENTRIES and -DOFFCPU_MIN_NS from the collector; -DOFFCPU_DWARF
+// (after unwind.h) for the DWARF walk at return to user.
 
 #define OFFCPU_STATE_S 0x1   // TASK_INTERRUPTIBLE
 #define OFFCPU_STATE_D 0x2   // TASK_UNINTERRUPTIBLE
+#define OFFCPU_TASK_REPORT 0x7f         // the state bits the sched_switch tracepoint reports
+#define OFFCPU_TASK_IDLE 0x402          // TASK_UNINTERRUPTIBLE | TASK_NOLOAD
+#define OFFCPU_TASK_RTLOCK_WAIT 0x1000  // reported as D
+#define OFFCPU_FRAMES 64     // per stack; the layout of struct unwind_stack
+#define OFFCPU_HASH_PRIME 0x100000001b3ULL
+
+// offcpu_task.flags
+#define OFFCPU_CHECKED 0x1   // whether it has user registers is known
+#define OFFCPU_KTHREAD 0x2   // no user registers: kernel stack only
+#define OFFCPU_RSEQ 0x4      // passes rseq_update: stacks at return to user
 
 struct offcpu_key {
     u32 pid;
     u32 tid;
-    s32 user_stack;
-    s32 kernel_stack;
-    u64 user_hash;     // DWARF-unwound user stack in offcpu_dwarf_stacks, or 0
+    u64 user_hash;     // in offcpu_stacks_<buf>, or 0
+    u64 kernel_hash;   // likewise
 };
 
 struct offcpu_value {
@@ -40,30 +65,44 @@ struct offcpu_value {
     u64 ns;      // blocked nanoseconds
 };
 
-struct offcpu_start_t {
-    u64 ts;        // switched out
-    u64 wake_ts;   // woken (0 until then)
-    u32 pid;       // as the collector's /proc names them (common.h)
+struct offcpu_stack {
+    u64 pcs[OFFCPU_FRAMES];   // leaf first; zero after the last frame
+};
+
+struct offcpu_task {
+    u64 ts;             // blocked since (0: not blocked)
+    u64 wake_ts;        // woken at (0: not yet)
+    u64 pending_ns;     // blocked time to charge when it returns to user space
+    u64 pending_count;
+    u32 pid;            // as the collector's /proc names them (common.h)
     u32 tid;
-    s32 user_stack;
-    s32 kernel_stack;
-    u64 user_hash;
+    u32 gen;            // offcpu_gen when ts was written
+    u32 flags;
+    u32 kernel_n;       // frames in kernel
+    u32 user_n;         // frames in user (threads without rseq only)
+    u64 kernel_print;   // the saved kernel stack of the block `kernel` was read for (offcpu_same_block)
+    struct offcpu_stack kernel;
+    struct offcpu_stack user;
 };
 
 // Indexes of offcpu_lost; the collector names them (collector/offcpu.py).
 #define OFFCPU_LOST_COUNTS_FULL 0
 #define OFFCPU_LOST_USER_STACK 1
 #define OFFCPU_LOST_KERNEL_STACK 2
-#define OFFCPU_LOST_START_FULL 3
+#define OFFCPU_LOST_NO_RECORD 3
 #define OFFCPU_LOST_SLOTS 4
 
+BPF_TASK_STORAGE(offcpu_tasks, struct offcpu_task);
 BPF_HASH(offcpu_counts_0, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_HASH(offcpu_counts_1, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
-BPF_STACK_TRACE(offcpu_stacks, STACK_ENTRIES);
-// LRU: a thread that exits while blocked never switches in; its entry ages out.
-BPF_TABLE("lru_hash", u32, struct offcpu_start_t, offcpu_start, START_ENTRIES);
+BPF_HASH(offcpu_stacks_0, u64, struct offcpu_stack, STACK_ENTRIES);
+BPF_HASH(offcpu_stacks_1, u64, struct offcpu_stack, STACK_ENTRIES);
 BPF_ARRAY(offcpu_active, u32, 1);
+BPF_ARRAY(offcpu_gen, u32, 1);
 BPF_PERCPU_ARRAY(offcpu_lost, u64, OFFCPU_LOST_SLOTS);
+// Slot 0: offcpu_resume's user stack; slot 1: offcpu_switch's look at a sleeping task's stack (the
+// two may run on one CPU at once: a preempted rseq_update under a sched_switch).
+BPF_PERCPU_ARRAY(offcpu_scratch, struct offcpu_stack, 2);
 
 static __always_inline void offcpu_count_lost(int reason) {
     u64 *n = offcpu_lost.lookup(&reason);
@@ -71,131 +110,253 @@ static __always_inline void offcpu_count_lost(int reason) {
         (*n)++;
 }
 
-#ifdef OFFCPU_DWARF
-BPF_HASH(offcpu_dwarf_stacks, u64, struct unwind_stack, DWARF_STACK_ENTRIES);
-BPF_PROG_ARRAY(offcpu_unwind_progs, 1);
-
-// The walk is over: store the stack and name it in the start record of the
-// interval it began in (st->tid is the thread's offcpu_start key).
-static __always_inline void offcpu_dwarf_finish(struct unwind_state *st) {
-    u64 hash = unwind_finish(st);
-    int err = offcpu_dwarf_stacks.insert(&hash, &st->stack);
-    if (err != 0 && err != -EEXIST) {
-        unwind_count(UNWIND_LOST_STACK_FULL);
-        offcpu_count_lost(OFFCPU_LOST_USER_STACK);
-        return;
+// Zero the frames after the n-th; the stack's hash (never 0), or 0 for no frames.
+static __always_inline u64 offcpu_hash(struct offcpu_stack *s, u32 n) {
+    u64 h = 0xcbf29ce484222325ULL;
+    for (int i = 0; i < OFFCPU_FRAMES; i++) {
+        if (i >= n)
+            s->pcs[i] = 0;
+        else
+            h = (h ^ s->pcs[i]) * OFFCPU_HASH_PRIME;
     }
-    u32 key = st->tid;
-    struct offcpu_start_t *s = offcpu_start.lookup(&key);
-    if (s && s->ts == st->ts)
-        s->user_hash = hash;
+    if (n == 0)
+        return 0;
+    return h ? h : 1;
 }
 
-int offcpu_unwind_step(void *ctx) {
+// Store a stack in buffer `buf`; its hash, or 0 if it has no frames or the map is full.
+static __always_inline u64 offcpu_store(struct offcpu_stack *s, u32 n, u32 buf, int lost_reason) {
+    u64 h = offcpu_hash(s, n);
+    if (h == 0)
+        return 0;
+    int err = buf == 0 ? offcpu_stacks_0.insert(&h, s) : offcpu_stacks_1.insert(&h, s);
+    if (err != 0 && err != -EEXIST) {
+        offcpu_count_lost(lost_reason);
+        return 0;
+    }
+    return h;
+}
+
+static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack *user, u32 user_n,
+                                          struct offcpu_stack *kernel, u32 kernel_n, u64 count, u64 ns) {
+    u32 zero = 0;
+    u32 *active = offcpu_active.lookup(&zero);
+    if (!active)
+        return;
+    u32 buf = *active;
+    notify_new_pid(pid);
+    struct offcpu_key key = {};
+    key.pid = pid;
+    key.tid = tid;
+    key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK) : 0;
+    key.kernel_hash = kernel ? offcpu_store(kernel, kernel_n, buf, OFFCPU_LOST_KERNEL_STACK) : 0;
+    struct offcpu_value one = {count, ns}, *v;
+    if (buf == 0) {
+        v = offcpu_counts_0.lookup(&key);
+        if (v) {
+            __sync_fetch_and_add(&v->count, count);
+            __sync_fetch_and_add(&v->ns, ns);
+        } else if (offcpu_counts_0.update(&key, &one) != 0) {
+            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
+        }
+    } else {
+        v = offcpu_counts_1.lookup(&key);
+        if (v) {
+            __sync_fetch_and_add(&v->count, count);
+            __sync_fetch_and_add(&v->ns, ns);
+        } else if (offcpu_counts_1.update(&key, &one) != 0) {
+            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
+        }
+    }
+}
+
+static __always_inline u32 offcpu_frames(long bytes) {
+    if (bytes <= 0)
+        return 0;
+    u32 n = bytes / 8;
+    return n > OFFCPU_FRAMES ? OFFCPU_FRAMES : n;
+}
+
+// Whether `task`, switching in after a long block, blocked where it blocked the last time its
+// kernel stack was read: the same saved stack pointer and the same 512 bytes above it (the
+// registers __switch_to_asm saved, the scheduler's frames and the return addresses into the
+// functions that blocked). Then t->kernel is still its stack and the walk (bpf_get_task_stack:
+// ~10 us here) is not made; a thread that waits in one place (an event loop, a worker pool's
+// queue, a kernel thread's idle wait) is walked once. A mismatch, or a read that fails, walks.
+static __always_inline int offcpu_same_block(struct task_struct *task, struct offcpu_task *t) {
+    u64 sp = 0;
+    u32 slot = 1;
+    struct offcpu_stack *words = offcpu_scratch.lookup(&slot);
+    if (!words || bpf_probe_read_kernel(&sp, sizeof(sp), &task->thread.sp) || !sp ||
+        bpf_probe_read_kernel(words->pcs, sizeof(words->pcs), (void *)sp))
+        return 0;
+    u64 h = sp;
+    for (int i = 0; i < OFFCPU_FRAMES; i++)
+        h = (h ^ words->pcs[i]) * OFFCPU_HASH_PRIME;
+    if (t->kernel_n && t->kernel_print == h)
+        return 1;
+    t->kernel_print = h;
+    return 0;
+}
+
+// Whether the current task has user registers (a kernel thread has none).
+static __always_inline int offcpu_has_user_regs(void) {
+#ifdef HAVE_TASK_PT_REGS
+    struct pt_regs *user = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+    u64 cs = 0;
+    if (!user || bpf_probe_read_kernel(&cs, sizeof(cs), &user->cs))
+        return 0;
+    return (cs & 3) == 3;
+#else
+    return 1;
+#endif
+}
+
+// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
+int offcpu_switch(u64 *ctx) {
+    struct task_struct *prev = (struct task_struct *)ctx[1];
+    struct task_struct *next = (struct task_struct *)ctx[2];
+    unsigned int state = (unsigned int)ctx[3];
+    u32 zero = 0;
+    u32 *gen = offcpu_gen.lookup(&zero);
+    if (!gen)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+
+    // Switch-in: the end of next's blocked interval.
+    struct offcpu_task *t = offcpu_tasks.task_storage_get(next, 0, 0);
+    if (t && t->ts) {
+        u64 end = t->wake_ts ? t->wake_ts : now;
+        u64 delta = end > t->ts ? end - t->ts : 0;
+        if (t->gen == *gen && delta >= OFFCPU_MIN_NS) {
+            if (t->flags & OFFCPU_KTHREAD) {
+                if (!offcpu_same_block(next, t))
+                    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+                offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, 1, delta);
+            } else if (t->flags & OFFCPU_RSEQ) {
+                // blocked again before it returned: same stacks
+                if (t->pending_count == 0 && !offcpu_same_block(next, t))
+                    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+                t->pending_ns += delta;
+                t->pending_count++;
+            } else {
+                offcpu_charge(t->pid, t->tid, &t->user, t->user_n, &t->kernel, t->kernel_n, 1, delta);
+            }
+        }
+        t->ts = 0;
+        t->wake_ts = 0;
+    }
+
+    // As the classic tracepoint reports it (__trace_sched_switch_state): a preempted task is
+    // runnable; TASK_IDLE (an idle kernel thread's wait) is not blocked; flags such as
+    // TASK_FREEZABLE (a nanosleep) are not part of the state.
+    if (ctx[0] || state == OFFCPU_TASK_IDLE)
+        return 0;
+    if (state == OFFCPU_TASK_RTLOCK_WAIT)
+        state = OFFCPU_STATE_D;
+    state &= OFFCPU_TASK_REPORT;
+    if (state != OFFCPU_STATE_S && state != OFFCPU_STATE_D)
+        return 0;
+    u32 pid, tid;
+    if (current_ids(&pid, &tid) != 0 || pid == 0)   // current is prev; pid 0: the idle task
+        return 0;
+    struct offcpu_task *p = offcpu_tasks.task_storage_get(prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!p) {
+        offcpu_count_lost(OFFCPU_LOST_NO_RECORD);
+        return 0;
+    }
+    if (!(p->flags & OFFCPU_CHECKED))
+        p->flags |= OFFCPU_CHECKED | (offcpu_has_user_regs() ? 0 : OFFCPU_KTHREAD);
+    p->ts = now;
+    p->wake_ts = 0;
+    p->gen = *gen;
+    p->pid = pid;
+    p->tid = tid;
+    if (!(p->flags & (OFFCPU_KTHREAD | OFFCPU_RSEQ))) {
+        // No rseq_update to wait for: the stacks now, frame pointers only.
+        p->user_n = offcpu_frames(bpf_get_stack(ctx, p->user.pcs, sizeof(p->user.pcs), BPF_F_USER_STACK));
+        p->kernel_n = offcpu_frames(bpf_get_stack(ctx, p->kernel.pcs, sizeof(p->kernel.pcs), 0));
+        p->kernel_print = 0;     // p->kernel is this block's now, not the one the print was of
+    }
+    return 0;
+}
+
+// sched_wakeup(struct task_struct *p)
+int offcpu_wakeup(u64 *ctx) {
+    struct task_struct *woken = (struct task_struct *)ctx[0];
+    struct offcpu_task *t = offcpu_tasks.task_storage_get(woken, 0, 0);
+    if (t && t->ts && t->wake_ts == 0)
+        t->wake_ts = bpf_ktime_get_ns();
+    return 0;
+}
+
+#ifdef OFFCPU_DWARF
+// Slot 0: the step program; slot 1: the finish program (charging in the step
+// program itself makes it too complex for the verifier).
+BPF_PROG_ARRAY(offcpu_unwind_progs, 2);
+
+// Loaded as tp_btf programs on rseq_update like offcpu_resume, so that they may be tail-called.
+int offcpu_unwind_step(u64 *ctx) {
     u32 slot = 1;
     struct unwind_state *st = unwind_scratch.lookup(&slot);
     if (!st)
         return 0;
     unwind_frames(st);
-    if (!st->done) {
+    if (!st->done)
         offcpu_unwind_progs.call(ctx, 0);
-        unwind_count(UNWIND_LOST_TAIL_CALL);
-    }
-    offcpu_dwarf_finish(st);
+    offcpu_unwind_progs.call(ctx, 1);
+    unwind_count(UNWIND_LOST_TAIL_CALL);
+    return 0;
+}
+
+// The walk is over: charge the pending interval of the current thread to it.
+int offcpu_unwind_finish(u64 *ctx) {
+    u32 slot = 1;
+    struct unwind_state *st = unwind_scratch.lookup(&slot);
+    if (!st)
+        return 0;
+    unwind_finish(st);
+    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+    if (!t || t->pending_count == 0)
+        return 0;
+    offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, &t->kernel, t->kernel_n,
+                  t->pending_count, t->pending_ns);
+    t->pending_ns = 0;
+    t->pending_count = 0;
     return 0;
 }
 #endif
 
-static __always_inline s32 offcpu_stack_or_lost(int id, int reason) {
-    if (id >= 0)
-        return id;
-    if (id != -EFAULT)
-        offcpu_count_lost(reason);
-    return -1;
-}
-
-static __always_inline void offcpu_charge(struct offcpu_key *key, u64 ns) {
-    u32 zero = 0;
-    u32 *buf = offcpu_active.lookup(&zero);
-    if (!buf)
-        return;
-    struct offcpu_value one = {1, ns}, *v;
-    if (*buf == 0) {
-        v = offcpu_counts_0.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, 1);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (offcpu_counts_0.update(key, &one) != 0) {
-            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
-        }
-    } else {
-        v = offcpu_counts_1.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, 1);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (offcpu_counts_1.update(key, &one) != 0) {
-            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
-        }
-    }
-}
-
-TRACEPOINT_PROBE(sched, sched_switch) {
-    u64 now = bpf_ktime_get_ns();
-
-    // Switch-in first: the switch-out half may end in a tail call.
-    u32 next = args->next_pid;
-    struct offcpu_start_t *started = next != 0 ? offcpu_start.lookup(&next) : 0;
-    if (started) {
-        u64 end = started->wake_ts ? started->wake_ts : now;
-        u64 delta = end > started->ts ? end - started->ts : 0;
-        struct offcpu_key key = {};
-        key.pid = started->pid;
-        key.tid = started->tid;
-        key.user_stack = started->user_stack;
-        key.kernel_stack = started->kernel_stack;
-        key.user_hash = started->user_hash;
-        offcpu_start.delete(&next);
-        if (delta >= OFFCPU_MIN_NS)
-            offcpu_charge(&key, delta);
-    }
-
-    u32 prev = args->prev_pid;
-    long state = args->prev_state;
-    struct offcpu_start_t s = {};
-    if (prev == 0 || (state != OFFCPU_STATE_S && state != OFFCPU_STATE_D) ||
-        current_ids(&s.pid, &s.tid) != 0)   // current is prev
+// rseq_update(struct task_struct *t): current, about to return to user space.
+int offcpu_resume(u64 *ctx) {
+    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0,
+                                                          BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!t)
         return 0;
-    s.ts = now;
-    s.kernel_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, 0), OFFCPU_LOST_KERNEL_STACK);
+    if (!(t->flags & OFFCPU_RSEQ))
+        t->flags |= OFFCPU_RSEQ;
+    if (t->pending_count == 0)
+        return 0;
 #ifdef OFFCPU_DWARF
-    if (unwind_procs.lookup(&s.pid)) {   // the collector loaded unwind tables for this process
+    u32 pid = t->pid;
+    if (unwind_procs.lookup(&pid)) {   // the collector loaded unwind tables for this process
         u32 slot = 1;
         struct unwind_state *st = unwind_scratch.lookup(&slot);
         if (st && unwind_begin(st, 0)) {
-            st->pid = s.pid;
-            st->tid = prev;
-            st->ts = now;
-            s.user_stack = -1;
-            if (offcpu_start.update(&prev, &s) != 0) {
-                offcpu_count_lost(OFFCPU_LOST_START_FULL);
-                return 0;
-            }
-            offcpu_unwind_progs.call(args, 0);
+            st->pid = pid;
+            st->tid = t->tid;
+            offcpu_unwind_progs.call(ctx, 0);
             unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below
         }
     }
 #endif
-    s.user_stack = offcpu_stack_or_lost(offcpu_stacks.get_stackid(args, BPF_F_USER_STACK),
-                                        OFFCPU_LOST_USER_STACK);
-    if (offcpu_start.update(&prev, &s) != 0)
-        offcpu_count_lost(OFFCPU_LOST_START_FULL);
-    return 0;
-}
-
-TRACEPOINT_PROBE(sched, sched_wakeup) {
-    u32 tid = args->pid;
-    struct offcpu_start_t *s = offcpu_start.lookup(&tid);
-    if (s && s->wake_ts == 0)
-        s->wake_ts = bpf_ktime_get_ns();
+    u32 zero = 0;
+    struct offcpu_stack *user = offcpu_scratch.lookup(&zero);
+    if (!user)
+        return 0;
+    u32 n = offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK));
+    offcpu_charge(t->pid, t->tid, user, n, &t->kernel, t->kernel_n, t->pending_count, t->pending_ns);
+    t->pending_ns = 0;
+    t->pending_count = 0;
     return 0;
 }

@@ -62,6 +62,7 @@ static __always_inline s32 oncpu_stack_or_lost(int id, int reason) {
 
 static __always_inline void oncpu_count(struct oncpu_key *key, u32 buf) {
     u64 one = 1, *n;
+    notify_new_pid(key->pid);
     if (buf == 0) {
         n = oncpu_counts_0.lookup(key);
         if (n)

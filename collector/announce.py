@@ -20,8 +20,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import zmq
-from ebpfprofiler.collector.procfs import parse_stat
+
 from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared.wire import (
     MAX_ANNOUNCED_PROCESSES,
     Process,
@@ -39,14 +40,6 @@ FULL_EVERY_S = 30.0
 SEND_QUEUE = 64
 
 log = logging.getLogger(__name__)
-
-
-def _start_ticks(pid: int, proc: str = "/proc") -> int | None:
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            return parse_stat(f.read(4096).decode("utf-8", "replace"))[1]
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Announcer:
@@ -84,7 +77,7 @@ class Announcer:
         if now >= self._next_exit_check:
             self._next_exit_check = now + EXIT_CHECK_S
             for pid, p in list(self._known.items()):
-                if _start_ticks(pid) != p.start_ticks:
+                if start_ticks(pid) != p.start_ticks:
                     exited.append((pid, p.start_ticks))
                     del self._known[pid]
             self.stats["exited"] += len(exited)

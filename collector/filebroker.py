@@ -35,7 +35,6 @@ or block the collector's drain loop: it serves in its own threads.
 from __future__ import annotations
 
 import array
-import ctypes
 import errno
 import logging
 import os
@@ -45,32 +44,25 @@ import struct
 import threading
 from typing import Collection, Sequence
 
-from ebpfprofiler.collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_stat, parse_status
+from ebpfprofiler.collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_status
+from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.files import open_in_root
+from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
-# Connections served at once: one per symbolizer worker, with room to spare.
+# Connections served at once (one thread each), and the listen backlog: one per symbolizer worker,
+# with room to spare; past it a connection is closed at once.
 MAX_CONNECTIONS = 128
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+# A descriptor that names a file without opening it: fstat'd before anything reads (or opens) it.
+_PATH_ONLY = os.O_PATH | os.O_CLOEXEC
 # Where a root keeps debug files by build id (the layout of Debian's -dbg/-dbgsym packages and of GDB).
 DEBUG_DIR = "usr/lib/debug/.build-id"
 # symbolizer/elf.py reads no file larger than 2 GiB (its MAX_FILE_BYTES): a larger one is not passed for nothing.
 MAX_DEBUG_FILE_BYTES = 2 << 30
-
-_SYS_OPENAT2 = 437            # one number on every architecture (added after the syscall tables were unified)
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_syscall = ctypes.CDLL(None, use_errno=True).syscall
-_syscall.restype = ctypes.c_long
-
 
 class Refused(Exception):
     def __init__(self, error: str, reason: str) -> None:
@@ -79,11 +71,10 @@ class Refused(Exception):
 
 
 def _start_ticks(proc: str, pid: int) -> int:
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            return parse_stat(f.read(4096).decode("utf-8", "replace"))[1]
-    except (OSError, ValueError, IndexError):
-        raise Refused("gone", f"process {pid} is gone") from None
+    ticks = start_ticks(pid, proc)
+    if ticks is None:
+        raise Refused("gone", f"process {pid} is gone")
+    return ticks
 
 
 def open_module(proc: str, req: FileRequest) -> int:
@@ -92,8 +83,8 @@ def open_module(proc: str, req: FileRequest) -> int:
     if not any(m.start == req.start and m.end == req.end and m.inode and not m.path.startswith("[")
                for m in maps):
         raise Refused("refused", f"process {req.pid} has no executable file mapping {req.start:x}-{req.end:x}")
-    fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
-    return _regular_or_close(fd, f"mapping {req.start:x}-{req.end:x}")
+    fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", _PATH_ONLY)
+    return _reopen_regular(fd, f"mapping {req.start:x}-{req.end:x}")
 
 
 def open_perf_map(proc: str, req: FileRequest) -> int:
@@ -107,14 +98,15 @@ def open_perf_map(proc: str, req: FileRequest) -> int:
             raise Refused("refused", "the process's /tmp is a symlink or not a directory") from None
         raise
     try:
-        fd = os.open(name, _NOFOLLOW, dir_fd=tmp)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise Refused("refused", f"{name} is a symlink") from None
-        raise
+        # O_PATH: nothing is opened (a FIFO would block, a device node would see root open it)
+        # until fstat says it is a regular file.
+        fd = os.open(name, _PATH_ONLY | os.O_NOFOLLOW, dir_fd=tmp)
     finally:
         os.close(tmp)
-    return _regular_or_close(fd, name)
+    if stat.S_ISLNK(os.fstat(fd).st_mode):   # O_PATH|O_NOFOLLOW opens the symlink itself
+        os.close(fd)
+        raise Refused("refused", f"{name} is a symlink")
+    return _reopen_regular(fd, name)
 
 
 def open_debug(roots: Sequence[str], build_id: str) -> int:
@@ -158,15 +150,12 @@ def open_debug(roots: Sequence[str], build_id: str) -> int:
 
 def _open_in_root(dirfd: int, path: str) -> int:
     """An O_PATH descriptor of `path` resolved with `dirfd` as its root (symlinks and .. stay inside)."""
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd), path.encode(), ctypes.byref(how),
-                  ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        if err == errno.ENOSYS:
-            raise Refused("unreadable", "this kernel has no openat2 (Linux 5.6+): debug files are not served")
-        raise OSError(err, os.strerror(err), path)
-    return fd
+    try:
+        return open_in_root(dirfd, path)
+    except OSError as e:
+        if e.errno == errno.ENOSYS:
+            raise Refused("unreadable", "this kernel has no openat2 (Linux 5.6+): debug files are not served") from None
+        raise
 
 
 def _reopen_trusted(path_fd: int, what: str) -> int:
@@ -183,11 +172,15 @@ def _reopen_trusted(path_fd: int, what: str) -> int:
     return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
 
 
-def _regular_or_close(fd: int, what: str) -> int:
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise Refused("refused", f"{what} is not a regular file")
-    return fd
+def _reopen_regular(path_fd: int, what: str) -> int:
+    """`path_fd` (O_PATH, closed here) opened for reading if it is a regular file; Refused if not, before
+    anything opens it."""
+    try:
+        if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+            raise Refused("refused", f"{what} is not a regular file")
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    finally:
+        os.close(path_fd)
 
 
 def serve_one(proc: str, req: FileRequest) -> tuple[FileReply, int | None]:
@@ -229,6 +222,8 @@ class FileBroker:
             os.umask(old)
         self._sock.listen(MAX_CONNECTIONS)
         self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._log_once = LogOnce(log)
         self.stats = {"served": 0, "refused": 0, "bad_requests": 0, "peers_refused": 0}
         self._thread = threading.Thread(target=self._accept, name="file-broker", daemon=True)
         self._thread.start()
@@ -245,9 +240,21 @@ class FileBroker:
                 log.warning("file broker: refused a connection from uid %d (allowed: %s)", uid, sorted(self._allowed))
                 conn.close()
                 continue
+            if not self._slots.acquire(blocking=False):
+                self.stats["peers_refused"] += 1
+                self._log_once("busy", logging.WARNING, "file broker: %d connections are being served; "
+                               "further ones are closed (counted in peers_refused)", MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="file-broker-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_conn(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
         with conn:
             while not self._stop.is_set():
                 try:

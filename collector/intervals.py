@@ -22,6 +22,7 @@ from typing import Any
 
 from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
                                             delete_stacks, read_dwarf_stacks, read_stacks, stale_ids, take_counts)
+from ebpfprofiler.collector.sources import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ STACK_KEEP_DRAINS = 10
 STACK_SWEEP_EVERY = 5
 
 
-class IntervalTracer:
+class IntervalTracer(EventSource):
     """One interval family: `prefix` names its maps, `tracepoints` its TRACEPOINT_PROBEs."""
 
     def __init__(self, bpf: Any, prefix: str, profile_type: str, tracepoints: tuple[bytes, ...],

@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from ebpfprofiler.collector.intervals import IntervalTracer
+from ebpfprofiler.collector.sources import TargetedSource
 from ebpfprofiler.collector.targets import Target
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ TRACEPOINTS = (b"syscalls:sys_enter_futex", b"syscalls:sys_exit_futex")
 LOCK_PIDS = 4096
 
 
-class LockTracer(IntervalTracer):
+class LockTracer(IntervalTracer, TargetedSource):
     def __init__(self, bpf: Any, dwarf: bool = False) -> None:
         super().__init__(bpf, "lock", PROFILE_TYPE, TRACEPOINTS, "lock", dwarf)
         self._pids = bpf["lock_pids"]
@@ -43,6 +44,12 @@ class LockTracer(IntervalTracer):
         self._pids[ctypes.c_uint32(t.pid)] = ctypes.c_uint8(1)
         self.pids.add(t.pid)
         log.info("lock profiling: futex waits of pid %d (%s, target %r) are recorded", t.pid, t.executable, t.spec)
+
+    def target_pids(self) -> set[int]:
+        return self.pids
+
+    def counts(self) -> dict[str, int]:
+        return {"targets_refused": self.refused} if self.refused else {}
 
     def remove(self, t: Target) -> None:
         if t.pid not in self.pids:

@@ -42,15 +42,33 @@ from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.collector.lock import LOCK_PIDS, LockTracer
 from ebpfprofiler.collector.routing import worker_for
+from ebpfprofiler.collector.sources import EventSource, TargetedSource
 from ebpfprofiler.collector.targets import TargetWatcher
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges, ready, remote_config
+from ebpfprofiler.shared import endpoints, lifecycle, privileges, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 
-# How often BPF maps are drained into batches; the issue fixes it at one second.
+# How often BPF maps are drained into batches while the host is busy.
 DRAIN_INTERVAL_S = 1.0
+# While it is quiet (few keys, no new process in the last drain, no alloc or lock targets), drains
+# are this far apart at most, and one follows each window boundary (BOUNDARY_LAG_S after it): a
+# drain costs milliseconds of bcc map calls, the largest part of an idle host's cost.
+IDLE_DRAIN_INTERVAL_S = 5.0
+# A drain with at least this many keys (all families) keeps the next one at DRAIN_INTERVAL_S.
+BUSY_DRAIN_KEYS = 512
+# The first count of a new process (bpf/common.h, notify_new_pid) brings the next drain forward to
+# this long after the last one: its stacks, and the unwind tables they need, do not wait for an idle
+# drain. The programs send at most one such event per NEW_PID_NOTIFY_NS.
+EARLY_DRAIN_S = 0.2
+NEW_PID_NOTIFY_NS = 100_000_000
+# Processes the programs remember having notified (an LRU map).
+SEEN_PIDS = 65536
+# A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
+# drained, and stamped into the window it was taken in (drain_stamp_ns).
+BOUNDARY_LAG_S = 0.05
 # Distinct (pid, tid, user stack, kernel stack) keys per drain and family; a
 # 64-CPU host at 999 Hz takes ~64K samples a second, most of them repeats.
 COUNTS_ENTRIES = 40960
@@ -64,13 +82,6 @@ DROP_LOG_EVERY_S = 60
 CONNECT_WAIT_MS = 2000
 
 log = logging.getLogger("ebpfprofiler.collector")
-
-
-def default_bpf_dir() -> str:
-    """bpf/ beside the source tree when run from a checkout, else the installed copy."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
-    return os.environ.get("EBPFPROFILER_BPF_DIR") or (
-        here if os.path.isfile(os.path.join(here, "oncpu.c")) else "/usr/lib/ebpfprofiler/bpf")
 
 
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
@@ -105,11 +116,22 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     return args
 
 
+def drain_stamp_ns(last_ns: int, now_ns: int, interval_ns: int) -> int:
+    """The time a drain's samples are stamped with: they were taken between the last drain (last_ns)
+    and this one (now_ns), and go to the window that holds most of that stretch. With no window
+    boundary between the two, that is now; across one, the side with more of the stretch (the
+    window before the boundary when the drain follows it closely, as a quiet drain does)."""
+    boundary = now_ns - now_ns % interval_ns
+    if last_ns >= boundary or now_ns - boundary >= boundary - last_ns:
+        return now_ns
+    return boundary - 1
+
 class Collector:
     def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
                  stats: bpfstats.RunTimeStats | None = None) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
-        from ebpfprofiler.collector.offcpu import START_ENTRIES, OffCpuTracer
+        from ebpfprofiler.collector.intervals import START_ENTRIES
+        from ebpfprofiler.collector.offcpu import OffCpuTracer
         from ebpfprofiler.collector.oncpu import OnCpuSampler
         from ebpfprofiler.collector.procfs import ProcessTable
         from ebpfprofiler.collector.programs import Programs
@@ -123,7 +145,8 @@ class Collector:
                     + (["alloc"] if cfg.alloc_targets else []))
         defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
                    "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
-                   "LOCK_PIDS": LOCK_PIDS, **alloc.bpf_defines(cfg.alloc_sample_bytes)}
+                   "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
+                   **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct)}
         dwarf = cfg.dwarf_unwind
         if dwarf and unwind.supported():
             log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())
@@ -133,28 +156,29 @@ class Collector:
         if dwarf:
             defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
         self.programs = Programs(bpf_dir, families, defines)
+        # The event sources (collector/sources.py): every one is attached, drained, paused and
+        # closed alike; on-CPU is also the one whose rate the overhead guard sets.
         self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz, dwarf=dwarf)
-        self.sources: list = [self.oncpu]
+        self.sources: list[EventSource] = [self.oncpu]
         if cfg.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms, dwarf=offcpu_dwarf))
         # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
-        self.lock = self.alloc = None
-        self.watchers: list[tuple[TargetWatcher, LockTracer | alloc.AllocTracer]] = []
+        self.watchers: list[tuple[TargetWatcher, TargetedSource]] = []
         if cfg.lock_targets:
-            self.lock = LockTracer(self.programs.bpf, dwarf=lock_dwarf)
-            self.sources.append(self.lock)
-            self.watchers.append((TargetWatcher(cfg.lock_targets), self.lock))
+            self.watchers.append((TargetWatcher(cfg.lock_targets), LockTracer(self.programs.bpf, dwarf=lock_dwarf)))
         if cfg.alloc_targets:
-            self.alloc = alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes)
-            self.sources.append(self.alloc)
-            self.watchers.append((TargetWatcher(cfg.alloc_targets), self.alloc))
-        self._inuse_window: int | None = None
-        self._lock_tables: dict[int, int] = {}    # lock target → modules with tables, as last logged
-        ctx = zmq.Context.instance()
+            self.watchers.append((TargetWatcher(cfg.alloc_targets),
+                                  alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct)))
+        self.sources += [source for _, source in self.watchers]
+        self._snapshot_window: int | None = None
+        # (profile type, target pid) → modules with tables, as last logged
+        self._target_tables: dict[tuple[str, int], int] = {}
+        ctx: zmq.Context = zmq.Context.instance()
         self.unwind = None
         if dwarf:
-            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["offcpu"] if offcpu_dwarf else [])
-                                              + (["lock"] if lock_dwarf else []), run_dir, ctx)
+            # (off-CPU's step program is a tp_btf program: OffCpuTracer loads it)
+            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["lock"] if lock_dwarf else []),
+                                              run_dir, ctx)
             log.info("DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from "
                      "the symbolizers at %s", " and off-CPU" if offcpu_dwarf else "", endpoints.unwind(run_dir))
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
@@ -166,6 +190,10 @@ class Collector:
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
         self.sampling = False    # perf events and tracepoints attached
+        self._drain_keys = 0            # keys the last drain took, all families
+        self._drain_new_processes = 1   # processes it read from /proc for the first time (start: busy)
+        self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
+        self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
                                             stats.how if stats else "", self.prog_fds, bpfstats.prog_stats)
@@ -173,14 +201,18 @@ class Collector:
     def prog_fds(self) -> dict[str, int]:
         """Name → descriptor of each of our loaded BPF programs (bcc loads a program when it is attached)."""
         bpf = self.programs.bpf
-        return {} if bpf is None else {
+        fds = {} if bpf is None else {
             (n.decode() if isinstance(n, bytes) else n): f.fd for n, f in bpf.funcs.items()}
+        for src in self.sources:
+            fds.update(src.programs())
+        return fds
 
     def start(self) -> None:
         self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()
         self.sampling = True     # (bcc attached the off-CPU tracepoints when it loaded them)
         _malloc_trim()   # give back what LLVM left behind after compiling
+        _page_out_compiler()
 
     def pause(self) -> None:
         """Stop sampling: detach the perf events and tracepoints; the programs and maps stay loaded."""
@@ -198,7 +230,37 @@ class Collector:
             src.attach()
         self.sampling = True
 
+    def new_process_fd(self) -> int:
+        """A descriptor that is readable when a process the programs had not seen is first counted."""
+        self._new_pids = self.programs.bpf["new_pids"]
+        self._new_pids.open_ring_buffer(lambda _ctx, _data, _size: None)
+        return int(self._new_pids.map_fd)
+
+    def take_new_processes(self) -> None:
+        """Consume the new-process events (their only message: drain soon). The process is not read
+        here: its first count is often that of a child forked to exec, whose mappings are about to
+        be replaced (an executable's table asked for then was the parent's, and its answer made
+        /proc/PID/map_files unreadable for the new image)."""
+        self.programs.bpf.ring_buffer_consume()
+
+    def quiet(self) -> bool:
+        """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
+        return self._drain_keys < BUSY_DRAIN_KEYS and not self._drain_new_processes and not self.watchers
+
+    def next_drain_delay(self, now_wall: float, interval_s: int) -> float:
+        """Seconds until the next drain: DRAIN_INTERVAL_S while busy; while quiet, IDLE_DRAIN_INTERVAL_S
+        or BOUNDARY_LAG_S after the next window boundary, whichever comes first."""
+        if not self.quiet():
+            return DRAIN_INTERVAL_S
+        after_boundary = interval_s - now_wall % interval_s + BOUNDARY_LAG_S
+        return max(0.05, min(IDLE_DRAIN_INTERVAL_S, after_boundary))
+
     def drain_once(self) -> None:
+        now_ns = time.time_ns()
+        stamp_ns = drain_stamp_ns(self._last_drain_ns, now_ns, self.interval_s * 1_000_000_000)
+        self._last_drain_ns = now_ns
+        read_before = self.procs.stats["read"]
+        self._drain_keys = 0
         live = self.links.live()
         if self.unwind is not None:
             self.unwind.receive()
@@ -208,13 +270,18 @@ class Collector:
                 appeared, gone = watcher.scan()
                 for t in gone:
                     tracer.remove(t)
-                    self._lock_tables.pop(t.pid, None)
+                    self._target_tables.pop((tracer.profile_type, t.pid), None)
                 for t in appeared:
                     tracer.add(t)
-        if self.unwind is not None and self.lock is not None and self.lock.pids:
-            self.track_lock_targets(live)
+        if self.unwind is not None:
+            for _, tracer in self.watchers:
+                if tracer.dwarf and tracer.target_pids():
+                    self.track_targets(tracer, live)
         for src in self.sources:
-            self.ship(src.drain(), src.profile_type, time.time_ns(), live)
+            raw = src.drain()
+            self._drain_keys += len(raw.samples)
+            self.ship(raw, src.profile_type, stamp_ns, live)
+        self._drain_new_processes = self.procs.stats["read"] - read_before
         self.announcer.flush()
         if self.unwind is not None:
             counters = self.unwind.counters()
@@ -242,44 +309,48 @@ class Collector:
             self.send(worker, batch)
             self.announcer.observe(batch.processes)
 
-    def track_lock_targets(self, live: Sequence[int]) -> None:
-        """Unwind tables for every module of each lock target, asked for in a batch of no samples."""
-        assert self.unwind is not None and self.lock is not None
+    def track_targets(self, source: TargetedSource, live: Sequence[int]) -> None:
+        """Unwind tables for every module of each target of a DWARF-unwound source (lock waits),
+        asked for in a batch of no samples."""
+        assert self.unwind is not None
         by_worker: dict[int, tuple[list[Process], list[UnwindRequest]]] = {}
-        for pid in sorted(self.lock.pids):
+        for pid in sorted(source.target_pids()):
             proc = self.procs.get(pid)
             if proc is None:
                 continue
             requests = self.unwind.track(proc)
             covered = self.unwind.covered(proc)
-            if len(covered) > self._lock_tables.get(pid, 0):
-                self._lock_tables[pid] = len(covered)
-                log.info("lock profiling: pid %d unwound with the tables of %s", pid,
+            key = (source.profile_type, pid)
+            if len(covered) > self._target_tables.get(key, 0):
+                self._target_tables[key] = len(covered)
+                log.info("%s profiling: pid %d unwound with the tables of %s", source.profile_type, pid,
                          ", ".join(os.path.basename(c) for c in covered))
             if requests:
                 procs, reqs = by_worker.setdefault(worker_for(proc.service, live), ([], []))
                 procs.append(proc)
                 reqs.extend(requests)
         for worker, (procs, reqs) in by_worker.items():
-            self.send(worker, StackBatch(host=self.host, profile_type="lock", sample_hz=self.oncpu.sample_hz,
-                                         time_ns=time.time_ns(), processes=tuple(procs), user_stacks=(),
-                                         kernel_stacks=(), samples=(), unwind_requests=tuple(reqs)))
+            self.send(worker, StackBatch(host=self.host, profile_type=source.profile_type,
+                                         sample_hz=self.oncpu.sample_hz, time_ns=time.time_ns(), processes=tuple(procs),
+                                         user_stacks=(), kernel_stacks=(), samples=(), unwind_requests=tuple(reqs)))
 
-    def inuse_if_due(self, interval_s: int, final: bool = False) -> None:
-        """Once an upload window has ended (or on stop): the live allocations, into that window's alloc profile."""
-        if self.alloc is None:
-            return
+    def snapshots_if_due(self, interval_s: int, final: bool = False) -> None:
+        """Once an upload window has ended (or on stop): each source's snapshot (alloc: the live
+        allocations), into that window's profile."""
         now = time.time_ns()
         start = now - now % (interval_s * 1_000_000_000)
-        if self._inuse_window is None and not final:
-            self._inuse_window = start
+        if self._snapshot_window is None and not final:
+            self._snapshot_window = start
             return
-        if start == self._inuse_window and not final:
+        if start == self._snapshot_window and not final:
             return
-        self._inuse_window = start
-        # Stamped inside the window that ended (a drain runs within a second of its end; the
-        # symbolizers close a window WINDOW_GRACE_S after it), or now on stop.
-        self.ship(self.alloc.inuse(), alloc.PROFILE_TYPE, now if final else start - 1, self.links.live())
+        self._snapshot_window = start
+        for src in self.sources:
+            raw = src.snapshot()
+            if raw is not None:
+                # Stamped inside the window that ended (a drain runs within a second of its end; the
+                # symbolizers close a window WINDOW_GRACE_S after it), or now on stop.
+                self.ship(raw, src.profile_type, now if final else start - 1, self.links.live())
 
     def set_rate(self, sample_hz: int) -> None:
         """Sample at `sample_hz`: detach, drain what was taken at the old period, attach at the new one."""
@@ -299,7 +370,7 @@ class Collector:
         """At the end of an upload window: its overhead figures logged and in the status file, the rate decided."""
         if not self.guard.window_due(interval_s, slack_s=DRAIN_INTERVAL_S / 2):
             return
-        w = self.guard.end_window(self.samples, self.lost)
+        w = self.guard.end_window(self.samples, self.lost, self.procs.stats["read"])
         budget_ms = w.budget_pct / 100 * w.window_s * 1e3
         if w.decision == "halve":
             log.warning("overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
@@ -353,9 +424,11 @@ class Collector:
         if self.unwind is not None:
             self.unwind.close()
             log.info("DWARF unwinding: %s; in kernel: %s", self.unwind.stats, self.unwind_counters)
-        if self.alloc is not None:
-            self.alloc.close()
-            log.info("allocation profiling: %s", self.alloc.stats)
+        for src in self.sources:
+            src.close()
+            counts = src.counts()
+            if counts:
+                log.info("%s profiling: %s", src.profile_type, counts)
         self.programs.close()
         overhead.remove_status(self.run_dir)
         self.links.close()
@@ -402,6 +475,35 @@ def reload_budget(collector: Collector, cfg: config_mod.ProfilerConfig,
     return cfg.replace(overhead_budget_pct=new.overhead_budget_pct)
 
 
+# The compiler's libraries, mapped by bcc and not run again once the programs are loaded: their clean
+# file pages (~80 MB of RSS) are dropped (MADV_DONTNEED) and fault back in from the file if ever needed.
+# Only mappings with no page of their own (smaps Anonymous 0: not written, not RELRO) are dropped:
+# a written private page dropped would come back as the file's bytes.
+COMPILER_LIBRARIES = ("libLLVM", "libclang", "libbcc")
+MADV_DONTNEED = 4
+
+
+def _page_out_compiler() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return
+    current: tuple[int, int] | None = None
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+            lib = len(head) == 6 and any(name in head[5] for name in COMPILER_LIBRARIES)
+            lo, hi = head[0].split("-")
+            current = (int(lo, 16), int(hi, 16)) if lib and "w" not in head[1] else None
+        elif current is not None and line.startswith("Anonymous:"):
+            if int(line.split()[1]) == 0:
+                libc.madvise(current[0], current[1] - current[0], MADV_DONTNEED)
+            current = None
+
+
 def _malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -435,25 +537,19 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
                 extra = privileges.OPTIONAL_CAPS["collector"]
         except config_mod.ConfigError:
             pass
-    try:
-        privileges.become("collector", extra)   # first: every check and every step below runs as the stage
-    except privileges.PrivilegeError as e:
-        print(f"{prog}: cannot run as the collector's user: {e}", file=sys.stderr)
-        return 1
+    # First: every check and every step below runs as the stage.
+    lifecycle.become(prog, "collector", "the collector's", extra)
     checks = preflight.run_checks()
     if args.preflight:
         print(preflight.report(checks))
         return 0 if preflight.passed(checks) else 1
     log_mod.setup("collector")
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    cfg = lifecycle.load_config(prog, args.config)
     if not preflight.passed(checks):
         print(f"{prog}: this host cannot run the collector:\n{preflight.report(checks)}", file=sys.stderr)
         return 1
 
+    lifecycle.hold_run_dir(prog, args.run_dir, "collector")
     stop = stop_on_signals(log, "stopping")
 
     watcher = remote_config.Watcher(args.run_dir, log)
@@ -492,24 +588,42 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         else:
             log.warning("BPF run-time statistics are off (%s): the overhead guard counts the stages' CPU only, "
                         "BPF run time as 0", stats.problem if stats else "not asked for")
-        next_drain = time.monotonic() + DRAIN_INTERVAL_S
-        while not stop.wait(max(0.0, next_drain - time.monotonic())):
-            collector.drain_once()
-            follow_remote_config(collector, cfg, watcher)
+        poller = zmq.Poller()
+        poller.register(stopping.wakeup_fd(), zmq.POLLIN)
+        if collector.unwind is not None:      # tables are loaded as they arrive, not at the next drain
+            poller.register(collector.unwind.sock, zmq.POLLIN)
+        new_processes = collector.new_process_fd()
+        poller.register(new_processes, zmq.POLLIN)
+        last_drain = time.monotonic()
+        next_drain = last_drain + DRAIN_INTERVAL_S
+        while not stop.is_set():
+            events = dict(poller.poll(stopping.poll_timeout_ms(next_drain, time.monotonic())))
+            stopping.drain_wakeups()
+            if stop.is_set():
+                break
+            if new_processes in events:
+                collector.take_new_processes()
+                next_drain = min(next_drain, last_drain + EARLY_DRAIN_S)
+                log.debug("a new process was counted: next drain in %.2f s", next_drain - time.monotonic())
+            if collector.unwind is not None and collector.unwind.sock in events:
+                collector.unwind.receive()
             if hup.is_set():
                 hup.clear()
                 cfg = reload_budget(collector, cfg, args.config)
-            interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
-            collector.inuse_if_due(interval_s)
+            if time.monotonic() < next_drain:
+                continue
+            collector.drain_once()
+            last_drain = time.monotonic()
+            log.debug("drained: %d keys, %d new processes", collector._drain_keys, collector._drain_new_processes)
+            follow_remote_config(collector, cfg, watcher)
+            interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
+            collector.snapshots_if_due(interval_s)
             collector.end_window_if_due(interval_s)
-            next_drain += DRAIN_INTERVAL_S
-            if next_drain < time.monotonic():   # fell behind (suspended?): do not burst
-                next_drain = time.monotonic() + DRAIN_INTERVAL_S
+            next_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
         collector.drain_once()   # what was sampled since the last drain
-        collector.inuse_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
+        collector.snapshots_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
-        ready.withdraw(args.run_dir, "collector")
-        collector.close()
+        lifecycle.shut_down(args.run_dir, "collector", collector.close)
     return 0
 
 

@@ -1,29 +1,110 @@
-"""Off-CPU profiling: bpf/offcpu.c on the sched:sched_switch and sched:sched_wakeup tracepoints.
+"""Off-CPU profiling: bpf/offcpu.c's tp_btf programs on sched_switch, sched_wakeup and rseq_update.
 
-Owns: the family's name, tracepoints and start-up log line; draining and the
-stack map's lifetime are collector/intervals.py's, shared with lock waits.
+Owns: loading and attaching the family's programs (collector/btfprog.py),
+its DWARF step program (a tp_btf program too, so that the rseq_update program
+may tail-call it), the attach generation that makes records of a paused
+interval stale, and draining the double-buffered counts and stack maps into a
+RawDrain: flip, read the retired buffer, clear it.
 
 Must not: read /proc or talk to other stages.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.intervals import START_ENTRIES, IntervalTracer
+from ebpfprofiler.collector.bpfmaps import DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks
+from ebpfprofiler.collector.btfprog import BtfProgram
+from ebpfprofiler.collector.sources import EventSource
 
-__all__ = ["OffCpuTracer", "START_ENTRIES", "PROFILE_TYPE", "TRACEPOINTS"]
+__all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS"]
 
 log = logging.getLogger(__name__)
 
 PROFILE_TYPE = "offcpu"
-TRACEPOINTS = (b"sched:sched_switch", b"sched:sched_wakeup")
+# bpf/offcpu.c's programs and the raw tracepoints they attach to, in attach order.
+PROGRAMS = (("offcpu_wakeup", "sched_wakeup"), ("offcpu_resume", "rseq_update"), ("offcpu_switch", "sched_switch"))
+TRACEPOINTS = tuple(tp for _, tp in PROGRAMS)
+# The DWARF walk's programs, in the slots of offcpu_unwind_progs (tail-called, never attached).
+STEP_PROGRAMS = (("offcpu_unwind_step", "rseq_update"), ("offcpu_unwind_finish", "rseq_update"))
+# Names of the offcpu_lost slots in bpf/offcpu.c, in order.
+LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "no_task_record")
 
 
-class OffCpuTracer(IntervalTracer):
+class OffCpuTracer(EventSource):
+    profile_type = PROFILE_TYPE
+
     def __init__(self, bpf: Any, min_ms: int, dwarf: bool = False) -> None:
-        super().__init__(bpf, "offcpu", PROFILE_TYPE, TRACEPOINTS, "off-CPU", dwarf)
         self.min_ms = min_ms
-        log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more",
-                 " and ".join(t.decode() for t in TRACEPOINTS), min_ms)
+        self.dwarf = dwarf
+        self._bpf = bpf
+        self._buffers = DoubleBuffer(bpf, "offcpu")
+        self._lost = LostCounters(bpf["offcpu_lost"], LOST_REASONS)
+        self._gen = bpf["offcpu_gen"]
+        self._programs: list[BtfProgram] = []
+        self._steps: list[BtfProgram] = []
+        try:
+            for fn, tp in PROGRAMS:
+                self._programs.append(BtfProgram(bpf, fn, tp))
+            self._steps = [BtfProgram(bpf, fn, tp) for fn, tp in STEP_PROGRAMS] if dwarf else []
+        except Exception:
+            self.close()
+            raise
+        for slot, step in enumerate(self._steps):
+            bpf["offcpu_unwind_progs"][ctypes.c_int(slot)] = ctypes.c_int(step.fd)
+        self.attach()
+        log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more; stacks read only "
+                 "for those, when the thread returns to user space%s", ", ".join(TRACEPOINTS), min_ms,
+                 " (DWARF tables where loaded)" if dwarf else "")
+
+    def programs(self) -> dict[str, int]:
+        """Name → descriptor of each loaded program, for the BPF run-time statistics."""
+        progs = self._programs + self._steps
+        return {p.name: p.fd for p in progs if p.fd >= 0}
+
+    def attach(self) -> None:
+        """Attach (again): records written before are stale from now on (their wakeups went unseen)."""
+        if all(p.attached for p in self._programs):
+            return
+        again = self._gen[ctypes.c_int(0)].value > 0
+        self._gen[ctypes.c_int(0)] = ctypes.c_uint32(self._gen[ctypes.c_int(0)].value + 1)
+        for p in self._programs:
+            p.attach()
+        if again:
+            log.info("off-CPU profiling attached again to %s", ", ".join(TRACEPOINTS))
+
+    def detach(self) -> None:
+        if any(p.attached for p in self._programs):
+            for p in reversed(self._programs):
+                p.detach()
+            log.info("off-CPU profiling detached")
+
+    def close(self) -> None:
+        for p in self._programs + getattr(self, "_steps", []):
+            p.close()
+        self._programs = []
+        self._steps = []
+
+    def drain(self) -> RawDrain:
+        old, counts = self._buffers.retire()
+        stacks = self._bpf[f"offcpu_stacks_{old}"]
+        out = RawDrain()
+        user: set[int] = set()
+        kernel: set[int] = set()
+        for k, v in counts.items():
+            u = DWARF_STACK_ID_BASE + k.user_hash if k.user_hash else -1
+            kk = DWARF_STACK_ID_BASE + k.kernel_hash if k.kernel_hash else -1
+            if k.user_hash:
+                user.add(k.user_hash)
+            if k.kernel_hash:
+                kernel.add(k.kernel_hash)
+            out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns))
+        counts.clear()
+        gone = read_dwarf_stacks(stacks, user, out.user_stacks) + read_dwarf_stacks(stacks, kernel, out.kernel_stacks)
+        stacks.clear()
+        out.lost = self._lost.delta()
+        if gone:
+            out.lost["stack_gone"] = gone
+        return out

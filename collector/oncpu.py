@@ -13,10 +13,11 @@ import logging
 import os
 from typing import Any
 
-from bcc import PerfSWConfig, PerfType  # type: ignore[import-not-found]
+from bcc import PerfSWConfig, PerfType
 
 from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks,
                                             read_dwarf_stacks, read_stacks, take_counts)
+from ebpfprofiler.collector.sources import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_
 NSEC_PER_SEC = 1_000_000_000
 
 
-class OnCpuSampler:
+class OnCpuSampler(EventSource):
     profile_type = PROFILE_TYPE
 
     def __init__(self, bpf: Any, sample_hz: int, dwarf: bool = False) -> None:

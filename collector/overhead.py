@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from ebpfprofiler.collector.bpfstats import ProgStats
 from ebpfprofiler.shared import files
+from ebpfprofiler.shared.procstat import read_stat, stat_fields
 
 log = logging.getLogger("ebpfprofiler.collector.overhead")
 
@@ -70,14 +71,10 @@ def _cpu_clock_ns(pid: int) -> int | None:
 
 def read_proc(pid: int) -> ProcSample | None:
     """CPU time and RSS of `pid`, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
+    text = read_stat(pid)
+    if text is None:
         return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    # fields[0] is field 3 (state): field N is fields[N - 3].
+    fields = stat_fields(text)   # field N is fields[N - 3]
     utime, stime, start, rss = int(fields[11]), int(fields[12]), int(fields[19]), int(fields[21])
     cpu_ns = _cpu_clock_ns(pid)
     if cpu_ns is None:
@@ -159,6 +156,7 @@ class WindowFigures:
     bpf_read_ns: tuple[int, int] = (0, 0)
     decision: str = ""
     next_rate_hz: int = 0
+    new_processes: int = 0              # processes the collector read from /proc for the first time
     pid: int = field(default_factory=os.getpid)
 
     @property
@@ -205,6 +203,7 @@ class OverheadGuard:
         self._bpf: dict[str, ProgStats] = {}
         self._samples: dict[str, int] = {}
         self._lost: dict[str, int] = {}
+        self._new_processes = 0
         self.last: WindowFigures | None = None
         self._baseline({}, {})
 
@@ -236,7 +235,7 @@ class OverheadGuard:
         checks once per drain, and a window a drain's jitter short must not wait a whole drain more)."""
         return self._clock() - self._start_ns >= (interval_s - slack_s) * 1_000_000_000
 
-    def end_window(self, samples: Mapping[str, int], lost: Mapping[str, int]) -> WindowFigures:
+    def end_window(self, samples: Mapping[str, int], lost: Mapping[str, int], new_processes: int = 0) -> WindowFigures:
         """Close the window: its figures, with the decision taken on them (budget.rate_hz is the new rate)."""
         now = self._clock()
         wall_ns = max(1, now - self._start_ns)
@@ -268,6 +267,7 @@ class OverheadGuard:
             samples={k: v - self._samples.get(k, 0) for k, v in samples.items()},
             lost={k: d for k, v in lost.items() if (d := v - self._lost.get(k, 0))},
             bpf_stats=self.bpf_stats, bpf_read_ns=(read_start, read_end),
+            new_processes=new_processes - self._new_processes,
             bpf_totals={n: {"id": p.prog_id, "run_time_ns": p.run_time_ns, "run_cnt": p.run_cnt}
                         for n, p in bpf_now.items()})
         # The first window since start holds one-off costs (compiling BPF, building the unwind
@@ -278,6 +278,7 @@ class OverheadGuard:
         self._start_ns = now
         self._cpu, self._bpf = cpu, bpf_now
         self._samples, self._lost = dict(samples), dict(lost)
+        self._new_processes = new_processes
         self.last = w
         return w
 

@@ -17,26 +17,14 @@ import platform
 import re
 from dataclasses import dataclass
 
+from ebpfprofiler.shared.privileges import (CAP_BPF, CAP_CHECKPOINT_RESTORE, CAPABILITY_NAMES, CAP_PERFMON,
+                                            CAP_SYS_ADMIN, COLLECTOR_CAPS)
+
 MIN_KERNEL = (5, 8)
 
-# Capability numbers (linux/capability.h).
-CAP_DAC_READ_SEARCH = 2
-CAP_SYS_PTRACE = 19
-CAP_SYS_ADMIN = 21
-CAP_SYSLOG = 34
-CAP_PERFMON = 38
-CAP_BPF = 39
-CAP_CHECKPOINT_RESTORE = 40
-
-# What the collector needs each capability for.
-REQUIRED_CAPS: dict[int, tuple[str, str]] = {
-    CAP_BPF: ("CAP_BPF", "load BPF programs and create maps"),
-    CAP_PERFMON: ("CAP_PERFMON", "open system-wide perf events and attach to tracepoints"),
-    CAP_SYS_PTRACE: ("CAP_SYS_PTRACE", "read /proc/<pid>/maps and exe of other users' processes"),
-    CAP_SYSLOG: ("CAP_SYSLOG", "read kernel addresses in /proc/kallsyms"),
-    CAP_DAC_READ_SEARCH: ("CAP_DAC_READ_SEARCH", "read tracefs event ids and /proc files of other users"),
-    CAP_CHECKPOINT_RESTORE: ("CAP_CHECKPOINT_RESTORE", "open /proc/<pid>/map_files/* for the symbolizer"),
-}
+# What the collector needs each capability for: shared/privileges.py's table, which the stage's
+# privilege drop keeps.
+REQUIRED_CAPS: dict[int, tuple[str, str]] = {bit: (CAPABILITY_NAMES[bit], why) for bit, why in COLLECTOR_CAPS.items()}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable
 
+from ebpfprofiler.shared import procstat
+from ebpfprofiler.shared.procstat import parse_stat
+from ebpfprofiler.shared.safestr import process_string
 from ebpfprofiler.shared.wire import Mapping, Process
 
 # /proc/<pid>/maps of a big JVM is a few MB; past this we keep what we read.
@@ -28,6 +31,8 @@ MAX_EXEC_MAPPINGS = 65536
 PROCESS_CACHE_ENTRIES = 32768
 # /proc/<pid>/cmdline is capped by ARG_MAX; we keep this much of it.
 MAX_CMDLINE_BYTES = 16 << 10
+# Arguments kept: the wire takes at most this many (a 16 KiB cmdline of empty-ish args has 8K).
+MAX_CMDLINE_ARGS = 4096
 # Service name of kernel threads, which have no executable.
 KERNEL_SERVICE = "[kernel]"
 
@@ -61,14 +66,6 @@ def parse_cgroup(text: str) -> CgroupIdentity:
     return CgroupIdentity(container, pod)
 
 
-def parse_stat(text: str) -> tuple[str, int]:
-    """(comm, start time in clock ticks) from /proc/<pid>/stat."""
-    lpar, rpar = text.index("("), text.rindex(")")
-    comm = text[lpar + 1:rpar]
-    fields = text[rpar + 2:].split()
-    return comm, int(fields[19])   # field 22 of the whole line; fields here start at field 3
-
-
 def parse_status(text: str) -> tuple[int, int]:
     """(real uid, pid in the innermost pid namespace) from /proc/<pid>/status."""
     uid = nspid = -1
@@ -95,6 +92,8 @@ def parse_maps(text: str) -> tuple[Mapping, ...]:
         path = parts[5].strip() if len(parts) == 6 else ""
         if path.endswith(" (deleted)"):
             path = path[: -len(" (deleted)")]
+        # The kernel writes a newline in a maps path as \012; undone so a path reads as readlink gives it.
+        path = process_string(path.replace("\\012", "\n"))
         out.append(Mapping(start, end, offset, path, parts[3], inode))
         if len(out) >= MAX_EXEC_MAPPINGS:
             break
@@ -103,9 +102,10 @@ def parse_maps(text: str) -> tuple[Mapping, ...]:
 
 
 def read_capped(path: str, cap: int = 1 << 16) -> str:
-    """At most `cap` bytes of a /proc file, as text."""
+    """At most `cap` bytes of a /proc file, as text; bytes that are not UTF-8 kept as surrogates
+    (surrogateescape), for the parsers to pass through shared/safestr.py's process_string."""
     with open(path, "rb") as f:
-        return f.read(cap).decode("utf-8", "replace")
+        return f.read(cap).decode("utf-8", "surrogateescape")
 
 
 def service_of(container_id: str, executable: str) -> str:
@@ -125,11 +125,12 @@ def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process |
             exe = ""   # kernel threads; or the process is exiting
         if exe.endswith(" (deleted)"):
             exe = exe[: -len(" (deleted)")]
+        exe = process_string(exe)
         ident = parse_cgroup(read_capped(f"{base}/cgroup"))
         cmdline = None
         if with_cmdline:
             raw = read_capped(f"{base}/cmdline", MAX_CMDLINE_BYTES)
-            cmdline = tuple(a for a in raw.split("\0") if a)
+            cmdline = tuple(process_string(a) for a in raw.split("\0") if a)[:MAX_CMDLINE_ARGS]
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return Process(
@@ -165,21 +166,18 @@ class ProcessTable:
         self._entries: OrderedDict[int, tuple[Process, list[int]]] = OrderedDict()
         self.stats = {"read": 0, "maps_read": 0, "gone": 0}
 
-    def _start_ticks(self, pid: int) -> int | None:
-        try:
-            return parse_stat(read_capped(f"{self._proc}/{pid}/stat"))[1]
-        except (OSError, ValueError, IndexError):
-            return None
-
     def get(self, pid: int, addresses: Iterable[int] = ()) -> Process | None:
-        """The process `pid` with mappings that cover `addresses` where it can."""
+        """The process `pid` with mappings that cover `addresses` where it can. A process is read
+        again when its start time changed (a new process under a reused pid) or its name did (an
+        exec keeps the start time: a child counted between fork and exec had its parent's program)."""
         entry = self._entries.get(pid)
-        start = self._start_ticks(pid)
-        if start is None:
+        identity = procstat.identity(pid, self._proc)
+        if identity is None:
             self.stats["gone"] += 1
             # Exited since it was sampled: what we knew is still the best answer.
             return entry[0] if entry else None
-        if entry is None or entry[0].start_ticks != start:
+        comm, start = identity
+        if entry is None or entry[0].start_ticks != start or entry[0].comm != comm:
             p = read_process(pid, self._with_cmdline, self._proc)
             if p is None:
                 self.stats["gone"] += 1

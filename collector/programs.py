@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from bcc import BPF  # type: ignore[import-not-found]
+from bcc import BPF
 
 FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace.

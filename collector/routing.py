@@ -16,7 +16,8 @@ from typing import Sequence
 
 
 def _weight(service: str, worker: int) -> int:
-    h = hashlib.blake2b(f"{worker}\0{service}".encode(), digest_size=8)
+    # surrogatepass: a service name is valid UTF-8 (shared/safestr.py); routing must not die if one is not.
+    h = hashlib.blake2b(f"{worker}\0{service}".encode("utf-8", "surrogatepass"), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 

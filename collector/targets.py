@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ebpfprofiler.collector.procfs import parse_cgroup, parse_stat, read_capped
+from ebpfprofiler.shared.procstat import start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,7 @@ class TargetWatcher:
 
     def _same_start(self, pid: int, start: int) -> bool:
         """A target's pid still names the same process (not exited and reused by one with the same exe)."""
-        try:
-            return parse_stat(read_capped(f"{self.proc}/{pid}/stat", 4096))[1] == start
-        except (OSError, ValueError, IndexError):
-            return False
+        return start_ticks(pid, self.proc) == start
 
     def scan(self) -> tuple[list[Target], list[Target]]:
         """(targets that appeared, targets that are gone) since the previous scan."""

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from ebpfprofiler.shared import endpoints, unwind_table
+from ebpfprofiler.shared.safestr import cut
 from ebpfprofiler.shared.wire import (
     MAX_UNWIND_TABLE_BYTES,
     Mapping,
@@ -62,6 +63,9 @@ DWARF_STACK_ENTRIES = 8192
 MAX_REQUESTS_PER_DRAIN = 32
 # A request that got no answer (worker busy or restarted, its answer not sent) is made again after this.
 REQUEST_RETRY_S = 10.0
+# Processes waiting for one module's table whose unwind_procs entries are rewritten the moment it
+# loads (others that map it get it at their next drain): a hundred workers of one server share it.
+WAITING_PER_MODULE = 32
 # Answers taken per drain; the rest wait in the socket for the next drain.
 MAX_TABLES_PER_DRAIN = 128
 # Answers queued in the socket: most tables are tens of KB, the largest (node) a few MB.
@@ -159,7 +163,7 @@ class UnwindTables:
     def __init__(self, bpf: Any, families: Sequence[str], run_dir: str, ctx: zmq.Context,
                  rows: int = UNWIND_ROWS, max_table_rows: int = MAX_TABLE_ROWS) -> None:
         """`rows` must be the UNWIND_ROWS the programs were compiled with (bpf_defines)."""
-        from bcc import BPF  # type: ignore[import-not-found]   # only the collector imports bcc
+        from bcc import BPF   # only the collector imports bcc
 
         self._bpf = bpf
         self._rows = bpf["unwind_rows"]
@@ -184,9 +188,10 @@ class UnwindTables:
         self.modules: dict[ModuleKey, _Module] = {}
         self.unavailable: dict[ModuleKey, str] = {}
         self._requested: dict[ModuleKey, float] = {}
+        self._waiting: dict[ModuleKey, dict[int, Process]] = {}    # asked-for module → pid → process
         self._written: dict[int, tuple[int, tuple[tuple[int, int, int, int, int], ...], float]] = {}
         self._counters_seen = [0] * len(COUNTERS)
-        self.stats = {"requested": 0, "loaded": 0, "rows": 0, "none": 0, "failed": 0, "rejected": 0,
+        self.stats = {"requested": 0, "loaded": 0, "rows": 0, "none": 0, "failed": 0, "rejected": 0, "unasked": 0,
                       "evicted": 0, "too_large": 0, "procs": 0, "procs_evicted": 0, "mappings_over_cap": 0}
 
     # ------------------------------------------------------------ answers
@@ -210,8 +215,14 @@ class UnwindTables:
 
     def _answer(self, msg: UnwindTable) -> None:
         key = (msg.dev, msg.inode)
-        self._requested.pop(key, None)
-        if key in self.modules:
+        waiting = self._waiting.pop(key, {})
+        if self._requested.pop(key, None) is None or key in self.modules:
+            # Not asked for (any member of the agent's group can write to unwind.sock), or a late
+            # second answer: a table is loaded only for a module the collector asked about.
+            self.stats["unasked"] += 1
+            if self.stats["unasked"] == 1:
+                log.warning("unwind.sock: dropped an answer for %s (%s %d) that was not asked for; "
+                            "further ones are only counted", cut(msg.path), cut(msg.dev), msg.inode)
             return
         if msg.status != "ok":
             self.stats[msg.status] += 1
@@ -227,6 +238,10 @@ class UnwindTables:
             log.warning("unwind table for %s rejected by the bounds check: %s", msg.path, e)
             return
         self._load(key, msg.path, msg.build_id, table)
+        if key in self.modules:       # the processes that asked unwind through it from now on
+            now = time.monotonic()
+            for proc in waiting.values():
+                self._update_process(proc, now)
 
     def _mark_unavailable(self, key: ModuleKey, reason: str) -> None:
         if len(self.unavailable) >= MAX_UNAVAILABLE:
@@ -292,6 +307,9 @@ class UnwindTables:
         for proc in sorted(batch.processes, key=lambda p: -weight.get(p.pid, 0)):
             if proc.start_ticks == 0 or not proc.mappings:    # exited before it was read
                 continue
+            # Only the modules sampled stacks went through (asking for every module of a process at
+            # first sight made start-up a burst of table builds that delayed the symbolizers' windows:
+            # issue 14, not done).
             self._ask(proc, self._sampled_mappings(proc, addresses.get(proc.pid, ()), now), now, requests)
             self._update_process(proc, now)
         self._forget_old_requests(now)
@@ -328,6 +346,9 @@ class UnwindTables:
             key = (m.dev, m.inode)
             if not m.path.startswith("/") or m.inode == 0 or key in self.modules or key in self.unavailable:
                 continue
+            waiting = self._waiting.setdefault(key, {})
+            if len(waiting) < WAITING_PER_MODULE:
+                waiting[proc.pid] = proc
             asked = self._requested.get(key)
             if asked is not None and now - asked < REQUEST_RETRY_S:
                 continue
@@ -340,6 +361,9 @@ class UnwindTables:
         if len(self._requested) > MAX_UNAVAILABLE:   # answers that never came, for modules long gone
             for key in [k for k, t in self._requested.items() if now - t >= REQUEST_RETRY_S]:
                 del self._requested[key]
+                self._waiting.pop(key, None)
+        for key in [k for k in self._waiting if k not in self._requested]:   # answered, evicted, retried
+            del self._waiting[key]
 
     def _sampled_mappings(self, proc: Process, addresses: Iterable[int], now: float) -> list[Mapping]:
         """The mappings that sampled stacks went through, leaf modules first; their tables are marked used.
