@@ -52,8 +52,9 @@ from ebpfprofiler.symbolizer.elf import (
 from ebpfprofiler.symbolizer.limits import time_budget
 from elftools.elf.elffile import ELFFile
 
-# node's .eh_frame is 2.7 MB and libc's 150 KB; the section is read whole, so this bounds memory.
-MAX_CFI_SECTION_BYTES = 64 << 20
+# node's .eh_frame is 2.7 MB and libc's 150 KB; the section is read whole, so this bounds memory
+# (and time: a crafted 63 MiB one took 14 s and 615 MB; 16 MiB is six times node's).
+MAX_CFI_SECTION_BYTES = 16 << 20
 # node has ~76K FDEs, libc 3.7K; more is not a real module and would only cost time.
 MAX_FDES = 1_000_000
 # An FDE's program is tens of bytes (node's longest are a few KB); longer ones get FALLBACK.
@@ -66,8 +67,8 @@ MAX_AUGMENTATION_BYTES = 16
 MAX_SHSTRTAB_BYTES = 1 << 20
 # Row addresses are u32 (docs/unwinding.md); no real text segment comes near 4 GiB.
 MAX_TEXT_BYTES = 1 << 32
-# Wall-clock budget of one table: node takes a few seconds; a crafted file that needs more is skipped.
-CFI_BUILD_SECONDS = 60.0
+# Wall-clock budget of one table: node takes about a second; a crafted file that needs more is skipped.
+CFI_BUILD_SECONDS = 20.0
 
 SHF_COMPRESSED = 0x800
 PF_X = 1
@@ -158,23 +159,24 @@ def read_module(f: BinaryIO) -> Module:
             return _read_module(f)
     except CfiError:
         raise
-    except Exception as e:  # noqa: BLE001 -- hostile input: whatever it provokes becomes a CfiError
+    except Exception as e:  # hostile input: whatever it provokes becomes a CfiError
         raise _as_cfi_error(e) from None
 
 
-def build_table(f: BinaryIO, module: Module | None = None) -> Built:
-    """The unwind table of `f` (read_module(f) if `module` is not given).
+def build_table(f: BinaryIO, module: Module | None = None, seconds: float = CFI_BUILD_SECONDS) -> Built:
+    """The unwind table of `f` (read_module(f) if `module` is not given), built within `seconds`
+    (at most CFI_BUILD_SECONDS): the caller passes what is left of its own budget.
 
     Raises NoCfi when there is nothing to build from, CfiError when the CFI is unusable, and
     nothing else. The time budget applies in the main thread only (see limits.time_budget)."""
     try:
-        with time_budget(CFI_BUILD_SECONDS):
+        with time_budget(max(0.001, min(seconds, CFI_BUILD_SECONDS))):
             if module is None:
                 module = _read_module(f)
             return _build(f, module)
     except CfiError:
         raise
-    except Exception as e:  # noqa: BLE001 -- hostile input: whatever it provokes becomes a CfiError
+    except Exception as e:  # hostile input: whatever it provokes becomes a CfiError
         raise _as_cfi_error(e) from None
 
 
@@ -352,7 +354,7 @@ class _Parser:
         """(begin, end, packed rows) of each FDE kept."""
         d, n = self.data, len(self.data)
         out: list[tuple[int, int, bytes]] = []
-        count = 0
+        count = rows = 0
         pos = 0
         while pos < n:
             if pos + 4 <= n and _u32(d, pos)[0] == 0:
@@ -372,6 +374,9 @@ class _Parser:
                 fde = self._fde(cie, id_pos + id_size, end)
                 if fde is not None:
                     out.append(fde)
+                    rows += len(fde[2]) // ut.ROW.size
+                    if rows > ut.MAX_ROWS:   # as the rows are made, not once every FDE has been interpreted
+                        raise CfiError("over_cap", f"more than {ut.MAX_ROWS} rows")
             pos = end
         return out
 
@@ -550,6 +555,7 @@ class _Parser:
         pack = ut.ROW.pack
         base = self.lo
         last: tuple = ()
+        last_loc = -1           # the pc of the row last appended by this run
         dirty = True
         stack: list[tuple[int, ...]] = []
         n = len(prog)
@@ -690,9 +696,14 @@ class _Parser:
                 raise _BadFde("advance in a CIE's initial instructions")
             if dirty:
                 c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
-                if c != last:
-                    parts.append(pack(loc - base, *c))
+                if loc == last_loc:
+                    # A second row at one pc (DW_CFA_advance_loc 0): the last one holds there, as
+                    # other unwinders take it.
+                    parts[-1] = pack(loc - base, *c)
                     last = c
+                elif c != last:
+                    parts.append(pack(loc - base, *c))
+                    last, last_loc = c, loc
                 dirty = False
             loc = new
             if loc >= stop:
@@ -701,7 +712,9 @@ class _Parser:
             raise _BadFde("operand past the end of the program")
         if parts is not None and loc < stop and dirty:
             c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
-            if c != last:
+            if loc == last_loc:
+                parts[-1] = pack(loc - base, *c)
+            elif c != last:
                 parts.append(pack(loc - base, *c))
         return (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), parts or []
 

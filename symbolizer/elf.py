@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, BinaryIO, Callable, Hashable
 
-from elftools.construct.core import Construct, FormatField
+from elftools.construct.core import Construct, FormatField, Struct
 from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.shared.log import LogOnce
@@ -295,12 +295,14 @@ class _SymbolLayout:
     to then(construct's result), parsing each distinct value once.
     """
 
-    def __init__(self, con: Construct, little_endian: bool) -> None:
+    def __init__(self, con: Struct, little_endian: bool) -> None:
         byte_order = "<" if little_endian else ">"
         formats: list[str] = []
         self.index: dict[str, int] = {}
         self._subcons: dict[str, Construct] = {}
         for i, sub in enumerate(con.subcons):
+            if sub.name is None:   # every field of Elf_Sym is named
+                raise ElfError("symbol entry field without a name")
             if isinstance(sub, FormatField):
                 if sub.packer.format[0] != byte_order:
                     raise ElfError("symbol entry fields of mixed byte order")

@@ -1,6 +1,6 @@
 """Turns raw stack addresses into frames: module, build id, module-relative address, name.
 
-Owns: the address → frame rules of DESIGN.md ("Data"): a user frame carries
+Owns: the address → frame rules of docs/architecture.md ("Data flow"): a user frame carries
 its module path, GNU build id and module-relative address (address − mapping
 start + file offset) and a function name where the module has symbols; kernel
 frames take the names the collector resolved from /proc/kallsyms; frames in
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import BinaryIO, Sequence
 
 from ebpfprofiler.shared.wire import MAX_BUILD_ID_HEX, Mapping, Process
 from ebpfprofiler.symbolizer.elf import ElfCache, ElfSymbols
-from ebpfprofiler.symbolizer.files import FileClient
+from ebpfprofiler.symbolizer.files import FileClient, ProcessGone
 from ebpfprofiler.symbolizer.perfmap import PerfMapCache
 
 KERNEL_MODULE = "[kernel.kallsyms]"
@@ -41,6 +42,8 @@ UNKNOWN_MODULE = "[unknown]"
 # Module files (and their debug files) larger than this are not opened for symbols (the
 # backend can still symbolize them by build id): bounds what one frame can cost.
 MAX_MODULE_BYTES = 2 << 30
+# Processes × build ids whose debug file (or its absence) is remembered: a few per process on a busy host.
+DEBUG_FILES_REMEMBERED = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,8 @@ class FrameResolver:
         self._elf = elf_cache or ElfCache()
         self._perf_maps = perf_maps or PerfMapCache(files.perf_map)
         self.stats = {"user_frames": 0, "named": 0, "debug_named": 0, "no_mapping": 0, "jit_named": 0}
+        # (pid, start ticks, build id) → the identity key of the debug file the broker gave for it (None: none).
+        self._debug_files: OrderedDict[tuple[int, int, str], tuple | None] = OrderedDict()
 
     def kernel(self, stack: Sequence[int], symbols: dict[int, str]) -> list[Frame]:
         return [Frame(KERNEL_MODULE, "", a, symbols.get(a, "")) for a in stack]
@@ -89,10 +94,10 @@ class FrameResolver:
             if not perf_map_checked:
                 perf_map = self._perf_maps.get(proc.pid, proc.start_ticks, proc.nspid, proc.uid)
                 perf_map_checked = True
-            name = perf_map.lookup(lookup) if perf_map is not None else None
-            if name:
+            jit_name = perf_map.lookup(lookup) if perf_map is not None else None
+            if jit_name:
                 self.stats["jit_named"] += 1
-                out.append(Frame(JIT_MODULE, "", addr, name))
+                out.append(Frame(JIT_MODULE, "", addr, jit_name))
             else:
                 if m is None:
                     self.stats["no_mapping"] += 1
@@ -117,9 +122,14 @@ class FrameResolver:
         return name or syms.function_at(file_offset) or "", syms.build_id
 
     def _debug_symbols(self, proc: Process, module: ElfSymbols) -> ElfSymbols | None:
-        """The symbols of `module`'s separate debug file, once per build id; None if there is none to use."""
-        build_id = module.build_id
+        """The symbols of `module`'s separate debug file as `proc`'s root (else the host's) has it;
+        None if there is none to use.
 
+        The broker is asked once per process and build id, and the symbols are cached by the identity
+        of the file it hands over, never by the build id alone: a container's root may hold a debug
+        file claiming the host libc's build id, and its names must not reach other processes."""
+        build_id = module.build_id
+        memo = (proc.pid, proc.start_ticks, build_id)
         def check(debug: ElfSymbols) -> str:
             if debug.build_id != build_id:
                 return f"debug file for build id {build_id} has build id {debug.build_id or '(none)'}"
@@ -127,9 +137,47 @@ class FrameResolver:
                 return f"debug file for build id {build_id} loads at other addresses than its module"
             return ""
 
-        return self._elf.get(("debug", build_id),
-                             lambda: _capped(self._files.debug(proc, build_id), f"debug file of {build_id}"),
-                             check=check)
+        if memo in self._debug_files:
+            self._debug_files.move_to_end(memo)
+            key = self._debug_files[memo]
+            if key is None:
+                return None
+            # A hit unless the symbols were evicted: then the file is opened again, and used only if it is
+            # still the same file (else, ProcessGone: nothing is remembered under this key).
+            hit = key
+            return self._elf.get(hit, lambda: self._same_debug_file(proc, build_id, hit), check=check)
+
+        try:
+            f = _capped(self._files.debug(proc, build_id), f"debug file of {build_id}")
+        except ProcessGone:
+            return None
+        except OSError:
+            self._remember_debug(memo, None)
+            return None
+        with f:
+            key = _debug_key(build_id, f)
+            self._remember_debug(memo, key)
+            return self._elf.get(key, lambda: os.fdopen(os.dup(f.fileno()), "rb"), check=check)
+
+    def _same_debug_file(self, proc: Process, build_id: str, key: tuple) -> BinaryIO:
+        f = _capped(self._files.debug(proc, build_id), f"debug file of {build_id}")
+        if _debug_key(build_id, f) != key:
+            f.close()
+            self._debug_files.pop((proc.pid, proc.start_ticks, build_id), None)
+            raise ProcessGone(f"the debug file of {build_id} changed")
+        return f
+
+    def _remember_debug(self, memo: tuple[int, int, str], key: tuple | None) -> None:
+        self._debug_files[memo] = key
+        self._debug_files.move_to_end(memo)
+        while len(self._debug_files) > DEBUG_FILES_REMEMBERED:
+            self._debug_files.popitem(last=False)
+
+
+def _debug_key(build_id: str, f: BinaryIO) -> tuple:
+    """What the symbols of a debug file are cached under: its build id and the identity of the file."""
+    st = os.fstat(f.fileno())
+    return ("debug", build_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _capped(f: BinaryIO, what: str) -> BinaryIO:

@@ -22,12 +22,13 @@ import resource
 import sys
 import time
 import uuid
+from collections import deque
 from typing import Callable, Sequence
 
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, handoff, identity, privileges, ready, remote_config
+from ebpfprofiler.shared import endpoints, handoff, identity, lifecycle, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.labels import process_labels
 from ebpfprofiler.shared.stopping import stop_on_signals
@@ -41,8 +42,11 @@ from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
 # Batches from the collector's last drain of a window arrive within about a
 # drain interval after it ends; windows close this long after their end.
 WINDOW_GRACE_S = 2.5
-# How long the loop waits for a batch before checking for windows to close.
-POLL_MS = 250
+# Batches taken in one wake-up before due windows and stop are looked at again.
+MAX_BATCHES_PER_WAKE = 64
+# Batches whose unwind requests wait for the inbox to empty; past this the oldest are dropped (their
+# processes are asked for again by later drains).
+MAX_QUEUED_UNWIND_BATCHES = 64
 # Address space of a worker: Python, ZeroMQ's threads and the caches need a
 # few hundred MB of it (mostly untouched reservations); more is a runaway parse.
 ADDRESS_SPACE_BYTES = 2 << 30
@@ -83,7 +87,7 @@ class Worker:
         # sample_hz: the collector's overhead guard changes the rate while it runs).
         self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1, "lock": 1,
                        "alloc": max(1, cfg.alloc_sample_bytes)}
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
         self.inbox.setsockopt(zmq.RCVHWM, BATCH_QUEUE)
@@ -98,7 +102,9 @@ class Worker:
         self.outbox.connect(endpoints.uploader(run_dir))
         # A flush blocked on the uploader must still notice a stop.
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
-        self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0}
+        self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0,
+                      "unwind_batches_dropped": 0}
+        self._unwind_queue: deque[StackBatch] = deque()
         self._labels: dict[tuple[int, int], tuple[tuple[str, str], ...]] = {}
 
     # ------------------------------------------------------------ input
@@ -116,8 +122,19 @@ class Worker:
         if msg.lost:
             self.stats["lost_in_kernel"] += sum(msg.lost.values())
         self.add_batch(msg)
-        if self.unwind is not None:
-            self.unwind.serve(msg)
+        if self.unwind is not None and msg.unwind_requests:
+            # Built once the inbox is empty (serve_unwind): names need the process alive, tables can wait.
+            if len(self._unwind_queue) >= MAX_QUEUED_UNWIND_BATCHES:
+                self._unwind_queue.popleft()
+                self.stats["unwind_batches_dropped"] += 1
+            self._unwind_queue.append(msg)
+
+    def serve_unwind(self) -> bool:
+        """Answer the unwind requests of one queued batch; whether more are queued."""
+        if self._unwind_queue:
+            assert self.unwind is not None
+            self.unwind.serve(self._unwind_queue.popleft())
+        return bool(self._unwind_queue)
 
     def add_batch(self, batch: StackBatch) -> None:
         procs = {p.pid: p for p in batch.processes}
@@ -211,24 +228,17 @@ class Worker:
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer") -> int:
     args = parse_args(argv, prog)
     log_mod.setup(f"symbolizer-{args.worker}")
-    try:
-        privileges.become("symbolizer")   # first: nothing below runs with privileges
-    except privileges.PrivilegeError as e:
-        print(f"{prog}: cannot run as the symbolizer's user: {e}", file=sys.stderr)
-        return 1
+    lifecycle.become(prog, "symbolizer", "the symbolizer's")   # first: nothing below runs with privileges
     # A hostile ELF may make the parser allocate; past this it gets MemoryError,
     # which elf.py turns into a counted skip, instead of the host's memory.
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    cfg = lifecycle.load_config(prog, args.config)
     if not 0 <= args.worker < cfg.symbolizer_workers:
         print(f"{prog}: --worker {args.worker} is outside 0..{cfg.symbolizer_workers - 1} "
               f"(symbolizer_workers: {cfg.symbolizer_workers})", file=sys.stderr)
         return 2
 
+    lifecycle.hold_run_dir(prog, args.run_dir, f"symbolizer-{args.worker}")
     stop = stop_on_signals(log)
     worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
     watcher = remote_config.Watcher(args.run_dir, log)
@@ -238,10 +248,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
     ready.announce(args.run_dir, stage)
     log.info("symbolizer worker %d ready: windows of %d s", args.worker, worker.windows.interval_s)
     grace_ns = int(WINDOW_GRACE_S * 1e9)
+    poller = zmq.Poller()
+    poller.register(worker.inbox, zmq.POLLIN)
+    poller.register(stopping.wakeup_fd(), zmq.POLLIN)
     try:
         while not stop.is_set():
-            if worker.inbox.poll(POLL_MS):
-                worker.handle(worker.inbox.recv_multipart(copy=True))
+            # Asleep until a batch, a signal, or the next window to hand out: an idle worker costs nothing.
+            due_ns = worker.windows.next_close_ns(grace_ns)
+            now = time.monotonic()
+            deadline = now + stopping.IDLE_WAKE_S if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+            busy = bool(worker._unwind_queue)
+            events = dict(poller.poll(0 if busy else stopping.poll_timeout_ms(deadline, now)))
+            stopping.drain_wakeups()
+            if worker.inbox in events:
+                for _ in range(MAX_BATCHES_PER_WAKE):
+                    worker.handle(worker.inbox.recv_multipart(copy=True))
+                    if not worker.inbox.poll(0):
+                        break
+            elif busy:
+                worker.serve_unwind()
             if watcher.check():
                 worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s,
                                     "remote config")
@@ -249,9 +274,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
         # The collector drains once more when it stops; take what is queued.
         while worker.inbox.poll(0):
             worker.handle(worker.inbox.recv_multipart())
+        worker._unwind_queue.clear()   # not built on stop: the collector is going
     finally:
-        ready.withdraw(args.run_dir, stage)
-        worker.close()
+        lifecycle.shut_down(args.run_dir, stage, worker.close)
     return 0
 
 

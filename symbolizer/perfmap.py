@@ -12,7 +12,8 @@ size, line length and entry count are capped, and malformed lines are
 skipped and counted.
 
 Format: one "START SIZE name" per line, START and SIZE hex with or without 0x,
-the name the rest of the line (it may contain spaces).
+the name the rest of the line (it may contain spaces). A NUL ends an entry
+as a newline does (.NET 8 writes some so).
 
 Must not: open paths itself, or keep file descriptors open.
 """
@@ -42,6 +43,9 @@ PERF_MAP_MAX_LINE_BYTES = 4096
 PERF_MAP_MAX_ENTRIES = 200_000
 # Stat a process's map for changes at most this often.
 PERF_MAP_RECHECK_S = 1.0
+# A changed map is read again only after this many times what its last read cost: a process that
+# rewrites a maximum-size map (0.5 s to read) every second costs a worker 5% of a CPU, not half.
+PERF_MAP_REREAD_FACTOR = 20.0
 # Processes whose maps PerfMapCache keeps.
 PERF_MAP_CACHE_ENTRIES = 256
 
@@ -102,14 +106,16 @@ class _Entry:
     perf_map: PerfMap | None
     stamp: tuple[int, int] | None  # (mtime_ns, size) of the file when last opened; None: there was none
     checked: float                 # when the stamp was last taken or compared
+    interval: float = PERF_MAP_RECHECK_S   # until the next check: longer after a costly read
 
 
 class PerfMapCache:
     """Bounded LRU of perf maps by (pid, start_ticks), so a reused pid is a new process.
 
     A map is re-read when its (mtime_ns, size) changes, checked at most once per
-    PERF_MAP_RECHECK_S per process. A refused or unreadable map is logged once
-    per process and returned as None, like a missing one.
+    PERF_MAP_RECHECK_S per process, or per PERF_MAP_REREAD_FACTOR times what its
+    last read cost if that is longer (a map rewritten all the time costs a bounded share).
+    A refused or unreadable map is logged once per process and returned as None, like a missing one.
     """
 
     def __init__(self, opener: Opener, max_entries: int = PERF_MAP_CACHE_ENTRIES) -> None:
@@ -128,15 +134,20 @@ class PerfMapCache:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
-            if now - entry.checked < PERF_MAP_RECHECK_S:
+            if now - entry.checked < entry.interval:
                 self.stats["hits"] += 1
                 return entry.perf_map
             entry.checked = now
+        started = time.monotonic()
         perf_map, stamp = self._load(pid, start_ticks, nspid, uid, entry)
         if entry is not None and stamp == entry.stamp and stamp is not None:
             self.stats["hits"] += 1
             return entry.perf_map
-        self._entries[key] = _Entry(perf_map, stamp, now)
+        cost = time.monotonic() - started
+        # The back-off is for the cost of reading a map; a missing one (a process that has not written it
+        # yet, a slow broker) is looked for again after PERF_MAP_RECHECK_S.
+        interval = max(PERF_MAP_RECHECK_S, cost * PERF_MAP_REREAD_FACTOR) if perf_map is not None else PERF_MAP_RECHECK_S
+        self._entries[key] = _Entry(perf_map, stamp, now, interval)
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
@@ -187,19 +198,23 @@ def _parse(f: BinaryIO) -> tuple[array, array, tuple[str, ...], int]:
                 line = f.readline(min(PERF_MAP_MAX_LINE_BYTES, left))
                 left -= len(line)
             continue
-        m = _LINE.fullmatch(line.rstrip(b"\r\n"))
-        if m is None:
-            bad_lines += 1
-            continue
-        start, size = int(m[1], 16), int(m[2], 16)
-        if size == 0 or start + size >= 1 << 64:
-            bad_lines += 1
-            continue
-        if len(starts) == PERF_MAP_MAX_ENTRIES:
-            raise PerfMapRefused(f"more than {PERF_MAP_MAX_ENTRIES} entries")
-        starts.append(start)
-        ends.append(start + size)
-        names.append(m[3].decode("utf-8", "replace"))
+        # .NET 8 ends some of the lines it writes when asked for a map with a NUL, not a newline.
+        for piece in line.rstrip(b"\r\n").split(b"\0"):
+            if not piece and b"\0" in line:
+                continue
+            m = _LINE.fullmatch(piece)
+            if m is None:
+                bad_lines += 1
+                continue
+            start, size = int(m[1], 16), int(m[2], 16)
+            if size == 0 or start + size >= 1 << 64:
+                bad_lines += 1
+                continue
+            if len(starts) == PERF_MAP_MAX_ENTRIES:
+                raise PerfMapRefused(f"more than {PERF_MAP_MAX_ENTRIES} entries")
+            starts.append(start)
+            ends.append(start + size)
+            names.append(m[3].decode("utf-8", "replace"))
 
     # Stable sort: of entries with the same start, the last line is last and kept.
     order = sorted(range(len(starts)), key=starts.__getitem__)

@@ -37,7 +37,7 @@ from ebpfprofiler.shared.wire import (
 )
 from ebpfprofiler.symbolizer import cfi
 from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.unwind_cache import UnwindCache
+from ebpfprofiler.symbolizer.unwind_cache import UnwindCache, file_identity
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class UnwindServer:
             return
         procs = {p.pid: p for p in batch.processes}
         started = self._clock()
+        built_before = self.stats["built"]
         for req in batch.unwind_requests:
             self.stats["requests"] += 1
             key = (req.dev, req.inode)
@@ -92,7 +93,11 @@ class UnwindServer:
             if now - started > BUILD_SECONDS_PER_BATCH:
                 self.stats["deferred"] += 1
                 continue
-            answer = self._answer(req, procs.get(req.pid))
+            # The first module built in a batch may take its whole budget (a big one is built at all);
+            # the others only what is left of the batch's, and are deferred if that runs out.
+            left = cfi.CFI_BUILD_SECONDS if self.stats["built"] == built_before else \
+                BUILD_SECONDS_PER_BATCH - (now - started)
+            answer = self._answer(req, procs.get(req.pid), left)
             if answer is not None and self._send(answer):
                 self._answered[key] = self._clock()
                 self._answered.move_to_end(key)
@@ -100,7 +105,8 @@ class UnwindServer:
                     self._answered.popitem(last=False)
         self._log_stats()
 
-    def _answer(self, req: UnwindRequest, proc: Process | None) -> UnwindTable | None:
+    def _answer(self, req: UnwindRequest, proc: Process | None,
+                seconds: float = cfi.CFI_BUILD_SECONDS) -> UnwindTable | None:
         proc, mapping = self._target(req, proc)
         try:
             f = self._files.module(proc, mapping)
@@ -114,25 +120,29 @@ class UnwindServer:
             try:
                 module = cfi.read_module(f)
                 build_id = module.build_id
-                table = self._cache.get(build_id, module.arch) if build_id else None
+                identity = file_identity(f.fileno())
+                table = self._cache.get(build_id, identity, module.arch) if build_id else None
                 if table is not None:
                     self.stats["from_cache"] += 1
                 else:
                     t0 = self._clock()
                     try:
-                        built = cfi.build_table(f, module)
+                        built = cfi.build_table(f, module, seconds)
                     finally:
                         self.stats["build_seconds"] += self._clock() - t0
                     table = built.table
                     self.stats["built"] += 1
                     self.stats["fallback_fdes"] += built.fallback_fdes
                     if build_id:
-                        self._cache.put(build_id, module.arch, table)
+                        self._cache.put(build_id, identity, module.arch, table)
                     log.debug("built the unwind table of %s: %s", mapping.path, cfi.describe(built))
             except cfi.NoCfi as e:
                 self.stats["none"] += 1
                 return UnwindTable(req.dev, req.inode, mapping.path, build_id, "none", str(e)[:200])
             except cfi.CfiError as e:
+                if e.kind == "too_slow" and seconds < cfi.CFI_BUILD_SECONDS:
+                    self.stats["deferred"] += 1   # cut by the batch's budget, not its own: asked again later
+                    return None
                 self.stats["failed"] += 1
                 self.failed_by_reason[e.kind] = self.failed_by_reason.get(e.kind, 0) + 1
                 self._log_once((req.dev, req.inode), logging.WARNING, "no unwind table for %s (%s %d): %s: %s",

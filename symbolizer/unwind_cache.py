@@ -1,6 +1,6 @@
-"""The symbolizer's disk cache of unwind tables, keyed by GNU build id and arch.
+"""The symbolizer's disk cache of unwind tables, keyed by GNU build id, file identity and arch.
 
-Owns: <state_dir>/unwind/<build id>.<arch>.v<BUILDER_VERSION>.tbl — tables
+Owns: <state_dir>/unwind/<build id>.<identity>.<arch>.v<BUILDER_VERSION>.tbl — tables
 in shared/unwind_table.py format, written atomically (shared/files.write_atomic),
 the directory's total size bounded (MAX_CACHE_BYTES, least recently used
 evicted: a hit touches its file's mtime), and every file checked with
@@ -9,6 +9,10 @@ caller builds the table again. Several workers share the directory; a file
 another one evicts or replaces under us is a miss, not an error.
 
 Modules without a build id are not cached: nothing names them across restarts.
+A build id alone is only what a file claims (a copy of libc's would get libc's
+table served for the real libc): every entry is also bound to the identity of
+the file it was built from (file_identity: device, inode, size, mtime, ctime),
+so a table is served only for that same file.
 
 Must not: write outside <state_dir>/unwind, or trust a file it reads.
 """
@@ -36,6 +40,15 @@ STALE_TEMP_S = 3600.0
 MAX_SCAN_ENTRIES = 100_000
 
 _BUILD_ID = re.compile(r"[0-9a-f]{2,128}")
+_IDENTITY = re.compile(r"[0-9a-f]{1,16}(?:-[0-9a-f]{1,16}){4}")
+
+
+def file_identity(fd: int) -> str:
+    """What binds a cached table to the file it was built from: (dev, inode, size, mtime, ctime) in hex.
+    ctime cannot be set by a file's owner, so a new file that reuses an inode does not match."""
+    st = os.fstat(fd)
+    return "-".join(f"{v & (1 << 64) - 1:x}" for v in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                                       st.st_ctime_ns))
 
 
 class UnwindCache:
@@ -48,15 +61,15 @@ class UnwindCache:
             log.warning("cannot create the unwind table cache %s: %s", self.dir, e)
         self.stats = dict.fromkeys(("hits", "misses", "written", "corrupt", "evicted", "write_errors"), 0)
 
-    def path(self, build_id: str, arch: int) -> str | None:
-        """The file of (build_id, arch), None if the build id cannot name one."""
-        if not _BUILD_ID.fullmatch(build_id) or arch not in ut.ARCH_NAMES:
+    def path(self, build_id: str, identity: str, arch: int) -> str | None:
+        """The file of (build_id, identity, arch), None if they cannot name one."""
+        if not _BUILD_ID.fullmatch(build_id) or not _IDENTITY.fullmatch(identity) or arch not in ut.ARCH_NAMES:
             return None
-        return os.path.join(self.dir, f"{build_id}.{ut.ARCH_NAMES[arch]}.v{BUILDER_VERSION}.tbl")
+        return os.path.join(self.dir, f"{build_id}.{identity}.{ut.ARCH_NAMES[arch]}.v{BUILDER_VERSION}.tbl")
 
-    def get(self, build_id: str, arch: int) -> bytes | None:
-        """The cached table of (build_id, arch), validated; None on a miss or a corrupt file (deleted)."""
-        path = self.path(build_id, arch)
+    def get(self, build_id: str, identity: str, arch: int) -> bytes | None:
+        """The cached table of (build_id, identity, arch), validated; None on a miss or a corrupt file (deleted)."""
+        path = self.path(build_id, identity, arch)
         if path is None:
             return None
         try:
@@ -85,9 +98,9 @@ class UnwindCache:
         self.stats["hits"] += 1
         return data
 
-    def put(self, build_id: str, arch: int, table: bytes) -> None:
+    def put(self, build_id: str, identity: str, arch: int, table: bytes) -> None:
         """Store `table` (already validated by its builder); evict the oldest files past the size bound."""
-        path = self.path(build_id, arch)
+        path = self.path(build_id, identity, arch)
         if path is None or len(table) > self.max_bytes:
             return
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 # Distinct (labels, stack) rows per service per window. A service with more is
 # pathological (or hostile); further rows are summed into one truncated row.
@@ -29,7 +29,7 @@ TRUNCATED: tuple[Hashable, ...] = ("[truncated]",)
 
 @dataclass
 class ServiceWindow:
-    rows: dict[tuple[Hashable, Hashable], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value, *extra]
+    rows: dict[tuple[Any, Any], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value, *extra]
     truncated: int = 0
     period: int = 0      # the pprof period: of the last batch added (the collector's rate may change)
 
@@ -96,6 +96,11 @@ class Windows:
         yield from self._close(lambda start: self.window_end(start) + grace_ns <= now_ns)
         current = now_ns - grace_ns
         self._closed_before = max(self._closed_before, current - current % self.interval_ns)
+
+    def next_close_ns(self, grace_ns: int) -> int | None:
+        """When close_due() will next hand out a window (wall-clock ns), or None while none is open."""
+        ends = [self.window_end(start) for _, start in self._open]
+        return min(ends) + grace_ns if ends else None
 
     def close_all(self) -> Iterator[ClosedWindow]:
         """Hand out every open window, the one in progress included (on stop)."""
