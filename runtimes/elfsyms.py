@@ -2,8 +2,10 @@
 
 Owns: reading the section headers, the symbol tables (.dynsym, then .symtab)
 and their string tables of one 64-bit little-endian ELF file with bounded
-reads, and returning the link-time addresses of the names asked for, plus the
-file's first PT_LOAD (to compute the load bias in a process).
+reads, and returning the link-time addresses of the names asked for (and of
+every name with a prefix asked for: node's v8dbg_* set), plus the file's
+PT_LOAD segments (the first computes the load bias in a process; all of
+them place an initialised data symbol's bytes in the file: read_values).
 
 The file is untrusted (a profiled process maps what it likes): every count,
 offset and size is checked against the caps below and the file's size before
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -34,6 +37,12 @@ SYMBOL_CHUNK = 4096
 MAX_STRTAB_BYTES = 16 << 20
 # Larger files are not interpreters (libpython is ~8 MB).
 MAX_FILE_BYTES = 1 << 30
+# Symbols kept for a prefix (node's v8dbg_ set is ~550); past this a file is not a runtime we know.
+MAX_PREFIX_SYMBOLS = 4096
+# Longest symbol name matched by prefix (v8dbg_ names are under 120 bytes).
+MAX_PREFIX_NAME_BYTES = 256
+# Wall-clock budget of one file: libpython's ~50K symbols take ~50 ms; a crafted file is cut off here.
+READ_SECONDS = 2.0
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
@@ -53,6 +62,29 @@ class ElfInfo:
     first_load_vaddr: int              # p_vaddr of the PT_LOAD with the lowest file offset
     first_load_offset: int
     symbols: dict[str, int]            # name → st_value, only the names asked for
+    loads: tuple[tuple[int, int, int], ...] = ()   # (p_offset, p_vaddr, p_filesz) of each PT_LOAD
+
+    def file_offset(self, vaddr: int, length: int) -> int | None:
+        """Where the `length` bytes at link-time address `vaddr` lie in the file (None: not in it)."""
+        for offset, start, filesz in self.loads:
+            if start <= vaddr and vaddr + length <= start + filesz:
+                return offset + vaddr - start
+        return None
+
+
+def read_values(f: BinaryIO, info: ElfInfo, names: Iterable[str], width: int = 4) -> dict[str, int]:
+    """The little-endian unsigned integers of `width` bytes the data symbols `names` hold in the file
+    (initialised data: a v8dbg_ constant, V8's Version::major_); names absent or outside the file's
+    loaded bytes are left out."""
+    size = os.fstat(f.fileno()).st_size
+    out: dict[str, int] = {}
+    for name in names:
+        at = info.symbols.get(name)
+        off = None if at is None else info.file_offset(at, width)
+        if off is None:
+            continue
+        out[name] = int.from_bytes(_read(f, size, off, width, name), "little")
+    return out
 
 
 def _read(f: BinaryIO, size: int, offset: int, length: int, what: str) -> bytes:
@@ -65,9 +97,28 @@ def _read(f: BinaryIO, size: int, offset: int, length: int, what: str) -> bytes:
     return data
 
 
-def read_symbols(f: BinaryIO, names: Iterable[str]) -> ElfInfo:
-    """The addresses of `names` (those present) and the load layout of the ELF file `f`."""
+def _starts(strtab: bytes, needles: list[bytes]) -> set[int]:
+    """Every offset of the string table at which one of `needles` occurs (a name may start there)."""
+    out: set[int] = set()
+    for needle in needles:
+        i = strtab.find(needle)
+        while i >= 0:
+            if len(out) >= MAX_PREFIX_SYMBOLS * 4:
+                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS * 4} names starting like the ones asked for")
+            out.add(i)
+            i = strtab.find(needle, i + 1)
+    return out
+
+
+def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_only: bool = False) -> ElfInfo:
+    """The addresses of `names` (those present), and of every symbol starting with `prefix` when one
+    is given, and the load layout of the ELF file `f`. With dynsym_only, .symtab is never read (node
+    exports its v8dbg_ symbols in .dynsym; its .symtab's string table is past MAX_STRTAB_BYTES)."""
     wanted = {n.encode(): n for n in names}
+    pre = prefix.encode()
+    longest = max([len(w) for w in wanted] + ([MAX_PREFIX_NAME_BYTES] if pre else []), default=0)
+    prefixed = 0
+    deadline = time.monotonic() + READ_SECONDS
     size = os.fstat(f.fileno()).st_size
     if size > MAX_FILE_BYTES:
         raise ElfSymbolError(f"{size} bytes, more than {MAX_FILE_BYTES}")
@@ -84,18 +135,18 @@ def read_symbols(f: BinaryIO, names: Iterable[str]) -> ElfInfo:
     loads = []
     table = _read(f, size, phoff, phnum * _PHDR.size, "program headers")
     for i in range(phnum):
-        p_type, _pf, p_offset, p_vaddr, *_ = _PHDR.unpack_from(table, i * _PHDR.size)
+        p_type, _pf, p_offset, p_vaddr, _paddr, p_filesz, *_ = _PHDR.unpack_from(table, i * _PHDR.size)
         if p_type == _PT_LOAD:
-            loads.append((p_offset, p_vaddr))
+            loads.append((p_offset, p_vaddr, p_filesz))
     if not loads:
         raise ElfSymbolError("no PT_LOAD segment")
-    first_offset, first_vaddr = min(loads)
+    first_offset, first_vaddr, _ = min(loads)
     shdrs = [_SHDR.unpack_from(_read(f, size, shoff, shnum * _SHDR.size, "section headers"), i * _SHDR.size)
              for i in range(shnum)] if shoff else []
     found: dict[str, int] = {}
-    for sh_type in (_SHT_DYNSYM, _SHT_SYMTAB):
+    for sh_type in (_SHT_DYNSYM,) if dynsym_only else (_SHT_DYNSYM, _SHT_SYMTAB):
         for sh in shdrs:
-            if sh[1] != sh_type or len(found) == len(wanted):
+            if sh[1] != sh_type or (len(found) == len(wanted) and not pre):
                 continue
             _name, _t, _fl, _addr, offset, sh_size, link, _info, _align, entsize = sh
             if entsize != _SYM.size or link >= len(shdrs) or shdrs[link][1] != _SHT_STRTAB:
@@ -107,16 +158,35 @@ def read_symbols(f: BinaryIO, names: Iterable[str]) -> ElfInfo:
             if str_size > MAX_STRTAB_BYTES:
                 raise ElfSymbolError(f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}")
             strtab = _read(f, size, str_offset, str_size, "string table")
+            # With a prefix, only symbols whose name starts where a wanted name or the prefix occurs in
+            # the string table are looked at (found by bytes.find, not per symbol: node's 90K .dynsym
+            # entries took over 2 s on a loaded host otherwise).
+            starts = _starts(strtab, [*wanted, pre]) if pre else None
             for first in range(0, count, SYMBOL_CHUNK):
+                if time.monotonic() > deadline:
+                    raise ElfSymbolError(f"reading symbols took more than {READ_SECONDS:g} s")
                 n = min(SYMBOL_CHUNK, count - first)
                 chunk = _read(f, size, offset + first * entsize, n * entsize, "symbols")
                 for st_name, _info, _other, shndx, value, _sz in _SYM.iter_unpack(chunk):
                     if not value or not shndx or st_name >= str_size:
                         continue
-                    end = strtab.find(b"\0", st_name)
-                    name = strtab[st_name:end if end >= 0 else str_size]
+                    if starts is not None and st_name not in starts:
+                        continue
+                    # No name we want is longer than `longest`: the NUL is looked for that far only
+                    # (a string table without NULs made each symbol a scan of 16 MiB).
+                    end = strtab.find(b"\0", st_name, st_name + longest + 1)
+                    if end < 0:
+                        continue
+                    name = strtab[st_name:end]
                     if name in wanted and wanted[name] not in found:
                         found[wanted[name]] = value
-                if len(found) == len(wanted):
+                    elif pre and name.startswith(pre):
+                        text = name.decode("ascii", "replace")
+                        if text not in found:
+                            prefixed += 1
+                            if prefixed > MAX_PREFIX_SYMBOLS:
+                                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols")
+                            found[text] = value
+                if len(found) == len(wanted) and not pre:
                     break
-    return ElfInfo(e_type == 3, first_vaddr, first_offset, found)
+    return ElfInfo(e_type == 3, first_vaddr, first_offset, found, tuple(sorted(loads)))

@@ -1,47 +1,57 @@
-"""The runtime reader stage: Python stacks of announced processes, one python_wall pprof per service per window.
+"""The runtime reader stage: runtime stacks of announced processes, one pprof per runtime per service per window.
 
 Owns: the stage's command line and loop: become the runtime user
-(CAP_SYS_PTRACE only) first; subscribe to the collector's process
-announcements; every 1/SAMPLE_HZ s (a tick) detect a few new processes and
-read the thread stacks of the CPython ones (targets.py, cpython.py), within
-this tick's caps — MAX_PROCESSES_PER_TICK processes and MAX_BYTES_PER_TICK
+(CAP_SYS_PTRACE only) first; load the plug-ins the config asks for
+(shared/runtime_registry.py, runtimes/runtime.py); subscribe to the
+collector's process announcements; every 1/SAMPLE_HZ s (a tick) detect a few
+new processes and read the thread stacks of the ones a plug-in reads
+(targets.py), within this tick's caps, shared by every runtime — MAX_PROCESSES_PER_TICK processes and MAX_BYTES_PER_TICK
 bytes read, halved for every window whose CPU time went over cpu_budget and
 doubled back (up to the caps) for every window well under it, the figures
 logged each window; sum the stacks per service per window
-(symbolizer/window.py) with the process labels plus thread.name and
-thread.id; hand each closed window's profile (profile.py) to the uploader.
-A stop (SIGTERM/SIGINT) hands out the window in progress.
+and profile type (symbolizer/window.py) with the process labels plus
+thread.name and thread.id; hand each closed window's profile (profile.py) to the uploader.
+A stop (SIGTERM/SIGINT) hands out the window in progress, after each plug-in's
+stop() has undone what it asked of processes (the .NET plug-in's perf maps).
+Plug-ins with a helper (shared/runtime_registry.py helper_caps: the .NET
+connector) are loaded while the stage holds its OPTIONAL_CAPS, which it drops
+as soon as they are loaded.
 
-Must not: write to, stop or ptrace-attach a target (process_vm_readv only),
+Must not: write to, stop or ptrace-attach a target (process_vm_readv only; the
+.NET plug-in's requests over a runtime's diagnostics socket are its API, not writes),
 load BPF, or talk to the network.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
-import math
 import socket
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 from ebpfprofiler.runtimes import profile as profile_mod
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from ebpfprofiler.runtimes.runtime import Runtime
 from ebpfprofiler.runtimes.targets import Targets
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import (
     endpoints,
     handoff,
     identity,
+    lifecycle,
     privileges,
     ready,
     remote_config,
 )
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared import runtime_registry
 from ebpfprofiler.shared.labels import process_labels
+from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import (
     MAX_BATCH_BYTES,
@@ -72,10 +82,11 @@ log = logging.getLogger("ebpfprofiler.runtime")
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Runtime reader of ebpfprofiler: reads the thread stacks of the CPython processes the "
-                    "collector announces (3.13+ with python_stacks, 3.11/3.12 with runtime_stacks: "
-                    f"[python_legacy]) with process_vm_readv at {SAMPLE_HZ} Hz, never stopping or writing "
-                    "them, and hands one python_wall pprof per service per window to the uploader. "
+        description="Runtime reader of ebpfprofiler: reads the thread stacks of the runtime processes the "
+                    "collector announces (CPython 3.13+ with python_stacks; with runtime_stacks: "
+                    f"{runtime_registry.opt_in_help()}) with process_vm_readv at {SAMPLE_HZ} Hz, never "
+                    "stopping or writing them, and hands one pprof per runtime (" +
+                    ", ".join(runtime_registry.PROFILE_TYPES) + ") per service per window to the uploader. "
                     "Needs CAP_SYS_PTRACE only.")
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
@@ -85,16 +96,27 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def load_runtimes(cfg: config_mod.ProfilerConfig) -> list[Runtime]:
+    """The plug-ins the config asks for, in the registry's order."""
+    out = []
+    for spec in runtime_registry.RUNTIMES:
+        got = importlib.import_module(spec.package).runtime(cfg)
+        if got is not None:
+            out.append(got)
+    return out
+
+
 class Reader:
     def __init__(self, cfg: config_mod.ProfilerConfig, run_dir: str, state_dir: str,
-                 should_stop=lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.host = socket.gethostname()
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
-        self.targets = Targets(modern=cfg.python_stacks, legacy="python_legacy" in cfg.runtime_stacks)
+        self.runtimes = load_runtimes(cfg)
+        self.targets = Targets(self.runtimes)
         self.windows = Windows(cfg.upload_interval_s)
         self.period_ns = 1_000_000_000 // SAMPLE_HZ
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.SUB)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
@@ -144,11 +166,10 @@ class Reader:
         start = self._rr % len(entries)
         chosen = (entries[start:] + entries[:start])[:n]
         self._rr += n
-        by_service = self.windows.services(profile_mod.PROFILE_TYPE, now_ns)
         for e in chosen:
             if not self.targets.current(e):        # exited, or its pid names another process now
                 continue
-            assert e.reader is not None
+            assert e.reader is not None and e.runtime is not None
             try:
                 stacks = e.reader.sample(ProcessMemory(e.process.pid, budget))
             except MemoryReadError as err:
@@ -158,13 +179,14 @@ class Reader:
                 self.targets.stats["gone_while_reading"] += 1
                 self.targets.forget(e)
                 continue
-            except Exception as err:   # noqa: BLE001 - what a target's memory holds must never end the reader
+            except Exception as err:   # what a target's memory holds must never end the reader
                 self.targets.give_up(e, err)
                 continue
             if not self.targets.current(e):        # reused while we read: what we read is not e's
                 continue
             base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
                                   strip_process_args=self.cfg.strip_process_args)
+            by_service = self.windows.services(e.runtime.spec.profile_type, now_ns)
             window = by_service.get(e.process.service)
             if window is None:
                 window = by_service[e.process.service] = ServiceWindow()
@@ -224,6 +246,14 @@ class Reader:
         return out
 
     def close(self) -> None:
+        for r in self.runtimes:
+            stop = getattr(r, "stop", None)
+            if stop is not None:
+                try:
+                    for line in stop():
+                        log.info("%s", line)
+                except Exception as e:   # any error: one plug-in's undoing must not stop the others'
+                    log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
         self.flush(list(self.windows.close_all()))
         self.sender.close(handoff.CLOSE_TIMEOUT_S)
         self.inbox.close()
@@ -232,37 +262,58 @@ class Reader:
                  self.dropped() or "none")
 
 
+def wants_helper_caps(cfg: config_mod.ProfilerConfig) -> bool:
+    """Whether a plug-in the config asks for forks a helper that needs the stage's OPTIONAL_CAPS."""
+    return any(spec.helper_caps and any(name in cfg.runtime_stacks for name, _ in spec.opt_ins)
+               for spec in runtime_registry.RUNTIMES)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") -> int:
     args = parse_args(argv, prog)
     log_mod.setup("runtime")
+    # runtime_stacks: [dotnet]: CAP_SETUID and CAP_SETGID until its connector is forked (a config that
+    # cannot be read is reported below, as the stage).
+    extra: frozenset[int] = frozenset()
     try:
-        privileges.become("runtime")   # first: nothing below runs with more than CAP_SYS_PTRACE
-    except privileges.PrivilegeError as e:
-        print(f"{prog}: cannot run as the runtime reader's user: {e}", file=sys.stderr)
-        return 1
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+        if wants_helper_caps(config_mod.load(args.config)):
+            extra = privileges.OPTIONAL_CAPS["runtime"]
+    except config_mod.ConfigError:
+        pass
+    # First: nothing below runs with more than CAP_SYS_PTRACE (and extra).
+    lifecycle.become(prog, "runtime", "the runtime reader's", extra)
+    cfg = lifecycle.load_config(prog, args.config)
+    lifecycle.hold_run_dir(prog, args.run_dir, "runtime")
     stop = stop_on_signals(log)
     reader = Reader(cfg, args.run_dir, args.state_dir, should_stop=stop.is_set)
+    if extra:   # the plug-ins' helpers are forked: the reader itself goes on with CAP_SYS_PTRACE only
+        privileges.keep_only(privileges.STAGES["runtime"].caps)
     watcher = remote_config.Watcher(args.run_dir, log)
     watcher.check()
     ready.announce(args.run_dir, "runtime")
-    log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, 3.11/3.12 %s, cpu_budget %.2f%%",
-             SAMPLE_HZ, reader.windows.interval_s, "on" if cfg.python_stacks else "off",
-             "on" if "python_legacy" in cfg.runtime_stacks else "off", cfg.cpu_budget)
+    log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, runtime_stacks %s, runtimes %s, "
+             "cpu_budget %.2f%%", SAMPLE_HZ, reader.windows.interval_s, "on" if cfg.python_stacks else "off",
+             list(cfg.runtime_stacks) or "none", [r.spec.title for r in reader.runtimes] or "none", cfg.cpu_budget)
     period = 1.0 / SAMPLE_HZ
     grace_ns = int(WINDOW_GRACE_S * 1e9)
     next_tick = time.monotonic()
+    poller = zmq.Poller()
+    poller.register(reader.inbox, zmq.POLLIN)
+    poller.register(stopping.wakeup_fd(), zmq.POLLIN)
     try:
         while not stop.is_set():
-            # Rounded up: rounded down, the last millisecond before a tick was a loop of poll(0)
-            # calls, 40 a tick, most of the reader's CPU.
-            timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
-            if reader.inbox.poll(timeout_ms):
+            now = time.monotonic()
+            if reader.targets.idle():
+                # No process to read: asleep until an announcement, a signal or a window to hand out,
+                # not ticking SAMPLE_HZ times a second for nothing.
+                due_ns = reader.windows.next_close_ns(grace_ns)
+                next_tick = now + stopping.IDLE_WAKE_S if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+            events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now)))
+            stopping.drain_wakeups()
+            if reader.inbox in events:
                 reader.receive()
+                if reader.targets.idle():
+                    continue
+                next_tick = min(next_tick, time.monotonic())
             if time.monotonic() < next_tick:
                 continue
             next_tick += period
@@ -279,8 +330,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
                 reader.account_window()
                 reader.flush(closed)
     finally:
-        ready.withdraw(args.run_dir, "runtime")
-        reader.close()
+        lifecycle.shut_down(args.run_dir, "runtime", reader.close)
     return 0
 
 

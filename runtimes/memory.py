@@ -112,7 +112,8 @@ class ProcessMemory:
                 if 0 < size <= MAX_READ_BYTES and 0 < address <= MAX_USER_ADDRESS - size]
         self.budget.charge(sum(requests[i][1] for i in todo))   # once, however many calls it takes
         while todo:
-            batch, total = [], 0
+            batch: list[int] = []
+            total = 0
             for i in todo:
                 size = requests[i][1]
                 if len(batch) == MAX_IOVECS or total + size > MAX_READ_BYTES:

@@ -2,14 +2,17 @@
 
 Owns: the set of announced processes keyed by (pid, start time), so a reused
 pid is a new process and an exited one is dropped; detection of each (at most
-DETECTS_PER_TICK per tick, cpython_version.detect) into a reader, a refusal
-(logged once at info level with its reason, then the process is left alone),
-or "not CPython"; the check, before every read of a process, that its pid
+DETECTS_PER_TICK per tick) by asking each configured runtime plug-in in turn
+(runtimes/runtime.py's contract) until one says "mine": a reader, or a
+refusal (logged once at info level with the runtime's name and its reason,
+then the process is left alone), or served (the plug-in did what it does for
+it; its message logged once the same way); none: "other"; the per-file cache the
+plug-ins share; the check, before every read of a process, that its pid
 still names the same process (else no stack is read for it); thread names
 (/proc/<pid>/task/<tid>/comm) and, for processes in a pid namespace, the map
-from the thread ids CPython records to this host's tids.
+from the thread ids a runtime records to this host's tids.
 
-Must not: read process memory itself (cpython*.py do), or build profiles.
+Must not: read process memory itself (the plug-ins do), or build profiles.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ebpfprofiler.runtimes.cpython import CPythonProcess
-from ebpfprofiler.runtimes.cpython_version import Refusal, detect
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, Refusal, Runtime, Served, StackReader
 from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared.wire import Process, ProcessAnnouncement
 
-# Processes remembered (read, refused or not CPython); the oldest are forgotten beyond this.
+# Processes remembered (read, refused or of no runtime); the oldest are forgotten beyond this.
 MAX_PROCESSES = 16384
-# Detections per tick: each opens the interpreter file and reads its symbols (~1 ms).
+# Detections per tick: each reads the process's maps, and the first of a file reads its symbols (~1 ms).
 DETECTS_PER_TICK = 4
 # Threads named per process (a comm read each); more threads are labelled by id only.
 MAX_THREAD_NAMES = 4096
@@ -34,31 +37,23 @@ MAX_THREAD_NAMES = 4096
 log = logging.getLogger("ebpfprofiler.runtime")
 
 
-def start_ticks(pid: int, proc: str = "/proc") -> int | None:
-    """Field 22 of /proc/<pid>/stat, or None if the process is gone."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            text = f.read(4096).decode("utf-8", "replace")
-        return int(text[text.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 @dataclass
 class Entry:
     process: Process
-    state: str = "new"                         # new, reading, refused, other
-    reader: CPythonProcess | None = None
+    state: str = "new"                         # new, reading, refused, served, other
+    reader: StackReader | None = None
+    runtime: Runtime | None = None
     thread_names: dict[int, str] = field(default_factory=dict)
-    host_tids: dict[int, int] = field(default_factory=dict)   # CPython's thread id → this host's tid
+    host_tids: dict[int, int] = field(default_factory=dict)   # the runtime's thread id → this host's tid
 
 
 class Targets:
-    def __init__(self, *, modern: bool, legacy: bool, proc: str = "/proc") -> None:
-        self.modern, self.legacy, self.proc = modern, legacy, proc
+    def __init__(self, runtimes: list[Runtime], *, proc: str = "/proc") -> None:
+        self.runtimes, self.proc = runtimes, proc
+        self.files = FileCache()
         self.entries: dict[int, Entry] = {}
         self._log_once = LogOnce(log)
-        self.stats = {"announced": 0, "exited": 0, "refused": 0, "reading": 0, "reused_pid": 0,
+        self.stats = {"announced": 0, "exited": 0, "refused": 0, "served": 0, "reading": 0, "reused_pid": 0,
                       "gone_while_reading": 0, "detect_failed": 0, "read_errors": 0}
 
     def announce(self, msg: ProcessAnnouncement) -> None:
@@ -96,31 +91,49 @@ class Targets:
             if not self.current(e):
                 continue
             pid = e.process.pid
+            ctx = ProcessContext(pid, self.proc, ProcessMemory(pid, budget), self.files, e.process.start_ticks)
+            got: StackReader | Refusal | Served | None = None
+            runtime: Runtime | None = None
             try:
-                got = detect(pid, ProcessMemory(pid, budget), modern=self.modern, legacy=self.legacy,
-                             proc=self.proc)
+                for runtime in self.runtimes:
+                    got = runtime.detect(ctx)
+                    if got is not None:
+                        break
             except (MemoryReadError, OSError) as err:
                 self.stats["detect_failed"] += 1
                 log.debug("pid %d: detection failed: %s", pid, err)
                 e.state = "other"
                 continue
-            except Exception as err:   # noqa: BLE001 - what a process maps or holds must never end the reader
+            except Exception as err:   # what a process maps or holds must never end the reader
+                e.runtime = runtime
                 self.give_up(e, err)
                 continue
-            if got is None:
+            if got is None or runtime is None:
                 e.state = "other"
-            elif isinstance(got, Refusal):
+                continue
+            e.runtime = runtime
+            title = runtime.spec.title
+            if isinstance(got, Refusal):
                 e.state = "refused"
                 self.stats["refused"] += 1
                 self._log_once((pid, e.process.start_ticks), logging.INFO,
-                               "pid %d (%s) refused: %s", pid, e.process.executable, got.reason)
+                               "pid %d (%s) refused: %s: %s", pid, e.process.executable, title, got.reason)
+            elif isinstance(got, Served):
+                e.state = "served"
+                self.stats["served"] += 1
+                self._log_once((pid, e.process.start_ticks), logging.INFO,
+                               "pid %d (%s): %s: %s", pid, e.process.executable, title, got.message)
             else:
-                e.state, e.reader = "reading", CPythonProcess(got)
+                e.state, e.reader = "reading", got
                 self.stats["reading"] += 1
-                log.info("pid %d (%s): reading CPython %s stacks", pid, e.process.executable, got.version)
+                log.info("pid %d (%s): reading %s %s stacks", pid, e.process.executable, title, got.version)
 
     def readable(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.state == "reading"]
+
+    def idle(self) -> bool:
+        """Nothing to detect and nothing to read: the reader may sleep until an announcement."""
+        return not any(e.state in ("new", "reading") for e in self.entries.values())
 
     def forget(self, e: Entry) -> None:
         self.entries.pop(e.process.pid, None)
@@ -131,14 +144,17 @@ class Targets:
         e.state, e.reader = "refused", None
         self.stats["read_errors"] += 1
         self._log_once((e.process.pid, e.process.start_ticks), logging.WARNING,
-                       "pid %d (%s): detecting or reading it failed (%s: %s); it is left alone", e.process.pid,
-                       e.process.executable, type(err).__name__, err)
+                       "pid %d (%s): detecting or reading its %s stacks failed (%s: %s); it is left alone",
+                       e.process.pid, e.process.executable, e.runtime.spec.title if e.runtime else "runtime",
+                       type(err).__name__, err)
 
     def thread(self, e: Entry, native_tid: int) -> tuple[int, str]:
-        """(this host's tid, thread name) of a thread id CPython recorded."""
+        """(this host's tid, thread name) of a thread id the runtime recorded."""
         pid = e.process.pid
+        if not native_tid:                     # a runtime without threads of its own: the main thread
+            native_tid = e.process.nspid
         tid = native_tid
-        if e.process.nspid != pid:             # in a pid namespace: CPython saw its own tids
+        if e.process.nspid != pid:             # in a pid namespace: the runtime saw its own tids
             tid = e.host_tids.get(native_tid, 0)
             if not tid:
                 e.host_tids = self._host_tids(pid)

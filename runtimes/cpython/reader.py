@@ -25,8 +25,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.cpython_lines import addr2line
-from ebpfprofiler.runtimes.cpython_version import Target
+from ebpfprofiler.runtimes.cpython.lines import addr2line
+from ebpfprofiler.runtimes.cpython.version import Target
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
 
 # Frames read per thread: deeper stacks are cut (and counted), like the kernel's 127.
@@ -96,6 +96,10 @@ class CPythonProcess:
         self._unicode_head = max(lay.unicode_ascii_size, lay.unicode_state + 4, lay.unicode_length + 8)
         self._codes: OrderedDict[tuple[int, ...], _Code] = OrderedDict()
         self.dropped: dict[str, int] = {}
+
+    @property
+    def version(self) -> str:
+        return self.target.version
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

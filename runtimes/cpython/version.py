@@ -2,10 +2,12 @@
 
 Owns: finding the interpreter among a process's mappings (libpython3.X, else
 the python3.X executable), opening that file through /proc/<pid>/root (so a
-container's own files are read), its symbols (_PyRuntime, Py_Version,
+container's own files are read; resolved with openat2 RESOLVE_IN_ROOT, so no
+symlink leaves that root, and opened only once fstat says it is the mapped,
+regular file: a FIFO named python3.13 cannot hang the reader), its symbols (_PyRuntime, Py_Version,
 PyCode_Type, PyType_Type), the load bias, the version the process reports in
 memory (Py_Version), and for 3.13+ the _Py_DebugOffsets cookie, version and
-free-threading flag at _PyRuntime; then the Layout (cpython_layouts.py) and a
+free-threading flag at _PyRuntime; then the Layout (layouts.py) and a
 self-check: PyCode_Type must be a type object (its ob_type is &PyType_Type)
 named "code". The answer is a Target to read, a Refusal with the reason, or
 None for a process that is not CPython.
@@ -20,9 +22,11 @@ import re
 import struct
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes import cpython_layouts as layouts
+from ebpfprofiler.runtimes.cpython import layouts
 from ebpfprofiler.runtimes.elfsyms import ElfInfo, ElfSymbolError, read_symbols
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+from ebpfprofiler.shared.files import open_in_root, open_regular
+from ebpfprofiler.shared.safestr import process_string
 
 # /proc/<pid>/maps of a Python process is a few hundred lines; a JVM's a few MB.
 MAX_MAPS_BYTES = 4 << 20
@@ -63,23 +67,30 @@ class _Module:
 
 def _modules(pid: int, proc: str) -> list[_Module]:
     with open(f"{proc}/{pid}/maps", "rb") as f:
-        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "replace")
+        # surrogateescape: the path opens as the bytes it is; it is named by shared/safestr's rule only
+        # where it leaves this module (process_string below)
+        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "surrogateescape")
     out: dict[str, _Module] = {}
+    executable: set[str] = set()
     for line in text.splitlines():
         parts = line.split(maxsplit=5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
-        path = parts[5]
+        path = parts[5].replace("\\012", "\n")   # the kernel writes a newline in a maps path as \012
         m = _NAME.match(os.path.basename(path))
         if not m:
             continue
+        if "x" in parts[1]:
+            executable.add(path)
         start = int(parts[0].split("-")[0], 16)
         offset = int(parts[2], 16)
         known = out.get(path)
         if known is None or offset < known.offset:
             out[path] = _Module(path, start, offset, int(parts[4]), int(m.group(2)), int(m.group(3)), m.group(4))
-    # The library holds the runtime when there is one; the executable is then a stub.
-    return sorted(out.values(), key=lambda mod: not os.path.basename(mod.path).startswith("lib"))
+    # Only a file the process runs code from is its interpreter (a file merely mapped under the
+    # name is not); the library holds the runtime when there is one, the executable is then a stub.
+    return sorted((mod for path, mod in out.items() if path in executable),
+                  key=lambda mod: not os.path.basename(mod.path).startswith("lib"))
 
 
 def parse_hexversion(v: int) -> tuple[int, int, int]:
@@ -98,15 +109,32 @@ def _symbols_of(pid: int, mod: _Module, proc: str) -> ElfInfo | None:
     """The interpreter's symbols, from the file the process maps: through /proc/<pid>/root (a
     container's own files), else the path as this host sees it (maps shows a chroot's files with
     the host's path); only a file with the mapped inode is used."""
-    for path in (f"{proc}/{pid}/root{mod.path}", mod.path):
+    for where in ("root", "host"):
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_ino != mod.inode:
-                    continue
-                return read_symbols(f, SYMBOLS)
+            path_fd = _open_path(f"{proc}/{pid}/root", mod.path) if where == "root" else \
+                os.open(mod.path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
             continue
+        try:
+            if os.fstat(path_fd).st_ino != mod.inode:
+                continue
+            fd = open_regular(path_fd, mod.path)   # nothing but a regular file is opened: a FIFO would hang
+        except OSError:
+            continue
+        finally:
+            os.close(path_fd)
+        with os.fdopen(fd, "rb") as f:
+            return read_symbols(f, SYMBOLS)
     return None
+
+
+def _open_path(root: str, path: str) -> int:
+    """An O_PATH descriptor of `path` inside `root`: its symlinks (absolute ones too) and .. stay inside."""
+    dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return open_in_root(dirfd, path)
+    finally:
+        os.close(dirfd)
 
 
 def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: str = "/proc") -> Target | Refusal | None:
@@ -115,7 +143,7 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
     if not mods:
         return None
     mod = mods[0]
-    where = f"{mod.path} (CPython {mod.major}.{mod.minor}{mod.flags})"
+    where = f"{process_string(mod.path)} (CPython {mod.major}.{mod.minor}{mod.flags})"
     if mod.major != 3:
         return Refusal(pid, f"{where}: only CPython 3 is read")
     if "t" in mod.flags:
@@ -173,4 +201,4 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
     name = read_c_string(mem, mem.u64(code_type + layout.type_name), MAX_TYPE_NAME)
     if name != "code":
         return Refusal(pid, f"{where}: self-check failed: PyCode_Type is named {name!r}")
-    return Target(pid, version, layout, sym["_PyRuntime"], code_type, mod.path)
+    return Target(pid, version, layout, sym["_PyRuntime"], code_type, process_string(mod.path))

@@ -13,7 +13,7 @@ Owns: what the reader needs to know of each supported CPython minor version
   thread state reaches its frame, which frame owners are not Python frames,
   and the tag bits of a tagged frame reference.
 
-Must not: read memory or decide which version a process runs (cpython_version.py does).
+Must not: read memory or decide which version a process runs (version.py does).
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""CPython 3.11 to 3.14 (GIL builds), the plug-in: version.py detects, reader.py reads.
+
+Owns: the plug-in entry (runtime(cfg), runtimes/runtime.py's contract) that
+turns the config's python_stacks and runtime_stacks: [python_legacy] into
+version.detect's switches, and its Target into a CPythonProcess.
+
+Must not: read memory itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ebpfprofiler.runtimes.cpython import version
+from ebpfprofiler.runtimes.cpython.reader import CPythonProcess
+from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal
+from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+
+SPEC: RuntimeSpec = spec_of("cpython")
+
+
+class CPython:
+    spec = SPEC
+
+    def __init__(self, modern: bool, legacy: bool) -> None:
+        self.modern, self.legacy = modern, legacy
+
+    def detect(self, process: ProcessContext) -> CPythonProcess | Refusal | None:
+        got = version.detect(process.pid, process.mem, modern=self.modern, legacy=self.legacy, proc=process.proc)
+        if got is None:
+            return None
+        if isinstance(got, version.Refusal):
+            return Refusal(got.reason)
+        return CPythonProcess(got)
+
+
+def runtime(cfg: Any) -> CPython | None:
+    legacy = "python_legacy" in cfg.runtime_stacks
+    return CPython(cfg.python_stacks, legacy) if cfg.python_stacks or legacy else None

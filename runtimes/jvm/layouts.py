@@ -1,0 +1,223 @@
+"""Where the JVM reader finds what it reads, per HotSpot version, from the JVM's own tables.
+
+Owns: Layout (every offset, size and constant the reader uses, each taken
+from the VMStructs the JVM exported: vmstructs.py), built by `layout()`,
+which names the first needed entry a libjvm lacks; the few facts HotSpot
+does not export, kept here as data with the versions they hold for:
+- the x86-64 interpreter frame's slots below the two it exports
+  (frame::interpreter_frame_sender_sp_offset -1 and _last_sp_offset -2):
+  method -3 and bcp -8 (frame_x86.hpp, unchanged from JDK 9 to 25);
+- the compressed-stream coding of debug information and line tables:
+  Pack200's UNSIGNED5 up to JDK 19, with the zero byte excluded (X=1) from
+  JDK 20 (JDK-8292758);
+- the JDK 8 refusal: HotSpot 25.x (JDK 8) has no JEP 223 version fields,
+  a single code heap (CodeCache::_heap, no _heaps) and nmethods without
+  CompiledMethod (their scopes begin elsewhere).
+The Java threads are ThreadsSMRSupport::_java_thread_list's array from
+JDK 12; JDK 11's tables name only Threads::_thread_list, linked by
+JavaThread::_next.
+
+Must not: read process memory (vmstructs.py and the reader do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ebpfprofiler.runtimes.jvm.vmstructs import VMStructs
+
+# Supported HotSpot feature versions (JDK 9 and 10 are end-of-life and untested).
+MIN_MAJOR = 11
+# Slots of an x86-64 interpreter frame (words from fp) HotSpot does not export.
+INTERP_METHOD_SLOT = -3
+INTERP_BCP_SLOT = -8
+# The first feature version whose compressed streams exclude the zero byte.
+UNSIGNED5_X1_SINCE = 20
+
+
+class MissingField(Exception):
+    """A field or constant the reader needs is not in the JVM's tables."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    major: int
+    stream_x: int                     # the excluded-bytes bias of CompressedReadStream (0 or 1)
+    # threads
+    java_thread_list: int             # address of ThreadsSMRSupport::_java_thread_list (JDK 12+), else -1
+    threads_head: int                 # address of Threads::_thread_list (JDK 11: a list by JavaThread::_next)
+    jt_next: int
+    jt_thread_state: int
+    state_in_java: int                # JavaThreadState's _thread_in_Java
+    state_in_java_trans: int
+    tl_length: int
+    tl_threads: int
+    jt_anchor: int
+    jt_osthread: int
+    jt_stack_base: int
+    jt_stack_size: int
+    anchor_sp: int
+    anchor_pc: int
+    anchor_fp: int
+    os_thread_id: int
+    # frames
+    call_stub_return: int             # address of StubRoutines::_call_stub_return_address
+    call_wrapper_slot: int            # frame::entry_frame_call_wrapper_offset (words from fp)
+    wrapper_anchor: int               # JavaCallWrapper::_anchor
+    sender_sp_slot: int               # frame::interpreter_frame_sender_sp_offset
+    # code cache
+    code_heaps: int                   # address of CodeCache::_heaps
+    ga_len: int
+    ga_data: int
+    heap_memory: int
+    heap_segmap: int
+    heap_log2_segment: int
+    vs_low_boundary: int
+    vs_high: int
+    vs_low: int
+    heap_block_size: int
+    hb_used: int
+    # code blobs
+    cb_name: int
+    cb_size: int
+    cb_frame_size: int
+    cb_code_begin: int                # pointer field (JDK 11-21), else -1
+    cb_code_offset: int               # int field from the blob (JDK 23+), else -1
+    cb_kind: int                      # u1 kind (JDK 23+), else -1
+    kind_nmethod: int
+    cb_mutable_data: int              # JDK 25: metadata lives after the relocations there
+    cb_relocation_size: int
+    nm_method: int
+    nm_scopes_data_begin: int         # pointer (JDK 11-21), else -1
+    nm_immutable_data: int            # pointer (JDK 25), else -1
+    nm_scopes_data_offset: int
+    nm_immutable_size: int
+    nm_scopes_pcs_offset: int
+    nm_pcs_end_offset: int            # _dependencies_offset (JDK 11-21): the pcs end there
+    nm_metadata_offset: int           # JDK 11-21, else -1
+    nm_compile_id: int
+    pc_desc_size: int
+    pc_offset: int
+    pc_scope_decode: int
+    invocation_entry_bci: int
+    # methods
+    m_const_method: int
+    cm_constants: int
+    cm_code_size: int
+    cm_name_index: int
+    cm_flags: int
+    cm_size: int                      # sizeof(ConstMethod): the bytecodes follow it
+    has_linenumber_table: int
+    cp_pool_holder: int
+    cp_size: int                      # sizeof(ConstantPool): the entries follow it
+    cp_source_file_index: int         # ConstantPool's (JDK 17+), else -1
+    ik_source_file_index: int         # InstanceKlass's (JDK 11), else -1
+    klass_name: int
+    sym_length: int
+    sym_body: int
+
+
+def is_jep223(vs: VMStructs) -> bool:
+    """Whether the tables are of a JEP 223 (JDK 9+) HotSpot: JDK 8's have no _vm_security_version."""
+    return ("Abstract_VM_Version", "_vm_security_version") in vs.statics
+
+
+def layout(vs: VMStructs, major: int) -> Layout:
+    f, s, sz, ints = vs.fields, vs.statics, vs.sizes, vs.ints
+
+    def field(*names: tuple[str, str]) -> int:
+        for n in names:
+            if n in f:
+                return f[n]
+        raise MissingField(" / ".join(f"{t}::{n}" for t, n in names))
+
+    def opt(*names: tuple[str, str]) -> int:
+        for n in names:
+            if n in f:
+                return f[n]
+        return -1
+
+    def static(t: str, n: str) -> int:
+        if (t, n) not in s:
+            raise MissingField(f"{t}::{n} (static)")
+        return s[(t, n)]
+
+    def size(t: str) -> int:
+        if t not in sz:
+            raise MissingField(f"sizeof({t})")
+        return sz[t]
+
+    def const(n: str, *alts: str) -> int:
+        for name in (n,) + alts:
+            if name in ints:
+                return ints[name]
+        raise MissingField(" / ".join((n,) + alts))
+
+    smr = s.get(("ThreadsSMRSupport", "_java_thread_list"), -1)
+    if smr < 0:
+        static("Threads", "_thread_list")
+    cb_code_begin = opt(("CodeBlob", "_code_begin"))
+    cb_code_offset = opt(("CodeBlob", "_code_offset")) if cb_code_begin < 0 else -1
+    if cb_code_begin < 0 and cb_code_offset < 0:
+        raise MissingField("CodeBlob::_code_begin / CodeBlob::_code_offset")
+    cb_kind = opt(("CodeBlob", "_kind"))
+    scopes_begin = opt(("CompiledMethod", "_scopes_data_begin"))
+    immutable = opt(("nmethod", "_immutable_data"))
+    if scopes_begin < 0 and immutable < 0:
+        raise MissingField("CompiledMethod::_scopes_data_begin / nmethod::_immutable_data")
+    if ("ConstantPool", "_source_file_name_index") not in f and ("InstanceKlass", "_source_file_name_index") not in f:
+        raise MissingField("ConstantPool::_source_file_name_index / InstanceKlass::_source_file_name_index")
+    metadata = opt(("nmethod", "_metadata_offset"))
+    if metadata < 0 and immutable >= 0:
+        field(("CodeBlob", "_mutable_data"))
+    return Layout(
+        major=major, stream_x=1 if major >= UNSIGNED5_X1_SINCE else 0,
+        java_thread_list=s.get(("ThreadsSMRSupport", "_java_thread_list"), -1),
+        threads_head=s.get(("Threads", "_thread_list"), -1) if smr < 0 else -1,
+        jt_next=field(("JavaThread", "_next")) if smr < 0 else -1,
+        jt_thread_state=field(("JavaThread", "_thread_state")),
+        state_in_java=const("_thread_in_Java"), state_in_java_trans=const("_thread_in_Java_trans"),
+        tl_length=field(("ThreadsList", "_length")) if smr >= 0 else -1,
+        tl_threads=field(("ThreadsList", "_threads")) if smr >= 0 else -1,
+        jt_anchor=field(("JavaThread", "_anchor")),
+        jt_osthread=field(("JavaThread", "_osthread"), ("Thread", "_osthread")),
+        jt_stack_base=field(("JavaThread", "_stack_base"), ("Thread", "_stack_base")),
+        jt_stack_size=field(("JavaThread", "_stack_size"), ("Thread", "_stack_size")),
+        anchor_sp=field(("JavaFrameAnchor", "_last_Java_sp")), anchor_pc=field(("JavaFrameAnchor", "_last_Java_pc")),
+        anchor_fp=field(("JavaFrameAnchor", "_last_Java_fp")), os_thread_id=field(("OSThread", "_thread_id")),
+        call_stub_return=static("StubRoutines", "_call_stub_return_address"),
+        call_wrapper_slot=const("frame::entry_frame_call_wrapper_offset"),
+        wrapper_anchor=field(("JavaCallWrapper", "_anchor")),
+        sender_sp_slot=const("frame::interpreter_frame_sender_sp_offset"),
+        code_heaps=static("CodeCache", "_heaps"),
+        ga_len=field(("GrowableArrayBase", "_len"), ("GenericGrowableArray", "_len")),
+        ga_data=field(("GrowableArray<int>", "_data")),
+        heap_memory=field(("CodeHeap", "_memory")), heap_segmap=field(("CodeHeap", "_segmap")),
+        heap_log2_segment=field(("CodeHeap", "_log2_segment_size")),
+        vs_low_boundary=field(("VirtualSpace", "_low_boundary")), vs_high=field(("VirtualSpace", "_high")),
+        vs_low=field(("VirtualSpace", "_low")), heap_block_size=size("HeapBlock"),
+        hb_used=field(("HeapBlock::Header", "_used")),
+        cb_name=field(("CodeBlob", "_name")), cb_size=field(("CodeBlob", "_size")),
+        cb_frame_size=field(("CodeBlob", "_frame_size")), cb_code_begin=cb_code_begin, cb_code_offset=cb_code_offset,
+        cb_kind=cb_kind, kind_nmethod=const("CodeBlobKind::Nmethod") if cb_kind >= 0 else -1,
+        cb_mutable_data=opt(("CodeBlob", "_mutable_data")), cb_relocation_size=opt(("CodeBlob", "_relocation_size")),
+        nm_method=field(("CompiledMethod", "_method"), ("nmethod", "_method")),
+        nm_scopes_data_begin=scopes_begin, nm_immutable_data=immutable,
+        nm_scopes_data_offset=field(("nmethod", "_scopes_data_offset")) if immutable >= 0 else -1,
+        nm_immutable_size=field(("nmethod", "_immutable_data_size")) if immutable >= 0 else -1,
+        nm_scopes_pcs_offset=field(("nmethod", "_scopes_pcs_offset")),
+        nm_pcs_end_offset=field(("nmethod", "_dependencies_offset")) if immutable < 0 else -1,
+        nm_metadata_offset=metadata, nm_compile_id=field(("nmethod", "_compile_id")),
+        pc_desc_size=size("PcDesc"), pc_offset=field(("PcDesc", "_pc_offset")),
+        pc_scope_decode=field(("PcDesc", "_scope_decode_offset")), invocation_entry_bci=const("InvocationEntryBci"),
+        m_const_method=field(("Method", "_constMethod")), cm_constants=field(("ConstMethod", "_constants")),
+        cm_code_size=field(("ConstMethod", "_code_size")), cm_name_index=field(("ConstMethod", "_name_index")),
+        cm_flags=field(("ConstMethod", "_flags"), ("ConstMethod", "_flags._flags")), cm_size=size("ConstMethod"),
+        has_linenumber_table=const("ConstMethod::_has_linenumber_table",
+                                   "ConstMethodFlags::_misc_has_linenumber_table"),
+        cp_pool_holder=field(("ConstantPool", "_pool_holder")), cp_size=size("ConstantPool"),
+        cp_source_file_index=opt(("ConstantPool", "_source_file_name_index")),
+        ik_source_file_index=opt(("InstanceKlass", "_source_file_name_index")),
+        klass_name=field(("Klass", "_name")), sym_length=field(("Symbol", "_length")),
+        sym_body=field(("Symbol", "_body")),
+    )

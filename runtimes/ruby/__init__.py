@@ -1,0 +1,191 @@
+"""Ruby 3.3 and 3.4 (4.0's layout as data): the plug-in.
+
+Owns: detection (runtimes/runtime.py's contract): a process is Ruby's when
+it maps libruby-X.Y.so (Debian's, and any --enable-shared build); the version
+from the file's name, checked against ruby_version in memory; then the VM:
+- ruby_current_vm_ptr when the file exports it (or its .symtab has it);
+- else (Debian's libruby 3.3 and 3.4 hide it and strip .symtab) a scan of
+  libruby's writable data and the .bss after it for a pointer to a structure
+  whose main thread points back to it and to its main ractor, and whose
+  execution context's frame lies inside its VM stack; exactly one such
+  pointer must be found. Its place in the file is kept per file (by file
+  identity), so the next process of the same libruby is checked, not
+  scanned;
+- else a Refusal with the reason.
+Ruby 3.2 and older (Debian bookworm's 3.1) are refused with the reason.
+
+Must not: walk frames (reader.py does), or log.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ebpfprofiler.runtimes import elfsyms
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS, Layout
+from ebpfprofiler.runtimes.ruby.reader import RubyProcess
+from ebpfprofiler.runtimes.runtime import (
+    Mapping,
+    ProcessContext,
+    Refusal,
+    file_key,
+    first_mappings,
+    open_mapped,
+)
+from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+
+SPEC: RuntimeSpec = spec_of("ruby")
+
+# Bytes of libruby's writable data and .bss scanned for the VM (3.3's are ~85 KB).
+MAX_SCAN_BYTES = 4 << 20
+# Candidate pointers checked per scan (each a read of 48 bytes, batched).
+MAX_CANDIDATES = 65536
+# ruby_version is "3.3.8".
+MAX_VERSION_CHARS = 16
+
+_NAME = re.compile(r"^libruby(-(\d+)\.(\d+))?\.so(\.(\d+)\.(\d+)[.\d]*)?$")
+SYMBOLS = ("ruby_current_vm_ptr", "ruby_version")
+_Q = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    elf: elfsyms.ElfInfo
+
+
+def _version(base: str) -> tuple[int, int] | None:
+    m = _NAME.match(base)
+    if not m:
+        return None
+    if m.group(2):
+        return int(m.group(2)), int(m.group(3))
+    if m.group(5):
+        return int(m.group(5)), int(m.group(6))
+    return None
+
+
+class Ruby:
+    spec = SPEC
+
+    def __init__(self) -> None:
+        self._vm_places: dict[tuple[str | int, ...], int] = {}   # file identity → link-time address of the VM pointer
+
+    def detect(self, process: ProcessContext) -> RubyProcess | Refusal | None:
+        mods = first_mappings(process.mappings, lambda base: bool(_NAME.match(base)))
+        if not mods:
+            return None
+        mod = next(iter(mods.values()))
+        ver = _version(mod.path.rsplit("/", 1)[-1])
+        if ver is None:
+            return Refusal(f"{mod.path}: no version in the library's name")
+        where = f"{mod.path} (Ruby {ver[0]}.{ver[1]})"
+        layout = LAYOUTS.get(ver)
+        if layout is None:
+            return Refusal(f"{where}: Ruby {ver[0]}.{ver[1]} is not supported (3.3 and 3.4 are; 4.0's layout "
+                           f"is data only)")
+        f = open_mapped(process.pid, mod, process.proc)
+        if f is None:
+            return Refusal(f"{where}: the file is not reachable as the process maps it")
+        with f:
+            key = ("ruby",) + file_key(f)
+            try:
+                facts: FileFacts = process.files.get(key, lambda: FileFacts(elfsyms.read_symbols(f, SYMBOLS)))
+            except elfsyms.ElfSymbolError as e:
+                return Refusal(f"{where}: unreadable ELF file: {e}")
+        elf = facts.elf
+        bias = mod.start - (mod.offset + elf.first_load_vaddr - elf.first_load_offset) if elf.is_pie else 0
+        mem = process.mem
+        if "ruby_version" in elf.symbols:
+            raw = mem.read(elf.symbols["ruby_version"] + bias, MAX_VERSION_CHARS)
+            text = raw.split(b"\0", 1)[0].decode("ascii", "replace")
+            if not text.startswith(f"{ver[0]}.{ver[1]}."):
+                return Refusal(f"{where}: self-check failed: ruby_version in memory is {text!r}")
+            version = text
+        else:
+            version = f"{ver[0]}.{ver[1]}"
+        if "ruby_current_vm_ptr" in elf.symbols:
+            vm = mem.u64(elf.symbols["ruby_current_vm_ptr"] + bias)
+            if not _valid_vm(mem, layout, vm):
+                return Refusal(f"{where}: self-check failed: ruby_current_vm_ptr does not point at a VM whose "
+                               f"main thread points back")
+            return RubyProcess(version, layout, vm)
+        place = self._vm_places.get(key)
+        if place is not None:
+            vm = mem.u64(place + bias)
+            if _valid_vm(mem, layout, vm):
+                return RubyProcess(version, layout, vm)
+        found = _scan(process, mod, layout)
+        if len(found) != 1:
+            return Refusal(f"{where}: no ruby_current_vm_ptr symbol (hidden, .symtab stripped), and a scan of "
+                           f"its writable data found {len(found)} VM candidates, not one")
+        at, vm = found[0]
+        if len(self._vm_places) < 1024:
+            self._vm_places[key] = at - bias
+        return RubyProcess(version, layout, vm)
+
+
+def _valid_vm(mem: ProcessMemory, lay: Layout, vm: int) -> bool:
+    """vm points at an rb_vm_t: its main thread's vm and ractor point back, and the thread's
+    execution context has its current frame inside its VM stack."""
+    if not vm or vm & 7:
+        return False
+    try:
+        raw = mem.read(vm, lay.vm_main_thread + 8)
+        ractor, th = _Q.unpack_from(raw, lay.vm_main_ractor)[0], _Q.unpack_from(raw, lay.vm_main_thread)[0]
+        if not ractor or not th or th & 7 or ractor & 7:
+            return False
+        t = mem.read(th, max(lay.th_vm, lay.th_ractor, lay.th_ec) + 8)
+        if _Q.unpack_from(t, lay.th_vm)[0] != vm or _Q.unpack_from(t, lay.th_ractor)[0] != ractor:
+            return False
+        ec = _Q.unpack_from(t, lay.th_ec)[0]
+        e = mem.read(ec, lay.ec_cfp + 8)
+    except MemoryReadError as err:
+        if err.reason in ("gone", "budget"):
+            raise
+        return False
+    stack, size, cfp = (_Q.unpack_from(e, o)[0] for o in (lay.ec_vm_stack, lay.ec_vm_stack_size, lay.ec_cfp))
+    return 0 < size < 1 << 28 and stack <= cfp < stack + 8 * size
+
+
+def _scan(process: ProcessContext, mod: Mapping, lay: Layout) -> list[tuple[int, int]]:
+    """(address, value) of each pointer in libruby's writable data (and the .bss right after it) to a valid VM."""
+    maps = process.mappings
+    regions: list[Mapping] = []
+    for i, m in enumerate(maps):
+        if m.path == mod.path and m.perms.startswith("rw"):
+            regions.append(m)
+            if i + 1 < len(maps) and not maps[i + 1].path and maps[i + 1].start == m.end \
+                    and maps[i + 1].perms.startswith("rw"):
+                regions.append(maps[i + 1])
+    heap = [(m.start, m.end) for m in maps if m.perms.startswith("rw") and (not m.path or m.path == "[heap]")]
+    mem, scanned, candidates = process.mem, 0, 0
+    found: list[tuple[int, int]] = []
+    for r in regions:
+        for at in range(r.start, r.end, 1 << 16):
+            n = min(1 << 16, r.end - at)
+            if scanned + n > MAX_SCAN_BYTES:
+                return found
+            scanned += n
+            try:
+                data = mem.read(at, n)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                continue
+            for k, (value,) in enumerate(_Q.iter_unpack(data)):
+                if not value or value & 7 or not any(lo <= value < hi for lo, hi in heap):
+                    continue
+                candidates += 1
+                if candidates > MAX_CANDIDATES:
+                    return found
+                if _valid_vm(mem, lay, value):
+                    found.append((at + 8 * k, value))
+    return found
+
+
+def runtime(cfg: Any) -> Ruby | None:
+    return Ruby() if "ruby" in cfg.runtime_stacks else None

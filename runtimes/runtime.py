@@ -1,0 +1,253 @@
+"""The runtime-reader plug-in contract, and what every plug-in shares.
+
+A runtime is one folder, runtimes/<name>/, and one line in
+shared/runtime_registry.py (its RuntimeSpec: name, opt-ins, profile type,
+frame fields). The folder's __init__.py exports `runtime(cfg)`, which
+returns an object that satisfies `Runtime` below, or None when the config
+does not ask for this runtime (its opt-in is not in runtime_stacks; CPython
+3.13+ follows python_stacks). The contract, in three levels (as in the
+opentelemetry-ebpf-profiler's interpreter loaders):
+
+1. Runtime (one per runtime, for the life of the reader)
+   - `spec`: its line in the registry.
+   - `detect(process)`: is this process mine, and which version?  Returns
+       * a StackReader for it,
+       * a Refusal(reason): it is mine but not read (unsupported version,
+         ZTS build, stripped binary, failed self-check ...); the reason is
+         logged once per process by targets.py, then the process is left
+         alone until its pid names another process,
+       * a Served(message): it is mine, and detect did all there is to do for it
+         (the .NET plug-in asked it for a perf map: its frames are named in the
+         cpu profiles, no stacks are read here); logged once like a refusal,
+       * or None: not mine (looked at its mappings' names only, cheaply).
+     It may raise MemoryReadError or OSError when the process vanished
+     meanwhile; anything else it raises is logged once and the process is
+     left alone (targets.give_up).
+   - `stop()` (optional): called once when the reader stops, to undo what
+     detect asked of processes; returns lines for the reader's log.
+   - Per-file data (symbols and offsets read from a binary; what the
+     loader of the OTel profiler computes once per ELF file) goes in
+     `process.files`, a FileCache keyed by the file's identity (device,
+     inode, size, mtime), so a hundred php-fpm workers read libphp once.
+2. StackReader (one per process: per-process state only: addresses after
+   the load bias, caches of what that process's memory holds)
+   - `sample(mem)`: every thread's stack (leaf first), read from process
+     memory with `mem` (process_vm_readv through ProcessMemory, charged to
+     the tick's ReadBudget). MemoryReadError "gone" or "budget" propagates;
+     a thread or frame that fails validation is dropped and counted in
+     `dropped` by reason, never raised.
+   - `version`: what detect found ("8.2.29"), for the log.
+3. Frames: any frozen dataclass with `function` (the qualified name as the
+   profile shows it: "Class::method", "Class#method"), `filename` and
+   `line` (0: unknown); fields beyond those are the runtime's own (its
+   RuntimeSpec.frame_fields name them).
+
+Shared by every runtime, so no plug-in does its own: the announced-process
+table with the pid/start-time check before every read and the refusal log
+(targets.py), the per-tick caps and cpu_budget over all runtimes together
+(main.py), the bounded reads (memory.py), ELF data symbols (elfsyms.py),
+mapping lists and safe file opening (here), and the pprof per profile type
+(profile.py).
+
+Rules for every plug-in: never stop, attach to or write to a target (the .NET
+plug-in's EnablePerfMap and DisablePerfMap go over the runtime's own
+diagnostics socket, as its tools send them, and are undone at stop); validate
+every pointer read from it before following it; cap every count and length
+read from it with a named constant.
+
+Owns: the Protocols above, Refusal, Served, ThreadStack, Mapping (/proc/PID/maps,
+parsed once per detection for all runtimes), open_mapped (a mapped file
+opened through /proc/PID/root without following the target's links out of
+its root), FileCache.
+
+Must not: know any one runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+from ebpfprofiler.runtimes.memory import ProcessMemory
+from ebpfprofiler.shared.runtime_registry import RuntimeSpec
+
+# /proc/<pid>/maps of a PHP or Python process is a few hundred lines; a JVM's a few MB.
+MAX_MAPS_BYTES = 4 << 20
+# Mappings kept per process (vm.max_map_count is 65530 by default).
+MAX_MAPPINGS = 65536
+# Per-file entries cached (symbols of one interpreter file each, a few KB).
+FILE_CACHE_ENTRIES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    native_tid: int                   # the thread id the runtime recorded (its pid namespace's); 0: unknown
+    frames: tuple[Any, ...]           # leaf first; each has function, filename, line
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str                        # "r-xp"
+    offset: int
+    inode: int
+    path: str                         # as this host sees it ("" for anonymous memory)
+
+
+@runtime_checkable
+class StackReader(Protocol):
+    version: str
+    dropped: dict[str, int]
+
+    def sample(self, mem: ProcessMemory) -> list[ThreadStack]: ...
+
+
+@dataclass
+class ProcessContext:
+    """What detect() is given about one process."""
+    pid: int
+    proc: str
+    mem: ProcessMemory
+    files: FileCache
+    start_ticks: int = 0              # its start time (/proc/PID/stat field 22), as announced
+    _maps: list[Mapping] | None = field(default=None, repr=False)
+
+    @property
+    def mappings(self) -> list[Mapping]:
+        if self._maps is None:
+            self._maps = read_maps(self.pid, self.proc)
+        return self._maps
+
+
+class Runtime(Protocol):
+    spec: RuntimeSpec
+
+    def detect(self, process: ProcessContext) -> StackReader | Refusal | Served | None: ...
+
+
+def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
+    with open(f"{proc}/{pid}/maps", "rb") as f:
+        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "replace")
+    out: list[Mapping] = []
+    for line in text.splitlines()[:MAX_MAPPINGS]:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        try:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]),
+                               parts[5] if len(parts) > 5 else ""))
+        except ValueError:
+            continue
+    return out
+
+
+def first_mappings(maps: list[Mapping], match: Callable[[str], bool]) -> dict[str, Mapping]:
+    """path → its mapping with the lowest file offset, for the file-backed mappings whose basename matches."""
+    out: dict[str, Mapping] = {}
+    for m in maps:
+        if not m.path.startswith("/") or not match(os.path.basename(m.path)):
+            continue
+        known = out.get(m.path)
+        if known is None or m.offset < known.offset:
+            out[m.path] = m
+    return out
+
+
+# openat2(2) with RESOLVE_IN_ROOT: a container's absolute symlinks resolve inside its root.
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x02, 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _open_in_root(root: str, path: str) -> int:
+    dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        how = _OpenHow(os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0,
+                       _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+        fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return fd
+    finally:
+        os.close(dirfd)
+
+
+def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | None:
+    """The file of mapping `m`, opened as the process sees it: inside /proc/<pid>/root with its
+    links resolved in that root (a container's own files), else by the path as this host sees it
+    (maps shows a chroot's files with the host's path). Only a regular file with the mapped inode
+    is returned (never a FIFO or device: opened non-blocking, checked before any read)."""
+    for root, path in ((f"{proc}/{pid}/root", m.path), ("/", m.path)):
+        try:
+            fd = _open_in_root(root, path)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != m.inode:
+            os.close(fd)
+            continue
+        return os.fdopen(fd, "rb")
+    return None
+
+
+def file_key(f: BinaryIO) -> tuple[int, int, int, int]:
+    st = os.fstat(f.fileno())
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class FileCache:
+    """Per-file data by file identity, bounded (least recently used first out)."""
+
+    def __init__(self, capacity: int = FILE_CACHE_ENTRIES) -> None:
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._capacity = capacity
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """The value cached for key, else compute() (its exceptions are cached too: a file that
+        failed once fails again)."""
+        if key in self._data:
+            self._data.move_to_end(key)
+            self.hits += 1
+            got = self._data[key]
+        else:
+            self.misses += 1
+            try:
+                got = compute()
+            except Exception as e:   # re-raised below, and at every later get
+                got = _Failed(e)
+            self._data[key] = got
+            if len(self._data) > self._capacity:
+                self._data.popitem(last=False)
+        if isinstance(got, _Failed):
+            raise got.error
+        return got
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
