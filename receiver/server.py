@@ -1,5 +1,9 @@
 """A reference backend: the server side of POST /v1/profiles (docs/upload-api.md).
 
+It also takes the other upload formats (docs/backends.md), each in a module of
+its own behind receiver/formats.py: OTLP/HTTP profiles (receiver/otlp.py) and
+Pyroscope's /ingest (receiver/pyroscope.py), and stores them alike.
+
 Owns: the HTTP handling of the upload API (query parameters, X-Profile-Id,
 body cap, pprof validation, status codes and JSON replies), GET /healthz,
 GET /v1/agent-config (the agent config document of --agent-config FILE, read
@@ -32,7 +36,7 @@ from types import FrameType
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from ebpfprofiler.receiver import store
+from ebpfprofiler.receiver import formats, otlp, pyroscope, store
 from ebpfprofiler.shared import log as shared_log
 from ebpfprofiler.shared.pprof import PprofError, read as read_pprof
 from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, MAX_STRING
@@ -42,12 +46,25 @@ UPLOAD_PATH = "/v1/profiles"
 HEALTH_PATH = "/healthz"
 AGENT_CONFIG_PATH = "/v1/agent-config"
 # Each path and the one method it takes.
-METHODS = {UPLOAD_PATH: "POST", HEALTH_PATH: "GET", AGENT_CONFIG_PATH: "GET"}
+# The other upload formats, by their POST path.
+FORMATS = formats.by_path()
+METHODS = {UPLOAD_PATH: "POST", HEALTH_PATH: "GET", AGENT_CONFIG_PATH: "GET", **{p: "POST" for p in FORMATS}}
 
 # The largest body accepted: the same cap the wire puts on a profile.
 MAX_BODY_BYTES = MAX_PROFILE_BYTES
 # A client silent for this long mid-request is dropped, so shutdown cannot hang on it.
 REQUEST_TIMEOUT_S = 30
+# A whole request (headers and body) must arrive within this (plus --hang-s): a sender that trickles a
+# byte every few seconds cannot hold a thread for ever.
+REQUEST_DEADLINE_S = 60
+# Requests handled at once (one thread each); more are answered 503 at once.
+MAX_CONCURRENT_REQUESTS = 32
+# A profile is inflated (as a stream) to at most this, and to at most INFLATE_RATIO times its gzip size
+# (agent profiles inflate 3-10x; a gzip bomb 1000x): parsing holds ~40 bytes per inflated byte.
+MAX_INFLATED_BYTES = 16 << 20
+INFLATE_RATIO = 32
+# Digits of a Content-Length: MAX_BODY_BYTES has 8.
+MAX_LENGTH_DIGITS = 12
 # How often the serving loop checks for shutdown; bounds how long SIGTERM takes.
 SHUTDOWN_POLL_S = 0.1
 # Query parameter values are bounded like strings on the wire.
@@ -79,6 +96,7 @@ class Faults:
     hang_s: float = 0.0            # wait this long before handling each post
     reject_status: int = 0         # answer this status to every post (0: off)
     reject_reason: str = "rejected by --reject-status"
+    partial_reject: str = ""       # OTLP: answer 200 with partial_success rejecting every profile, storing nothing
 
     def describe(self) -> str:
         parts = []
@@ -88,6 +106,8 @@ class Faults:
             parts.append(f"a {self.hang_s:g} s hang before each answer")
         if self.reject_status:
             parts.append(f"{self.reject_status} to every post")
+        if self.partial_reject:
+            parts.append("OTLP partial success rejecting every profile")
         return ", ".join(parts)
 
 
@@ -104,8 +124,28 @@ class ReceiverServer(ThreadingHTTPServer):
         self.agent_config = agent_config    # file served at GET /v1/agent-config; None: 404
         self.stopping = threading.Event()   # set before shutdown(): cuts a --hang-s wait short
         self._random = random.Random()
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_REQUESTS)
+        self.parsing = threading.Lock()     # one profile parsed at a time: bounds the memory parsing takes
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per request, at most MAX_CONCURRENT_REQUESTS of them; past that, 503 at once."""
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def url(self) -> str:
@@ -126,6 +166,24 @@ class Handler(BaseHTTPRequestHandler):
     timeout = REQUEST_TIMEOUT_S
     server_version = "ebpfprofiler-receiver"
 
+    def handle_one_request(self) -> None:
+        # The whole request within its deadline: past it the socket is shut down, which ends any read.
+        timer = threading.Timer(REQUEST_DEADLINE_S + self.server.faults.hang_s, self._cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        log.info("client %s: request not done within %g s; connection closed", self.address_string(),
+                 REQUEST_DEADLINE_S + self.server.faults.hang_s)
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         if url.path == HEALTH_PATH:
@@ -142,6 +200,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         url = urlsplit(self.path)
+        if url.path in FORMATS:
+            self._upload_format(FORMATS[url.path], url.query)
+            return
         if url.path != UPLOAD_PATH:
             self._method_not_allowed()
             return
@@ -199,18 +260,20 @@ class Handler(BaseHTTPRequestHandler):
     def _upload(self, query: str) -> tuple[int, dict[str, Any]]:
         body = self._read_body()
         self._inject_faults()
-        params = _params(query)
+        params = query_params(query)
         profile_id = self.headers.get("X-Profile-Id")
         if profile_id is None:
             profile_id = uuid.uuid4().hex
         elif not store.is_valid_id(profile_id):
             raise RequestError(400, f"X-Profile-Id {profile_id[:200]!r} is not 1 to 128 characters of [A-Za-z0-9._-]")
         try:
-            profile = read_pprof(body)
+            with self.server.parsing:
+                profile = read_pprof(body, min(MAX_INFLATED_BYTES, max(1 << 20, INFLATE_RATIO * len(body))))
         except PprofError as e:
             raise RequestError(400, str(e)) from None
         meta = {
             "id": profile_id,
+            "format": "pprof",
             **params,
             "received_at": time.time_ns(),
             "bytes": len(body),
@@ -223,6 +286,39 @@ class Handler(BaseHTTPRequestHandler):
         log.info("stored profile %s service=%r type=%s host=%r samples=%d bytes=%d", profile_id,
                  params["service"], params["type"], params["host"], meta["samples"], meta["bytes"])
         return 200, {"id": profile_id, "stored": True}
+
+    def _upload_format(self, fmt: formats.IngestFormat, query: str) -> None:
+        """POST of another upload format: read, inject faults, validate, store once by the format's key, reply."""
+        try:
+            body = self._read_body()
+            self._inject_faults()
+            try:
+                parsed = fmt.parse(query, self.headers, body)
+            except formats.BadRequest as e:
+                raise RequestError(e.status, str(e)) from None
+            rejected = self.server.faults.partial_reject if fmt.name == "otlp" else ""
+            stored = False
+            if rejected:
+                log.info("rejected the %d profile(s) of %s upload %s as a partial success (--partial-reject)",
+                         parsed.profiles, fmt.name, parsed.profile_id)
+            else:
+                meta = {"id": parsed.profile_id, **parsed.meta, "received_at": time.time_ns(), "bytes": len(body)}
+                stored = store.save(self.server.directory, parsed.profile_id, parsed.body, meta, parsed.suffix)
+                if stored:
+                    log.info("stored %s profile %s service=%r type=%s host=%r samples=%d bytes=%d", fmt.name,
+                             parsed.profile_id, meta["service"], meta["type"], meta["host"], meta["samples"],
+                             len(body))
+                else:
+                    log.info("duplicate %s profile %s (service=%r type=%s): already stored", fmt.name,
+                             parsed.profile_id, meta["service"], meta["type"])
+            reply, content_type = fmt.reply(parsed, stored, rejected)
+        except RequestError as e:
+            self._error(e.status, str(e))
+        except Exception:
+            log.exception("error handling %s %s", self.command, fmt.path)
+            self._error(500, "internal error")
+        else:
+            self._send(200, reply, content_type)
 
     def _inject_faults(self) -> None:
         """Hang, reject or fail this post as the Faults ask; the body was read, nothing is stored yet."""
@@ -244,9 +340,7 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.headers.get("Content-Length")
         if raw is None:
             raise RequestError(411, "a Content-Length is required")
-        if not raw.strip().isdigit():
-            raise RequestError(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
-        length = int(raw)
+        length = content_length(raw)
         if length > MAX_BODY_BYTES:
             raise RequestError(413, f"body of {length} bytes is over the cap of {MAX_BODY_BYTES} bytes")
         try:
@@ -284,7 +378,16 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
-def _params(query: str) -> dict[str, Any]:
+def content_length(raw: str) -> int:
+    """The value of a Content-Length header; RequestError (400) unless it is ASCII digits only."""
+    digits = raw.strip()
+    # isdigit() alone takes "²" and other Unicode digits, which int() then refuses.
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_LENGTH_DIGITS):
+        raise RequestError(400, f"Content-Length {raw[:40]!r} is not a non-negative integer")
+    return int(digits)
+
+
+def query_params(query: str) -> dict[str, Any]:
     """The validated query parameters: strings, except start and end (unix ns ints)."""
     try:
         parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False,
@@ -361,8 +464,11 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     p = argparse.ArgumentParser(
         prog=prog,
         description=("A reference profile backend for tests and local demos: accepts "
-                     "POST /v1/profiles (see docs/upload-api.md), checks each body is a valid gzip "
-                     "pprof and stores it as DIR/<id>.pb.gz with DIR/<id>.json metadata. "
+                     "POST /v1/profiles (see docs/upload-api.md), OTLP/HTTP profiles at POST "
+                     f"{otlp.PATH} and Pyroscope pushes at POST {pyroscope.PATH} (docs/backends.md), checks "
+                     "each body (a valid gzip pprof; OTLP: an ExportProfilesServiceRequest that "
+                     "opentelemetry-proto decodes) and stores it as DIR/<id>.pb.gz (OTLP: DIR/<id>.otlp.pb) "
+                     "with DIR/<id>.json metadata. "
                      "GET /healthz answers ok. GET /v1/agent-config serves --agent-config FILE. "
                      "No auth, no TLS."),
     )
@@ -387,6 +493,9 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
                              "storing nothing")
     faults.add_argument("--reject-reason", default="rejected by --reject-status", metavar="TEXT",
                         help="the reason sent with --reject-status (default: %(default)r)")
+    faults.add_argument("--partial-reject", default="", metavar="TEXT",
+                        help="OTLP posts: answer 200 with partial_success rejecting every profile of the "
+                             "request, with TEXT as error_message, storing nothing")
     args = p.parse_args(argv)
     try:
         parse_listen(args.listen)
@@ -395,7 +504,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
     shared_log.setup(STAGE)
     try:
         server = make_server(args.listen, args.dir, Faults(args.fail_ratio, args.hang_s, args.reject_status,
-                                                          args.reject_reason[:MAX_PARAM_CHARS]),
+                                                          args.reject_reason[:MAX_PARAM_CHARS],
+                                                          args.partial_reject[:MAX_PARAM_CHARS]),
                              os.path.abspath(args.agent_config) if args.agent_config else None)
     except OSError as e:
         log.error("cannot listen on %s or use %s: %s", args.listen, args.dir, e)

@@ -1,16 +1,18 @@
-"""HTTP delivery: one POST of one profile to `{endpoint}/v1/profiles`, and the retry policy.
+"""HTTP delivery: one POST of one profile to the backend, and the retry policy.
 
-Also the one GET of the backend's agent config (`{endpoint}/v1/agent-config`),
-with the same TLS, token and timeouts.
+What is posted (path, query parameters, headers, body) is the upload format's
+(formats.py: pprof's `{endpoint}/v1/profiles`, OTLP, Pyroscope); everything
+else here is the same for every format. Also the one GET of the agent config
+(shared.config's agent_config_url), with the same TLS, token and timeouts.
 
-Owns: the client side of the upload API (docs/upload-api.md): URL, query
-parameters, headers (X-Profile-Id, the bearer token), TLS verification,
-connect and read timeouts, how an answer is classified (delivered, retry
-later, never), and how long to wait before the next attempt (exponential
+Owns: the client side of the upload (docs/upload-api.md, docs/backends.md): the
+bearer token, TLS verification, connect and read timeouts, how an answer is
+classified (delivered, with what the format read from a 2xx reply; retry
+later; never), and how long to wait before the next attempt (exponential
 backoff with jitter, a numeric Retry-After honoured up to a cap). Also reading
 the bearer token file.
 
-Must not: log or alter profile bytes, log the token, read more than
+Must not: log or alter profile bytes (a format may re-encode them, formats.py), log the token, read more than
 MAX_RESPONSE_BYTES of a response, or decide what happens to a profile after a
 failure (the sender and the spool do).
 
@@ -31,14 +33,14 @@ from dataclasses import dataclass
 import requests
 import requests.auth
 
+from ebpfprofiler.shared.config import AGENT_CONFIG_PATH
 from ebpfprofiler.shared.handoff import cut
 from ebpfprofiler.shared.wire import ProfileUpload
+from ebpfprofiler.uploader.format_pprof import PprofFormat
+from ebpfprofiler.uploader.formats import FormatError, UploadFormat
 
 log = logging.getLogger("ebpfprofiler.uploader.http")
 
-PATH = "/v1/profiles"
-AGENT_CONFIG_PATH = "/v1/agent-config"
-SOURCE = "ebpf"
 BACKOFF_ENV = "EBPFPROFILER_UPLOAD_BACKOFF_S"
 
 # A backend that cannot accept a TCP connection in this long is down for us.
@@ -132,6 +134,8 @@ class Outcome:
     status: int | None = None         # HTTP status, None when there was no answer
     retry_after_s: float | None = None
     reached: bool = True              # False: no connection (nothing about this profile was learnt)
+    rejected: int = 0                 # a 2xx whose reply says this many profiles were refused for good (OTLP)
+    note: str = ""                    # what the 2xx reply said beyond "stored"
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,13 @@ class HttpClient:
     One requests.Session per client, used from one thread: the sender and the
     remote config fetcher each have a client of their own."""
 
-    def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "") -> None:
-        self.url = endpoint.rstrip("/") + PATH
-        self.agent_config_url = endpoint.rstrip("/") + AGENT_CONFIG_PATH
+    def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "",
+                 upload_format: UploadFormat | None = None, agent_config_url: str | None = None) -> None:
+        self.format: UploadFormat = upload_format or PprofFormat()
+        self.url = endpoint.rstrip("/") + self.format.path
+        # None: our backend's document under the endpoint (shared.config.agent_config_url decides for a stage).
+        self.agent_config_url = (endpoint.rstrip("/") + AGENT_CONFIG_PATH if agent_config_url is None
+                                 else agent_config_url)
         self.read_timeout_s = read_timeout_s
         self._session = requests.Session()
         self._session.headers["User-Agent"] = user_agent()
@@ -177,25 +185,20 @@ class HttpClient:
         self.auth_note = "a bearer token" if token else "no token"
 
     def describe(self) -> str:
-        return f"endpoint {self.url}"
+        return f"endpoint {self.url} (upload_format {self.format.name})"
 
     def close(self) -> None:
         self._session.close()
 
     def post(self, upload: ProfileUpload) -> Outcome:
         """One attempt at delivering `upload`."""
-        params = {
-            "source": SOURCE,
-            "type": upload.profile_type,
-            "service": upload.service,
-            "host": upload.host,
-            "start": str(upload.window_start_ns),
-            "end": str(upload.window_end_ns),
-        }
-        headers = {"Content-Type": "application/octet-stream", "X-Profile-Id": upload.profile_id}
+        try:
+            req = self.format.request(upload)
+        except FormatError as e:   # the same profile gives the same error on every attempt
+            return Outcome(False, False, f"cannot be sent as {self.format.name}: {_cut(str(e))}")
         try:
             resp = self._session.post(
-                self.url, params=params, headers=headers, data=upload.pprof_gz,
+                self.url, params=req.params, headers=req.headers, data=req.body,
                 timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
                 verify=self._verify, auth=self._auth,
             )
@@ -221,7 +224,8 @@ class HttpClient:
             resp.close()
         status = resp.status_code
         if 200 <= status < 300:
-            return Outcome(True, False, f"HTTP {status}", status)
+            accepted = self.format.accepted(bytes(head), resp.headers.get("Content-Type", ""))
+            return Outcome(True, False, f"HTTP {status}", status, rejected=accepted.rejected, note=accepted.message)
         reason = f"HTTP {status} {_reason(head, resp.reason)}"
         if 300 <= status < 400:
             reason += f" (redirect to {resp.headers.get('Location', '?')!r}; set endpoint to the final URL)"
@@ -266,7 +270,7 @@ class HttpClient:
                                              f"config", status=status)
         try:
             doc = json.loads(bytes(body))
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:   # RecursionError: nested deeper than the interpreter goes
             return ConfigReply(False, reason=f"reply is not JSON: {_cut(str(e))}", status=status)
         return ConfigReply(True, doc, "HTTP 200", status)
 
@@ -275,7 +279,7 @@ def _reason(head: bytes | bytearray, http_reason: str | None) -> str:
     """The backend's {"error": ...} if it sent one, else the HTTP reason phrase."""
     try:
         doc = json.loads(bytes(head[:MAX_RESPONSE_BYTES]))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict) and isinstance(doc.get("error"), str):
         return repr(_cut(doc["error"]))

@@ -12,8 +12,15 @@ also fetches the backend's agent config (remote.py) and writes the overrides
 file the other stages follow; with endpoint "" there is no backend and so no
 remote config: a stale overrides file is removed.
 
-Must not: read /proc of other processes, parse pprof contents, log the bearer
-token, or need any privilege.
+The upload format (formats.py, chosen by upload_format) decides what each post
+looks like; the spool, retries, TLS and token are the same for all. Remote
+config comes from shared.config's agent_config_url: our backend's
+{endpoint}/v1/agent-config with upload_format pprof, remote_config_url when it
+is set, and otherwise (an OpenTelemetry Collector or Pyroscope) none.
+
+Must not: read /proc of other processes, parse pprof contents other than to
+convert them for the upload format (within shared.pprof's caps), log the
+bearer token, or need any privilege.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from typing import Protocol
 
 import zmq
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges, ready, remote_config
+from ebpfprofiler.shared import endpoints, lifecycle, ready, remote_config, stopping
 from ebpfprofiler.shared import log as shared_log
 from ebpfprofiler.shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
 from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload
+from ebpfprofiler.uploader import formats
 from ebpfprofiler.uploader.http import HttpClient, TokenError, backoff_base_s, read_token
 from ebpfprofiler.uploader.local import LocalWriter
 from ebpfprofiler.uploader.remote import RemoteConfigFetcher
@@ -49,8 +56,6 @@ MAX_FRAME_BYTES = MAX_PROFILE_BYTES + (64 << 10) + MAX_ENVELOPE_BYTES
 # Profiles queued in the socket per worker; the workers' own unacked caps
 # (shared.handoff) bound it long before this.
 RECEIVE_HWM = 256
-# How often the receive loop wakes to notice a stop request.
-POLL_MS = 200
 # On stop, keep taking profiles until the socket has been empty this long, so
 # profiles already in flight from a worker are still stored and acknowledged.
 DRAIN_IDLE_MS = 100
@@ -82,12 +87,14 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
             "else write it under local_dir. With an endpoint every profile is first "
             "written to the spool (STATE_DIR/spool, fsync'd) and acknowledged to its "
             "worker, and leaves the spool only after a 2xx; refused ones (a 4xx other "
-            "than 408/429) go to STATE_DIR/dead-letter with the reason. Needs no "
+            "than 408/429) go to STATE_DIR/dead-letter with the reason. upload_format otlp "
+            "posts OTLP/HTTP profiles to ENDPOINT/v1development/profiles (an OpenTelemetry "
+            "Collector), pyroscope posts to ENDPOINT/ingest (Pyroscope). Needs no "
             "privileges. On SIGTERM or SIGINT it stores what is queued, makes a short "
-            "final delivery attempt and exits 0. With an endpoint it also fetches the "
-            "backend's remote config (GET ENDPOINT/v1/agent-config, every remote_config_interval_s), "
-            "keeps only enabled and upload_interval_s, and writes them to RUN_DIR/remote-config.json "
-            "for the other stages."),
+            "final delivery attempt and exits 0. It also fetches remote config (with upload_format "
+            "pprof GET ENDPOINT/v1/agent-config, else only from remote_config_url; every "
+            "remote_config_interval_s), keeps only enabled and upload_interval_s, and writes them "
+            "to RUN_DIR/remote-config.json for the other stages."),
     )
     p.add_argument("--config", required=True, metavar="FILE",
                    help="agent YAML config file (the modules.ebpf_profiler block is used)")
@@ -117,10 +124,16 @@ class Uploader:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        # A stop request is a signal: it ends the poll through the wake-up descriptor, so the loop
+        # sleeps until a profile or a signal arrives instead of waking on a timer.
+        poller.register(stopping.wakeup_fd(), zmq.POLLIN)
         while not self.stopping:
-            if poller.poll(POLL_MS):
+            events = dict(poller.poll(int(stopping.IDLE_WAKE_S * 1000)))
+            stopping.drain_wakeups()
+            if self.sock in events:
                 self._handle(self.sock.recv_multipart())
         # Stop: no new waiting, but everything already queued is stored and acknowledged.
+        poller.unregister(stopping.wakeup_fd())
         while poller.poll(DRAIN_IDLE_MS):
             self._handle(self.sock.recv_multipart())
 
@@ -150,16 +163,8 @@ class Uploader:
 
 def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:
     args = parse_args(argv, prog)
-    try:
-        privileges.become(STAGE)   # first: nothing below runs with privileges
-    except privileges.PrivilegeError as e:
-        print(f"{prog}: cannot run as the uploader's user: {e}", file=sys.stderr)
-        return 1
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    lifecycle.become(prog, STAGE, "the uploader's")   # first: nothing below runs with privileges
+    cfg = lifecycle.load_config(prog, args.config)
     token = ""
     if not cfg.uploads_locally:
         try:
@@ -170,15 +175,18 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         if cfg.ca_file and not os.access(cfg.ca_file, os.R_OK):
             print(f"{prog}: modules.ebpf_profiler.ca_file: cannot read {cfg.ca_file}", file=sys.stderr)
             return 2
+    lifecycle.hold_run_dir(prog, args.run_dir, STAGE)
     log = shared_log.setup(STAGE)
 
     client: HttpClient | None = None
     sender: Sender | None = None
     if cfg.uploads_locally:
-        store: Store = LocalWriter(cfg.local_dir)
-        where = f"the {store.describe()}"
+        writer = LocalWriter(cfg.local_dir)
+        store: Store = writer
+        where = f"the {writer.describe()}"
     else:
-        client = HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token)
+        client = HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token,
+                            upload_format=formats.for_config(cfg))
         spool = Spool(os.path.join(args.state_dir, SPOOL_DIR), os.path.join(args.state_dir, DEAD_LETTER_DIR),
                       cfg.spool_max_mb << 20, log)
         try:
@@ -221,22 +229,30 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
                 remote_config.write_overrides(args.run_dir, {})
             except OSError as e:
                 log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
-    else:
+    elif cfg.agent_config_url:
         fetcher = RemoteConfigFetcher(
-            HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token),
+            HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token,
+                       agent_config_url=cfg.agent_config_url),
             cfg, args.run_dir, socket.gethostname(), log)
+    else:
+        if os.path.lexists(remote_config.path(args.run_dir)):
+            try:
+                remote_config.write_overrides(args.run_dir, {})
+            except OSError as e:
+                log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
+        log.info("remote config: off (upload_format %s sends to a backend that serves no agent config of ours; "
+                 "set remote_config_url to fetch one); no overrides file", cfg.upload_format)
     if sender is not None:
         sender.start()
     if fetcher is not None:
         fetcher.start()
     try:
-        ready.announce(args.run_dir, STAGE)
+        # Logged before the ready file: whoever waits for it can read where profiles go.
         log.info("listening on %s; profiles go to %s", address, where)
+        ready.announce(args.run_dir, STAGE)
         uploader.run()
     finally:
-        ready.withdraw(args.run_dir, STAGE)
-        sock.close()
-        ctx.term()
+        lifecycle.shut_down(args.run_dir, STAGE, sock.close, ctx.term)
         if fetcher is not None:
             fetcher.stop(REMOTE_CONFIG_JOIN_S)
             fetcher.client.close()
@@ -247,9 +263,10 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
             client.close()
             s = spool.counts
             log.info("exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
-                     "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start",
+                     "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
+                     "the backend in a 2xx reply (partial success)",
                      c["stored"], c["refused"], c["retry"], s["delivered"], s["dead_lettered"],
-                     s["dropped"], len(spool), spool.bytes / 1e6)
+                     s["dropped"], len(spool), spool.bytes / 1e6, sender.counts["rejected"])
         else:
             log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"],
                      c["retry"])

@@ -4,7 +4,10 @@ Owns: the order of attempts (the oldest due profile first), what each outcome
 does to a spooled profile (2xx: removed; retryable: due again after a backoff;
 anything else: dead-lettered with status and reason), the pause after a
 retryable failure (exponential with jitter, Retry-After honoured; it resets on
-a success), and the bounded final attempt at stop. While the backend cannot be
+a success), and the bounded final attempt at stop. A 2xx whose reply says that
+some profiles were rejected for good (OTLP's partial_success) leaves the spool
+like any 2xx: the rejection is logged and counted (counts["rejected"]), never
+retried, as the OTLP specification asks. While the backend cannot be
 reached, the oldest profile stays first in line, so when it is back the
 backlog flows oldest first; a profile the backend answered with a retryable
 error (or did not answer in time) also waits out its own backoff, so one bad
@@ -102,6 +105,14 @@ class Sender:
         if outcome.ok:
             self.spool.delivered(entry)
             self.counts["delivered"] += 1
+            if outcome.rejected:
+                self.counts["rejected"] += outcome.rejected
+                self.log.warning("the backend accepted the upload of profile %s service=%r type=%s window=%s but "
+                                 "rejected %d profile(s) of it: %r (not retried; %d rejected so far)",
+                                 upload.profile_id, upload.service, upload.profile_type, window_text(upload),
+                                 outcome.rejected, outcome.note, self.counts["rejected"])
+            elif outcome.note:
+                self.log.debug("profile %s: %s", upload.profile_id, outcome.note)
             if failures:
                 self.log.info("the backend accepts profiles again after %d failed attempt(s); %d profile(s) "
                               "left in the spool", failures, len(self.spool))
