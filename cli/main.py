@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "uploader": ("ebpfprofiler.uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
     "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: CPython stacks by process_vm_readv, python_wall pprofs"),
     "receiver": ("ebpfprofiler.receiver.server", "a reference backend implementing POST /v1/profiles"),
+    "record": ("ebpfprofiler.cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
+    "report": ("ebpfprofiler.cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
     "status": ("ebpfprofiler.cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
 }
 

@@ -11,8 +11,12 @@ supervisor, which then stops them in order; they die with it if it is killed.
 SIGHUP is passed on to the collector (which reads overhead_budget_pct again).
 Each stage drops to its own user and capabilities as it starts
 (shared/privileges.py); the supervisor prepares what those users need: the
-runtime directory (group-writable by the agent's group) and a state
-directory per stage.
+runtime directory (group-writable by the agent's group), a state
+directory per stage, the config as validated here (STATE_DIR/agent.yaml, which
+the stages read: the file given may sit where they cannot, such as root's
+home; SIGHUP validates it again and replaces the copy before passing the
+signal on), and their code where they can import it (shared/stage_code.py).
+Anything they would still be unable to read is an error before any starts.
 
 Must not: do any stage's work itself.
 """
@@ -23,7 +27,6 @@ import argparse
 import logging
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -31,10 +34,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ebpfprofiler.collector.main import default_bpf_dir
+from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges
+from ebpfprofiler.shared import endpoints, files, privileges, runlock, stage_code
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.stopping import stop_on_signals
 
 # A stage that has not written its ready file by then is reported (the
@@ -59,12 +63,13 @@ class Stage:
     backoff: float = RESTART_BACKOFF_S[0]
     restart_at: float | None = None
     restarts: int = field(default=0)
+    env: dict[str, str] | None = None
 
 
 def _child_setup() -> None:
     os.setpgid(0, 0)   # Ctrl-C goes to the supervisor only
     try:
-        import prctl  # type: ignore[import-not-found]
+        import prctl
         prctl.set_pdeathsig(signal.SIGTERM)
     except ImportError:
         pass
@@ -90,9 +95,11 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> list[Stage]:
+def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig,
+           code: stage_code.StageCode | None = None) -> list[Stage]:
+    code = code or stage_code.StageCode(bpf_dir=args.bpf_dir)
     py = [sys.executable, "-m"]
-    common = ["--config", args.config, "--run-dir", args.run_dir]
+    common = ["--config", stage_config(args.state_dir), "--run-dir", args.run_dir]
     out = [Stage("uploader", py + ["ebpfprofiler.uploader.main"] + common +
                  ["--state-dir", stage_state_dir(args.state_dir, "uploader")])]
     for w in range(cfg.symbolizer_workers):
@@ -101,8 +108,21 @@ def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> list[Sta
     if runtime_reader_wanted(cfg):   # before the collector: subscribed before the first announcement
         out.append(Stage("runtime", py + ["ebpfprofiler.runtimes.main"] + common +
                          ["--state-dir", stage_state_dir(args.state_dir, "runtime")]))
-    out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", args.bpf_dir]))
+    out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", code.bpf_dir]))
+    env = code.env()
+    for stage in out:
+        stage.env = env
     return out
+
+
+def stage_config(state_dir: str) -> str:
+    """The validated config the stages read: root's, readable by the agent's group only."""
+    return os.path.join(state_dir, "agent.yaml")
+
+
+def hand_config(state_dir: str, cfg: config_mod.ProfilerConfig) -> None:
+    gid = privileges.ids("uploader")[1]
+    files.write_atomic(stage_config(state_dir), config_mod.dump(cfg).encode(), mode=0o640, gid=gid)
 
 
 def runtime_reader_wanted(cfg: config_mod.ProfilerConfig) -> bool:
@@ -124,12 +144,14 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
         os.chown(path, privileges.ids(owner)[0] if owner else 0, gid)
         os.chmod(path, mode)
 
-    st = os.stat(args.config)
-    if not st.st_mode & stat.S_IROTH and not (st.st_mode & stat.S_IRGRP and st.st_gid == gid):
-        raise privileges.PrivilegeError(
-            f"{args.config} is not readable by the agent's users: chmod 644 it, or chgrp "
-            f"{privileges.AGENT_GROUP} and chmod 640")
-    ensure(args.run_dir, None, 0o2770)        # every stage binds its sockets here
+    for key in ("token_file", "ca_file"):
+        path = getattr(cfg, key)
+        if path and stage_code.unreadable_by_agent([path]):
+            raise privileges.PrivilegeError(
+                f"modules.ebpf_profiler.{key}: {path} is not readable by {privileges.STAGES['uploader'].user}: "
+                f"chgrp {privileges.AGENT_GROUP} it and chmod 640, in a directory the group can enter")
+    # every stage binds its sockets here; sticky: a member of the group cannot unlink another's socket
+    ensure(args.run_dir, None, 0o3770)
     ensure(args.state_dir, None, 0o750)
     ensure(stage_state_dir(args.state_dir, "symbolizer"), "symbolizer", 0o700)
     ensure(stage_state_dir(args.state_dir, "uploader"), "uploader", 0o700)
@@ -137,6 +159,11 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
         ensure(stage_state_dir(args.state_dir, "runtime"), "runtime", 0o700)
     if cfg.uploads_locally:
         ensure(cfg.local_dir, "uploader", 0o750)
+    for d in (args.run_dir, args.state_dir) + ((cfg.local_dir,) if cfg.uploads_locally else ()):
+        if stage_code.unreadable_by_agent([d]):
+            raise privileges.PrivilegeError(
+                f"{d}: the agent's users cannot reach it (a directory above it is closed to group "
+                f"{privileges.AGENT_GROUP}, e.g. root's 0700 home); choose one they can reach")
 
 
 def start(stage: Stage) -> None:
@@ -144,7 +171,8 @@ def start(stage: Stage) -> None:
         os.unlink(endpoints.ready_file(run_dir_of(stage), stage.name))
     except FileNotFoundError:
         pass
-    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup)
+    # cwd /: the directory `run` was started in may be one the stage's user cannot enter
+    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")
     stage.started = time.monotonic()
     stage.restart_at = None
     log.info("started %s (pid %d)", stage.name, stage.proc.pid)
@@ -191,11 +219,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     args.config = os.path.abspath(args.config)
     try:
         prepare_dirs(args, cfg)
-    except (privileges.PrivilegeError, OSError) as e:
+        runlock.hold(args.run_dir, "run")   # a second `ebpfprofiler run` here refuses, naming this one's pid
+        hand_config(args.state_dir, cfg)
+        code = stage_code.prepare(os.path.join(args.state_dir, "code"), args.bpf_dir)
+    except (privileges.PrivilegeError, OSError, subprocess.SubprocessError, runlock.RunDirInUse) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
 
-    stop = stop_on_signals(log, "stopping every stage")
+    # The supervision loop sleeps until a stage exits (SIGCHLD), a stop signal, or a restart is due.
+    wake = threading.Event()
+    stop = stop_on_signals(log, "stopping every stage", also=wake)
+    signal.signal(signal.SIGCHLD, lambda _s, _f: wake.set())
 
     if cfg.uploads_locally:
         where = (f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
@@ -204,9 +238,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         where = f"profiles go to {cfg.endpoint.rstrip('/')}/v1/profiles every {cfg.upload_interval_s} s"
     print(f"ebpfprofiler: {where}", flush=True)
 
-    all_stages = stages(args, cfg)
+    all_stages = stages(args, cfg, code)
 
     def forward_hup(_signum: int, _frame: object) -> None:
+        try:   # the stages read the copy: validate the file again and replace the copy first
+            hand_config(args.state_dir, config_mod.load(args.config))
+        except (config_mod.ConfigError, OSError) as e:
+            log.error("SIGHUP: %s; the stages keep the config they have", e)
+            return
         for stage in all_stages:
             if stage.name == "collector" and stage.proc is not None and stage.proc.poll() is None:
                 log.info("received SIGHUP: passing it to the collector (pid %d)", stage.proc.pid)
@@ -225,7 +264,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
                           stage.proc.poll() if stage.proc else None)
                 return 1
         log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
-        while not stop.wait(0.5):
+        while not stop.is_set():
+            due = [s.restart_at for s in all_stages if s.restart_at is not None]
+            wake.wait(min([stopping.IDLE_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
+            wake.clear()
+            if stop.is_set():
+                break
             now = time.monotonic()
             for stage in all_stages:
                 p = stage.proc

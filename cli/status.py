@@ -41,7 +41,7 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -58,7 +58,7 @@ def collector_pid(run_dir: str) -> int | None:
             pid = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if _pid_alive(pid) else None
+    return pid if pid_alive(pid) else None
 
 
 def load(run_dir: str) -> dict[str, Any] | None:
@@ -72,7 +72,7 @@ def load(run_dir: str) -> dict[str, Any] | None:
         raise ValueError(f"{path} is larger than {MAX_STATUS_BYTES} bytes: not a status file")
     doc = json.loads(raw)
     if not isinstance(doc, dict):
-        raise ValueError(f"{path} is not a JSON object")   # noqa: TRY004 (a bad file, as the others)
+        raise ValueError(f"{path} is not a JSON object")   # ValueError, as for the others: a bad file, not a bad call
     return doc
 
 
@@ -111,7 +111,32 @@ def table(doc: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines += ["", f"samples: {doc.get('samples', {})}; lost: {doc.get('lost') or 'none'}"]
+    lines += ["", "cost model terms in this window (README, Overhead):"] + [f"  {t}" for t in cost_terms(doc)]
     return "\n".join(lines)
+
+
+def cost_terms(doc: dict[str, Any]) -> list[str]:
+    """The cost model's terms that one window's figures give: BPF time per sample and per context
+    switch, new processes, and the stages' CPU a second (the fixed cost plus what the load adds)."""
+    bpf = doc.get("bpf", {})
+
+    def prog(name: str) -> tuple[int, int]:
+        p = bpf.get(name, {})
+        return int(p.get("run_time_ns", 0)), int(p.get("run_cnt", 0))
+
+    window_s = float(doc.get("window_s", 0)) or 1.0
+    out = []
+    t, n = prog("on_cpu_sample")
+    out.append(f"per sample: {t // n} ns of BPF ({n} samples)" if n else "per sample: no samples")
+    switch_t, switches = prog("offcpu_switch")
+    if switches:
+        rest = sum(prog(name)[0] for name in bpf if name.startswith("offcpu_") and name != "offcpu_switch")
+        out.append(f"per context switch: {(switch_t + rest) // switches} ns of BPF, off-CPU programs together "
+                   f"({switches / window_s:.0f} switches a second)")
+    out.append(f"new processes: {int(doc.get('new_processes', 0))} in the window "
+               f"({int(doc.get('new_processes', 0)) / window_s:.1f} a second)")
+    out.append(f"stages: {int(doc.get('stage_ns', 0)) / 1e6 / window_s:.2f} ms of CPU a second")
+    return out
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler status") -> int:

@@ -1,0 +1,246 @@
+"""`ebpfprofiler record`: profile this host (or some processes) now, in the foreground, into one file.
+
+Owns: the recording's command line, a private workspace (config, runtime,
+state and profile directories under /tmp, reachable by the agent's users and
+removed at the end), running the agent itself (`ebpfprofiler run` as a child,
+so the stages, privileges and code paths are the agent's) with profiles
+written locally in short windows and plain pid labels, the progress line,
+and at the end: merging what was written, keeping the processes asked for,
+writing -o by its extension (report/profiles.py) and printing the top
+functions.
+
+Must not: do any stage's work itself, or leave anything behind (the child
+`run` stops every stage in order on Ctrl-C, SIGTERM or the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence, TextIO
+
+from ebpfprofiler.cli import status
+from ebpfprofiler.report import profiles as profiles_mod
+from ebpfprofiler.shared import config as config_mod
+from ebpfprofiler.shared import endpoints, privileges
+from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared.stopping import stop_on_signals
+
+# Windows this long: profiles (and the progress line's figures) arrive every few seconds.
+WINDOW_S = 2
+# `run` compiles the BPF programs at start: ~5 s here, more on a loaded host.
+START_TIMEOUT_S = 120.0
+# `run` drains once more and every window is written before it exits; then it is killed.
+STOP_TIMEOUT_S = 90.0
+# A plain progress line this often when stdout is not a terminal.
+PLAIN_PROGRESS_S = 3.0
+# How often the progress line is redrawn on a terminal.
+TTY_PROGRESS_S = 0.5
+# Functions printed at the end.
+TOP_N = 15
+# Run log lines shown when `run` fails.
+LOG_TAIL_LINES = 40
+
+
+def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Profile this host now, without a config file or a backend: runs the agent's stages "
+                    "in the foreground for -d seconds (Ctrl-C ends it early and still writes the result), "
+                    "then writes -o and prints the top functions. Run as root, like `ebpfprofiler run`.")
+    p.add_argument("-d", "--duration", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to record (default: %(default)s)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("-p", "--pid", type=int, nargs="+", action="extend", default=[], metavar="PID",
+                     help="keep only the samples of these processes (recording stops early when all have exited)")
+    who.add_argument("--all", action="store_true", help="every process of the host (the default)")
+    p.add_argument("--hz", type=int, default=99, help="samples per second per CPU (default: %(default)s)")
+    p.add_argument("--offcpu", action="store_true", help="off-CPU profiles too (time blocked, with stacks)")
+    p.add_argument("--python", action="store_true", help="python_wall profiles of CPython 3.13+ too")
+    p.add_argument("-o", "--output", default="profile.html",
+                   help="result by extension: .html (the report), .pb.gz (pprof: the cpu profile; other "
+                        "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise) "
+                        "(default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.duration <= 0:
+        p.error("-d must be more than 0 seconds")
+    if not any(args.output.endswith(e) for e in (".html", ".pb.gz", ".folded")):
+        p.error(f"-o {args.output}: the extension must be .html, .pb.gz or .folded")
+    return args
+
+
+def make_config(args: argparse.Namespace, local_dir: str) -> config_mod.ProfilerConfig:
+    return config_mod.ProfilerConfig(
+        sample_hz=args.hz, upload_interval_s=WINDOW_S, offcpu=args.offcpu, python_stacks=args.python,
+        plain_pid=True, endpoint="", local_dir=local_dir,
+        # the rate asked for is the rate recorded: a short foreground recording is not held to the
+        # agent's budget (which would halve the rate while start-up builds unwind tables)
+        overhead_budget_pct=100.0)
+
+
+def workspace() -> str:
+    """/tmp/ebpfprofiler-record-XXXX: root's, enterable by the agent's group (pytest's and home dirs are not)."""
+    gid = privileges.ids("uploader")[1]
+    path = tempfile.mkdtemp(prefix="ebpfprofiler-record-", dir="/tmp")
+    os.chown(path, 0, gid)
+    os.chmod(path, 0o750)
+    return path
+
+
+class Progress:
+    """What has been recorded so far, from the profiles written and the collector's status file."""
+
+    def __init__(self, local_dir: str, run_dir: str, pids: set[int]) -> None:
+        self.local_dir, self.run_dir, self.pids = local_dir, run_dir, pids
+        self.seen: set[str] = set()
+        self.samples = 0
+        self.processes: set[str] = set()
+        self.lost = 0
+        self._status_time = 0
+
+    def update(self) -> None:
+        new = [p for p in profiles_mod.profile_files([self.local_dir]) if p not in self.seen]
+        loaded = profiles_mod.load(new, profiles_mod.Skipped())
+        self.seen.update(x.path for x in loaded)   # a file still being written is read again next time
+        if self.pids:
+            loaded = profiles_mod.keep_pids(loaded, self.pids)
+        for item in loaded:
+            if item.profile_type == "cpu":
+                self.samples += sum(s.values[0] for s in item.profile.samples)
+            self.processes.update(str(s.labels.get("pid")) for s in item.profile.samples)
+        try:   # the collector's figures of its last window (`ebpfprofiler status` reads the same file)
+            doc = status.load(self.run_dir) or {}
+            if doc.get("time_ns", 0) != self._status_time:
+                self._status_time = doc.get("time_ns", 0)
+                self.lost += sum(int(v) for v in doc.get("lost", {}).values())
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass   # being replaced, or not written yet
+
+    def line(self, left_s: float) -> str:
+        return (f"recording: {max(0.0, left_s):4.0f} s left, {self.samples} cpu samples, "
+                f"{len(self.processes)} processes, {self.lost} samples lost")
+
+
+def ready(run_dir: str, names: list[str]) -> bool:
+    return all(os.path.exists(endpoints.ready_file(run_dir, n)) for n in names)
+
+
+def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -> int:
+    args = parse_args(argv, prog)
+    log_mod.setup("record")
+    if os.geteuid() != 0:
+        print(f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
+              file=sys.stderr)
+        return 1
+    pids = set(args.pid)
+    gone = sorted(p for p in pids if not status.pid_alive(p))
+    if gone:
+        print(f"{prog}: no process {', '.join(map(str, gone))}", file=sys.stderr)
+        return 2
+    out: TextIO = sys.stdout
+    tty = out.isatty()
+    try:
+        ws = workspace()
+    except (privileges.PrivilegeError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    stop = stop_on_signals(logging.getLogger("ebpfprofiler.record"), "stopping the recording")
+    child: subprocess.Popen[bytes] | None = None
+    run_log = os.path.join(ws, "run.log")
+    try:
+        local_dir, run_dir, state_dir = (os.path.join(ws, d) for d in ("profiles", "run", "state"))
+        cfg = make_config(args, local_dir)
+        config = os.path.join(ws, "agent.yaml")
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(config_mod.dump(cfg))
+        stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)] + (
+            ["runtime"] if args.python else [])
+        with open(run_log, "wb") as logf:
+            # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in order
+            child = subprocess.Popen([sys.executable, "-m", "ebpfprofiler.cli.main", "run", "--config", config,
+                                      "--run-dir", run_dir, "--state-dir", state_dir],
+                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"{prog}: starting the profiler (compiling BPF programs) ...", file=out, flush=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready(run_dir, stages):
+            if child.poll() is not None or time.monotonic() > deadline:
+                print(f"{prog}: the profiler did not start (exit {child.poll()}); its log:\n{tail(run_log)}",
+                      file=sys.stderr)
+                return 1
+            if stop.wait(0.1):
+                return 130
+        target = f"processes {' '.join(map(str, sorted(pids)))}" if pids else "every process"
+        print(f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (Ctrl-C ends it early)",
+              file=out, flush=True)
+        progress = Progress(local_dir, run_dir, pids)
+        end = time.monotonic() + args.duration
+        last_plain = time.monotonic()
+        while not stop.wait(TTY_PROGRESS_S):
+            now = time.monotonic()
+            targets_gone = bool(pids) and not any(status.pid_alive(p) for p in pids)
+            if now >= end or child.poll() is not None or targets_gone:
+                break
+            progress.update()
+            if tty:
+                print("\r\033[K" + progress.line(end - now), end="", file=out, flush=True)
+            elif now - last_plain >= PLAIN_PROGRESS_S:
+                print(progress.line(end - now), file=out, flush=True)
+                last_plain = now
+        if tty:
+            print(file=out)
+        if child.poll() is not None:
+            print(f"{prog}: the profiler stopped early (exit {child.returncode}); its log:\n{tail(run_log)}",
+                  file=sys.stderr)
+        print(f"{prog}: stopping (the last windows are written) ...", file=out, flush=True)
+        stop_child(child)
+        loaded = profiles_mod.load([local_dir])
+        if pids:
+            loaded = profiles_mod.keep_pids(loaded, pids)
+        if not loaded:
+            print(f"{prog}: no samples were recorded{' of ' + target if pids else ''}; the profiler's log:\n"
+                  f"{tail(run_log)}", file=sys.stderr)
+            return 1
+        progress.update()   # the last windows, and the collector's last figures
+        print(f"recorded: {progress.samples} cpu samples, {len(progress.processes)} processes, "
+              f"{progress.lost} samples lost", file=out, flush=True)
+        written = profiles_mod.write_outputs(loaded, args.output)
+        groups = profiles_mod.by_type(loaded)
+        for ptype, items in groups.items():
+            print(f"\ntop {TOP_N} functions, {ptype} ({items[0].profile.sample_types[-1][0]}):", file=out)
+            print(profiles_mod.top_table(items, TOP_N), file=out)
+        print(f"\n{prog}: wrote {', '.join(written)}", file=out, flush=True)
+        return 0
+    finally:
+        if child is not None:
+            stop_child(child)
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+def stop_child(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is not None:
+        return
+    child.send_signal(signal.SIGTERM)
+    try:
+        child.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)   # its session: run and every stage it started
+        child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
