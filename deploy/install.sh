@@ -8,7 +8,7 @@
 #   users        /usr/lib/sysusers.d/ebpfprofiler.conf, applied (systemd-sysusers,
 #                else deploy/users.sh: groupadd/useradd)
 #   directories  /usr/lib/tmpfiles.d/ebpfprofiler.conf, applied: /run/ebpfprofiler
-#                (2770 root:ebpfprofiler), /var/lib/ebpfprofiler (0750)
+#                (3770 root:ebpfprofiler, sticky), /var/lib/ebpfprofiler (0750)
 #   code         /usr/lib/ebpfprofiler/venv: a venv on /usr/bin/python3 with
 #                --system-site-packages (bcc), the project (not editable) and its
 #                dependencies at the versions pinned in requirements.txt
@@ -52,7 +52,7 @@ install -D -m 0644 deploy/tmpfiles.conf "$TMPFILES"
 if command -v systemd-tmpfiles >/dev/null; then
     systemd-tmpfiles --create "$TMPFILES"
 else
-    install -d -m 2770 -o root -g "$GROUP" /run/ebpfprofiler
+    install -d -m 3770 -o root -g "$GROUP" /run/ebpfprofiler
     install -d -m 0750 -o root -g "$GROUP" /var/lib/ebpfprofiler
 fi
 

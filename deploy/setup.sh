@@ -37,9 +37,11 @@ command -v apt-get >/dev/null || die "this set-up is for Debian (apt-get not fou
 
 # What the installed agent needs (bcc; python3-venv; gcc, make, libcap-dev and
 # python3-dev to build python-prctl), and what development and the tests add
-# (systemd-analyze, systemd-nspawn and debootstrap: tests of the systemd units).
+# (systemd-analyze, systemd-nspawn and debootstrap: tests of the systemd units;
+# chromium: the HTML report opened in a headless browser; openjdk-17-jdk-headless:
+# the JVM tests' JDK 17 and their javac).
 SYSTEM_PACKAGES="python3-bpfcc python3-venv python3-dev libcap-dev gcc make"
-DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg"
+DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg chromium php8.2-cli openjdk-17-jdk-headless nodejs"
 PACKAGES=$SYSTEM_PACKAGES
 [ "$MODE" = system ] || PACKAGES="$PACKAGES $DEV_PACKAGES"
 apt_updated=0

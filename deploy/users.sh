@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The agent's group and one system user per stage (DESIGN.md, "Processes").
+# The agent's group and one system user per stage (docs/architecture.md, "Processes").
 # Idempotent. Used by deploy/setup.sh; systemd hosts can use deploy/sysusers.conf.
 set -euo pipefail
 GROUP=ebpfprofiler
