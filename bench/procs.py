@@ -15,6 +15,9 @@ import subprocess
 import time
 from typing import Callable, Sequence, TypeVar
 
+from ebpfprofiler.shared import polling
+from ebpfprofiler.shared.procstat import read_stat, start_ticks, stat_fields
+
 T = TypeVar("T")
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -31,14 +34,7 @@ class BenchError(RuntimeError):
 
 def wait_for(what: str, check: Callable[[], T], timeout: float, interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy; BenchError naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return polling.wait_for(what, check, timeout, interval, error=BenchError)
 
 
 def sleep_until_wall(t: float) -> None:
@@ -60,10 +56,10 @@ def _child_setup(default_sigint: bool) -> Callable[[], None]:
     return setup
 
 
-def start(argv: Sequence[str], *, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def start(argv: Sequence[str], *, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=None,
           default_sigint: bool = False, text: bool = False) -> subprocess.Popen:
     """Start a process in its own session (a Ctrl-C at the terminal reaches bench only)."""
-    p = subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, text=text, start_new_session=True,
+    p = subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, stdin=stdin, text=text, start_new_session=True,
                          preexec_fn=_child_setup(default_sigint))
     _started.append(p)
     return p
@@ -102,8 +98,10 @@ def kill_pid(pid: int, started: int, timeout: float = 10.0) -> None:
 
 def start_time(pid: int) -> int:
     """The start time of `pid` in clock ticks after boot (with the pid, it names one process)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
+    ticks = start_ticks(pid)
+    if ticks is None:
+        raise ProcessLookupError(f"pid {pid} is gone")
+    return ticks
 
 
 def same_process(pid: int, started: int) -> bool:
@@ -126,10 +124,10 @@ def stop_all() -> list[str]:
 
 def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
+    text = read_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+        state = stat_fields(text)[0] if text is not None else "X"
+    except (ValueError, IndexError):
         return False
     return state not in ("Z", "X")
 
@@ -153,8 +151,10 @@ def cpu_seconds(pid: int) -> float:
 
 def stat_cpu_seconds(pid: int) -> float:
     """utime + stime of /proc/<pid>/stat, in seconds (tick resolution; a cross-check)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    text = read_stat(pid)
+    if text is None:
+        raise ProcessLookupError(f"pid {pid} is gone")
+    fields = stat_fields(text)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 

@@ -46,7 +46,9 @@ def oncpu_tables(result: dict) -> tuple[list[str], list[list[str]], list[str], l
 
 def text_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -66,7 +68,9 @@ def oncpu_caption(result: dict) -> str:
 def oncpu_notes(result: dict) -> list[str]:
     result["summary"]["configurations"]
     notes = []
-    other = lambda r: max(r["other_cpu_s"], r.get("other_cpu_interval_s", 0.0))
+
+    def other(r: dict) -> float:
+        return max(r["other_cpu_s"], r.get("other_cpu_interval_s", 0.0))
     worst = max(result["runs"], key=other)
     notes.append(f"other processes' CPU during a measurement: max {other(worst):.2f} s "
                  f"(round {worst['round']}, {worst['config']}); steal max "

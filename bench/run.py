@@ -22,18 +22,27 @@ from bench.offcpu import ROUND_TRIPS, PingPongBench
 from bench.oncpu import OnCpuBench
 from bench.alloc import AllocLockBench
 from bench.alloc import section as alloc_section
+from bench.budget import BudgetBench
+from bench.budget import section as budget_section
+from bench.jvm import JvmBench
+from bench.jvm import section as jvm_section
+from bench.dotnet import DotNetBench
+from bench.dotnet import section as dotnet_section
 from bench.overhead import OverheadBench
 from bench.overhead import section as overhead_section
 from bench.procs import BenchError
 from bench.python import PythonBench
 from bench.python import section as python_section
+from bench.runtimes import RuntimesBench
+from bench.runtimes import section as runtimes_section
 from bench.scaling import ScalingBench
 from bench.tables import TablesBench
 from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "overhead", "alloc")
+SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "runtimes", "jvm", "overhead", "alloc", "budget",
+          "dotnet")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -52,9 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
                     "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
                     "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
-                    "--high-rates and --seconds), alloc (a malloc/free loop with nothing, with allocation profiling of "
-                    "every allocation, one per 4 KiB and one per 512 KiB; a contended mutex loop with lock "
-                    "profiling off and on). Writes "
+                    "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
+                    "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
+                    "the truth; a contended mutex loop with lock profiling off and on). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -106,7 +115,7 @@ def machine() -> dict:
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
     return {"hostname": socket.gethostname(), "kernel": platform.release(), "arch": platform.machine(),
@@ -157,9 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tables": TablesBench(args.rounds, log),
         "unwind": UnwindBench(args.rounds, args.rates, log, args.keep),
         "python": PythonBench(args.rounds, log, args.keep),
+        "runtimes": RuntimesBench(args.rounds, log, args.keep),
+        "jvm": JvmBench(args.rounds, log, args.keep),
         "overhead": OverheadBench(args.rounds, args.seconds, args.rates, args.high_rates, args.quiet_wait, log,
                                   args.keep),
         "alloc": AllocLockBench(args.rounds, log, args.keep),
+        "budget": BudgetBench(args.rounds, log=log),
+        "dotnet": DotNetBench(args.rounds, log, args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -195,8 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tables": (tables_section, "Unwind table build time and size"),
                 "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
                 "python": (python_section, "Python stacks: the runtime reader against py-spy"),
+                "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
+                "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
                 "overhead": (overhead_section, "Measured overhead against the peers"),
-                "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases")}
+                "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
+                "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
+                "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])

@@ -34,7 +34,7 @@ from bench.procs import BenchError
 
 WORKLOAD = Path(__file__).parent / "workloads" / "deep.c"
 PINGPONG = Path(__file__).parent / "workloads" / "pingpong.c"
-SWITCH_PROGRAM = "tracepoint__sched__sched_switch"
+SWITCH_PROGRAM = "offcpu_switch"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 DEPTHS = (20, 64)
 MEASURE_S = 4.0
