@@ -6,14 +6,52 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import zmq
 
+from ebpfprofiler.shared.stage_code import default_bpf_dir
+from ebpfprofiler.shared import privileges, stage_code
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import FRAME_POINTER_FLAGS, WORKLOADS, Pipeline, Receiver, UploaderProcess, launch_uploader, open_dir
+from tests.harness import (FRAME_POINTER_FLAGS, WORKLOADS, Pipeline, Receiver, UploaderProcess, kill_and_reap,
+                           launch_uploader, open_dir)
+
+_code_view: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stages that tests start as root import their code from where their users can read it
+    (shared/stage_code.py): a checkout under a 0700 directory works as one anywhere else."""
+    if os.geteuid() != 0:
+        return
+    try:
+        gid = privileges.ids("uploader")[1]
+    except privileges.PrivilegeError:
+        return   # no agent users: the tests that need them say so
+    parent = tempfile.mkdtemp(prefix="ebpfprofiler-test-code-", dir="/tmp")
+    os.chown(parent, 0, gid)
+    os.chmod(parent, 0o750)
+    _code_view.append(parent)
+    code = stage_code.prepare(os.path.join(parent, "view"), default_bpf_dir())
+    os.environ.update({k: v for k, v in code.env().items() if k == "PYTHONPATH"})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _code_view:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts (it appends them); each is killed by pid and reaped at the end."""
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        kill_and_reap(procs)
 
 
 @pytest.fixture(scope="session")

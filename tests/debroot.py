@@ -61,12 +61,27 @@ def run_killing_group(argv: list[str], timeout: float, log_path: Path) -> None:
     assert rc == 0, f"{' '.join(argv[:3])} … failed ({rc}):\n{log_path.read_text()[-3000:]}"
 
 
+def _install_extra(root: Path, mirror: str, suite: str, packages: list[str], log_path: Path) -> None:
+    (root / "etc/apt/sources.list.d").mkdir(parents=True, exist_ok=True)
+    (root / f"etc/apt/sources.list.d/{suite}.list").write_text(f"deb {mirror} {suite} main\n")
+    apt = ["chroot", str(root), "apt-get", "-o", "Acquire::Check-Valid-Until=false", "-y"]
+    run_killing_group(apt + ["update"], DEBOOTSTRAP_TIMEOUT_S, log_path)
+    run_killing_group(apt + ["--no-install-recommends", "-t", suite, "install"] + packages, DEBOOTSTRAP_TIMEOUT_S,
+                      log_path.with_suffix(".install.log"))
+
+
 def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root",
-                log: Callable[[str], None] = print) -> tuple[Path, bool]:
-    """(the root directory, whether it was built now). Built once per suite, package list and mirror."""
+                log: Callable[[str], None] = print, extra: tuple[str, list[str]] | None = None) -> tuple[Path, bool]:
+    """(the root directory, whether it was built now). Built once per suite, package list and mirror.
+    `extra` (suite, packages): then installed with apt inside the root from that suite (experimental is
+    not a suite debootstrap can build; its Release file may be past Valid-Until, which apt is told
+    to accept)."""
     packages = sorted(set(packages))
     mirror = debian_mirror(suite)
-    key = hashlib.sha256(json.dumps([recipe, suite, mirror, packages]).encode()).hexdigest()[:16]
+    keyed: list[object] = [recipe, suite, mirror, packages]
+    if extra is not None:
+        keyed.append([extra[0], sorted(set(extra[1]))])
+    key = hashlib.sha256(json.dumps(keyed).encode()).hexdigest()[:16]
     root = CACHE / f"{name}-{key}"
     if (root / ".complete").exists():
         return root, False
@@ -77,6 +92,8 @@ def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root"
     try:
         run_killing_group(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
                            str(partial), mirror], DEBOOTSTRAP_TIMEOUT_S, CACHE / f"debootstrap-{name}-{key}.log")
+        if extra is not None:
+            _install_extra(partial, mirror, extra[0], sorted(set(extra[1])), CACHE / f"apt-{name}-{key}.log")
         for deb in (partial / "var/cache/apt/archives").glob("*.deb"):
             deb.unlink()
         (partial / ".complete").write_text(json.dumps({"suite": suite, "mirror": mirror, "packages": packages}))

@@ -31,7 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 import pytest
@@ -40,6 +40,7 @@ import zmq
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, handoff
+from ebpfprofiler.shared.polling import wait_for
 from ebpfprofiler.shared.pprof import ProfileBuilder
 from ebpfprofiler.shared.privileges import ids as stage_ids
 from ebpfprofiler.shared.wire import ProfileUpload
@@ -62,20 +63,6 @@ KEEP_RATE_BUDGET_PCT = 100.0
 # A test worker offers unacknowledged profiles again after this (the stages use 10 s).
 TEST_ACK_TIMEOUT_S = 1.0
 
-T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T], timeout: float = 30.0, interval: float = 0.05) -> T:
-    """Poll `check` until it returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
 
 def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
     """Stop a process this test started; kill it if it does not stop in time."""
@@ -87,6 +74,15 @@ def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float 
             p.kill()
             p.wait()
     return p.returncode
+
+
+def kill_and_reap(procs: Iterable[subprocess.Popen]) -> None:
+    """The end of every test's `finally`: each process it started and that still runs is killed
+    (by its own pid), and every one is reaped."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 def bpf_holdings(pid: int) -> tuple[set[int], int]:
@@ -104,6 +100,34 @@ def bpf_holdings(pid: int) -> tuple[set[int], int]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return progs, perf
+
+
+def namespace_host_gaps(mountinfo: str = "/proc/self/mountinfo") -> str:
+    """What this host lacks for unshare --mount-proc and systemd-nspawn, as a sentence per gap ("" if none).
+
+    Added to the failure message of a test that starts namespaces, so a host's own mounts (a chroot
+    whose / is no mount point, a cgroup v1 or read-only hierarchy) read as the host's, not the project's."""
+    gaps = []
+    try:
+        mounts = [line.split() for line in Path(mountinfo).read_text().splitlines()]
+    except OSError as e:
+        return f"host lacks: a readable {mountinfo} ({e.strerror}): is /proc mounted?"
+    # mountinfo: id parent dev root MOUNT_POINT OPTIONS [optional…] - FSTYPE source super-options
+    points = {m[4]: m[m.index("-") + 1] for m in mounts if "-" in m}
+    read_only = {m[4] for m in mounts if "ro" in m[5].split(",")}
+    if "/" not in points:
+        gaps.append("/ is not a mount point (a chroot?): its mount propagation cannot be changed, which "
+                    "unshare --mount-proc and systemd-nspawn do; bind-mount the root onto itself "
+                    "(mount --bind DIR DIR) before entering it")
+    # systemd-nspawn boots systemd in the unified hierarchy, or in the named systemd one of a legacy layout
+    hierarchy = next((d for d in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+                      if points.get(d) in ("cgroup2", "cgroup")), None)
+    if hierarchy is None:
+        gaps.append(f"no cgroup hierarchy for systemd: /sys/fs/cgroup is {points.get('/sys/fs/cgroup', 'not mounted')} "
+                    "with neither cgroup2 nor a name=systemd hierarchy (mount -t cgroup2 none /sys/fs/cgroup)")
+    elif hierarchy in read_only:
+        gaps.append(f"{hierarchy} is read-only: systemd-nspawn creates the container's cgroup there")
+    return ("host lacks: " + "; ".join(gaps)) if gaps else ""
 
 
 def vaddr_to_offset(path: Path, vaddr: int) -> int:
@@ -138,11 +162,12 @@ def first_line(proc: subprocess.Popen, timeout: float) -> str:
     """What `proc` wrote to its stdout up to the end of a line, waiting at most `timeout` seconds."""
     line = b""
     deadline = time.monotonic() + timeout
+    assert proc.stdout is not None, "started without stdout=PIPE"
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)   # type: ignore[arg-type]
+        sel.register(proc.stdout, selectors.EVENT_READ)
         while not line.endswith(b"\n") and time.monotonic() < deadline:
             if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                chunk = os.read(proc.stdout.fileno(), 4096)   # type: ignore[union-attr]
+                chunk = os.read(proc.stdout.fileno(), 4096)
                 if not chunk:
                     break
                 line += chunk
@@ -174,7 +199,8 @@ class Receiver:
         if not m:
             self.proc.kill()
             self.proc.wait()
-            self.proc.stdout.close()   # type: ignore[union-attr]
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
             raise AssertionError(f"receiver did not start: {self.announcement!r}"
                                  + (f"; {self.log()}" if stderr else ""))
         self.url = m.group(1)
@@ -339,7 +365,7 @@ class UploaderProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError(f"uploader ignored SIGTERM; log:\n{self.log()}")
+                raise AssertionError(f"uploader ignored SIGTERM; log:\n{self.log()}") from None
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -388,11 +414,11 @@ class Pipeline:
     (removed at stop), as the stages run as their own users; a test that sets
     local_dir puts it under such a directory too (open_dir)."""
 
-    def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig) -> None:
-        if cfg.overhead_budget_pct == config_mod.DEFAULT_OVERHEAD_BUDGET_PCT:
+    def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig, shipped_budget: bool = False) -> None:
+        if cfg.overhead_budget_pct == config_mod.DEFAULT_OVERHEAD_BUDGET_PCT and not shipped_budget:
             # A test's pipeline samples at the rate the test asked for: the overhead guard would
             # halve it on this 2-CPU machine (start-up windows build unwind tables). A test of the
-            # guard sets a budget of its own.
+            # guard sets a budget of its own, or keeps the shipped one (shipped_budget).
             cfg = cfg.replace(overhead_budget_pct=KEEP_RATE_BUDGET_PCT)
         self.cfg = cfg
         self.root = open_dir("pipeline")
@@ -410,7 +436,7 @@ class Pipeline:
             wait_for("every stage to be ready", lambda: self._ready(stages), timeout=90)
         except AssertionError:
             self.stop()
-            raise AssertionError(f"pipeline did not start:\n{self.log()}")
+            raise AssertionError(f"pipeline did not start:\n{self.log()}") from None
 
     def _ready(self, stages: list[str]) -> bool:
         if self.proc.poll() is not None:

@@ -27,7 +27,7 @@ from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 from elftools.elf.elffile import ELFFile
 
-from tests.harness import Pipeline, Receiver, require_root, wait_for
+from tests.harness import Pipeline, Receiver, kill_and_reap, require_root, wait_for
 
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer"]
 # Tables come a few drains after a process starts (its module, then libc once the stacks
@@ -128,10 +128,7 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         loops = int(re.search(r"loops=(\d+)", outputs[1]).group(1))
         yield Run(str(exe.resolve()), str(corrupt), windows, corrupt_samples, log, loops)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_and_reap(procs)
         receiver.stop()
 
 
@@ -235,6 +232,17 @@ def test_offcpu_stacks_through_libc_keep_the_waiting_functions(run: Run) -> None
     # 300 : 100 : 200 ms per loop
     for fn, want in (("slow_wait", 3 / 6), ("fast_wait", 1 / 6), ("pipe_wait", 2 / 6)):
         assert abs(shares[fn] - want) <= 0.1 * want + 0.02, shares
+    # and each wait's kernel stack is its own system call's, though the thread blocks in turn in
+    # nanosleep and read (a kernel stack is read again unless the thread blocked where it did last)
+    syscalls: dict[str, set[str]] = {}
+    for s in samples:
+        n = names(s)
+        wait = next((fn for fn in ("slow_wait", "fast_wait", "pipe_wait") if fn in n), None)
+        kernel = {f.function for f in s.frames if f.module == "[kernel.kallsyms]"}
+        if wait is not None:
+            syscalls.setdefault(wait, set()).update(k for k in kernel if k.startswith("__x64_sys_"))
+    assert syscalls.get("slow_wait") == syscalls.get("fast_wait") == {"__x64_sys_clock_nanosleep"}, syscalls
+    assert "__x64_sys_clock_nanosleep" not in syscalls.get("pipe_wait", set()), syscalls
 
 
 def test_corrupt_eh_frame_is_a_counted_skip_with_frame_pointer_stacks(run: Run) -> None:

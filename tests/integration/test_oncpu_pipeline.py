@@ -21,7 +21,7 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root
+from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, kill_and_reap, require_root
 
 SAMPLE_HZ = 99
 HOT_CPU_SECONDS = 4.0
@@ -112,10 +112,7 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                   str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log(),
                   collector_progs)
     finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait()
+        kill_and_reap(procs)
         receiver.stop()
         shutil.rmtree(shared_dir, ignore_errors=True)
 
@@ -234,8 +231,10 @@ def test_symlinked_perf_map_is_refused(run: Run) -> None:
 
 def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
     # the collector held its programs while it ran (ids from its own fd table) …
-    # on-CPU sampler, sched_switch and sched_wakeup, and the DWARF unwinder's on- and off-CPU step programs
-    assert len(run.collector_progs) == 5
+    # on-CPU sampler, the off-CPU tp_btf programs (sched_switch, sched_wakeup, rseq_update), and the DWARF
+    # unwinder's on-CPU step program and off-CPU step and finish programs
+    assert len(run.collector_progs) == 7
     # … and after the stop none of them, nor a perf link to one, is left
     assert not run.collector_progs & {p["id"] for p in bpftool("prog", "show")}
     assert not [e for e in bpftool("perf") if e.get("prog_id") in run.collector_progs]
+    assert not [e for e in bpftool("link", "show") if e.get("prog_id") in run.collector_progs]

@@ -3,6 +3,7 @@ BPF time it counts is the kernel's own figure for our programs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -14,11 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests.harness import (
     PY,
+    ROOT,
     Pipeline,
     bpftool,
     open_dir,
@@ -119,6 +122,10 @@ def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline
     assert f"sampling rate: {CONFIGURED_HZ} Hz (configured {CONFIGURED_HZ} Hz" in shown.stdout
     assert re.search(r"^on_cpu_sample\s+\d+\s+[\d.]+ ms", shown.stdout, re.MULTILINE)
     assert re.search(r"^collector\s+\d+\s+[\d.]+ ms", shown.stdout, re.MULTILINE)
+    # with the cost model's terms for this host
+    assert re.search(r"^  per sample: \d+ ns of BPF \(\d+ samples\)$", shown.stdout, re.MULTILINE), shown.stdout
+    assert re.search(r"^  per context switch: \d+ ns of BPF", shown.stdout, re.MULTILINE), shown.stdout
+    assert re.search(r"^  new processes: \d+ in the window", shown.stdout, re.MULTILINE), shown.stdout
 
 
 def test_bpf_time_is_what_bpftool_shows_for_the_same_programs(pipeline: tuple[Pipeline, Path]) -> None:
@@ -151,7 +158,7 @@ def test_bpf_time_is_what_bpftool_shows_for_the_same_programs(pipeline: tuple[Pi
     after = next(progs for t0, _, progs in polls if t0 > read_end)
     # then each of our programs' counters as the collector read them lie between bpftool's figures for
     # the same program id taken just before and just after that read (monotonic counters: no tolerance)
-    assert {"on_cpu_sample", "tracepoint__sched__sched_switch"} <= set(second["bpf_totals"])
+    assert {"on_cpu_sample", "offcpu_switch", "offcpu_wakeup", "offcpu_resume"} <= set(second["bpf_totals"])
     for name, total in second["bpf_totals"].items():
         assert total["id"] in before and total["id"] in after, name
         for key in ("run_time_ns", "run_cnt"):
@@ -164,3 +171,37 @@ def test_bpf_time_is_what_bpftool_shows_for_the_same_programs(pipeline: tuple[Pi
                                        "run_cnt": total["run_cnt"] - prev["run_cnt"]}
     assert second["bpf"]["on_cpu_sample"]["run_cnt"] > 0 and second["bpf"]["on_cpu_sample"]["run_time_ns"] > 0
     assert second["bpf_ns"] == sum(v["run_time_ns"] for v in second["bpf"].values())
+
+
+# Windows of the idle test: the shipped 60 s would make three windows three minutes; the budget is
+# per window, so a shorter one is the stricter judge of the fixed cost (drains, wake-ups, uploads).
+# With 10 s, the start-up's table building spilled into the first judged window (3.5%: halved).
+IDLE_WINDOW_S = 20
+
+
+def test_the_shipped_defaults_run_three_windows_on_an_idle_host_without_a_halving(tmp_path: Path) -> None:
+    require_root()
+    # given deploy/agent.yaml as shipped, its profiles into a scratch directory and 20 s windows
+    shipped = config_mod.load(str(ROOT / "deploy" / "agent.yaml"))
+    out = open_dir("idle-defaults")
+    cfg = dataclasses.replace(shipped, local_dir=str(out / "profiles"), upload_interval_s=IDLE_WINDOW_S)
+    p = Pipeline(tmp_path, cfg, shipped_budget=True)
+    windows: list[dict] = []
+    try:
+        # when the start-up window and three more end on this otherwise idle host
+        def three_after_start_up() -> bool:
+            s = status(p)
+            if s is not None and (not windows or s["time_ns"] != windows[-1]["time_ns"]):
+                windows.append(s)
+            return len(windows) >= 4
+        wait_for("the start-up window and three more", three_after_start_up, timeout=IDLE_WINDOW_S * 7, interval=0.5)
+    finally:
+        p.stop()
+        shutil.rmtree(out, ignore_errors=True)
+    # then none of them halved the rate: 19 Hz throughout, each window within its budget
+    summary = [(w["decision"], w["rate_hz"], w["next_rate_hz"], round(float(w["used_pct"]), 3)) for w in windows]
+    print(f"windows (decision, rate, next rate, % of one CPU): {summary}")
+    for w in windows[-3:]:
+        assert w["decision"] not in ("halve", "over at floor"), summary
+        assert w["rate_hz"] == w["next_rate_hz"] == shipped.sample_hz == 19, summary
+        assert float(w["used_pct"]) <= float(w["budget_pct"]) == shipped.overhead_budget_pct, summary

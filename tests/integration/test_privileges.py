@@ -1,4 +1,4 @@
-"""Privilege separation: every stage runs as DESIGN.md's table says, and no more.
+"""Privilege separation: every stage runs as docs/architecture.md's table (shared/privileges.py) says, and no more.
 
 Given the pipeline started as root by `ebpfprofiler run`, then each stage
 runs as its own user with exactly its capabilities and no_new_privs, the
@@ -125,7 +125,7 @@ def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
     pipeline, _ = running
     agent = grp.getgrnam(privileges.AGENT_GROUP).gr_gid
     d = os.stat(pipeline.run_dir)
-    assert d.st_gid == agent and stat.S_IMODE(d.st_mode) == 0o2770
+    assert d.st_gid == agent and stat.S_IMODE(d.st_mode) == 0o3770
     socks = [p for p in pipeline.run_dir.iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
     assert {p.name for p in socks} >= {"symbolizer-0.sock", "uploader.sock", "files.sock"}
     for p in socks:

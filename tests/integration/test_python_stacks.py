@@ -33,6 +33,7 @@ from tests.harness import (
     WORKLOADS,
     Pipeline,
     Receiver,
+    kill_and_reap,
     require_root,
     wait_for,
 )
@@ -145,9 +146,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 workloads.append(w)
 
                 def enough() -> bool:
-                    got = received_samples(receiver.dir).get(w.proc.pid, [])   # noqa: B023
+                    got = received_samples(receiver.dir).get(w.proc.pid, [])
                     return sum(s.values[0] for s in got
-                               if s.labels.get("thread.id") == str(w.tids["worker"])) >= WANT_WORKER_STACKS  # noqa: B023
+                               if s.labels.get("thread.id") == str(w.tids["worker"])) >= WANT_WORKER_STACKS
                 w.py_spy = py_spy_dump(w.proc.pid)
                 try:
                     wait_for(f"python_wall profiles of CPython {v}", enough, timeout=120, interval=1.0)
@@ -163,10 +164,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log())
     finally:
-        for w in workloads:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
+        kill_and_reap(w.proc for w in workloads)
         receiver.stop()
         shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
 

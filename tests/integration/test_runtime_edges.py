@@ -49,7 +49,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.labels import process_labels
 from ebpfprofiler.shared.wire import ProcessAnnouncement
 
-from tests.harness import PY, ROOT, WORKLOADS, require_root, wait_for
+from tests.harness import PY, ROOT, WORKLOADS, kill_and_reap, namespace_host_gaps, require_root, wait_for
 
 PYTHON311 = "/usr/bin/python3.11"
 FAKE_SOURCE = WORKLOADS / "fake_python.c"
@@ -93,8 +93,8 @@ SPINNER_FUNCTIONS = {"<module>", "main", "outer", "inner", "spin"}
 class DrivenReader:
     """The stage's Reader, driven by the test: announcements in, ticks, closed windows out."""
 
-    def __init__(self, directory: Path, **cfg: object) -> None:
-        self.cfg = ProfilerConfig(plain_pid=False, runtime_stacks=("python_legacy",), cpu_budget=100.0, **cfg)
+    def __init__(self, directory: Path, runtime_stacks: tuple[str, ...] = ("python_legacy",), **cfg: object) -> None:
+        self.cfg = ProfilerConfig(plain_pid=False, runtime_stacks=runtime_stacks, cpu_budget=100.0, **cfg)
         self.reader = Reader(self.cfg, str(directory), str(directory))
         self.rows: dict[tuple, int] = {}
 
@@ -131,19 +131,6 @@ def driven(tmp_path: Path) -> Iterator[DrivenReader]:
         yield d
     finally:
         d.close()
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen]]:
-    """Processes a test starts; each is killed by pid and reaped at the end."""
-    procs: list[subprocess.Popen] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 def start(procs: list[subprocess.Popen], argv: list[str]) -> tuple[subprocess.Popen, str]:
@@ -337,7 +324,7 @@ def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path) -> None:
             if p.poll() is None:        # ends unshare, the driver (pid 1 of the namespace) and with it all of it
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        assert p.returncode == 0, err[-4000:]
+        assert p.returncode == 0, f"{err[-4000:]}\n{namespace_host_gaps()}"
         got = json.loads(out.strip().splitlines()[-1])
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
@@ -414,10 +401,7 @@ def _pid_reuse_driver(script: str, work: str) -> None:
                           "functions": {k: sorted(set(v)) for k, v in functions.items()},
                           "stats": driven.reader.targets.stats}), flush=True)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        kill_and_reap(procs)
         driven.close()
 
 

@@ -19,7 +19,7 @@ from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, require_root, wait_for
+from tests.harness import Pipeline, Receiver, kill_and_reap, require_root, wait_for
 
 WINDOW_S = 2
 RUN_CPU_S = 7.0
@@ -82,10 +82,7 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(build,
         assert f"symbolizer-{victim} exited with -9; restarting" in log
         assert f"symbolizer worker {victim} disconnected: its services move" in log
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_and_reap(procs)
         receiver.stop()
 
     # and every service has samples in every window but at most one, from start to end

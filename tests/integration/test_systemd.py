@@ -35,7 +35,7 @@ from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.privileges import STAGES, mask
 
 from tests import debroot
-from tests.harness import FRAME_POINTER_FLAGS, PY, ROOT, bpf_holdings, bpftool, require_root, wait_for
+from tests.harness import FRAME_POINTER_FLAGS, PY, ROOT, bpf_holdings, bpftool, namespace_host_gaps, require_root, wait_for
 
 CACHE = Path("/var/cache/ebpfprofiler-test")
 SUITE = "bookworm"
@@ -71,7 +71,7 @@ spin_here(time.monotonic() + 120)
 """
 PY_SERVICE_DIR = "usr_bin_python3.11"
 # Program names of bpf/*.c as `bpftool prog` shows them (the kernel keeps 15 characters).
-OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|tracepoint__sch|oncpu_unwind_st|offcpu_unwind_s)")
+OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|offcpu_switch|offcpu_wakeup|offcpu_resume|oncpu_unwind_st|offcpu_unwind_)")
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -196,7 +196,7 @@ class Container:
 
         def init() -> int:
             if self.nspawn is None or self.nspawn.poll() is not None:
-                raise AssertionError(f"systemd-nspawn exited:\n{self.console()}")
+                raise AssertionError(f"systemd-nspawn exited:\n{self.console()}\n{namespace_host_gaps()}")
             return next((p for p in _descendants(self.nspawn.pid) if _nspid(p)[-1:] == [1]), 0)
 
         self.init_pid = wait_for("the container's init", init, timeout=30)
@@ -206,7 +206,8 @@ class Container:
                                   timeout=10).stdout.strip() not in ("", "offline"),
                  timeout=60, interval=0.2)
         state = self.run(["systemctl", "is-system-running", "--wait"], check=False, timeout=120).stdout.strip()
-        assert state in ("running", "degraded"), f"the container did not boot: {state}\n{self.console()}"
+        assert state in ("running", "degraded"), \
+            f"the container did not boot: {state}\n{self.console()}\n{namespace_host_gaps()}"
 
     def run(self, argv: list[str], check: bool = True, timeout: float = 60,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -352,7 +353,7 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
         log("make install:\n" + install.stdout[-1500:] + install.stderr[-1500:])
         lap("make install")
         assert ct.path("/etc/wt-agent/agent.yaml").read_text() == TEST_CONFIG, "make install replaced the config"
-        assert ct.run(["stat", "-c", "%a %U %G", RUN_DIR]).stdout.split() == ["2770", "root", "ebpfprofiler"]
+        assert ct.run(["stat", "-c", "%a %U %G", RUN_DIR]).stdout.split() == ["3770", "root", "ebpfprofiler"]
 
         ct.run(["systemctl", "start", "ebpfprofiler.target"], timeout=180)
         wait_ready(ct, "every unit active and every ready file")

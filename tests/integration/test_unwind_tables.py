@@ -3,7 +3,8 @@
 Given the collector's programs compiled with a small row map (ROWS) and its
 UnwindTables bound to a real unwind.sock, when answers built from this host's
 libraries arrive over ZeroMQ as a symbolizer sends them, then: tables that
-pass the bounds check are in unwind_rows byte for byte; a process that maps
+pass the bounds check are in unwind_rows byte for byte (for modules the
+collector asked for); a process that maps
 them gets its sorted mappings in unwind_procs; when the rows run out, the
 least recently sampled module is evicted (counted) and the others stay; and
 a table that fails the check, or a message that is not one, is a counted skip.
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import zmq
 from ebpfprofiler.collector import unwind
-from ebpfprofiler.collector.main import default_bpf_dir
+from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.collector.procfs import read_maps
 from ebpfprofiler.collector.programs import Programs
 from ebpfprofiler.shared import endpoints, unwind_table
@@ -47,9 +48,13 @@ class Setup:
         self.push.connect(endpoints.unwind(str(run_dir)))
 
     def send(self, path: str, table: bytes | None = None) -> tuple[str, int]:
-        """Answer as a symbolizer would; the module's (dev, inode) as /proc/<pid>/maps names it."""
+        """Sample this process in `path`, so the collector asks for its table, and answer as a symbolizer
+        would; the module's (dev, inode) as /proc/<pid>/maps names it. (An answer nobody asked for is
+        dropped: tests/integration/test_hostile_processes.py.)"""
         st = os.stat(path)
         key = (f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)
+        self.tables.annotate(me_sampled_in(path))
+        assert key in self.tables._requested, f"the collector did not ask for {path}"
         if table is None:
             with open(path, "rb") as f:
                 table = cfi.build_table(f).table
@@ -89,7 +94,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
 def me_sampled_in(path: str) -> StackBatch:
     """A batch with one sample of this test process whose stack is one address inside `path`."""
     maps = read_maps(os.getpid())
-    m = next(m for m in maps if m.path == path)
+    m = next(m for m in maps if m.path == os.path.realpath(path))
     me = Process(pid=os.getpid(), start_ticks=1, uid=0, nspid=os.getpid(), comm="pytest", executable="",
                  service="test", mappings=maps)
     return StackBatch(host="h", profile_type="cpu", sample_hz=99, time_ns=0, processes=(me,),

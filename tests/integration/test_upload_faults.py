@@ -1,6 +1,8 @@
 """Uploads that lose nothing (issue 5), shown against the real receiver on 127.0.0.1.
 
-Each test is one fault: the receiver down for three windows, answering 500 at random, hanging past
+The faults of the backend (down, 500s, hangs) and the kill -9 of the uploader are run for each
+upload_format (pprof, otlp, pyroscope): the same spool and retries must lose nothing and store
+nothing twice whatever the backend speaks. Each test is one fault: the receiver down for three windows, answering 500 at random, hanging past
 the read timeout, refusing with 400; the uploader killed with -9 while posting; the spool on a tiny
 filesystem that fills; a collector or symbolizer killed mid-run. The processes are real (the
 pipeline under `ebpfprofiler run`, or an uploader fed by a test worker over its real socket); every
@@ -15,6 +17,7 @@ import re
 import signal
 import subprocess
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +28,7 @@ import pytest
 import zmq
 
 from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.config import ProfilerConfig
+from ebpfprofiler.shared.config import UPLOAD_FORMATS, ProfilerConfig
 from ebpfprofiler.symbolizer.main import WINDOW_GRACE_S
 from ebpfprofiler.shared.privileges import ids as stage_ids
 from ebpfprofiler.uploader.spool import decode_file
@@ -36,7 +39,7 @@ WINDOW_S = 2                      # upload_interval_s of the pipeline tests
 SAMPLE_HZ = 49
 PIPELINE_DEADLINE_S = 60
 # Resident memory each stage must stay under during the hang test. The collector carries bcc and
-# LLVM (~126 MB after compiling, see DESIGN.md); a worker and the uploader have budgets of tens of MB.
+# LLVM (~126 MB after compiling); a worker and the uploader have budgets of tens of MB.
 RSS_BOUND_MB = {"collector": 260, "symbolizer-0": 80, "uploader": 80}
 # And none may grow by more than this between the first and the last sample of the hang.
 RSS_GROWTH_MB = 16
@@ -67,9 +70,9 @@ def spool_of(pipeline: Pipeline) -> Path:
 
 
 def spooled(spool: Path) -> dict[str, tuple[str, str, int]]:
-    """id → (service, type, window start) of what is in the spool now."""
+    """id → (service, type, window start) of what is in the spool now, oldest first (the spool's name order)."""
     out = {}
-    for p in spool.glob("*.prof"):
+    for p in sorted(spool.glob("*.prof")):
         try:
             head = decode_file(p.read_bytes(), header_only=True)
         except FileNotFoundError:
@@ -92,10 +95,27 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def agent_id(profile_id: str) -> str:
+    """A profile id as every format's receiver metadata gives it back (OTLP carries it as 16 bytes)."""
+    try:
+        return uuid.UUID(profile_id).hex
+    except ValueError:
+        return profile_id
+
+
+def received_ids(receiver: Receiver) -> list[str]:
+    """The agent's profile id of each stored profile, whatever its format.
+
+    pprof: X-Profile-Id, the key. otlp: the first profile_id, the key. pyroscope: the key is
+    (name, from, until); the X-Profile-Id the agent also sends tells which profile it was."""
+    return [agent_id(m.get("x_profile_id") or m["id"]) for m in receiver.received()]
+
+
 def assert_each_received_once(receiver: Receiver, ids: set[str]) -> None:
     """Every id in `ids` is stored, and no (service, type, window) is stored twice under two ids."""
     got = receiver.received()
-    missing = ids - {m["id"] for m in got}
+    ids = {agent_id(i) for i in ids}
+    missing = ids - set(received_ids(receiver))
     assert not missing, f"{len(missing)} of {len(ids)} profiles never arrived: {sorted(missing)[:5]}"
     keys = Counter((m["service"], m["type"], m["start"]) for m in got)
     assert not [k for k, n in keys.items() if n > 1], f"stored twice: {[k for k, n in keys.items() if n > 1]}"
@@ -118,12 +138,14 @@ def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConf
 
 # ---------------------------------------------------------------- the receiver down for three windows
 
+@pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
-        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+        tmp_path: Path, workload: subprocess.Popen, procs: list, upload_format: str) -> None:
     require_root()
     # given the pipeline posting to a port where no receiver listens yet
     port = reserve_port()
-    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, f"http://127.0.0.1:{port}"))
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, f"http://127.0.0.1:{port}",
+                                                  upload_format=upload_format))
     procs.append(pipeline)
     spool = spool_of(pipeline)
     # when three windows close while it is down, their profiles wait in the spool
@@ -137,11 +159,13 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
     receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
     # then the spooled profiles arrive, oldest first, and the pipeline keeps going
-    wait_for("the spooled profiles", lambda: set(during_outage) <= set(receiver.received_ids()),
+    wait_for("the spooled profiles", lambda: {agent_id(i) for i in during_outage} <= set(received_ids(receiver)),
              timeout=PIPELINE_DEADLINE_S)
     assert "the backend accepts profiles again" in pipeline.log()
-    first = [m["start"] for m in receiver.received()][: len(during_outage)]
-    assert first == sorted(first)
+    # oldest first: in the order they came into the spool. That is not always window order: a worker may
+    # hand over an older window's offcpu or python_wall profile after a newer window's cpu one.
+    spool_order = [agent_id(i) for i in during_outage]
+    assert [i for i in received_ids(receiver) if i in set(spool_order)] == spool_order
     assert pipeline.stop() == 0
     # and every profile any worker handed over, those of the three windows included, is stored once
     made = produced(pipeline.log())
@@ -153,11 +177,12 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
 
 # ---------------------------------------------------------------- 500 to half the posts
 
+@pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
-        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
+        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str) -> None:
     receiver = Receiver.start(tmp_path, "--fail-ratio", "0.5")
     procs.append(receiver)
-    u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
+    u = launch_uploader(workdir, http_config(workdir, receiver.url, upload_format=upload_format), env=FAST_BACKOFF)
     procs.append(u)
     worker = TestWorker(u.run_dir, zctx)
     uploads = [make_upload(f"/usr/bin/svc{i % 7}", start_ns=1_700_000_000_000_000_000 + i * 10**9)
@@ -169,7 +194,7 @@ def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
     failures = receiver.log().count("injected 500")
     assert failures >= 5, f"only {failures} injected failures in 40+ posts"
     assert_each_received_once(receiver, {x.profile_id for x in uploads})
-    assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in uploads)
+    assert sorted(received_ids(receiver)) == sorted(agent_id(x.profile_id) for x in uploads)
     assert u.stop() == 0
     assert "40 delivered, 0 dead-lettered, 0 dropped" in u.log()
     worker.close()
@@ -177,14 +202,16 @@ def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
 
 # ---------------------------------------------------------------- a receiver that hangs
 
+@pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stays_bounded(
-        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+        tmp_path: Path, workload: subprocess.Popen, procs: list, upload_format: str) -> None:
     require_root()
     # given the pipeline with a 2 s read timeout, posting to a receiver that hangs 30 s on every post
     port = reserve_port()
     hanging = Receiver.start(tmp_path, "--hang-s", "30", port=port)
     procs.append(hanging)
-    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2))
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2,
+                                                  upload_format=upload_format))
     procs.append(pipeline)
     spool = spool_of(pipeline)
     pids = {s: stage_pid(pipeline.run_dir, s) for s in RSS_BOUND_MB}
@@ -219,15 +246,46 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
     assert_each_received_once(receiver, {p.profile_id for p in produced(pipeline.log())})
 
 
+@pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
+def test_a_lone_uploader_retries_a_hanging_receiver_and_delivers_each_profile_once(
+        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str) -> None:
+    """The hang of the test above without the pipeline: only the uploader's part, for each format."""
+    # given an uploader with a 2 s read timeout posting to a receiver that holds every post 30 s
+    port = reserve_port()
+    hanging = Receiver.start(tmp_path, "--hang-s", "30", port=port)
+    procs.append(hanging)
+    u = launch_uploader(workdir, http_config(workdir, hanging.url, upload_timeout_s=2,
+                                             upload_format=upload_format), env=FAST_BACKOFF)
+    procs.append(u)
+    worker = TestWorker(u.run_dir, zctx)
+    uploads = [make_upload(f"/usr/bin/svc{i}", start_ns=1_700_000_000_000_000_000 + i * 10**9) for i in range(20)]
+    worker.send(*uploads)
+    worker.wait_acked()
+    # when the posts time out, again and again, every profile stays in the spool
+    wait_for("two read timeouts", lambda: u.log().count("no read within 2s") >= 2, timeout=60)
+    assert len(u.spooled()) == 20
+    # and when the receiver answers again, each arrives once
+    hanging.stop()
+    receiver = Receiver.start(tmp_path, port=port)
+    procs.append(receiver)
+    wait_for("the spool to drain", lambda: not u.spooled(), timeout=60)
+    assert_each_received_once(receiver, {x.profile_id for x in uploads})
+    assert sorted(received_ids(receiver)) == sorted(agent_id(x.profile_id) for x in uploads)
+    assert u.stop() == 0
+    assert "20 delivered, 0 dead-lettered, 0 dropped" in u.log()
+    worker.close()
+
+
 # ---------------------------------------------------------------- kill -9 while posting
 
+@pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Path, procs: list,
-                                                    zctx: zmq.Context) -> None:
+                                                    zctx: zmq.Context, upload_format: str) -> None:
     # given an uploader in the middle of a post to a receiver that holds its answer
     port = reserve_port()
     hanging = Receiver.start(tmp_path, "--hang-s", "60", port=port)
     procs.append(hanging)
-    cfg = http_config(workdir, hanging.url)
+    cfg = http_config(workdir, hanging.url, upload_format=upload_format)
     u = launch_uploader(workdir, cfg, env=FAST_BACKOFF)
     procs.append(u)
     worker = TestWorker(u.run_dir, zctx)
@@ -252,7 +310,7 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
     worker.wait_acked()
     wait_for("15 profiles at the receiver", lambda: len(receiver.received()) == 15 and not u2.spooled())
     assert "holds 10 profile(s)" in u2.log()
-    assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in first + later)
+    assert sorted(received_ids(receiver)) == sorted(agent_id(x.profile_id) for x in first + later)
     assert_each_received_once(receiver, {x.profile_id for x in first + later})
     assert [n for n in os.listdir(u2.spool_dir)] == []        # no partial file left either
     assert u2.stop() == 0

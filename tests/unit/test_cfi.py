@@ -563,11 +563,35 @@ def test_random_corruption_of_libc_is_survived_within_the_budget() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_a_build_over_its_time_budget_is_a_too_slow_cfi_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    # given a budget far below what node's table takes (~1 s), when node's table is built
+# Functions in the library the budget test builds: its table takes ~0.1 s here, 10 times the budget.
+MANY_FUNCTIONS = 3_000
+
+
+def test_a_build_over_its_time_budget_is_a_too_slow_cfi_error(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    # given a library of many functions (one FDE each) and a budget far below what its table takes
+    src = tmp_path / "many.c"
+    src.write_text("".join(f"int f{i}(int x) {{ return x * {i} + f{i - 1}(x - 1); }}\n" if i else
+                           "int f0(int x) { return x; }\n" for i in range(MANY_FUNCTIONS)))
+    lib = tmp_path / "many.so"
+    subprocess.run(["gcc", "-O0", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     monkeypatch.setattr(cfi, "CFI_BUILD_SECONDS", 0.01)
+    # when its table is built
     with pytest.raises(cfi.CfiError) as e:
-        build_file(Path("/usr/bin/node").resolve())
+        build_file(lib)
     # then the build stops at the budget with a skip the caller counts as too slow
     # (how long builds take is a figure of `make bench`, suite tables, not of a test)
     assert e.value.kind == "too_slow"
+
+
+def test_advance_loc_0_makes_the_last_row_at_that_pc_hold(patched: Patched) -> None:
+    # DW_CFA_advance_loc 1; def_cfa_offset 16; DW_CFA_advance_loc 0; def_cfa_offset 24; advance 1; offset 32:
+    # two rows at main+1, which failed the whole module; the last one holds there, as other unwinders take it.
+    data = one_fde(patched, b"\x41\x0e\x10\x40\x0e\x18\x41\x0e\x20")
+    assert row_at_main(data, patched) == (ut.CFA_SP, 8, ut.FP_SAME, 0, ut.RA_SAVED, -8)
+    assert row_at_main(data, patched, 1) == (ut.CFA_SP, 24, ut.FP_SAME, 0, ut.RA_SAVED, -8)
+    assert row_at_main(data, patched, 2) == (ut.CFA_SP, 32, ut.FP_SAME, 0, ut.RA_SAVED, -8)
+    # and at the very start of the FDE too (advance 0 first)
+    data = one_fde(patched, b"\x40\x0e\x10\x41\x0e\x18")
+    assert row_at_main(data, patched) == (ut.CFA_SP, 16, ut.FP_SAME, 0, ut.RA_SAVED, -8)
+    assert row_at_main(data, patched, 1) == (ut.CFA_SP, 24, ut.FP_SAME, 0, ut.RA_SAVED, -8)

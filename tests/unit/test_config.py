@@ -16,7 +16,7 @@ def write(tmp_path: Path, body: str) -> str:
 
 
 def test_defaults_match_the_design(tmp_path: Path) -> None:
-    # given the shipped default file, when it is loaded, then every value is DESIGN.md's default
+    # given the shipped default file, when it is loaded, then every value is the documented default (README.md, "Configuration")
     cfg = config.load(str(Path(__file__).parents[2] / "deploy" / "agent.yaml"))
     assert cfg == config.ProfilerConfig()
     assert (cfg.sample_hz, cfg.upload_interval_s, cfg.offcpu_min_ms, cfg.symbolizer_workers) == (19, 60, 1, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +16,7 @@ from ebpfprofiler.collector.procfs import parse_stat, read_maps
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.wire import FileReply, Mapping, Process, decode
 from ebpfprofiler.symbolizer.files import FileClient, FileRefused
-from tests.harness import stop_process
+from tests.harness import stop_process, wait_for
 
 
 @pytest.fixture
@@ -211,3 +212,70 @@ def test_debug_symlinks_are_followed_inside_their_root_only(tmp_path: Path) -> N
         # when asked / then they resolve inside the root, where there is no such file
         with pytest.raises(FileNotFoundError):
             served([root])
+
+
+def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker) -> None:
+    # given a process whose perf map is a FIFO, and a writer blocked in open() until someone opens it to read
+    # (a process without JIT code: other profilers on this host never look up its perf map)
+    _, client = broker
+    sleeper = subprocess.Popen(["sleep", "60"])
+    proc = process(sleeper.pid)
+    path = Path(f"/tmp/perf-{sleeper.pid}.map")
+    os.mkfifo(path, 0o644)
+    opened = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(path, os.O_WRONLY)    # returns only once a reader opened the FIFO
+        opened.set()
+        os.close(fd)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        # when the symbolizer asks for it, then it is refused at once, and nobody opened it to read
+        with pytest.raises(FileRefused, match="not a regular file"):
+            client.perf_map(proc.pid, proc.start_ticks)
+        assert not opened.wait(0.5), "the broker opened the FIFO"
+    finally:
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # let the writer go
+        t.join(10)
+        os.close(reader)
+        path.unlink()
+        stop_process(sleeper)
+    assert opened.is_set()
+
+
+def test_connections_past_the_cap_are_closed_and_the_broker_goes_on(tmp_path: Path, monkeypatch, jit) -> None:
+    # given a broker that serves at most 2 connections at once, held open by a peer
+    from ebpfprofiler.collector import filebroker
+    monkeypatch.setattr(filebroker, "MAX_CONNECTIONS", 2)
+    b = FileBroker(str(tmp_path), allowed_uids={os.getuid()})
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    try:
+        for s in held:
+            s.connect(endpoints.file_broker(str(tmp_path)))
+        # when a third connects, then it is closed unserved, and counted
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
+            extra.connect(endpoints.file_broker(str(tmp_path)))
+            extra.settimeout(10)
+            assert extra.recv(100) == b""
+        wait_for("the refusal to be counted", lambda: b.stats["peers_refused"] == 1)
+        # and once the held ones go, a client is served again
+        for s in held:
+            s.close()
+        client = FileClient(str(tmp_path))
+        proc = process(jit.pid)
+        wait_for("a served perf map", lambda: _served(client, proc))
+        client.close()
+    finally:
+        for s in held:
+            s.close()
+        b.close()
+
+
+def _served(client: FileClient, proc: Process) -> bool:
+    try:
+        os.close(client.perf_map(proc.pid, proc.start_ticks))
+        return True
+    except OSError:
+        return False

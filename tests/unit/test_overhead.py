@@ -73,7 +73,10 @@ def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp
     write_status(str(tmp_path), w)
     doc = json.loads((tmp_path / "status.json").read_text())
     assert doc["next_rate_hz"] == 49 and doc["bpf_ns"] == 50_000_000
-    assert "on_cpu_sample" in status_cli.table(doc)
+    shown = status_cli.table(doc)
+    assert "on_cpu_sample" in shown
+    # with the cost model's terms this window gives: 50 ms over 100 samples is 500,000 ns a sample
+    assert "per sample: 500000 ns of BPF (100 samples)" in shown, shown
 
 
 def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_parentheses(tmp_path: Path) -> None:

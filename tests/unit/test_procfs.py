@@ -69,7 +69,7 @@ def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
     (proc / "5").mkdir(parents=True)
 
     def write(start: int, exe: str) -> None:
-        (proc / "5" / "stat").write_text(f"5 (x) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
+        (proc / "5" / "stat").write_text(f"5 ({Path(exe).name}) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
         (proc / "5" / "status").write_text("Uid:\t7\t7\t7\t7\nNSpid:\t5\n")
         (proc / "5" / "cgroup").write_text("0::/\n")
         (proc / "5" / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 {exe}\n")
@@ -85,3 +85,9 @@ def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
     second = table.get(5)
     assert first and second and first.executable == "/bin/one" and second.executable == "/bin/two"
     assert second.start_ticks == 200 and second.mappings[0].path == "/bin/two"
+
+    # and when it execs another program (the same start time, another name), it is read again
+    write(200, "/bin/three")
+    third = table.get(5, [0x1500])
+    assert third and third.executable == "/bin/three" and third.comm == "three", third
+    assert third.mappings[0].path == "/bin/three"

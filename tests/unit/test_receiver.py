@@ -82,7 +82,7 @@ def test_a_valid_profile_is_stored_with_its_metadata(receiver: Receiver) -> None
     assert meta == {
         "id": "prof-0001.a_b", "source": "ebpf", "type": "cpu", "service": "/usr/bin/python3.11",
         "host": "web-1", "start": START_NS, "end": END_NS, "bytes": len(body), "samples": 3,
-        "path": str(receiver.dir / "prof-0001.a_b.pb.gz"),
+        "path": str(receiver.dir / "prof-0001.a_b.pb.gz"), "file": "prof-0001.a_b.pb.gz", "format": "pprof",
     }
     assert json.loads((receiver.dir / "prof-0001.a_b.json").read_text())["samples"] == 3
 
@@ -214,3 +214,84 @@ def test_fault_injection_answers_without_storing(tmp_path: Path) -> None:
         r.stop()
     log = (tmp_path / "receiver.err").read_text()
     assert "fault injection on: 429 to every post" in log and "rejected profile p-429 with 429" in log
+
+
+# --- hostile clients (issue 15, item 8) ---
+
+def vm_hwm_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_gzip_bomb_is_refused_without_the_memory(receiver: Receiver) -> None:
+    # given 16 KB of gzip that inflates to 16 MB of one-value samples (4 bytes each: ~4M samples)
+    bomb = gzip.compress(b"\x32\x00" + b"\x12\x02\x10\x01" * (4 << 20), 9)
+    assert len(bomb) < 20_000
+    before = vm_hwm_kb(receiver.proc.pid)
+    resp = post(receiver, bomb)
+    # then it is refused for its inflated size, and the receiver's peak memory barely moved
+    assert resp.status_code == 400 and "larger than" in resp.json()["error"]
+    assert vm_hwm_kb(receiver.proc.pid) - before < 64 << 10, "the receiver grew by 64 MB or more"
+    assert post(receiver, profile_bytes(), profile_id="after-bomb").status_code == 200
+
+
+@pytest.mark.parametrize("length", ["²", "¹²", "0x10", "9" * 40, "-1"])
+def test_a_content_length_that_is_not_ascii_digits_is_a_400(receiver: Receiver, length: str) -> None:
+    conn = http.client.HTTPConnection(receiver.host, receiver.port, timeout=HTTP_TIMEOUT_S)
+    try:
+        conn.putrequest("POST", "/v1/profiles?source=ebpf&type=cpu&service=s&start=1&end=2")
+        conn.putheader("Content-Length", length.encode("latin-1"))   # headers are read as latin-1
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert "Traceback" not in (receiver.log() or "")
+
+
+def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get_503(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import threading
+    from ebpfprofiler.receiver import server as srv
+    monkeypatch.setattr(srv, "REQUEST_DEADLINE_S", 2)
+    monkeypatch.setattr(srv, "MAX_CONCURRENT_REQUESTS", 2)
+    s = srv.make_server("127.0.0.1:0", str(tmp_path / "store"))
+    t = threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True)
+    t.start()
+    host, port = s.server_address[:2]
+    try:
+        # given two senders that trickle their headers, a byte every 0.2 s (within every read timeout)
+        slow = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+        for c in slow:
+            c.sendall(b"POST /v1/profiles?source=ebpf HTTP/1.1\r\n")
+        # when a third request comes, then it is answered 503 at once
+        with socket.create_connection((host, port), timeout=10) as third:
+            third.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            assert third.recv(100).startswith(b"HTTP/1.1 503")
+        # and the trickling ones are cut at the deadline, not held for ever
+        started = time.monotonic()
+        closed = set()
+        while len(closed) < 2 and time.monotonic() - started < 10:
+            for i, c in enumerate(slow):
+                try:
+                    c.sendall(b"X")
+                    c.settimeout(0.2)
+                    if c.recv(100) == b"":
+                        closed.add(i)
+                except (socket.timeout, TimeoutError):
+                    pass
+                except OSError:
+                    closed.add(i)
+        assert len(closed) == 2 and time.monotonic() - started < 6
+        for c in slow:
+            c.close()
+        # and then the receiver serves again
+        resp = requests.get(f"http://{host}:{port}/healthz", timeout=HTTP_TIMEOUT_S)
+        assert resp.status_code == 200
+    finally:
+        s.shutdown()
+        s.server_close()
+        t.join(10)

@@ -126,7 +126,7 @@ def test_overrides_round_trip_group_readable_and_empty_removes(tmp_path: Path) -
 @pytest.mark.parametrize("name, content, words", [
     ("not JSON", b"{enabled: false", "not JSON"),
     ("oversized", b'{"enabled": false' + b" " * rc.MAX_OVERRIDES_BYTES + b"}", "larger than"),
-    ("a list", b"[1, 2]", "not an object"),
+    ("a list", b"[1, 2]", "not a JSON object"),
     ("a refused key", b'{"sample_hz": 99}', "sample_hz = 99"),
     ("a bad value", b'{"upload_interval_s": -1}', "upload_interval_s = -1"),
     ("binary", b"\xff\xfe\x00", "not JSON"),

@@ -50,3 +50,21 @@ def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
         sw.add(("l",), (f"f{i}",), 1, 1)
     assert len(sw.rows) == 4 and sw.truncated == 7
     assert sw.rows[(("l",), window_mod.TRUNCATED)] == [7, 7]
+
+
+def test_a_drain_is_stamped_into_the_window_holding_most_of_its_stretch() -> None:
+    from ebpfprofiler.collector.main import drain_stamp_ns
+    s = 1_000_000_000
+    # given 4 s windows: a drain with no boundary since the last one is stamped now
+    assert drain_stamp_ns(9 * s, 10 * s + s // 2, 4 * s) == 10 * s + s // 2
+    # a quiet drain 50 ms after the boundary at 12 s, the last one 5 s earlier: the window before it
+    assert drain_stamp_ns(7 * s, 12 * s + s // 20, 4 * s) == 12 * s - 1
+    # a busy drain 0.9 s after the boundary, the last 0.1 s before it: the window after it
+    assert drain_stamp_ns(12 * s - s // 10, 12 * s + 9 * s // 10, 4 * s) == 12 * s + 9 * s // 10
+    # and what a quiet host's drains then hand in: every boundary-following drain into its window
+    last, windows = 0, []
+    for now in (5 * s, 8 * s + s // 20, 12 * s + s // 20, 16 * s + s // 20):
+        stamp = drain_stamp_ns(last, now, 4 * s)
+        windows.append(stamp // (4 * s))
+        last = now
+    assert windows == [0, 1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,12 @@ def live(pid: int) -> Process:
     return replace(read_process(pid, with_cmdline=False), mappings=read_maps(pid))
 
 
+def maps_name(pid: int, path: Path) -> bool:
+    """The process has exec'd `path` and mapped it: /proc/PID/exe changes at the start of execve,
+    before the new program's segments are mapped, so the exe link alone is not enough."""
+    return os.readlink(f"/proc/{pid}/exe") == str(path) and str(path) in Path(f"/proc/{pid}/maps").read_text()
+
+
 def address_in(proc: Process, module: Path, file_offset: int) -> int:
     """The address `file_offset` of `module` is mapped at in `proc` (module matched by file name)."""
     m = next(m for m in proc.mappings if Path(m.path).name == module.name
@@ -99,7 +106,7 @@ def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolv
     # when a stack (leaf first) is resolved: JIT code, a return address into
     # call_jit, a return address right after main's last byte, an unmapped address
     frames = resolver.user(proc, [code + 2, call_jit + 1, main_addr + 4, 0x10])
-    # then each frame is what DESIGN.md says it is
+    # then each frame is what docs/architecture.md ("Data flow") says it is
     assert frames[0] == Frame(JIT_MODULE, "", code + 2, "jit_spin_loop")
     assert frames[1].function == "call_jit" and frames[1].module == str(exe.resolve())
     assert frames[1].build_id == build_id(exe)
@@ -200,7 +207,7 @@ def stripped_in_root(build, tmp_path: Path) -> Iterator[tuple[Process, Path, Cal
 
     p = subprocess.Popen(["chroot", str(root), "/offcpu", "tiny", "30"], stdout=subprocess.DEVNULL)
     try:   # chroot(8) execs the workload in the same process
-        wait_for("the chrooted workload to run", lambda: os.readlink(f"/proc/{p.pid}/exe") == str(root / "offcpu"))
+        wait_for("the chrooted workload to run", lambda: maps_name(p.pid, root / "offcpu"))
         assert os.readlink(f"/proc/{p.pid}/root") == str(root)
         yield live(p.pid), full, place
     finally:
@@ -243,3 +250,27 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
     assert cache.stats["rejected"] == 1 and resolver.stats["debug_named"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.name == elf.__name__]
     assert len(warnings) == 1 and STATIC_ID in warnings[0] and reason in warnings[0]
+
+
+def test_a_roots_debug_file_names_only_the_processes_of_that_root(stripped_in_root, files: FileClient,
+                                                                 tmp_path: Path) -> None:
+    # given a stripped module with the debug file in its container's root, and a host process mapping
+    # a module that claims the same build id (the host has no debug file for it)
+    proc, full, place = stripped_in_root
+    place(STATIC_ID)
+    host_copy = tmp_path / "host-offcpu"
+    shutil.copy(Path(os.readlink(f"/proc/{proc.pid}/exe")), host_copy)
+    p = subprocess.Popen([str(host_copy), "tiny", "30"], stdout=subprocess.DEVNULL)
+    try:
+        wait_for("the host copy to run", lambda: maps_name(p.pid, host_copy))
+        host = live(p.pid)
+        resolver = FrameResolver(files)
+        # when the container's process is resolved first, then the host's
+        in_root = resolver.user(proc, [tiny_wait_address(proc, full)])[0]
+        offset = vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait"))
+        on_host = resolver.user(host, [address_in(host, host_copy, offset)])[0]
+        # then the root's names stay with the root's process
+        assert in_root.function == "tiny_wait"
+        assert on_host.build_id == STATIC_ID and on_host.function != "tiny_wait", on_host
+    finally:
+        stop_process(p)

@@ -2,16 +2,21 @@
 
 The /proc trees here are recorded shapes (stat, cgroup, an exe link) written
 to a temporary directory; the matching and the scan read them as they would
-read the host's.
+read the host's. The sampling arithmetic of allocation profiling (bursts,
+scale, first countdowns, frees the bursts could not see) is checked here too.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import random
 from pathlib import Path
 
-from ebpfprofiler.collector.alloc import exp_quantiles
+import pytest
+
+from ebpfprofiler.collector.alloc import BurstPlan, exp_quantiles, first_countdowns, survivors_to_forget
+from ebpfprofiler.shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
 from ebpfprofiler.collector.targets import TargetWatcher
 
 CONTAINER = "3f5e0c1b2a4d6e8f" + "0" * 48
@@ -99,3 +104,38 @@ def test_sampling_gaps_average_the_configured_bytes() -> None:
     assert abs(sum(q) / len(q) / 65536 - 1) < 1e-4
     # and they are exponential: the median is ln 2 of the mean
     assert abs(sorted(q)[128] / 65536 - math.log(2)) < 0.02
+
+
+def test_bursts_at_the_defaults_sample_a_fortieth_of_the_time_and_scale_it_back() -> None:
+    plan = BurstPlan(DEFAULT_ALLOC_DUTY_PCT)
+    # 5% of each second attached: 25 ms sampling, then a 25-ms tail
+    assert plan.attached_s == pytest.approx(0.05) and plan.sampling_s == pytest.approx(0.025)
+    assert plan.scale == 40 and plan.seen_free_share == pytest.approx(0.05)
+    # one sample per 64 KiB overall: one per 1.6 KiB while sampling, each standing for 40 times its bytes
+    assert plan.in_burst_sample_bytes(DEFAULT_ALLOC_SAMPLE_BYTES) * plan.scale == pytest.approx(
+        DEFAULT_ALLOC_SAMPLE_BYTES, rel=1e-3)
+    assert plan.in_burst_sample_bytes(0) == 0
+    # every phase keeps the burst inside its period
+    rng = random.Random(1)
+    assert all(0 <= plan.phase(rng) <= plan.period_s - plan.attached_s for _ in range(1000))
+    always = BurstPlan(100)
+    assert always.always and always.scale == 1 and always.in_burst_sample_bytes(4096) == 4096
+
+
+def test_the_first_countdown_of_each_cpu_is_a_draw_not_zero() -> None:
+    # A countdown of 0 samples every CPU's first allocation (a 32-byte one stands for 64 KiB).
+    first = first_countdowns(64, 1638, random.Random(2))
+    assert len(first) == 64 and all(v >= 1 for v in first)
+    assert len(set(first)) > 20 and 0.6 < sum(first) / len(first) / 1638 < 1.4
+
+
+def test_each_seen_survivor_free_stands_for_the_unseen_ones() -> None:
+    # Probes on 5% of the time: a free of a long-lived allocation is seen 1 time in 20, so each one
+    # seen stands for 19 that went unseen; fractions carry over.
+    n, debt = survivors_to_forget(0.0, 1, 0.05)
+    assert n == 19 and debt == pytest.approx(0.0, abs=1e-9)
+    n, debt = survivors_to_forget(0.0, 1, 0.3)    # 2.33 each
+    assert n == 2 and debt == pytest.approx(1 / 3, abs=1e-9)
+    n, debt = survivors_to_forget(debt, 2, 0.3)
+    assert n == 5 and debt == pytest.approx(0.0, abs=1e-9)
+    assert survivors_to_forget(0.0, 5, 1.0) == (0, 0.0)    # always attached: every free is seen

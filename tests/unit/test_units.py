@@ -193,5 +193,5 @@ def test_tmpfiles_creates_the_shared_directories(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     run, state = (tmp_path / "run/ebpfprofiler").stat(), (tmp_path / "var/lib/ebpfprofiler").stat()
-    assert (oct(run.st_mode & 0o7777), run.st_uid, run.st_gid) == (oct(0o2770), 0, 990)
+    assert (oct(run.st_mode & 0o7777), run.st_uid, run.st_gid) == (oct(0o3770), 0, 990)
     assert (oct(state.st_mode & 0o7777), state.st_uid, state.st_gid) == (oct(0o750), 0, 990)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.symbolizer.unwind_cache import UnwindCache
+from ebpfprofiler.symbolizer.unwind_cache import UnwindCache, file_identity
 
 
 def table(rows: int = 3) -> bytes:
@@ -17,47 +17,48 @@ def table(rows: int = 3) -> bytes:
 
 
 BID = "1ed993b64906213dfeb7f0fcc692ee71ff60e2d0"
+IDENT = "fd01-3e8-5000-17f0b2c3d4e5f600-17f0b2c3d4e5f600"   # file_identity of the module it was built from
 
 
 def test_a_table_put_is_read_back_across_instances(tmp_path: Path) -> None:
     # given a table cached by one worker, when another (or a restarted one) reads the same build id
-    UnwindCache(str(tmp_path)).put(BID, ut.ARCH_X86_64, table())
+    UnwindCache(str(tmp_path)).put(BID, IDENT, ut.ARCH_X86_64, table())
     again = UnwindCache(str(tmp_path))
     # then it gets the same table, and nothing for another arch or build id
-    assert again.get(BID, ut.ARCH_X86_64) == table()
-    assert again.get(BID, ut.ARCH_AARCH64) is None
-    assert again.get("00" * 20, ut.ARCH_X86_64) is None
+    assert again.get(BID, IDENT, ut.ARCH_X86_64) == table()
+    assert again.get(BID, IDENT, ut.ARCH_AARCH64) is None
+    assert again.get("00" * 20, IDENT, ut.ARCH_X86_64) is None
     assert again.stats["hits"] == 1 and again.stats["misses"] == 2
     assert oct((tmp_path / "unwind").stat().st_mode & 0o777) == "0o700"
 
 
 def test_a_corrupt_file_is_deleted_and_counted(tmp_path: Path) -> None:
     cache = UnwindCache(str(tmp_path))
-    cache.put(BID, ut.ARCH_X86_64, table())
-    path = Path(cache.path(BID, ut.ARCH_X86_64))
+    cache.put(BID, IDENT, ut.ARCH_X86_64, table())
+    path = Path(cache.path(BID, IDENT, ut.ARCH_X86_64))
     data = bytearray(path.read_bytes())
     data[-4] = 9   # the last row's cfa_kind: out of range
     path.write_bytes(bytes(data))
-    assert cache.get(BID, ut.ARCH_X86_64) is None
+    assert cache.get(BID, IDENT, ut.ARCH_X86_64) is None
     assert not path.exists() and cache.stats["corrupt"] == 1
     # and the table put again afterwards is served
-    cache.put(BID, ut.ARCH_X86_64, table())
-    assert cache.get(BID, ut.ARCH_X86_64) == table()
+    cache.put(BID, IDENT, ut.ARCH_X86_64, table())
+    assert cache.get(BID, IDENT, ut.ARCH_X86_64) == table()
 
 
 def test_a_truncated_or_foreign_file_is_corrupt_too(tmp_path: Path) -> None:
     cache = UnwindCache(str(tmp_path))
     for junk in (table()[:-8], b"", b"\x7fELF" + b"\0" * 100):
-        Path(cache.path(BID, ut.ARCH_X86_64)).write_bytes(junk)
-        assert cache.get(BID, ut.ARCH_X86_64) is None
+        Path(cache.path(BID, IDENT, ut.ARCH_X86_64)).write_bytes(junk)
+        assert cache.get(BID, IDENT, ut.ARCH_X86_64) is None
     assert cache.stats["corrupt"] == 3
 
 
 def test_build_ids_that_cannot_name_a_file_are_not_cached(tmp_path: Path) -> None:
     cache = UnwindCache(str(tmp_path))
     for bad in ("", "../../etc/passwd", "ABCD", "a/b"):
-        cache.put(bad, ut.ARCH_X86_64, table())
-        assert cache.get(bad, ut.ARCH_X86_64) is None
+        cache.put(bad, IDENT, ut.ARCH_X86_64, table())
+        assert cache.get(bad, IDENT, ut.ARCH_X86_64) is None
     assert os.listdir(tmp_path / "unwind") == []
 
 
@@ -66,14 +67,30 @@ def test_the_total_size_is_bounded_and_the_least_recently_used_go_first(tmp_path
     cache = UnwindCache(str(tmp_path), max_bytes=3 * size)
     ids = [f"{i:02x}" * 20 for i in range(5)]
     for i, bid in enumerate(ids[:3]):
-        cache.put(bid, ut.ARCH_X86_64, table())
-        os.utime(cache.path(bid, ut.ARCH_X86_64), (1000 + i, 1000 + i))
-    assert cache.get(ids[0], ut.ARCH_X86_64) is not None   # used: now the newest
+        cache.put(bid, IDENT, ut.ARCH_X86_64, table())
+        os.utime(cache.path(bid, IDENT, ut.ARCH_X86_64), (1000 + i, 1000 + i))
+    assert cache.get(ids[0], IDENT, ut.ARCH_X86_64) is not None   # used: now the newest
     # when two more tables are put into a cache that holds three
-    cache.put(ids[3], ut.ARCH_X86_64, table())
-    cache.put(ids[4], ut.ARCH_X86_64, table())
+    cache.put(ids[3], IDENT, ut.ARCH_X86_64, table())
+    cache.put(ids[4], IDENT, ut.ARCH_X86_64, table())
     # then the two least recently used are gone, and the directory is within its bound
-    kept = {bid for bid in ids if os.path.exists(cache.path(bid, ut.ARCH_X86_64))}
+    kept = {bid for bid in ids if os.path.exists(cache.path(bid, IDENT, ut.ARCH_X86_64))}
     assert kept == {ids[0], ids[3], ids[4]}
     assert sum(f.stat().st_size for f in (tmp_path / "unwind").iterdir()) <= 3 * size
     assert cache.stats["evicted"] == 2
+
+
+def test_a_table_is_served_only_for_the_file_it_was_built_from(tmp_path: Path) -> None:
+    # A file that copies libc's build id is another file: it never gets the table built from libc.
+    real, copy = tmp_path / "libc.so.6", tmp_path / "copy.so"
+    real.write_bytes(b"real")
+    copy.write_bytes(b"copy")
+    with open(real, "rb") as r, open(copy, "rb") as c:
+        ident_real, ident_copy = file_identity(r.fileno()), file_identity(c.fileno())
+    cache = UnwindCache(str(tmp_path / "state"))
+    cache.put(BID, ident_real, ut.ARCH_X86_64, table())
+    assert cache.get(BID, ident_copy, ut.ARCH_X86_64) is None
+    assert cache.get(BID, ident_real, ut.ARCH_X86_64) == table()
+    os.utime(real, (1, 1))     # the same inode, changed: no longer the file the table was built from
+    with open(real, "rb") as r:
+        assert cache.get(BID, file_identity(r.fileno()), ut.ARCH_X86_64) is None

@@ -219,3 +219,30 @@ def test_answers_to_an_absent_collector_are_dropped_without_blocking(broker, pro
         assert server.stats["recently_answered"] == 0 and server.stats["from_cache"] == 1
     finally:
         server.close()
+
+
+def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(prog, broker, collector_socket, run_dir: Path,
+                                                                     tmp_path: Path, zctx: zmq.Context,
+                                                                     build) -> None:
+    # given a batch asking for the program, then libc, when the first build has used all but 1 ms of the
+    # batch's budget (a clock that jumps once something was built)
+    from ebpfprofiler.symbolizer.unwind import BUILD_SECONDS_PER_BATCH
+    proc = process(prog.pid)
+    libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    wanted = [text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"])), text_mapping(proc, libc)]
+    server: UnwindServer | None = None
+
+    def clock() -> float:
+        return BUILD_SECONDS_PER_BATCH - 0.001 if server is not None and server.stats["built"] else 0.0
+
+    server = UnwindServer(FileClient(str(run_dir)), str(run_dir), str(tmp_path / "state"), ctx=zctx, clock=clock)
+    try:
+        server.serve(batch(proc, wanted))
+        (answer,) = receive(collector_socket, 1)
+        # then the program is answered, and libc's build, cut inside by what was left, is deferred: no
+        # answer, not failed, nothing cached (the collector asks again)
+        assert answer.inode == wanted[0].inode and answer.status == "ok"
+        assert server.stats["deferred"] == 1 and server.stats["failed"] == 0 and server.stats["built"] == 1
+        assert not collector_socket.poll(200)
+    finally:
+        server.close()

@@ -106,3 +106,28 @@ def test_a_bad_build_id_in_a_file_request_is_a_wire_error(kind: str, build_id: o
     frames = wire.encode(FileRequest(10, 99, kind, build_id="ab"))
     with pytest.raises(WireError):
         wire.decode(mutate(frames, ["body", "build_id"], build_id))
+
+
+def test_integer_of_more_digits_than_int_takes_is_a_wire_error() -> None:
+    # json raises a plain ValueError past sys.get_int_max_str_digits (4,300): it must be a WireError.
+    for frame in (b'{"v": 1, "kind": "stack_batch", "body": {"time_ns": ' + b"9" * 5000 + b"}}",
+                  b'{"v": ' + b"1" * 4301 + b"}"):
+        with pytest.raises(WireError, match="not JSON"):
+            wire.decode([frame])
+
+
+def test_errors_quote_the_offending_value_cut() -> None:
+    # A 3 MB value must not become a 3 MB log line.
+    huge = json.dumps({"v": 1, "kind": "x" * 3_000_000, "body": {}}).encode()
+    with pytest.raises(WireError) as e:
+        wire.decode([huge])
+    assert len(str(e.value)) < 400
+    body = {"v": 1, "kind": "file_reply", "body": {"ok": False, "error": "e" * 4000, "reason": ""}}
+    with pytest.raises(WireError) as e:
+        wire.decode([json.dumps(body).encode()])
+    assert len(str(e.value)) < 400
+    samples = json.dumps({"v": 1, "kind": "stack_batch", "body": {
+        "host": "h", "profile_type": "cpu", "sample_hz": [0] * 1_000_000, "time_ns": 0}}).encode()
+    with pytest.raises(WireError) as e:
+        wire.decode([samples])
+    assert len(str(e.value)) < 400

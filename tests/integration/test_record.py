@@ -1,0 +1,148 @@
+"""`ebpfprofiler record`: the agent's stages in the foreground, one file at the end.
+
+Given native workloads built by the test, when `record -d 5 -p PID` runs as
+root in a 0700 working directory, then:
+- `-o out.pb.gz` is a pprof that `go tool pprof -top` (an independent
+  reader) lists the workload's functions from, main→top→mid→leaf, leaf hottest;
+- `-o out.folded` holds the workload's folded stacks, heavy:light 3:1 ±10%;
+- on a terminal the progress line is redrawn in place; Ctrl-C ends the
+  recording early, the result is still written, and nothing it started is left.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from tests.harness import PY, kill_and_reap, require_root, wait_for
+
+RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
+HOT_STACK = ["main", "top", "mid", "leaf"]
+
+
+@pytest.fixture
+def private_cwd() -> Iterator[Path]:
+    """A 0700 working directory, like root's home."""
+    require_root()
+    path = Path(tempfile.mkdtemp(prefix="ebpfprofiler-record-cwd-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def workload(build: Callable[..., Path]) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([str(build(name)), "600"], stdout=subprocess.DEVNULL)
+        started.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        kill_and_reap(started)
+
+
+def record(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "record", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=RECORD_TIMEOUT_S)
+
+
+def test_record_to_pprof_is_read_by_go_tool_pprof(private_cwd: Path, workload) -> None:
+    hot = workload("hot")
+    r = record(private_cwd, "-d", "5", "-p", str(hot.pid), "-o", "out.pb.gz")
+    assert r.returncode == 0, r.stdout + r.stderr
+    top = subprocess.run(["go", "tool", "pprof", "-top", str(private_cwd / "out.pb.gz")], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    rows = [line.split()[-1] for line in top.splitlines() if re.match(r"\s*[\d.]+(m|u)?s?\s+[\d.]+%", line)]
+    assert rows and rows[0] == "leaf", top           # the hottest by self time
+    assert set(HOT_STACK) <= set(rows), top
+    # the end of the recording prints the top functions (self and total) and a plain progress line
+    table = r.stdout.split("top 15 functions, cpu (cpu):\n", 1)[1].splitlines()
+    assert table[0].split() == ["self", "self%", "total", "total%", "function"], r.stdout
+    assert re.fullmatch(r"\s+[\d.]+s\s+(?:[5-9]\d|100)\.\d%\s+[\d.]+s\s+\d+\.\d%\s+leaf", table[1]), r.stdout
+    assert "recording: " in r.stdout and "recorded: " in r.stdout, r.stdout
+    assert "\r" not in r.stdout          # not a terminal: plain lines only
+
+
+def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, workload) -> None:
+    ratio = workload("ratio")
+    other = workload("hot")              # another process, left out by -p
+    r = record(private_cwd, "-d", "5", "--hz", "499", "-p", str(ratio.pid), "-o", "out.folded")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (private_cwd / "out.folded").read_text().splitlines()
+    counts: dict[str, int] = {}
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        assert stack and n.isdigit(), line
+        counts[stack] = counts.get(stack, 0) + int(n)
+    heavy = sum(n for s, n in counts.items() if re.search(r"(^|;)main;work;heavy(;|$)", s))
+    light = sum(n for s, n in counts.items() if re.search(r"(^|;)main;work;light(;|$)", s))
+    assert heavy + light > 0.9 * sum(counts.values()), lines
+    assert heavy / light == pytest.approx(3.0, rel=0.10), (heavy, light)
+    assert not [s for s in counts if ";leaf" in s], "another process's samples"
+    del other
+
+
+def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(private_cwd: Path,
+                                                                             workload) -> None:
+    hot = workload("hot")
+    master, slave = pty.openpty()
+    p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
+                          "-o", "out.folded"], cwd=private_cwd, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    screen = b""
+
+    def read() -> bytes:
+        nonlocal screen
+        while select.select([master], [], [], 0)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            screen += chunk
+        return screen
+
+    try:
+        # the progress line is redrawn in place (carriage return, erase line) with live figures
+        wait_for("two progress lines with samples",
+                 lambda: len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes",
+                                        read())) >= 2, RECORD_TIMEOUT_S, 0.2)
+        started = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C sends to the terminal's foreground group
+        assert p.wait(RECORD_TIMEOUT_S) == 0, read().decode(errors="replace")
+        assert time.monotonic() - started < 60
+        out = (private_cwd / "out.folded").read_text()
+        assert "main;top;mid;leaf " in out, out
+        # nothing of the recording is left: no process of its session, no workspace
+        left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if _sid(pid) == p.pid]
+        assert not left, left
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        os.close(master)
+
+
+def _sid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return 0

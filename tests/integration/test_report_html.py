@@ -1,0 +1,185 @@
+"""The HTML report in a real browser: headless Chromium (Debian's, installed by make setup).
+
+Given a recording of the 3:1 workload (heavy:light) made with `record -o
+out.pb.gz`, and two offcpu profiles of other services, rendered with
+`ebpfprofiler report`, when Chromium opens the
+report from a file with the network unreachable (the page's own CSP forbids
+any fetch), then: the flame graph drew the workload's frames; typing
+"light" into the search reports a share within ±10% of light's share in the
+pprof; a click on "work" zooms (its frame then spans the chart); the
+tooltip text carries time and percent; the profile-type switch draws the
+offcpu graph with its services; a screenshot goes to the test's
+output directory. The test drives the page with a script of its own,
+appended to a copy of the report, which writes what it saw into the DOM;
+Chromium's --dump-dom prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from ebpfprofiler.shared import pprof
+from tests.harness import PY, kill_and_reap, require_root
+
+RECORD_TIMEOUT_S = 240
+BROWSER_TIMEOUT_S = 120
+# Virtual time the page gets: the drive script polls at most 10 s for the drawing and 10 s for the zoom.
+VIRTUAL_TIME_MS = 30000
+
+DRIVE = """
+<script>
+(function () {
+  const out = {};
+  function frames() { return Array.from(document.querySelectorAll("#chart g.frame")); }
+  function rectWidth(g) { return Number(g.querySelector("rect").getAttribute("width")); }
+  // the widest frame of that name: a function on two paths (a stack cut short before its module's
+  // unwind table arrived) has two frames, and a zoom hides the one not clicked
+  function frame(name) {
+    return frames().filter(function (g) { return g.getAttribute("name") === name; })
+      .reduce(function (best, g) { return !best || rectWidth(g) > rectWidth(best) ? g : best; }, undefined);
+  }
+  function width(name) { const g = frame(name); return g ? rectWidth(g) : 0; }
+  function done() {
+    const pre = document.createElement("pre"); pre.id = "drive-result";
+    pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+  }
+  // polls (transitions run on animation frames): then(true) once cond holds, then(false) at the deadline
+  function waitFor(cond, then, left) {
+    if (cond()) { then(true); } else if (left <= 0) { then(false); }
+    else { setTimeout(function () { waitFor(cond, then, left - 100); }, 100); }
+  }
+  let last = -1;
+  function stable() { const w = width("work"); const same = w > 0 && w === last; last = w; return same; }
+  waitFor(stable, function (drawn) {
+    out.drawn = drawn;
+    out.types = Array.from(document.querySelectorAll("#type option")).map(function (o) { return o.value; });
+    out.names = frames().map(function (g) { return g.getAttribute("name"); });
+    const work = frame("work");
+    out.title = work && work.querySelector("title") ? work.querySelector("title").textContent : null;
+    const search = document.getElementById("search");
+    search.value = "light";
+    search.dispatchEvent(new Event("input"));
+    out.share = document.getElementById("share").dataset.share;
+    out.shareText = document.getElementById("share").textContent;
+    out.svgWidth = Number(document.querySelector("#chart svg").getAttribute("width"));
+    out.workBefore = width("work");
+    // found again: the search redrew the chart, and an element found before it may hold another frame now
+    frame("work").dispatchEvent(new MouseEvent("click", {bubbles: true}));
+    waitFor(function () { return width("work") >= 0.85 * out.svgWidth; }, function (zoomed) {
+      out.zoomed = zoomed;
+      out.workAfter = width("work");
+      out.highlighted = frames().filter(function (g) {
+        return (g.querySelector("rect").getAttribute("fill") || "").toUpperCase() === "#E600E6";
+      }).map(function (g) { return g.getAttribute("name"); });
+      // the profile-type switch: offcpu has its own services and frames
+      const type = document.getElementById("type");
+      type.value = "offcpu";
+      type.dispatchEvent(new Event("change"));
+      waitFor(function () { return !!frame("nanosleep_caller"); }, function (switched) {
+        out.switched = switched;
+        out.offcpuServices = Array.from(document.querySelectorAll("#service option")).map(function (o) {
+          return o.textContent; });
+        out.offcpuNames = frames().map(function (g) { return g.getAttribute("name"); });
+        type.value = "cpu";
+        type.dispatchEvent(new Event("change"));
+        done();
+      }, 10000);
+    }, 10000);
+  }, 10000);
+})();
+</script>
+"""
+
+
+@pytest.fixture
+def ratio_workload(build: Callable[..., Path]) -> Iterator[subprocess.Popen[bytes]]:
+    p = subprocess.Popen([str(build("ratio")), "600"], stdout=subprocess.DEVNULL)
+    try:
+        yield p
+    finally:
+        kill_and_reap([p])
+
+
+def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("chromium")
+    assert exe, "chromium is not installed: make setup installs it (deploy/setup.sh DEV_PACKAGES)"
+    return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           "--disable-extensions", f"--user-data-dir={cwd / 'chromium-profile'}",
+                           "--window-size=1400,900", f"--virtual-time-budget={VIRTUAL_TIME_MS}", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
+
+
+def offcpu_profile(service: str) -> bytes:
+    """An offcpu pprof as a symbolizer worker writes it: main → nanosleep_caller blocked 2 s."""
+    b = pprof.ProfileBuilder([("samples", "count"), ("offcpu", "nanoseconds")], ("offcpu", "nanoseconds"),
+                             1, 1_700_000_000_000_000_000, 2_000_000_000)
+    m = b.mapping("exe", service, "")
+    locs = [b.location((n,), m, 0x1000 + i, [b.function(n)]) for i, n in enumerate(("main", "nanosleep_caller"))]
+    b.sample(list(reversed(locs)), [4, 2_000_000_000], {"process.executable": service, "pid": "1"})
+    return b.gzipped()
+
+
+def share_of(profile: pprof.ReadProfile, name: str) -> float:
+    """The share of the default value (the last sample type) in stacks through `name`."""
+    total = sum(s.values[-1] for s in profile.samples)
+    through = sum(s.values[-1] for s in profile.samples if name in s.functions)
+    return through / total
+
+
+def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, ratio_workload) -> None:
+    require_root()
+    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "5", "--hz", "199",
+                        "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # and a second profile type of two other services, as the agent's local_dir would hold it
+    (tmp_path / "offcpu-20261201T000000Z-1.pb.gz").write_bytes(offcpu_profile("/usr/bin/sleeper"))
+    (tmp_path / "offcpu-20261201T000000Z-2.pb.gz").write_bytes(offcpu_profile("/usr/bin/waiter"))
+    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "report", "out.pb.gz", "offcpu-20261201T000000Z-1.pb.gz",
+                        "offcpu-20261201T000000Z-2.pb.gz", "-o", "report.html"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "report.html").read_text()
+    # one file, nothing fetched: no external script, style, font or URL to load
+    assert not re.search(r"""<(script|link|img)[^>]+(src|href)=""", page)
+    assert "Content-Security-Policy" in page
+    driven = tmp_path / "driven.html"
+    driven.write_text(page.replace("</body>", DRIVE + "</body>"))
+
+    dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
+    m = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
+    assert m, f"the page did not run: {dom.stderr[-3000:]}"
+    got = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">")
+                     .replace("&amp;", "&"))
+    # the flame graph drew the workload's frames
+    assert {"main", "work", "heavy", "light"} <= set(got["names"]), got["names"]
+    assert got["types"] == ["cpu", "offcpu"]
+    # switching the type draws the other profile, with its services (and all of them together)
+    assert got["switched"], got
+    assert got["offcpuServices"] == ["(all services)", "/usr/bin/sleeper", "/usr/bin/waiter"], got
+    assert {"/usr/bin/sleeper", "/usr/bin/waiter", "nanosleep_caller"} <= set(got["offcpuNames"])
+    assert "heavy" not in got["offcpuNames"]
+    # the tooltip gives time and percent
+    assert re.fullmatch(r"work: [\d.]+ (s|ms) \(\d+\.\d\d%\)", got["title"] or ""), got["title"]
+    # the search's share is the pprof's, ±10%
+    expected = share_of(pprof.read((tmp_path / "out.pb.gz").read_bytes()), "light")
+    assert 0.15 < expected < 0.35, expected      # the workload's 1 in 4
+    assert float(got["share"]) == pytest.approx(expected, rel=0.10), got
+    assert "light" in got["highlighted"] and "heavy" not in got["highlighted"], got["highlighted"]
+    assert re.match(r"1 function matched: \d+\.\d\d% ", got["shareText"]), got["shareText"]
+    # a click on a frame zooms: it then spans most of the chart
+    assert got["drawn"] and got["zoomed"], {k: got.get(k) for k in ("zoomed", "workBefore", "workAfter", "svgWidth")}
+    # (zoomed, the frame measured 88% of the chart's width in every run here, not all of it)
+    assert got["workBefore"] < 0.8 * got["svgWidth"] and got["workAfter"] >= 0.85 * got["svgWidth"], got
+
+    shot = tmp_path / "report.png"
+    r = chromium(f"--screenshot={shot}", driven.as_uri(), cwd=tmp_path)
+    assert shot.exists() and shot.stat().st_size > 10_000, r.stderr[-3000:]
+    print(f"screenshot: {shot}")

@@ -1,0 +1,221 @@
+"""Ruby stacks end to end: Debian's stripped libruby, chrooted, the whole pipeline, ruby_wall profiles.
+
+With runtime_stacks: [ruby], the pipeline reads Ruby 3.3 (Debian trixie) and
+3.4 (Debian experimental), each run chrooted in its cached Debian root as in
+a container (tests/runtime_roots.py). Debian's libruby exports no
+ruby_current_vm_ptr (hidden, .symtab stripped): the reader finds the VM by
+its scan of libruby's writable data. The received ruby_wall profiles show,
+per version, the main thread in <main> → run → cpu_a / cpu_b in a 3:1 ratio
+(±10%) with the script's file and lines, and a second thread blocked in
+blocked_here (in sleep, a C function: not a frame of its own).
+
+Refusal, logged once with the reason (the stage's Reader driven tick by
+tick): Ruby 3.1 (Debian bookworm's, in its root).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import endpoints, pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+
+from tests import runtime_roots
+from tests.harness import WORKLOADS, Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.integration.test_runtime_edges import DrivenReader, start
+
+SCRIPT = WORKLOADS / "ruby_split.rb"
+# Processes per version: sampled at random phases of their cycle (a loaded host moves them), each
+# stack is a draw with p = 3/4, so N stacks judge 3:1 to one sigma of 6.9/sqrt(N) (binomial; 2,400
+# put +-10% at under two sigma). Twelve give 6,400 in ~28 s, where +-10% is 3.5 sigma.
+COPIES = 12
+# Main-thread stacks per version before the ratio is judged.
+WANT_STACKS = 6400
+# Stacks of the blocked threads at least.
+WANT_BLOCKED = 1800
+# The workload's own deadline: it ends by itself even if the test cannot end it.
+WORKLOAD_SECONDS = 180
+
+
+def marked_lines(tag: str) -> set[int]:
+    return {i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
+
+
+def method_lines(name: str) -> range:
+    lines = SCRIPT.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines, 1) if line.strip().startswith(f"def {name}("))
+    end = next(i for i, line in enumerate(lines[start:], start + 1) if line.strip() == "end" and
+               len(line) - len(line.lstrip()) == len(lines[start - 1]) - len(lines[start - 1].lstrip()))
+    return range(start, end + 1)
+
+
+@dataclass
+class Workload:
+    version: str
+    procs: list[subprocess.Popen]
+    filename: str
+
+
+@dataclass
+class Run:
+    workloads: list[Workload]
+    samples: dict[int, list[pprof.ReadSample]]   # pid → ruby_wall samples
+
+
+def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
+    by_pid: dict[int, list[pprof.ReadSample]] = {}
+    for meta in list_profiles(str(directory)):
+        if meta["type"] != "ruby_wall":
+            continue
+        for s in pprof.read(Path(meta["path"]).read_bytes()).samples:
+            by_pid.setdefault(int(s.labels["pid"]), []).append(s)
+    return by_pid
+
+
+def main_samples(run: Run, w: Workload) -> list[pprof.ReadSample]:
+    return [s for p in w.procs for s in run.samples.get(p.pid, []) if s.labels.get("thread.id") == str(p.pid)]
+
+
+def other_samples(run: Run, w: Workload) -> list[pprof.ReadSample]:
+    return [s for p in w.procs for s in run.samples.get(p.pid, []) if s.labels.get("thread.id") != str(p.pid)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    require_root()
+    work = tmp_path_factory.mktemp("ruby")
+    inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
+    roots = {"3.3": runtime_roots.trixie(), "3.4": runtime_roots.experimental()}
+    for root in roots.values():
+        (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
+        shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
+    receiver = Receiver(work / "received")
+    workloads: list[Workload] = []
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
+            python_stacks=False, runtime_stacks=("ruby",), cpu_budget=50.0, dwarf_unwind=False, offcpu=False))
+        try:
+            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
+            wait_for("the runtime reader", ready.exists, timeout=30)
+            for v, root in roots.items():     # one version at a time
+                filename = str(inside / SCRIPT.name)
+                w = Workload(v, [], filename)
+                workloads.append(w)
+                for _ in range(COPIES):
+                    p = subprocess.Popen(["chroot", str(root), f"/usr/bin/ruby{v}", filename, str(WORKLOAD_SECONDS)],
+                                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                    w.procs.append(p)
+                    assert p.stdout is not None and p.stdout.readline().startswith("ready "), f"ruby{v} did not start"
+
+                def enough() -> bool:
+                    got = received_samples(receiver.dir)
+                    return sum(s.values[0] for p in w.procs for s in got.get(p.pid, [])
+                               if s.labels.get("thread.id") == str(p.pid)) >= WANT_STACKS
+                try:
+                    wait_for(f"ruby_wall profiles of Ruby {v}", enough, timeout=120, interval=1.0)
+                except AssertionError as e:
+                    runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
+                    raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+                for p in w.procs:
+                    p.kill()
+                    p.wait()
+        finally:
+            code = pipeline.stop()
+        assert code == 0, pipeline.log()
+        yield Run(workloads, received_samples(receiver.dir))
+    finally:
+        for w in workloads:
+            kill_and_reap(w.procs)
+        receiver.stop()
+        for root in roots.values():
+            shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
+
+
+VERSIONS = ["3.3", "3.4"]
+
+
+def workload(run: Run, version: str) -> Workload:
+    return next(w for w in run.workloads if w.version == version)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_main_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
+    w = workload(run, version)
+    inside: Counter[str] = Counter()
+    for s in main_samples(run, w):
+        names = [f.function for f in s.frames]
+        assert names[0] == "<main>", f"{version}: {names}"
+        # Not in run(): Ruby's start-up (gem_prelude requiring rubygems), or run's own loop.
+        inside[names[-1] if names[-1] in ("cpu_a", "cpu_b") and "run" in names else "other"] += s.values[0]
+    a, b = inside["cpu_a"], inside["cpu_b"]
+    assert a + b >= 0.95 * sum(inside.values()), f"{version}: {inside.most_common(5)}"
+    print(f"Ruby {version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
+    assert 2.7 <= a / max(b, 1) <= 3.3, f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_frames_carry_file_and_lines(run: Run, version: str) -> None:
+    w = workload(run, version)
+    calls = {"cpu_a": marked_lines("CALL_A"), "cpu_b": marked_lines("CALL_B")}
+    bodies = {"cpu_a": marked_lines("LINE_A"), "cpu_b": marked_lines("LINE_B")}
+    consistent = torn = 0
+    body_lines: Counter[tuple[str, int]] = Counter()
+    for s in main_samples(run, w):
+        leaf = s.frames[-1]
+        if leaf.function not in bodies:
+            continue
+        caller = s.frames[-2]
+        assert caller.function == "run" and leaf.filename == caller.filename == w.filename, s.frames
+        assert leaf.line in method_lines(leaf.function), f"{version}: {leaf.function} at line {leaf.line}"
+        body_lines[(leaf.function, leaf.line)] += s.values[0]
+        if caller.line in calls[leaf.function]:
+            consistent += s.values[0]
+        else:
+            torn += s.values[0]
+    assert consistent and torn <= 0.05 * (consistent + torn), f"{version}: {torn} of {consistent + torn} torn"
+    for fn, lines in bodies.items():   # mostly in its loop (its first line, i = 0, now and then)
+        top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
+        assert top in lines, f"{version}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_second_thread_is_blocked_in_blocked_here(run: Run, version: str) -> None:
+    w = workload(run, version)
+    samples = other_samples(run, w)
+    n = sum(s.values[0] for s in samples)
+    assert n >= WANT_BLOCKED, f"{version}: only {n} stacks of the second threads"
+    wait = marked_lines("WAIT")
+    for s in samples:
+        leaf = s.frames[-1]
+        assert leaf.function == "blocked_here" and leaf.filename == w.filename and leaf.line in wait, s.frames
+        assert s.labels["thread.name"], s.labels
+
+
+def test_ruby_3_1_is_refused_once_with_the_reason(tmp_path: Path, started: list[subprocess.Popen],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    require_root()
+    caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
+    root = runtime_roots.bookworm_ruby()
+    driven = DrivenReader(tmp_path, runtime_stacks=("ruby",), python_stacks=False)
+    try:
+        p, _ = start(started, ["chroot", str(root), "/usr/bin/ruby3.1", "-e", 'puts "ready"; $stdout.flush; $stdin.read'])
+        for _ in range(20):
+            driven.announce(p.pid, full=True)
+            driven.tick()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+        assert len(lines) == 1, lines
+        assert "refused: Ruby: " in lines[0] and "Ruby 3.1 is not supported (3.3 and 3.4 are" in lines[0], lines
+        assert driven.reader.targets.entries[p.pid].state == "refused"
+        assert p.poll() is None, "a refused process was disturbed"
+    finally:
+        driven.close()

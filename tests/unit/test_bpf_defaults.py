@@ -1,0 +1,21 @@
+"""The defaults bpf/common.h falls back to are the values the collector compiles it with."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.harness import ROOT
+
+COMMON_H = Path(ROOT) / "bpf" / "common.h"
+
+
+def test_common_h_defaults_are_the_collectors_values() -> None:
+    # The collector imports bcc only when it runs: read its constants from the source.
+    main = (Path(ROOT) / "collector" / "main.py").read_text()
+    header = COMMON_H.read_text()
+    for name in ("NEW_PID_NOTIFY_NS", "SEEN_PIDS"):
+        py = re.search(rf"^{name} = ([\d_]+)$", main, re.MULTILINE)
+        c = re.search(rf"^#define {name} (\d+)$", header, re.MULTILINE)
+        assert py and c, name
+        assert int(py.group(1).replace("_", "")) == int(c.group(1)), name

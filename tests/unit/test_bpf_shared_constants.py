@@ -1,0 +1,99 @@
+"""Every constant the BPF programs and the Python side both use has the same value on both sides.
+
+bcc compiles bpf/*.c at run time, so their #defines cannot be imported: this test reads them
+from the C sources and compares them with the Python modules that decode what the programs
+write (slot orders of the lost counters, the unwinder's counters and rule kinds, the per-process
+mapping array). A value changed on one side only fails here, not as a wrong count in production.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from ebpfprofiler.collector import alloc, intervals, offcpu, oncpu, unwind
+from ebpfprofiler.shared import unwind_table
+from tests.harness import ROOT
+
+BPF = Path(ROOT) / "bpf"
+
+# What each C name of a lost-counter slot is called on the Python side (the names users see
+# in the log and the status file: "cpu.counts_map_full").
+LOST_NAMES = {
+    "COUNTS_FULL": "counts_map_full",
+    "USER_STACK": "user_stack_not_recorded",
+    "KERNEL_STACK": "kernel_stack_not_recorded",
+    "START_FULL": "start_map_full",
+    "NO_RECORD": "no_task_record",
+    "LIVE_FULL": "live_map_full",
+    "PENDING_FULL": "pending_map_full",
+}
+
+# (BPF source, its slot prefix, the Python module naming the slots)
+LOST_FAMILIES = [
+    ("oncpu.c", "ONCPU_LOST", oncpu),
+    ("offcpu.c", "OFFCPU_LOST", offcpu),
+    ("lock.c", "LOCK_LOST", intervals),
+    ("alloc.c", "ALLOC_LOST", alloc),
+]
+
+
+def defines(path: Path) -> dict[str, int]:
+    """Every `#define NAME <integer>` of a C file (a trailing comment allowed)."""
+    out: dict[str, int] = {}
+    for m in re.finditer(r"^#define\s+(\w+)\s+(0x[0-9a-fA-F]+|\d+)U?L*\b", path.read_text(), re.MULTILINE):
+        out[m.group(1)] = int(m.group(2), 0)
+    return out
+
+
+def kernel_slots(module: ModuleType) -> int:
+    """How many of the module's LOST_REASONS its LostCounters reads from the kernel (the rest are
+    counted in Python, as stack_gone): `LOST_REASONS[:n]`, or all of them."""
+    src = Path(module.__file__).read_text()
+    m = re.search(r"LostCounters\([^)]*LOST_REASONS(?:\[:(\d+)\])?\)", src)
+    assert m, f"{module.__name__} reads no LOST_REASONS"
+    reasons = module.LOST_REASONS
+    return int(m.group(1)) if m.group(1) else len(reasons)
+
+
+@pytest.mark.parametrize("source,prefix,module", LOST_FAMILIES, ids=[f[0] for f in LOST_FAMILIES])
+def test_lost_slots_are_named_in_the_order_the_programs_count_them(source: str, prefix: str, module: ModuleType) -> None:
+    d = defines(BPF / source)
+    slots = d[f"{prefix}_SLOTS"]
+    by_index = {v: k[len(prefix) + 1:] for k, v in d.items() if k.startswith(prefix + "_") and k != f"{prefix}_SLOTS"}
+    assert sorted(by_index) == list(range(slots)), f"{source}: {prefix}_* slots are not 0..{slots - 1}"
+    c_names = [LOST_NAMES[by_index[i]] for i in range(slots)]
+    reasons = module.LOST_REASONS
+    n = kernel_slots(module)
+    assert n == slots, f"{module.__name__} reads {n} kernel slots, {source} has {slots}"
+    assert list(reasons[:n]) == c_names
+
+
+def test_unwind_counters_are_named_in_slot_order() -> None:
+    d = defines(BPF / "unwind.h")
+    names = {"LOST_TAIL_CALL": "tail_call_failed", "LOST_STACK_FULL": "stack_map_full", "TRUNCATED": "truncated",
+             "FP_STEPS": "fp_steps", "DWARF_STEPS": "dwarf_steps"}
+    assert d["UNWIND_COUNTER_SLOTS"] == len(unwind.COUNTERS)
+    assert [d[f"UNWIND_{c}"] for c in names] == list(range(len(names)))
+    assert list(unwind.COUNTERS) == list(names.values())
+
+
+def test_unwind_rule_kinds_and_mapping_cap_are_the_tables() -> None:
+    d = defines(BPF / "unwind.h")
+    for name in ("CFA_SP", "CFA_FP", "CFA_PLT", "CFA_FALLBACK", "CFA_END", "FP_SAME", "FP_SAVED"):
+        assert d[name] == getattr(unwind_table, name), name
+    # bpf/unwind.h names no RA kind: its x86-64 walk always reads the return address at
+    # CFA + ra_off, which is RA_SAVED, the kind 0 a zeroed row has.
+    assert unwind_table.RA_SAVED == 0
+    assert d["UNWIND_MAPPINGS"] == unwind.UNWIND_MAPPINGS
+
+
+def test_every_define_the_collector_passes_is_used_by_a_program() -> None:
+    # A -D flag no program reads is a constant the Python side keeps for nothing.
+    sources = "".join(p.read_text() for p in BPF.iterdir() if p.suffix in (".c", ".h"))
+    passed = set(unwind.bpf_defines(offcpu_dwarf=True, lock_dwarf=True)) | set(alloc.bpf_defines(65536, 5.0))
+    for name in passed:
+        assert re.search(rf"\b{name}\b", sources), name

@@ -1,0 +1,99 @@
+"""The runtime-reader registry and what follows from it; the shared per-file cache; Ruby's line lookup.
+
+The config's runtime_stacks values and the wire's profile types come from
+shared/runtime_registry.py; every registered runtime's folder exports
+runtime(cfg) and its detect (runtimes/runtime.py's contract). FileCache
+computes once per key and fails again for a file that failed. RubyProcess's
+succinct-index lookup gives, on a table recorded from a live Ruby 3.3 process
+(Debian trixie's libruby-3.3, Work#cpu_a of tests/workloads/ruby_split.rb),
+the entry Ruby's own iseq.c gives.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS as RUBY_LAYOUTS
+from ebpfprofiler.runtimes.ruby.reader import RubyProcess
+from ebpfprofiler.runtimes.runtime import FileCache
+from ebpfprofiler.shared import config, runtime_registry, wire
+
+
+def write(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "agent.yaml"
+    path.write_text("modules:\n  ebpf_profiler:\n" + body)
+    return str(path)
+
+
+def test_config_keys_and_profile_types_follow_from_the_registry(tmp_path: Path) -> None:
+    assert config.load(write(tmp_path, "    runtime_stacks: [php, ruby, python_legacy]\n")).runtime_stacks == \
+        ("php", "ruby", "python_legacy")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(write(tmp_path, "    runtime_stacks: [perl]\n"))
+    for spec in runtime_registry.RUNTIMES:
+        for name, _ in spec.opt_ins:
+            assert name in str(e.value)
+        assert not spec.profile_type or spec.profile_type in wire.PROFILE_TYPES   # "": .NET's names go to cpu
+    assert {"python_wall", "php_wall", "ruby_wall", "jvm_wall"} <= set(wire.PROFILE_TYPES)
+
+
+def test_every_registered_runtime_is_a_plug_in_that_follows_its_opt_in() -> None:
+    for spec in runtime_registry.RUNTIMES:
+        plugin = importlib.import_module(spec.package)
+        on = config.ProfilerConfig(runtime_stacks=tuple(n for n, _ in spec.opt_ins))
+        off = config.ProfilerConfig(runtime_stacks=(), python_stacks=False)
+        got = plugin.runtime(on)
+        assert got is not None and got.spec is spec and callable(got.detect)
+        assert plugin.runtime(off) is None
+
+
+def test_file_cache_computes_once_and_remembers_failures() -> None:
+    cache, calls = FileCache(capacity=2), []
+
+    def compute(v: int) -> int:
+        calls.append(v)
+        if v < 0:
+            raise ValueError("bad file")
+        return v * 10
+    assert cache.get("a", lambda: compute(1)) == 10
+    assert cache.get("a", lambda: compute(1)) == 10
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            cache.get("bad", lambda: compute(-1))
+    assert calls == [1, -1]
+    cache.get("c", lambda: compute(3))          # over capacity: the least recently used goes
+    assert cache.get("a", lambda: compute(1)) == 10 and calls == [1, -1, 3, 1]
+
+
+class _Table:
+    """A recorded succ_index_table, served as ProcessMemory serves reads."""
+    BASE = 0x1000
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self, address: int, size: int) -> bytes:
+        return self.data[address - self.BASE:address - self.BASE + size]
+
+    def u64(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 8), "little")
+
+
+# Work#cpu_a's table (16 entries: lines 10, 10, 11, 11, 12, 12, 12, 12, 11 ...) as read from the process.
+RECORDED = bytes.fromhex("01816030201008048582e170402012090ac562c160341a0e8e0704028140201000000000000000"
+                         "00000000000000000000")
+
+
+def test_ruby_succinct_index_lookup_matches_the_recorded_table() -> None:
+    r = RubyProcess("3.3.8", RUBY_LAYOUTS[(3, 3)], 0)
+    mem = _Table(RECORDED)
+    got = [r._succ_lookup(mem, _Table.BASE, x) for x in range(30)]   # the decoder under test
+    # Ranks never fall, start at 1 (position 0 starts the first entry) and end at the entry count;
+    # every position of cpu_a maps to one of its lines (10 to 12, the `end` at 14 last), and the
+    # position the live reader sampled most (19) to the loop's line 11.
+    assert got == [1, 2, 2, 3, 3, 4, 4, 4, 4, 5, 5, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
+                   15, 16], got
+    lines = [10, 10, 11, 11, 12, 12, 12, 12, 11, 11, 11, 11, 11, 11, 11, 14]
+    assert lines[got[19] - 1] == 11 and {lines[i - 1] for i in got} == {10, 11, 12, 14}
