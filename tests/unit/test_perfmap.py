@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import threading
 from pathlib import Path
 
@@ -109,6 +110,24 @@ def test_malformed_lines_are_skipped_and_counted(proc: Path) -> None:
     assert pm.lookup(0xB00F) == "last"
     assert pm.lookup(0x3000) is None
     assert pm.lookup(0xC000) is None
+
+
+def test_a_nul_ends_an_entry_as_dotnet_8_writes_some(proc: Path) -> None:
+    # Given lines as .NET 8.0.4 wrote them when asked for a map over its diagnostics socket (recorded
+    # from one: 12 of its 1,384 lines held two entries, the first ended by a NUL)
+    write_map(proc, "0x7f3aa44275b0 2a instance native int [Python.Runtime] Python.Runtime.Platform.LinuxLibDL2::"
+                    "Python.Runtime.Platform.ILibDL.dlsym(native int,string)[QuickJitted]\0"
+                    "0x7f3aa44275f0 1da native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,string)"
+                    "[Optimized]\n"
+                    "0x7f3aa51406a0 27 int64 [Anonymously Hosted DynamicMethods Assembly] "
+                    "dynamicClass::HotLoopEbpfTest(int64)[Optimized]\0\n")
+    # When it is read / Then each entry resolves to its own name, none is counted malformed
+    pm = read(proc)
+    assert pm.bad_lines == 0
+    assert pm.lookup(0x7F3AA44275B0 + 0x29).endswith("ILibDL.dlsym(native int,string)[QuickJitted]")
+    assert pm.lookup(0x7F3AA44275F0) == ("native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,"
+                                         "string)[Optimized]")
+    assert pm.lookup(0x7F3AA51406A0 + 0x26).endswith("dynamicClass::HotLoopEbpfTest(int64)[Optimized]")
 
 
 def test_later_line_wins_for_the_same_start(proc: Path) -> None:
@@ -287,3 +306,28 @@ def test_cache_is_a_bounded_lru(proc: Path) -> None:
     assert cache.stats["hits"] == 2
     cache.get(PID, 2, NSPID, UID, now=0.0)
     assert cache.stats["loaded"] == 4
+
+
+def test_a_costly_map_rewritten_every_second_is_read_a_bounded_share_of_the_time(proc: Path) -> None:
+    # Given a map near the entry cap (its read costs tens of ms or more here)
+    cache = PerfMapCache(opener(proc))
+    lines = "".join(f"{0x100000 + i * 16:x} 10 jit_fn_{i}\n" for i in range(perfmap.PERF_MAP_MAX_ENTRIES - 1))
+    write_map(proc, lines)
+    cache.get(PID, START_TICKS, NSPID, UID, now=100.0)
+    # When it changes every second
+    read_at = [100.0]
+    backoff = [cache._entries[(PID, START_TICKS)].interval]   # what the cache set after each read
+    for second in range(1, 61):
+        write_map(proc, lines + f"{0x100:x} 10 tick_{second}\n")
+        before = cache.stats["loaded"]
+        cache.get(PID, START_TICKS, NSPID, UID, now=100.0 + second)
+        if cache.stats["loaded"] > before:
+            read_at.append(100.0 + second)
+            backoff.append(cache._entries[(PID, START_TICKS)].interval)
+    # Then every read waited out the back-off its previous read set (PERF_MAP_REREAD_FACTOR times its
+    # cost, judged by the cache's own clock, so a loaded machine changes the figures, not the rule),
+    # and a map this costly was not read every second
+    for i in range(1, len(read_at)):
+        assert read_at[i] - read_at[i - 1] >= backoff[i - 1], (read_at, backoff)
+    assert all(b > perfmap.PERF_MAP_RECHECK_S for b in backoff), backoff
+    assert len(read_at) - 1 < 60
