@@ -2,8 +2,10 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= deploy/agent.yaml
+# more options for `ebpfprofiler run` (e.g. RUN_ARGS="--run-dir DIR --state-dir DIR")
+RUN_ARGS ?=
 
-.PHONY: setup run test unit integration bench clean
+.PHONY: setup run record test test-assets unit integration bench clean
 
 ## setup: install everything this host needs (idempotent; Debian 12, as root)
 setup:
@@ -11,16 +13,25 @@ setup:
 
 ## run: profile this host with every stage in the foreground (Ctrl-C stops)
 run: setup
-	$(VENV)/bin/ebpfprofiler run --config $(CONFIG)
+	$(VENV)/bin/ebpfprofiler run --config $(CONFIG) $(RUN_ARGS)
+
+## record: profile the whole host for 30 s into profile.html (RECORD_ARGS: other `ebpfprofiler record` options)
+RECORD_ARGS ?= -d 30 -o profile.html
+record: setup
+	$(VENV)/bin/ebpfprofiler record $(RECORD_ARGS)
+
+## test-assets: fetch the runtimes and Debian roots the tests profile, side by side (cached)
+test-assets: setup
+	$(PY) -m tests.assets
 
 ## test: every test, unit and integration (real BPF, real processes)
-test: setup
-	$(PY) -m pytest -v tests
+test: setup test-assets
+	$(PY) -m pytest -v --durations=40 tests
 
 unit: setup
 	$(PY) -m pytest -v tests/unit
 
-integration: setup
+integration: setup test-assets
 	$(PY) -m pytest -v tests/integration
 
 ## bench: speed and overhead figures into bench/results/, and a table
