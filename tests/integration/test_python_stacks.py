@@ -42,9 +42,11 @@ SCRIPT = WORKLOADS / "py_threads.py"
 SID_PACKAGES = ["python3.13", "python3.14"]
 # Bump when the way the sid root is built changes.
 SID_RECIPE = 1
-# Worker-thread stacks per interpreter before the ratio is judged: ~27 s at 19 Hz (with 300,
-# 3:1 came out anywhere in 2.85..3.25 on a quiet host: too close to the ±10% edge).
-WANT_WORKER_STACKS = 500
+# Worker-thread stacks per interpreter before the ratio is judged: ~42 s at 19 Hz. With 300, 3:1
+# came out anywhere in 2.85..3.25 on a quiet host; with 500, CI once saw 2.65 (a binomial 3:1 of
+# 500 stacks has a standard deviation of 0.31 in the ratio: the ±10% band was one sigma wide,
+# and only the ticks' even phases against the workload's 20 ms cycle kept it mostly inside).
+WANT_WORKER_STACKS = 800
 # The workload's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 240
 PY_SPY = str(Path(PY).parent / "py-spy")
