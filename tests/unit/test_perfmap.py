@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import threading
 from pathlib import Path
 
