@@ -52,7 +52,7 @@ class DotNetBench:
         try:
             procs.sleep_until_wall(time.time() + SETTLE_S)
             # the .NET plug-in reads no memory: no ProcessMemory for it
-            ctx = ProcessContext(p.pid, "/proc", None, FileCache(), procs.start_time(p.pid))  # type: ignore[arg-type]
+            ctx = ProcessContext(p.pid, "/proc", None, FileCache(), procs.start_time(p.pid))  # type: ignore[arg-type]  # no memory to read
             t0 = time.monotonic()
             got = plugin.detect(ctx)
             detect_s = time.monotonic() - t0

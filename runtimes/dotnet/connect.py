@@ -40,7 +40,7 @@ import struct
 import time
 
 import prctl
-from ebpfprofiler.shared import privileges
+from ebpfprofiler.shared import privileges, procstat
 
 # Seconds the child has to take the ids, find the socket and connect (a runtime's backlog is short).
 CONNECT_TIMEOUT_S = 0.5
@@ -71,14 +71,14 @@ def socket_name(nspid: int, start_ticks: int) -> str:
 
 def _owner(pid: int, start_ticks: int) -> tuple[int, int, int]:
     """(effective uid, effective gid, pid in its own namespace) of pid, if it still is the process."""
+    ticks = procstat.start_ticks(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read(4096).decode("utf-8", "replace")
-        ticks = int(text[text.rindex(")") + 2:].split()[19])
         with open(f"/proc/{pid}/status", "rb") as f:
             status = f.read(MAX_STATUS_BYTES).decode("utf-8", "replace")
-    except (OSError, ValueError, IndexError):
-        raise ConnectRefused("the process is gone") from None
+    except OSError:
+        ticks = None
+    if ticks is None:
+        raise ConnectRefused("the process is gone")
     if ticks != start_ticks:
         raise ConnectRefused("the pid names another process now")
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)

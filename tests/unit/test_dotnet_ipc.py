@@ -221,7 +221,7 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     t.start()
     plugin = DotNet()
     # the .NET plug-in reads no memory: no ProcessMemory for it
-    ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]
+    ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
                          [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/"
                                   "libcoreclr.so")])
     # When it is detected / Then the answer is a counted refusal that says how it was malformed
