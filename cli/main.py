@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collector": ("ebpfprofiler.collector.main", "the root stage: BPF programs, /proc discovery, stack batches"),
     "symbolizer": ("ebpfprofiler.symbolizer.main", "a symbolizer worker: names frames, builds one pprof per service"),
     "uploader": ("ebpfprofiler.uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
-    "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: CPython stacks by process_vm_readv, python_wall pprofs"),
+    "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)"),
     "receiver": ("ebpfprofiler.receiver.server", "a reference backend implementing POST /v1/profiles"),
     "record": ("ebpfprofiler.cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
     "report": ("ebpfprofiler.cli.report", "an offline HTML flame graph of pprof files or a local_dir"),

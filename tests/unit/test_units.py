@@ -5,7 +5,7 @@
   checks that the executable exists): no output at all is accepted, so an
   unknown or misspelt setting (which verify only warns about) fails too.
 - `systemd-analyze security --offline=yes` rates each service's exposure at
-  the figure README.md shows, or better.
+  the figure docs/hardening.md shows, or better.
 - The units run each stage as the user, with the capabilities, that
   shared/privileges.py gives it, and with the command line make install sets up.
 - systemd-sysusers and systemd-tmpfiles, applied to a scratch root, create the
@@ -35,8 +35,8 @@ SERVICES = {
 }
 TARGET = "ebpfprofiler.target"
 VENV_BIN = "/usr/lib/ebpfprofiler/venv/bin"
-# The exposure `systemd-analyze security --offline=yes` gives each service, as README.md
-# shows it: a change that loosens a unit fails here until the README says so too.
+# The exposure `systemd-analyze security --offline=yes` gives each service, as docs/hardening.md
+# shows it: a change that loosens a unit fails here until the notes say so too.
 EXPOSURE = {"collector": 2.1, "symbolizer": 0.5, "uploader": 1.2, "runtime": 1.1}
 # "OK" or better: systemd's levels are PERFECT (0.0), SAFE (< 1), OK (< 5), MEDIUM, EXPOSED, UNSAFE, DANGEROUS.
 GOOD_LEVELS = ("PERFECT", "SAFE", "OK")
@@ -115,14 +115,14 @@ def test_security_exposure(stage: str) -> None:
     assert m, out.stdout + out.stderr
     exposure, level = float(m.group(1)), m.group(2)
     assert level in GOOD_LEVELS, (stage, exposure, level)
-    assert exposure <= EXPOSURE[stage], (f"{SERVICES[stage]}: exposure {exposure} {level}, README.md shows "
+    assert exposure <= EXPOSURE[stage], (f"{SERVICES[stage]}: exposure {exposure} {level}, docs/hardening.md shows "
                                          f"{EXPOSURE[stage]}: tighten the unit or update both")
 
 
-def test_readme_shows_the_exposure_figures() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_hardening_notes_show_the_exposure_figures() -> None:
+    notes = (ROOT / "docs" / "hardening.md").read_text()
     for stage, figure in EXPOSURE.items():
-        assert re.search(rf"\|\s*`{re.escape(SERVICES[stage])}`\s*\|\s*{figure}\b", readme), (stage, figure)
+        assert re.search(rf"\|\s*`{re.escape(SERVICES[stage])}`\s*\|\s*{figure}\b", notes), (stage, figure)
 
 
 @pytest.mark.parametrize("stage", sorted(SERVICES))
