@@ -1,10 +1,12 @@
 """A Python workload for the runtime reader's tests (runs on any CPython 3.x).
 
-One thread spends 75% of its wall time in cpu_a() and 25% in cpu_b(), busy
-(python_wall profiles count wall time: a thread preempted in cpu_a() is still
-in cpu_a(), so the split holds on a loaded host, where a split by CPU time
-would charge cpu_a()'s waits to it and tilt the ratio), both called from run(); another is blocked in wait_here(). It prints one JSON line
-with the native thread ids, then runs until its stdin closes or SECONDS pass.
+One thread runs run(), which calls cpu_a() and cpu_b(): the same loop, three times as many
+iterations in cpu_a() (~15 ms and ~5 ms here, calibrated at start). A split by work holds
+on a loaded host, where a split by time would not: a thread preempted past a deadline
+stretches both functions by the same amount and tilts the ratio towards 1. python_wall counts
+wall time, and a preemption is as likely in either loop, so the wall-time split is 3:1 too.
+Another thread is blocked in wait_here(). It prints one JSON line with the native thread ids,
+then runs until its stdin closes or SECONDS pass.
 """
 
 import json
@@ -15,16 +17,30 @@ import time
 SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
 
 
+def _calibrate():
+    """Iterations of the loop that take about 5 ms here."""
+    n, x = 20000, 0
+    t = time.perf_counter()
+    for i in range(n):
+        x ^= i
+    return max(1000, int(n * 0.005 / max(time.perf_counter() - t, 1e-6)))
+
+
+N = _calibrate()
+
+
 def cpu_a():
-    end = time.monotonic() + 0.015
-    while time.monotonic() < end:  # LINE_A
-        pass  # LINE_A
+    x = 0
+    for i in range(3 * N):  # LINE_A
+        x ^= i  # LINE_A
+    return x
 
 
 def cpu_b():
-    end = time.monotonic() + 0.005
-    while time.monotonic() < end:  # LINE_B
-        pass  # LINE_B
+    x = 0
+    for i in range(N):  # LINE_B
+        x ^= i  # LINE_B
+    return x
 
 
 def run(stop):
