@@ -64,7 +64,8 @@ class FrameResolver:
         self._files = files
         self._elf = elf_cache or ElfCache()
         self._perf_maps = perf_maps or PerfMapCache(files.perf_map)
-        self.stats = {"user_frames": 0, "named": 0, "debug_named": 0, "no_mapping": 0, "jit_named": 0}
+        self.stats = {"user_frames": 0, "named": 0, "debug_named": 0, "no_mapping": 0, "jit_named": 0,
+                      "perf_map_skipped_gone": 0}
         # (pid, start ticks, build id) → the identity key of the debug file the broker gave for it (None: none).
         self._debug_files: OrderedDict[tuple[int, int, str], tuple | None] = OrderedDict()
 
@@ -92,7 +93,13 @@ class FrameResolver:
                 out.append(Frame(m.path, build_id, rel, name))
                 continue
             if not perf_map_checked:
-                perf_map = self._perf_maps.get(proc.pid, proc.start_ticks, proc.nspid, proc.uid)
+                # A process with no mappings exited before the collector read it: its perf map, if it
+                # wrote one, is out of reach with its /proc/PID/root, and asking the broker for it is
+                # what a host starting hundreds of short processes a second spent most on.
+                if maps:
+                    perf_map = self._perf_maps.get(proc.pid, proc.start_ticks, proc.nspid, proc.uid)
+                else:
+                    self.stats["perf_map_skipped_gone"] += 1
                 perf_map_checked = True
             jit_name = perf_map.lookup(lookup) if perf_map is not None else None
             if jit_name:
