@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ebpfprofiler.collector.bpfstats import _bpf
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids
+from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
 from ebpfprofiler.collector.procfs import read_maps
 from ebpfprofiler.collector.sources import TargetedSource
 from ebpfprofiler.collector.targets import Target
@@ -470,8 +470,7 @@ class AllocTracer(TargetedSource):
         self._drains += 1
         _, counts = self._buffers.retire()
         x = self.plan.scale
-        rows = [(k.pid, k.tid, k.user_stack, k.caller, v.objects_milli * x, v.bytes * x) for k, v in counts.items()]
-        counts.clear()
+        rows = [(k.pid, k.tid, k.user_stack, k.caller, v.objects_milli * x, v.bytes * x) for k, v in take_all(counts)]
         out = self._raw(rows, inuse=False)
         out.lost.update(self._lost.delta())
         if self._drains % STACK_SWEEP_EVERY == 0:

@@ -15,7 +15,8 @@ import ctypes
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks
+from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks,
+                                            take_all)
 from ebpfprofiler.collector.btfprog import BtfProgram
 from ebpfprofiler.collector.sources import EventSource
 
@@ -93,7 +94,7 @@ class OffCpuTracer(EventSource):
         out = RawDrain()
         user: set[int] = set()
         kernel: set[int] = set()
-        for k, v in counts.items():
+        for k, v in take_all(counts):
             u = DWARF_STACK_ID_BASE + k.user_hash if k.user_hash else -1
             kk = DWARF_STACK_ID_BASE + k.kernel_hash if k.kernel_hash else -1
             if k.user_hash:
@@ -101,9 +102,8 @@ class OffCpuTracer(EventSource):
             if k.kernel_hash:
                 kernel.add(k.kernel_hash)
             out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns))
-        counts.clear()
         gone = read_dwarf_stacks(stacks, user, out.user_stacks) + read_dwarf_stacks(stacks, kernel, out.kernel_stacks)
-        stacks.clear()
+        take_all(stacks)   # empties it
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone
