@@ -329,7 +329,7 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     rows.append(["pingpong (ratio of round trips)", f"{_median([r['ratio'] for r in runs['pingpong']]):.3f}",
                  "", "", "", "", ""])
     caption = (f"Median of {len(runs['idle'])} round(s), {result['measure_s']:.0f} s measured after "
-               f"{result['warm_s']:.0f} s at deploy/agent.yaml's defaults.")
+               f"{result['warm_s']:.0f} s at deploy/agent.yaml's defaults")
     notes = [f"cost model: fixed {m['fixed_ms_per_s']:.2f} ms/s; per new process {m['per_new_process_us']:.0f} us; "
              f"per sample {m['per_sample_ns']:.0f} ns; per context switch with a short block "
              f"{m['per_switch_short_block_ns']:.0f} ns; per context switch on the idle host (mostly long blocks) "
