@@ -595,3 +595,23 @@ def test_advance_loc_0_makes_the_last_row_at_that_pc_hold(patched: Patched) -> N
     data = one_fde(patched, b"\x40\x0e\x10\x41\x0e\x18")
     assert row_at_main(data, patched) == (ut.CFA_SP, 16, ut.FP_SAME, 0, ut.RA_SAVED, -8)
     assert row_at_main(data, patched, 1) == (ut.CFA_SP, 24, ut.FP_SAME, 0, ut.RA_SAVED, -8)
+
+
+def test_an_eh_frame_over_the_section_cap_fails_the_module_before_it_is_read(x86_prog: Path,
+                                                                                tmp_path: Path) -> None:
+    # Given a copy of a program whose .eh_frame section header claims one byte more than the cap
+    # (the bytes are not there: a crafted file need not hold what it claims)
+    from elftools.elf.elffile import ELFFile
+    data = bytearray(x86_prog.read_bytes())
+    with x86_prog.open("rb") as f:
+        elf = ELFFile(f)
+        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".eh_frame")
+        shoff, shentsize = elf.header.e_shoff, elf.header.e_shentsize
+    struct.pack_into("<Q", data, shoff + index * shentsize + 32, cfi.MAX_CFI_SECTION_BYTES + 1)   # sh_size
+    crafted = tmp_path / "huge-eh-frame"
+    crafted.write_bytes(data)
+    # When its table is built / Then it is an over_cap error naming the section (had the 16 MiB
+    # been read, the short file would have made it a truncation error)
+    with crafted.open("rb") as f, pytest.raises(cfi.CfiError) as e:
+        cfi.build_table(f)
+    assert e.value.kind == "over_cap" and ".eh_frame" in str(e.value), (e.value.kind, str(e.value))
