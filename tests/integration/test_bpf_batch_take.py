@@ -7,7 +7,6 @@ each key once with its value, as ctypes objects like bcc's items(), and the maps
 
 from __future__ import annotations
 
-import ctypes
 
 from ebpfprofiler.collector.bpfmaps import BATCH_ENTRIES, take_all
 

@@ -57,11 +57,12 @@ WANT_STACKS = 300
 VERSIONS = ["20", "20 (Debian)", "22", "24", "26"]
 # Samples of work() in optimized code the in-process test waits for, per version.
 WANT_OPTIMIZED = 30
-# Samples with by_value() as the leaf under the sort builtin the same test waits for: most of a sort's
-# time is in the builtin itself, and Node 26's reader sees the comparator there ~0.4 times a second
-# with six Node processes on two CPUs (25 in 60 s on CI), Node 20's ~17 times; ten are enough to
-# show the builtin is named and sits between the two.
-WANT_SORTED = 10
+# Samples with by_value() as the leaf under the sort builtin the same test waits for, of Node 20.
+# Node 26's reader, scanning the stack without the thread's registers, sees the comparator there
+# only while V8 has not yet optimized it: 25 in 60 s on one CI run, none on another (issue 20's
+# register path would read it); its builtins are shown named by the block workload (Atomics.wait).
+WANT_SORTED = 30
+SORT_VERSIONS = ("20",)
 # cpu_a, cpu_b and work are small: optimized callers would inline them, and the reader names no inlined frames.
 NO_INLINING = "--max-inlined-bytecode-size=0"
 
@@ -275,10 +276,10 @@ def test_the_hot_function_runs_optimized_and_builtins_are_named(
                               ("wait", "", "builtin", "blocked_here", str(SCRIPT))] += n
             driven.rows.clear()
             return all(sum(n for kind, n in k.items() if kind not in ("interpreted", "baseline")) >= WANT_OPTIMIZED
-                       for k in kinds.values()) and all(c[True] >= WANT_SORTED for c in sorts.values()) \
+                       for k in kinds.values()) and all(sorts[v][True] >= WANT_SORTED for v in SORT_VERSIONS) \
                 and all(c[True] >= WANT_OPTIMIZED for c in blocks.values())
         try:   # a cold work() is interpreted, then baseline (Sparkplug), then optimized (Maglev, TurboFan)
-            wait_for("work() in optimized code, by_value() under the sort builtin, Node 20 and 26", enough,
+            wait_for("work() in optimized code, by_value() under the sort builtin (Node 20), Atomics.wait", enough,
                      timeout=60, interval=0.05)
         except AssertionError as e:
             raise AssertionError(f"{e}: {kinds}, {sorts}, {blocks}") from None

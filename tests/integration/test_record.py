@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.harness import PY, kill_and_reap, require_root, wait_for
+from tests.harness import PY, bpf_holdings, bpftool, kill_and_reap, require_root, wait_for
 
 RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
 HOT_STACK = ["main", "top", "mid", "leaf"]
@@ -101,6 +101,7 @@ def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, wo
 def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(private_cwd: Path,
                                                                              workload) -> None:
     hot = workload("hot")
+    workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
     master, slave = pty.openpty()
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
                           "-o", "out.folded"], cwd=private_cwd, stdout=slave, stderr=slave, start_new_session=True)
@@ -124,21 +125,64 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(pr
         wait_for("two progress lines with samples",
                  lambda: len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes",
                                         read())) >= 2, RECORD_TIMEOUT_S, 0.2)
+        tree = _descendants(p.pid)          # record → its `run` (a session of its own) → the stages
+        collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
+        progs, _ = bpf_holdings(collector)
+        assert progs, "the recording's collector holds no BPF program"
         started = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C sends to the terminal's foreground group
         assert p.wait(RECORD_TIMEOUT_S) == 0, read().decode(errors="replace")
         assert time.monotonic() - started < 60
         out = (private_cwd / "out.folded").read_text()
         assert "main;top;mid;leaf " in out, out
-        # nothing of the recording is left: no process of its session, no workspace
+        # nothing of the recording is left: no process of its session or of the agent it ran, no workspace
         left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                if _sid(pid) == p.pid]
+                if _sid(pid) == p.pid or (pid, _start(pid)) in tree.items()]
         assert not left, left
+        assert set(Path("/tmp").glob("ebpfprofiler-record-*")) == workspaces_before
+        # and none of its BPF programs (the kernel frees a tail-call array's programs a moment later)
+        wait_for("the recording's BPF programs to be freed",
+                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         os.close(master)
+
+
+def _stat(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _start(pid: int) -> int:
+    f = _stat(pid)
+    return int(f[19]) if len(f) > 19 else 0
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """pid → start time of every process below `root` now."""
+    children: dict[int, list[int]] = {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        f = _stat(pid)
+        if len(f) > 1:
+            children.setdefault(int(f[1]), []).append(pid)
+    out: dict[int, int] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out[pid] = _start(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _sid(pid: int) -> int:
