@@ -244,9 +244,13 @@ def test_a_jit_compiled_hot_method_is_named_from_the_second_window_on(run: Run) 
         if i == 0:
             continue
         hot_total, all_total = hot_total + hot, all_total + total
-        # From the second window on: JIT code is named, and the hot method is among it.
+        # From the second window on: JIT code is named, and the hot method is among it. Code the JIT
+        # writes later (the [Optimized] tier) waits up to a re-check of the map (PERF_MAP_RECHECK_S, 1 s,
+        # a third of a window): the share left unnamed is judged from the third window on.
         if sum(jit.values()):
-            assert hot and jit[""] <= MAX_UNNAMED_JIT_SHARE * sum(jit.values()), (i, jit.most_common(5))
+            assert hot, (i, jit.most_common(5))
+            if i >= 2:
+                assert jit[""] <= MAX_UNNAMED_JIT_SHARE * sum(jit.values()), (i, jit.most_common(5))
     print(".NET 8 windows (samples, in JIT code, unnamed, in the hot method):", rows)
     # The process spends its time there: most of its samples from the second window on.
     assert hot_total >= MIN_NAMED_SHARE * all_total, rows
