@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,9 +28,10 @@ import time
 from typing import Sequence, TextIO
 
 from ebpfprofiler.cli import status
+from ebpfprofiler.cli.run import die_with_parent
 from ebpfprofiler.report import profiles as profiles_mod
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges
+from ebpfprofiler.shared import endpoints, privileges, procstat
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
 
@@ -85,13 +87,41 @@ def make_config(args: argparse.Namespace, local_dir: str) -> config_mod.Profiler
         overhead_budget_pct=100.0)
 
 
+WORKSPACE_PREFIX = "ebpfprofiler-record-"
+OWNER_FILE = "owner"   # "PID START_TICKS" of the record that made the workspace
+
+
 def workspace() -> str:
-    """/tmp/ebpfprofiler-record-XXXX: root's, enterable by the agent's group (pytest's and home dirs are not)."""
+    """/tmp/ebpfprofiler-record-XXXX: root's, enterable by the agent's group (pytest's and home dirs are not).
+    Workspaces of recordings killed outright (their owner gone) are removed first."""
+    sweep_stale_workspaces()
     gid = privileges.ids("uploader")[1]
-    path = tempfile.mkdtemp(prefix="ebpfprofiler-record-", dir="/tmp")
+    path = tempfile.mkdtemp(prefix=WORKSPACE_PREFIX, dir="/tmp")
     os.chown(path, 0, gid)
     os.chmod(path, 0o750)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(f"{os.getpid()} {procstat.start_ticks(os.getpid())}\n")
     return path
+
+
+def sweep_stale_workspaces(tmp: str = "/tmp") -> list[str]:
+    """Remove the workspaces whose recording is gone: root's own directories only (/tmp is everyone's),
+    with an owner file naming a (pid, start time) that no longer runs. The paths removed."""
+    removed = []
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+            if not name.startswith(WORKSPACE_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid, ticks = (int(x) for x in f.read(64).split())
+        except (OSError, ValueError):
+            continue
+        if procstat.start_ticks(pid) != ticks:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class Progress:
@@ -171,10 +201,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)] + (
             ["runtime"] if args.python else [])
         with open(run_log, "wb") as logf:
-            # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in order
+            # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in
+            # order; and a SIGTERM to `run` if this process is killed outright (else the agent, its BPF
+            # programs and its perf events would run on with nobody to stop them)
             child = subprocess.Popen([sys.executable, "-m", "ebpfprofiler.cli.main", "run", "--config", config,
                                       "--run-dir", run_dir, "--state-dir", state_dir],
-                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         print(f"{prog}: starting the profiler (compiling BPF programs) ...", file=out, flush=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready(run_dir, stages):

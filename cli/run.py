@@ -66,13 +66,19 @@ class Stage:
     env: dict[str, str] | None = None
 
 
-def _child_setup() -> None:
-    os.setpgid(0, 0)   # Ctrl-C goes to the supervisor only
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the process that started it dies, even by SIGKILL, so
+    nothing it started (BPF programs, perf events) outlives its owner."""
     try:
         import prctl
         prctl.set_pdeathsig(signal.SIGTERM)
     except ImportError:
         pass
+
+
+def _child_setup() -> None:
+    os.setpgid(0, 0)   # Ctrl-C goes to the supervisor only
+    die_with_parent()
 
 
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from ebpfprofiler.cli.record import sweep_stale_workspaces
 from tests.harness import PY, bpf_holdings, bpftool, kill_and_reap, require_root, wait_for
 
 RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
@@ -120,12 +121,13 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(pr
             screen += chunk
         return screen
 
+    tree: dict[int, int] = {}
     try:
         # the progress line is redrawn in place (carriage return, erase line) with live figures
         wait_for("two progress lines with samples",
                  lambda: len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes",
                                         read())) >= 2, RECORD_TIMEOUT_S, 0.2)
-        tree = _descendants(p.pid)          # record → its `run` (a session of its own) → the stages
+        tree.update(_descendants(p.pid))    # record → its `run` (a session of its own) → the stages
         collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
         progs, _ = bpf_holdings(collector)
         assert progs, "the recording's collector holds no BPF program"
@@ -139,7 +141,7 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(pr
         left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                 if _sid(pid) == p.pid or (pid, _start(pid)) in tree.items()]
         assert not left, left
-        assert set(Path("/tmp").glob("ebpfprofiler-record-*")) == workspaces_before
+        assert set(Path("/tmp").glob("ebpfprofiler-record-*")) <= workspaces_before
         # and none of its BPF programs (the kernel frees a tail-call array's programs a moment later)
         wait_for("the recording's BPF programs to be freed",
                  lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
@@ -148,6 +150,47 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(pr
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         os.close(master)
+
+
+def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(private_cwd: Path, workload) -> None:
+    # Given a recording under way (its agent runs in a session of its own, under `run`)
+    hot = workload("hot")
+    workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
+    p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
+                          "-o", "out.folded"], cwd=private_cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    tree: dict[int, int] = {}
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if ": recording " in line:
+                break
+        else:
+            raise AssertionError(f"record ended before recording (exit {p.wait()})")
+        tree = _descendants(p.pid)
+        collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
+        progs, _ = bpf_holdings(collector)
+        assert progs, "the recording's collector holds no BPF program"
+        # When it is killed with SIGKILL (no chance to stop anything itself)
+        p.kill()
+        p.wait()
+        # Then its agent stops (`run` is told by the kernel that its parent died) and frees its programs
+        wait_for("the recording's agent to stop",
+                 lambda: not [pid for pid, start in tree.items() if _start(pid) == start], 60)
+        wait_for("the recording's BPF programs to be freed",
+                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
+        # and the workspace it could not remove goes with the next recording's start
+        left = set(Path("/tmp").glob("ebpfprofiler-record-*")) - workspaces_before
+        assert len(left) == 1, left
+        assert [str(x) for x in left] == [x for x in sweep_stale_workspaces() if Path(x) in left]
+        assert not left & set(Path("/tmp").glob("ebpfprofiler-record-*"))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pid, start in tree.items():      # what a failed check left: `run` stops its stages
+            if _start(pid) == start and b"cli.main" in _cmdline(pid):
+                os.kill(pid, signal.SIGTERM)
 
 
 def _stat(pid: int) -> list[str]:
