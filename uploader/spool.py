@@ -58,6 +58,10 @@ MAX_DEAD_LETTERS = 1000
 DIR_MODE = 0o700
 # Filesystem-full errors: the spool makes room by dropping its oldest profiles.
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Ids of profiles that left the spool (sent, dropped, quarantined) remembered: a
+# worker resends a profile whose ack is late, and a copy that arrives after the
+# first left must not be spooled again (and, on a full disk, evict a newer one).
+MAX_SETTLED_IDS = 4096
 
 
 class SpoolFormatError(ValueError):
@@ -111,6 +115,7 @@ class Spool:
         self.log = log
         self._entries: OrderedDict[str, Entry] = OrderedDict()   # name → entry, oldest first
         self._by_id: dict[str, str] = {}
+        self._settled: OrderedDict[str, None] = OrderedDict()   # ids that left the spool, newest last
         self._bytes = 0
         self._last_seq = 0
         self._cond = threading.Condition()
@@ -177,7 +182,7 @@ class Spool:
         data = encode_file(upload)
         size = len(data)
         with self._cond:
-            if upload.profile_id in self._by_id:
+            if upload.profile_id in self._by_id or upload.profile_id in self._settled:
                 self.counts["duplicates"] += 1
                 return STORED, "already spooled"
             if size > self.max_bytes:
@@ -351,6 +356,9 @@ class Spool:
         self._bytes -= entry.size
         if self._by_id.get(entry.profile_id) == entry.name:
             del self._by_id[entry.profile_id]
+        self._settled[entry.profile_id] = None
+        if len(self._settled) > MAX_SETTLED_IDS:
+            self._settled.popitem(last=False)
 
     def _next_name(self, profile_id: str) -> str:
         self._last_seq = max(time.time_ns(), self._last_seq + 1)

@@ -68,6 +68,23 @@ def test_the_same_id_is_spooled_once(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path / "spool")) == 1 and s.counts["duplicates"] == 1
 
 
+def test_a_late_copy_of_a_profile_that_left_the_spool_is_not_spooled_again(tmp_path: Path) -> None:
+    # given a spool that holds two profiles of this size, one delivered and one dropped for room
+    uploads = [make_upload(f"/bin/late{i}") for i in range(4)]
+    s = open_spool(tmp_path, max_bytes=2 * len(encode_file(uploads[0])) + 100)
+    s.accept(uploads[0])
+    entry, _ = s.take(0.0)
+    s.delivered(entry)
+    for u in uploads[1:]:
+        s.accept(u)                                   # the third drops uploads[1]
+    # when the worker's resent copies of both arrive (their acks were late)
+    assert s.accept(uploads[0]) == (STORED, "already spooled")
+    assert s.accept(uploads[1]) == (STORED, "already spooled")
+    # then neither is spooled again, and the newer ones stay
+    assert take_all(s) == [uploads[2].profile_id, uploads[3].profile_id]
+    assert s.counts["duplicates"] == 2
+
+
 def test_over_the_cap_the_oldest_are_dropped_counted_and_logged(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     # given a spool that holds three profiles of this size
