@@ -269,7 +269,10 @@ def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
     script = spinner(tmp_path)
     procs = []
     for i in range(EXITING_PROCESSES):
-        p, _ = start(started, [PYTHON311, str(script), f"{0.05 * i:.2f}", "_exit" if i % 2 else "return"])
+        # -I -S: no site, so its interpreter runs only the standard library and the script
+        # (a host's .pth files may import packages whose exit handlers would run at teardown)
+        p, _ = start(started, [PYTHON311, "-I", "-S", str(script), f"{0.05 * i:.2f}",
+                               "_exit" if i % 2 else "return"])
         procs.append(p)
     driven.announce(*(p.pid for p in procs))
     wait_for("every spinner read", lambda: (driven.tick(), len(driven.reader.targets.readable()))[1]
