@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -615,3 +616,41 @@ def test_an_eh_frame_over_the_section_cap_fails_the_module_before_it_is_read(x86
     with crafted.open("rb") as f, pytest.raises(cfi.CfiError) as e:
         cfi.build_table(f)
     assert e.value.kind == "over_cap" and ".eh_frame" in str(e.value), (e.value.kind, str(e.value))
+
+
+def test_a_module_over_the_row_cap_stops_as_the_rows_are_made(tmp_path: Path) -> None:
+    # Given a copy of python3.11 whose .eh_frame is moved to the end of the file and replaced by
+    # FDEs of 64 KiB programs that each make ~21,800 distinct rows over its text (2.2M rows in the
+    # first 100), followed by an entry that runs past the end of the section
+    src = Path(sys.executable).resolve()
+    with src.open("rb") as f:
+        m = cfi.read_module(f)
+    assert m.eh_frame is not None and m.text_size > 64 << 10, m
+    from elftools.elf.elffile import ELFFile
+    with src.open("rb") as f:
+        elf = ELFFile(f)
+        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".eh_frame")
+        shoff, shentsize = elf.header.e_shoff, elf.header.e_shentsize
+    data = bytearray(src.read_bytes())
+    program = b"\x41\x0e\x10\x41\x0e\x18" * ((cfi.MAX_CFA_PROGRAM_BYTES - 16) // 6)
+    rows_per_fde = 2 * (len(program) // 6)
+    fdes = ut.MAX_ROWS // rows_per_fde + 4
+    section = bytearray(eh_cie())
+    for _ in range(fdes):
+        id_pos = len(section) + 4
+        begin = m.text_vaddr - (m.eh_frame.addr + id_pos + 4)     # pc-relative, sdata4
+        section += entry(struct.pack("<I", id_pos) + struct.pack("<i", begin)
+                         + struct.pack("<i", rows_per_fde + 1) + uleb(0) + program)
+    section += struct.pack("<I", 1 << 20) + b"\0" * 8              # runs past the end
+    assert len(section) <= cfi.MAX_CFI_SECTION_BYTES
+    offset = len(data)
+    data += section
+    struct.pack_into("<QQ", data, shoff + index * shentsize + 24, offset, len(section))   # sh_offset, sh_size
+    crafted = tmp_path / "many-rows"
+    crafted.write_bytes(data)
+    # When its table is built
+    with crafted.open("rb") as f, pytest.raises(cfi.CfiError) as e:
+        cfi.build_table(f)
+    # Then it is an over_cap error on the row count (a parser that checked only after every FDE had
+    # been interpreted would have met the malformed entry first)
+    assert e.value.kind == "over_cap" and "rows" in str(e.value), (e.value.kind, str(e.value))
