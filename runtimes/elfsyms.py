@@ -64,6 +64,13 @@ class ElfInfo:
     symbols: dict[str, int]            # name → st_value, only the names asked for
     loads: tuple[tuple[int, int, int], ...] = ()   # (p_offset, p_vaddr, p_filesz) of each PT_LOAD
 
+    def load_bias(self, map_start: int, map_offset: int) -> int:
+        """What to add to a link-time address of this file mapped at `map_start` from file offset
+        `map_offset` (a line of /proc/PID/maps) to get its address in the process (0 unless PIE)."""
+        if not self.is_pie:
+            return 0
+        return map_start - (map_offset + self.first_load_vaddr - self.first_load_offset)
+
     def file_offset(self, vaddr: int, length: int) -> int | None:
         """Where the `length` bytes at link-time address `vaddr` lie in the file (None: not in it)."""
         for offset, start, filesz in self.loads:

@@ -58,7 +58,9 @@ read from it with a named constant.
 Owns: the Protocols above, Refusal, Served, ThreadStack, Mapping (/proc/PID/maps,
 parsed once per detection for all runtimes), open_mapped (a mapped file
 opened through /proc/PID/root without following the target's links out of
-its root), FileCache.
+its root), mapped_file_facts (a plug-in's per-file data of a mapped file, or
+the refusal every runtime gives when it cannot be reached or read), FileCache.
+(elfsyms.ElfInfo.load_bias turns link-time addresses into the process's.)
 
 Must not: know any one runtime.
 """
@@ -71,8 +73,9 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
+from ebpfprofiler.runtimes.elfsyms import ElfSymbolError
 from ebpfprofiler.runtimes.memory import ProcessMemory
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec
 
@@ -217,6 +220,27 @@ def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | None:
 def file_key(f: BinaryIO) -> tuple[int, int, int, int]:
     st = os.fstat(f.fileno())
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+_Facts = TypeVar("_Facts")
+
+
+def mapped_file_facts(process: "ProcessContext", mod: Mapping, tag: str, compute: Callable[[BinaryIO], _Facts],
+                      where: str = "") -> _Facts | Refusal:
+    """compute(the file `mod` maps), cached in process.files by `tag` and the file's identity, or the
+    Refusal every runtime gives (its text starting with `where`, by default the mapped path) when the
+    file is not reachable as the process maps it or its ELF is unreadable (an ElfSymbolError)."""
+    where = where or mod.path
+    f = open_mapped(process.pid, mod, process.proc)
+    if f is None:
+        return Refusal(f"{where}: the file is not reachable as the process maps it "
+                       f"(through /proc/{process.pid}/root, nor on this host)")
+    with f:
+        try:
+            got: _Facts = process.files.get((tag,) + file_key(f), lambda: compute(f))
+        except ElfSymbolError as e:
+            return Refusal(f"{where}: unreadable ELF file: {e}")
+    return got
 
 
 class FileCache:

@@ -163,7 +163,7 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
         return Refusal(pid, f"{where}: no Py_Version symbol: CPython 3.10 or older, or a stripped build")
     if missing:
         return Refusal(pid, f"{where}: no {', '.join(missing)} symbol")
-    bias = mod.start - (mod.offset + info.first_load_vaddr - info.first_load_offset) if info.is_pie else 0
+    bias = info.load_bias(mod.start, mod.offset)
     sym = {name: value + bias for name, value in info.symbols.items()}
     hexversion = mem.u64(sym["Py_Version"])
     major, minor, micro = parse_hexversion(hexversion)

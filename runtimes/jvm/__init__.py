@@ -29,7 +29,7 @@ from ebpfprofiler.runtimes import elfsyms
 from ebpfprofiler.runtimes.jvm import layouts, vmstructs
 from ebpfprofiler.runtimes.jvm.reader import JvmProcess, _Bad
 from ebpfprofiler.runtimes.memory import MemoryReadError
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, file_key, first_mappings, open_mapped
+from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
 from ebpfprofiler.shared.safestr import process_string
 
@@ -82,18 +82,11 @@ class Jvm:
         if platform.machine() != "x86_64":
             return Refusal(f"{mod.path}: the reader knows x86-64's interpreter frames only, not "
                            f"{platform.machine()}'s")
-        f = open_mapped(process.pid, mod, process.proc)
-        if f is None:
-            return Refusal(f"{mod.path}: the file is not reachable as the process maps it")
-        with f:
-            key = ("jvm",) + file_key(f)
-            try:
-                facts: FileFacts = process.files.get(
-                    key, lambda: FileFacts(elfsyms.read_symbols(f, vmstructs.SYMBOLS)))
-            except elfsyms.ElfSymbolError as e:
-                return Refusal(f"{mod.path}: unreadable ELF file: {e}")
+        facts = mapped_file_facts(process, mod, "jvm", lambda f: FileFacts(elfsyms.read_symbols(f, vmstructs.SYMBOLS)))
+        if isinstance(facts, Refusal):
+            return facts
         elf = facts.elf
-        bias = mod.start - (mod.offset + elf.first_load_vaddr - elf.first_load_offset) if elf.is_pie else 0
+        bias = elf.load_bias(mod.start, mod.offset)
         mem = process.mem
         try:
             vs = vmstructs.read(mem, {k: v + bias for k, v in elf.symbols.items()})

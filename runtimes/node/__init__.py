@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 from ebpfprofiler.runtimes import elfsyms
 from ebpfprofiler.runtimes.node.layouts import LAYOUTS, SUPPORTED
 from ebpfprofiler.runtimes.node.reader import NodeProcess, V8Info, scan_ranges
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, file_key, first_mappings, open_mapped
+from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
 
 SPEC: RuntimeSpec = spec_of("node")
@@ -60,15 +60,9 @@ class Node:
             return None
         # libnode holds V8 when it is mapped (Debian's node); else the executable.
         mod = sorted(mods.values(), key=lambda m: not m.path.rsplit("/", 1)[-1].startswith("lib"))[0]
-        f = open_mapped(process.pid, mod, process.proc)
-        if f is None:
-            return Refusal(f"{mod.path}: the file is not reachable as the process maps it "
-                           f"(through /proc/{process.pid}/root, nor on this host)")
-        with f:
-            try:
-                facts: FileFacts = process.files.get(("node",) + file_key(f), lambda: _facts(f))
-            except elfsyms.ElfSymbolError as e:
-                return Refusal(f"{mod.path}: unreadable ELF file: {e}")
+        facts = mapped_file_facts(process, mod, "node", _facts)
+        if isinstance(facts, Refusal):
+            return facts
         v = facts.values
         if not v:
             return Refusal(f"{mod.path}: no v8dbg_ symbols in its .dynsym (a build without V8's postmortem "

@@ -26,9 +26,8 @@ from ebpfprofiler.runtimes.runtime import (
     Mapping,
     ProcessContext,
     Refusal,
-    file_key,
     first_mappings,
-    open_mapped,
+    mapped_file_facts,
 )
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
 
@@ -86,15 +85,9 @@ class Php:
             return None
         # libphp holds the engine when it is mapped (an embedding server); else the executable.
         mod = sorted(mods.values(), key=lambda m: not m.path.rsplit("/", 1)[-1].startswith("lib"))[0]
-        f = open_mapped(process.pid, mod, process.proc)
-        if f is None:
-            return Refusal(f"{mod.path}: the file is not reachable as the process maps it "
-                           f"(through /proc/{process.pid}/root, nor on this host)")
-        with f:
-            try:
-                facts: FileFacts = process.files.get(("php",) + file_key(f), lambda: _facts(f))
-            except elfsyms.ElfSymbolError as e:
-                return Refusal(f"{mod.path}: unreadable ELF file: {e}")
+        facts = mapped_file_facts(process, mod, "php", _facts)
+        if isinstance(facts, Refusal):
+            return facts
         return self._decide(process, mod, facts)
 
     def _decide(self, process: ProcessContext, mod: Mapping, facts: FileFacts) -> PhpProcess | Refusal:
@@ -112,9 +105,7 @@ class Php:
         if "executor_globals" not in syms:
             return Refusal(f"{where}: no executor_globals symbol (a stripped or static build): the reader "
                            f"needs it to find the running request")
-        elf = facts.elf
-        bias = mod.start - (mod.offset + elf.first_load_vaddr - elf.first_load_offset) if elf.is_pie else 0
-        eg = syms["executor_globals"] + bias
+        eg = syms["executor_globals"] + facts.elf.load_bias(mod.start, mod.offset)
         # Self-check: EG is mapped and its current frame pointer is null or aligned.
         ex = process.mem.u64(eg + layout.eg_current_execute_data)
         if ex & 7:

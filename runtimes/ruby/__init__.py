@@ -32,9 +32,8 @@ from ebpfprofiler.runtimes.runtime import (
     Mapping,
     ProcessContext,
     Refusal,
-    file_key,
     first_mappings,
-    open_mapped,
+    mapped_file_facts,
 )
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
 
@@ -52,9 +51,10 @@ SYMBOLS = ("ruby_current_vm_ptr", "ruby_version")
 _Q = struct.Struct("<Q")
 
 
-@dataclass(frozen=True)
+@dataclass
 class FileFacts:
     elf: elfsyms.ElfInfo
+    vm_place: int | None = None     # link-time address of the VM pointer a scan found (no symbol for it)
 
 
 def _version(base: str) -> tuple[int, int] | None:
@@ -71,9 +71,6 @@ def _version(base: str) -> tuple[int, int] | None:
 class Ruby:
     spec = SPEC
 
-    def __init__(self) -> None:
-        self._vm_places: dict[tuple[str | int, ...], int] = {}   # file identity → link-time address of the VM pointer
-
     def detect(self, process: ProcessContext) -> RubyProcess | Refusal | None:
         mods = first_mappings(process.mappings, lambda base: bool(_NAME.match(base)))
         if not mods:
@@ -87,17 +84,11 @@ class Ruby:
         if layout is None:
             return Refusal(f"{where}: Ruby {ver[0]}.{ver[1]} is not supported (3.3 and 3.4 are; 4.0's layout "
                            f"is data only)")
-        f = open_mapped(process.pid, mod, process.proc)
-        if f is None:
-            return Refusal(f"{where}: the file is not reachable as the process maps it")
-        with f:
-            key = ("ruby",) + file_key(f)
-            try:
-                facts: FileFacts = process.files.get(key, lambda: FileFacts(elfsyms.read_symbols(f, SYMBOLS)))
-            except elfsyms.ElfSymbolError as e:
-                return Refusal(f"{where}: unreadable ELF file: {e}")
+        facts = mapped_file_facts(process, mod, "ruby", lambda f: FileFacts(elfsyms.read_symbols(f, SYMBOLS)), where)
+        if isinstance(facts, Refusal):
+            return facts
         elf = facts.elf
-        bias = mod.start - (mod.offset + elf.first_load_vaddr - elf.first_load_offset) if elf.is_pie else 0
+        bias = elf.load_bias(mod.start, mod.offset)
         mem = process.mem
         if "ruby_version" in elf.symbols:
             raw = mem.read(elf.symbols["ruby_version"] + bias, MAX_VERSION_CHARS)
@@ -113,9 +104,8 @@ class Ruby:
                 return Refusal(f"{where}: self-check failed: ruby_current_vm_ptr does not point at a VM whose "
                                f"main thread points back")
             return RubyProcess(version, layout, vm)
-        place = self._vm_places.get(key)
-        if place is not None:
-            vm = mem.u64(place + bias)
+        if facts.vm_place is not None:
+            vm = mem.u64(facts.vm_place + bias)
             if _valid_vm(mem, layout, vm):
                 return RubyProcess(version, layout, vm)
         found = _scan(process, mod, layout)
@@ -123,8 +113,7 @@ class Ruby:
             return Refusal(f"{where}: no ruby_current_vm_ptr symbol (hidden, .symtab stripped), and a scan of "
                            f"its writable data found {len(found)} VM candidates, not one")
         at, vm = found[0]
-        if len(self._vm_places) < 1024:
-            self._vm_places[key] = at - bias
+        facts.vm_place = at - bias
         return RubyProcess(version, layout, vm)
 
 
