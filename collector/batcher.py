@@ -19,11 +19,13 @@ from ebpfprofiler.shared.wire import Process, Sample, StackBatch
 
 # Service of samples whose process exited before the collector could read it.
 UNKNOWN_SERVICE = "[unknown]"
-
-
-def _unknown(pid: int) -> Process:
-    return Process(pid=pid, start_ticks=0, uid=0, nspid=pid, comm=UNKNOWN_SERVICE.strip("[]"),
-                   executable="", service=UNKNOWN_SERVICE)
+# The one process those samples are merged into, per batch: such a pid (and its threads) names
+# nothing anyone can look up any more, and a host starting hundreds of short processes a second
+# spent more on carrying each of them apart (a process record, labels, a pid hash) than on the rest
+# of the drain.
+UNKNOWN_PID = 0
+UNKNOWN_PROCESS = Process(pid=UNKNOWN_PID, start_ticks=0, uid=0, nspid=UNKNOWN_PID,
+                          comm=UNKNOWN_SERVICE.strip("[]"), executable="", service=UNKNOWN_SERVICE)
 
 
 class _Builder:
@@ -63,9 +65,20 @@ def build_batches(
         by_pid[s[0]].append(s)
 
     builders: dict[int, _Builder] = defaultdict(_Builder)
+    unknown: dict[tuple, list[int]] = {}    # (user stack, kernel stack, extra) → [count, value]
     for pid, samples in by_pid.items():
         addresses = {a for s in samples if s[2] in drain.user_stacks for a in drain.user_stacks[s[2]]}
-        proc = procs.get(pid, addresses) or _unknown(pid)
+        proc = procs.get(pid, addresses)
+        if proc is None:
+            for s in samples:
+                key = (s[2], s[3], tuple(s[6]) if len(s) > 6 else ())
+                got = unknown.get(key)
+                if got is None:
+                    unknown[key] = [s[4], s[5]]
+                else:
+                    got[0] += s[4]
+                    got[1] += s[5]
+            continue
         b = builders[worker_for(proc.service, live_workers)]
         b.processes[pid] = proc
         for s in samples:
@@ -74,6 +87,16 @@ def build_batches(
                 user_stack=b.stack(s[2], drain.user_stacks, b.user, b.user_stacks),
                 kernel_stack=b.stack(s[3], drain.kernel_stacks, b.kernel, b.kernel_stacks),
                 count=s[4], value=s[5], extra=tuple(s[6]) if len(s) > 6 else (),
+            ))
+    if unknown:
+        b = builders[worker_for(UNKNOWN_SERVICE, live_workers)]
+        b.processes[UNKNOWN_PID] = UNKNOWN_PROCESS
+        for (user, kernel, extra), (count, value) in unknown.items():
+            b.samples.append(Sample(
+                pid=UNKNOWN_PID, tid=UNKNOWN_PID,
+                user_stack=b.stack(user, drain.user_stacks, b.user, b.user_stacks),
+                kernel_stack=b.stack(kernel, drain.kernel_stacks, b.kernel, b.kernel_stacks),
+                count=count, value=value, extra=extra,
             ))
 
     # Host-wide loss counts travel once, with the lowest live worker's batch.

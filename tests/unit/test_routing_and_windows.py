@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections import Counter
 
+from ebpfprofiler.collector.batcher import UNKNOWN_PID, UNKNOWN_SERVICE, build_batches
+from ebpfprofiler.collector.bpfmaps import RawDrain
+from ebpfprofiler.collector.procfs import ProcessTable
 from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.symbolizer import window as window_mod
 from ebpfprofiler.symbolizer.window import Windows
@@ -68,3 +73,26 @@ def test_a_drain_is_stamped_into_the_window_holding_most_of_its_stretch() -> Non
         windows.append(stamp // (4 * s))
         last = now
     assert windows == [0, 1, 2, 3]
+
+
+def test_samples_of_processes_gone_before_they_were_read_are_merged_into_one_unknown_process() -> None:
+    # given a drain with this (live) process and two that exited before the collector read them,
+    # the two with the same stacks
+    gone = []
+    for _ in range(2):
+        p = subprocess.Popen(["true"])
+        p.wait()
+        gone.append(p.pid)
+    me = os.getpid()
+    drain = RawDrain(samples=[(me, me, 1, -1, 3, 30), (gone[0], gone[0], 1, 2, 2, 20), (gone[1], gone[1] + 1, 1, 2, 5, 50),
+                              (gone[1], gone[1], 1, -1, 1, 10)],
+                     user_stacks={1: (0x1000, 0x2000)}, kernel_stacks={2: (0xFFFF0000,)})
+    # when it is batched
+    [batch] = build_batches(drain, ProcessTable(with_cmdline=False), lambda a: "k", host="h",
+                            profile_type="offcpu", sample_hz=19, time_ns=1, live_workers=[0]).values()
+    # then this process keeps its pid; the gone ones are one [unknown] process, their samples summed by stack
+    assert sorted(p.pid for p in batch.processes) == [UNKNOWN_PID, me]
+    assert next(p for p in batch.processes if p.pid == UNKNOWN_PID).service == UNKNOWN_SERVICE
+    merged = sorted((s.kernel_stack >= 0, s.count, s.value) for s in batch.samples if s.pid == UNKNOWN_PID)
+    assert merged == [(False, 1, 10), (True, 7, 70)]
+    assert [(s.count, s.value) for s in batch.samples if s.pid == me] == [(3, 30)]
