@@ -28,8 +28,10 @@ static __always_inline int current_ids(u32 *pid, u32 *tid) {
 // notify_new_pid: the first count of a process the programs have not seen
 // before wakes the collector (a ring-buffer event it polls), so a new
 // process's stacks, and the unwind tables they need, are drained within
-// EARLY_DRAIN_S of its first sample instead of at the next idle drain. At
-// most one event per NEW_PID_NOTIFY_NS: it is a hint to drain, not a record.
+// EARLY_DRAIN_S of its first sample instead of at the next idle drain (if it
+// still lives then: the collector looks). At most one event per
+// NEW_PID_NOTIFY_NS: it is a hint to drain, not a record; a process first
+// counted while that limit holds is notified by a later count past it.
 // Compiled with -DNEW_PID_NOTIFY_NS and -DSEEN_PIDS from the collector (collector/main.py; these
 // defaults, the same, are for a module compiled without them, as a test of one family does).
 #ifndef NEW_PID_NOTIFY_NS
@@ -45,14 +47,14 @@ BPF_ARRAY(new_pid_last, u64, 1);
 static __always_inline void notify_new_pid(u32 pid) {
     if (seen_pids.lookup(&pid))
         return;
-    u8 one = 1;
-    seen_pids.update(&pid, &one);
     u32 zero = 0;
     u64 *last = new_pid_last.lookup(&zero);
     u64 now = bpf_ktime_get_ns();
     if (!last || now - *last < NEW_PID_NOTIFY_NS)
-        return;
+        return;   // not seen yet: its next count, past the limit, notifies it
     *last = now;
+    u8 one = 1;
+    seen_pids.update(&pid, &one);
     new_pids.ringbuf_output(&pid, sizeof(pid), 0);
 }
 

@@ -66,6 +66,9 @@ EARLY_DRAIN_S = 0.2
 NEW_PID_NOTIFY_NS = 100_000_000
 # Processes the programs remember having notified (an LRU map).
 SEEN_PIDS = 65536
+# New-process events looked at per wake-up (at most one per NEW_PID_NOTIFY_NS arrive; a backlog after
+# a stall needs only a few to decide whether to drain early).
+MAX_NOTIFIED_PER_TAKE = 64
 # A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
 # drained, and stamped into the window it was taken in (drain_stamp_ns).
 BOUNDARY_LAG_S = 0.05
@@ -184,7 +187,7 @@ class Collector:
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
-        self.totals = {"batches": 0, "batches_dropped": 0}
+        self.totals = {"batches": 0, "batches_dropped": 0, "new_gone_before_drain": 0}
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
         self.samples = {src.profile_type: 0 for src in self.sources}
@@ -233,15 +236,27 @@ class Collector:
     def new_process_fd(self) -> int:
         """A descriptor that is readable when a process the programs had not seen is first counted."""
         self._new_pids = self.programs.bpf["new_pids"]
-        self._new_pids.open_ring_buffer(lambda _ctx, _data, _size: None)
+        self._notified: list[int] = []
+        self._new_pids.open_ring_buffer(self._on_new_pid)
         return int(self._new_pids.map_fd)
 
-    def take_new_processes(self) -> None:
-        """Consume the new-process events (their only message: drain soon). The process is not read
-        here: its first count is often that of a child forked to exec, whose mappings are about to
-        be replaced (an executable's table asked for then was the parent's, and its answer made
-        /proc/PID/map_files unreadable for the new image)."""
+    def _on_new_pid(self, _ctx: object, data: int, size: int) -> None:
+        if size >= 4 and len(self._notified) < MAX_NOTIFIED_PER_TAKE:
+            self._notified.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint32)).contents.value)
+
+    def take_new_processes(self) -> bool:
+        """Consume the new-process events; whether one of their processes still lives, so that a drain
+        soon helps it (a process already gone, such as a shell loop's short child, gains nothing from
+        it, and a host starting hundreds a second drained five times a second for them). The process
+        is not read here: its first count is often that of a child forked to exec, whose mappings are
+        about to be replaced (an executable's table asked for then was the parent's, and its answer
+        made /proc/PID/map_files unreadable for the new image)."""
         self.programs.bpf.ring_buffer_consume()
+        pids, self._notified = self._notified, []
+        alive = any(os.path.exists(f"/proc/{pid}") for pid in pids)
+        if pids and not alive:
+            self.totals["new_gone_before_drain"] += 1
+        return alive
 
     def quiet(self) -> bool:
         """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
@@ -601,8 +616,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             stopping.drain_wakeups()
             if stop.is_set():
                 break
-            if new_processes in events:
-                collector.take_new_processes()
+            if new_processes in events and collector.take_new_processes():
                 next_drain = min(next_drain, last_drain + EARLY_DRAIN_S)
                 log.debug("a new process was counted: next drain in %.2f s", next_drain - time.monotonic())
             if collector.unwind is not None and collector.unwind.sock in events:
