@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
 from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.symbolizer.files import ProcessGone
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class PerfMapCache:
     PERF_MAP_RECHECK_S per process, or per PERF_MAP_REREAD_FACTOR times what its
     last read cost if that is longer (a map rewritten all the time costs a bounded share).
     A refused or unreadable map is logged once per process and returned as None, like a missing one.
+    Once the process has exited (ProcessGone), the map last read from it is kept: it can change no
+    more, and it names the samples drained after the exit.
     """
 
     def __init__(self, opener: Opener, max_entries: int = PERF_MAP_CACHE_ENTRIES) -> None:
@@ -126,7 +129,7 @@ class PerfMapCache:
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # by (pid, start_ticks)
         self._log_once = LogOnce(log)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("hits", "loaded", "missing", "refused", "unreadable", "evicted"), 0)
+            ("hits", "loaded", "missing", "gone", "refused", "unreadable", "evicted"), 0)
 
     def get(self, pid: int, start_ticks: int, nspid: int, uid: int, now: float | None = None) -> PerfMap | None:
         now = time.monotonic() if now is None else now
@@ -159,6 +162,11 @@ class PerfMapCache:
         """The map (re-read only if its stamp changed since `entry`) and its stamp."""
         try:
             fd = self._open(pid, start_ticks)
+        except ProcessGone:
+            # Exited: the map last read from it can change no more, and its samples drained after the
+            # exit (up to a drain's worth) are named by it.
+            self.stats["gone"] += 1
+            return (entry.perf_map, entry.stamp) if entry is not None else (None, None)
         except FileNotFoundError:
             self.stats["missing"] += 1
             return None, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from ebpfprofiler.collector import filebroker
 from ebpfprofiler.shared.wire import FileRequest
 from ebpfprofiler.symbolizer import perfmap
+from ebpfprofiler.symbolizer.files import ProcessGone
 from ebpfprofiler.symbolizer.perfmap import PerfMapCache, PerfMapRefused, read_perf_map
 
 PID, NSPID, START_TICKS = 4242, 7, 123456
@@ -330,3 +332,22 @@ def test_a_costly_map_rewritten_every_second_is_read_a_bounded_share_of_the_time
         assert read_at[i] - read_at[i - 1] >= backoff[i - 1], (read_at, backoff)
     assert all(b > perfmap.PERF_MAP_RECHECK_S for b in backoff), backoff
     assert len(read_at) - 1 < 60
+
+
+def test_a_process_gone_keeps_the_map_last_read_from_it(proc: Path) -> None:
+    # Given a cached map of a process, opened as the file client does (ProcessGone once it exited)
+    inner = opener(proc)
+
+    def open_fd(pid: int, start_ticks: int) -> int:
+        if not (proc / str(pid)).exists():
+            raise ProcessGone(f"pid {pid} exited")
+        return inner(pid, start_ticks)
+    cache = PerfMapCache(open_fd)
+    write_map(proc, "1000 10 jitted\n")
+    assert cache.get(PID, START_TICKS, NSPID, UID, now=100.0).lookup(0x1000) == "jitted"
+    # When the process exits and its samples drained after that are named
+    shutil.rmtree(proc / str(PID))
+    again = cache.get(PID, START_TICKS, NSPID, UID, now=100.0 + perfmap.PERF_MAP_RECHECK_S * 2)
+    # Then the map last read still names them (it can change no more)
+    assert again is not None and again.lookup(0x1000) == "jitted"
+    assert cache.stats["gone"] == 1
