@@ -7,12 +7,13 @@
 //                   (prev). Switch-in half first: if next was blocked, its
 //                   blocked interval ends (at its wakeup, else now). An
 //                   interval shorter than OFFCPU_MIN_NS costs nothing more:
-//                   no stack is read for it. A longer one takes next's
-//                   kernel stack as it was saved when it blocked
-//                   (bpf_get_task_stack) and waits, pending, for the thread
-//                   to return to user space. Switch-out half: prev blocks
-//                   (state S or D; a preempted task is runnable and does not
-//                   count): only the time is kept.
+//                   no kernel stack is read for it. A longer one takes
+//                   next's kernel stack as it was saved when it blocked
+//                   (bpf_get_task_stack, unless it blocked where it did last
+//                   time) and waits, pending, for the thread to return to
+//                   user space. Switch-out half: prev blocks (state S or D;
+//                   a preempted task is runnable and does not count): only
+//                   the time is kept.
 //   offcpu_wakeup   sched_wakeup: when the blocked thread became runnable;
 //                   the wait for a CPU after that is not blocked time.
 //   offcpu_resume   rseq_update, in the context of a thread about to return
@@ -23,10 +24,14 @@
 //                   DWARF tables with offcpu_dwarf) and the kernel stack
 //                   taken at switch-in.
 //
-// Threads that never pass rseq_update (no rseq: static or musl binaries, Go,
-// a thread before its first return to user) are read the old way: their
-// stacks are taken when they block and charged at switch-in. Kernel threads
-// (no user registers) are charged at switch-in, kernel stack only.
+// Threads that do not pass rseq_update (no rseq: static or musl binaries, Go,
+// a thread before glibc registers it; task_struct.rseq, -DOFFCPU_TASK_RSEQ_OFFSET
+// from the kernel's BTF, tells, else the first rseq_update seen) have their user stack taken
+// when they block (frame pointers; the only moment it can be read) and are
+// charged at switch-in with the kernel stack read then, like the others.
+// Kernel threads (no user registers) are charged at switch-in, kernel stack
+// only. The kernel's own unwinder is what costs (20-60 us a stack on these
+// machines): it runs for long blocks only, once per place a thread blocks.
 //
 // Stacks go to offcpu_stacks_<buf> under a 64-bit hash of their frames (user
 // and kernel stacks share the map); counts under (pid, tid, user hash,
@@ -47,6 +52,10 @@
 #define OFFCPU_TASK_RTLOCK_WAIT 0x1000  // reported as D
 #define OFFCPU_FRAMES 64     // per stack; the layout of struct unwind_stack
 #define OFFCPU_HASH_PRIME 0x100000001b3ULL
+// x86-64's kernel text and module space (Documentation/arch/x86/x86_64/mm.rst): the words of a
+// sleeping task's stack that may be code addresses (offcpu_same_block).
+#define OFFCPU_CODE_START 0xffffffff80000000ULL
+#define OFFCPU_CODE_END 0xffffffffff000000ULL
 
 // offcpu_task.flags
 #define OFFCPU_CHECKED 0x1   // whether it has user registers is known
@@ -178,25 +187,53 @@ static __always_inline u32 offcpu_frames(long bytes) {
 }
 
 // Whether `task`, switching in after a long block, blocked where it blocked the last time its
-// kernel stack was read: the same saved stack pointer and the same 512 bytes above it (the
-// registers __switch_to_asm saved, the scheduler's frames and the return addresses into the
-// functions that blocked). Then t->kernel is still its stack and the walk (bpf_get_task_stack:
-// ~10 us here) is not made; a thread that waits in one place (an event loop, a worker pool's
-// queue, a kernel thread's idle wait) is walked once. A mismatch, or a read that fails, walks.
+// kernel stack was read: the same code addresses in the 512 bytes above its saved stack pointer
+// (the return addresses into the scheduler and the functions that blocked, and any function
+// pointer they keep there, such as a wait queue entry's). The other words there (saved
+// registers, timeouts, a poll table's pointers) and the stack pointer itself (the kernel moves
+// each syscall's stack by a random offset) change from one block to the next at the same place,
+// and are left out. Then t->kernel is still its stack and the walk (bpf_get_task_stack: 20-60 us
+// on these machines) is not made; a thread that waits in one place (an event loop, a worker
+// pool's queue, a kernel thread's idle wait) is walked once. A mismatch, or a read that fails,
+// walks. A shallow stack ends before 512 bytes (a read past it faults): 256, then 128 are tried.
+//
+// OFFCPU_TASK_SP_OFFSET is task_struct.thread.sp in the running kernel's BTF (the collector's
+// -D; bcc's headers may be another kernel's); without it every long block walks.
 static __always_inline int offcpu_same_block(struct task_struct *task, struct offcpu_task *t) {
+#ifdef OFFCPU_TASK_SP_OFFSET
     u64 sp = 0;
     u32 slot = 1;
     struct offcpu_stack *words = offcpu_scratch.lookup(&slot);
-    if (!words || bpf_probe_read_kernel(&sp, sizeof(sp), &task->thread.sp) || !sp ||
-        bpf_probe_read_kernel(words->pcs, sizeof(words->pcs), (void *)sp))
+    if (!words || bpf_probe_read_kernel(&sp, sizeof(sp), (char *)task + OFFCPU_TASK_SP_OFFSET) || !sp)
         return 0;
-    u64 h = sp;
-    for (int i = 0; i < OFFCPU_FRAMES; i++)
-        h = (h ^ words->pcs[i]) * OFFCPU_HASH_PRIME;
+    u32 n = OFFCPU_FRAMES;
+    if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs), (void *)sp)) {
+        n = OFFCPU_FRAMES / 2;
+        if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs) / 2, (void *)sp)) {
+            n = OFFCPU_FRAMES / 4;
+            if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs) / 4, (void *)sp))
+                return 0;
+        }
+    }
+    u64 h = 0xcbf29ce484222325ULL ^ n;
+    for (int i = 0; i < OFFCPU_FRAMES; i++) {
+        if (i >= n)
+            break;
+        u64 w = words->pcs[i];
+        if (w >= OFFCPU_CODE_START && w < OFFCPU_CODE_END)
+            h = (h ^ w) * OFFCPU_HASH_PRIME;
+    }
     if (t->kernel_n && t->kernel_print == h)
         return 1;
     t->kernel_print = h;
+#endif
     return 0;
+}
+
+// next's kernel stack into t->kernel, unless it is the one already there.
+static __always_inline void offcpu_read_kernel(struct task_struct *next, struct offcpu_task *t) {
+    if (!offcpu_same_block(next, t))
+        t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
 }
 
 // Whether the current task has user registers (a kernel thread has none).
@@ -230,16 +267,16 @@ int offcpu_switch(u64 *ctx) {
         u64 delta = end > t->ts ? end - t->ts : 0;
         if (t->gen == *gen && delta >= OFFCPU_MIN_NS) {
             if (t->flags & OFFCPU_KTHREAD) {
-                if (!offcpu_same_block(next, t))
-                    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+                offcpu_read_kernel(next, t);
                 offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, 1, delta);
             } else if (t->flags & OFFCPU_RSEQ) {
                 // blocked again before it returned: same stacks
-                if (t->pending_count == 0 && !offcpu_same_block(next, t))
-                    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+                if (t->pending_count == 0)
+                    offcpu_read_kernel(next, t);
                 t->pending_ns += delta;
                 t->pending_count++;
             } else {
+                offcpu_read_kernel(next, t);
                 offcpu_charge(t->pid, t->tid, &t->user, t->user_n, &t->kernel, t->kernel_n, 1, delta);
             }
         }
@@ -267,16 +304,27 @@ int offcpu_switch(u64 *ctx) {
     }
     if (!(p->flags & OFFCPU_CHECKED))
         p->flags |= OFFCPU_CHECKED | (offcpu_has_user_regs() ? 0 : OFFCPU_KTHREAD);
+#ifdef OFFCPU_TASK_RSEQ_OFFSET
+    // Whether it will pass rseq_update now, not whether it once did: exec unregisters rseq, and
+    // a shell's child that execs a Go or static binary keeps its task (and this record).
+    u64 rseq = 0;
+    bpf_probe_read_kernel(&rseq, sizeof(rseq), (char *)prev + OFFCPU_TASK_RSEQ_OFFSET);
+    if (rseq) {
+        p->flags |= OFFCPU_RSEQ;
+    } else if (p->flags & OFFCPU_RSEQ) {
+        p->flags &= ~OFFCPU_RSEQ;
+        p->pending_ns = 0;      // a block inside execve: it will not pass rseq_update to be charged
+        p->pending_count = 0;
+    }
+#endif
     p->ts = now;
     p->wake_ts = 0;
     p->gen = *gen;
     p->pid = pid;
     p->tid = tid;
     if (!(p->flags & (OFFCPU_KTHREAD | OFFCPU_RSEQ))) {
-        // No rseq_update to wait for: the stacks now, frame pointers only.
+        // No rseq_update to wait for: the user stack now, frame pointers only.
         p->user_n = offcpu_frames(bpf_get_stack(ctx, p->user.pcs, sizeof(p->user.pcs), BPF_F_USER_STACK));
-        p->kernel_n = offcpu_frames(bpf_get_stack(ctx, p->kernel.pcs, sizeof(p->kernel.pcs), 0));
-        p->kernel_print = 0;     // p->kernel is this block's now, not the one the print was of
     }
     return 0;
 }

@@ -12,7 +12,10 @@ ping-pong: the classic sched_switch path made it several times slower).
 Owns: loading such a function (bcc's relocated instructions, map fds
 already in place) with the bpf() syscall, the BTF id of its tracepoint
 (libbpf's libbpf_find_vmlinux_btf_id), attaching and detaching it (a link
-descriptor: closing it detaches), and closing it all.
+descriptor: closing it detaches), and closing it all; and the offsets of
+kernel struct members in the running kernel's BTF (member_offset), for a
+program that reads a field bcc's headers may place wrongly (bcc compiles
+against /lib/modules/<release>/build, which may be another kernel's).
 
 Must not: know what the programs do.
 """
@@ -36,6 +39,11 @@ _ATTR_BYTES = 128                   # of union bpf_attr: more than PROG_LOAD's f
 _LOG_BYTES = 1 << 20
 # How much of that log an error message quotes.
 _LOG_QUOTED = 2000
+# BTF kinds (include/uapi/linux/btf.h) member_offset looks through.
+_BTF_KIND_STRUCT, _BTF_KIND_UNION = 4, 5
+_BTF_MODIFIERS = {8, 9, 10, 11, 18}   # typedef, volatile, const, restrict, type_tag
+# A kernel type nests far less; bounds the walk through anonymous members and modifiers.
+_BTF_MAX_DEPTH = 16
 
 
 class BtfProgramError(RuntimeError):
@@ -54,14 +62,91 @@ def _bpf(cmd: int, attr: ctypes.Array) -> int:
     return int(fd)
 
 
-def tracepoint_btf_id(tracepoint: str) -> int:
-    """The vmlinux BTF id of raw tracepoint `tracepoint` (its btf_trace_<name> typedef)."""
+def _lib() -> Any:
     global _libbpf
     if _libbpf is None:
-        _libbpf = ctypes.CDLL(ctypes.util.find_library("bpf") or "libbpf.so.1", use_errno=True)
-        _libbpf.libbpf_find_vmlinux_btf_id.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        _libbpf.libbpf_find_vmlinux_btf_id.restype = ctypes.c_int
-    btf_id = _libbpf.libbpf_find_vmlinux_btf_id(tracepoint.encode(), _BPF_TRACE_RAW_TP)
+        lib = ctypes.CDLL(ctypes.util.find_library("bpf") or "libbpf.so.1", use_errno=True)
+        lib.libbpf_find_vmlinux_btf_id.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.libbpf_find_vmlinux_btf_id.restype = ctypes.c_int
+        lib.btf__load_vmlinux_btf.argtypes = []
+        lib.btf__load_vmlinux_btf.restype = ctypes.c_void_p
+        lib.btf__free.argtypes = [ctypes.c_void_p]
+        lib.btf__free.restype = None
+        lib.btf__find_by_name_kind.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32]
+        lib.btf__find_by_name_kind.restype = ctypes.c_int32
+        lib.btf__type_by_id.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.btf__type_by_id.restype = ctypes.c_void_p
+        lib.btf__name_by_offset.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.btf__name_by_offset.restype = ctypes.c_char_p
+        _libbpf = lib
+    return _libbpf
+
+
+def member_offset(struct_name: str, path: tuple[str, ...]) -> int | None:
+    """The byte offset of struct_name.path[0].path[1]... in the running kernel's BTF, or None.
+
+    Anonymous struct and union members are looked through, as C does; None when the kernel has no
+    BTF, the struct or a member is not there, or a member is a bit field."""
+    lib = _lib()
+    btf = lib.btf__load_vmlinux_btf()
+    if not btf:
+        return None
+    try:
+        type_id = lib.btf__find_by_name_kind(btf, struct_name.encode(), _BTF_KIND_STRUCT)
+        if type_id <= 0:
+            return None
+        total = 0
+        for name in path:
+            found = _find_member(lib, btf, type_id, name, 0)
+            if found is None:
+                return None
+            bits, type_id = found
+            if bits % 8:
+                return None
+            total += bits // 8
+        return total
+    finally:
+        lib.btf__free(btf)
+
+
+def _find_member(lib: Any, btf: int, type_id: int, name: str, depth: int) -> tuple[int, int] | None:
+    """(bit offset, type id) of member `name` of struct or union `type_id`, anonymous ones included."""
+    if depth > _BTF_MAX_DEPTH:
+        return None
+    kind, vlen, kflag, members = _btf_type(lib, btf, type_id, depth)
+    if kind not in (_BTF_KIND_STRUCT, _BTF_KIND_UNION) or members is None:
+        return None
+    for i in range(vlen):
+        name_off, member_type, offset = struct.unpack_from("III", members, 12 * i)
+        bits = offset & 0xFFFFFF if kflag else offset
+        member_name = lib.btf__name_by_offset(btf, name_off) or b""
+        if member_name == name.encode():
+            return bits, member_type
+        if not member_name:
+            inner = _find_member(lib, btf, member_type, name, depth + 1)
+            if inner is not None:
+                return bits + inner[0], inner[1]
+    return None
+
+
+def _btf_type(lib: Any, btf: int, type_id: int, depth: int) -> tuple[int, int, int, bytes | None]:
+    """(kind, vlen, kind_flag, member records) of `type_id` after typedefs and qualifiers."""
+    for _ in range(_BTF_MAX_DEPTH - depth + 1):
+        ptr = lib.btf__type_by_id(btf, type_id)
+        if not ptr:
+            return -1, 0, 0, None
+        _name_off, info, size_or_type = struct.unpack("III", ctypes.string_at(ptr, 12))
+        kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
+        if kind in _BTF_MODIFIERS:
+            type_id = size_or_type
+            continue
+        return kind, vlen, kflag, ctypes.string_at(ptr + 12, 12 * vlen)
+    return -1, 0, 0, None
+
+
+def tracepoint_btf_id(tracepoint: str) -> int:
+    """The vmlinux BTF id of raw tracepoint `tracepoint` (its btf_trace_<name> typedef)."""
+    btf_id = _lib().libbpf_find_vmlinux_btf_id(tracepoint.encode(), _BPF_TRACE_RAW_TP)
     if btf_id <= 0:
         raise BtfProgramError(f"the kernel's BTF has no raw tracepoint {tracepoint} ({btf_id})")
     return int(btf_id)

@@ -135,6 +135,7 @@ class Collector:
         # bcc is imported here, not at the top: only this stage pays for it.
         from ebpfprofiler.collector.intervals import START_ENTRIES
         from ebpfprofiler.collector.offcpu import OffCpuTracer
+        from ebpfprofiler.collector.offcpu import bpf_defines as offcpu_defines
         from ebpfprofiler.collector.oncpu import OnCpuSampler
         from ebpfprofiler.collector.procfs import ProcessTable
         from ebpfprofiler.collector.programs import Programs
@@ -150,6 +151,8 @@ class Collector:
                    "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
                    "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
                    **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct)}
+        if cfg.offcpu:
+            defines.update(offcpu_defines())
         dwarf = cfg.dwarf_unwind
         if dwarf and unwind.supported():
             log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())

@@ -1,6 +1,6 @@
 """Off-CPU profiling: bpf/offcpu.c's tp_btf programs on sched_switch, sched_wakeup and rseq_update.
 
-Owns: loading and attaching the family's programs (collector/btfprog.py),
+Owns: the family's -D flags (bpf_defines), loading and attaching its programs (collector/btfprog.py),
 its DWARF step program (a tp_btf program too, so that the rseq_update program
 may tail-call it), the attach generation that makes records of a paused
 interval stale, and draining the double-buffered counts and stack maps into a
@@ -17,10 +17,10 @@ from typing import Any
 
 from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks,
                                             take_all)
-from ebpfprofiler.collector.btfprog import BtfProgram
+from ebpfprofiler.collector.btfprog import BtfProgram, member_offset
 from ebpfprofiler.collector.sources import EventSource
 
-__all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS"]
+__all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS", "bpf_defines"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,32 @@ TRACEPOINTS = tuple(tp for _, tp in PROGRAMS)
 STEP_PROGRAMS = (("offcpu_unwind_step", "rseq_update"), ("offcpu_unwind_finish", "rseq_update"))
 # Names of the offcpu_lost slots in bpf/offcpu.c, in order.
 LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "no_task_record")
+
+
+# -D flag of bpf/offcpu.c → task_struct member it reads, and what is lost without it (no BTF).
+TASK_FIELDS = {
+    # the code addresses above a sleeping task's saved stack pointer: whether it blocks where it did
+    "OFFCPU_TASK_SP_OFFSET": (("thread", "sp"), "the kernel stack of every blocking interval over "
+                              "offcpu_min_ms is read, also where a thread blocks as it did before"),
+    # whether a thread will pass rseq_update: registered now, not once before an exec
+    "OFFCPU_TASK_RSEQ_OFFSET": (("rseq",), "the main thread of a program without rseq (Go, static, "
+                                "musl) exec'd by one with it is not charged"),
+}
+
+
+def bpf_defines() -> dict[str, int]:
+    """The offsets bpf/offcpu.c needs of task_struct members, from the running kernel's BTF.
+
+    bcc's headers may be another kernel's (/lib/modules/<release>/build), so its own offsets of
+    these fields cannot be trusted; a field not found is left out and the loss logged."""
+    out = {}
+    for define, (path, loss) in TASK_FIELDS.items():
+        offset = member_offset("task_struct", path)
+        if offset is None:
+            log.warning("off-CPU: task_struct.%s is not in the kernel's BTF; %s", ".".join(path), loss)
+        else:
+            out[define] = offset
+    return out
 
 
 class OffCpuTracer(EventSource):

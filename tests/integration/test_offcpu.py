@@ -66,8 +66,10 @@ def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]]) ->
 class Workloads:
     run: OffcpuRun
     offcpu: Path
+    no_rseq: Path           # the same workload with glibc's rseq off: its stacks are read another way
     pinned: Path
     ratio_wall_s: float
+    no_rseq_wall_s: float
     pinned_cpu_s: float
     tiny_loops: int
     ratio_loops: int
@@ -75,12 +77,14 @@ class Workloads:
 
 @pytest.fixture(scope="module")
 def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloads]:
-    """offcpu_min_ms: 1 — the 3:1:2 workload, two CPU hogs on one CPU, a 200 µs sleeper."""
+    """offcpu_min_ms: 1 — the 3:1:2 workload (also without rseq), two CPU hogs on one CPU, a 200 µs sleeper."""
     require_root()
     work = tmp_path_factory.mktemp("offcpu")
     offcpu = build("offcpu")
     tiny = work / "tiny_sleeper"
     shutil.copy(offcpu, tiny)
+    no_rseq = work / "no_rseq"
+    shutil.copy(offcpu, no_rseq)
     pinned = work / "pinned_hog"
     shutil.copy(build("hot"), pinned)
     # Frame-pointer stacks (these workloads have frame pointers): building unwind tables for
@@ -92,11 +96,14 @@ def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloa
         ["taskset", "-c", "0", str(pinned), "2"],
         ["taskset", "-c", "0", str(pinned), "2"],
         [str(tiny), "tiny", "3"],
+        # A thread that never passes rseq_update (as Go's, musl's and static binaries' do not): its
+        # user stack is read when it blocks, its kernel stack when it is switched back in.
+        ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
     ])
     ratio_wall = float(workload_fields(outputs[0])["wall_seconds"])
     pinned_cpu = sum(float(workload_fields(out)["cpu_seconds"]) for out in outputs[1:3])
-    yield Workloads(run, offcpu, pinned, ratio_wall, pinned_cpu, int(workload_fields(outputs[3])["loops"]),
-                    int(workload_fields(outputs[0])["loops"]))
+    yield Workloads(run, offcpu, no_rseq, pinned, ratio_wall, float(workload_fields(outputs[4])["wall_seconds"]),
+                    pinned_cpu, int(workload_fields(outputs[3])["loops"]), int(workload_fields(outputs[0])["loops"]))
 
 
 def blocked_ns_by_waiter(samples: list[pprof.ReadSample]) -> Counter[str]:
@@ -109,15 +116,16 @@ def blocked_ns_by_waiter(samples: list[pprof.ReadSample]) -> Counter[str]:
     return out
 
 
-def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads) -> None:
+@pytest.mark.parametrize("rseq", [True, False], ids=["rseq", "no_rseq"])
+def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads, rseq: bool) -> None:
     assert min_1ms.run.types == {"cpu", "offcpu"}
-    by = blocked_ns_by_waiter(min_1ms.run.of(min_1ms.offcpu))
+    exe, wall = (min_1ms.offcpu, min_1ms.ratio_wall_s) if rseq else (min_1ms.no_rseq, min_1ms.no_rseq_wall_s)
+    by = blocked_ns_by_waiter(min_1ms.run.of(exe))
     unit = (by["slow_wait"] / 3 + by["fast_wait"] + by["pipe_wait"] / 2) / 3
     for waiter, share in (("slow_wait", 3), ("fast_wait", 1), ("pipe_wait", 2)):
         assert abs(by[waiter] / unit - share) <= 0.10 * share, f"{waiter}: {by[waiter] / NS:.3f}s of {dict(by)}"
     total = sum(by.values()) / NS
-    assert abs(total - min_1ms.ratio_wall_s) <= 0.10 * min_1ms.ratio_wall_s, \
-        f"blocked {total:.3f}s vs wall {min_1ms.ratio_wall_s:.3f}s"
+    assert abs(total - wall) <= 0.10 * wall, f"blocked {total:.3f}s vs wall {wall:.3f}s"
 
 
 def test_samples_count_blocking_intervals(min_1ms: Workloads) -> None:
@@ -130,18 +138,29 @@ def test_samples_count_blocking_intervals(min_1ms: Workloads) -> None:
     assert all(counts[w] == loops for w in ("slow_wait", "fast_wait", "pipe_wait")), (counts, loops)
 
 
-def test_kernel_frames_of_a_sleeping_stack_are_named(min_1ms: Workloads) -> None:
-    slow = [s for s in min_1ms.run.of(min_1ms.offcpu) if "slow_wait" in s.functions]
-    assert slow
-    for s in slow:
-        kernel = [f.function for f in s.frames if f.module == "[kernel.kallsyms]"]
-        assert kernel and all(kernel), s.functions
-        # The blocked thread's kernel stack as the kernel saves it (bpf_get_task_stack when it is
-        # switched back in): the syscall's path down to the scheduler, whose own __sched functions
-        # (schedule, do_nanosleep) the kernel's unwinder leaves out of a sleeping task's stack.
-        assert kernel[-3:] == ["do_syscall_64", "__x64_sys_nanosleep", "hrtimer_nanosleep"], kernel
-        user = [f.function for f in s.frames if f.module != "[kernel.kallsyms]"]
-        assert user[-4:] == ["main", "slow_wait", "sleep_ns", "raw_syscall3"], user
+@pytest.mark.parametrize("rseq", [True, False], ids=["rseq", "no_rseq"])
+def test_kernel_frames_of_a_sleeping_stack_are_named(min_1ms: Workloads, rseq: bool) -> None:
+    samples = min_1ms.run.of(min_1ms.offcpu if rseq else min_1ms.no_rseq)
+    # One thread blocks in nanosleep twice, then in a pipe read, over and over: the kernel stack
+    # read for a block is reused only while the thread blocks in the same place (offcpu_same_block),
+    # so each wait keeps its own.
+    nanosleep = ["do_syscall_64", "__x64_sys_nanosleep", "hrtimer_nanosleep"]
+    for waiter in ("slow_wait", "fast_wait", "pipe_wait"):
+        mine = [s for s in samples if waiter in s.functions]
+        assert mine, waiter
+        for s in mine:
+            kernel = [f.function for f in s.frames if f.module == "[kernel.kallsyms]"]
+            assert kernel and all(kernel), s.functions
+            user = [f.function for f in s.frames if f.module != "[kernel.kallsyms]"]
+            # The blocked thread's kernel stack as the kernel saves it (bpf_get_task_stack when it
+            # is switched back in): the syscall's path down to the scheduler, whose own __sched
+            # functions (schedule, do_nanosleep) the kernel's unwinder leaves out of it.
+            if waiter == "pipe_wait":
+                assert "vfs_read" in kernel and kernel[-1].endswith("pipe_read"), kernel
+                assert user[-3:] == ["main", waiter, "raw_syscall3"], user
+            else:
+                assert kernel[-3:] == nanosleep, (waiter, kernel)
+                assert user[-4:] == ["main", waiter, "sleep_ns", "raw_syscall3"], user
 
 
 def test_preempted_cpu_hogs_are_not_off_cpu(min_1ms: Workloads) -> None:
