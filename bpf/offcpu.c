@@ -377,12 +377,20 @@ int offcpu_unwind_finish(u64 *ctx) {
 
 // rseq_update(struct task_struct *t): current, about to return to user space.
 int offcpu_resume(u64 *ctx) {
+#ifdef OFFCPU_TASK_RSEQ_OFFSET
+    // offcpu_switch reads OFFCPU_RSEQ from task_struct.rseq: a thread with no record has nothing
+    // pending, and no record is made for it here (this runs at every return to user after a switch).
+    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+    if (!t)
+        return 0;
+#else
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0,
                                                           BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!t)
         return 0;
     if (!(t->flags & OFFCPU_RSEQ))
         t->flags |= OFFCPU_RSEQ;
+#endif
     if (t->pending_count == 0)
         return 0;
 #ifdef OFFCPU_DWARF
