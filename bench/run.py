@@ -24,6 +24,8 @@ from bench.alloc import AllocLockBench
 from bench.alloc import section as alloc_section
 from bench.budget import BudgetBench
 from bench.budget import section as budget_section
+from bench.growth import GrowthBench
+from bench.growth import section as growth_section
 from bench.jvm import JvmBench
 from bench.jvm import section as jvm_section
 from bench.dotnet import DotNetBench
@@ -42,7 +44,7 @@ from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
 SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "runtimes", "jvm", "overhead", "alloc", "budget",
-          "dotnet")
+          "dotnet", "growth")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -63,7 +65,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
                     "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
                     "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
-                    "the truth; a contended mutex loop with lock profiling off and on). Writes "
+                    "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
+                    "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
+                    "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
+                    "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -173,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "alloc": AllocLockBench(args.rounds, log, args.keep),
         "budget": BudgetBench(args.rounds, log=log),
         "dotnet": DotNetBench(args.rounds, log, args.keep),
+        "growth": GrowthBench(1, log=log),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -213,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "overhead": (overhead_section, "Measured overhead against the peers"),
                 "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
                 "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
-                "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written")}
+                "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
+                "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
