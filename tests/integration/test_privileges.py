@@ -25,7 +25,7 @@ from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, privileges
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES
-from tests.harness import PY, Pipeline, Receiver, require_root, wait_for
+from tests.harness import PY, Pipeline, Receiver, kill_and_reap, require_root, wait_for
 
 STAGES = {"collector": "collector", "symbolizer-0": "symbolizer", "uploader": "uploader"}
 
@@ -156,5 +156,11 @@ def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(run
     assert "wire version 99" in pipeline.log()
     assert f"header of {MAX_BATCH_BYTES + 1} bytes is over the cap" in pipeline.log()
     assert stage_pid(pipeline, "symbolizer-0") == pid and Path(f"/proc/{pid}").exists()
-    wait_for("a profile of a window after the garbage",
-             lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))), timeout=30)
+    # a process on CPU, so that the next windows have samples whatever else the host runs (an idle
+    # host may give none for longer than the wait)
+    spinner = subprocess.Popen([PY, "-I", "-S", "-c", "while True: pass"])
+    try:
+        wait_for("a profile of a window after the garbage",
+                 lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))), timeout=30)
+    finally:
+        kill_and_reap([spinner])
