@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import struct
-from typing import Any
+from typing import Any, Sequence
 
 # bpf(2) commands and types of include/uapi/linux/bpf.h (kernel ABI, stable).
 _SYS_BPF = 321                      # x86-64
@@ -83,30 +83,38 @@ def _lib() -> Any:
 
 
 def member_offset(struct_name: str, path: tuple[str, ...]) -> int | None:
-    """The byte offset of struct_name.path[0].path[1]... in the running kernel's BTF, or None.
+    """The byte offset of struct_name.path[0].path[1]... in the running kernel's BTF, or None."""
+    return member_offsets(struct_name, [path])[0]
 
-    Anonymous struct and union members are looked through, as C does; None when the kernel has no
-    BTF, the struct or a member is not there, or a member is a bit field."""
+
+def member_offsets(struct_name: str, paths: Sequence[tuple[str, ...]]) -> list[int | None]:
+    """The byte offsets of members of struct_name (each a path through nested members), the
+    kernel's BTF loaded once for all of them.
+
+    Anonymous struct and union members are looked through, as C does; None for a path when the
+    kernel has no BTF, the struct or a member is not there, or a member is a bit field."""
     lib = _lib()
     btf = lib.btf__load_vmlinux_btf()
     if not btf:
-        return None
+        return [None] * len(paths)
     try:
-        type_id = lib.btf__find_by_name_kind(btf, struct_name.encode(), _BTF_KIND_STRUCT)
-        if type_id <= 0:
-            return None
-        total = 0
-        for name in path:
-            found = _find_member(lib, btf, type_id, name, 0)
-            if found is None:
-                return None
-            bits, type_id = found
-            if bits % 8:
-                return None
-            total += bits // 8
-        return total
+        struct_id = lib.btf__find_by_name_kind(btf, struct_name.encode(), _BTF_KIND_STRUCT)
+        return [_path_offset(lib, btf, struct_id, path) if struct_id > 0 else None for path in paths]
     finally:
         lib.btf__free(btf)
+
+
+def _path_offset(lib: Any, btf: int, type_id: int, path: tuple[str, ...]) -> int | None:
+    total = 0
+    for name in path:
+        found = _find_member(lib, btf, type_id, name, 0)
+        if found is None:
+            return None
+        bits, type_id = found
+        if bits % 8:
+            return None
+        total += bits // 8
+    return total
 
 
 def _find_member(lib: Any, btf: int, type_id: int, name: str, depth: int) -> tuple[int, int] | None:

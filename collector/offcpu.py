@@ -17,7 +17,7 @@ from typing import Any
 
 from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks,
                                             take_all)
-from ebpfprofiler.collector.btfprog import BtfProgram, member_offset
+from ebpfprofiler.collector.btfprog import BtfProgram, member_offsets
 from ebpfprofiler.collector.sources import EventSource
 
 __all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS", "bpf_defines"]
@@ -51,8 +51,8 @@ def bpf_defines() -> dict[str, int]:
     bcc's headers may be another kernel's (/lib/modules/<release>/build), so its own offsets of
     these fields cannot be trusted; a field not found is left out and the loss logged."""
     out = {}
-    for define, (path, loss) in TASK_FIELDS.items():
-        offset = member_offset("task_struct", path)
+    offsets = member_offsets("task_struct", [path for path, _ in TASK_FIELDS.values()])
+    for (define, (path, loss)), offset in zip(TASK_FIELDS.items(), offsets):
         if offset is None:
             log.warning("off-CPU: task_struct.%s is not in the kernel's BTF; %s", ".".join(path), loss)
         else:
