@@ -1,25 +1,39 @@
 """Thread stacks of one Ruby process, read from its memory while it runs.
 
 Owns: from the VM (found by detect: the symbol or a validated scan), the
-main ractor's threads (the ring of their list nodes, each validated by
-pointing back to the VM and the ractor), each thread's execution context and
-its control frames from the current one to the end of its VM stack; each
-frame of Ruby code (its iseq an imemo_iseq) turned into a RubyFrame: label
-(the method or block name), file (the iseq's path) and line (from the
-iseq's instruction info at the frame's pc, through the succinct index table
-as Ruby's iseq.c encodes it). Frames of C functions (sleep, Integer#times)
-have no iseq and are skipped. Decoded iseqs are cached by address and body,
-bounded.
+threads of every ractor: the main ractor first, then each other ractor on
+the VM's ring of ractors (vm->ractor.set), and per ractor the ring of its
+threads' list nodes, each thread validated by pointing back to the VM and to
+that ractor; each thread's execution context and its control frames from
+the current one to the end of its VM stack; each frame of Ruby code (its
+iseq an imemo_iseq) turned into a RubyFrame: the method with its class as
+Ruby's own profiling API names it (rb_profile_frame_full_label:
+"Worker#hot", "Worker.cls_method" for a method of a singleton class,
+"block in Worker#hot", "Spin#cpu_b" for a module's method; the bare label,
+"<main>", for code outside any method), file (the iseq's path) and line
+(from the iseq's instruction info at the frame's pc, through the succinct
+index table as Ruby's iseq.c encodes it). Frames of C functions (sleep,
+Integer#times in 3.3) have no iseq and are skipped.
 
-Validation: a thread whose links do not point back, an iseq that is not an
-imemo_iseq, a path or label that is not a string, a pc outside the iseq or
-an index outside its table drops the thread or frame, counted in `dropped`
-by reason. Reads are bounded (MAX_THREADS, MAX_FRAMES, MAX_NAME_BYTES,
-MAX_INSN_ENTRIES); the ReadBudget bounds the bytes.
+The class: the frame's environment (cfp->ep; for a block, the chain of
+previous environments up to the method's own, as rb_vm_frame_method_entry
+walks it) holds the method entry (an imemo_ment; in the method's own
+environment possibly behind an svar), whose owner is the class or module
+the method was defined in; its classpath (RCLASS_EXT) names it. A
+singleton class's methods are named after the class it is attached to, with
+"."; a singleton of an ordinary object, an anonymous class (no classpath)
+or a temporary path ("#<Class:0x...>") leave the bare label, as Ruby's own
+backtraces do. Decoded iseqs are cached by address and body, class names by
+method entry and owner, both bounded.
 
-Other ractors' threads are not reached yet: the ring of ractors hangs off
-fields this reader has no checked offsets for (the main ractor is where
-every program without Ractor.new runs).
+Validation: a ractor or thread whose links do not point back, an iseq that
+is not an imemo_iseq, a path or label that is not a string, a pc outside the
+iseq or an index outside its table drops the thread or frame, counted in
+`dropped` by reason. An environment, method entry or class that cannot be
+read or is not what it must be is counted too (bad_env, env_too_deep,
+bad_method_entry, bad_class), and its frame keeps its bare label. Reads are
+bounded (MAX_RACTORS, MAX_THREADS, MAX_FRAMES, MAX_ENV_HOPS,
+MAX_NAME_BYTES, MAX_INSN_ENTRIES); the ReadBudget bounds the bytes.
 
 Must not: write to, stop or attach to the target; log.
 """
@@ -35,8 +49,17 @@ from ebpfprofiler.runtimes.ruby import layouts
 from ebpfprofiler.runtimes.ruby.layouts import Layout
 from ebpfprofiler.runtimes.runtime import ThreadStack
 
-# Threads read per process.
+# Ractors read per process (each is an OS-thread-backed actor; thousands are not a program, a loop is).
+MAX_RACTORS = 256
+# Threads read per process, over all its ractors.
 MAX_THREADS = 512
+# Previous environments followed from a block's frame to its method's (one per nesting level of blocks).
+MAX_ENV_HOPS = 32
+# Bytes of a thread's VM stack read at once for its frames' environments (a 64-frame-deep stack's
+# environments span a few KB; a larger span is read environment by environment).
+MAX_ENV_SPAN = 32 << 10
+# Class names cached per process (a method entry and owner each).
+CLASS_CACHE_ENTRIES = 4096
 # Control frames read per thread (Ruby's default VM stack holds ~10K; profiles cut at 128).
 MAX_FRAMES = 128
 # Bytes of a label or path.
@@ -55,8 +78,8 @@ _i = struct.Struct("<i")
 
 @dataclass(frozen=True, slots=True)
 class RubyFrame:
-    function: str          # the iseq's label: method, "block in m", "<main>"
-    class_name: str        # "" (not read yet)
+    function: str          # "Worker#hot", "Worker.cls_method", "block in Worker#hot", "<main>"
+    class_name: str        # "Worker" (of both), "" when no class is named
     filename: str
     line: int
 
@@ -64,6 +87,7 @@ class RubyFrame:
 @dataclass(slots=True)
 class _Iseq:
     label: str
+    base_label: str
     path: str
     encoded: int
     size: int              # instruction info entries
@@ -76,34 +100,72 @@ class RubyProcess:
     def __init__(self, version: str, layout: Layout, vm: int) -> None:
         self.version, self.layout, self.vm = version, layout, vm
         self._iseqs: OrderedDict[tuple[int, int], _Iseq | None] = OrderedDict()
+        self._classes: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()
         self.dropped: dict[str, int] = {}
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def threads(self, mem: ProcessMemory) -> list[tuple[int, int, int]]:
-        """(thread, its execution context, its native thread) of each thread of the main ractor."""
+        """(thread, its execution context, its native thread) of each thread of every ractor: the main
+        ractor's first, then those of each other ractor on the VM's ring of ractors."""
         lay = self.layout
         vm = mem.read(self.vm, lay.vm_main_thread + 8)
-        ractor, main = _Q.unpack_from(vm, lay.vm_main_ractor)[0], _Q.unpack_from(vm, lay.vm_main_thread)[0]
+        main = _Q.unpack_from(vm, lay.vm_main_ractor)[0]
+        out = self._ractor_threads(mem, main, MAX_THREADS)
+        head = self.vm + lay.vm_ractor_set
+        node, seen = _Q.unpack_from(vm, lay.vm_ractor_set)[0], {head}
+        while node not in seen:
+            if not node or node & 7 or len(seen) > MAX_RACTORS:
+                self._drop("bad_ractor" if len(seen) <= MAX_RACTORS else "too_many_ractors")
+                break
+            seen.add(node)
+            ractor = node - lay.ractor_node
+            if ractor != main:
+                out += self._ractor_threads(mem, ractor, MAX_THREADS - len(out))
+            try:
+                node = mem.u64(node)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                self._drop("bad_ractor")
+                break
+        return out
+
+    def _ractor_threads(self, mem: ProcessMemory, ractor: int, room: int) -> list[tuple[int, int, int]]:
+        """Up to `room` threads on `ractor`'s ring of threads, each checked to point back to the VM and to it."""
+        lay = self.layout
         out: list[tuple[int, int, int]] = []
-        node, seen = main, set[int]()
-        want = max(lay.th_ractor, lay.th_vm, lay.th_nt, lay.th_ec) + 8
-        while node and node not in seen and len(seen) < MAX_THREADS + 1:
+        if not ractor or ractor & 7:
+            self._drop("bad_ractor")
+            return out
+        head = ractor + lay.ractor_threads
+        want = max(lay.th_node, lay.th_ractor, lay.th_vm, lay.th_nt, lay.th_ec) + 8
+        try:
+            node = mem.u64(head)
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("bad_ractor")
+            return out
+        seen = {head}
+        while node not in seen:
+            if len(out) >= room:
+                self._drop("too_many_threads")
+                break
             seen.add(node)
             th = node - lay.th_node
             try:
-                raw = mem.read(th, want) if not th & 7 else None
+                raw = mem.read(th, want) if node and not th & 7 else None
             except MemoryReadError as e:
                 if e.reason in ("gone", "budget"):
                     raise
                 raw = None
-            if raw is None:
+            if raw is None or _Q.unpack_from(raw, lay.th_vm)[0] != self.vm \
+                    or _Q.unpack_from(raw, lay.th_ractor)[0] != ractor:
                 self._drop("bad_thread")
                 break
-            # The ring's head lives in the ractor, not in a thread: it fails this check and is passed.
-            if _Q.unpack_from(raw, lay.th_vm)[0] == self.vm and _Q.unpack_from(raw, lay.th_ractor)[0] == ractor:
-                out.append((th, _Q.unpack_from(raw, lay.th_ec)[0], _Q.unpack_from(raw, lay.th_nt)[0]))
+            out.append((th, _Q.unpack_from(raw, lay.th_ec)[0], _Q.unpack_from(raw, lay.th_nt)[0]))
             node = _Q.unpack_from(raw, lay.th_node)[0]
         return out
 
@@ -137,7 +199,7 @@ class RubyProcess:
         if (end - cfp) // lay.cfp_bytes > MAX_FRAMES:
             self._drop("too_deep")
         cfps = mem.read_many([(cfp + i * lay.cfp_bytes, lay.cfp_bytes) for i in range(n)])
-        frames: list[RubyFrame] = []
+        got: list[tuple[_Iseq, int, int]] = []      # each Ruby frame's iseq, line and environment
         for c in cfps:
             if c is None:
                 self._drop("bad_pointer")
@@ -145,12 +207,170 @@ class RubyProcess:
             iseq = _Q.unpack_from(c, lay.cfp_iseq)[0]
             if not iseq or iseq & 7:
                 continue                     # a C function's frame, or the VM's dummy bottom frame
-            got = self._frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
-            if got is not None:
-                frames.append(got)
-        return frames
+            frame = self._frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
+            if frame is not None:
+                got.append((frame[0], frame[1], _Q.unpack_from(c, lay.cfp_ep)[0]))
+        owners = self._owners(mem, [ep for _, _, ep in got], stack, cfp)
+        return [self._named(mem, info, line, owner) for (info, line, _), owner in zip(got, owners)]
 
-    def _frame(self, mem: ProcessMemory, iseq: int, pc: int) -> RubyFrame | None:
+    def _named(self, mem: ProcessMemory, info: _Iseq, line: int, owner: tuple[int, int] | None) -> RubyFrame:
+        """The frame of `info` at `line`, named after its method entry and owner (if any)."""
+        cls, sep = self._class_name(mem, owner) if owner else ("", "")
+        if not cls or not info.label.endswith(info.base_label):
+            return RubyFrame(info.label, "", info.path, line)
+        prefix = info.label[:len(info.label) - len(info.base_label)]    # "block in ", "rescue in "
+        return RubyFrame(f"{prefix}{cls}{sep}{info.base_label}", cls, info.path, line)
+
+    def _owners(self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0) -> list[tuple[int, int] | None]:
+        """(method entry, its owner) of each frame's environment, as rb_vm_frame_method_entry finds it:
+        ep[-2] of the environment, or of the previous ones up to the method's own (a block's frame);
+        None where there is none (top-level code: a cref) or it fails its checks (counted).
+        Environments on the thread's VM stack (between `stack` and `top`) are read in one span;
+        others (a block that outlived its frame has its environment on the heap) one by one."""
+        lay = self.layout
+        on_stack = [ep for ep in eps if stack + 16 <= ep < top and not ep & 7]
+        span_at, span = 0, b""
+        if on_stack:
+            span_at = min(on_stack) + layouts.EP_ME_CREF
+            size = max(on_stack) + 8 - span_at
+            if size <= MAX_ENV_SPAN:
+                span = mem.read(span_at, size)
+
+        off: dict[int, bytes | None] = {}     # environments off the VM stack: ep → its three words
+
+        def env(ep: int) -> tuple[int, int, int] | None:
+            """ep[-2], ep[-1], ep[0]."""
+            at = ep + layouts.EP_ME_CREF - span_at
+            if span and 0 <= at <= len(span) - 24:
+                raw, at = span, at
+            else:
+                got = off.get(ep)
+                if got is None:
+                    return None
+                raw, at = got, 0
+            return _Q.unpack_from(raw, at)[0], _Q.unpack_from(raw, at + 8)[0], _Q.unpack_from(raw, at + 16)[0]
+
+        # Each frame's candidates, in the order Ruby checks them: ep[-2] of each environment up to the
+        # local one. All frames step together, so the environments off the stack of a step are one read.
+        chains: list[list[tuple[int, bool]]] = [[] for _ in eps]
+        walking = list(enumerate(eps))
+        for _hop in range(MAX_ENV_HOPS):
+            if not walking:
+                break
+            fetch = list({ep for _, ep in walking if ep not in off and not (span and span_at <= ep + layouts.EP_ME_CREF
+                                                                            and ep + 8 <= span_at + len(span))})
+            if fetch:
+                got = mem.read_many([(ep + layouts.EP_ME_CREF, 24) if ep and not ep & 7 else (0, 0) for ep in fetch])
+                off.update(zip(fetch, got))
+            still: list[tuple[int, int]] = []
+            for i, ep in walking:
+                slots = env(ep)
+                if slots is None:
+                    self._drop("bad_env")
+                    continue
+                me_cref, specval, flags = slots
+                local = bool(flags & layouts.ENV_FLAG_LOCAL)
+                if me_cref and not me_cref & 7:
+                    chains[i].append((me_cref, local))
+                if not local:
+                    still.append((i, specval & ~3))
+            walking = still
+        if walking:
+            self._drop("env_too_deep")
+        values = list({v for chain in chains for v, _ in chain})
+        heads = dict(zip(values, mem.read_many([(v, lay.me_owner + 8) for v in values]))) if values else {}
+        out: list[tuple[int, int] | None] = []
+        for chain in chains:
+            found = None
+            for value, local in chain:
+                found = self._method_entry(mem, value, heads[value], local)
+                if found is not None:
+                    break
+            out.append(found)
+        return out
+
+    def _method_entry(self, mem: ProcessMemory, value: int, head: bytes | None,
+                      svar_allowed: bool) -> tuple[int, int] | None:
+        """check_method_entry (vm_insnhelper.c): (value, its owner) when `value` (whose first bytes are
+        `head`) is an imemo_ment; an svar's cref_or_me in a method's own environment; else None."""
+        lay = self.layout
+        if not value or value & 7:
+            return None                      # Qfalse: no method entry here
+        if head is None:
+            self._drop("bad_method_entry")
+            return None
+        flags = _Q.unpack_from(head, 0)[0]
+        if flags & layouts.T_MASK != layouts.T_IMEMO:
+            self._drop("bad_method_entry")
+            return None
+        kind = (flags >> layouts.FL_USHIFT) & layouts.IMEMO_MASK
+        if kind == layouts.IMEMO_MENT:
+            return value, _Q.unpack_from(head, lay.me_owner)[0]
+        if kind == layouts.IMEMO_SVAR and svar_allowed:
+            inner = _Q.unpack_from(head, layouts.SVAR_CREF_OR_ME)[0]
+            if not inner or inner & 7:
+                return None
+            try:
+                got = mem.read(inner, lay.me_owner + 8)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                got = None
+            return self._method_entry(mem, inner, got, False)
+        return None                          # a cref (top-level or class body code), or another imemo
+
+    def _class_name(self, mem: ProcessMemory, entry: tuple[int, int]) -> tuple[str, str]:
+        """("Worker", "#") for a method of Worker, ("Worker", ".") for one of Worker's singleton class,
+        ("", "") when no class is named; cached by method entry and owner."""
+        got = self._classes.get(entry)
+        if got is not None:
+            self._classes.move_to_end(entry)
+            return got
+        try:
+            got = self._read_class_name(mem, entry[1])
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("bad_class")
+            return "", ""                    # not cached: a torn read may read right next time
+        self._classes[entry] = got
+        if len(self._classes) > CLASS_CACHE_ENTRIES:
+            self._classes.popitem(last=False)
+        return got
+
+    def _read_class_name(self, mem: ProcessMemory, owner: int) -> tuple[str, str]:
+        lay = self.layout
+        got = self._class(mem, owner)
+        if got is None:
+            raise MemoryReadError("bad_address", f"owner {owner:#x} is not a class or module")
+        flags, attached, path = got
+        sep = "#"
+        if flags & lay.fl_singleton:
+            got = self._class(mem, attached)
+            if got is None:
+                return "", ""                # a singleton of an ordinary object: Ruby names no class
+            path, sep = got[2], "."
+        if not path or path & 7:
+            return "", ""                    # an anonymous class (nil classpath)
+        name = self._string(mem, path)
+        if name is None:
+            raise MemoryReadError("bad_address", f"classpath {path:#x} is not a string")
+        if not name or name.startswith("#<"):
+            return "", ""                    # a temporary path: Ruby names no class either
+        return name, sep
+
+    def _class(self, mem: ProcessMemory, klass: int) -> tuple[int, int, int] | None:
+        """(flags, attached object, classpath) of a class or module; None for any other object."""
+        lay = self.layout
+        if not klass or klass & 7:
+            return None
+        raw = mem.read(klass, max(lay.class_attached, lay.class_path) + 8)
+        flags = _Q.unpack_from(raw, 0)[0]
+        if flags & layouts.T_MASK not in (layouts.T_CLASS, layouts.T_MODULE):
+            return None
+        return flags, _Q.unpack_from(raw, lay.class_attached)[0], _Q.unpack_from(raw, lay.class_path)[0]
+
+    def _frame(self, mem: ProcessMemory, iseq: int, pc: int) -> tuple[_Iseq, int] | None:
         head = mem.read(iseq, self.layout.iseq_body + 8)
         flags = _Q.unpack_from(head, 0)[0]
         if flags & layouts.T_MASK != layouts.T_IMEMO:
@@ -176,7 +396,7 @@ class RubyProcess:
         if info is None:
             return None
         if not pc:
-            return RubyFrame(info.label, "", info.path, 0)
+            return info, 0
         pos = (pc - info.encoded) // 8
         if not 0 <= pos < MAX_ISEQ_SIZE:
             self._drop("bad_pc")
@@ -185,7 +405,7 @@ class RubyProcess:
         line = self._line(mem, info, pos)
         if line is None:
             return None
-        return RubyFrame(info.label, "", info.path, line)
+        return info, line
 
     def _read_iseq(self, mem: ProcessMemory, body: int) -> _Iseq | None:
         lay = self.layout
@@ -194,8 +414,9 @@ class RubyProcess:
             return None
         raw = mem.read(body, lay.body_succ_table + 8)
         label = self._string(mem, _Q.unpack_from(raw, lay.body_label)[0])
+        base = self._string(mem, _Q.unpack_from(raw, lay.body_base_label)[0])
         path = self._path(mem, _Q.unpack_from(raw, lay.body_pathobj)[0])
-        if label is None or path is None:
+        if label is None or base is None or path is None:
             return None
         size = _I.unpack_from(raw, lay.body_insns_size)[0]
         entries = _Q.unpack_from(raw, lay.body_insns_body)[0]
@@ -204,7 +425,7 @@ class RubyProcess:
             return None
         table = mem.read(entries, size * layouts.INSN_INFO_ENTRY_BYTES) if size else b""
         lines = [_i.unpack_from(table, k * layouts.INSN_INFO_ENTRY_BYTES)[0] for k in range(size)]
-        return _Iseq(label, path, _Q.unpack_from(raw, lay.body_iseq_encoded)[0], size, lines,
+        return _Iseq(label, base, path, _Q.unpack_from(raw, lay.body_iseq_encoded)[0], size, lines,
                      _Q.unpack_from(raw, lay.body_succ_table)[0], {})
 
     def _line(self, mem: ProcessMemory, info: _Iseq, pos: int) -> int | None:

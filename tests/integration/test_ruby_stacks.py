@@ -5,9 +5,14 @@ With runtime_stacks: [ruby], the pipeline reads Ruby 3.3 (Debian trixie) and
 a container (tests/runtime_roots.py). Debian's libruby exports no
 ruby_current_vm_ptr (hidden, .symtab stripped): the reader finds the VM by
 its scan of libruby's writable data. The received ruby_wall profiles show,
-per version, the main thread in <main> → run → cpu_a / cpu_b in a 3:1 ratio
-(±10%) with the script's file and lines, and a second thread blocked in
-blocked_here (in sleep, a C function: not a frame of its own).
+per version, methods named with their class as Ruby's own profiling API
+names them: the main thread in <main> → Work.run (a class method) →
+Work#cpu_a / Spin#cpu_b (a method of a module Work includes) in a 3:1 ratio
+(±10%) with the script's file and lines; a second thread blocked in "block in
+Object#blocked_here" (a block of a top-level method, in sleep, a C function:
+not a frame of its own) under Object#blocked_here; and, in a second process,
+the thread of a second ractor busy in Crunch.in_ractor (the reader walks the
+VM's ring of ractors) while the main ractor's thread waits in Ractor#take.
 
 Refusal, logged once with the reason (the stage's Reader driven tick by
 tick): Ruby 3.1 (Debian bookworm's, in its root).
@@ -34,6 +39,7 @@ from tests.harness import WORKLOADS, Pipeline, Receiver, kill_and_reap, require_
 from tests.integration.test_runtime_edges import DrivenReader, start
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
+RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"
 # Processes per version: sampled at random phases of their cycle (a loaded host moves them), each
 # stack is a draw with p = 3/4, so N stacks judge 3:1 to one sigma of 6.9/sqrt(N) (binomial; 2,400
 # put +-10% at under two sigma). Twelve give 6,400 in ~28 s, where +-10% is 3.5 sigma.
@@ -42,17 +48,21 @@ COPIES = 12
 WANT_STACKS = 6400
 # Stacks of the blocked threads at least.
 WANT_BLOCKED = 1800
+# Stacks of the second ractor's thread at least (one process read 19 times a second for ~28 s).
+WANT_RACTOR = 200
 # The workload's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 180
 
 
-def marked_lines(tag: str) -> set[int]:
-    return {i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
+def marked_lines(tag: str, script: Path = SCRIPT) -> set[int]:
+    return {i for i, line in enumerate(script.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
 
 
-def method_lines(name: str) -> range:
+def method_lines(qualified: str) -> range:
+    """The lines of a method ("Work#cpu_a", "Work.run", "Object#blocked_here"), def to end."""
+    name = qualified.replace(".", "#").split("#")[-1]
     lines = SCRIPT.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines, 1) if line.strip().startswith(f"def {name}("))
+    start = next(i for i, line in enumerate(lines, 1) if line.strip().startswith((f"def {name}(", f"def self.{name}(")))
     end = next(i for i, line in enumerate(lines[start:], start + 1) if line.strip() == "end" and
                len(line) - len(line.lstrip()) == len(lines[start - 1]) - len(lines[start - 1].lstrip()))
     return range(start, end + 1)
@@ -63,6 +73,8 @@ class Workload:
     version: str
     procs: list[subprocess.Popen]
     filename: str
+    ractor: subprocess.Popen | None = None      # ruby_ractor.rb
+    ractor_filename: str = ""
 
 
 @dataclass
@@ -89,6 +101,19 @@ def other_samples(run: Run, w: Workload) -> list[pprof.ReadSample]:
     return [s for p in w.procs for s in run.samples.get(p.pid, []) if s.labels.get("thread.id") != str(p.pid)]
 
 
+def ractor_samples(samples: dict[int, list[pprof.ReadSample]], w: Workload, main: bool) -> list[pprof.ReadSample]:
+    """The ractor process's stacks of its main thread (main) or of the others (the second ractor's)."""
+    assert w.ractor is not None
+    return [s for s in samples.get(w.ractor.pid, []) if (s.labels.get("thread.id") == str(w.ractor.pid)) == main]
+
+
+def start_ruby(root: Path, version: str, filename: str) -> subprocess.Popen:
+    p = subprocess.Popen(["chroot", str(root), f"/usr/bin/ruby{version}", filename, str(WORKLOAD_SECONDS)],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None and p.stdout.readline().startswith("ready "), f"ruby{version} {filename} did not start"
+    return p
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     require_root()
@@ -98,6 +123,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     for root in roots.values():
         (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
         shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
+        shutil.copy(RACTOR_SCRIPT, root / inside.relative_to("/") / RACTOR_SCRIPT.name)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
@@ -109,24 +135,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             wait_for("the runtime reader", ready.exists, timeout=30)
             for v, root in roots.items():     # one version at a time
                 filename = str(inside / SCRIPT.name)
-                w = Workload(v, [], filename)
+                w = Workload(v, [], filename, ractor_filename=str(inside / RACTOR_SCRIPT.name))
                 workloads.append(w)
+                w.ractor = start_ruby(root, v, w.ractor_filename)
                 for _ in range(COPIES):
-                    p = subprocess.Popen(["chroot", str(root), f"/usr/bin/ruby{v}", filename, str(WORKLOAD_SECONDS)],
-                                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-                    w.procs.append(p)
-                    assert p.stdout is not None and p.stdout.readline().startswith("ready "), f"ruby{v} did not start"
+                    w.procs.append(start_ruby(root, v, filename))
 
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
                     return sum(s.values[0] for p in w.procs for s in got.get(p.pid, [])
-                               if s.labels.get("thread.id") == str(p.pid)) >= WANT_STACKS
+                               if s.labels.get("thread.id") == str(p.pid)) >= WANT_STACKS and \
+                        sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
                 try:
                     wait_for(f"ruby_wall profiles of Ruby {v}", enough, timeout=120, interval=1.0)
                 except AssertionError as e:
                     runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
                     raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
-                for p in w.procs:
+                for p in w.procs + [w.ractor]:
                     p.kill()
                     p.wait()
         finally:
@@ -135,7 +160,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         yield Run(workloads, received_samples(receiver.dir))
     finally:
         for w in workloads:
-            kill_and_reap(w.procs)
+            kill_and_reap(w.procs + ([w.ractor] if w.ractor else []))
         receiver.stop()
         for root in roots.values():
             shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
@@ -155,9 +180,10 @@ def test_main_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) 
     for s in main_samples(run, w):
         names = [f.function for f in s.frames]
         assert names[0] == "<main>", f"{version}: {names}"
-        # Not in run(): Ruby's start-up (gem_prelude requiring rubygems), or run's own loop.
-        inside[names[-1] if names[-1] in ("cpu_a", "cpu_b") and "run" in names else "other"] += s.values[0]
-    a, b = inside["cpu_a"], inside["cpu_b"]
+        # Not in Work.run: Ruby's start-up (gem_prelude requiring rubygems), or run's own loop.
+        inside[names[-1] if names[-1] in ("Work#cpu_a", "Spin#cpu_b") and "Work.run" in names else "other"] += \
+            s.values[0]
+    a, b = inside["Work#cpu_a"], inside["Spin#cpu_b"]
     assert a + b >= 0.95 * sum(inside.values()), f"{version}: {inside.most_common(5)}"
     print(f"Ruby {version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
     assert 2.7 <= a / max(b, 1) <= 3.3, f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
@@ -166,8 +192,8 @@ def test_main_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_frames_carry_file_and_lines(run: Run, version: str) -> None:
     w = workload(run, version)
-    calls = {"cpu_a": marked_lines("CALL_A"), "cpu_b": marked_lines("CALL_B")}
-    bodies = {"cpu_a": marked_lines("LINE_A"), "cpu_b": marked_lines("LINE_B")}
+    calls = {"Work#cpu_a": marked_lines("CALL_A"), "Spin#cpu_b": marked_lines("CALL_B")}
+    bodies = {"Work#cpu_a": marked_lines("LINE_A"), "Spin#cpu_b": marked_lines("LINE_B")}
     consistent = torn = 0
     body_lines: Counter[tuple[str, int]] = Counter()
     for s in main_samples(run, w):
@@ -175,7 +201,8 @@ def test_frames_carry_file_and_lines(run: Run, version: str) -> None:
         if leaf.function not in bodies:
             continue
         caller = s.frames[-2]
-        assert caller.function == "run" and leaf.filename == caller.filename == w.filename, s.frames
+        assert caller.function == "Work.run" and leaf.filename == caller.filename == w.filename, s.frames
+        assert caller.line in method_lines("Work.run"), s.frames
         assert leaf.line in method_lines(leaf.function), f"{version}: {leaf.function} at line {leaf.line}"
         body_lines[(leaf.function, leaf.line)] += s.values[0]
         if caller.line in calls[leaf.function]:
@@ -196,9 +223,31 @@ def test_second_thread_is_blocked_in_blocked_here(run: Run, version: str) -> Non
     assert n >= WANT_BLOCKED, f"{version}: only {n} stacks of the second threads"
     wait = marked_lines("WAIT")
     for s in samples:
-        leaf = s.frames[-1]
-        assert leaf.function == "blocked_here" and leaf.filename == w.filename and leaf.line in wait, s.frames
+        leaf, caller = s.frames[-1], s.frames[-2]
+        assert leaf.function == "block in Object#blocked_here" and leaf.filename == w.filename \
+            and leaf.line in wait, s.frames
+        assert caller.function == "Object#blocked_here" and caller.line in method_lines("blocked_here"), s.frames
         assert s.labels["thread.name"], s.labels
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_second_ractor_thread_is_in_crunch_in_ractor(run: Run, version: str) -> None:
+    w = workload(run, version)
+    crunch, take = marked_lines("CRUNCH", RACTOR_SCRIPT), marked_lines("TAKE", RACTOR_SCRIPT)
+    others = ractor_samples(run.samples, w, main=False)
+    n = sum(s.values[0] for s in others)
+    print(f"Ruby {version}: {n} stacks of the second ractor's thread")
+    assert n >= WANT_RACTOR, f"{version}: only {n} stacks of the second ractor's thread"
+    for s in others:
+        leaf, caller = s.frames[-1], s.frames[-2]
+        assert leaf.function == "Crunch.in_ractor" and leaf.filename == w.ractor_filename \
+            and leaf.line in crunch, s.frames
+        assert caller.function == "block in <main>" and caller.filename == w.ractor_filename, s.frames
+    mains = ractor_samples(run.samples, w, main=True)
+    assert mains, f"{version}: no stacks of the main ractor's thread"
+    for s in mains:
+        main = [f for f in s.frames if f.function == "<main>" and f.line]
+        assert main and main[-1].line in take and s.frames[-1].function == "Ractor#take", s.frames
 
 
 def test_ruby_3_1_is_refused_once_with_the_reason(tmp_path: Path, started: list[subprocess.Popen],
