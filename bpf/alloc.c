@@ -51,7 +51,7 @@ struct alloc_key {
     u64 caller;           // return address at entry: the frame the stack walk skips
 };
 
-struct alloc_value {
+struct alloc_value {   // u64 fields only, each summed (counts_add in common.h)
     u64 objects_milli;    // estimated allocations, in thousandths
     u64 bytes;            // estimated bytes
 };
@@ -107,6 +107,7 @@ struct alloc_stack_key {
 
 BPF_HASH(alloc_counts_0, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
 BPF_HASH(alloc_counts_1, struct alloc_key, struct alloc_value, ALLOC_COUNTS_ENTRIES);
+BPF_ARRAY_OF_MAPS(alloc_count_maps, "alloc_counts_0", 2);   // [buf]: alloc_counts_<buf> (common.h)
 BPF_STACK_TRACE(alloc_stacks, ALLOC_STACK_ENTRIES);
 BPF_HASH(alloc_live, struct alloc_live_key, struct alloc_live_t, ALLOC_LIVE_ENTRIES);
 // LRU: a thread killed inside malloc never returns; its record ages out.
@@ -236,24 +237,10 @@ static __always_inline void alloc_count(struct alloc_key *key, struct alloc_valu
     u32 *buf = alloc_active.lookup(&zero);
     if (!buf)
         return;
-    struct alloc_value *v;
-    if (*buf == 0) {
-        v = alloc_counts_0.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->objects_milli, add->objects_milli);
-            __sync_fetch_and_add(&v->bytes, add->bytes);
-        } else if (alloc_counts_0.update(key, add) != 0) {
-            alloc_count_lost(ALLOC_LOST_COUNTS_FULL);
-        }
-    } else {
-        v = alloc_counts_1.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->objects_milli, add->objects_milli);
-            __sync_fetch_and_add(&v->bytes, add->bytes);
-        } else if (alloc_counts_1.update(key, add) != 0) {
-            alloc_count_lost(ALLOC_LOST_COUNTS_FULL);
-        }
-    }
+    u32 b = *buf;
+    void *counts = alloc_count_maps.lookup(&b);
+    if (!counts || counts_add(counts, key, (u64 *)add, sizeof(*add) / sizeof(u64)))
+        alloc_count_lost(ALLOC_LOST_COUNTS_FULL);
 }
 
 static __always_inline void alloc_return(struct pt_regs *ctx) {

@@ -32,7 +32,7 @@ struct lock_key {
     u64 user_hash;     // DWARF-unwound user stack in lock_dwarf_stacks, or 0
 };
 
-struct lock_value {
+struct lock_value {   // u64 fields only, each summed (counts_add in common.h)
     u64 count;   // contentions: waits
     u64 ns;      // nanoseconds waited
 };
@@ -57,6 +57,7 @@ struct lock_start_t {
 BPF_HASH(lock_pids, u32, u8, LOCK_PIDS);
 BPF_HASH(lock_counts_0, struct lock_key, struct lock_value, COUNTS_ENTRIES);
 BPF_HASH(lock_counts_1, struct lock_key, struct lock_value, COUNTS_ENTRIES);
+BPF_ARRAY_OF_MAPS(lock_count_maps, "lock_counts_0", 2);   // [buf]: lock_counts_<buf> (common.h)
 BPF_STACK_TRACE(lock_stacks, STACK_ENTRIES);
 BPF_TABLE("lru_hash", u32, struct lock_start_t, lock_start, START_ENTRIES);
 BPF_ARRAY(lock_active, u32, 1);
@@ -102,24 +103,11 @@ static __always_inline void lock_charge(struct lock_key *key, u64 ns) {
     u32 *buf = lock_active.lookup(&zero);
     if (!buf)
         return;
-    struct lock_value one = {1, ns}, *v;
-    if (*buf == 0) {
-        v = lock_counts_0.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, 1);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (lock_counts_0.update(key, &one) != 0) {
-            lock_count_lost(LOCK_LOST_COUNTS_FULL);
-        }
-    } else {
-        v = lock_counts_1.lookup(key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, 1);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (lock_counts_1.update(key, &one) != 0) {
-            lock_count_lost(LOCK_LOST_COUNTS_FULL);
-        }
-    }
+    u32 b = *buf;
+    struct lock_value add = {1, ns};
+    void *counts = lock_count_maps.lookup(&b);
+    if (!counts || counts_add(counts, key, (u64 *)&add, sizeof(add) / sizeof(u64)))
+        lock_count_lost(LOCK_LOST_COUNTS_FULL);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_futex) {

@@ -69,7 +69,7 @@ struct offcpu_key {
     u64 kernel_hash;   // likewise
 };
 
-struct offcpu_value {
+struct offcpu_value {   // u64 fields only, each summed (counts_add in common.h)
     u64 count;   // blocking intervals
     u64 ns;      // blocked nanoseconds
 };
@@ -104,6 +104,7 @@ struct offcpu_task {
 BPF_TASK_STORAGE(offcpu_tasks, struct offcpu_task);
 BPF_HASH(offcpu_counts_0, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_HASH(offcpu_counts_1, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
+BPF_ARRAY_OF_MAPS(offcpu_count_maps, "offcpu_counts_0", 2);   // [buf]: offcpu_counts_<buf> (common.h)
 BPF_HASH(offcpu_stacks_0, u64, struct offcpu_stack, STACK_ENTRIES);
 BPF_HASH(offcpu_stacks_1, u64, struct offcpu_stack, STACK_ENTRIES);
 BPF_ARRAY(offcpu_active, u32, 1);
@@ -159,24 +160,10 @@ static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack 
     key.tid = tid;
     key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK) : 0;
     key.kernel_hash = kernel ? offcpu_store(kernel, kernel_n, buf, OFFCPU_LOST_KERNEL_STACK) : 0;
-    struct offcpu_value one = {count, ns}, *v;
-    if (buf == 0) {
-        v = offcpu_counts_0.lookup(&key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, count);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (offcpu_counts_0.update(&key, &one) != 0) {
-            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
-        }
-    } else {
-        v = offcpu_counts_1.lookup(&key);
-        if (v) {
-            __sync_fetch_and_add(&v->count, count);
-            __sync_fetch_and_add(&v->ns, ns);
-        } else if (offcpu_counts_1.update(&key, &one) != 0) {
-            offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
-        }
-    }
+    struct offcpu_value add = {count, ns};
+    void *counts = offcpu_count_maps.lookup(&buf);
+    if (!counts || counts_add(counts, &key, (u64 *)&add, sizeof(add) / sizeof(u64)))
+        offcpu_count_lost(OFFCPU_LOST_COUNTS_FULL);
 }
 
 static __always_inline u32 offcpu_frames(long bytes) {

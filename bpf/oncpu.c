@@ -33,6 +33,7 @@ struct oncpu_key {
 
 BPF_HASH(oncpu_counts_0, struct oncpu_key, u64, COUNTS_ENTRIES);
 BPF_HASH(oncpu_counts_1, struct oncpu_key, u64, COUNTS_ENTRIES);
+BPF_ARRAY_OF_MAPS(oncpu_count_maps, "oncpu_counts_0", 2);   // [buf]: oncpu_counts_<buf> (common.h)
 BPF_STACK_TRACE(oncpu_stacks_0, STACK_ENTRIES);
 BPF_STACK_TRACE(oncpu_stacks_1, STACK_ENTRIES);
 BPF_ARRAY(oncpu_active, u32, 1);
@@ -61,21 +62,11 @@ static __always_inline s32 oncpu_stack_or_lost(int id, int reason) {
 }
 
 static __always_inline void oncpu_count(struct oncpu_key *key, u32 buf) {
-    u64 one = 1, *n;
+    u64 one = 1;
     notify_new_pid(key->pid);
-    if (buf == 0) {
-        n = oncpu_counts_0.lookup(key);
-        if (n)
-            __sync_fetch_and_add(n, 1);
-        else if (oncpu_counts_0.update(key, &one) != 0)
-            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
-    } else {
-        n = oncpu_counts_1.lookup(key);
-        if (n)
-            __sync_fetch_and_add(n, 1);
-        else if (oncpu_counts_1.update(key, &one) != 0)
-            oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
-    }
+    void *counts = oncpu_count_maps.lookup(&buf);
+    if (!counts || counts_add(counts, key, &one, 1))
+        oncpu_count_lost(ONCPU_LOST_COUNTS_FULL);
 }
 
 #ifdef DWARF_UNWIND

@@ -1,8 +1,9 @@
 """Reading the BPF maps that both sampling families share the shape of.
 
-Owns: the flip of a double-buffered counts map (with the grace period for
-programs still writing the retired buffer), reading and clearing a retired
-buffer, reading stacks by id, which ids of a long-lived stack map may go, and turning per-CPU loss counters into deltas.
+Owns: the flip of a double-buffered counts map (its two maps put in the array of maps the
+programs count through, and the grace period for programs still writing the retired buffer),
+reading and clearing a retired buffer, reading stacks by id, which ids of a long-lived stack map
+may go, and turning per-CPU loss counters into deltas.
 
 Must not: know what a count means (on-CPU samples or off-CPU intervals).
 """
@@ -41,12 +42,18 @@ class RawDrain:
 
 
 class DoubleBuffer:
-    """counts_0/counts_1 selected by a one-element `active` array the program reads."""
+    """counts_0/counts_1 selected by a one-element `active` array the program reads.
+
+    The programs reach the two maps through the array of maps <prefix>_count_maps (bpf/common.h:
+    the count step is one inline function for every family), which is filled here, once."""
 
     def __init__(self, bpf: Any, prefix: str) -> None:
         self._bpf = bpf
         self._prefix = prefix
         self._active = 0
+        maps = bpf[f"{prefix}_count_maps"]
+        for i in (0, 1):
+            maps[ctypes.c_int(i)] = ctypes.c_int(bpf[f"{prefix}_counts_{i}"].get_fd())
         bpf[f"{prefix}_active"][ctypes.c_int(0)] = ctypes.c_uint32(0)
 
     def retire(self) -> tuple[int, Any]:
