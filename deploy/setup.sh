@@ -39,9 +39,10 @@ command -v apt-get >/dev/null || die "this set-up is for Debian (apt-get not fou
 # python3-dev to build python-prctl), and what development and the tests add
 # (systemd-analyze, systemd-nspawn and debootstrap: tests of the systemd units;
 # chromium: the HTML report opened in a headless browser; openjdk-17-jdk-headless:
-# the JVM tests' JDK 17 and their javac).
+# the JVM tests' JDK 17 and their javac; php8.2-fpm: the PHP test's php-fpm, started
+# with its own config).
 SYSTEM_PACKAGES="python3-bpfcc python3-venv python3-dev libcap-dev gcc make"
-DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg chromium php8.2-cli openjdk-17-jdk-headless nodejs"
+DEV_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg chromium php8.2-cli php8.2-fpm openjdk-17-jdk-headless nodejs"
 PACKAGES=$SYSTEM_PACKAGES
 [ "$MODE" = system ] || PACKAGES="$PACKAGES $DEV_PACKAGES"
 apt_updated=0
@@ -59,6 +60,10 @@ installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install o
 missing=""
 for p in $PACKAGES; do installed "$p" || missing="$missing $p"; done
 [ -z "$missing" ] || apt_install $missing
+# Debian starts php8.2-fpm's own service when it is installed: the tests start theirs, so stop it.
+case " $missing " in *" php8.2-fpm "*)
+    command -v systemctl >/dev/null && systemctl disable --now php8.2-fpm >/dev/null 2>&1 || true ;;
+esac
 
 # --- kernel headers -----------------------------------------------------------
 kver=$(uname -r)
