@@ -12,6 +12,13 @@ does not reach).
 PHP 8.4 (Debian trixie) and 8.5 (Debian experimental) run the same script
 chrooted in cached Debian roots (tests/runtime_roots.py), as in a container.
 
+php-fpm (Debian bookworm's php8.2-fpm, which make setup installs): a master
+with its own config and a static pool of workers as nobody, driven by
+FastCGI requests over a unix socket (a small client here), each request
+running the same script; the workers' php_wall stacks show the request's
+chain <main> → Work::run → Work::cpu_a / Work::cpu_b in a 3:1 ratio (±10%)
+with the script's file and lines, as the CLI's do.
+
 Refusals, logged once each with the reason (the stage's Reader driven
 tick by tick): a ZTS build (a fixture, tests/workloads/fake_php.c: no ZTS
 PHP is packaged anywhere reachable), PHP 7.4 (the same fixture, NTS), and
@@ -23,7 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
+import socket
+import struct
 import subprocess
+import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +64,11 @@ WANT_STACKS = 6400
 WANT_BLOCKED = 400
 # The workloads' own deadline: they end by themselves even if the test cannot end them.
 WORKLOAD_SECONDS = 180
+PHP_FPM = "/usr/bin/php-fpm8.2" if os.path.exists("/usr/bin/php-fpm8.2") else "/usr/sbin/php-fpm8.2"
+# php-fpm workers, each serving one long request: as many as the CLI's split processes, so that
+# the same 6,400 stacks (the 3:1 judged at 3.5 sigma) take the same ~28 s; two workers would
+# take three minutes for them, or judge +-10% at two sigma.
+FPM_WORKERS = SPLIT_COPIES
 
 
 def marked_lines(tag: str) -> set[int]:
@@ -80,10 +97,17 @@ class Workload:
 
 
 @dataclass
+class Fpm:
+    workers: list[int]                # the pool's worker pids
+    filename: str                     # the script's path, SCRIPT_FILENAME of each request
+
+
+@dataclass
 class Run:
     workloads: list[Workload]
     samples: dict[int, list[pprof.ReadSample]]   # pid → php_wall samples
     log: str
+    fpm: Fpm | None = None
 
 
 def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
@@ -118,6 +142,145 @@ def versions(work: Path, inside: Path) -> dict[str, tuple[list[str], str]]:
     return out
 
 
+# FastCGI (the protocol php-fpm speaks): an 8-byte record header, then content and padding.
+FCGI_HEADER = struct.Struct(">BBHHBB")     # version, type, request id, content length, padding, reserved
+FCGI_BEGIN_REQUEST, FCGI_END_REQUEST, FCGI_PARAMS, FCGI_STDIN, FCGI_STDOUT = 1, 3, 4, 5, 6
+FCGI_RESPONDER = 1
+# A response longer than this is not the script's one line.
+FCGI_MAX_RESPONSE = 1 << 20
+
+
+def fcgi_record(kind: int, content: bytes) -> bytes:
+    return FCGI_HEADER.pack(1, kind, 1, len(content), 0, 0) + content
+
+
+def fcgi_pair(name: str, value: str) -> bytes:
+    def length(n: int) -> bytes:
+        return bytes([n]) if n < 128 else struct.pack(">I", n | 1 << 31)
+    return length(len(name)) + length(len(value)) + name.encode() + value.encode()
+
+
+def fcgi_get(sock_path: str, script: str, query: str, timeout: float) -> bytes:
+    """One GET request of `script` to the FastCGI server at `sock_path`; its stdout (headers and body)."""
+    params = b"".join(fcgi_pair(k, v) for k, v in (
+        ("SCRIPT_FILENAME", script), ("SCRIPT_NAME", "/" + os.path.basename(script)), ("REQUEST_METHOD", "GET"),
+        ("QUERY_STRING", query), ("SERVER_PROTOCOL", "HTTP/1.1"), ("GATEWAY_INTERFACE", "CGI/1.1")))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(sock_path)
+        s.sendall(fcgi_record(FCGI_BEGIN_REQUEST, struct.pack(">HB5x", FCGI_RESPONDER, 0)) +
+                  fcgi_record(FCGI_PARAMS, params) + fcgi_record(FCGI_PARAMS, b"") + fcgi_record(FCGI_STDIN, b""))
+        data = b""
+        while len(data) < FCGI_MAX_RESPONSE:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    out, at = b"", 0
+    while at + FCGI_HEADER.size <= len(data):
+        _, kind, _, n, pad, _ = FCGI_HEADER.unpack_from(data, at)
+        if kind == FCGI_STDOUT:
+            out += data[at + FCGI_HEADER.size:at + FCGI_HEADER.size + n]
+        if kind == FCGI_END_REQUEST:
+            break
+        at += FCGI_HEADER.size + n + pad
+    return out
+
+
+@dataclass
+class FpmPool:
+    master: subprocess.Popen
+    sock: str
+    workers: list[int]
+
+
+def start_fpm(directory: Path) -> FpmPool:
+    """php-fpm with its own config in `directory` (0755: the workers run as nobody), in the foreground, in a
+    session of its own; a static pool of FPM_WORKERS workers listening on a unix socket there."""
+    sock = directory / "fpm.sock"
+    conf = directory / "php-fpm.conf"
+    conf.write_text(f"""[global]
+error_log = {directory}/fpm.log
+daemonize = no
+[split]
+user = nobody
+group = nogroup
+listen = {sock}
+pm = static
+pm.max_children = {FPM_WORKERS}
+; the script runs for the test's whole time: no time limit on a request
+php_admin_value[max_execution_time] = 0
+""")
+    master = subprocess.Popen([PHP_FPM, "--nodaemonize", "--fpm-config", str(conf)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def children() -> list[int]:
+        try:
+            return [int(x) for x in Path(f"/proc/{master.pid}/task/{master.pid}/children").read_text().split()]
+        except OSError:
+            return []
+    try:
+        wait_for("php-fpm's socket and workers", lambda: master.poll() is None and sock.exists()
+                 and len(children()) == FPM_WORKERS, timeout=30)
+    except AssertionError:
+        stop_fpm(FpmPool(master, str(sock), children()))
+        log = directory / "fpm.log"
+        raise AssertionError(f"php-fpm did not start: {log.read_text() if log.exists() else 'no log'}") from None
+    return FpmPool(master, str(sock), children())
+
+
+def stop_fpm(pool: FpmPool) -> None:
+    """Kill the master's session (master and workers), and any worker left, then reap the master."""
+    try:
+        os.killpg(pool.master.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in pool.workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pool.master.wait()
+
+
+def request(sock: str, script: str) -> None:
+    """One request of the split script, as long as the workloads run; it ends early, without an
+    answer, when the test kills php-fpm."""
+    try:
+        fcgi_get(sock, script, f"mode=split&seconds={WORKLOAD_SECONDS}", timeout=WORKLOAD_SECONDS + 30)
+    except OSError:
+        pass
+
+
+def run_fpm(receiver: Receiver, pipeline: Pipeline, directory: Path) -> Fpm:
+    """Start php-fpm, send each worker one request of php_split.php (split mode), and wait for 6,400
+    of their stacks; php-fpm and its workers are killed on the way out, the requests end with them."""
+    script = directory / SCRIPT.name
+    shutil.copy(SCRIPT, script)
+    script.chmod(0o644)
+    pool = start_fpm(directory)
+    requests: list[threading.Thread] = []
+    try:
+        for _ in range(FPM_WORKERS):
+            t = threading.Thread(target=request, args=(pool.sock, str(script)), daemon=True)
+            t.start()
+            requests.append(t)
+
+        def enough() -> bool:
+            got = received_samples(receiver.dir)
+            return sum(s.values[0] for pid in pool.workers for s in got.get(pid, [])) >= WANT_STACKS
+        try:
+            wait_for("php_wall profiles of php-fpm's workers", enough, timeout=120, interval=1.0)
+        except AssertionError as e:
+            runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
+            raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+    finally:
+        stop_fpm(pool)
+        for t in requests:
+            t.join(timeout=10)
+    return Fpm(pool.workers, str(script))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     require_root()
@@ -125,6 +288,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     work.chmod(0o755)
     inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
     argvs = versions(work, inside)
+    # php-fpm's workers run as nobody: their script and socket in a directory nobody may enter.
+    fpm_dir = Path(tempfile.mkdtemp(prefix="ebpfprofiler-fpm-"))
+    fpm_dir.chmod(0o755)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
@@ -160,14 +326,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 for p in w.procs:
                     p.kill()
                     p.wait()
+            fpm = run_fpm(receiver, pipeline, fpm_dir)
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(workloads, received_samples(receiver.dir), pipeline.log())
+        yield Run(workloads, received_samples(receiver.dir), pipeline.log(), fpm)
     finally:
         for w in workloads:
             kill_and_reap(w.procs)
         receiver.stop()
+        shutil.rmtree(fpm_dir, ignore_errors=True)
         for root in (runtime_roots.trixie(), runtime_roots.experimental()):
             shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
 
@@ -183,36 +351,34 @@ def split_samples(run: Run, w: Workload) -> list[pprof.ReadSample]:
     return [s for p in w.splits for s in run.samples.get(p.pid, [])]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-def test_run_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
-    w = workload(run, version)
+def judge_split(samples: list[pprof.ReadSample], what: str) -> None:
+    """Every stack in <main> → Work::run, and cpu_a / cpu_b 3:1 (±10%) among them."""
     inside: Counter[str] = Counter()
-    for s in split_samples(run, w):
+    for s in samples:
         names = [f.function for f in s.frames]
-        assert names[:2] == ["<main>", "Work::run"], f"{version}: {names}"
+        assert names[:2] == ["<main>", "Work::run"], f"{what}: {names}"
         inside[next((n for n in names if n in ("Work::cpu_a", "Work::cpu_b")), "other")] += s.values[0]
     a, b = inside["Work::cpu_a"], inside["Work::cpu_b"]
     total = sum(inside.values())
-    assert a + b >= 0.95 * total, f"{version}: {inside.most_common(5)}"
-    print(f"PHP {version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
-    assert 2.7 <= a / max(b, 1) <= 3.3, f"{version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
+    assert a + b >= 0.95 * total, f"{what}: {inside.most_common(5)}"
+    print(f"{what}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
+    assert 2.7 <= a / max(b, 1) <= 3.3, f"{what}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}, expected 3 ±10%"
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-def test_frames_carry_function_class_file_and_line(run: Run, version: str) -> None:
-    w = workload(run, version)
+def judge_frames(samples: list[pprof.ReadSample], filename: str, what: str) -> None:
+    """cpu_a and cpu_b at lines of their own, called from Work::run's lines that call them, in `filename`."""
     calls = {"Work::cpu_a": marked_lines("CALL_A"), "Work::cpu_b": marked_lines("CALL_B")}
     bodies = {"Work::cpu_a": marked_lines("LINE_A"), "Work::cpu_b": marked_lines("LINE_B")}
     consistent = torn = 0
     body_lines: Counter[tuple[str, int]] = Counter()
-    for s in split_samples(run, w):
+    for s in samples:
         by_name = {f.function: f for f in s.frames}
         fn = next((n for n in bodies if n in by_name), None)
         if fn is None:
             continue
         frame, caller = by_name[fn], by_name["Work::run"]
-        assert frame.filename == caller.filename == w.filename, (frame, caller)
-        assert frame.line in method_lines(fn), f"{version}: {fn} at line {frame.line}"
+        assert frame.filename == caller.filename == filename, (frame, caller)
+        assert frame.line in method_lines(fn), f"{what}: {fn} at line {frame.line}"
         body_lines[(fn, frame.line)] += s.values[0]
         leaf = s.frames[-1]
         assert leaf is frame or (leaf.function == "microtime" and leaf.filename == ""), s.frames
@@ -220,10 +386,39 @@ def test_frames_carry_function_class_file_and_line(run: Run, version: str) -> No
             consistent += s.values[0]
         else:
             torn += s.values[0]
-    assert consistent and torn <= 0.05 * (consistent + torn), f"{version}: {torn} of {consistent + torn} torn"
+    assert consistent and torn <= 0.05 * (consistent + torn), f"{what}: {torn} of {consistent + torn} torn"
     for fn, lines in bodies.items():   # mostly in its loop's call (its for line now and then)
         top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
-        assert top in lines, f"{version}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
+        assert top in lines, f"{what}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_run_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
+    judge_split(split_samples(run, workload(run, version)), f"PHP {version}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_frames_carry_function_class_file_and_line(run: Run, version: str) -> None:
+    w = workload(run, version)
+    judge_frames(split_samples(run, w), w.filename, f"PHP {version}")
+
+
+def fpm_samples(run: Run) -> list[pprof.ReadSample]:
+    assert run.fpm is not None
+    return [s for pid in run.fpm.workers for s in run.samples.get(pid, [])]
+
+
+def test_fpm_workers_requests_are_in_cpu_a_and_cpu_b_three_to_one(run: Run) -> None:
+    samples = fpm_samples(run)
+    assert sum(s.values[0] for s in samples) >= WANT_STACKS
+    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {"php-fpm8.2"}, \
+        [s.labels for s in samples[:3]]
+    judge_split(samples, "php-fpm 8.2")
+
+
+def test_fpm_frames_carry_function_class_file_and_line(run: Run) -> None:
+    assert run.fpm is not None
+    judge_frames(fpm_samples(run), run.fpm.filename, "php-fpm 8.2")
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -7,7 +7,9 @@
 // CPU it uses; a split by deadlines would add each wait to whichever is running
 // and tilt the ratio towards 1:1). Calls of about 15 and 5 ms, calibrated at the
 // start, the work drawn anew each round so that no sampling rate aliases with the cycle. With the argument "block" it instead waits in blocked_here(), in sleep().
-// It prints one line "ready PID" and runs until SECONDS (argv[2]) pass.
+// It prints one line "ready PID" and runs until SECONDS (argv[2]) pass. Run by php-fpm, the
+// request's query string gives them instead (mode=split&seconds=60), and the line is the
+// response's body.
 
 class Work {
     public static function cpu_a(int $n): void {
@@ -43,8 +45,9 @@ function blocked_here(float $stop): void {
     }
 }
 
-$mode = $argv[1] ?? "split";
-$stop = microtime(true) + (float)($argv[2] ?? 60);
+$cli = PHP_SAPI === "cli";
+$mode = ($cli ? ($argv[1] ?? null) : ($_GET["mode"] ?? null)) ?? "split";
+$stop = microtime(true) + (float)(($cli ? ($argv[2] ?? null) : ($_GET["seconds"] ?? null)) ?? 60);
 echo "ready " . getmypid() . "\n";
 if ($mode === "block") {
     blocked_here($stop);
