@@ -104,7 +104,8 @@ class AllocRun:
 
 
 @pytest.fixture(scope="module")
-def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AllocRun]:
+def alloc_run(build, tmp_path_factory: pytest.TempPathFactory,
+              module_started: list[subprocess.Popen]) -> Iterator[AllocRun]:
     require_root()
     work = tmp_path_factory.mktemp("alloc")
     exe = build("alloc")
@@ -112,7 +113,6 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
     shutil.copy(exe, target)
     shutil.copy(exe, bystander)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         pipeline = Pipeline(work, ProfilerConfig(
             sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False, dwarf_unwind=False,
@@ -122,14 +122,14 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
             # Given a target that waits for its uprobes, then allocates and leaks
             t = subprocess.Popen([str(target), str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
-            procs.append(t)
+            module_started.append(t)
             done = next_fields(t, "the target")
             addr = int(done["malloc_addr"], 16)
             # and a process that is not a target, allocating as much while the target's probes are on
             runs0 = program_runs(collector, "alloc_malloc_enter")
             b = subprocess.Popen([str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
-            procs.append(b)
+            module_started.append(b)
             by = next_fields(b, "the bystander")
             bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
             target_byte, bystander_byte = first_byte(t.pid, addr), first_byte(b.pid, int(by["malloc_addr"], 16))
@@ -152,10 +152,6 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alloc
         yield AllocRun(target, done, by, target_byte, bystander_byte, bystander_runs, uprobes_attached, uprobes, log,
                        profiles(receiver, "alloc", target))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                stop_process(p)
         receiver.stop()
 
 
@@ -234,14 +230,14 @@ class MixRun:
 
 
 @pytest.fixture(scope="module")
-def mix_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MixRun]:
+def mix_run(build, tmp_path_factory: pytest.TempPathFactory,
+            module_started: list[subprocess.Popen]) -> Iterator[MixRun]:
     """The issue's process at the default sampling: it runs on its own, not waiting for the profiler."""
     require_root()
     work = tmp_path_factory.mktemp("alloc_mix")
     target = work / "mix_target"
     shutil.copy(build("alloc_mix"), target)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         cfg = ProfilerConfig(sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False,
                              dwarf_unwind=False, alloc_targets=("mix_target",), endpoint=receiver.url)
@@ -250,7 +246,7 @@ def mix_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MixRun]
         try:
             t = subprocess.Popen([str(target), str(MIX_SECONDS), str(MIX_MB_PER_S)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
-            procs.append(t)
+            module_started.append(t)
             assert first_line(t, 30).startswith("started"), "the mixed workload did not start"
             done = next_fields(t, "the mixed workload", timeout=MIX_SECONDS + 60)
             # an upload window ends with the target idle (its leak live, the rest freed)
@@ -262,10 +258,6 @@ def mix_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MixRun]
             assert pipeline.stop() == 0, pipeline.log()
         yield MixRun(target, done, pipeline.log(), profiles(receiver, "alloc", target))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.stdin.close()
-                stop_process(p)
         receiver.stop()
 
 
@@ -301,13 +293,13 @@ class LockRun:
 
 
 @pytest.fixture(scope="module")
-def lock_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockRun]:
+def lock_run(build, tmp_path_factory: pytest.TempPathFactory,
+             module_started: list[subprocess.Popen]) -> Iterator[LockRun]:
     require_root()
     work = tmp_path_factory.mktemp("lock")
     exe = work / "lock_target"
     shutil.copy(build("lock"), exe)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         pipeline = Pipeline(work, ProfilerConfig(
             sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False,
@@ -315,7 +307,7 @@ def lock_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockRu
         try:
             p = subprocess.Popen([str(exe), str(LOCK_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
-            procs.append(p)
+            module_started.append(p)
             # Given the collector found it and loaded the unwind tables of its modules (libc has no
             # frame pointers: the waits inside pthread_mutex_lock are unwound with them)
             def unwound() -> bool:
@@ -332,9 +324,6 @@ def lock_run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockRu
             assert pipeline.stop() == 0, pipeline.log()
         yield LockRun(exe, out, profiles(receiver, "lock", exe))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                stop_process(p)
         receiver.stop()
 
 

@@ -20,7 +20,7 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, kill_and_reap, require_root, workload_fields
+from tests.harness import Pipeline, Receiver, require_root, workload_fields
 
 RATIO_SECONDS = 6.0
 NS = 1e9
@@ -35,15 +35,19 @@ class OffcpuRun:
         return self.samples_by_exe.get(str(exe.resolve()), [])
 
 
-def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]]) -> tuple[OffcpuRun, list[str]]:
-    """Run the pipeline around `workloads` (started together); their stdout, and the offcpu samples."""
+def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]],
+                 started: list[subprocess.Popen]) -> tuple[OffcpuRun, list[str]]:
+    """Run the pipeline around `workloads` (started together, each appended to `started`, the caller's
+    fixture that ends them); their stdout, and the offcpu samples."""
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
         pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url, python_stacks=False))
         try:
-            procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for argv in workloads]
+            procs = []
+            for argv in workloads:
+                procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+                started.append(procs[-1])
             outputs = [p.communicate(timeout=120)[0] for p in procs]
             assert all(p.returncode == 0 for p in procs), outputs
         finally:
@@ -58,7 +62,6 @@ def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]]) ->
                 by_exe.setdefault(str(s.labels["process.executable"]), []).append(s)
         return OffcpuRun(by_exe, types), outputs
     finally:
-        kill_and_reap(procs)
         receiver.stop()
 
 
@@ -76,7 +79,8 @@ class Workloads:
 
 
 @pytest.fixture(scope="module")
-def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloads]:
+def min_1ms(build, tmp_path_factory: pytest.TempPathFactory,
+             module_started: list[subprocess.Popen]) -> Iterator[Workloads]:
     """offcpu_min_ms: 1 — the 3:1:2 workload (also without rseq), two CPU hogs on one CPU, a 200 µs sleeper."""
     require_root()
     work = tmp_path_factory.mktemp("offcpu")
@@ -99,7 +103,7 @@ def min_1ms(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workloa
         # A thread that never passes rseq_update (as Go's, musl's and static binaries' do not): its
         # user stack is read when it blocks, its kernel stack when it is switched back in.
         ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
-    ])
+    ], module_started)
     ratio_wall = float(workload_fields(outputs[0])["wall_seconds"])
     pinned_cpu = sum(float(workload_fields(out)["cpu_seconds"]) for out in outputs[1:3])
     yield Workloads(run, offcpu, no_rseq, pinned, ratio_wall, float(workload_fields(outputs[4])["wall_seconds"]),
@@ -186,11 +190,11 @@ def test_intervals_under_min_ms_are_dropped(min_1ms: Workloads) -> None:
     assert all(s.values[1] >= 1_000_000 * s.values[0] for s in tiny), [s.values for s in tiny]
 
 
-def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path) -> None:
+def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     offcpu = build("offcpu")
     run, _ = run_pipeline(tmp_path, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=0),
-                          [[str(offcpu), "tiny", "2"]])
+                          [[str(offcpu), "tiny", "2"]], started)
     tiny = [s for s in run.of(offcpu) if "tiny_wait" in s.functions]
     intervals = sum(s.values[0] for s in tiny)
     # ~2 s of 200 µs sleeps (plus timer slack): thousands of intervals

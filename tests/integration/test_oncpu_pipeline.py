@@ -21,7 +21,7 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, kill_and_reap, require_root
+from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root
 
 SAMPLE_HZ = 99
 HOT_CPU_SECONDS = 4.0
@@ -59,13 +59,15 @@ def read_received(directory: Path) -> list[Received]:
     return [Received(m, pprof.read(Path(m["path"]).read_bytes())) for m in list_profiles(str(directory))]
 
 
-def start_workload(*argv: str, user: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True,
-                            user=user, group=user)
+def start_workload(started: list[subprocess.Popen], *argv: str, user: int | None = None) -> subprocess.Popen:
+    """A workload, appended to `started` (the fixture that ends it) as soon as it runs."""
+    p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True, user=user, group=user)
+    started.append(p)
+    return p
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     """Given the pipeline with 2 workers and the receiver, when the workloads run, then stop all."""
     require_root()
     hot, syscall, jit = build("hot"), build("syscall"), build("jit")
@@ -78,23 +80,20 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     shutil.copy(jit, jit_symlink)
     stolen = shared_dir / "stolen.map"
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         pipeline = Pipeline(work, ProfilerConfig(
             sample_hz=SAMPLE_HZ, upload_interval_s=5, symbolizer_workers=2, endpoint=receiver.url,
             # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
             local_dir=str(work / "unused"), python_stacks=False))
         try:
-            p = start_workload(str(hot), str(HOT_CPU_SECONDS))
-            procs.append(p)
+            p = start_workload(module_started, str(hot), str(HOT_CPU_SECONDS))
             out, _ = p.communicate(timeout=60)
             hot_cpu = float(out.split("=")[1])
             hot_pid = p.pid
 
-            sc = start_workload(str(syscall), "3")
-            jt = start_workload(str(jit), "3", "own")
-            js = start_workload(str(jit_symlink), "3", "symlink", str(stolen), user=65534)
-            procs += [sc, jt, js]
+            sc = start_workload(module_started, str(syscall), "3")
+            jt = start_workload(module_started, str(jit), "3", "own")
+            js = start_workload(module_started, str(jit_symlink), "3", "symlink", str(stolen), user=65534)
             for q in (jt, js):
                 assert q.stdout is not None
                 line = q.stdout.readline().split()
@@ -112,7 +111,6 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                   str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log(),
                   collector_progs)
     finally:
-        kill_and_reap(procs)
         receiver.stop()
         shutil.rmtree(shared_dir, ignore_errors=True)
 
