@@ -27,7 +27,7 @@ from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 from elftools.elf.elffile import ELFFile
 
-from tests.harness import Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer"]
 # Tables come a few drains after a process starts (its module, then libc once the stacks
@@ -88,14 +88,13 @@ def scribble_eh_frame(src: Path, dst: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     exe = build("nofp", NOFP_FLAGS)
     work = tmp_path_factory.mktemp("dwarf")
     corrupt = work / "nofp-corrupt"
     scribble_eh_frame(exe, corrupt)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
     try:
         pipeline = Pipeline(work, ProfilerConfig(
             sample_hz=SAMPLE_HZ, upload_interval_s=INTERVAL_S, offcpu=True, offcpu_dwarf=True,
@@ -104,9 +103,11 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             # Start just after a window boundary, so "the first window" is the one it starts in.
             wait_for("the start of an upload window", lambda: 0.1 <= time.time() % INTERVAL_S < 1.0,
                      timeout=INTERVAL_S + 1, interval=0.02)
-            procs = [subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True),
-                     subprocess.Popen([str(exe), "offcpu", str(OFFCPU_SECONDS)], stdout=subprocess.PIPE, text=True),
-                     subprocess.Popen([str(corrupt), "cpu", "8"], stdout=subprocess.PIPE, text=True)]
+            procs = []
+            for argv in ([str(exe), "cpu", str(CPU_SECONDS)], [str(exe), "offcpu", str(OFFCPU_SECONDS)],
+                         [str(corrupt), "cpu", "8"]):
+                procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+                module_started.append(procs[-1])
             outputs = [p.communicate(timeout=120)[0] for p in procs]
             assert all(p.returncode == 0 for p in procs), outputs
         finally:
@@ -128,7 +129,6 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         loops = int(re.search(r"loops=(\d+)", outputs[1]).group(1))
         yield Run(str(exe.resolve()), str(corrupt), windows, corrupt_samples, log, loops)
     finally:
-        kill_and_reap(procs)
         receiver.stop()
 
 
