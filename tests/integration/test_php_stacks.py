@@ -69,6 +69,8 @@ PHP_FPM = "/usr/bin/php-fpm8.2" if os.path.exists("/usr/bin/php-fpm8.2") else "/
 # the same 6,400 stacks (the 3:1 judged at 3.5 sigma) take the same ~28 s; two workers would
 # take three minutes for them, or judge +-10% at two sigma.
 FPM_WORKERS = SPLIT_COPIES
+# php-fpm's master, told to stop, ends its workers and exits within this; then it is killed.
+FPM_STOP_S = 10
 
 
 def marked_lines(tag: str) -> set[int]:
@@ -229,8 +231,25 @@ php_admin_value[max_execution_time] = 0
     return FpmPool(master, str(sock), children())
 
 
+def ended(pid: int) -> bool:
+    """The process is gone, or a zombie (its parent, init once the master is gone, reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
 def stop_fpm(pool: FpmPool) -> None:
-    """Kill the master's session (master and workers), and any worker left, then reap the master."""
+    """Stop php-fpm: SIGTERM to the master, which ends its workers, reaps them and exits; after
+    FPM_STOP_S the master's session (master and workers) and any worker left are killed. The master
+    is reaped, and every worker has ended on return."""
+    if pool.master.poll() is None:
+        pool.master.terminate()
+    try:
+        pool.master.wait(timeout=FPM_STOP_S)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(pool.master.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -241,6 +260,7 @@ def stop_fpm(pool: FpmPool) -> None:
         except ProcessLookupError:
             pass
     pool.master.wait()
+    wait_for("php-fpm's workers to end", lambda: all(ended(pid) for pid in pool.workers), timeout=10)
 
 
 def request(sock: str, script: str) -> None:
