@@ -60,14 +60,14 @@ IDLE_DRAIN_INTERVAL_S = 5.0
 # A drain with at least this many keys (all families) keeps the next one at DRAIN_INTERVAL_S.
 BUSY_DRAIN_KEYS = 512
 # The first count of a new process (bpf/common.h, notify_new_pid) brings the next drain forward to
-# this long after the last one: its stacks, and the unwind tables they need, do not wait for an idle
-# drain. The programs send at most one such event per NEW_PID_NOTIFY_NS.
+# this long after the last one, if the process still lives then: its stacks, and the unwind tables
+# they need, do not wait for an idle drain. The programs send at most one such event per NEW_PID_NOTIFY_NS.
 EARLY_DRAIN_S = 0.2
 NEW_PID_NOTIFY_NS = 100_000_000
 # Processes the programs remember having notified (an LRU map).
 SEEN_PIDS = 65536
-# New-process events looked at per wake-up (at most one per NEW_PID_NOTIFY_NS arrive; a backlog after
-# a stall needs only a few to decide whether to drain early).
+# New-process events looked at per wake-up, and pids kept for the early drain's check (at most one
+# event per NEW_PID_NOTIFY_NS arrives; a backlog after a stall needs only a few to decide).
 MAX_NOTIFIED_PER_TAKE = 64
 # A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
 # drained, and stamped into the window it was taken in (drain_stamp_ns).
@@ -136,6 +136,7 @@ class Collector:
         from ebpfprofiler.collector.intervals import START_ENTRIES
         from ebpfprofiler.collector.offcpu import OffCpuTracer
         from ebpfprofiler.collector.offcpu import bpf_defines as offcpu_defines
+        from ebpfprofiler.collector.offcpu import sample_ns as offcpu_sample_ns
         from ebpfprofiler.collector.oncpu import OnCpuSampler
         from ebpfprofiler.collector.procfs import ProcessTable
         from ebpfprofiler.collector.programs import Programs
@@ -149,6 +150,7 @@ class Collector:
                     + (["alloc"] if cfg.alloc_targets else []))
         defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
                    "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
+                   "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
                    "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
                    **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct)}
         if cfg.offcpu:
@@ -240,6 +242,7 @@ class Collector:
         """A descriptor that is readable when a process the programs had not seen is first counted."""
         self._new_pids = self.programs.bpf["new_pids"]
         self._notified: list[int] = []
+        self._early_pids: set[int] = set()
         self._new_pids.open_ring_buffer(self._on_new_pid)
         return int(self._new_pids.map_fd)
 
@@ -248,18 +251,31 @@ class Collector:
             self._notified.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint32)).contents.value)
 
     def take_new_processes(self) -> bool:
-        """Consume the new-process events; whether one of their processes still lives, so that a drain
-        soon helps it (a process already gone, such as a shell loop's short child, gains nothing from
-        it, and a host starting hundreds a second drained five times a second for them). The process
+        """Consume the new-process events; whether one of their processes still lives. The process
         is not read here: its first count is often that of a child forked to exec, whose mappings are
         about to be replaced (an executable's table asked for then was the parent's, and its answer
-        made /proc/PID/map_files unreadable for the new image)."""
+        made /proc/PID/map_files unreadable for the new image). Its pid is kept for early_drain_due()."""
         self.programs.bpf.ring_buffer_consume()
         pids, self._notified = self._notified, []
-        alive = any(os.path.exists(f"/proc/{pid}") for pid in pids)
+        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
         if pids and not alive:
             self.totals["new_gone_before_drain"] += 1
-        return alive
+        for pid in alive:
+            if len(self._early_pids) < MAX_NOTIFIED_PER_TAKE:
+                self._early_pids.add(pid)
+        return bool(alive)
+
+    def early_drain_due(self) -> bool:
+        """At the early drain a new process asked for: whether one of those processes still lives.
+        Most processes a busy host starts (a shell loop's children) are alive when they are first
+        counted and gone EARLY_DRAIN_S later: a drain for them gains nothing (their samples go with
+        the next regular drain), and it cost the collector and the symbolizer a whole drain each,
+        up to five a second."""
+        pids, self._early_pids = self._early_pids, set()
+        if any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            return True
+        self.totals["new_gone_before_drain"] += 1
+        return False
 
     def quiet(self) -> bool:
         """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
@@ -597,9 +613,10 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
     try:
         collector.start()
         ready.announce(args.run_dir, "collector")
+        offcpu = "off" if not cfg.offcpu else f"from {cfg.offcpu_min_ms} ms" + (
+            f", sampled below {cfg.offcpu_sample_ms} ms" if cfg.offcpu_sample_ms > cfg.offcpu_min_ms else "")
         log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
-                 "drain every %.1f s", cfg.sample_hz,
-                 f"from {cfg.offcpu_min_ms} ms" if cfg.offcpu else "off", cfg.symbolizer_workers, DRAIN_INTERVAL_S)
+                 "drain every %.1f s", cfg.sample_hz, offcpu, cfg.symbolizer_workers, DRAIN_INTERVAL_S)
         if stats is not None and stats.on:
             log.info("BPF run-time statistics on while the collector runs: %s; overhead budget %g%% of one CPU "
                      "per upload window", stats.how, cfg.overhead_budget_pct)
@@ -613,7 +630,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         new_processes = collector.new_process_fd()
         poller.register(new_processes, zmq.POLLIN)
         last_drain = time.monotonic()
-        next_drain = last_drain + DRAIN_INTERVAL_S
+        next_drain = regular_drain = last_drain + DRAIN_INTERVAL_S
         while not stop.is_set():
             events = dict(poller.poll(stopping.poll_timeout_ms(next_drain, time.monotonic())))
             stopping.drain_wakeups()
@@ -629,6 +646,9 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
                 cfg = reload_budget(collector, cfg, args.config)
             if time.monotonic() < next_drain:
                 continue
+            if next_drain < regular_drain and not collector.early_drain_due():
+                next_drain = regular_drain   # the processes that asked for it are gone
+                continue
             collector.drain_once()
             last_drain = time.monotonic()
             log.debug("drained: %d keys, %d new processes", collector._drain_keys, collector._drain_new_processes)
@@ -636,7 +656,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)
             collector.end_window_if_due(interval_s)
-            next_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
+            next_drain = regular_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
         collector.drain_once()   # what was sampled since the last drain
         collector.snapshots_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
