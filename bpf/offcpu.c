@@ -41,10 +41,17 @@
 // offcpu_gen counts attachments: a record written before the last detach
 // (its wakeup unseen) is stale and not charged.
 //
+// Long blocks shorter than OFFCPU_SAMPLE_NS are sampled (offcpu_sampled): the
+// chosen ones are charged with weights that keep every stack's expected time
+// and count; the others cost what a short block does.
+//
 // Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES,
-// -DSTACK_ENTRIES and -DOFFCPU_MIN_NS from the collector; -DOFFCPU_DWARF
+// -DSTACK_ENTRIES, -DOFFCPU_MIN_NS and -DOFFCPU_SAMPLE_NS from the collector; -DOFFCPU_DWARF
 // (after unwind.h) for the DWARF walk at return to user.
 
+#ifndef OFFCPU_SAMPLE_NS
+#define OFFCPU_SAMPLE_NS 0
+#endif
 #define OFFCPU_STATE_S 0x1   // TASK_INTERRUPTIBLE
 #define OFFCPU_STATE_D 0x2   // TASK_UNINTERRUPTIBLE
 #define OFFCPU_TASK_REPORT 0x7f         // the state bits the sched_switch tracepoint reports
@@ -223,6 +230,29 @@ static __always_inline void offcpu_read_kernel(struct task_struct *next, struct 
         t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
 }
 
+// Whether a long block of `delta` ns is charged, and with what weight. A block of OFFCPU_SAMPLE_NS
+// or more always is, with its own time. A shorter one is charged with the chance
+// delta / OFFCPU_SAMPLE_NS, as OFFCPU_SAMPLE_NS of blocked time and OFFCPU_SAMPLE_NS / delta
+// intervals (rounded up or down at random, so that the expected count stays 1): the expected time
+// and count of every stack are its true ones, as in Go's block profile (runtime.SetBlockProfileRate),
+// and a block not chosen costs what a short one does (no stack is read for it). A host that starts
+// hundreds of processes a second blocks thousands of times a second for 1-3 ms (a shell waiting for
+// its child, a 1-ms sleep): charged in full, their stack reads and the keys they made were most of
+// the agent's cost there. OFFCPU_SAMPLE_NS 0 (or not above OFFCPU_MIN_NS): every block in full.
+static __always_inline int offcpu_sampled(u64 delta, u64 *count, u64 *ns) {
+#if OFFCPU_SAMPLE_NS > 0
+    if (delta >= OFFCPU_SAMPLE_NS)
+        return 1;
+    if ((u64)(bpf_get_prandom_u32() % OFFCPU_SAMPLE_NS) >= delta)
+        return 0;
+    *ns = OFFCPU_SAMPLE_NS;
+    *count = OFFCPU_SAMPLE_NS / delta;
+    if ((u64)bpf_get_prandom_u32() % delta < OFFCPU_SAMPLE_NS % delta)
+        *count += 1;
+#endif
+    return 1;
+}
+
 // Whether the current task has user registers (a kernel thread has none).
 static __always_inline int offcpu_has_user_regs(void) {
 #ifdef HAVE_TASK_PT_REGS
@@ -252,19 +282,20 @@ int offcpu_switch(u64 *ctx) {
     if (t && t->ts) {
         u64 end = t->wake_ts ? t->wake_ts : now;
         u64 delta = end > t->ts ? end - t->ts : 0;
-        if (t->gen == *gen && delta >= OFFCPU_MIN_NS) {
+        u64 count = 1, ns = delta;
+        if (t->gen == *gen && delta >= OFFCPU_MIN_NS && offcpu_sampled(delta, &count, &ns)) {
             if (t->flags & OFFCPU_KTHREAD) {
                 offcpu_read_kernel(next, t);
-                offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, 1, delta);
+                offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, count, ns);
             } else if (t->flags & OFFCPU_RSEQ) {
                 // blocked again before it returned: same stacks
                 if (t->pending_count == 0)
                     offcpu_read_kernel(next, t);
-                t->pending_ns += delta;
-                t->pending_count++;
+                t->pending_ns += ns;
+                t->pending_count += count;
             } else {
                 offcpu_read_kernel(next, t);
-                offcpu_charge(t->pid, t->tid, &t->user, t->user_n, &t->kernel, t->kernel_n, 1, delta);
+                offcpu_charge(t->pid, t->tid, &t->user, t->user_n, &t->kernel, t->kernel_n, count, ns);
             }
         }
         t->ts = 0;

@@ -45,6 +45,12 @@ TASK_FIELDS = {
 }
 
 
+def sample_ns(min_ms: int, sample_ms: int) -> int:
+    """bpf/offcpu.c's OFFCPU_SAMPLE_NS: long blocks shorter than sample_ms are sampled (and weighted
+    up); 0, every block in full, when sample_ms is 0 or not above min_ms."""
+    return sample_ms * 1_000_000 if sample_ms > min_ms else 0
+
+
 def bpf_defines() -> dict[str, int]:
     """The offsets bpf/offcpu.c needs of task_struct members, from the running kernel's BTF.
 

@@ -77,6 +77,7 @@ class ProfilerConfig:
     upload_interval_s: int = 60
     offcpu: bool = True
     offcpu_min_ms: int = 1
+    offcpu_sample_ms: int = 10
     strip_process_args: bool = True
     plain_pid: bool = False
     endpoint: str = ""
@@ -143,6 +144,8 @@ _RULES: dict[str, _Rule] = {
     "upload_interval_s": _Rule(int, "an integer from 1 to 3600 (seconds)", 1, 3600),
     "offcpu": _Rule(bool, "true or false"),
     "offcpu_min_ms": _Rule(int, "an integer from 0 to 60000 (milliseconds)", 0, 60000),
+    # At most ~4.29 s: bpf/offcpu.c draws the chance from a 32-bit random number of nanoseconds.
+    "offcpu_sample_ms": _Rule(int, "an integer from 0 to 4000 (milliseconds; 0: every block in full)", 0, 4000),
     "strip_process_args": _Rule(bool, "true or false"),
     "plain_pid": _Rule(bool, "true or false"),
     "endpoint": _Rule(str, '"" (write profiles to local_dir) or an http:// or https:// base URL'),

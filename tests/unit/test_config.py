@@ -20,6 +20,7 @@ def test_defaults_match_the_design(tmp_path: Path) -> None:
     cfg = config.load(str(Path(__file__).parents[2] / "deploy" / "agent.yaml"))
     assert cfg == config.ProfilerConfig()
     assert (cfg.sample_hz, cfg.upload_interval_s, cfg.offcpu_min_ms, cfg.symbolizer_workers) == (19, 60, 1, 1)
+    assert cfg.offcpu_sample_ms == 10
     assert cfg.strip_process_args and not cfg.plain_pid and cfg.uploads_locally
 
 
@@ -41,6 +42,7 @@ def test_an_empty_block_is_all_defaults(tmp_path: Path) -> None:
     ("lock_targets: ['two words']", ["lock_targets", "two words", "container id"]),
     ("lock_targets: ['cgroup:relative']", ["lock_targets", "cgroup:relative", "cgroup:/path"]),
     ("alloc_sample_bytes: -1", ["alloc_sample_bytes", "-1", "0 (every allocation)"]),
+    ("offcpu_sample_ms: 5000", ["offcpu_sample_ms", "5000", "0 to 4000", "every block in full"]),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(tmp_path: Path, body: str, names: list[str]) -> None:
     path = write(tmp_path, f"modules:\n  ebpf_profiler:\n    {body}\n")
@@ -75,3 +77,9 @@ def test_targets_are_kept_as_given_without_repeats(tmp_path: Path) -> None:
     assert cfg.alloc_targets == ("myapp", "/usr/bin/app", "0123456789ab", "cgroup:/system.slice/app.service")
     assert cfg.lock_targets == () and cfg.alloc_sample_bytes == 0
     assert config.load(write(tmp_path, config.dump(cfg))) == cfg
+
+
+def test_offcpu_sampling_is_off_unless_sample_ms_is_above_min_ms() -> None:
+    from ebpfprofiler.collector.offcpu import sample_ns
+    assert sample_ns(1, 10) == 10_000_000
+    assert sample_ns(1, 0) == 0 and sample_ns(10, 10) == 0 and sample_ns(20, 10) == 0

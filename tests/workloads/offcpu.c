@@ -7,8 +7,12 @@
  *                          100 ms in fast_wait(), and a blocking pipe read in
  *                          pipe_wait() that a feeder thread answers 200 ms later.
  *   offcpu tiny SECONDS    one thread sleeps 200 us at a time in tiny_wait().
+ *   offcpu short SECONDS   one thread loops: 6 ms of sleep in six_ms_wait(), 2 ms in
+ *                          two_ms_wait() (blocks the default offcpu_sample_ms samples);
+ *                          also prints each one's measured total, six_ns= and two_ns=.
  * Prints "wall_seconds=<float> loops=<n>" of the loop at exit. */
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +45,8 @@ static int request[2], data[2];
 __attribute__((noinline)) void slow_wait(void) { sleep_ns(300000000L); }
 __attribute__((noinline)) void fast_wait(void) { sleep_ns(100000000L); }
 __attribute__((noinline)) void tiny_wait(void) { sleep_ns(200000L); }
+__attribute__((noinline)) void six_ms_wait(void) { sleep_ns(6000000L); }
+__attribute__((noinline)) void two_ms_wait(void) { sleep_ns(2000000L); }
 
 __attribute__((noinline)) void pipe_wait(void) {
     char c = 1;
@@ -60,7 +66,7 @@ __attribute__((noinline)) void *feeder(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 3) { fprintf(stderr, "usage: offcpu ratio|tiny SECONDS\n"); return 2; }
+    if (argc < 3) { fprintf(stderr, "usage: offcpu ratio|tiny|short SECONDS\n"); return 2; }
     double seconds = atof(argv[2]);
     double start = wall(), end = start + seconds;
     long loops = 0;
@@ -72,6 +78,18 @@ int main(int argc, char **argv) {
             fast_wait();
             pipe_wait();
         }
+    } else if (strcmp(argv[1], "short") == 0) {
+        prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);   /* the sleeps as asked, not 50 us longer */
+        double six = 0, two = 0, t;
+        for (; wall() < end; loops++) {
+            t = wall();
+            six_ms_wait();
+            six += wall() - t;
+            t = wall();
+            two_ms_wait();
+            two += wall() - t;
+        }
+        printf("six_ns=%.0f two_ns=%.0f ", six * 1e9, two * 1e9);
     } else {
         for (; wall() < end; loops++)
             tiny_wait();
