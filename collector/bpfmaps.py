@@ -160,6 +160,24 @@ def read_dwarf_stacks(table: Any, hashes: Iterable[int], out: dict[int, tuple[in
     return missing
 
 
+def take_dwarf_stacks(table: Any, wanted: Sequence[tuple[Iterable[int], dict[int, tuple[int, ...]]]]) -> int:
+    """Empty a retired map of DWARF stacks in batches (take_all), copying the stacks each (hashes,
+    out) of `wanted` names into its out under DWARF_STACK_ID_BASE + hash; the number of hashes the
+    map no longer held. One read of the whole map, where a lookup per stack and then take_all to
+    empty it read each one twice (a syscall and bcc's wrapping per stack)."""
+    held = {k.value: v for k, v in take_all(table)}
+    missing = 0
+    for hashes, out in wanted:
+        for h in hashes:
+            stack = held.get(h)
+            if stack is None:
+                missing += 1
+                continue
+            pcs = list(stack.pcs)
+            out[DWARF_STACK_ID_BASE + h] = tuple(pcs[:pcs.index(0)] if 0 in pcs else pcs)
+    return missing
+
+
 def delete_dwarf_stacks(table: Any, hashes: Iterable[int]) -> None:
     for h in hashes:
         try:

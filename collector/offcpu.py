@@ -15,8 +15,8 @@ import ctypes
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, read_dwarf_stacks,
-                                            take_all)
+from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all,
+                                            take_dwarf_stacks)
 from ebpfprofiler.collector.btfprog import BtfProgram, member_offsets
 from ebpfprofiler.collector.sources import EventSource
 
@@ -134,8 +134,7 @@ class OffCpuTracer(EventSource):
             if k.kernel_hash:
                 kernel.add(k.kernel_hash)
             out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns))
-        gone = read_dwarf_stacks(stacks, user, out.user_stacks) + read_dwarf_stacks(stacks, kernel, out.kernel_stacks)
-        take_all(stacks)   # empties it
+        gone = take_dwarf_stacks(stacks, [(user, out.user_stacks), (kernel, out.kernel_stacks)])
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone

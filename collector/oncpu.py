@@ -15,8 +15,8 @@ from typing import Any
 
 from bcc import PerfSWConfig, PerfType
 
-from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks,
-                                            read_dwarf_stacks, read_stacks, take_all, take_counts)
+from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks,
+                                            take_counts, take_dwarf_stacks)
 from ebpfprofiler.collector.sources import EventSource
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ class OnCpuSampler(EventSource):
         delete_stacks(stacks, refs.user | refs.kernel)
         if self.dwarf:
             dwarf_stacks = self._bpf[f"oncpu_dwarf_stacks_{old}"]
-            gone += read_dwarf_stacks(dwarf_stacks, refs.hashes, out.user_stacks)
-            take_all(dwarf_stacks)   # empties it
+            gone += take_dwarf_stacks(dwarf_stacks, [(refs.hashes, out.user_stacks)])
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone

@@ -8,7 +8,7 @@ each key once with its value, as ctypes objects like bcc's items(), and the maps
 from __future__ import annotations
 
 
-from ebpfprofiler.collector.bpfmaps import BATCH_ENTRIES, take_all
+from ebpfprofiler.collector.bpfmaps import BATCH_ENTRIES, DWARF_STACK_ID_BASE, take_all, take_dwarf_stacks
 
 from tests.harness import require_root
 
@@ -17,6 +17,8 @@ struct key_t { u32 pid; u32 tid; s64 stack; };
 struct val_t { u64 count; u64 ns; };
 BPF_HASH(structs, struct key_t, struct val_t, 20000);
 BPF_HASH(plain, u64, u64, 20000);
+struct stack_t { u64 pcs[8]; };
+BPF_HASH(stacks, u64, struct stack_t, 64);
 """
 N = BATCH_ENTRIES * 2 + 123
 
@@ -48,5 +50,28 @@ def test_take_all_returns_every_entry_once_and_empties_the_map() -> None:
         assert sorted((k.value, v.value) for k, v in got_plain) == [(i, i * 11) for i in range(N)]
         assert len(list(plain.items())) == 0
         assert take_all(plain) == []
+    finally:
+        b.cleanup()
+
+
+def test_take_dwarf_stacks_copies_the_stacks_asked_for_and_empties_the_map() -> None:
+    require_root()
+    from bcc import BPF
+    b = BPF(text=PROGRAM)
+    try:
+        stacks = b["stacks"]
+        for h, pcs in ((11, [1, 2, 3]), (22, [4] * 8), (33, [5])):
+            leaf = stacks.Leaf()
+            for i, pc in enumerate(pcs):
+                leaf.pcs[i] = pc
+            stacks[stacks.Key(h)] = leaf
+        user: dict[int, tuple[int, ...]] = {}
+        kernel: dict[int, tuple[int, ...]] = {}
+        missing = take_dwarf_stacks(stacks, [({11, 44}, user), ({22}, kernel)])
+        # frames up to the first 0, or all of them; 44 is not there; 33 was not asked for
+        assert user == {DWARF_STACK_ID_BASE + 11: (1, 2, 3)}
+        assert kernel == {DWARF_STACK_ID_BASE + 22: (4,) * 8}
+        assert missing == 1
+        assert len(list(stacks.items())) == 0
     finally:
         b.cleanup()
