@@ -205,7 +205,8 @@ def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path, started: list[s
 SAMPLED_SECONDS = 40.0
 
 
-def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(build, tmp_path: Path) -> None:
+def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(
+        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     """Blocks of 6 and 2 ms, under the default offcpu_sample_ms (10): each is charged with the chance
     length / 10 ms, as 10 ms and 10 ms / length intervals. Over 40 s (~5,000 of each) the blocked
     time and the count of each come out within 10% of the truth (the 2-ms one, kept ~1,000 times,
@@ -214,7 +215,7 @@ def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(buil
     offcpu = build("offcpu")
     cfg = ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1, dwarf_unwind=False)
     assert cfg.offcpu_sample_ms == 10
-    run, outputs = run_pipeline(tmp_path, cfg, [[str(offcpu), "short", str(SAMPLED_SECONDS)]])
+    run, outputs = run_pipeline(tmp_path, cfg, [[str(offcpu), "short", str(SAMPLED_SECONDS)]], started)
     out = workload_fields(outputs[0])
     loops = int(out["loops"])
     truth = {"six_ms_wait": float(out["six_ns"]), "two_ms_wait": float(out["two_ns"])}
