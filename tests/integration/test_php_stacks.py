@@ -48,7 +48,7 @@ from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import runtime_roots
-from tests.harness import WORKLOADS, Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 
 SCRIPT = WORKLOADS / "php_split.php"
@@ -122,9 +122,11 @@ def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
     return by_pid
 
 
-def launch(argv: list[str], mode: str, filename: str) -> subprocess.Popen:
+def launch(started: list[subprocess.Popen], argv: list[str], mode: str, filename: str) -> subprocess.Popen:
+    """PHP running the split script in `mode`, handed to `started` (module_started) as it starts."""
     p = subprocess.Popen(argv + [filename, mode, str(WORKLOAD_SECONDS)], stdout=subprocess.PIPE,
                          stdin=subprocess.DEVNULL, text=True)
+    started.append(p)
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line.startswith("ready "), f"{argv} printed {line!r} (exit {p.poll()})"
@@ -302,7 +304,7 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, directory: Path) -> Fpm:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     work = tmp_path_factory.mktemp("php")
     work.chmod(0o755)
@@ -331,9 +333,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             wait_for("the pipeline's first two windows", two_windows, timeout=60, interval=0.5)
             # One version at a time: its split process then has a CPU to itself.
             for v, (argv, filename) in argvs.items():
-                w = Workload(v, [], launch(argv, "block", filename), filename)
+                w = Workload(v, [], launch(module_started, argv, "block", filename), filename)
                 workloads.append(w)
-                w.splits.extend(launch(argv, "split", filename) for _ in range(SPLIT_COPIES))
+                w.splits.extend(launch(module_started, argv, "split", filename) for _ in range(SPLIT_COPIES))
 
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
@@ -352,8 +354,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log(), fpm)
     finally:
-        for w in workloads:
-            kill_and_reap(w.procs)
         receiver.stop()
         shutil.rmtree(fpm_dir, ignore_errors=True)
         for root in (runtime_roots.trixie(), runtime_roots.experimental()):

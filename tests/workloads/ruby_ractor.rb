@@ -18,7 +18,7 @@ class Crunch
 end
 
 stop = Process.clock_gettime(Process::CLOCK_MONOTONIC) + (ARGV[0] || 60).to_f
-ractor = Ractor.new(stop) { |s| Crunch.in_ractor(s) }
+ractor = Ractor.new(stop) { |s| Crunch.in_ractor(s) }  # RACTOR
 $stdout.puts "ready #{Process.pid}"
 $stdout.flush
 # Ractor#take is Ractor#value from 4.0.
