@@ -37,6 +37,7 @@ import zmq
 from ebpfprofiler.collector import alloc, bpfstats, overhead, preflight, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
+from ebpfprofiler.collector.drains import EarlyDrains
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
@@ -55,19 +56,19 @@ from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 DRAIN_INTERVAL_S = 1.0
 # While it is quiet (few keys, no new process in the last drain, no alloc or lock targets), drains
 # are this far apart at most, and one follows each window boundary (BOUNDARY_LAG_S after it): a
-# drain costs milliseconds of bcc map calls, the largest part of an idle host's cost.
-IDLE_DRAIN_INTERVAL_S = 5.0
+# drain costs ~3.5 ms of the collector's CPU (bcc map calls, /proc joins, batches) and ~1.3 ms of
+# the symbolizer's, the largest part of an idle host's cost. 15 s keeps a quiet host's maps far
+# from full (BUSY_DRAIN_KEYS is ~1% of COUNTS_ENTRIES); a load that starts meanwhile brings a
+# drain forward with its first new process (collector/drains.py), and threads already running would
+# need thousands of new stacks a second to fill the maps before the next drain.
+IDLE_DRAIN_INTERVAL_S = 15.0
 # A drain with at least this many keys (all families) keeps the next one at DRAIN_INTERVAL_S.
 BUSY_DRAIN_KEYS = 512
-# The first count of a new process (bpf/common.h, notify_new_pid) brings the next drain forward to
-# this long after the last one, if the process still lives then: its stacks, and the unwind tables
-# they need, do not wait for an idle drain. The programs send at most one such event per NEW_PID_NOTIFY_NS.
-EARLY_DRAIN_S = 0.2
+# The programs send at most one new-process event (collector/drains.py) per NEW_PID_NOTIFY_NS.
 NEW_PID_NOTIFY_NS = 100_000_000
 # Processes the programs remember having notified (an LRU map).
 SEEN_PIDS = 65536
-# New-process events looked at per wake-up, and pids kept for the early drain's check (at most one
-# event per NEW_PID_NOTIFY_NS arrives; a backlog after a stall needs only a few to decide).
+# New-process events looked at per wake-up (a backlog after a stall needs only a few).
 MAX_NOTIFIED_PER_TAKE = 64
 # A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
 # drained, and stamped into the window it was taken in (drain_stamp_ns).
@@ -192,7 +193,8 @@ class Collector:
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
-        self.totals = {"batches": 0, "batches_dropped": 0, "new_gone_before_drain": 0}
+        self.totals = {"batches": 0, "batches_dropped": 0}
+        self.early = EarlyDrains()
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
         self.samples = {src.profile_type: 0 for src in self.sources}
@@ -242,7 +244,6 @@ class Collector:
         """A descriptor that is readable when a process the programs had not seen is first counted."""
         self._new_pids = self.programs.bpf["new_pids"]
         self._notified: list[int] = []
-        self._early_pids: set[int] = set()
         self._new_pids.open_ring_buffer(self._on_new_pid)
         return int(self._new_pids.map_fd)
 
@@ -250,32 +251,14 @@ class Collector:
         if size >= 4 and len(self._notified) < MAX_NOTIFIED_PER_TAKE:
             self._notified.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint32)).contents.value)
 
-    def take_new_processes(self) -> bool:
-        """Consume the new-process events; whether one of their processes still lives. The process
-        is not read here: its first count is often that of a child forked to exec, whose mappings are
-        about to be replaced (an executable's table asked for then was the parent's, and its answer
-        made /proc/PID/map_files unreadable for the new image). Its pid is kept for early_drain_due()."""
+    def take_new_processes(self) -> None:
+        """Consume the new-process events; their pids wait in self.early (collector/drains.py). The
+        process is not read here: its first count is often that of a child forked to exec, whose
+        mappings are about to be replaced (an executable's table asked for then was the parent's,
+        and its answer made /proc/PID/map_files unreadable for the new image)."""
         self.programs.bpf.ring_buffer_consume()
         pids, self._notified = self._notified, []
-        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
-        if pids and not alive:
-            self.totals["new_gone_before_drain"] += 1
-        for pid in alive:
-            if len(self._early_pids) < MAX_NOTIFIED_PER_TAKE:
-                self._early_pids.add(pid)
-        return bool(alive)
-
-    def early_drain_due(self) -> bool:
-        """At the early drain a new process asked for: whether one of those processes still lives.
-        Most processes a busy host starts (a shell loop's children) are alive when they are first
-        counted and gone EARLY_DRAIN_S later: a drain for them gains nothing (their samples go with
-        the next regular drain), and it cost the collector and the symbolizer a whole drain each,
-        up to five a second."""
-        pids, self._early_pids = self._early_pids, set()
-        if any(os.path.exists(f"/proc/{pid}") for pid in pids):
-            return True
-        self.totals["new_gone_before_drain"] += 1
-        return False
+        self.early.notified(pids)
 
     def quiet(self) -> bool:
         """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
@@ -469,7 +452,7 @@ class Collector:
         self.broker.close()
         self.announcer.close()
         log.info("collector stopped: samples %s, lost %s, %s, files %s", self.samples, self.lost or "none",
-                 self.totals, self.broker.stats)
+                 {**self.totals, "early_drains_not_made": self.early.gone}, self.broker.stats)
 
 
 def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig,
@@ -630,33 +613,37 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         new_processes = collector.new_process_fd()
         poller.register(new_processes, zmq.POLLIN)
         last_drain = time.monotonic()
-        next_drain = regular_drain = last_drain + DRAIN_INTERVAL_S
+        regular_drain = last_drain + DRAIN_INTERVAL_S
+
+        def next_drain() -> float:
+            early = collector.early.due_at(last_drain)
+            return regular_drain if early is None else min(regular_drain, early)
         while not stop.is_set():
-            events = dict(poller.poll(stopping.poll_timeout_ms(next_drain, time.monotonic())))
+            events = dict(poller.poll(stopping.poll_timeout_ms(next_drain(), time.monotonic())))
             stopping.drain_wakeups()
             if stop.is_set():
                 break
-            if new_processes in events and collector.take_new_processes():
-                next_drain = min(next_drain, last_drain + EARLY_DRAIN_S)
-                log.debug("a new process was counted: next drain in %.2f s", next_drain - time.monotonic())
+            if new_processes in events:
+                collector.take_new_processes()
             if collector.unwind is not None and collector.unwind.sock in events:
                 collector.unwind.receive()
             if hup.is_set():
                 hup.clear()
                 cfg = reload_budget(collector, cfg, args.config)
-            if time.monotonic() < next_drain:
+            due = next_drain()
+            if time.monotonic() < due:
                 continue
-            if next_drain < regular_drain and not collector.early_drain_due():
-                next_drain = regular_drain   # the processes that asked for it are gone
-                continue
+            if due < regular_drain and not collector.early.drain_now():
+                continue   # the processes it was for are gone: the regular drain stands
             collector.drain_once()
+            collector.early.drained()
             last_drain = time.monotonic()
             log.debug("drained: %d keys, %d new processes", collector._drain_keys, collector._drain_new_processes)
             follow_remote_config(collector, cfg, watcher)
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)
             collector.end_window_if_due(interval_s)
-            next_drain = regular_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
+            regular_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
         collector.drain_once()   # what was sampled since the last drain
         collector.snapshots_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
