@@ -9,9 +9,9 @@
 //                   interval shorter than OFFCPU_MIN_NS costs nothing more:
 //                   no kernel stack is read for it. A longer one takes
 //                   next's kernel stack as it was saved when it blocked
-//                   (bpf_get_task_stack, unless it blocked where it did last
-//                   time) and waits, pending, for the thread to return to
-//                   user space. Switch-out half: prev blocks (state S or D;
+//                   (bpf_get_task_stack, unless it, or another task, blocked
+//                   in the same place before) and waits, pending, for the
+//                   thread to return to user space. Switch-out half: prev blocks (state S or D;
 //                   a preempted task is runnable and does not count): only
 //                   the time is kept.
 //   offcpu_wakeup   sched_wakeup: when the blocked thread became runnable;
@@ -58,6 +58,9 @@
 #define OFFCPU_TASK_IDLE 0x402          // TASK_UNINTERRUPTIBLE | TASK_NOLOAD
 #define OFFCPU_TASK_RTLOCK_WAIT 0x1000  // reported as D
 #define OFFCPU_FRAMES 64     // per stack; the layout of struct unwind_stack
+// Places tasks block in whose kernel stacks are kept for all (offcpu_kstacks, 512 bytes each):
+// a host has tens to hundreds; the least recently used go.
+#define OFFCPU_KSTACKS 1024
 #define OFFCPU_HASH_PRIME 0x100000001b3ULL
 // x86-64's kernel text and module space (Documentation/arch/x86/x86_64/mm.rst): the words of a
 // sleeping task's stack that may be code addresses (offcpu_same_block).
@@ -188,8 +191,10 @@ static __always_inline u32 offcpu_frames(long bytes) {
 // each syscall's stack by a random offset) change from one block to the next at the same place,
 // and are left out. Then t->kernel is still its stack and the walk (bpf_get_task_stack: 20-60 us
 // on these machines) is not made; a thread that waits in one place (an event loop, a worker
-// pool's queue, a kernel thread's idle wait) is walked once. A mismatch, or a read that fails,
-// walks. A shallow stack ends before 512 bytes (a read past it faults): 256, then 128 are tried.
+// pool's queue, a kernel thread's idle wait) is walked once. A shallow stack ends before 512
+// bytes (a read past it faults): 256, then 128 are tried. With the user registers
+// (HAVE_TASK_PT_REGS), the system call it blocked in is part of the print too.
+// 1: the same place; 0: another (t->kernel_print is now this one's); -1: not known (a read failed).
 //
 // OFFCPU_TASK_SP_OFFSET is task_struct.thread.sp in the running kernel's BTF (the collector's
 // -D; bcc's headers may be another kernel's); without it every long block walks.
@@ -199,14 +204,14 @@ static __always_inline int offcpu_same_block(struct task_struct *task, struct of
     u32 slot = 1;
     struct offcpu_stack *words = offcpu_scratch.lookup(&slot);
     if (!words || bpf_probe_read_kernel(&sp, sizeof(sp), (char *)task + OFFCPU_TASK_SP_OFFSET) || !sp)
-        return 0;
+        return -1;
     u32 n = OFFCPU_FRAMES;
     if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs), (void *)sp)) {
         n = OFFCPU_FRAMES / 2;
         if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs) / 2, (void *)sp)) {
             n = OFFCPU_FRAMES / 4;
             if (bpf_probe_read_kernel(words->pcs, sizeof(words->pcs) / 4, (void *)sp))
-                return 0;
+                return -1;
         }
     }
     u64 h = 0xcbf29ce484222325ULL ^ n;
@@ -217,17 +222,59 @@ static __always_inline int offcpu_same_block(struct task_struct *task, struct of
         if (w >= OFFCPU_CODE_START && w < OFFCPU_CODE_END)
             h = (h ^ w) * OFFCPU_HASH_PRIME;
     }
+#ifdef HAVE_TASK_PT_REGS
+    // the same wait reached from another call (a page-cache wait from read() or from a fault,
+    // orig_ax -1) is not the same place
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+    u64 nr = 0;
+    if (regs)
+        bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
+    h = (h ^ nr) * OFFCPU_HASH_PRIME;
+#endif
     if (t->kernel_n && t->kernel_print == h)
         return 1;
     t->kernel_print = h;
-#endif
     return 0;
+#else
+    return -1;
+#endif
 }
 
-// next's kernel stack into t->kernel, unless it is the one already there.
+// Kernel stacks by the place tasks blocked in (offcpu_same_block's print), shared by every task:
+// a new process blocks where others did before it (a shell's wait4, a nanosleep, a pipe read),
+// and its first long block copies their stack instead of walking its own. On a host that starts
+// hundreds of processes a second those first blocks were most of the walks.
+BPF_TABLE("lru_hash", u64, struct offcpu_stack, offcpu_kstacks, OFFCPU_KSTACKS);
+
+// next's kernel stack into t->kernel: kept if it blocked where it did last time, else copied from
+// another task that blocked in the same place, else walked (and kept for the others).
 static __always_inline void offcpu_read_kernel(struct task_struct *next, struct offcpu_task *t) {
-    if (!offcpu_same_block(next, t))
-        t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+    int same = offcpu_same_block(next, t);
+    if (same == 1)
+        return;
+    u64 print = t->kernel_print;
+    if (same == 0) {
+        struct offcpu_stack *known = offcpu_kstacks.lookup(&print);
+        if (known && !bpf_probe_read_kernel(t->kernel.pcs, sizeof(t->kernel.pcs), known->pcs)) {
+            u32 n = 0;
+            for (int i = 0; i < OFFCPU_FRAMES; i++) {
+                if (t->kernel.pcs[i] == 0)
+                    break;
+                n++;
+            }
+            t->kernel_n = n;
+            if (n)
+                return;
+        }
+    }
+    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
+    if (same == 0 && t->kernel_n) {
+        for (int i = 0; i < OFFCPU_FRAMES; i++) {   // zero after the last frame, as the copy reads it
+            if (i >= t->kernel_n)
+                t->kernel.pcs[i] = 0;
+        }
+        offcpu_kstacks.update(&print, &t->kernel);
+    }
 }
 
 // Whether a long block of `delta` ns is charged, and with what weight. A block of OFFCPU_SAMPLE_NS
