@@ -30,7 +30,7 @@ static __always_inline int current_ids(u32 *pid, u32 *tid) {
 // notify_new_pid: the first count of a process the programs have not seen
 // before wakes the collector (a ring-buffer event it polls), so a new
 // process's stacks, and the unwind tables they need, are drained soon after
-// its first sample instead of at the next idle drain (if it still lives 0.1 s
+// its first sample instead of at the next idle drain (if it still lives 0.25 s
 // after: collector/drains.py). At most one event per
 // NEW_PID_NOTIFY_NS: it is a hint to drain, not a record; a process first
 // counted while that limit holds is notified by a later count past it.

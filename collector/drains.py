@@ -18,9 +18,10 @@ from typing import Callable, Iterable
 
 # An early drain is at least this long after the last drain (at most five a second).
 EARLY_DRAIN_S = 0.2
-# A new process must still live this long after its first count for a drain to be brought
-# forward for it: a shell loop's /bin/true or `sleep 0.001` lives 1-5 ms.
-EARLY_ALIVE_S = 0.1
+# A new process must still live this long after its event was taken for a drain to be brought
+# forward for it: a shell loop's /bin/true or `sleep 0.001` lives 1-5 ms. While processes wait,
+# the collector wakes once per look (collector/main.py), at most 1 / EARLY_ALIVE_S times a second.
+EARLY_ALIVE_S = 0.25
 # Pids kept waiting (at most one event per NEW_PID_NOTIFY_NS arrives; one that lives is enough).
 MAX_EARLY_PIDS = 64
 

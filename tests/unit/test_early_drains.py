@@ -1,4 +1,4 @@
-"""collector/drains.py: a new process brings a drain forward only if it still lives 0.1 s later.
+"""collector/drains.py: a new process brings a drain forward only if it still lives 0.25 s later.
 
 Given the new-process events of a shell loop (children alive for a millisecond) and of a
 long-lived process, when the collector asks when the next drain is due and whether to make it,
@@ -33,8 +33,9 @@ def test_a_process_that_lives_brings_the_drain_forward_but_not_within_early_drai
     clock, living = Clock(), {7}
     early = EarlyDrains(alive=living.__contains__, clock=clock)
     early.notified([7])
-    assert early.due_at(last_drain=99.95) == 99.95 + EARLY_DRAIN_S
-    clock.now = 99.95 + EARLY_DRAIN_S
+    just_drained = 100.0 + EARLY_ALIVE_S - EARLY_DRAIN_S / 2
+    assert early.due_at(last_drain=just_drained) == just_drained + EARLY_DRAIN_S
+    clock.now = just_drained + EARLY_DRAIN_S
     assert early.drain_now()
     early.drained()
     assert early.due_at(last_drain=clock.now) is None
