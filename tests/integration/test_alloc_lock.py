@@ -11,6 +11,7 @@ uprobe in its memory and never enters our programs.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import time
@@ -22,9 +23,10 @@ from typing import Iterator
 import pytest
 
 from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import DEFAULT_ALLOC_SAMPLE_BYTES, ProfilerConfig
-from tests.harness import (Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root, stop_process,
+from tests.harness import (ROOT, Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root, stop_process,
                            wait_for, workload_fields)
 
 INTERVAL_S = 4
@@ -232,15 +234,18 @@ class MixRun:
 @pytest.fixture(scope="module")
 def mix_run(build, tmp_path_factory: pytest.TempPathFactory,
             module_started: list[subprocess.Popen]) -> Iterator[MixRun]:
-    """The issue's process at the default sampling: it runs on its own, not waiting for the profiler."""
+    """The issue's process at the shipped defaults: it runs on its own, not waiting for the profiler."""
     require_root()
     work = tmp_path_factory.mktemp("alloc_mix")
     target = work / "mix_target"
     shutil.copy(build("alloc_mix"), target)
     receiver = Receiver(work / "received")
     try:
-        cfg = ProfilerConfig(sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False,
-                             dwarf_unwind=False, alloc_targets=("mix_target",), endpoint=receiver.url)
+        # deploy/agent.yaml as shipped (off-CPU, DWARF unwinding, Python stacks on), with the target
+        # named, short windows and the receiver
+        shipped = config_mod.load(str(ROOT / "deploy" / "agent.yaml"))
+        cfg = dataclasses.replace(shipped, upload_interval_s=INTERVAL_S, alloc_targets=("mix_target",),
+                                  endpoint=receiver.url, local_dir=str(work / "unused"))
         assert cfg.alloc_sample_bytes == DEFAULT_ALLOC_SAMPLE_BYTES
         pipeline = Pipeline(work, cfg)
         try:
