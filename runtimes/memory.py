@@ -151,6 +151,16 @@ class ProcessMemory:
     def u64(self, address: int) -> int:
         return _U64.unpack(self.read(address, 8))[0]
 
+    def u64_or_none(self, address: int) -> int | None:
+        """u64(), or None when this one read fails (a bad pointer); a process gone or the tick's
+        budget spent still raise, as they end the whole read."""
+        try:
+            return self.u64(address)
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            return None
+
     def u32(self, address: int) -> int:
         return _U32.unpack(self.read(address, 4))[0]
 

@@ -123,13 +123,11 @@ class RubyProcess:
             ractor = node - lay.ractor_node
             if ractor != main:
                 out += self._ractor_threads(mem, ractor, MAX_THREADS - len(out))
-            try:
-                node = mem.u64(node)
-            except MemoryReadError as e:
-                if e.reason in ("gone", "budget"):
-                    raise
+            next_node = mem.u64_or_none(node)
+            if next_node is None:
                 self._drop("bad_ractor")
                 break
+            node = next_node
         return out
 
     def _ractor_threads(self, mem: ProcessMemory, ractor: int, room: int) -> list[tuple[int, int, int]]:
@@ -141,14 +139,11 @@ class RubyProcess:
             return out
         head = ractor + lay.ractor_threads
         want = max(lay.th_node, lay.th_ractor, lay.th_vm, lay.th_nt, lay.th_ec) + 8
-        try:
-            node = mem.u64(head)
-        except MemoryReadError as e:
-            if e.reason in ("gone", "budget"):
-                raise
+        first = mem.u64_or_none(head)
+        if first is None:
             self._drop("bad_ractor")
             return out
-        seen = {head}
+        node, seen = first, {head}
         while node not in seen:
             if len(out) >= room:
                 self._drop("too_many_threads")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 
-from ebpfprofiler.runtimes.memory import MemoryReadError
+from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
 from ebpfprofiler.runtimes.ruby import layouts, reader
 from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS
 from ebpfprofiler.runtimes.ruby.reader import RubyProcess, _Iseq
@@ -56,6 +56,8 @@ class FakeMemory:
 
     def u64(self, address: int) -> int:
         return int.from_bytes(self.read(address, 8), "little")
+
+    u64_or_none = ProcessMemory.u64_or_none   # the reader's own, over these regions
 
 
 def words(n: int, at: dict[int, int]) -> list[int]:
