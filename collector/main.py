@@ -54,7 +54,7 @@ from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 
 # How often BPF maps are drained into batches while the host is busy.
 DRAIN_INTERVAL_S = 1.0
-# While it is quiet (few keys, no new process in the last drain, no alloc or lock targets), drains
+# While it is quiet (few keys, no alloc or lock targets), drains
 # are this far apart at most, and one follows each window boundary (BOUNDARY_LAG_S after it): a
 # drain costs ~3.5 ms of the collector's CPU (bcc map calls, /proc joins, batches) and ~1.3 ms of
 # the symbolizer's, the largest part of an idle host's cost. 15 s keeps a quiet host's maps far
@@ -201,7 +201,7 @@ class Collector:
         self.lost: dict[str, int] = {}
         self.sampling = False    # perf events and tracepoints attached
         self._drain_keys = 0            # keys the last drain took, all families
-        self._drain_new_processes = 1   # processes it read from /proc for the first time (start: busy)
+        self._drain_new_processes = 0   # processes it read from /proc for the first time (for the log)
         self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
         self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
@@ -262,7 +262,9 @@ class Collector:
 
     def quiet(self) -> bool:
         """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
-        return self._drain_keys < BUSY_DRAIN_KEYS and not self._drain_new_processes and not self.watchers
+        # (A new process no longer makes it busy: it brings its own early drain, collector/drains.py,
+        # and one that drain read kept an idle host at a drain a second for the next one too.)
+        return self._drain_keys < BUSY_DRAIN_KEYS and not self.watchers
 
     def next_drain_delay(self, now_wall: float, interval_s: int) -> float:
         """Seconds until the next drain: DRAIN_INTERVAL_S while busy; while quiet, IDLE_DRAIN_INTERVAL_S
@@ -620,9 +622,11 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
 
         def listen(on: bool) -> None:
             nonlocal listening
-            if on != listening:
-                (poller.register(new_processes, zmq.POLLIN) if on else poller.unregister(new_processes))
-                listening = on
+            if on and not listening:
+                poller.register(new_processes, zmq.POLLIN)
+            elif listening and not on:
+                poller.unregister(new_processes)
+            listening = on
         listen(True)
         last_drain = time.monotonic()
         regular_drain = last_drain + DRAIN_INTERVAL_S
