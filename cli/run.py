@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
         while not stop.is_set():
             due = [s.restart_at for s in all_stages if s.restart_at is not None]
-            wake.wait(min([stopping.IDLE_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
+            wake.wait(min([stopping.QUIET_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
             wake.clear()
             if stop.is_set():
                 break

@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
     reader = Reader(cfg, args.run_dir, args.state_dir, should_stop=stop.is_set)
     if extra:   # the plug-ins' helpers are forked: the reader itself goes on with CAP_SYS_PTRACE only
         privileges.keep_only(privileges.STAGES["runtime"].caps)
-    watcher = remote_config.Watcher(args.run_dir, log)
+    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
     watcher.check()
     ready.announce(args.run_dir, "runtime")
     log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, runtime_stacks %s, runtimes %s, "
@@ -306,8 +306,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
                 # No process to read: asleep until an announcement, a signal or a window to hand out,
                 # not ticking SAMPLE_HZ times a second for nothing.
                 due_ns = reader.windows.next_close_ns(grace_ns)
-                next_tick = now + stopping.IDLE_WAKE_S if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
-            events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now)))
+                next_tick = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+            events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now, watcher.wake_s)))
             stopping.drain_wakeups()
             if reader.inbox in events:
                 reader.receive()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import privileges
+from ebpfprofiler.shared import privileges, stopping
 from ebpfprofiler.shared.files import write_atomic
 from ebpfprofiler.shared.safestr import cut, quote
 from ebpfprofiler.shared.wire import json_object
@@ -239,11 +239,16 @@ def read_overrides(run_dir: str, logger: logging.Logger | None = None,
 
 
 class Watcher:
-    """The overrides file of a runtime directory, re-read only when it changed (inode, size, mtime, owner)."""
+    """The overrides file of a runtime directory, re-read only when it changed (inode, size, mtime, owner).
 
-    def __init__(self, run_dir: str, logger: logging.Logger | None = None) -> None:
+    follows=False (the config turns remote config off: ProfilerConfig.agent_config_url is ""): the
+    file is never read (the uploader removes one an earlier run left) and the stage need not wake
+    to check it."""
+
+    def __init__(self, run_dir: str, logger: logging.Logger | None = None, follows: bool = True) -> None:
         self.run_dir = run_dir
         self.log = logger or log
+        self.follows = follows
         self.overrides: dict[str, Any] = {}
         self._seen: tuple[int, ...] | None = None
         self._writers = trusted_writers()
@@ -255,8 +260,15 @@ class Watcher:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode)
 
+    @property
+    def wake_s(self) -> float:
+        """How long a stage with nothing else to do may sleep between checks."""
+        return stopping.IDLE_WAKE_S if self.follows else stopping.QUIET_WAKE_S
+
     def check(self) -> bool:
         """Re-read the file if it changed since the last check; True if the overrides in force changed."""
+        if not self.follows:
+            return False
         stamp = self._stamp()
         if stamp == self._seen:
             return False

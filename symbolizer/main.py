@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
     lifecycle.hold_run_dir(prog, args.run_dir, f"symbolizer-{args.worker}")
     stop = stop_on_signals(log)
     worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
-    watcher = remote_config.Watcher(args.run_dir, log)
+    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
     if watcher.check():
         worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
     stage = f"symbolizer-{args.worker}"
@@ -256,9 +256,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
             # Asleep until a batch, a signal, or the next window to hand out: an idle worker costs nothing.
             due_ns = worker.windows.next_close_ns(grace_ns)
             now = time.monotonic()
-            deadline = now + stopping.IDLE_WAKE_S if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+            deadline = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
             busy = bool(worker._unwind_queue)
-            events = dict(poller.poll(0 if busy else stopping.poll_timeout_ms(deadline, now)))
+            events = dict(poller.poll(0 if busy else stopping.poll_timeout_ms(deadline, now, watcher.wake_s)))
             stopping.drain_wakeups()
             if worker.inbox in events:
                 for _ in range(MAX_BATCHES_PER_WAKE):

@@ -132,7 +132,7 @@ class Uploader:
         # sleeps until a profile or a signal arrives instead of waking on a timer.
         poller.register(stopping.wakeup_fd(), zmq.POLLIN)
         while not self.stopping:
-            events = dict(poller.poll(int(stopping.IDLE_WAKE_S * 1000)))
+            events = dict(poller.poll(int(stopping.QUIET_WAKE_S * 1000)))
             stopping.drain_wakeups()
             if self.sock in events:
                 self._handle(self.sock.recv_multipart())

@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from ebpfprofiler.shared import remote_config as rc
+from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.symbolizer.window import Windows
 from ebpfprofiler.uploader.http import MAX_AGENT_CONFIG_BYTES, HttpClient
@@ -177,6 +178,16 @@ def test_the_watcher_rereads_only_on_a_change(tmp_path: Path, monkeypatch: pytes
     assert w.check() and w.overrides == {}                             # bad file: the local config
     rc.write_overrides(str(tmp_path), {})
     assert not w.check() and w.overrides == {}
+
+
+def test_without_remote_config_the_watcher_reads_nothing_and_lets_the_stage_sleep(tmp_path: Path) -> None:
+    # local_dir (the shipped default) or a backend that serves no agent config: nothing writes the
+    # file, and one an earlier run left behind is not followed
+    assert ProfilerConfig().agent_config_url == ""
+    rc.write_overrides(str(tmp_path), {"enabled": False})
+    w = rc.Watcher(str(tmp_path), follows=bool(ProfilerConfig().agent_config_url))
+    assert not w.check() and w.overrides == {}
+    assert w.wake_s == stopping.QUIET_WAKE_S > rc.Watcher(str(tmp_path)).wake_s == stopping.IDLE_WAKE_S
 
 
 # ------------------------------------------------------------ windows change length
