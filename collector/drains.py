@@ -1,13 +1,16 @@
-"""When a new process brings the collector's next drain forward.
+"""When the collector drains its BPF maps next.
 
-Owns: the pids of the new-process events (bpf/common.h, notify_new_pid) waiting for an early
+Owns: the regular schedule (regular_delay: how far apart drains may be, from what the last drain
+took and how fast the host makes new pids), and the early drains of new processes: the pids of
+the new-process events (bpf/common.h, notify_new_pid) waiting for an early
 drain, and the decision whether one is due: only for a process that still lives EARLY_ALIVE_S
 after it was first counted. A host that starts hundreds of processes a second (a shell loop's
 children, each alive for a millisecond or two) otherwise drained five times a second for
 processes already gone, each drain a whole round of map reads, /proc joins and batches for the
 collector and the symbolizer; their samples lose nothing by waiting for the regular drain.
 
-Must not: read BPF maps, or /proc beyond whether a pid exists (the `alive` callable).
+Must not: read BPF maps, or /proc beyond whether a pid exists (the `alive` callable) and the
+host's pid counter (pids_made).
 """
 
 from __future__ import annotations
@@ -24,6 +27,55 @@ EARLY_DRAIN_S = 0.2
 EARLY_ALIVE_S = 0.25
 # Pids kept waiting (at most one event per NEW_PID_NOTIFY_NS arrives; one that lives is enough).
 MAX_EARLY_PIDS = 64
+# A drain should take at most this many keys (all families): the next one is brought closer when
+# the last one's rate would pass it. 5% of a counts map (COUNTS_ENTRIES), an eighth of a stack
+# map (STACK_ENTRIES): far from full, whatever the load does before the next drain.
+DRAIN_KEYS_TARGET = 2048
+# Drains are at least this many times as frequent as the host's pids wrap around (pid_max / the
+# rate new pids are made): samples carry a pid, not a start time, and a pid reused between a
+# sample and its drain would give the sample to the new process (another tenant's profile).
+DRAINS_PER_PID_WRAP = 8
+# The kernel's pid_max default on a small host (PID_MAX_DEFAULT): assumed when it cannot be read.
+PID_MAX_FLOOR = 32768
+
+
+def regular_delay(*, keys: int, pids_made: int, stretch_s: float, pid_max: int, until_boundary_s: float,
+                  shortest_s: float, longest_s: float) -> float:
+    """Seconds to the next regular drain, after one that took `keys` keys (all families) over the
+    last `stretch_s` seconds, during which the host made `pids_made` pids: longest_s on a quiet
+    host, shorter while the keys or the pid churn need it, never under shortest_s, and never past
+    the next window boundary (`until_boundary_s`, lag included)."""
+    delay = longest_s
+    if stretch_s > 0 and keys > 0:
+        delay = min(delay, DRAIN_KEYS_TARGET * stretch_s / keys)
+    if stretch_s > 0 and pids_made > 0:
+        delay = min(delay, pid_max * stretch_s / pids_made / DRAINS_PER_PID_WRAP)
+    return max(0.05, min(max(delay, shortest_s), until_boundary_s))
+
+
+def pid_counter(proc: str = "/proc") -> int | None:
+    """The last pid the kernel handed out in the host's pid namespace (/proc/loadavg's fifth field)."""
+    try:
+        with open(f"{proc}/loadavg", "rb") as f:
+            return int(f.read(256).split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pid_max(proc: str = "/proc") -> int:
+    """kernel.pid_max: where the pid counter wraps (the kernel's default if it cannot be read)."""
+    try:
+        with open(f"{proc}/sys/kernel/pid_max", "rb") as f:
+            return max(PID_MAX_FLOOR, int(f.read(64)))
+    except (OSError, ValueError):
+        return PID_MAX_FLOOR
+
+
+def pids_between(before: int | None, after: int | None, wrap: int) -> int:
+    """How many pids were handed out from counter `before` to `after` (one wrap at most); 0 if unknown."""
+    if before is None or after is None:
+        return 0
+    return after - before if after >= before else after + wrap - before
 
 
 def _alive(pid: int) -> bool:

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpfstats, overhead, preflight, unwind
+from ebpfprofiler.collector import alloc, bpfstats, drains, overhead, preflight, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.drains import EarlyDrains
@@ -54,16 +54,14 @@ from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 
 # How often BPF maps are drained into batches while the host is busy.
 DRAIN_INTERVAL_S = 1.0
-# While it is quiet (few keys, no alloc or lock targets), drains
-# are this far apart at most, and one follows each window boundary (BOUNDARY_LAG_S after it): a
-# drain costs ~3.5 ms of the collector's CPU (bcc map calls, /proc joins, batches) and ~1.3 ms of
-# the symbolizer's, the largest part of an idle host's cost. 15 s keeps a quiet host's maps far
-# from full (BUSY_DRAIN_KEYS is ~1% of COUNTS_ENTRIES); a load that starts meanwhile brings a
-# drain forward with its first new process (collector/drains.py), and threads already running would
-# need thousands of new stacks a second to fill the maps before the next drain.
-IDLE_DRAIN_INTERVAL_S = 15.0
-# A drain with at least this many keys (all families) keeps the next one at DRAIN_INTERVAL_S.
-BUSY_DRAIN_KEYS = 512
+# Drains are at most this far apart (collector/drains.py regular_delay brings them closer for many
+# keys or a fast pid churn, down to DRAIN_INTERVAL_S), and one follows each window boundary
+# (BOUNDARY_LAG_S after it): with the default 60-s windows a quiet host drains once a window. A
+# drain costs ~3.5 ms of the collector's CPU (bcc map calls, /proc joins, batches) and ~1.3 ms of the
+# symbolizer's, plus the wake-ups of both (0.1-4 ms each on these VMs): on an idle host drains
+# every 15 s were the largest part of the agent's cost. A process that starts meanwhile and lives
+# brings a drain forward (collector/drains.py), so that its metadata is read while it lives.
+IDLE_DRAIN_INTERVAL_S = 60.0
 # The programs send at most one new-process event (collector/drains.py) per NEW_PID_NOTIFY_NS.
 NEW_PID_NOTIFY_NS = 100_000_000
 # Processes the programs remember having notified (an LRU map).
@@ -202,6 +200,10 @@ class Collector:
         self.sampling = False    # perf events and tracepoints attached
         self._drain_keys = 0            # keys the last drain took, all families
         self._drain_new_processes = 0   # processes it read from /proc for the first time (for the log)
+        self._drain_pids = 0            # pids the host made between the last two drains
+        self._drain_stretch_s = 0.0     # seconds between them
+        self._pid_max = drains.pid_max()
+        self._pid_counter = drains.pid_counter()
         self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
         self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
@@ -260,24 +262,26 @@ class Collector:
         pids, self._notified = self._notified, []
         self.early.notified(pids)
 
-    def quiet(self) -> bool:
-        """Whether the last drain found the host quiet: the next one may wait IDLE_DRAIN_INTERVAL_S."""
-        # (A new process no longer makes it busy: it brings its own early drain, collector/drains.py,
-        # and one that drain read kept an idle host at a drain a second for the next one too.)
-        return self._drain_keys < BUSY_DRAIN_KEYS and not self.watchers
-
     def next_drain_delay(self, now_wall: float, interval_s: int) -> float:
-        """Seconds until the next drain: DRAIN_INTERVAL_S while busy; while quiet, IDLE_DRAIN_INTERVAL_S
-        or BOUNDARY_LAG_S after the next window boundary, whichever comes first."""
-        if not self.quiet():
+        """Seconds until the next drain: DRAIN_INTERVAL_S while alloc or lock targets are watched (their
+        processes are scanned at drains); else up to IDLE_DRAIN_INTERVAL_S, brought closer by the
+        last drain's keys and the host's pid churn (collector/drains.py regular_delay), and never
+        past BOUNDARY_LAG_S after the next window boundary."""
+        if self.watchers:
             return DRAIN_INTERVAL_S
-        after_boundary = interval_s - now_wall % interval_s + BOUNDARY_LAG_S
-        return max(0.05, min(IDLE_DRAIN_INTERVAL_S, after_boundary))
+        return drains.regular_delay(
+            keys=self._drain_keys, pids_made=self._drain_pids, stretch_s=self._drain_stretch_s,
+            pid_max=self._pid_max, until_boundary_s=interval_s - now_wall % interval_s + BOUNDARY_LAG_S,
+            shortest_s=DRAIN_INTERVAL_S, longest_s=IDLE_DRAIN_INTERVAL_S)
 
     def drain_once(self) -> None:
         now_ns = time.time_ns()
         stamp_ns = drain_stamp_ns(self._last_drain_ns, now_ns, self.interval_s * 1_000_000_000)
+        self._drain_stretch_s = (now_ns - self._last_drain_ns) / 1e9
         self._last_drain_ns = now_ns
+        counter = drains.pid_counter()
+        self._drain_pids = drains.pids_between(self._pid_counter, counter, self._pid_max)
+        self._pid_counter = counter
         read_before = self.procs.stats["read"]
         self._drain_keys = 0
         live = self.links.live()
@@ -571,7 +575,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
     lifecycle.hold_run_dir(prog, args.run_dir, "collector")
     stop = stop_on_signals(log, "stopping")
 
-    watcher = remote_config.Watcher(args.run_dir, log)
+    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
     watcher.check()
     if not remote_config.effective(cfg, watcher.overrides).enabled:
         # Nothing is loaded until profiling is enabled: remote config can do that
@@ -582,7 +586,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         else:
             log.info("profiling is disabled by config (enabled: false); idle until stopped")
         ready.announce(args.run_dir, "collector", f"disabled by {'remote ' if cfg.enabled else ''}config")
-        while not stop.wait(DRAIN_INTERVAL_S):
+        while not stop.wait(DRAIN_INTERVAL_S if watcher.follows else stopping.QUIET_WAKE_S):
             if watcher.check() and remote_config.effective(cfg, watcher.overrides).enabled:
                 break
         else:
@@ -635,6 +639,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             early = collector.early.due_at(last_drain)
             return regular_drain if early is None else min(regular_drain, early)
         while not stop.is_set():
+            # (the overrides file is checked after drains only: no wake-up of its own)
             events = dict(poller.poll(stopping.poll_timeout_ms(next_drain(), time.monotonic())))
             if wakeup in events:
                 stopping.drain_wakeups()
@@ -660,7 +665,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             collector.early.drained()
             listen(True)
             last_drain = time.monotonic()
-            log.debug("drained: %d keys, %d new processes", collector._drain_keys, collector._drain_new_processes)
+            log.debug("drained (%s): %d keys, %d new processes, %d pids made in %.1f s", "early" if due < regular_drain else "regular",
+                      collector._drain_keys, collector._drain_new_processes, collector._drain_pids, collector._drain_stretch_s)
             follow_remote_config(collector, cfg, watcher)
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)

@@ -1,13 +1,31 @@
-"""collector/drains.py: a new process brings a drain forward only if it still lives 0.25 s later.
+"""collector/drains.py: when the collector drains.
 
 Given the new-process events of a shell loop (children alive for a millisecond) and of a
 long-lived process, when the collector asks when the next drain is due and whether to make it,
 then only the long-lived one brings a drain forward, and never within 0.2 s of the last drain.
+
+Given what the last drain took (keys, the pids the host made meanwhile), when the collector asks
+for the next regular drain, then a quiet host waits the longest interval (or to the window
+boundary), and many keys or a fast pid churn bring it closer, never under the shortest one.
 """
 
 from __future__ import annotations
 
-from ebpfprofiler.collector.drains import EARLY_ALIVE_S, EARLY_DRAIN_S, MAX_EARLY_PIDS, EarlyDrains
+from pathlib import Path
+
+from ebpfprofiler.collector.drains import (
+    DRAIN_KEYS_TARGET,
+    DRAINS_PER_PID_WRAP,
+    EARLY_ALIVE_S,
+    EARLY_DRAIN_S,
+    MAX_EARLY_PIDS,
+    PID_MAX_FLOOR,
+    EarlyDrains,
+    pid_counter,
+    pid_max,
+    pids_between,
+    regular_delay,
+)
 
 
 class Clock:
@@ -58,3 +76,47 @@ def test_waiting_pids_are_capped() -> None:
     early = EarlyDrains(alive=lambda pid: False, clock=Clock())
     early.notified(range(MAX_EARLY_PIDS * 2))
     assert len(early._pending) == MAX_EARLY_PIDS
+
+
+def delay(**kw: float) -> float:
+    args = dict(keys=0, pids_made=0, stretch_s=60.0, pid_max=32768, until_boundary_s=1000.0,
+                shortest_s=1.0, longest_s=60.0)
+    args.update(kw)
+    return regular_delay(**args)   # type: ignore[arg-type]
+
+
+def test_a_quiet_host_drains_at_the_longest_interval_or_at_the_window_boundary() -> None:
+    assert delay(keys=40, pids_made=3) == 60.0
+    assert delay(keys=40, pids_made=3, until_boundary_s=12.5) == 12.5
+    assert delay(until_boundary_s=0.01) == 0.05   # never a drain loop
+
+
+def test_many_keys_bring_the_next_drain_closer_so_that_it_takes_about_the_target() -> None:
+    # 1,000 keys in 10 s: the target is taken in ~20 s
+    assert abs(delay(keys=1000, stretch_s=10.0) - DRAIN_KEYS_TARGET * 10.0 / 1000) < 1e-9
+    assert delay(keys=10 ** 6, stretch_s=1.0) == 1.0   # never under the shortest interval
+
+
+def test_a_fast_pid_churn_drains_several_times_per_pid_wrap() -> None:
+    # a shell loop: 500 pids a second wrap pid_max 32768 in ~65 s
+    d = delay(pids_made=4000, stretch_s=8.0)
+    assert abs(d - 32768 / 500 / DRAINS_PER_PID_WRAP) < 1e-9 and d < 10
+    # the same churn under a large pid_max (systemd's 4194304) does not matter
+    assert delay(pids_made=4000, stretch_s=8.0, pid_max=4194304) == 60.0
+
+
+def test_pids_between_counts_across_one_wrap_and_knows_nothing_without_a_counter() -> None:
+    assert pids_between(100, 600, 32768) == 500
+    assert pids_between(32700, 40, 32768) == 108
+    assert pids_between(None, 40, 32768) == 0 and pids_between(40, None, 32768) == 0
+
+
+def test_the_pid_counter_and_pid_max_come_from_proc_and_fall_back(tmp_path: Path) -> None:
+    (tmp_path / "sys" / "kernel").mkdir(parents=True)
+    (tmp_path / "loadavg").write_text("0.08 0.03 0.01 1/123 48213\n")
+    (tmp_path / "sys" / "kernel" / "pid_max").write_text("4194304\n")
+    assert pid_counter(str(tmp_path)) == 48213 and pid_max(str(tmp_path)) == 4194304
+    (tmp_path / "loadavg").write_text("garbage")
+    (tmp_path / "sys" / "kernel" / "pid_max").unlink()
+    assert pid_counter(str(tmp_path)) is None and pid_max(str(tmp_path)) == PID_MAX_FLOOR
+    assert pid_counter() is not None   # this host's
