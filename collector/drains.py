@@ -23,8 +23,13 @@ from typing import Callable, Iterable
 EARLY_DRAIN_S = 0.2
 # A new process must still live this long after its event was taken for a drain to be brought
 # forward for it: a shell loop's /bin/true or `sleep 0.001` lives 1-5 ms. While processes wait,
-# the collector wakes once per look (collector/main.py), at most 1 / EARLY_ALIVE_S times a second.
+# the collector wakes once per look (collector/main.py), at most once per EARLY_LOOK_GAP_S.
 EARLY_ALIVE_S = 0.25
+# Looks are at least this far apart: each costs the collector ~0.35 ms of CPU (a wake-up, the ring
+# buffer, the /proc checks), and a host that keeps starting processes (a shell loop's children,
+# ten events a second) kept it looking four times a second. A process that lives EARLY_ALIVE_S is
+# still looked at within EARLY_ALIVE_S + EARLY_LOOK_GAP_S of its event.
+EARLY_LOOK_GAP_S = 1.0
 # Pids kept waiting (at most one event per NEW_PID_NOTIFY_NS arrives; one that lives is enough).
 MAX_EARLY_PIDS = 64
 # A drain should take at most this many keys (all families): the next one is brought closer when
@@ -33,8 +38,11 @@ MAX_EARLY_PIDS = 64
 DRAIN_KEYS_TARGET = 2048
 # Drains are at least this many times as frequent as the host's pids wrap around (pid_max / the
 # rate new pids are made): samples carry a pid, not a start time, and a pid reused between a
-# sample and its drain would give the sample to the new process (another tenant's profile).
-DRAINS_PER_PID_WRAP = 8
+# sample and its drain would give the sample to the new process (another tenant's profile). The
+# rate is the last stretch's: a churn would have to grow fourfold at once to wrap within a stretch.
+# (systemd sets pid_max to 4194304: there this never binds; a small pid_max of 32768 with a shell
+# loop's 500 pids a second: a drain every ~16 s.)
+DRAINS_PER_PID_WRAP = 4
 # The kernel's pid_max default on a small host (PID_MAX_DEFAULT): assumed when it cannot be read.
 PID_MAX_FLOOR = 32768
 
@@ -90,6 +98,7 @@ class EarlyDrains:
         self._alive = alive
         self._clock = clock
         self._pending: dict[int, float] = {}   # pid → when its event was taken
+        self._last_look = float("-inf")
         self.gone = 0                          # early drains not made: their processes had exited
 
     def notified(self, pids: Iterable[int]) -> None:
@@ -100,11 +109,13 @@ class EarlyDrains:
             self._pending.setdefault(pid, now)
 
     def due_at(self, last_drain: float) -> float | None:
-        """When to look: EARLY_ALIVE_S after the oldest waiting process's event, and not before
-        EARLY_DRAIN_S after the last drain; None when no process waits."""
+        """When to look: EARLY_ALIVE_S after the oldest waiting process's event, not before
+        EARLY_DRAIN_S after the last drain nor EARLY_LOOK_GAP_S after the last look; None when no
+        process waits."""
         if not self._pending:
             return None
-        return max(last_drain + EARLY_DRAIN_S, min(self._pending.values()) + EARLY_ALIVE_S)
+        return max(last_drain + EARLY_DRAIN_S, self._last_look + EARLY_LOOK_GAP_S,
+                   min(self._pending.values()) + EARLY_ALIVE_S)
 
     def drain_now(self) -> bool:
         """At due_at(): whether a process that has waited EARLY_ALIVE_S still lives. Those are then
@@ -113,6 +124,8 @@ class EarlyDrains:
         old = [pid for pid, t in self._pending.items() if t + EARLY_ALIVE_S <= now]   # as due_at() adds
         for pid in old:
             del self._pending[pid]
+        if old:
+            self._last_look = now
         if any(self._alive(pid) for pid in old):
             return True
         self.gone += bool(old)
