@@ -10,7 +10,7 @@ processes already gone, each drain a whole round of map reads, /proc joins and b
 collector and the symbolizer; their samples lose nothing by waiting for the regular drain.
 
 Must not: read BPF maps, or /proc beyond whether a pid exists (the `alive` callable) and the
-host's pid counter (pids_made).
+host's fork counter (/proc/stat) and kernel.pid_max.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ DRAIN_KEYS_TARGET = 2048
 DRAINS_PER_PID_WRAP = 4
 # The kernel's pid_max default on a small host (PID_MAX_DEFAULT): assumed when it cannot be read.
 PID_MAX_FLOOR = 32768
+# /proc/stat is read up to this many bytes for its `processes` line, which follows a line per CPU
+# and the interrupt counts (~1 KB on these 2-CPU VMs, ~100s of KB on the largest hosts).
+PROC_STAT_CAP = 1 << 20
 
 
 def regular_delay(*, keys: int, pids_made: int, stretch_s: float, pid_max: int, until_boundary_s: float,
@@ -61,12 +64,20 @@ def regular_delay(*, keys: int, pids_made: int, stretch_s: float, pid_max: int, 
     return max(0.05, min(max(delay, shortest_s), until_boundary_s))
 
 
-def pid_counter(proc: str = "/proc") -> int | None:
-    """The last pid the kernel handed out in the host's pid namespace (/proc/loadavg's fifth field)."""
+def forks(proc: str = "/proc") -> int | None:
+    """Tasks (processes and threads: each takes a pid) the kernel has created since boot: the
+    `processes` line of /proc/stat, a counter that does not wrap."""
     try:
-        with open(f"{proc}/loadavg", "rb") as f:
-            return int(f.read(256).split()[4])
-    except (OSError, ValueError, IndexError):
+        with open(f"{proc}/stat", "rb") as f:
+            data = f.read(PROC_STAT_CAP)
+    except OSError:
+        return None
+    at = data.find(b"\nprocesses ")
+    if at < 0:
+        return None
+    try:
+        return int(data[at + len(b"\nprocesses "):].split(b"\n", 1)[0])
+    except ValueError:
         return None
 
 
@@ -77,13 +88,6 @@ def pid_max(proc: str = "/proc") -> int:
             return max(PID_MAX_FLOOR, int(f.read(64)))
     except (OSError, ValueError):
         return PID_MAX_FLOOR
-
-
-def pids_between(before: int | None, after: int | None, wrap: int) -> int:
-    """How many pids were handed out from counter `before` to `after` (one wrap at most); 0 if unknown."""
-    if before is None or after is None:
-        return 0
-    return after - before if after >= before else after + wrap - before
 
 
 def _alive(pid: int) -> bool:

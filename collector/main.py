@@ -2,7 +2,7 @@
 
 Owns: the stage's command line, its main loop (drain every source — on-CPU,
 off-CPU unless offcpu: false, lock waits and allocations of the configured
-targets — every DRAIN_INTERVAL_S, join with /proc, route to workers, send;
+targets — 1 to 60 s apart (collector/drains.py), join with /proc, route to workers, send;
 follow the targets as they come and go; once per upload window the live
 allocations, into that window's alloc profiles), following remote config's `enabled` (each drain it
 checks the overrides file the uploader writes, shared/remote_config.py:
@@ -52,7 +52,7 @@ from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
 
-# How often BPF maps are drained into batches while the host is busy.
+# The shortest stretch between regular drains (a busy host; and while alloc or lock targets are watched).
 DRAIN_INTERVAL_S = 1.0
 # Drains are at most this far apart (collector/drains.py regular_delay brings them closer for many
 # keys or a fast pid churn, down to DRAIN_INTERVAL_S), and one follows each window boundary
@@ -92,7 +92,8 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         description="Root stage of ebpfprofiler: samples on-CPU stacks of every process with BPF "
                     "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
                     "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
-                    "the in-kernel counts every second and sends them, with process metadata and "
+                    "the in-kernel counts (1 to 60 s apart: closer for many stacks or many new processes, and "
+                    "just after each window boundary) and sends them, with process metadata and "
                     "mappings, to the symbolizer workers over ZeroMQ. With alloc_targets or lock_targets it also "
                     "records, for those processes only, allocations (uprobes on libc malloc/calloc/realloc/free, "
                     "sampled one per alloc_sample_bytes) and futex waits (lock contention). Each upload window "
@@ -203,7 +204,7 @@ class Collector:
         self._drain_pids = 0            # pids the host made between the last two drains
         self._drain_stretch_s = 0.0     # seconds between them
         self._pid_max = drains.pid_max()
-        self._pid_counter = drains.pid_counter()
+        self._forks = drains.forks()
         self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
         self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
@@ -279,9 +280,9 @@ class Collector:
         stamp_ns = drain_stamp_ns(self._last_drain_ns, now_ns, self.interval_s * 1_000_000_000)
         self._drain_stretch_s = (now_ns - self._last_drain_ns) / 1e9
         self._last_drain_ns = now_ns
-        counter = drains.pid_counter()
-        self._drain_pids = drains.pids_between(self._pid_counter, counter, self._pid_max)
-        self._pid_counter = counter
+        forks = drains.forks()
+        self._drain_pids = forks - self._forks if forks is not None and self._forks is not None else 0
+        self._forks = forks
         read_before = self.procs.stats["read"]
         self._drain_keys = 0
         live = self.links.live()
@@ -605,7 +606,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         offcpu = "off" if not cfg.offcpu else f"from {cfg.offcpu_min_ms} ms" + (
             f", sampled below {cfg.offcpu_sample_ms} ms" if cfg.offcpu_sample_ms > cfg.offcpu_min_ms else "")
         log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
-                 "drain every %.1f s", cfg.sample_hz, offcpu, cfg.symbolizer_workers, DRAIN_INTERVAL_S)
+                 "drains %.0f to %.0f s apart", cfg.sample_hz, offcpu, cfg.symbolizer_workers, DRAIN_INTERVAL_S,
+                 IDLE_DRAIN_INTERVAL_S)
         if stats is not None and stats.on:
             log.info("BPF run-time statistics on while the collector runs: %s; overhead budget %g%% of one CPU "
                      "per upload window", stats.how, cfg.overhead_budget_pct)
@@ -665,8 +667,9 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             collector.early.drained()
             listen(True)
             last_drain = time.monotonic()
-            log.debug("drained (%s): %d keys, %d new processes, %d pids made in %.1f s", "early" if due < regular_drain else "regular",
-                      collector._drain_keys, collector._drain_new_processes, collector._drain_pids, collector._drain_stretch_s)
+            log.debug("drained (%s): %d keys, %d new processes, %d pids made in %.1f s",
+                      "early" if due < regular_drain else "regular", collector._drain_keys,
+                      collector._drain_new_processes, collector._drain_pids, collector._drain_stretch_s)
             follow_remote_config(collector, cfg, watcher)
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)

@@ -22,9 +22,8 @@ from ebpfprofiler.collector.drains import (
     MAX_EARLY_PIDS,
     PID_MAX_FLOOR,
     EarlyDrains,
-    pid_counter,
+    forks,
     pid_max,
-    pids_between,
     regular_delay,
 )
 
@@ -106,31 +105,15 @@ def test_a_fast_pid_churn_drains_several_times_per_pid_wrap() -> None:
     assert delay(pids_made=4000, stretch_s=8.0, pid_max=4194304) == 60.0
 
 
-def test_pids_between_counts_across_one_wrap_and_knows_nothing_without_a_counter() -> None:
-    assert pids_between(100, 600, 32768) == 500
-    assert pids_between(32700, 40, 32768) == 108
-    assert pids_between(None, 40, 32768) == 0 and pids_between(40, None, 32768) == 0
-
-
-def test_the_pid_counter_and_pid_max_come_from_proc_and_fall_back(tmp_path: Path) -> None:
+def test_the_fork_counter_and_pid_max_come_from_proc_and_fall_back(tmp_path: Path) -> None:
     (tmp_path / "sys" / "kernel").mkdir(parents=True)
-    (tmp_path / "loadavg").write_text("0.08 0.03 0.01 1/123 48213\n")
+    (tmp_path / "stat").write_text("cpu  1 2 3 4\ncpu0 1 2 3 4\nintr 5 0 0\nctxt 99\nbtime 1\n"
+                                   "processes 4531195\nprocs_running 1\n")
     (tmp_path / "sys" / "kernel" / "pid_max").write_text("4194304\n")
-    assert pid_counter(str(tmp_path)) == 48213 and pid_max(str(tmp_path)) == 4194304
-    (tmp_path / "loadavg").write_text("garbage")
+    assert forks(str(tmp_path)) == 4531195 and pid_max(str(tmp_path)) == 4194304
+    (tmp_path / "stat").write_text("cpu  1 2 3 4\nprocesses many\n")
     (tmp_path / "sys" / "kernel" / "pid_max").unlink()
-    assert pid_counter(str(tmp_path)) is None and pid_max(str(tmp_path)) == PID_MAX_FLOOR
-    assert pid_counter() is not None   # this host's
-
-
-def test_a_host_that_keeps_starting_processes_is_looked_at_once_per_gap() -> None:
-    clock, living = Clock(), {9}
-    early = EarlyDrains(alive=living.__contains__, clock=clock)
-    early.notified([41])
-    clock.now = 100.0 + EARLY_ALIVE_S
-    assert not early.drain_now()                  # gone: a look, no drain
-    looked = clock.now
-    early.notified([42, 9])                       # the next children, and one that lives
-    assert early.due_at(last_drain=0.0) == looked + EARLY_LOOK_GAP_S
-    clock.now = looked + EARLY_LOOK_GAP_S
-    assert early.drain_now()                      # 9 still lives: its drain is made
+    assert forks(str(tmp_path)) is None and pid_max(str(tmp_path)) == PID_MAX_FLOOR
+    assert forks(str(tmp_path / "none")) is None
+    before = forks()
+    assert before is not None and forks() >= before   # this host's, counting up
