@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import zmq
 from ebpfprofiler.shared import endpoints, pprof, unwind_table, wire
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.safestr import CUT_MARKER, process_string
-from tests.harness import PY, Pipeline, Receiver, open_dir, require_root, stop_process, workload_fields
+from tests.harness import PY, Pipeline, Receiver, open_dir, require_root, workload_fields
 from tests.integration.test_oncpu_pipeline import read_received
 
 SAMPLE_HZ = 99
@@ -89,7 +88,8 @@ def push_unasked_unwind_table(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(build, tmp_path_factory: pytest.TempPathFactory,
+        module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     hot = build("hot")
     work = tmp_path_factory.mktemp("hostile")
@@ -105,7 +105,7 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     newline_exe = os.path.join(newline_dir, b"hot")
     shutil.copy(hot, newline_exe)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
+    procs = module_started   # killed and reaped at the module's end (conftest.py)
     stages = ["collector", "symbolizer-0", "uploader"]
     try:
         pipeline = Pipeline(work, ProfilerConfig(
@@ -136,8 +136,6 @@ def run(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                   bytes_exe, newline_exe, before, after, pipeline.proc.pid, second_run, second_collector,
                   pipeline.log())
     finally:
-        for p in procs:
-            stop_process(p, signal.SIGKILL)
         receiver.stop()
         shutil.rmtree(home, ignore_errors=True)
 

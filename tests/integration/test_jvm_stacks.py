@@ -120,7 +120,7 @@ def read_kinds(pid: int, rounds: int = 40) -> Counter[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     work = tmp_path_factory.mktemp("jvm")
     classes = jdks.classes()
@@ -140,6 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                     p = subprocess.Popen([str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSplit",
                                           str(WORKLOAD_SECONDS), str(WORKERS)],
                                          stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                module_started.append(p)   # killed and reaped at the module's end (conftest.py)
                 workloads[v] = Workload(v, p, out)
             for w in workloads.values():
                 wait_for(f"JDK {w.version}'s warm-up", lambda w=w: "\nready\n" in w.out.read_text()
@@ -165,8 +166,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), received_samples(receiver.dir, warm_ns), kinds)
     finally:
-        for w in workloads.values():
-            stop_process(w.proc)
         receiver.stop()
 
 

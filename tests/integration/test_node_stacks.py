@@ -126,7 +126,7 @@ def launch(argv: list[str]) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     work = tmp_path_factory.mktemp("node")
     work.chmod(0o755)
@@ -150,8 +150,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 rt.host(prof).mkdir()
                 rt.host(prof).chmod(0o777)
                 timer = launch(rt.argv + [script, "timer", str(TIMER_SECONDS)])
+                module_started.append(timer)   # killed and reaped at the module's end (conftest.py)
                 split = launch(rt.argv + [NO_INLINING, "--cpu-prof", f"--cpu-prof-dir={prof}", script, "split",
                                           str(SPLIT_SECONDS)])
+                module_started.append(split)
                 workloads[v] = Workload(v, split, timer, rt.host(prof), script)
             for w in workloads.values():
                 w.split.wait(timeout=SPLIT_SECONDS + 60)
@@ -162,11 +164,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log())
     finally:
-        for w in workloads.values():
-            for p in (w.split, w.timer):
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
         receiver.stop()
         for rt in nodes.values():
             if rt.root:

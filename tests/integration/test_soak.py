@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import pytest
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.safestr import process_string
-from tests.harness import (FRAME_POINTER_FLAGS, stop_process, Pipeline, Receiver, open_dir, require_root, wait_for,
+from tests.harness import (FRAME_POINTER_FLAGS, Pipeline, Receiver, open_dir, require_root, wait_for,
                            workload_fields)
 from tests.integration.test_hostile_processes import NEWLINE_DIRS, NEWLINES_PER_DIR, stage_pids
 from tests.integration.test_oncpu_pipeline import read_received
@@ -75,7 +74,8 @@ def ready_line(p: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def soak(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soak]:
+def soak(build, tmp_path_factory: pytest.TempPathFactory,
+         module_started: list[subprocess.Popen]) -> Iterator[Soak]:
     require_root()
     hot, jit = build("hot"), build("jit")
     duty = build("duty")
@@ -97,7 +97,7 @@ def soak(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soak]:
     fake_python = home / "python3.13"
     crafted_elf(fake_python)
     receiver = Receiver(work / "received")
-    procs: list[subprocess.Popen] = []
+    procs = module_started   # killed and reaped at the module's end (conftest.py)
     perf_map: Path | None = None
     try:
         pipeline = Pipeline(work, ProfilerConfig(
@@ -130,8 +130,6 @@ def soak(build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Soak]:
         yield Soak(read_received(receiver.dir), str(hot.resolve()), float(workload_fields(out)["cpu_seconds"]),
                    names, fifo_jit.pid, str(fake_python), before, after, pipeline.log())
     finally:
-        for p in procs:
-            stop_process(p, signal.SIGKILL)
         receiver.stop()
         shutil.rmtree(home, ignore_errors=True)
         if perf_map is not None:
