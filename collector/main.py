@@ -576,7 +576,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
     lifecycle.hold_run_dir(prog, args.run_dir, "collector")
     stop = stop_on_signals(log, "stopping")
 
-    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
+    watcher = remote_config.Watcher.for_config(args.run_dir, cfg, log)
     watcher.check()
     if not remote_config.effective(cfg, watcher.overrides).enabled:
         # Nothing is loaded until profiling is enabled: remote config can do that
@@ -641,8 +641,9 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             early = collector.early.due_at(last_drain)
             return regular_drain if early is None else min(regular_drain, early)
         while not stop.is_set():
-            # (the overrides file is checked after drains only: no wake-up of its own)
-            events = dict(poller.poll(stopping.poll_timeout_ms(next_drain(), time.monotonic())))
+            # with remote config on, at least every IDLE_WAKE_S for the overrides file (drains may
+            # be a window apart); without it, only for its own deadlines
+            events = dict(poller.poll(stopping.poll_timeout_ms(next_drain(), time.monotonic(), watcher.wake_s)))
             if wakeup in events:
                 stopping.drain_wakeups()
             if stop.is_set():
@@ -654,6 +655,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             if hup.is_set():
                 hup.clear()
                 cfg = reload_budget(collector, cfg, args.config)
+            follow_remote_config(collector, cfg, watcher)
             due = next_drain()
             if time.monotonic() < due:
                 listen(due >= regular_drain)
@@ -670,7 +672,6 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
             log.debug("drained (%s): %d keys, %d new processes, %d pids made in %.1f s",
                       "early" if due < regular_drain else "regular", collector._drain_keys,
                       collector._drain_new_processes, collector._drain_pids, collector._drain_stretch_s)
-            follow_remote_config(collector, cfg, watcher)
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)
             collector.end_window_if_due(interval_s)

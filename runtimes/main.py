@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
     reader = Reader(cfg, args.run_dir, args.state_dir, should_stop=stop.is_set)
     if extra:   # the plug-ins' helpers are forked: the reader itself goes on with CAP_SYS_PTRACE only
         privileges.keep_only(privileges.STAGES["runtime"].caps)
-    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
+    watcher = remote_config.Watcher.for_config(args.run_dir, cfg, log)
     watcher.check()
     ready.announce(args.run_dir, "runtime")
     log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, runtime_stacks %s, runtimes %s, "

@@ -260,6 +260,12 @@ class Watcher:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode)
 
+    @classmethod
+    def for_config(cls, run_dir: str, cfg: config_mod.ProfilerConfig,
+                   logger: logging.Logger | None = None) -> "Watcher":
+        """A stage's watcher: it follows the file only where the uploader fetches remote config."""
+        return cls(run_dir, logger, follows=bool(cfg.agent_config_url))
+
     @property
     def wake_s(self) -> float:
         """How long a stage with nothing else to do may sleep between checks."""

@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
     lifecycle.hold_run_dir(prog, args.run_dir, f"symbolizer-{args.worker}")
     stop = stop_on_signals(log)
     worker = Worker(cfg, args.worker, args.run_dir, args.state_dir, should_stop=stop.is_set)
-    watcher = remote_config.Watcher(args.run_dir, log, follows=bool(cfg.agent_config_url))
+    watcher = remote_config.Watcher.for_config(args.run_dir, cfg, log)
     if watcher.check():
         worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
     stage = f"symbolizer-{args.worker}"

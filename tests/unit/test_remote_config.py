@@ -185,9 +185,12 @@ def test_without_remote_config_the_watcher_reads_nothing_and_lets_the_stage_slee
     # file, and one an earlier run left behind is not followed
     assert ProfilerConfig().agent_config_url == ""
     rc.write_overrides(str(tmp_path), {"enabled": False})
-    w = rc.Watcher(str(tmp_path), follows=bool(ProfilerConfig().agent_config_url))
+    w = rc.Watcher.for_config(str(tmp_path), ProfilerConfig())
     assert not w.check() and w.overrides == {}
-    assert w.wake_s == stopping.QUIET_WAKE_S > rc.Watcher(str(tmp_path)).wake_s == stopping.IDLE_WAKE_S
+    assert w.wake_s == stopping.QUIET_WAKE_S
+    # with a backend that serves agent config, the stages follow the file and check it every 5 s
+    w = rc.Watcher.for_config(str(tmp_path), ProfilerConfig(endpoint="http://127.0.0.1:9"))
+    assert w.check() and w.overrides == {"enabled": False} and w.wake_s == stopping.IDLE_WAKE_S
 
 
 # ------------------------------------------------------------ windows change length
