@@ -185,7 +185,7 @@ class ProfileBuilder:
         for k, v in labels.items():
             if isinstance(v, int):
                 s.label.add(key=self.string(k), num=v)
-            else:
+            elif v:                   # an empty string is index 0, which pprof reads as the number 0
                 s.label.add(key=self.string(k), str=self.string(v))
 
     @property

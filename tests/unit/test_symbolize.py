@@ -155,6 +155,17 @@ def test_a_closed_window_becomes_a_pprof_go_can_read(tmp_path: Path) -> None:
     assert os.path.getsize(f) == len(gz)
 
 
+
+def test_an_empty_label_is_left_out_not_read_back_as_the_number_0() -> None:
+    # given a sample whose thread has no name (its comm could not be read)
+    data = ServiceWindow()
+    labels = (("pid", "1"), ("thread.name", ""), ("thread.id", "7"))
+    data.add(labels, (Frame("/usr/bin/app", "abcd", 0x1000, "main"),), 1, 1_000)
+    # when built and read back
+    gz, _ = profile_mod.build(ClosedWindow("cpu", "/usr/bin/app", 0, 10**9, data), period=1)
+    # then the label is absent, so a reader's .get("thread.name", "") is a string
+    assert pprof.read(gz).samples[0].labels == {"pid": "1", "thread.id": "7"}
+
 # --- names from separate debug files, found by build id ---
 
 def test_libc_static_functions_are_named_from_libc_debug_file(build, live_jit, resolver: FrameResolver) -> None:
