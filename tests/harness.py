@@ -77,11 +77,18 @@ def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float 
 
 
 def kill_and_reap(procs: Iterable[subprocess.Popen]) -> None:
-    """The end of every test's `finally`: each process it started and that still runs is killed
-    (by its own pid), and every one is reaped."""
+    """The end of every test (the `started` fixtures): each process it started and that still runs
+    is killed, with its group if it leads one of its own (start_new_session), and every one is reaped."""
     for p in procs:
         if p.poll() is None:
-            p.kill()
+            try:
+                own_group = os.getpgid(p.pid) == p.pid != os.getpgrp()
+            except ProcessLookupError:
+                own_group = False
+            if own_group:
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                p.kill()
         p.wait()
 
 

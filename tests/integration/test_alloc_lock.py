@@ -26,7 +26,7 @@ from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import DEFAULT_ALLOC_SAMPLE_BYTES, ProfilerConfig
-from tests.harness import (ROOT, Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root, stop_process,
+from tests.harness import (ROOT, Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root,
                            wait_for, workload_fields)
 
 INTERVAL_S = 4
@@ -360,7 +360,8 @@ def test_lock_stacks_go_through_libc_to_the_thread_start(lock_run: LockRun) -> N
         assert "mutex_lock" in st[i + 1] and "lll_lock_wait" in st[-1], st
 
 
-def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path) -> None:
+def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path,
+                                                        started: list[subprocess.Popen]) -> None:
     """The issue's "alloc: 0 while the probes ran": a sampled malloc whose return the uretprobe
     never saw (entry probe on first, as a preempted attach leaves it) must cost that one sample,
     not every later allocation of the thread."""
@@ -377,6 +378,7 @@ def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path) -
     tracer = alloc.AllocTracer(programs.bpf, DEFAULT_ALLOC_SAMPLE_BYTES, 100)
     stats = bpfstats.RunTimeStats()
     t = subprocess.Popen([str(exe), "30", "1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started.append(t)
     try:
         assert first_line(t, 30).startswith("started")
         target = Target(t.pid, 0, str(exe), "mix_target")
@@ -402,8 +404,6 @@ def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path) -
         objects = sum(s[4] for s in drained.samples)
         assert objects > 1000, (objects, [(k.value, v.sp, v.sampled) for k, v in tracer._pending.items()])
     finally:
-        t.stdin.close()
-        stop_process(t)
         tracer.close()
         programs.close()
         stats.close()

@@ -21,7 +21,7 @@ KERNEL_FREE_TIMEOUT_S = 10.0
 @pytest.mark.parametrize("sig, offcpu, dwarf", [(signal.SIGTERM, True, True), (signal.SIGINT, False, False)],
                          ids=["SIGTERM-offcpu-dwarf", "SIGINT-oncpu-only-frame-pointers"])
 def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool,
-                                                    dwarf: bool) -> None:
+                                                    dwarf: bool, started: list[subprocess.Popen]) -> None:
     # given a running collector, with and without off-CPU profiling and DWARF unwinding
     require_root()
     work = open_dir("collector")
@@ -33,6 +33,7 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
     run_dir.chmod(0o3770)
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
                           "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
+    started.append(p)   # killed at the end if a check fails before the stop under test
     try:
         wait_for("the collector to be ready",
                  lambda: p.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
@@ -70,7 +71,6 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         assert not [e for e in bpftool("link", "show") if e.get("prog_id") in progs]
         assert not os.path.exists(endpoints.ready_file(str(run_dir), "collector"))
     finally:
-        stop_process(p, signal.SIGKILL)
         shutil.rmtree(work, ignore_errors=True)
 
 

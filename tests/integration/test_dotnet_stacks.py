@@ -31,7 +31,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import subprocess
 import threading
 from collections import Counter
@@ -45,7 +44,7 @@ from ebpfprofiler.shared import endpoints, pprof, privileges
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import dotnet_runtimes
-from tests.harness import WORKLOADS, Pipeline, Receiver, open_dir, require_root, stop_process, wait_for
+from tests.harness import WORKLOADS, Pipeline, Receiver, open_dir, require_root, wait_for
 
 SCRIPT = WORKLOADS / "dotnet_hot.py"
 HOT = "HotLoopEbpfTest"
@@ -68,9 +67,11 @@ MAX_UNNAMED_JIT_SHARE = 0.1
 class Workload:
     """One .NET process, its output lines collected as they come."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], started: list[subprocess.Popen]) -> None:
         self.name = name
+        # SIGKILL at the module's end (conftest.py): the runtime's SIGTERM handler makes pythonnet print errors
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True)
+        started.append(self.proc)
         self.pid = self.proc.pid
         self.fresh = 0
         self._ready = threading.Event()
@@ -81,7 +82,6 @@ class Workload:
     def wait_ready(self) -> None:
         """Until its runtime runs the method (the workloads start at once: each takes seconds)."""
         if not self._ready.wait(60) or not self._first.startswith("ready "):
-            self.stop()
             raise AssertionError(f"{self.name}: printed {self._first!r} (exit {self.proc.poll()})")
 
     def _read(self) -> None:
@@ -92,11 +92,11 @@ class Workload:
             if line.startswith("fresh "):
                 self.fresh = int(line.split()[1])
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:      # SIGKILL: the runtime's SIGTERM handler makes pythonnet print errors
-            stop_process(self.proc, signal.SIGKILL, timeout=10)
-        for sock in Path("/tmp").glob(f"dotnet-diagnostic-{self.pid}-*-socket"):   # a killed runtime leaves it
+    def remove_leftovers(self) -> None:
+        """The test's own clean-up: a killed runtime leaves its socket, and every runtime its map."""
+        for sock in Path("/tmp").glob(f"dotnet-diagnostic-{self.pid}-*-socket"):
             sock.unlink(missing_ok=True)
+        self.perf_map.unlink(missing_ok=True)
 
     @property
     def perf_map(self) -> Path:
@@ -133,14 +133,14 @@ def cpu_samples(directory: Path) -> dict[int, dict[int, list[pprof.ReadSample]]]
     return out
 
 
-def launch(name: str, script: Path, root: Path, version: str, mode: str, *, user: int | None = None,
-           **env: str) -> Workload:
+def launch(started: list[subprocess.Popen], name: str, script: Path, root: Path, version: str, mode: str, *,
+           user: int | None = None, **env: str) -> Workload:
     base = {k: v for k, v in os.environ.items() if k not in ("TMPDIR",) and not k.startswith(("DOTNET_", "COMPlus_"))}
     base.update(DOTNET_SYSTEM_GLOBALIZATION_INVARIANT="1", **env)
     argv = [str(dotnet_runtimes.venv() / "bin/python"), str(script), str(root), version, mode, str(WORKLOAD_SECONDS)]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + argv
-    return Workload(name, argv, base)
+    return Workload(name, argv, base, started)
 
 
 def answers(log: str, pid: int) -> list[str]:
@@ -148,7 +148,7 @@ def answers(log: str, pid: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run() -> Iterator[Run]:
+def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     venv = dotnet_runtimes.venv()
     work = open_dir("dotnet")
@@ -160,13 +160,13 @@ def run() -> Iterator[Run]:
     workloads: list[Workload] = []
     try:
         net8_root, net31_root = dotnet_runtimes.dotnet8_root(venv), dotnet_runtimes.dotnet31_root(venv)
-        net8 = launch("net8", script, net8_root, "8.0.4", "hot", user=NOBODY)
+        net8 = launch(module_started, "net8", script, net8_root, "8.0.4", "hot", user=NOBODY)
         workloads.append(net8)
         refused = {
-            "net31": launch("net31", script, net31_root, "3.1.23", "fresh"),
-            "no_diagnostics": launch("no_diagnostics", script, net8_root, "8.0.4", "fresh",
+            "net31": launch(module_started, "net31", script, net31_root, "3.1.23", "fresh"),
+            "no_diagnostics": launch(module_started, "no_diagnostics", script, net8_root, "8.0.4", "fresh",
                                      DOTNET_EnableDiagnostics="0"),
-            "other_tmpdir": launch("other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)),
+            "other_tmpdir": launch(module_started, "other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)),
         }
         workloads.extend(refused.values())
         for w in workloads:
@@ -211,11 +211,9 @@ def run() -> Iterator[Run]:
         r.maps_left = {name: w.perf_map.exists() for name, w in refused.items()}
         yield r
     finally:
-        for w in workloads:
-            w.stop()
+        for w in workloads:   # still running (killed at the module's end): a runtime remakes neither
+            w.remove_leftovers()
         receiver.stop()
-        for w in workloads:   # the test's own clean-up: the runtime leaves its map, as it does at exit
-            w.perf_map.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
 
 

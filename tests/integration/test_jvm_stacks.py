@@ -50,7 +50,7 @@ from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import jdks, runtime_roots
-from tests.harness import Pipeline, Receiver, require_root, stop_process, wait_for
+from tests.harness import Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 
 VERSIONS = ["11", "17", "21", "25"]
@@ -160,8 +160,6 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
             kinds = {v: read_kinds(w.proc.pid) for v, w in workloads.items()}
         finally:
-            for w in workloads.values():
-                stop_process(w.proc)
             code = pipeline.stop()
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), received_samples(receiver.dir, warm_ns), kinds)

@@ -20,7 +20,7 @@ from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import pprof
 
-from tests.harness import ROOT, Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.harness import ROOT, Pipeline, Receiver, require_root, wait_for
 
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer"]
 WINDOW_S = 10
@@ -36,11 +36,10 @@ def whole(s: pprof.ReadSample) -> bool:
 
 
 def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
-        build, tmp_path: Path) -> None:
+        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     exe = build("nofp", NOFP_FLAGS)
     receiver = Receiver(tmp_path / "received")
-    proc: subprocess.Popen | None = None
     try:
         shipped = config_mod.load(str(ROOT / "deploy" / "agent.yaml"))
         cfg = dataclasses.replace(shipped, upload_interval_s=WINDOW_S, endpoint=receiver.url,
@@ -55,6 +54,7 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
                      timeout=WINDOW_S + 1, interval=0.02)
             first_start = int(time.time() // WINDOW_S * WINDOW_S) * 10**9
             proc = subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True)
+            started.append(proc)
             out = proc.communicate(timeout=CPU_SECONDS * 4)[0]
             assert proc.returncode == 0, out
             # (its last window is handed in a grace period after it ends)
@@ -77,7 +77,6 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
         assert code == 0, pipeline.log()
         by_window = windows()
     finally:
-        kill_and_reap([proc] if proc is not None else [])
         receiver.stop()
 
     # Then the first window's stacks, and all of its life's, are whole

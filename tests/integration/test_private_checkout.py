@@ -74,10 +74,9 @@ def _stop(p: subprocess.Popen[bytes]) -> int:
     return p.returncode
 
 
-def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path,
-                                                          build: Callable[..., Path]) -> None:
+def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path, build: Callable[..., Path],
+                                                          started: list[subprocess.Popen]) -> None:
     out = open_dir("private-run")
-    hot = None
     p = None
     try:
         config = _config(private_checkout.parent / "agent.yaml", out / "profiles")
@@ -88,7 +87,7 @@ def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path,
                      os.path.exists(endpoints.ready_file(str(out / "run"), s))
                      for s in ("uploader", "symbolizer-0", "collector")), START_TIMEOUT_S, 0.2)
         assert p.poll() is None, f"make run exited with {p.returncode}:\n{log.read_text()}"
-        hot = subprocess.Popen([str(build("hot")), "30"], stdout=subprocess.DEVNULL)
+        started.append(subprocess.Popen([str(build("hot")), "30"], stdout=subprocess.DEVNULL))
 
         def hot_profile() -> tuple[str, ...] | None:
             for f in (out / "profiles").glob("*/cpu-*.pb.gz"):
@@ -106,9 +105,6 @@ def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path,
         text = log.read_text()
         assert "Traceback" not in text and "Permission denied" not in text, text
     finally:
-        if hot is not None:
-            hot.kill()
-            hot.wait()
         code = _stop(p) if p is not None else 0
         text = (out / "make-run.log").read_text() if (out / "make-run.log").exists() else ""
         shutil.rmtree(out, ignore_errors=True)

@@ -25,7 +25,7 @@ from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, privileges
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.wire import MAX_BATCH_BYTES
-from tests.harness import PY, Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.harness import PY, Pipeline, Receiver, require_root, wait_for
 
 STAGES = {"collector": "collector", "symbolizer-0": "symbolizer", "uploader": "uploader"}
 
@@ -109,16 +109,13 @@ def test_the_symbolizer_can_neither_load_bpf_nor_read_shadow() -> None:
     assert as_stage("collector", BPF_SYSCALL).split()[0] != "-1"
 
 
-def test_the_uploader_cannot_read_other_processes_memory_maps() -> None:
+def test_the_uploader_cannot_read_other_processes_memory_maps(started: list[subprocess.Popen]) -> None:
     require_root()
     root_process = subprocess.Popen(["sleep", "60"])
-    try:
-        paths = ["/proc/1/maps", f"/proc/{root_process.pid}/maps"]
-        lines = as_stage("uploader", f"PATHS = {paths!r}" + OPEN).splitlines()
-        assert lines == [f"{p} Permission denied" for p in paths]
-    finally:
-        root_process.kill()
-        root_process.wait()
+    started.append(root_process)
+    paths = ["/proc/1/maps", f"/proc/{root_process.pid}/maps"]
+    lines = as_stage("uploader", f"PATHS = {paths!r}" + OPEN).splitlines()
+    assert lines == [f"{p} Permission denied" for p in paths]
 
 
 def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
@@ -133,7 +130,8 @@ def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
         assert st.st_gid == agent and not st.st_mode & 0o007, f"{p.name} mode {stat.S_IMODE(st.st_mode):o}"
 
 
-def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(running) -> None:
+def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(
+        running, started: list[subprocess.Popen]) -> None:
     pipeline, receiver = running
     pid = stage_pid(pipeline, "symbolizer-0")
     ctx = zmq.Context()
@@ -158,9 +156,6 @@ def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(run
     assert stage_pid(pipeline, "symbolizer-0") == pid and Path(f"/proc/{pid}").exists()
     # a process on CPU, so that the next windows have samples whatever else the host runs (an idle
     # host may give none for longer than the wait)
-    spinner = subprocess.Popen([PY, "-I", "-S", "-c", "while True: pass"])
-    try:
-        wait_for("a profile of a window after the garbage",
-                 lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))), timeout=30)
-    finally:
-        kill_and_reap([spinner])
+    started.append(subprocess.Popen([PY, "-I", "-S", "-c", "while True: pass"]))
+    wait_for("a profile of a window after the garbage",
+             lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))), timeout=30)

@@ -33,7 +33,6 @@ from tests.harness import (
     WORKLOADS,
     Pipeline,
     Receiver,
-    kill_and_reap,
     require_root,
     wait_for,
 )
@@ -88,9 +87,10 @@ def sid_root() -> Path:
     return root
 
 
-def start(version: str, argv: list[str], filename: str) -> Workload:
+def start(version: str, argv: list[str], filename: str, started: list[subprocess.Popen]) -> Workload:
     p = subprocess.Popen(argv + [filename, str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
+    started.append(p)   # killed and reaped at the module's end (conftest.py)
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line, f"{version} workload printed nothing (exit {p.poll()})"
@@ -119,7 +119,7 @@ def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     root = sid_root()
     work = tmp_path_factory.mktemp("python")
@@ -148,10 +148,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             for v in ("3.13", "3.14"):
                 argvs[v] = (["chroot", str(root), f"/usr/bin/python{v}"], str(inside / SCRIPT.name))
             for v, (argv, filename) in argvs.items():
-                w = start(v, argv, filename)
+                w = start(v, argv, filename, module_started)
                 workloads.append(w)
-                for _ in range(COPIES - 1):      # one at a time: each is reaped even if a later one fails
-                    w.copies.append(start(v, argv, filename))
+                for _ in range(COPIES - 1):
+                    w.copies.append(start(v, argv, filename, module_started))
 
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
@@ -173,7 +173,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log())
     finally:
-        kill_and_reap(c.proc for w in workloads for c in (w, *w.copies))
         receiver.stop()
         shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
 

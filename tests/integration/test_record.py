@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import pytest
 
 from ebpfprofiler.cli.record import sweep_stale_workspaces
-from tests.harness import PY, bpf_holdings, bpftool, kill_and_reap, require_root, wait_for
+from tests.harness import PY, bpf_holdings, bpftool, require_root, wait_for
 
 RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
 HOT_STACK = ["main", "top", "mid", "leaf"]
@@ -44,18 +44,12 @@ def private_cwd() -> Iterator[Path]:
 
 
 @pytest.fixture
-def workload(build: Callable[..., Path]) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-
+def workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> Callable[[str], subprocess.Popen[bytes]]:
     def start(name: str) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([str(build(name)), "600"], stdout=subprocess.DEVNULL)
         started.append(p)
         return p
-
-    try:
-        yield start
-    finally:
-        kill_and_reap(started)
+    return start
 
 
 def record(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -99,13 +93,14 @@ def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, wo
     del other
 
 
-def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(private_cwd: Path,
-                                                                             workload) -> None:
+def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
+        private_cwd: Path, workload, started: list[subprocess.Popen]) -> None:
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
     master, slave = pty.openpty()
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
                           "-o", "out.folded"], cwd=private_cwd, stdout=slave, stderr=slave, start_new_session=True)
+    started.append(p)   # killed with its session at the end, if a check failed before the Ctrl-C
     os.close(slave)
     screen = b""
 
@@ -146,19 +141,18 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(pr
         wait_for("the recording's BPF programs to be freed",
                  lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
         os.close(master)
 
 
-def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(private_cwd: Path, workload) -> None:
+def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
+        private_cwd: Path, workload, started: list[subprocess.Popen]) -> None:
     # Given a recording under way (its agent runs in a session of its own, under `run`)
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
     p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
                           "-o", "out.folded"], cwd=private_cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
+    started.append(p)
     tree: dict[int, int] = {}
     try:
         assert p.stdout is not None
@@ -185,9 +179,6 @@ def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(private
         assert [str(x) for x in left] == [x for x in sweep_stale_workspaces() if Path(x) in left]
         assert not left & set(Path("/tmp").glob("ebpfprofiler-record-*"))
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
         for pid, start in tree.items():      # what a failed check left: `run` stops its stages
             if _start(pid) == start and b"cli.main" in _cmdline(pid):
                 os.kill(pid, signal.SIGTERM)

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
 from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared import endpoints
-from tests.harness import Pipeline, Receiver, bpf_holdings, require_root, stop_process, wait_for
+from tests.harness import Pipeline, Receiver, bpf_holdings, require_root, wait_for
 
 LOCAL_HZ = 19
 LOCAL_WINDOW_S = 2
@@ -80,33 +79,25 @@ class Setup:
 
 
 @pytest.fixture
-def start(build, tmp_path: Path) -> Iterator[Callable[..., Setup]]:
+def start(build, tmp_path: Path, started: list[subprocess.Popen], procs: list) -> Callable[..., Setup]:
     """start(**block): a busy workload, the receiver serving `block` as the agent config, and the
-    pipeline posting to it; all ended by pid at the end."""
+    pipeline posting to it; all ended by pid at the end (the conftest fixtures)."""
     require_root()
     hot = build("hot")
     agent_config = tmp_path / "agent-config.json"
-    started: list = []
 
     def _start(**block: Any) -> Setup:
         agent_config.write_text(json.dumps({"modules": {"ebpf_profiler": block}}))
         started.append(subprocess.Popen([str(hot), "600"], stdout=subprocess.DEVNULL))
         receiver = Receiver.start(tmp_path, "--agent-config", str(agent_config))
-        started.append(receiver)
+        procs.append(receiver)
         pipeline = Pipeline(tmp_path, ProfilerConfig(
             sample_hz=LOCAL_HZ, upload_interval_s=LOCAL_WINDOW_S, endpoint=receiver.url,
             remote_config_interval_s=FETCH_EVERY_S, local_dir=str(tmp_path / "unused")))
-        started.append(pipeline)
+        procs.append(pipeline)
         return Setup(receiver, pipeline, agent_config, str(hot.resolve()))
 
-    try:
-        yield _start
-    finally:
-        for p in reversed(started):
-            if isinstance(p, subprocess.Popen):
-                stop_process(p, signal.SIGKILL)
-            else:
-                p.stop()
+    return _start
 
 
 @pytest.fixture

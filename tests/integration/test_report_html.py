@@ -21,12 +21,12 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
 from ebpfprofiler.shared import pprof
-from tests.harness import PY, kill_and_reap, require_root
+from tests.harness import PY, require_root
 
 RECORD_TIMEOUT_S = 240
 BROWSER_TIMEOUT_S = 120
@@ -117,12 +117,10 @@ DRIVE = """
 
 
 @pytest.fixture
-def ratio_workload(build: Callable[..., Path]) -> Iterator[subprocess.Popen[bytes]]:
+def ratio_workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> subprocess.Popen[bytes]:
     p = subprocess.Popen([str(build("ratio")), "600"], stdout=subprocess.DEVNULL)
-    try:
-        yield p
-    finally:
-        kill_and_reap([p])
+    started.append(p)
+    return p
 
 
 def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

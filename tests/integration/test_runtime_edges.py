@@ -311,7 +311,7 @@ def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
 
 # ------------------------------------------------------------------ pid reuse
 
-def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path) -> None:
+def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     # Given a pid namespace of our own, where a second CPython process gets the first one's pid
     work = Path(tempfile.mkdtemp(prefix="ebpfprofiler-reuse-"))
@@ -321,12 +321,8 @@ def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path) -> None:
                               "tests.integration.test_runtime_edges", "pid-reuse", str(script), str(work)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
-        try:
-            out, err = p.communicate(timeout=DRIVER_TIMEOUT_S)
-        finally:
-            if p.poll() is None:        # ends unshare, the driver (pid 1 of the namespace) and with it all of it
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        started.append(p)   # its group killed at the end: unshare, the driver (pid 1 of the namespace), all of it
+        out, err = p.communicate(timeout=DRIVER_TIMEOUT_S)
         assert p.returncode == 0, f"{err[-4000:]}\n{namespace_host_gaps()}"
         got = json.loads(out.strip().splitlines()[-1])
     finally:

@@ -19,7 +19,7 @@ from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, kill_and_reap, require_root, wait_for
+from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 WINDOW_S = 2
 RUN_CPU_S = 7.0
@@ -42,7 +42,8 @@ def read_pid(run_dir: Path, stage: str) -> int | None:
         return None
 
 
-def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(build, tmp_path: Path) -> None:
+def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
+        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     services = pick_services(tmp_path)
     for exe in services:
@@ -51,7 +52,6 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(build,
     victim = max((0, 1), key=lambda w: list(owners.values()).count(w))
 
     receiver = Receiver(tmp_path / "received")
-    procs: list[subprocess.Popen] = []
     try:
         pipeline = Pipeline(tmp_path, ProfilerConfig(
             sample_hz=49, upload_interval_s=WINDOW_S, symbolizer_workers=2, offcpu=False,
@@ -59,6 +59,7 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(build,
         try:
             run_dir = pipeline.run_dir
             procs = [subprocess.Popen([str(p), str(RUN_CPU_S)], stdout=subprocess.DEVNULL) for p in services]
+            started.extend(procs)
 
             def arrived() -> set[str]:
                 return {m["service"] for m in list_profiles(str(receiver.dir))}
@@ -82,7 +83,6 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(build,
         assert f"symbolizer-{victim} exited with -9; restarting" in log
         assert f"symbolizer worker {victim} disconnected: its services move" in log
     finally:
-        kill_and_reap(procs)
         receiver.stop()
 
     # and every service has samples in every window but at most one, from start to end

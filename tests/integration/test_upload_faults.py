@@ -22,7 +22,6 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq
@@ -33,7 +32,7 @@ from ebpfprofiler.symbolizer.main import WINDOW_GRACE_S
 from ebpfprofiler.shared.privileges import ids as stage_ids
 from ebpfprofiler.uploader.spool import decode_file
 from tests.harness import (FAST_BACKOFF, Pipeline, Receiver, TestWorker, UploaderProcess, http_config,
-                           launch_uploader, make_upload, require_root, reserve_port, stop_process, wait_for)
+                           launch_uploader, make_upload, require_root, reserve_port, wait_for)
 
 WINDOW_S = 2                      # upload_interval_s of the pipeline tests
 SAMPLE_HZ = 49
@@ -122,13 +121,11 @@ def assert_each_received_once(receiver: Receiver, ids: set[str]) -> None:
 
 
 @pytest.fixture
-def workload(build) -> Iterator[subprocess.Popen]:
+def workload(build, started: list[subprocess.Popen]) -> subprocess.Popen:
     """A CPU-bound process for the whole test, so every window has a profile of its service."""
     p = subprocess.Popen([str(build("hot")), "600"], stdout=subprocess.DEVNULL)
-    try:
-        yield p
-    finally:
-        stop_process(p, signal.SIGKILL)
+    started.append(p)
+    return p
 
 
 def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConfig:

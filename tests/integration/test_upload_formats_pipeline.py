@@ -13,12 +13,10 @@ and the series name parses back to the service and our labels.
 from __future__ import annotations
 
 import re
-import signal
 import socket
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
@@ -28,7 +26,7 @@ from ebpfprofiler.shared import pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 from ebpfprofiler.shared.wire import ProfileUpload
 from ebpfprofiler.uploader.spool import SpoolFormatError, decode_file
-from tests.harness import Pipeline, Receiver, require_root, reserve_port, stop_process, wait_for
+from tests.harness import Pipeline, Receiver, require_root, reserve_port, wait_for
 from tests.otlp_check import otlp_samples, pprof_samples
 
 WINDOW_S = 2
@@ -38,13 +36,11 @@ HOT_STACK = ("main", "top", "mid", "leaf")
 
 
 @pytest.fixture
-def hot(build) -> Iterator[subprocess.Popen]:
+def hot(build, started: list[subprocess.Popen]) -> subprocess.Popen:
     """A CPU-bound process (main → top → mid → leaf) for the whole test."""
     p = subprocess.Popen([str(build("hot")), "600"], stdout=subprocess.DEVNULL)
-    try:
-        yield p
-    finally:
-        stop_process(p, signal.SIGKILL)
+    started.append(p)
+    return p
 
 
 def gnu_build_id(path: str) -> str:

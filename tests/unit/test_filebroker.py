@@ -214,11 +214,12 @@ def test_debug_symlinks_are_followed_inside_their_root_only(tmp_path: Path) -> N
             served([root])
 
 
-def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker) -> None:
+def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, started: list[subprocess.Popen]) -> None:
     # given a process whose perf map is a FIFO, and a writer blocked in open() until someone opens it to read
     # (a process without JIT code: other profilers on this host never look up its perf map)
     _, client = broker
     sleeper = subprocess.Popen(["sleep", "60"])
+    started.append(sleeper)
     proc = process(sleeper.pid)
     path = Path(f"/tmp/perf-{sleeper.pid}.map")
     os.mkfifo(path, 0o644)
@@ -241,7 +242,6 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker) -> No
         t.join(10)
         os.close(reader)
         path.unlink()
-        stop_process(sleeper)
     assert opened.is_set()
 
 

@@ -79,24 +79,24 @@ def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp
     assert "per sample: 500000 ns of BPF (100 samples)" in shown, shown
 
 
-def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_parentheses(tmp_path: Path) -> None:
+def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_parentheses(
+        tmp_path: Path, started: list[subprocess.Popen]) -> None:
     # given a process named "a) (b c"
     exe = tmp_path / "a) (b c"
     exe.symlink_to("/bin/sleep")
     p = subprocess.Popen([str(exe), "30"])
-    try:
-        wait_for("the process to run under that name",
-                 lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10)
-        # when its stat is read (once exec has mapped and touched its pages: just after the name
-        # changes, the new image can have no resident pages yet), then the fields after the name
-        # are found
-        got = wait_for("its stat to show resident pages",
-                       lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10)
-        assert got.pid == p.pid and got.cpu_ns >= 0
-    finally:
-        p.kill()
-        p.wait()
-    assert read_proc(p.pid) is None
+    started.append(p)
+    wait_for("the process to run under that name",
+             lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10)
+    # when its stat is read (once exec has mapped and touched its pages: just after the name
+    # changes, the new image can have no resident pages yet), then the fields after the name
+    # are found
+    got = wait_for("its stat to show resident pages",
+                   lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10)
+    assert got.pid == p.pid and got.cpu_ns >= 0
+    p.kill()
+    p.wait()
+    assert read_proc(p.pid) is None   # reaped: nothing to read
 
 
 @pytest.mark.parametrize("value", [0, -1, 0.0001, 101, "1%", True])

@@ -9,14 +9,13 @@ from pathlib import Path
 from ebpfprofiler.shared import procstat
 
 
-def test_start_ticks_of_a_live_and_of_an_exited_process() -> None:
+def test_start_ticks_of_a_live_and_of_an_exited_process(started: list[subprocess.Popen]) -> None:
     p = subprocess.Popen(["sleep", "30"])
-    try:
-        line = Path(f"/proc/{p.pid}/stat").read_text()
-        assert procstat.start_ticks(p.pid) == int(line.rsplit(")", 1)[1].split()[19])
-    finally:
-        p.kill()
-        p.wait()
+    started.append(p)
+    line = Path(f"/proc/{p.pid}/stat").read_text()
+    assert procstat.start_ticks(p.pid) == int(line.rsplit(")", 1)[1].split()[19])
+    p.kill()
+    p.wait()
     assert procstat.start_ticks(p.pid) is None   # reaped: its pid names nothing (or another process)
 
 

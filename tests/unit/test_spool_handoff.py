@@ -199,7 +199,8 @@ def test_close_reports_what_it_could_not_hand_off(workdir: Path, zctx: zmq.Conte
     w.close()
 
 
-def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Path, zctx: zmq.Context) -> None:
+def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Path, zctx: zmq.Context,
+                                                                    started: list[subprocess.Popen]) -> None:
     """A real worker with no uploader: its stop waits a bounded time, then names what it could not hand off."""
     config = write_config(workdir / "agent.yaml", ProfilerConfig(upload_interval_s=1, plain_pid=True))
     run_dir = workdir / "run"
@@ -210,32 +211,28 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Pat
         proc = subprocess.Popen([sys.executable, "-m", "ebpfprofiler.symbolizer.main", "--config", str(config),
                                  "--worker", "0", "--run-dir", str(run_dir), "--state-dir", str(workdir / "state")],
                                 stderr=f)
-    try:
-        wait_for("the worker's ready file",
-                 lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None)
-        # given one batch of one service
-        push = zctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(endpoints.symbolizer(str(run_dir), 0))
-        batch = StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=time.time_ns() - 5_000_000_000,
-                           processes=(Process(pid=4242, start_ticks=1, uid=0, nspid=4242, comm="svc",
-                                              executable="/usr/bin/svc", service="/usr/bin/svc"),),
-                           user_stacks=(), kernel_stacks=(), samples=(Sample(4242, 4242, -1, -1, 3, 3),))
-        push.send_multipart(encode(batch))
-        # when its window has closed (the batch is from 5 s ago, windows are 1 s) and the profile was built
-        wait_for("the worker to build the profile",
-                 lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None)
-        # and it is stopped with no uploader to take the profile
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=handoff.CLOSE_TIMEOUT_S + DEADLINE_S)
-        # then it exits within its bound and its log names the profile it could not hand off
-        assert proc.returncode == 0
-        assert time.monotonic() - started < handoff.CLOSE_TIMEOUT_S + 5
-        log = err.read_text()
-        assert "could not hand 1 profile(s)" in log and "'/usr/bin/svc'" in log, log
-        push.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    started.append(proc)
+    wait_for("the worker's ready file",
+             lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None)
+    # given one batch of one service
+    push = zctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(endpoints.symbolizer(str(run_dir), 0))
+    batch = StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=time.time_ns() - 5_000_000_000,
+                       processes=(Process(pid=4242, start_ticks=1, uid=0, nspid=4242, comm="svc",
+                                          executable="/usr/bin/svc", service="/usr/bin/svc"),),
+                       user_stacks=(), kernel_stacks=(), samples=(Sample(4242, 4242, -1, -1, 3, 3),))
+    push.send_multipart(encode(batch))
+    # when its window has closed (the batch is from 5 s ago, windows are 1 s) and the profile was built
+    wait_for("the worker to build the profile",
+             lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None)
+    # and it is stopped with no uploader to take the profile
+    stop_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=handoff.CLOSE_TIMEOUT_S + DEADLINE_S)
+    # then it exits within its bound and its log names the profile it could not hand off
+    assert proc.returncode == 0
+    assert time.monotonic() - stop_at < handoff.CLOSE_TIMEOUT_S + 5
+    log = err.read_text()
+    assert "could not hand 1 profile(s)" in log and "'/usr/bin/svc'" in log, log
+    push.close()

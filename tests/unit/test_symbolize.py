@@ -264,7 +264,7 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
 
 
 def test_a_roots_debug_file_names_only_the_processes_of_that_root(stripped_in_root, files: FileClient,
-                                                                 tmp_path: Path) -> None:
+                                                                 tmp_path: Path, started: list[subprocess.Popen]) -> None:
     # given a stripped module with the debug file in its container's root, and a host process mapping
     # a module that claims the same build id (the host has no debug file for it)
     proc, full, place = stripped_in_root
@@ -272,16 +272,14 @@ def test_a_roots_debug_file_names_only_the_processes_of_that_root(stripped_in_ro
     host_copy = tmp_path / "host-offcpu"
     shutil.copy(Path(os.readlink(f"/proc/{proc.pid}/exe")), host_copy)
     p = subprocess.Popen([str(host_copy), "tiny", "30"], stdout=subprocess.DEVNULL)
-    try:
-        wait_for("the host copy to run", lambda: maps_name(p.pid, host_copy))
-        host = live(p.pid)
-        resolver = FrameResolver(files)
-        # when the container's process is resolved first, then the host's
-        in_root = resolver.user(proc, [tiny_wait_address(proc, full)])[0]
-        offset = vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait"))
-        on_host = resolver.user(host, [address_in(host, host_copy, offset)])[0]
-        # then the root's names stay with the root's process
-        assert in_root.function == "tiny_wait"
-        assert on_host.build_id == STATIC_ID and on_host.function != "tiny_wait", on_host
-    finally:
-        stop_process(p)
+    started.append(p)
+    wait_for("the host copy to run", lambda: maps_name(p.pid, host_copy))
+    host = live(p.pid)
+    resolver = FrameResolver(files)
+    # when the container's process is resolved first, then the host's
+    in_root = resolver.user(proc, [tiny_wait_address(proc, full)])[0]
+    offset = vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait"))
+    on_host = resolver.user(host, [address_in(host, host_copy, offset)])[0]
+    # then the root's names stay with the root's process
+    assert in_root.function == "tiny_wait"
+    assert on_host.build_id == STATIC_ID and on_host.function != "tiny_wait", on_host
