@@ -2,7 +2,7 @@
 
 The agent is `ebpfprofiler run` with deploy/agent.yaml as shipped (only local_dir moved to a scratch
 directory), as a user runs it. Its cost is what the host sees: the CPU of every process under `run`
-(from /proc) plus the kernel's run time of the BPF programs the collector holds (BPF_ENABLE_STATS,
+(its CPU-time clock, ns) plus the kernel's run time of the BPF programs the collector holds (BPF_ENABLE_STATS,
 which the collector keeps on while it runs), over MEASURE_S seconds after WARM_S seconds, with
 
 - idle:      nothing else started;
@@ -44,6 +44,7 @@ from bench import bpf, procs
 from bench.offcpu import build as build_pingpong
 from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals
 from bench.procs import BenchError
+from ebpfprofiler.collector.overhead import read_proc
 
 ROOT = Path(__file__).resolve().parent.parent
 HZ = os.sysconf("SC_CLK_TCK")
@@ -94,12 +95,11 @@ def _stage_of(pid: int) -> str | None:
 
 
 def _cpu_rss(pid: int) -> tuple[float, int]:
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return (int(f[11]) + int(f[12])) / HZ, rss
-    except (OSError, IndexError, ValueError):
-        return 0.0, 0
+    """(CPU seconds since it started, RSS bytes) of a stage: its CPU-time clock, the kernel's own
+    sum in ns (the figure /proc/PID/stat gives as utime + stime in 10-ms ticks, which at ~50 ms a
+    minute a stage is too coarse for), read as the collector's guard reads it (collector/overhead.py)."""
+    got = read_proc(pid)
+    return (got.cpu_ns / 1e9, got.rss_bytes) if got is not None else (0.0, 0)
 
 
 # Every BPF program id an agent of this suite held (bench/run.py checks none is left behind).
