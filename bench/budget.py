@@ -3,15 +3,18 @@
 The agent is `ebpfprofiler run` with deploy/agent.yaml as shipped (only local_dir moved to a scratch
 directory), as a user runs it. Its cost is what the host sees: the CPU of every process under `run`
 (its CPU-time clock, ns) plus the kernel's run time of the BPF programs the collector holds (BPF_ENABLE_STATS,
-which the collector keeps on while it runs), over MEASURE_S seconds after WARM_S seconds, with
+which this suite turns on for those measurements: the agent leaves the kernel's statistics off and
+counts its programs' cost itself, collector/bpftime.py), over MEASURE_S seconds after WARM_S seconds, with
 
 - idle:      nothing else started;
 - busy:      two CPU-bound loops, a CPython loop and a shell starting short processes
              (`while :; do /bin/true; sleep 0.001; done`, ~250-500 a second);
 - spawner:   the shell alone (the cost per new process, against idle);
 - pingpong:  bench/workloads/pingpong.c on one CPU, its round trips a second under the agent (median
-             of PINGPONG_RUNS runs) against the same runs alone, before and after (median of all)
-             (blocks far shorter than offcpu_min_ms: the cost of a short block).
+             of PINGPONG_RUNS runs, the kernel's statistics off, as the agent leaves them) against the
+             same runs alone, before and after (median of all) (blocks far shorter than
+             offcpu_min_ms: the cost of a short block); then PINGPONG_RUNS more with the statistics
+             on, for the BPF ns per switch.
 
 Alongside, on the busy load, profile-bpfcc and `perf record -a -g` at the same 19 Hz: their CPU over
 their whole life, including what they spend after the run to symbolize (profile-bpfcc on SIGINT,
@@ -44,6 +47,7 @@ from bench import bpf, procs
 from bench.offcpu import build as build_pingpong
 from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals
 from bench.procs import BenchError
+from ebpfprofiler.collector.bpfstats import RunTimeStats
 from ebpfprofiler.collector.overhead import read_proc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,9 +158,11 @@ class Agent:
 
 
 def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: float) -> dict[str, Any]:
-    """Start the agent, then the load; after warm_s, the agent's cost over measure_s."""
+    """Start the agent, then the load; after warm_s, the agent's cost over measure_s (the kernel's BPF
+    statistics on throughout)."""
     agent = Agent(work)
     loads: list[subprocess.Popen] = []
+    stats = _kernel_stats()
     try:
         agent.start()
         loads = [procs.start(argv) for argv in load]
@@ -176,6 +182,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         for p in loads:
             procs.stop(p, sig=signal.SIGKILL, timeout=10)
         agent.stop()
+        stats.close()
     stage_ms = {s: 1000 * (now[s][0] - c0[s]) / wall for s in stages}
     progs = {}
     for name, (t, c) in b1.items():
@@ -280,13 +287,27 @@ class BudgetBench:
                            (agent.run_dir / "collector.ready").exists() or None, 120)
             time.sleep(5)
             col = agent.stages()["collector"]
-            b0 = _bpf_of(col)
             rates = [pingpong_rate(binary) for _ in range(PINGPONG_RUNS)]
-            b1 = _bpf_of(col)
+            stats = _kernel_stats()
+            try:
+                b0 = _bpf_of(col)
+                for _ in range(PINGPONG_RUNS):
+                    pingpong_rate(binary)
+                b1 = _bpf_of(col)
+            finally:
+                stats.close()
         finally:
             agent.stop()
         progs = {n: {"runs": c - b0.get(n, (0, 0))[1], "ns": t - b0.get(n, (0, 0))[0]} for n, (t, c) in b1.items()}
         return {"rate": _median(rates), "runs": rates, "programs": progs}
+
+
+def _kernel_stats() -> RunTimeStats:
+    """The kernel's BPF run-time statistics on until close(): what `bpftool prog show` reports."""
+    stats = RunTimeStats(allow_sysctl=False)
+    if not stats.on:
+        raise BenchError(f"cannot switch the kernel's BPF statistics on: {stats.problem}")
+    return stats
 
 
 def _forks() -> int:

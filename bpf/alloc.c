@@ -284,30 +284,35 @@ static __always_inline void alloc_return(struct pt_regs *ctx) {
 }
 
 int alloc_malloc_enter(struct pt_regs *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_alloc_malloc_enter);
     alloc_enter(ctx, PT_REGS_PARM1(ctx), 0);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 int alloc_calloc_enter(struct pt_regs *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_alloc_calloc_enter);
     alloc_enter(ctx, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 // realloc(old, n): old is gone (moved or resized; a failed realloc keeps it,
 // which this does not see), n is a new allocation. Always pending: the malloc
 // that realloc(NULL, n) makes inside libc must see it.
 int alloc_realloc_enter(struct pt_regs *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_alloc_realloc_enter);
     alloc_free(PT_REGS_PARM1(ctx));
     alloc_enter(ctx, PT_REGS_PARM2(ctx), 1);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 int alloc_return_probe(struct pt_regs *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_alloc_return_probe);
     alloc_return(ctx);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 int alloc_free_enter(struct pt_regs *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_alloc_free_enter);
     alloc_free(PT_REGS_PARM1(ctx));
-    return 0;
+    TIMED_RETURN(timing, 0);
 }

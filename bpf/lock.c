@@ -74,12 +74,14 @@ BPF_HASH(lock_dwarf_stacks, u64, struct unwind_stack, DWARF_STACK_ENTRIES);
 BPF_PROG_ARRAY(lock_unwind_progs, 1);
 
 int lock_unwind_step(void *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_lock_unwind_step);
     u32 slot = 2;
     struct unwind_state *st = unwind_scratch.lookup(&slot);
     if (!st)
-        return 0;
+        TIMED_RETURN(timing, 0);
     unwind_frames(st);
     if (!st->done) {
+        timing_end(timing);
         lock_unwind_progs.call(ctx, 0);
         unwind_count(UNWIND_LOST_TAIL_CALL);
     }
@@ -88,13 +90,13 @@ int lock_unwind_step(void *ctx) {
     if (err != 0 && err != -EEXIST) {
         unwind_count(UNWIND_LOST_STACK_FULL);
         lock_count_lost(LOCK_LOST_USER_STACK);
-        return 0;
+        TIMED_RETURN(timing, 0);
     }
     u32 key = st->tid;
     struct lock_start_t *s = lock_start.lookup(&key);
     if (s && s->ts == st->ts)
         s->user_hash = hash;
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 #endif
 
@@ -111,13 +113,14 @@ static __always_inline void lock_charge(struct lock_key *key, u64 ns) {
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_futex) {
+    struct prog_time *timing = timing_begin(TIMED_sys_enter_futex);
     struct lock_start_t s = {};
     if (current_ids(&s.pid, &s.tid) || !lock_pids.lookup(&s.pid))
-        return 0;
+        TIMED_RETURN(timing, 0);
     int cmd = args->op & FUTEX_CMD_MASK;
     if (cmd != FUTEX_WAIT && cmd != FUTEX_WAIT_BITSET && cmd != FUTEX_LOCK_PI && cmd != FUTEX_LOCK_PI2 &&
         cmd != FUTEX_WAIT_REQUEUE_PI)
-        return 0;
+        TIMED_RETURN(timing, 0);
     u32 ktid = (u32)bpf_get_current_pid_tgid();
     s.ts = bpf_ktime_get_ns();
     s.kernel_stack = -1;
@@ -132,8 +135,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_futex) {
             s.user_stack = -1;
             if (lock_start.update(&ktid, &s) != 0) {
                 lock_count_lost(LOCK_LOST_START_FULL);
-                return 0;
+                TIMED_RETURN(timing, 0);
             }
+            timing_end(timing);
             lock_unwind_progs.call(args, 0);
             unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below
         }
@@ -145,14 +149,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_futex) {
     s.user_stack = id < 0 ? -1 : id;
     if (lock_start.update(&ktid, &s) != 0)
         lock_count_lost(LOCK_LOST_START_FULL);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_futex) {
+    struct prog_time *timing = timing_begin(TIMED_sys_exit_futex);
     u32 ktid = (u32)bpf_get_current_pid_tgid();
     struct lock_start_t *s = lock_start.lookup(&ktid);
     if (!s)
-        return 0;
+        TIMED_RETURN(timing, 0);
     u64 now = bpf_ktime_get_ns();
     struct lock_key key = {};
     key.pid = s->pid;
@@ -163,5 +168,5 @@ TRACEPOINT_PROBE(syscalls, sys_exit_futex) {
     u64 delta = now > s->ts ? now - s->ts : 0;
     lock_start.delete(&ktid);
     lock_charge(&key, delta);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }

@@ -315,13 +315,14 @@ static __always_inline int offcpu_has_user_regs(void) {
 
 // sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
 int offcpu_switch(u64 *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_offcpu_switch);
     struct task_struct *prev = (struct task_struct *)ctx[1];
     struct task_struct *next = (struct task_struct *)ctx[2];
     unsigned int state = (unsigned int)ctx[3];
     u32 zero = 0;
     u32 *gen = offcpu_gen.lookup(&zero);
     if (!gen)
-        return 0;
+        TIMED_RETURN(timing, 0);
     u64 now = bpf_ktime_get_ns();
 
     // Switch-in: the end of next's blocked interval.
@@ -353,19 +354,19 @@ int offcpu_switch(u64 *ctx) {
     // runnable; TASK_IDLE (an idle kernel thread's wait) is not blocked; flags such as
     // TASK_FREEZABLE (a nanosleep) are not part of the state.
     if (ctx[0] || state == OFFCPU_TASK_IDLE)
-        return 0;
+        TIMED_RETURN(timing, 0);
     if (state == OFFCPU_TASK_RTLOCK_WAIT)
         state = OFFCPU_STATE_D;
     state &= OFFCPU_TASK_REPORT;
     if (state != OFFCPU_STATE_S && state != OFFCPU_STATE_D)
-        return 0;
+        TIMED_RETURN(timing, 0);
     u32 pid, tid;
     if (current_ids(&pid, &tid) != 0 || pid == 0)   // current is prev; pid 0: the idle task
-        return 0;
+        TIMED_RETURN(timing, 0);
     struct offcpu_task *p = offcpu_tasks.task_storage_get(prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!p) {
         offcpu_count_lost(OFFCPU_LOST_NO_RECORD);
-        return 0;
+        TIMED_RETURN(timing, 0);
     }
     if (!(p->flags & OFFCPU_CHECKED))
         p->flags |= OFFCPU_CHECKED | (offcpu_has_user_regs() ? 0 : OFFCPU_KTHREAD);
@@ -391,16 +392,17 @@ int offcpu_switch(u64 *ctx) {
         // No rseq_update to wait for: the user stack now, frame pointers only.
         p->user_n = offcpu_frames(bpf_get_stack(ctx, p->user.pcs, sizeof(p->user.pcs), BPF_F_USER_STACK));
     }
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 // sched_wakeup(struct task_struct *p)
 int offcpu_wakeup(u64 *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_offcpu_wakeup);
     struct task_struct *woken = (struct task_struct *)ctx[0];
     struct offcpu_task *t = offcpu_tasks.task_storage_get(woken, 0, 0);
     if (t && t->ts && t->wake_ts == 0)
         t->wake_ts = bpf_ktime_get_ns();
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 #ifdef OFFCPU_DWARF
@@ -410,54 +412,58 @@ BPF_PROG_ARRAY(offcpu_unwind_progs, 2);
 
 // Loaded as tp_btf programs on rseq_update like offcpu_resume, so that they may be tail-called.
 int offcpu_unwind_step(u64 *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_offcpu_unwind_step);
     u32 slot = 1;
     struct unwind_state *st = unwind_scratch.lookup(&slot);
     if (!st)
-        return 0;
+        TIMED_RETURN(timing, 0);
     unwind_frames(st);
+    timing_end(timing);
     if (!st->done)
         offcpu_unwind_progs.call(ctx, 0);
     offcpu_unwind_progs.call(ctx, 1);
     unwind_count(UNWIND_LOST_TAIL_CALL);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 
 // The walk is over: charge the pending interval of the current thread to it.
 int offcpu_unwind_finish(u64 *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_offcpu_unwind_finish);
     u32 slot = 1;
     struct unwind_state *st = unwind_scratch.lookup(&slot);
     if (!st)
-        return 0;
+        TIMED_RETURN(timing, 0);
     unwind_finish(st);
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
     if (!t || t->pending_count == 0)
-        return 0;
+        TIMED_RETURN(timing, 0);
     offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, &t->kernel, t->kernel_n,
                   t->pending_count, t->pending_ns);
     t->pending_ns = 0;
     t->pending_count = 0;
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 #endif
 
 // rseq_update(struct task_struct *t): current, about to return to user space.
 int offcpu_resume(u64 *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_offcpu_resume);
 #ifdef OFFCPU_TASK_RSEQ_OFFSET
     // offcpu_switch reads OFFCPU_RSEQ from task_struct.rseq: a thread with no record has nothing
     // pending, and no record is made for it here (this runs at every return to user after a switch).
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
     if (!t)
-        return 0;
+        TIMED_RETURN(timing, 0);
 #else
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0,
                                                           BPF_LOCAL_STORAGE_GET_F_CREATE);
     if (!t)
-        return 0;
+        TIMED_RETURN(timing, 0);
     if (!(t->flags & OFFCPU_RSEQ))
         t->flags |= OFFCPU_RSEQ;
 #endif
     if (t->pending_count == 0)
-        return 0;
+        TIMED_RETURN(timing, 0);
 #ifdef OFFCPU_DWARF
     u32 pid = t->pid;
     if (unwind_procs.lookup(&pid)) {   // the collector loaded unwind tables for this process
@@ -466,6 +472,7 @@ int offcpu_resume(u64 *ctx) {
         if (st && unwind_begin(st, 0)) {
             st->pid = pid;
             st->tid = t->tid;
+            timing_end(timing);
             offcpu_unwind_progs.call(ctx, 0);
             unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below
         }
@@ -474,10 +481,10 @@ int offcpu_resume(u64 *ctx) {
     u32 zero = 0;
     struct offcpu_stack *user = offcpu_scratch.lookup(&zero);
     if (!user)
-        return 0;
+        TIMED_RETURN(timing, 0);
     u32 n = offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK));
     offcpu_charge(t->pid, t->tid, user, n, &t->kernel, t->kernel_n, t->pending_count, t->pending_ns);
     t->pending_ns = 0;
     t->pending_count = 0;
-    return 0;
+    TIMED_RETURN(timing, 0);
 }

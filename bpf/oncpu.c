@@ -90,29 +90,32 @@ static __always_inline void oncpu_count_dwarf(struct unwind_state *st) {
 }
 
 int oncpu_unwind_step(struct bpf_perf_event_data *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_oncpu_unwind_step);
     u32 slot = 0;
     struct unwind_state *st = unwind_scratch.lookup(&slot);
     if (!st)
-        return 0;
+        TIMED_RETURN(timing, 0);
     unwind_frames(st);
     if (!st->done) {
+        timing_end(timing);
         oncpu_unwind_progs.call(ctx, 0);
         unwind_count(UNWIND_LOST_TAIL_CALL);   // reached only when the tail call failed
     }
     oncpu_count_dwarf(st);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }
 #endif
 
 int on_cpu_sample(struct bpf_perf_event_data *ctx) {
+    struct prog_time *timing = timing_begin(TIMED_on_cpu_sample);
     u32 pid, tid;
     if (current_ids(&pid, &tid) || pid == 0)  // outside our pid namespace; or the idle task: not work
-        return 0;
+        TIMED_RETURN(timing, 0);
 
     u32 zero = 0;
     u32 *buf = oncpu_active.lookup(&zero);
     if (!buf)
-        return 0;
+        TIMED_RETURN(timing, 0);
 
     struct oncpu_key key = {};
     key.pid = pid;
@@ -132,6 +135,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
             st->tid = tid;
             st->buf = b;
             st->kernel_stack = key.kernel_stack;
+            timing_end(timing);
             oncpu_unwind_progs.call(ctx, 0);
             unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below
         }
@@ -143,5 +147,5 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
     else
         key.user_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, BPF_F_USER_STACK), ONCPU_LOST_USER_STACK);
     oncpu_count(&key, b);
-    return 0;
+    TIMED_RETURN(timing, 0);
 }

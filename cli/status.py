@@ -95,7 +95,7 @@ def table(doc: dict[str, Any]) -> str:
         + ")",
         (f"overhead: {float(doc.get('used_pct', 0)):.3f}% of one CPU (budget {doc.get('budget_pct')}%): "
          f"stages {_ms(doc.get('stage_ns', 0))} + BPF {_ms(doc.get('bpf_ns', 0))}"),
-        f"BPF statistics: {doc.get('bpf_stats') or 'off'}",
+        f"BPF run times: {doc.get('bpf_stats') or 'not measured'}",
         "",
     ]
     rows = [("stage", "pid", "CPU", "% of one CPU", "RSS")]

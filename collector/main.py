@@ -10,8 +10,7 @@ checks the overrides file the uploader writes, shared/remote_config.py:
 programs loaded; `enabled: true` attaches them again), the overhead guard's
 rate (collector/overhead.py decides it each upload window; changing it
 detaches the perf event, drains at the old period, and attaches at the new
-one), SIGHUP (reads overhead_budget_pct from the config file again), the
-kernel's BPF statistics (on while it runs, collector/bpfstats.py), and a
+one), SIGHUP (reads overhead_budget_pct from the config file again), and a
 clean stop: on SIGTERM or SIGINT it drains once more, sends, and detaches
 every program and perf event.
 
@@ -34,7 +33,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpfstats, drains, overhead, preflight, unwind
+from ebpfprofiler.collector import alloc, bpftime, drains, overhead, preflight, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.drains import EarlyDrains
@@ -130,8 +129,7 @@ def drain_stamp_ns(last_ns: int, now_ns: int, interval_ns: int) -> int:
     return boundary - 1
 
 class Collector:
-    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
-                 stats: bpfstats.RunTimeStats | None = None) -> None:
+    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from ebpfprofiler.collector.intervals import START_ENTRIES
         from ebpfprofiler.collector.offcpu import OffCpuTracer
@@ -209,7 +207,7 @@ class Collector:
         self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
-                                            stats.how if stats else "", self.prog_fds, bpfstats.prog_stats)
+                                            bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
 
     def prog_fds(self) -> dict[str, int]:
         """Name → descriptor of each of our loaded BPF programs (bcc loads a program when it is attached)."""
@@ -540,18 +538,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
     # Before anything else: SIGHUP's default action would end the process.
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda _s, _f: hup.set())
-    # The statistics need CAP_SYS_ADMIN, which the stage does not keep: the
-    # descriptor is taken before the drop and keeps them on until exit.
-    stats = None if args.preflight else bpfstats.RunTimeStats(allow_sysctl=False)
-    try:
-        return _main(args, prog, hup, stats)
-    finally:
-        if stats is not None:
-            stats.close()
+    return _main(args, prog, hup)
 
 
-def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
-          stats: bpfstats.RunTimeStats | None) -> int:
+def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
     # Allocation profiling's uprobes need CAP_SYS_ADMIN: kept only when the config asks for it (a
     # config that cannot be read is reported below, as the stage).
     extra: frozenset[int] = frozenset()
@@ -596,7 +586,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
-        collector = Collector(cfg, args.bpf_dir, args.run_dir, stats)
+        collector = Collector(cfg, args.bpf_dir, args.run_dir)
     except Exception as e:  # bcc raises bare Exception for compile and load failures
         log.error("cannot load BPF programs from %s: %s", args.bpf_dir, e)
         return 1
@@ -608,12 +598,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event,
         log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
                  "drains %.0f to %.0f s apart", cfg.sample_hz, offcpu, cfg.symbolizer_workers, DRAIN_INTERVAL_S,
                  IDLE_DRAIN_INTERVAL_S)
-        if stats is not None and stats.on:
-            log.info("BPF run-time statistics on while the collector runs: %s; overhead budget %g%% of one CPU "
-                     "per upload window", stats.how, cfg.overhead_budget_pct)
-        else:
-            log.warning("BPF run-time statistics are off (%s): the overhead guard counts the stages' CPU only, "
-                        "BPF run time as 0", stats.problem if stats else "not asked for")
+        log.info("overhead budget %g%% of one CPU per upload window; BPF run time %s (the kernel's "
+                 "statistics are left as they are)", cfg.overhead_budget_pct, bpftime.describe_method())
         poller = zmq.Poller()
         wakeup = stopping.wakeup_fd()
         poller.register(wakeup, zmq.POLLIN)

@@ -2,8 +2,9 @@
 
 Owns: the window's figures — CPU time of every stage's process (the pids in
 the run directory's ready files, utime + stime from /proc/<pid>/stat, all
-threads), RSS of each, the kernel's BPF run time and run count of each of the
-collector's programs (collector/bpfstats.py), samples and lost samples — the
+threads, by its CPU-time clock), RSS of each, the run time and run count of each
+of the collector's BPF programs as they count it (collector/bpftime.py), samples
+and lost samples — the
 budget decision (over overhead_budget_pct of the window's wall time: halve
 the rate, floor 1 Hz; three windows in a row under half of it: double it
 back, never above the configured rate), the log line of every window, and
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
-from ebpfprofiler.collector.bpfstats import ProgStats
+from ebpfprofiler.collector.bpftime import ProgTime
 from ebpfprofiler.shared import files
 from ebpfprofiler.shared.procstat import read_stat, stat_fields
 
@@ -148,10 +149,11 @@ class WindowFigures:
     bpf: dict[str, dict[str, int]]      # program → {"run_time_ns", "run_cnt"} in the window
     samples: dict[str, int]             # profile type → samples in the window
     lost: dict[str, int]                # reason → lost in the window
-    bpf_stats: str                      # how the kernel's statistics are on (bpfstats.RunTimeStats.how)
-    # The kernel's counters as read at the window's end ({"id", "run_time_ns", "run_cnt"} per program,
-    # since the program was loaded), and the wall-clock interval of that read: what `bpftool prog
-    # show` prints for the same ids before that interval must be <=, after it >=.
+    bpf_stats: str                      # how the BPF figures are measured (collector/bpftime.py)
+    # The programs' own counters as read at the window's end ({"run_cnt", "timed", "timed_ns"} per
+    # program, since it was loaded), and the wall-clock interval of that read: the kernel's run count
+    # of a program (`bpftool prog show`, while its statistics are on) before that interval is <=
+    # run_cnt, after it >=.
     bpf_totals: dict[str, dict[str, int]] = field(default_factory=dict)
     bpf_read_ns: tuple[int, int] = (0, 0)
     decision: str = ""
@@ -190,31 +192,28 @@ class OverheadGuard:
     """Measures each window and keeps the rate within the budget; the collector applies the rate."""
 
     def __init__(self, run_dir: str, configured_hz: int, budget_pct: float, bpf_stats: str,
-                 prog_fds: Callable[[], Mapping[str, int]], read_prog: Callable[[int], ProgStats],
+                 read_bpf: Callable[[], Mapping[str, ProgTime]],
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.run_dir = run_dir
         self.budget = Budget(configured_hz, budget_pct)
         self.bpf_stats = bpf_stats
-        self._prog_fds = prog_fds
-        self._read_prog = read_prog
+        self._read_bpf_now = read_bpf
         self._clock = clock
         self._start_ns = clock()
         self._cpu: dict[str, ProcSample] = {}
-        self._bpf: dict[str, ProgStats] = {}
+        self._bpf: dict[str, ProgTime] = {}
         self._samples: dict[str, int] = {}
         self._lost: dict[str, int] = {}
         self._new_processes = 0
         self.last: WindowFigures | None = None
         self._baseline({}, {})
 
-    def _read_bpf(self) -> dict[str, ProgStats]:
-        out = {}
-        for name, fd in self._prog_fds().items():
-            try:
-                out[name] = self._read_prog(fd)
-            except OSError as e:
-                log.warning("BPF statistics of %s: %s", name, e.strerror)
-        return out
+    def _read_bpf(self) -> dict[str, ProgTime]:
+        try:
+            return dict(self._read_bpf_now())
+        except (OSError, KeyError) as e:   # bcc raises KeyError for a lookup that failed
+            log.warning("BPF run times: cannot read them (%s)", e)
+            return {}
 
     def _read_stages(self) -> dict[str, ProcSample]:
         pids = stage_pids(self.run_dir)
@@ -253,9 +252,8 @@ class OverheadGuard:
         read_end = time.time_ns()
         bpf: dict[str, dict[str, int]] = {}
         for name, p in bpf_now.items():
-            b = self._bpf.get(name, ProgStats(0, 0))
-            bpf[name] = {"run_time_ns": max(0, p.run_time_ns - b.run_time_ns),
-                         "run_cnt": max(0, p.run_cnt - b.run_cnt)}
+            change = p.since(self._bpf.get(name, ProgTime()))
+            bpf[name] = {"run_time_ns": change.run_time_ns, "run_cnt": change.runs}
         used = sum(stage_cpu.values()) + sum(p["run_time_ns"] for p in bpf.values())
         rate = self.budget.rate_hz
         w = WindowFigures(
@@ -268,7 +266,7 @@ class OverheadGuard:
             lost={k: d for k, v in lost.items() if (d := v - self._lost.get(k, 0))},
             bpf_stats=self.bpf_stats, bpf_read_ns=(read_start, read_end),
             new_processes=new_processes - self._new_processes,
-            bpf_totals={n: {"id": p.prog_id, "run_time_ns": p.run_time_ns, "run_cnt": p.run_cnt}
+            bpf_totals={n: {"run_cnt": p.runs, "timed": p.timed, "timed_ns": p.timed_ns}
                         for n, p in bpf_now.items()})
         # The first window since start holds one-off costs (compiling BPF, building the unwind
         # tables of every running process's modules) that no sampling rate would lower: it is

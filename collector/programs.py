@@ -16,6 +16,8 @@ from typing import Mapping, Sequence
 
 from bcc import BPF
 
+from ebpfprofiler.collector import bpftime
+
 FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace.
 INIT_PID_NS_INO = 0xEFFFFFFC
@@ -35,7 +37,7 @@ class Programs:
         # DWARF unwinder both families use when it is on.
         headers = ["common.h"] + (["unwind.h"] if "DWARF_UNWIND" in defines else [])
         text = "\n".join(_read(os.path.join(bpf_dir, f)) for f in headers + [f"{f}.c" for f in families])
-        cflags = [f"-D{k}={v}" for k, v in {**defines, **pid_namespace_defines()}.items()]
+        cflags = [f"-D{k}={v}" for k, v in {**defines, **bpftime.bpf_defines(), **pid_namespace_defines()}.items()]
         self.families = tuple(families)
         self.bpf = BPF(text=text.encode(), cflags=cflags)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from ebpfprofiler.cli import status as status_cli
-from ebpfprofiler.collector.bpfstats import ProgStats
+from ebpfprofiler.collector.bpftime import ProgTime
 from ebpfprofiler.collector.overhead import (
     Budget,
     OverheadGuard,
@@ -47,25 +47,25 @@ def test_over_budget_halves_down_to_1_hz_and_three_windows_under_half_double_bac
 
 
 def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp_path: Path) -> None:
-    # given a guard over a run directory naming this test process as a stage, and fake BPF counters
+    # given a guard over a run directory naming this test process as a stage, and the programs' own
+    # counters (bpf/common.h: every run counted, some timed)
     (tmp_path / "uploader.ready").write_text(f"{os.getppid()}\n")
     (tmp_path / "gone.ready").write_text("999999999\n")          # a stale ready file: skipped
-    counters = {"on_cpu_sample": ProgStats(1_000, 10, 7)}
+    counters = {"on_cpu_sample": ProgTime(runs=10, timed=1, timed_ns=100)}
     clock = [0]
-    guard = OverheadGuard(str(tmp_path), 99, 1.0, "test", lambda: {"on_cpu_sample": 3},
-                          lambda fd: counters["on_cpu_sample"], clock=lambda: clock[0])
+    guard = OverheadGuard(str(tmp_path), 99, 1.0, "test", lambda: counters, clock=lambda: clock[0])
     # when the start-up window ends, whatever it cost, it is reported and not judged
-    counters["on_cpu_sample"] = ProgStats(1_000, 10, 7)
     clock[0] = WALL_NS
     first = guard.end_window({}, {})
     assert first.decision == "start-up" and first.next_rate_hz == 99
-    # when the BPF program then runs 50 ms in a 1 s window
-    counters["on_cpu_sample"] = ProgStats(50_001_000, 110, 7)
+    # when the BPF program then runs 100 times in a 1 s window, 4 of them timed at 2 ms together
+    counters["on_cpu_sample"] = ProgTime(runs=110, timed=5, timed_ns=2_000_100)
     clock[0] = 2 * WALL_NS
     w = guard.end_window({"cpu": 500}, {"cpu.counts_map_full": 2})
-    # then the window shows it, per program, with the totals read and 5% used: over 1%, halved
+    # then the window shows it, per program, the timed runs' mean scaled to all of them: 50 ms, and
+    # with the totals read and 5% used: over 1%, halved
     assert w.bpf == {"on_cpu_sample": {"run_time_ns": 50_000_000, "run_cnt": 100}}
-    assert w.bpf_totals["on_cpu_sample"] == {"id": 7, "run_time_ns": 50_001_000, "run_cnt": 110}
+    assert w.bpf_totals["on_cpu_sample"] == {"run_cnt": 110, "timed": 5, "timed_ns": 2_000_100}
     assert set(w.stage_cpu_ns) == {"collector", "uploader"}
     assert w.used_pct >= 5.0 and w.decision == "halve" and (w.rate_hz, w.next_rate_hz) == (99, 49)
     assert w.samples == {"cpu": 500} and w.lost == {"cpu.counts_map_full": 2}
