@@ -1,11 +1,12 @@
 // Off-CPU time: where threads block, by stack, with blocked time only.
 //
-// Three tp_btf programs (BTF-typed raw tracepoints, loaded by
+// Two tp_btf programs (BTF-typed raw tracepoints, loaded by
 // collector/btfprog.py) keep a record per thread in task local storage:
 //
 //   offcpu_switch   sched_switch, in the context of the task switching out
 //                   (prev). Switch-in half first: if next was blocked, its
-//                   blocked interval ends (at its wakeup, else now). An
+//                   blocked interval ends at its wakeup: now, less the time it
+//                   then waited for a CPU (offcpu_waited). An
 //                   interval shorter than OFFCPU_MIN_NS costs nothing more:
 //                   no kernel stack is read for it. A longer one takes
 //                   next's kernel stack as it was saved when it blocked
@@ -13,9 +14,7 @@
 //                   in the same place before) and waits, pending, for the
 //                   thread to return to user space. Switch-out half: prev blocks (state S or D;
 //                   a preempted task is runnable and does not count): only
-//                   the time is kept.
-//   offcpu_wakeup   sched_wakeup: when the blocked thread became runnable;
-//                   the wait for a CPU after that is not blocked time.
+//                   the time (and its run-queue wait so far) is kept.
 //   offcpu_resume   rseq_update, in the context of a thread about to return
 //                   to user space after it was switched in (glibc registers
 //                   rseq for every thread): its user registers and stack are
@@ -39,7 +38,7 @@
 // on-CPU maps: a stack is stored in the buffer of the count that names it.
 //
 // offcpu_gen counts attachments: a record written before the last detach
-// (its wakeup unseen) is stale and not charged.
+// (its switch-in unseen) is stale and not charged.
 //
 // Long blocks shorter than OFFCPU_SAMPLE_NS are sampled (offcpu_sampled): the
 // chosen ones are charged with weights that keep every stack's expected time
@@ -90,7 +89,7 @@ struct offcpu_stack {
 
 struct offcpu_task {
     u64 ts;             // blocked since (0: not blocked)
-    u64 wake_ts;        // woken at (0: not yet)
+    u64 run_delay;      // its sched_info.run_delay when it blocked (offcpu_waited)
     u64 pending_ns;     // blocked time to charge when it returns to user space
     u64 pending_count;
     u32 pid;            // as the collector's /proc names them (common.h)
@@ -313,6 +312,66 @@ static __always_inline int offcpu_has_user_regs(void) {
 #endif
 }
 
+// The wait for a CPU after a wakeup is not blocked time. The scheduler keeps it per task
+// (CONFIG_SCHED_INFO: /proc/PID/schedstat's second figure): sched_info.run_delay sums the waits
+// that ended, and sched_info.last_queued is when the current one began, in the run queue's clock
+// (rq->clock, not the clock of bpf_ktime_get_ns), cleared when the task gets the CPU, just after
+// this tracepoint. So the wait since a block began is the growth of run_delay since then plus
+// rq->clock - last_queued now, all in one clock; this CPU's run queue is found through a fair
+// task's cfs_rq (next's, else prev's; the idle task's is this CPU's too) and checked by its cpu.
+// Each field's offset comes from the running kernel's BTF (collector/offcpu.py); without them the
+// wait counts as blocked time (the collector logs that loss).
+#if defined(OFFCPU_TASK_RUN_DELAY_OFFSET) && defined(OFFCPU_TASK_LAST_QUEUED_OFFSET) && \
+    defined(OFFCPU_TASK_CFS_RQ_OFFSET) && defined(OFFCPU_CFS_RQ_RQ_OFFSET) && defined(OFFCPU_RQ_CLOCK_OFFSET) && \
+    defined(OFFCPU_RQ_CPU_OFFSET)
+#define OFFCPU_RUN_DELAY 1
+#endif
+
+static __always_inline u64 offcpu_run_delay(struct task_struct *task) {
+    u64 run_delay = 0;
+#ifdef OFFCPU_RUN_DELAY
+    bpf_probe_read_kernel(&run_delay, sizeof(run_delay), (char *)task + OFFCPU_TASK_RUN_DELAY_OFFSET);
+#endif
+    return run_delay;
+}
+
+#ifdef OFFCPU_RUN_DELAY
+// rq->clock of this CPU's run queue, reached through `task`'s cfs_rq; 0 if that is another CPU's.
+static __always_inline u64 offcpu_rq_clock(struct task_struct *task, u32 cpu) {
+    void *cfs_rq = 0, *rq = 0;
+    u64 clock = 0;
+    int rq_cpu = -1;
+    if (bpf_probe_read_kernel(&cfs_rq, sizeof(cfs_rq), (char *)task + OFFCPU_TASK_CFS_RQ_OFFSET) || !cfs_rq ||
+        bpf_probe_read_kernel(&rq, sizeof(rq), (char *)cfs_rq + OFFCPU_CFS_RQ_RQ_OFFSET) || !rq ||
+        bpf_probe_read_kernel(&rq_cpu, sizeof(rq_cpu), (char *)rq + OFFCPU_RQ_CPU_OFFSET) || rq_cpu != (int)cpu ||
+        bpf_probe_read_kernel(&clock, sizeof(clock), (char *)rq + OFFCPU_RQ_CLOCK_OFFSET))
+        return 0;
+    return clock;
+}
+#endif
+
+// Nanoseconds `next`, switching in after a block of `delta` ns, spent runnable since it blocked
+// (at most delta).
+static __always_inline u64 offcpu_waited(struct task_struct *prev, struct task_struct *next,
+                                         struct offcpu_task *t, u64 delta) {
+#ifdef OFFCPU_RUN_DELAY
+    u64 run_delay = offcpu_run_delay(next), last_queued = 0;
+    u64 waited = run_delay > t->run_delay ? run_delay - t->run_delay : 0;
+    bpf_probe_read_kernel(&last_queued, sizeof(last_queued), (char *)next + OFFCPU_TASK_LAST_QUEUED_OFFSET);
+    if (last_queued) {
+        u32 cpu = bpf_get_smp_processor_id();
+        u64 clock = offcpu_rq_clock(next, cpu);
+        if (!clock)
+            clock = offcpu_rq_clock(prev, cpu);
+        if (clock > last_queued)
+            waited += clock - last_queued;
+    }
+    return waited < delta ? waited : delta;
+#else
+    return 0;
+#endif
+}
+
 // sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
 int offcpu_switch(u64 *ctx) {
     struct prog_time *timing = timing_begin(TIMED_offcpu_switch);
@@ -328,8 +387,9 @@ int offcpu_switch(u64 *ctx) {
     // Switch-in: the end of next's blocked interval.
     struct offcpu_task *t = offcpu_tasks.task_storage_get(next, 0, 0);
     if (t && t->ts) {
-        u64 end = t->wake_ts ? t->wake_ts : now;
-        u64 delta = end > t->ts ? end - t->ts : 0;
+        u64 delta = now > t->ts ? now - t->ts : 0;
+        if (delta >= OFFCPU_MIN_NS)   // a short block reads nothing more
+            delta -= offcpu_waited(prev, next, t, delta);
         u64 count = 1, ns = delta;
         if (t->gen == *gen && delta >= OFFCPU_MIN_NS && offcpu_sampled(delta, &count, &ns)) {
             if (t->flags & OFFCPU_KTHREAD) {
@@ -347,7 +407,6 @@ int offcpu_switch(u64 *ctx) {
             }
         }
         t->ts = 0;
-        t->wake_ts = 0;
     }
 
     // As the classic tracepoint reports it (__trace_sched_switch_state): a preempted task is
@@ -384,7 +443,7 @@ int offcpu_switch(u64 *ctx) {
     }
 #endif
     p->ts = now;
-    p->wake_ts = 0;
+    p->run_delay = offcpu_run_delay(prev);
     p->gen = *gen;
     p->pid = pid;
     p->tid = tid;
@@ -392,16 +451,6 @@ int offcpu_switch(u64 *ctx) {
         // No rseq_update to wait for: the user stack now, frame pointers only.
         p->user_n = offcpu_frames(bpf_get_stack(ctx, p->user.pcs, sizeof(p->user.pcs), BPF_F_USER_STACK));
     }
-    TIMED_RETURN(timing, 0);
-}
-
-// sched_wakeup(struct task_struct *p)
-int offcpu_wakeup(u64 *ctx) {
-    struct prog_time *timing = timing_begin(TIMED_offcpu_wakeup);
-    struct task_struct *woken = (struct task_struct *)ctx[0];
-    struct offcpu_task *t = offcpu_tasks.task_storage_get(woken, 0, 0);
-    if (t && t->ts && t->wake_ts == 0)
-        t->wake_ts = bpf_ktime_get_ns();
     TIMED_RETURN(timing, 0);
 }
 

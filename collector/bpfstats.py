@@ -1,4 +1,5 @@
-"""The kernel's BPF run-time statistics: switched on while the collector runs, read per program.
+"""The kernel's BPF run-time statistics: switched on by `make bench` and the tests that check the
+programs' own figures against them (the collector leaves them off: collector/bpftime.py says why).
 
 Owns: enabling the statistics (the BPF_ENABLE_STATS command of bpf(2), whose
 descriptor keeps them on while it is open and ends its share when closed, so
@@ -7,8 +8,8 @@ only where that command is refused, with the previous value written back at
 close), and reading run_time_ns / run_cnt of a program by its descriptor
 (BPF_OBJ_GET_INFO_BY_FD) — the same counters `bpftool prog show` prints.
 
-Must not: load, attach or choose programs (the collector passes their
-descriptors), or decide what the figures mean (collector/overhead.py).
+Must not: load, attach or choose programs (the caller passes their
+descriptors), or decide what the figures mean.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class RunTimeStats:
 
     def __init__(self, allow_sysctl: bool = True) -> None:
         """`allow_sysctl`: fall back to writing the sysctl; only for a process that keeps the
-        privilege to write it back at close (the collector drops it, so it passes False)."""
+        privilege to write it back at close."""
         self.how = ""
         self.problem = ""      # why the statistics are off, for the caller's log
         self._fd = -1

@@ -20,7 +20,7 @@ from typing import Any
 # of a family that is not compiled keeps its slot and counts nothing.
 TIMED_PROGRAMS = (
     "on_cpu_sample", "oncpu_unwind_step",
-    "offcpu_switch", "offcpu_wakeup", "offcpu_resume", "offcpu_unwind_step", "offcpu_unwind_finish",
+    "offcpu_switch", "offcpu_resume", "offcpu_unwind_step", "offcpu_unwind_finish",
     "tracepoint__syscalls__sys_enter_futex", "tracepoint__syscalls__sys_exit_futex", "lock_unwind_step",
     "alloc_malloc_enter", "alloc_calloc_enter", "alloc_realloc_enter", "alloc_return_probe", "alloc_free_enter",
 )

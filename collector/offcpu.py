@@ -1,4 +1,4 @@
-"""Off-CPU profiling: bpf/offcpu.c's tp_btf programs on sched_switch, sched_wakeup and rseq_update.
+"""Off-CPU profiling: bpf/offcpu.c's tp_btf programs on sched_switch and rseq_update.
 
 Owns: the family's -D flags (bpf_defines), loading and attaching its programs (collector/btfprog.py),
 its DWARF step program (a tp_btf program too, so that the rseq_update program
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 PROFILE_TYPE = "offcpu"
 # bpf/offcpu.c's programs and the raw tracepoints they attach to, in attach order.
-PROGRAMS = (("offcpu_wakeup", "sched_wakeup"), ("offcpu_resume", "rseq_update"), ("offcpu_switch", "sched_switch"))
+PROGRAMS = (("offcpu_resume", "rseq_update"), ("offcpu_switch", "sched_switch"))
 TRACEPOINTS = tuple(tp for _, tp in PROGRAMS)
 # The DWARF walk's programs, in the slots of offcpu_unwind_progs (tail-called, never attached).
 STEP_PROGRAMS = (("offcpu_unwind_step", "rseq_update"), ("offcpu_unwind_finish", "rseq_update"))
@@ -42,6 +42,16 @@ TASK_FIELDS = {
     # whether a thread will pass rseq_update: registered now, not once before an exec
     "OFFCPU_TASK_RSEQ_OFFSET": (("rseq",), "the main thread of a program without rseq (Go, static, "
                                 "musl) exec'd by one with it is not charged"),
+}
+# -D flag → (struct, member path) of the run-queue wait a woken thread spends before it runs, which
+# is not blocked time (bpf/offcpu.c offcpu_waited); all of them or none.
+WAIT_FIELDS = {
+    "OFFCPU_TASK_RUN_DELAY_OFFSET": ("task_struct", ("sched_info", "run_delay")),
+    "OFFCPU_TASK_LAST_QUEUED_OFFSET": ("task_struct", ("sched_info", "last_queued")),
+    "OFFCPU_TASK_CFS_RQ_OFFSET": ("task_struct", ("se", "cfs_rq")),
+    "OFFCPU_CFS_RQ_RQ_OFFSET": ("cfs_rq", ("rq",)),
+    "OFFCPU_RQ_CLOCK_OFFSET": ("rq", ("clock",)),
+    "OFFCPU_RQ_CPU_OFFSET": ("rq", ("cpu",)),
 }
 
 
@@ -63,6 +73,13 @@ def bpf_defines() -> dict[str, int]:
             log.warning("off-CPU: task_struct.%s is not in the kernel's BTF; %s", ".".join(path), loss)
         else:
             out[define] = offset
+    waits = {define: member_offsets(struct, [path])[0] for define, (struct, path) in WAIT_FIELDS.items()}
+    missing = [".".join((WAIT_FIELDS[d][0], *WAIT_FIELDS[d][1])) for d, off in waits.items() if off is None]
+    if missing:
+        log.warning("off-CPU: %s not in the kernel's BTF; a woken thread's wait for a CPU counts as "
+                    "blocked time", ", ".join(missing))
+    else:
+        out.update({d: off for d, off in waits.items() if off is not None})
     return out
 
 

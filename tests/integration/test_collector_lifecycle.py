@@ -41,20 +41,19 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
         progs, perf_fds = bpf_holdings(p.pid)
         # then it holds its sampling program, one perf event per CPU, the
-        # sched_switch, sched_wakeup and rseq_update programs (tp_btf, each on a
+        # sched_switch and rseq_update programs (tp_btf, each on a
         # link) only when off-CPU profiling is on, and the DWARF unwinder's step
         # programs only when that is on (names as the kernel keeps them: 15 characters)
         loaded = {q["id"]: q for q in bpftool("prog", "show")}
         kinds = sorted((loaded[i]["type"], loaded[i]["name"]) for i in progs)
         expected = [("perf_event", "on_cpu_sample")] + ([
-            ("tracing", "offcpu_switch"), ("tracing", "offcpu_wakeup"),
-            ("tracing", "offcpu_resume")] if offcpu else []) + ([
+            ("tracing", "offcpu_switch"), ("tracing", "offcpu_resume")] if offcpu else []) + ([
             ("perf_event", "oncpu_unwind_step")] if dwarf else []) + ([
             ("tracing", "offcpu_unwind_s"), ("tracing", "offcpu_unwind_f")] if dwarf and offcpu else [])
         assert kinds == sorted(expected)
         assert perf_fds == os.cpu_count()
         links = [e for e in bpftool("link", "show") if e.get("prog_id") in progs]
-        assert len(links) == (3 if offcpu else 0), links
+        assert len(links) == (2 if offcpu else 0), links
         # when it is stopped
         code = stop_process(p, sig)
         err = p.stderr.read() if p.stderr else ""

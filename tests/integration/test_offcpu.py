@@ -3,13 +3,15 @@
 Given the pipeline with off-CPU profiling posting to the receiver, when C
 workloads built from source block in known places, then the received offcpu
 profiles charge those stacks the time they blocked — and nothing for time a
-task spent runnable but preempted.
+task spent runnable: preempted, or woken and waiting for a CPU.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,3 +236,41 @@ def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(
     for waiter, ns in truth.items():
         assert abs(blocked[waiter] - ns) <= 0.10 * ns, (waiter, blocked[waiter] / NS, ns / NS)
         assert abs(intervals[waiter] - loops) <= 0.10 * loops, (waiter, intervals[waiter], loops)
+
+
+# A CPython loop of 20-ms sleeps for WAIT_TEST_S seconds; prints its loops and wall time per loop.
+SLEEPER = """import sys, time
+start, n = time.monotonic(), 0
+while time.monotonic() - start < float(sys.argv[1]):
+    time.sleep(0.02)
+    n += 1
+print(f"loops={n} wall_per_loop_ns={int((time.monotonic() - start) / n * 1e9)}")
+"""
+SLEEP_NS = 20_000_000
+WAIT_TEST_S = 8
+
+
+def test_a_woken_threads_wait_for_a_cpu_is_not_blocked_time(build, tmp_path: Path,
+                                                             started: list[subprocess.Popen]) -> None:
+    require_root()
+    # given a sleeper of 20-ms sleeps at nice 19 on a CPU two hogs keep busy: after each wakeup it
+    # waits for the CPU (bpf/offcpu.c offcpu_waited)
+    sleeper = tmp_path / "waiting_sleeper"
+    shutil.copy(os.path.realpath(sys.executable), sleeper)
+    hog = build("hot")
+    run, outputs = run_pipeline(tmp_path, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1,
+                                                         dwarf_unwind=False), [
+        ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
+        ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
+        ["taskset", "-c", "1", "nice", "-n", "19", str(sleeper), "-I", "-S", "-c", SLEEPER, str(WAIT_TEST_S)],
+    ], started)
+    fields = workload_fields(outputs[2])
+    wall_per_loop = int(fields["wall_per_loop_ns"])
+    sleeps = [s for s in run.of(sleeper) if "hrtimer_nanosleep" in s.functions]
+    intervals = sum(s.values[0] for s in sleeps)
+    blocked_per_sleep = sum(s.values[1] for s in sleeps) / max(1, intervals)
+    # (the wait was there to leave out: a loop took a millisecond or more over its sleep)
+    assert wall_per_loop - SLEEP_NS >= 1_000_000, fields
+    # then each sleep is charged its 20 ms (and the timer's slack), not the wait after it
+    assert intervals >= 0.9 * int(fields["loops"]), (intervals, fields)
+    assert SLEEP_NS <= blocked_per_sleep <= SLEEP_NS + (wall_per_loop - SLEEP_NS) / 2, (blocked_per_sleep, fields)

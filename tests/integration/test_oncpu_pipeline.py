@@ -229,9 +229,9 @@ def test_symlinked_perf_map_is_refused(run: Run) -> None:
 
 def test_stopping_leaves_no_bpf_program_or_perf_event(run: Run) -> None:
     # the collector held its programs while it ran (ids from its own fd table) …
-    # on-CPU sampler, the off-CPU tp_btf programs (sched_switch, sched_wakeup, rseq_update), and the DWARF
+    # on-CPU sampler, the off-CPU tp_btf programs (sched_switch, rseq_update), and the DWARF
     # unwinder's on-CPU step program and off-CPU step and finish programs
-    assert len(run.collector_progs) == 7
+    assert len(run.collector_progs) == 6
     # … and after the stop none of them, nor a perf link to one, is left
     assert not run.collector_progs & {p["id"] for p in bpftool("prog", "show")}
     assert not [e for e in bpftool("perf") if e.get("prog_id") in run.collector_progs]

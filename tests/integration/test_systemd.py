@@ -71,7 +71,7 @@ spin_here(time.monotonic() + 120)
 """
 PY_SERVICE_DIR = "usr_bin_python3.11"
 # Program names of bpf/*.c as `bpftool prog` shows them (the kernel keeps 15 characters).
-OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|offcpu_switch|offcpu_wakeup|offcpu_resume|oncpu_unwind_st|offcpu_unwind_)")
+OUR_PROGRAMS = re.compile(r"^(on_cpu_sample|offcpu_switch|offcpu_resume|oncpu_unwind_st|offcpu_unwind_)")
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 

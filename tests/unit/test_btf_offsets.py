@@ -42,8 +42,22 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
     assert member_offset("task_struct", ("thread", "sp")) == thread + sp
     assert member_offset("task_struct", ("rseq",)) == bpftool_member("task_struct", "rseq")[0]
     defines = offcpu.bpf_defines()
-    assert defines == {"OFFCPU_TASK_SP_OFFSET": thread + sp,
-                       "OFFCPU_TASK_RSEQ_OFFSET": bpftool_member("task_struct", "rseq")[0]}
+    assert {k: defines[k] for k in ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET")} == {
+        "OFFCPU_TASK_SP_OFFSET": thread + sp, "OFFCPU_TASK_RSEQ_OFFSET": bpftool_member("task_struct", "rseq")[0]}
+    # and the run-queue wait's fields (bpf/offcpu.c offcpu_waited), each where bpftool has it
+    info, info_type = bpftool_member("task_struct", "sched_info")
+    se, se_type = bpftool_member("task_struct", "se")
+    types = bpftool_types()
+
+    def inner(type_id: int, name: str) -> int:
+        return next(m for m in types[type_id]["members"] if m["name"] == name)["bits_offset"] // 8
+    assert {k: v for k, v in defines.items() if k not in ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET")} == {
+        "OFFCPU_TASK_RUN_DELAY_OFFSET": info + inner(info_type, "run_delay"),
+        "OFFCPU_TASK_LAST_QUEUED_OFFSET": info + inner(info_type, "last_queued"),
+        "OFFCPU_TASK_CFS_RQ_OFFSET": se + inner(se_type, "cfs_rq"),
+        "OFFCPU_CFS_RQ_RQ_OFFSET": bpftool_member("cfs_rq", "rq")[0],
+        "OFFCPU_RQ_CLOCK_OFFSET": bpftool_member("rq", "clock")[0],
+        "OFFCPU_RQ_CPU_OFFSET": bpftool_member("rq", "cpu")[0]}
 
 
 def flattened(type_id: int, base_bits: int = 0) -> dict[str, int]:
