@@ -48,11 +48,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.collector.bpfstats import RunTimeStats
 from ebpfprofiler.shared import pprof
 
 from bench import procs, stats
-from bench.overhead import bpf_totals, run_workload
+from bench.overhead import bpf_totals, kernel_stats, run_workload
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
 
@@ -114,13 +113,13 @@ class AllocLockBench:
             self.our_prog_ids |= p.prog_ids
             # the kernel's statistics on for the probes' ns per run (the agent leaves them off): as
             # the figures of this suite were taken before, when the collector kept them on
-            kernel_stats = RunTimeStats(allow_sysctl=False)
+            stats_on = kernel_stats()
             try:
                 before = bpf_totals([p.pids["collector"]])
                 r = rate(argv, iterations)
                 after = bpf_totals([p.pids["collector"]])
             finally:
-                kernel_stats.close()
+                stats_on.close()
         finally:
             p.stop()
         per_run = {}

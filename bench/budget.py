@@ -45,13 +45,11 @@ import yaml
 
 from bench import bpf, procs
 from bench.offcpu import build as build_pingpong
-from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals
+from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals, kernel_stats
 from bench.procs import BenchError
-from ebpfprofiler.collector.bpfstats import RunTimeStats
 from ebpfprofiler.collector.overhead import read_proc
 
 ROOT = Path(__file__).resolve().parent.parent
-HZ = os.sysconf("SC_CLK_TCK")
 # Seconds after start before measuring: past the first window boundary (at most upload_interval_s,
 # 60, after start) and its hand-over. The first window holds the start-up work (BPF compile, the
 # first unwind tables, the first symbols of every process on the host), which the overhead guard
@@ -162,7 +160,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     statistics on throughout)."""
     agent = Agent(work)
     loads: list[subprocess.Popen] = []
-    stats = _kernel_stats()
+    stats = kernel_stats()
     try:
         agent.start()
         loads = [procs.start(argv) for argv in load]
@@ -288,7 +286,7 @@ class BudgetBench:
             time.sleep(5)
             col = agent.stages()["collector"]
             rates = [pingpong_rate(binary) for _ in range(PINGPONG_RUNS)]
-            stats = _kernel_stats()
+            stats = kernel_stats()
             try:
                 b0 = _bpf_of(col)
                 for _ in range(PINGPONG_RUNS):
@@ -300,14 +298,6 @@ class BudgetBench:
             agent.stop()
         progs = {n: {"runs": c - b0.get(n, (0, 0))[1], "ns": t - b0.get(n, (0, 0))[0]} for n, (t, c) in b1.items()}
         return {"rate": _median(rates), "runs": rates, "programs": progs}
-
-
-def _kernel_stats() -> RunTimeStats:
-    """The kernel's BPF run-time statistics on until close(): what `bpftool prog show` reports."""
-    stats = RunTimeStats(allow_sysctl=False)
-    if not stats.on:
-        raise BenchError(f"cannot switch the kernel's BPF statistics on: {stats.problem}")
-    return stats
 
 
 def _forks() -> int:

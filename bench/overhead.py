@@ -313,6 +313,15 @@ class PySpyProfiler(Profiler):
         return [*self.argv, *argv]
 
 
+def kernel_stats() -> RunTimeStats:
+    """The kernel's BPF run-time statistics on until close(), for the figures bpf_totals reads (the
+    agent leaves them off: collector/bpftime.py)."""
+    on = RunTimeStats(allow_sysctl=False)
+    if not on.on:
+        raise BenchError(f"cannot switch the kernel's BPF statistics on: {on.problem}")
+    return on
+
+
 def bpf_totals(pids: list[int]) -> dict[str, tuple[int, int]]:
     """Program name → (run_time_ns, run_cnt) of the BPF programs `pids` hold."""
     ids: set[int] = set()
@@ -422,9 +431,7 @@ class OverheadBench:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-overhead-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
-        runtime_stats = RunTimeStats(allow_sysctl=False)
-        if not runtime_stats.on:
-            raise BenchError(f"cannot switch the kernel's BPF statistics on: {runtime_stats.problem}")
+        runtime_stats = kernel_stats()
         runs: list[dict] = []
         try:
             cmds = build(tmp)

@@ -209,15 +209,6 @@ class Collector:
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
                                             bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
 
-    def prog_fds(self) -> dict[str, int]:
-        """Name → descriptor of each of our loaded BPF programs (bcc loads a program when it is attached)."""
-        bpf = self.programs.bpf
-        fds = {} if bpf is None else {
-            (n.decode() if isinstance(n, bytes) else n): f.fd for n, f in bpf.funcs.items()}
-        for src in self.sources:
-            fds.update(src.programs())
-        return fds
-
     def start(self) -> None:
         self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()

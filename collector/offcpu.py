@@ -62,7 +62,7 @@ def sample_ns(min_ms: int, sample_ms: int) -> int:
 
 
 def bpf_defines() -> dict[str, int]:
-    """The offsets bpf/offcpu.c needs of task_struct members, from the running kernel's BTF.
+    """The offsets bpf/offcpu.c needs of task_struct, cfs_rq and rq members, from the running kernel's BTF.
 
     bcc's headers may be another kernel's (/lib/modules/<release>/build), so its own offsets of
     these fields cannot be trusted; a field not found is left out and the loss logged."""
@@ -73,7 +73,10 @@ def bpf_defines() -> dict[str, int]:
             log.warning("off-CPU: task_struct.%s is not in the kernel's BTF; %s", ".".join(path), loss)
         else:
             out[define] = offset
-    waits = {define: member_offsets(struct, [path])[0] for define, (struct, path) in WAIT_FIELDS.items()}
+    waits: dict[str, int | None] = {}
+    for struct in dict.fromkeys(st for st, _ in WAIT_FIELDS.values()):   # one BTF load per struct
+        defines = [d for d, (st, _) in WAIT_FIELDS.items() if st == struct]
+        waits.update(zip(defines, member_offsets(struct, [WAIT_FIELDS[d][1] for d in defines])))
     missing = [".".join((WAIT_FIELDS[d][0], *WAIT_FIELDS[d][1])) for d, off in waits.items() if off is None]
     if missing:
         log.warning("off-CPU: %s not in the kernel's BTF; a woken thread's wait for a CPU counts as "
@@ -109,13 +112,8 @@ class OffCpuTracer(EventSource):
                  "for those, when the thread returns to user space%s", ", ".join(TRACEPOINTS), min_ms,
                  " (DWARF tables where loaded)" if dwarf else "")
 
-    def programs(self) -> dict[str, int]:
-        """Name → descriptor of each loaded program, for the BPF run-time statistics."""
-        progs = self._programs + self._steps
-        return {p.name: p.fd for p in progs if p.fd >= 0}
-
     def attach(self) -> None:
-        """Attach (again): records written before are stale from now on (their wakeups went unseen)."""
+        """Attach (again): records written before are stale from now on (their switch-ins went unseen)."""
         if all(p.attached for p in self._programs):
             return
         again = self._gen[ctypes.c_int(0)].value > 0

@@ -1,8 +1,8 @@
 """The overhead guard: what the profiler cost in each upload window, and the sampling rate it allows.
 
 Owns: the window's figures — CPU time of every stage's process (the pids in
-the run directory's ready files, utime + stime from /proc/<pid>/stat, all
-threads, by its CPU-time clock), RSS of each, the run time and run count of each
+the run directory's ready files: utime + stime of all threads, by the
+process's CPU-time clock, in ns), RSS of each (/proc/<pid>/stat), the run time and run count of each
 of the collector's BPF programs as they count it (collector/bpftime.py), samples
 and lost samples — the
 budget decision (over overhead_budget_pct of the window's wall time: halve

@@ -3,8 +3,8 @@
 An event source is one family of BPF programs and maps: collector/main.py's Collector makes
 the ones the config turns on and then treats them alike: attach and detach them (remote
 config's pause), drain each one's counts every drain, ship what it drained under its
-profile_type, ask it for a snapshot once per upload window, name its programs for the BPF
-run-time statistics, log its counts and close it on stop. A source that records only target
+profile_type, ask it for a snapshot once per upload window, log its counts and close it on stop
+(what its programs cost they count themselves: collector/bpftime.py). A source that records only target
 processes (lock waits, allocations) is a TargetedSource too: the collector's TargetWatcher for
 its specs adds and removes the targets.
 
@@ -39,11 +39,6 @@ class EventSource(Protocol):
     def drain(self) -> RawDrain:
         """What was recorded since the last drain (the double buffer flipped, the retired half read and cleared)."""
         ...
-
-    def programs(self) -> dict[str, int]:
-        """Name → descriptor of each program the source loaded itself (bcc's own are the collector's to
-        list, from bpf.funcs), for the BPF run-time statistics."""
-        return {}
 
     def snapshot(self) -> RawDrain | None:
         """Once per upload window, what the source sends besides its drains (alloc: the live allocations)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ebpfprofiler.collector import bpftime
+
 from tests.harness import ROOT
 
 COMMON_H = Path(ROOT) / "bpf" / "common.h"
@@ -19,3 +21,9 @@ def test_common_h_defaults_are_the_collectors_values() -> None:
         c = re.search(rf"^#define {name} (\d+)$", header, re.MULTILINE)
         assert py and c, name
         assert int(py.group(1).replace("_", "")) == int(c.group(1)), name
+
+
+def test_common_h_timing_period_is_the_collectors() -> None:
+    # bpf/common.h's self-timing falls back to the period collector/bpftime.py compiles it with
+    c = re.search(r"^#define TIMING_PERIOD (\d+)$", COMMON_H.read_text(), re.MULTILINE)
+    assert c and int(c.group(1)) == bpftime.TIMING_PERIOD == bpftime.bpf_defines()["TIMING_PERIOD"]
