@@ -40,7 +40,7 @@
 // offcpu_gen counts attachments: a record written before the last detach
 // (its switch-in unseen) is stale and not charged.
 //
-// Long blocks shorter than OFFCPU_SAMPLE_NS are sampled (offcpu_sampled): the
+// Long blocks shorter than OFFCPU_SAMPLE_NS are sampled (offcpu_first_pick, offcpu_second_pick): the
 // chosen ones are charged with weights that keep every stack's expected time
 // and count; the others cost what a short block does.
 //
@@ -276,24 +276,42 @@ static __always_inline void offcpu_read_kernel(struct task_struct *next, struct 
     }
 }
 
-// Whether a long block of `delta` ns is charged, and with what weight. A block of OFFCPU_SAMPLE_NS
-// or more always is, with its own time. A shorter one is charged with the chance
-// delta / OFFCPU_SAMPLE_NS, as OFFCPU_SAMPLE_NS of blocked time and OFFCPU_SAMPLE_NS / delta
-// intervals (rounded up or down at random, so that the expected count stays 1): the expected time
-// and count of every stack are its true ones, as in Go's block profile (runtime.SetBlockProfileRate),
-// and a block not chosen costs what a short one does (no stack is read for it). A host that starts
-// hundreds of processes a second blocks thousands of times a second for 1-3 ms (a shell waiting for
-// its child, a 1-ms sleep): charged in full, their stack reads and the keys they made were most of
-// the agent's cost there. OFFCPU_SAMPLE_NS 0 (or not above OFFCPU_MIN_NS): every block in full.
-static __always_inline int offcpu_sampled(u64 delta, u64 *count, u64 *ns) {
+// Whether a long block is charged, and with what weight, by its blocked time `net` (its length
+// less its wait for a CPU). A block of OFFCPU_SAMPLE_NS or more always is, with its own time. A
+// shorter one is charged with the chance net / OFFCPU_SAMPLE_NS, as OFFCPU_SAMPLE_NS of blocked
+// time and OFFCPU_SAMPLE_NS / net intervals (rounded up or down at random, so that the expected
+// count stays 1): the expected time and count of every stack are its true ones, as in Go's block
+// profile (runtime.SetBlockProfileRate), and a block not chosen costs what a short one does (no
+// stack is read for it). A host that starts hundreds of processes a second blocks thousands of
+// times a second for 1-3 ms (a shell waiting for its child, a 1-ms sleep): charged in full, their
+// stack reads and the keys they made were most of the agent's cost there. OFFCPU_SAMPLE_NS 0 (or
+// not above OFFCPU_MIN_NS): every block in full.
+//
+// The choice is made in two steps, so that the wait for a CPU (offcpu_waited: up to six reads of
+// scheduler state) is read only for the blocks the first step keeps. offcpu_first_pick, on the
+// block's whole length `delta`: kept with the chance min(1, delta / OFFCPU_SAMPLE_NS).
+// offcpu_second_pick, on `net` <= delta: a block under OFFCPU_SAMPLE_NS kept with the chance
+// net / delta, one over it as above. Together: net / OFFCPU_SAMPLE_NS, the chance above.
+static __always_inline int offcpu_first_pick(u64 delta) {
 #if OFFCPU_SAMPLE_NS > 0
-    if (delta >= OFFCPU_SAMPLE_NS)
+    if (delta < OFFCPU_SAMPLE_NS && (u64)(bpf_get_prandom_u32() % OFFCPU_SAMPLE_NS) >= delta)
+        return 0;
+#endif
+    return 1;
+}
+
+static __always_inline int offcpu_second_pick(u64 delta, u64 net, u64 *count, u64 *ns) {
+    *count = 1;
+    *ns = net;
+#if OFFCPU_SAMPLE_NS > 0
+    if (net >= OFFCPU_SAMPLE_NS)
         return 1;
-    if ((u64)(bpf_get_prandom_u32() % OFFCPU_SAMPLE_NS) >= delta)
+    u64 first = delta < OFFCPU_SAMPLE_NS ? delta : OFFCPU_SAMPLE_NS;   // what the first step kept by
+    if (net == 0 || (u64)(bpf_get_prandom_u32() % first) >= net)
         return 0;
     *ns = OFFCPU_SAMPLE_NS;
-    *count = OFFCPU_SAMPLE_NS / delta;
-    if ((u64)bpf_get_prandom_u32() % delta < OFFCPU_SAMPLE_NS % delta)
+    *count = OFFCPU_SAMPLE_NS / net;
+    if ((u64)bpf_get_prandom_u32() % net < OFFCPU_SAMPLE_NS % net)
         *count += 1;
 #endif
     return 1;
@@ -388,10 +406,12 @@ int offcpu_switch(u64 *ctx) {
     struct offcpu_task *t = offcpu_tasks.task_storage_get(next, 0, 0);
     if (t && t->ts) {
         u64 delta = now > t->ts ? now - t->ts : 0;
-        if (delta >= OFFCPU_MIN_NS)   // a short block reads nothing more
-            delta -= offcpu_waited(prev, next, t, delta);
-        u64 count = 1, ns = delta;
-        if (t->gen == *gen && delta >= OFFCPU_MIN_NS && offcpu_sampled(delta, &count, &ns)) {
+        u64 count = 1, ns = 0, net = 0;
+        // a short block, or a long one the first step leaves, reads nothing more
+        int picked = t->gen == *gen && delta >= OFFCPU_MIN_NS && offcpu_first_pick(delta);
+        if (picked)
+            net = delta - offcpu_waited(prev, next, t, delta);
+        if (picked && net >= OFFCPU_MIN_NS && offcpu_second_pick(delta, net, &count, &ns)) {
             if (t->flags & OFFCPU_KTHREAD) {
                 offcpu_read_kernel(next, t);
                 offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, count, ns);
