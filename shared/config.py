@@ -77,7 +77,7 @@ class ProfilerConfig:
     upload_interval_s: int = 60
     offcpu: bool = True
     offcpu_min_ms: int = 1
-    offcpu_sample_ms: int = 10
+    offcpu_sample_ms: int = 50   # one charge per 50 ms blocked: the resolution 19 Hz gives CPU time
     strip_process_args: bool = True
     plain_pid: bool = False
     endpoint: str = ""

@@ -20,7 +20,7 @@ def test_defaults_match_the_design(tmp_path: Path) -> None:
     cfg = config.load(str(Path(__file__).parents[2] / "deploy" / "agent.yaml"))
     assert cfg == config.ProfilerConfig()
     assert (cfg.sample_hz, cfg.upload_interval_s, cfg.offcpu_min_ms, cfg.symbolizer_workers) == (19, 60, 1, 1)
-    assert cfg.offcpu_sample_ms == 10
+    assert cfg.offcpu_sample_ms == 50
     assert cfg.strip_process_args and not cfg.plain_pid and cfg.uploads_locally
 
 

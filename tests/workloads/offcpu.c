@@ -8,7 +8,7 @@
  *                          pipe_wait() that a feeder thread answers 200 ms later.
  *   offcpu tiny SECONDS    one thread sleeps 200 us at a time in tiny_wait().
  *   offcpu short SECONDS   one thread loops: 6 ms of sleep in six_ms_wait(), 2 ms in
- *                          two_ms_wait() (blocks the default offcpu_sample_ms samples);
+ *                          two_ms_wait() (blocks offcpu_sample_ms samples);
  *                          also prints each one's measured total, six_ns= and two_ns=.
  * Prints "wall_seconds=<float> loops=<n>" of the loop at exit. */
 #include <pthread.h>
