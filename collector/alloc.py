@@ -8,7 +8,9 @@ before entry probes and out in the other order, and every one detached when
 the target goes, the tracer stops or profiling is paused; the sampling table
 (quantiles of an exponential distribution) and each CPU's first countdown;
 draining the double-buffered allocation counts, scaled from the sampling
-phases to the whole time, and snapshots of the live allocations (inuse, sent
+phases to the whole time as the clock measured them (SampledTime: each drain
+by its own time profiled over time sampled; a live allocation keeps its
+drain's scale), and snapshots of the live allocations (inuse, sent
 once per upload window by the collector), less the frees the bursts could not
 see (estimated from the ones they saw, by stack); user stacks with the caller
 frame the entry probe's walk skips put back; the lifetime of ids in the alloc
@@ -28,10 +30,10 @@ import random
 import re
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ebpfprofiler.collector.bpfstats import _bpf
 from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
@@ -60,6 +62,9 @@ EXP_ENTRIES = 256
 # (duty) and every window of whole periods gets exactly its share; a second keeps a burst of the
 # default 5% at 50 ms, long beside the ~1 ms its attach and detach take.
 BURST_PERIOD_S = 1.0
+# Bursts whose drain's scale their live allocations keep (inuse): ~68 min at one a second; an older
+# allocation still live takes the scale over the whole run.
+BURST_SCALES_KEPT = 4096
 # Of a burst, the part that samples; the rest is its tail, in which frees (and addresses malloc
 # hands out again) end what the sampling phase recorded, so short-lived blocks are seen freed.
 SAMPLING_SHARE = 0.5
@@ -125,6 +130,48 @@ class BurstPlan:
     def phase(self, rng: random.Random) -> float:
         """Seconds from a period's start to its burst's."""
         return rng.uniform(0, max(0.0, self.period_s - self.attached_s))
+
+
+class SampledTime:
+    """What a sample stands for, by the clock: the time profiled (a target attached, not paused) over
+    the time sampled, as they were, not as BurstPlan planned them (a burst that starts late on a
+    loaded host, a pause, a target that came in the middle of a drain). Two stopwatches, "profiled"
+    and "sampled"; take() reads and restarts what they ran since the last take() (one drain), the
+    totals keep running (inuse, the unseen frees). Not locked: AllocTracer calls it under its lock."""
+
+    WATCHES = ("profiled", "sampled")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: dict[str, float | None] = dict.fromkeys(self.WATCHES)
+        self._run: dict[str, float] = dict.fromkeys(self.WATCHES, 0.0)
+        self.total: dict[str, float] = dict.fromkeys(self.WATCHES, 0.0)
+
+    def set(self, watch: str, on: bool) -> None:
+        now, since = self._clock(), self._since[watch]
+        if on and since is None:
+            self._since[watch] = now
+        elif not on and since is not None:
+            self._run[watch] += now - since
+            self._since[watch] = None
+
+    def take(self) -> tuple[float, float]:
+        """(profiled, sampled) seconds since the last take(); a watch running is counted to now."""
+        now = self._clock()
+        for w in self.WATCHES:
+            since = self._since[w]
+            if since is not None:
+                self._run[w] += now - since
+                self._since[w] = now
+            self.total[w] += self._run[w]
+        out = (self._run["profiled"], self._run["sampled"])
+        self._run = dict.fromkeys(self.WATCHES, 0.0)
+        return out
+
+    @staticmethod
+    def scale(profiled: float, sampled: float, planned: float) -> float:
+        """What one sampled byte stands for; `planned` (BurstPlan.scale) when nothing was sampled."""
+        return profiled / sampled if sampled > 0 else planned
 
 
 def bpf_defines(sample_bytes: int, duty_pct: float = 100.0) -> dict[str, int]:
@@ -264,6 +311,12 @@ class AllocTracer(TargetedSource):
         self.stats = {"attached": 0, "attach_failed": 0, "no_libc": 0, "over_cap": 0, "detached": 0,
                       "bursts": 0, "burst_attach_failed": 0, "survivors_forgotten": 0}
         self.on_s = 0.0                           # probes attached, summed over bursts
+        # The clock of the estimate: what a sample stands for is the time profiled over the time
+        # sampled, as they were, not as planned (a burst that starts late, a detach that waits out a
+        # grace period, a loaded host: the plan's one burst a period is not what happens).
+        self._time = SampledTime()
+        self._burst_scale: OrderedDict[int, float] = OrderedDict()   # burst -> the scale of the drain that took it
+        self._scaled_through = 0
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(BURST_THREADS, thread_name_prefix="alloc-probes")
         if not self.plan.always:
@@ -319,6 +372,7 @@ class AllocTracer(TargetedSource):
                 log.warning("allocation profiling: cannot attach to pid %d (%s): %s%s", t.pid, t.executable, e, why)
                 return
             self.attached[t.pid] = a
+            self._clock_profiling()
             self.stats["attached"] += 1
             n = 2 * len(PROBES) - 1
             if self.plan.always:
@@ -345,6 +399,7 @@ class AllocTracer(TargetedSource):
             a = self.attached.pop(t.pid, None)
             if a is None:
                 return
+            self._clock_profiling()
             self._detach_at_once([a])
             self.stats["detached"] += 1
             dropped = self._forget_live({t.pid})
@@ -388,19 +443,41 @@ class AllocTracer(TargetedSource):
             self._set_state(sampling=True)
             self._attach_at_once(list(self.attached.values()))
             on = time.monotonic()   # the entry probes went on last
+            self._time.set("sampled", True)
         try:
             self._stop.wait(max(0.0, self.plan.sampling_s - (time.monotonic() - on)))
             with self._lock:
-                self._set_state(sampling=False)
+                self._end_sampling()
             self._stop.wait(max(0.0, self.plan.attached_s - (time.monotonic() - on)))
         finally:
             with self._lock:
-                self._set_state(sampling=False)
+                self._end_sampling()
                 off = time.monotonic()
                 self._detach_at_once(list(self.attached.values()))
                 self._pending.clear()
                 self.on_s += off - on
                 self.stats["bursts"] += 1
+
+    def _end_sampling(self) -> None:
+        """The sampling phase is over (if it was on): sampling off in the kernel, its time counted."""
+        self._set_state(sampling=False)
+        self._time.set("sampled", False)
+
+    def _clock_profiling(self) -> None:
+        """The profiled time runs while a target is attached and profiling is not paused (called under
+        the lock as they change); with probes always on, it is sampled time too."""
+        on = bool(self.attached) and not self.paused
+        self._time.set("profiled", on)
+        if self.plan.always:
+            self._time.set("sampled", on)
+
+    def _seen_free_share(self) -> float:
+        """The share of the time the probes were attached (a free then is seen), since start."""
+        with self._lock:
+            profiled = self._time.total["profiled"]
+            if self.plan.always or profiled <= 0 or self._time.total["sampled"] <= 0:
+                return self.plan.seen_free_share
+            return min(1.0, max(1e-3, self.on_s / profiled))
 
     def _attach_at_once(self, targets: list[_Attached], raise_errors: bool = False) -> None:
         """Each target's return link (malloc, calloc and realloc's returns), then its four entry links
@@ -460,6 +537,7 @@ class AllocTracer(TargetedSource):
             self.attached.clear()
             self._live.clear()
             self.paused = True
+            self._clock_profiling()
         log.info("allocation profiling detached")
 
     # ------------------------------------------------------------ maps
@@ -469,8 +547,17 @@ class AllocTracer(TargetedSource):
         whole time: count and value are (objects, bytes)."""
         self._drains += 1
         _, counts = self._buffers.retire()
-        x = self.plan.scale
-        rows = [(k.pid, k.tid, k.user_stack, k.caller, v.objects_milli * x, v.bytes * x) for k, v in take_all(counts)]
+        with self._lock:
+            x = SampledTime.scale(*self._time.take(), self.plan.scale)
+            # the live allocations of these bursts keep this scale (inuse): a leak that stopped
+            # growing keeps its size, not one that moves with the next drain's timing
+            for b in range(self._scaled_through + 1, self._burst + 1):
+                self._burst_scale[b] = x
+            self._scaled_through = self._burst
+            while len(self._burst_scale) > BURST_SCALES_KEPT:
+                self._burst_scale.popitem(last=False)
+        rows = [(k.pid, k.tid, k.user_stack, k.caller, round(v.objects_milli * x), round(v.bytes * x))
+                for k, v in take_all(counts)]
         out = self._raw(rows, inuse=False)
         out.lost.update(self._lost.delta())
         if self._drains % STACK_SWEEP_EVERY == 0:
@@ -487,7 +574,7 @@ class AllocTracer(TargetedSource):
         self._survivors_freed.clear()
         due: dict[tuple[int, int, int], int] = {}
         for key, n in seen.items():
-            due[key], self._debt[key] = survivors_to_forget(self._debt[key], n, self.plan.seen_free_share)
+            due[key], self._debt[key] = survivors_to_forget(self._debt[key], n, self._seen_free_share())
         by_stack: dict[tuple[int, int, int], list[tuple[int, Any]]] = defaultdict(list)
         for k, v in self._live.items():
             key = (k.pid, v.user_stack, v.caller)
@@ -509,14 +596,17 @@ class AllocTracer(TargetedSource):
         """Allocations sampled and not freed, by stack, scaled like drain(): extra values (inuse
         objects, inuse bytes)."""
         self.forget_unseen_frees()
-        x = self.plan.scale
-        sums: dict[tuple[int, int, int, int], list[int]] = defaultdict(lambda: [0, 0])
+        with self._lock:
+            overall = SampledTime.scale(self._time.total["profiled"], self._time.total["sampled"], self.plan.scale)
+            scales = dict(self._burst_scale)
+        sums: dict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
         gone: list[Any] = []      # entries of processes no longer attached (exited while paused)
         for k, v in self._live.items():
             if k.pid not in self.attached:
                 gone.append(k)
                 continue
             s = sums[(k.pid, v.tid, v.user_stack, v.caller)]
+            x = scales.get(v.burst, overall)
             s[0] += v.objects_milli * x
             s[1] += v.bytes * x
         for k in gone:
@@ -524,7 +614,7 @@ class AllocTracer(TargetedSource):
                 del self._live[k]
             except KeyError:
                 pass
-        return self._raw([(*key, o, b) for key, (o, b) in sums.items()], inuse=True)
+        return self._raw([(*key, round(o), round(b)) for key, (o, b) in sums.items()], inuse=True)
 
     def _raw(self, rows: list[tuple[int, int, int, int, int, int]], inuse: bool) -> RawDrain:
         out = RawDrain()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector.alloc import BurstPlan, exp_quantiles, first_countdowns, survivors_to_forget
+from ebpfprofiler.collector.alloc import BurstPlan, SampledTime, exp_quantiles, first_countdowns, survivors_to_forget
 from ebpfprofiler.shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
 from ebpfprofiler.collector.targets import TargetWatcher
 
@@ -120,6 +120,41 @@ def test_bursts_at_the_defaults_sample_a_fortieth_of_the_time_and_scale_it_back(
     assert all(0 <= plan.phase(rng) <= plan.period_s - plan.attached_s for _ in range(1000))
     always = BurstPlan(100)
     assert always.always and always.scale == 1 and always.in_burst_sample_bytes(4096) == 4096
+
+
+def test_a_sample_stands_for_the_time_profiled_over_the_time_sampled_as_it_was() -> None:
+    # given a clock the test moves, and a target attached at t=0
+    now = [0.0]
+    t = SampledTime(clock=lambda: now[0])
+    t.set("profiled", True)
+    # when, in a 10-s drain, bursts sample 25 ms each but only 6 of them run (a loaded host: late)
+    for start in (0.5, 2.1, 3.9, 5.2, 7.7, 9.3):
+        now[0] = start
+        t.set("sampled", True)
+        now[0] = start + 0.025
+        t.set("sampled", False)
+    now[0] = 10.0
+    profiled, sampled = t.take()
+    # then a sample stands for 10 s / 0.15 s, not the plan's 40
+    assert (profiled, round(sampled, 9)) == (10.0, 0.15)
+    assert SampledTime.scale(profiled, sampled, 40) == pytest.approx(10 / 0.15)
+    # given a pause from 12 to 18 s and a sampling phase in progress at the next drain (20 s)
+    now[0] = 12.0
+    t.set("profiled", False)
+    now[0] = 18.0
+    t.set("profiled", True)
+    now[0] = 19.99
+    t.set("sampled", True)
+    now[0] = 20.0
+    # then the pause is not profiled time, and the phase is counted up to the drain, the rest to the next
+    profiled, sampled = t.take()
+    assert (round(profiled, 9), round(sampled, 9)) == (4.0, 0.01)
+    now[0] = 20.015
+    t.set("sampled", False)
+    assert [round(x, 9) for x in t.take()] == [0.015, 0.015]
+    assert round(t.total["profiled"], 9) == 14.015 and round(t.total["sampled"], 9) == 0.175
+    # and a drain with nothing sampled takes the plan's scale
+    assert SampledTime.scale(4.0, 0.0, 40) == 40
 
 
 def test_the_first_countdown_of_each_cpu_is_a_draw_not_zero() -> None:
