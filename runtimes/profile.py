@@ -11,7 +11,6 @@ Must not: decide windows or labels, or send anything.
 
 from __future__ import annotations
 
-from ebpfprofiler.shared.pprof import ProfileBuilder
 from ebpfprofiler.shared.runtime_registry import BY_PROFILE_TYPE
 from ebpfprofiler.symbolizer.window import TRUNCATED, ClosedWindow
 
@@ -21,6 +20,10 @@ PERIOD_TYPE = ("wall", "nanoseconds")
 
 def build(window: ClosedWindow, period_ns: int) -> tuple[bytes, int]:
     """(gzip pprof, number of samples) of a closed window."""
+    # imported at the first profile: protobuf is ~3 MB of the reader's memory, and a host with no
+    # process the reader can read (the shipped defaults, most hosts) never builds one
+    from ebpfprofiler.shared.pprof import ProfileBuilder
+
     b = ProfileBuilder(SAMPLE_TYPES, PERIOD_TYPE, period_ns, window.start_ns, window.end_ns - window.start_ns)
     name = BY_PROFILE_TYPE[window.profile_type].name
     mapping = b.mapping(name, f"[{name}]", has_functions=True)
