@@ -16,6 +16,10 @@ VM's ring of ractors) while the main ractor's thread waits in Ractor#take.
 
 Refusal, logged once with the reason (the stage's Reader driven tick by
 tick): Ruby 3.1 (Debian bookworm's, in its root).
+
+The symbol path, on a built fixture (no libruby that keeps ruby_current_vm_ptr
+was reachable): a copy of trixie's libruby 3.3 with the symbol added to its
+.symtab is read through it; one whose symbol points a word off is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ import pytest
 from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
+
+from ebpfprofiler.collector.procfs import read_maps
+from ebpfprofiler.runtimes import elfsyms
+from ebpfprofiler.runtimes import ruby as ruby_plugin
+from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
+from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS
+from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, first_mappings
 
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
@@ -280,3 +291,68 @@ def test_ruby_3_1_is_refused_once_with_the_reason(tmp_path: Path, started: list[
         assert p.poll() is None, "a refused process was disturbed"
     finally:
         driven.close()
+
+
+# The name ruby3.3 asks the loader for (the copy is found under it in LD_LIBRARY_PATH).
+SONAME = "libruby-3.3.so.3.3"
+# A method the fixture process spins in until its deadline (it ends by itself).
+SPIN_SCRIPT = ('def spin_here(t); x = 0; x += 1 while Time.now < t; end; '
+               'puts "ready"; $stdout.flush; spin_here(Time.now + 120)')
+
+
+def _vm_place(root: Path, started: list[subprocess.Popen]) -> tuple[Path, int]:
+    """(trixie's libruby 3.3, the link-time address of its VM pointer): the scan's find, on a process
+    of the library as Debian ships it (no symbol)."""
+    lib = next(p for p in (root / "usr/lib/x86_64-linux-gnu").glob("libruby-3.3.so.3.3*") if not p.is_symlink())
+    p, _ = start(started, ["chroot", str(root), "/usr/bin/ruby3.3", "-e", 'puts "ready"; $stdout.flush; $stdin.read'])
+    ctx = ProcessContext(p.pid, "/proc", ProcessMemory(p.pid, ReadBudget(1 << 30)), FileCache())
+    mod = next(iter(first_mappings(ctx.mappings, lambda base: base.startswith("libruby-3.3")).values()))
+    with open(lib, "rb") as f:
+        elf = elfsyms.read_symbols(f, ())
+    found = ruby_plugin._scan(ctx, mod, LAYOUTS[(3, 3)])
+    assert len(found) == 1, found
+    p.kill()
+    return lib, found[0][0] - elf.load_bias(mod.start, mod.offset)
+
+
+@pytest.mark.parametrize("off_by", [0, 8], ids=["symbol", "symbol_off_by_a_word"])
+def test_libruby_with_the_symbol_is_read_through_it_and_checked(tmp_path: Path, started: list[subprocess.Popen],
+                                                               caplog: pytest.LogCaptureFixture, off_by: int) -> None:
+    """Debian's libruby has no ruby_current_vm_ptr; a build that keeps it stands here as a built
+    fixture: a copy of trixie's libruby 3.3 with the symbol added to its .symtab (objcopy) at the
+    place the scan finds the VM pointer. The reader takes the VM from the symbol and reads the
+    stacks; a copy whose symbol points a word off is refused by the self-check, with the reason, and
+    not read by a scan."""
+    require_root()
+    caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
+    root = runtime_roots.trixie()
+    lib, place = _vm_place(root, started)
+    libdir = root / "tmp" / f"symbol-libruby-{os.getpid()}-{off_by}"
+    libdir.mkdir(parents=True)
+    driven = DrivenReader(tmp_path, runtime_stacks=("ruby",), python_stacks=False)
+    try:
+        subprocess.run(["objcopy", "--add-symbol", f"ruby_current_vm_ptr={place + off_by:#x},global,object",
+                        str(lib), str(libdir / SONAME)], check=True, timeout=60)
+        with open(libdir / SONAME, "rb") as f:
+            assert elfsyms.read_symbols(f, ("ruby_current_vm_ptr",)).symbols == {"ruby_current_vm_ptr": place + off_by}
+        p, _ = start(started, ["chroot", str(root), "env", f"LD_LIBRARY_PATH=/tmp/{libdir.name}",
+                               "/usr/bin/ruby3.3", "-e", SPIN_SCRIPT])
+        assert any(m.path.endswith(f"/tmp/{libdir.name}/{SONAME}") for m in read_maps(p.pid)), "not the copy"
+        def read_some() -> bool:
+            driven.announce(p.pid, full=True)
+            driven.tick()
+            state = driven.reader.targets.entries[p.pid].state if p.pid in driven.reader.targets.entries else ""
+            return state == "refused" or len(driven.stacks()) > 0 and sum(driven.stacks().values()) >= 20
+        wait_for("the reader to read or refuse the process", read_some, timeout=30, interval=0.05)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+        if off_by == 0:
+            frames = [[f.function for f in fr] for (_, fr) in driven.stacks()]
+            assert frames and all("Object#spin_here" in f for f in frames), frames[:5]
+            assert driven.reader.targets.entries[p.pid].state != "refused", lines
+        else:
+            assert len(lines) == 1 and "self-check failed: ruby_current_vm_ptr does not point at a VM" in lines[0], lines
+            assert not driven.stacks()
+        assert p.poll() is None, "the process was disturbed"
+    finally:
+        driven.close()
+        shutil.rmtree(libdir, ignore_errors=True)
