@@ -114,6 +114,10 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
     caps = sorted(keep)
     if os.geteuid() == 0:
         uid, gid = ids(stage)
+        # The kernel clears the parent-death signal (`ebpfprofiler run` arms it before exec) when
+        # the uids change: without it again, a stage whose `run` was killed (SIGKILL, the OOM
+        # killer) would run on, its BPF programs attached, with nobody to stop it.
+        death_signal, parent = prctl.get_pdeathsig(), os.getppid()
         for cap in range(_last_cap() + 1):   # needs CAP_SETPCAP: before the uid change
             if cap not in keep:
                 prctl.capbset.drop(cap)
@@ -122,6 +126,10 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         prctl.set_keepcaps(False)
+        if death_signal:
+            prctl.set_pdeathsig(death_signal)
+            if os.getppid() != parent:   # it died while the signal was off: as if it had come
+                os.kill(os.getpid(), death_signal)
     # One capset: effective = permitted = the stage's caps it holds (one it
     # lacks cannot be had; preflight names it), inheritable empty.
     # (python-prctl's C layer takes plain numbers; its Python layer does not

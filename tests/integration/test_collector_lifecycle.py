@@ -12,7 +12,7 @@ import pytest
 
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.config import ProfilerConfig, dump
-from tests.harness import PY, bpf_holdings, bpftool, open_dir, require_root, stop_process, wait_for
+from tests.harness import PY, Pipeline, bpf_holdings, bpftool, open_dir, require_root, stop_process, wait_for
 
 # How long the kernel may take to free programs a closed tail-call array held (a workqueue, then RCU).
 KERNEL_FREE_TIMEOUT_S = 10.0
@@ -80,3 +80,40 @@ def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "sample_hz = 'fast' is not allowed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_stages_stop_cleanly_when_run_is_killed(tmp_path: Path) -> None:
+    # given `ebpfprofiler run` with every stage up (each dropped to its own user, which clears the
+    # parent-death signal `run` armed: shared/privileges.py arms it again)
+    require_root()
+    pipeline = Pipeline(tmp_path, ProfilerConfig(sample_hz=19))
+    stages: list[int] = []
+    try:
+        stages = _children(pipeline.proc.pid)
+        collector = int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text().split()[0])
+        assert collector in stages and len(stages) >= 3, stages
+        progs, _ = bpf_holdings(collector)
+        assert progs
+        # when `run` is killed, with no chance to stop them (SIGKILL, the OOM killer)
+        pipeline.proc.kill()
+        pipeline.proc.wait(timeout=10)
+        # then every stage stops by itself, the collector cleanly, and its programs go
+        wait_for("every stage to stop", lambda: not any(os.path.exists(f"/proc/{pid}") for pid in stages), 60)
+        assert "received SIGTERM: stopping" in pipeline.log() and "collector stopped" in pipeline.log(), pipeline.log()
+        wait_for("the collector's programs to be freed",
+                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, KERNEL_FREE_TIMEOUT_S)
+    finally:
+        for pid in stages:   # none left, unless a check above failed
+            try:
+                if b"ebpfprofiler" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        pipeline.stop()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
