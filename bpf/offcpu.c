@@ -96,11 +96,9 @@ struct offcpu_task {
     u32 tid;
     u32 gen;            // offcpu_gen when ts was written
     u32 flags;
-    u32 kernel_n;       // frames in kernel
-    u32 user_n;         // frames in user (threads without rseq only)
-    u64 kernel_print;   // the saved kernel stack of the block `kernel` was read for (offcpu_same_block)
-    struct offcpu_stack kernel;
-    struct offcpu_stack user;
+    u32 kernel_n;       // frames of its kernel stack, kept in offcpu_kstacks under kernel_print
+    u32 user_n;         // frames in offcpu_user_stacks (threads without rseq only)
+    u64 kernel_print;   // the place it last blocked in (offcpu_same_block) whose kernel stack was read
 };
 
 // Indexes of offcpu_lost; the collector names them (collector/offcpu.py).
@@ -110,18 +108,37 @@ struct offcpu_task {
 #define OFFCPU_LOST_NO_RECORD 3
 #define OFFCPU_LOST_SLOTS 4
 
+// Every task that blocks gets a record, so it is kept small (64 bytes): creating one is the
+// dearest thing offcpu_switch does (~1 us), on a host that starts hundreds of processes a second
+// hundreds of times a second, and a record with the two stacks in it (1.1 KB) cost a third more to
+// create and made every switch slower (measured: 100 ns a switch on the busy load). The stacks live
+// apart: kernel stacks by place in offcpu_kstacks, shared; user stacks, for threads without rseq
+// only, in offcpu_user_stacks.
 BPF_TASK_STORAGE(offcpu_tasks, struct offcpu_task);
+BPF_TASK_STORAGE(offcpu_user_stacks, struct offcpu_stack);
 BPF_HASH(offcpu_counts_0, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_HASH(offcpu_counts_1, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_ARRAY_OF_MAPS(offcpu_count_maps, "offcpu_counts_0", 2);   // [buf]: offcpu_counts_<buf> (common.h)
 BPF_HASH(offcpu_stacks_0, u64, struct offcpu_stack, STACK_ENTRIES);
 BPF_HASH(offcpu_stacks_1, u64, struct offcpu_stack, STACK_ENTRIES);
 BPF_ARRAY(offcpu_active, u32, 1);
+// Kernel stacks by the place tasks blocked in (offcpu_same_block's print; a stack's own hash when
+// the place is not known), shared by every task: a new process blocks where others did before it
+// (a shell's wait4, a nanosleep, a pipe read), and its first long block finds their stack instead
+// of walking its own. On a host that starts hundreds of processes a second those first blocks were
+// most of the walks. A record names its stack here by kernel_print until it is charged.
+BPF_TABLE("lru_hash", u64, struct offcpu_stack, offcpu_kstacks, OFFCPU_KSTACKS);
 BPF_ARRAY(offcpu_gen, u32, 1);
 BPF_PERCPU_ARRAY(offcpu_lost, u64, OFFCPU_LOST_SLOTS);
 // Slot 0: offcpu_resume's user stack; slot 1: offcpu_switch's look at a sleeping task's stack (the
 // two may run on one CPU at once: a preempted rseq_update under a sched_switch).
 BPF_PERCPU_ARRAY(offcpu_scratch, struct offcpu_stack, 2);
+// Per CPU: the task last switched in on it with an interval pending (its task_struct's address), or
+// 0. A thread returns to user space on the CPU whose last switch put it there, so offcpu_resume,
+// which runs at every return to user after a switch (thousands a second) and has work for a few of
+// them only, looks the thread's record up only when the hint names it: one per-CPU array read
+// instead of a task storage lookup (~100 ns on a busy host). A stale hint costs that lookup.
+BPF_PERCPU_ARRAY(offcpu_resume_hint, u64, 1);
 
 static __always_inline void offcpu_count_lost(int reason) {
     u64 *n = offcpu_lost.lookup(&reason);
@@ -129,23 +146,39 @@ static __always_inline void offcpu_count_lost(int reason) {
         (*n)++;
 }
 
-// Zero the frames after the n-th; the stack's hash (never 0), or 0 for no frames.
-static __always_inline u64 offcpu_hash(struct offcpu_stack *s, u32 n) {
+// The stack's hash (never 0), or 0 for no frames; with `pad`, the frames after the n-th are zeroed
+// first (a stack a helper wrote: the words past its end are whatever was there).
+static __always_inline u64 offcpu_hash(struct offcpu_stack *s, u32 n, int pad) {
     u64 h = 0xcbf29ce484222325ULL;
     for (int i = 0; i < OFFCPU_FRAMES; i++) {
-        if (i >= n)
+        if (i >= n) {
+            if (!pad)
+                break;
             s->pcs[i] = 0;
-        else
+        } else {
             h = (h ^ s->pcs[i]) * OFFCPU_HASH_PRIME;
+        }
     }
     if (n == 0)
         return 0;
     return h ? h : 1;
 }
 
-// Store a stack in buffer `buf`; its hash, or 0 if it has no frames or the map is full.
-static __always_inline u64 offcpu_store(struct offcpu_stack *s, u32 n, u32 buf, int lost_reason) {
-    u64 h = offcpu_hash(s, n);
+// Frames of a zero-padded stack (one in offcpu_kstacks).
+static __always_inline u32 offcpu_frames_in(struct offcpu_stack *s) {
+    u32 n = 0;
+    for (int i = 0; i < OFFCPU_FRAMES; i++) {
+        if (s->pcs[i] == 0)
+            break;
+        n++;
+    }
+    return n;
+}
+
+// Store a stack in buffer `buf`; its hash, or 0 if it has no frames or the map is full. `pad` as
+// offcpu_hash: a stack shared with other CPUs (offcpu_kstacks) is zero-padded already and not written.
+static __always_inline u64 offcpu_store(struct offcpu_stack *s, u32 n, u32 buf, int lost_reason, int pad) {
+    u64 h = offcpu_hash(s, n, pad);
     if (h == 0)
         return 0;
     int err = buf == 0 ? offcpu_stacks_0.insert(&h, s) : offcpu_stacks_1.insert(&h, s);
@@ -156,8 +189,9 @@ static __always_inline u64 offcpu_store(struct offcpu_stack *s, u32 n, u32 buf, 
     return h;
 }
 
+// Charge to (pid, tid), the user stack `user` and the kernel stack kept under `kernel_print`.
 static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack *user, u32 user_n,
-                                          struct offcpu_stack *kernel, u32 kernel_n, u64 count, u64 ns) {
+                                          u64 kernel_print, u32 kernel_n, u64 count, u64 ns) {
     u32 zero = 0;
     u32 *active = offcpu_active.lookup(&zero);
     if (!active)
@@ -167,8 +201,15 @@ static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack 
     struct offcpu_key key = {};
     key.pid = pid;
     key.tid = tid;
-    key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK) : 0;
-    key.kernel_hash = kernel ? offcpu_store(kernel, kernel_n, buf, OFFCPU_LOST_KERNEL_STACK) : 0;
+    key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK, 1) : 0;
+    if (kernel_n) {
+        // Its frames as kept now: another task that blocked in the same place may have replaced it.
+        struct offcpu_stack *kernel = offcpu_kstacks.lookup(&kernel_print);
+        if (kernel)
+            key.kernel_hash = offcpu_store(kernel, offcpu_frames_in(kernel), buf, OFFCPU_LOST_KERNEL_STACK, 0);
+        else
+            offcpu_count_lost(OFFCPU_LOST_KERNEL_STACK);   // evicted since it was read: hundreds of places later
+    }
     struct offcpu_value add = {count, ns};
     void *counts = offcpu_count_maps.lookup(&buf);
     if (!counts || counts_add(counts, &key, (u64 *)&add, sizeof(add) / sizeof(u64)))
@@ -188,7 +229,7 @@ static __always_inline u32 offcpu_frames(long bytes) {
 // pointer they keep there, such as a wait queue entry's). The other words there (saved
 // registers, timeouts, a poll table's pointers) and the stack pointer itself (the kernel moves
 // each syscall's stack by a random offset) change from one block to the next at the same place,
-// and are left out. Then t->kernel is still its stack and the walk (bpf_get_task_stack: 20-60 us
+// and are left out. Then its stack is the one kept for that place and the walk (bpf_get_task_stack: 20-60 us
 // on these machines) is not made; a thread that waits in one place (an event loop, a worker
 // pool's queue, a kernel thread's idle wait) is walked once. A shallow stack ends before 512
 // bytes (a read past it faults): 256, then 128 are tried. With the user registers
@@ -239,41 +280,34 @@ static __always_inline int offcpu_same_block(struct task_struct *task, struct of
 #endif
 }
 
-// Kernel stacks by the place tasks blocked in (offcpu_same_block's print), shared by every task:
-// a new process blocks where others did before it (a shell's wait4, a nanosleep, a pipe read),
-// and its first long block copies their stack instead of walking its own. On a host that starts
-// hundreds of processes a second those first blocks were most of the walks.
-BPF_TABLE("lru_hash", u64, struct offcpu_stack, offcpu_kstacks, OFFCPU_KSTACKS);
 
-// next's kernel stack into t->kernel: kept if it blocked where it did last time, else copied from
-// another task that blocked in the same place, else walked (and kept for the others).
+// next's kernel stack into offcpu_kstacks under t->kernel_print (t->kernel_n frames; 0: none):
+// found there if it blocked where it, or another task, blocked before, else walked and kept.
 static __always_inline void offcpu_read_kernel(struct task_struct *next, struct offcpu_task *t) {
     int same = offcpu_same_block(next, t);
-    if (same == 1)
-        return;
     u64 print = t->kernel_print;
-    if (same == 0) {
+    if (same >= 0) {
         struct offcpu_stack *known = offcpu_kstacks.lookup(&print);
-        if (known && !bpf_probe_read_kernel(t->kernel.pcs, sizeof(t->kernel.pcs), known->pcs)) {
-            u32 n = 0;
-            for (int i = 0; i < OFFCPU_FRAMES; i++) {
-                if (t->kernel.pcs[i] == 0)
-                    break;
-                n++;
-            }
-            t->kernel_n = n;
-            if (n)
+        if (known) {
+            if (same == 0)
+                t->kernel_n = offcpu_frames_in(known);
+            if (t->kernel_n)
                 return;
         }
     }
-    t->kernel_n = offcpu_frames(bpf_get_task_stack(next, t->kernel.pcs, sizeof(t->kernel.pcs), 0));
-    if (same == 0 && t->kernel_n) {
-        for (int i = 0; i < OFFCPU_FRAMES; i++) {   // zero after the last frame, as the copy reads it
-            if (i >= t->kernel_n)
-                t->kernel.pcs[i] = 0;
-        }
-        offcpu_kstacks.update(&print, &t->kernel);
-    }
+    u32 slot = 1;
+    struct offcpu_stack *walked = offcpu_scratch.lookup(&slot);
+    t->kernel_n = 0;
+    if (!walked)
+        return;
+    u32 n = offcpu_frames(bpf_get_task_stack(next, walked->pcs, sizeof(walked->pcs), 0));
+    if (!n)
+        return;
+    u64 h = offcpu_hash(walked, n, 1);   // zero-padded, as readers of the kept copy expect
+    if (same < 0)
+        print = t->kernel_print = h;   // the place is not known: the stack names itself
+    if (offcpu_kstacks.update(&print, walked) == 0)
+        t->kernel_n = n;
 }
 
 // Whether a long block is charged, and with what weight, by its blocked time `net` (its length
@@ -404,6 +438,9 @@ int offcpu_switch(u64 *ctx) {
 
     // Switch-in: the end of next's blocked interval.
     struct offcpu_task *t = offcpu_tasks.task_storage_get(next, 0, 0);
+    u64 *hint = offcpu_resume_hint.lookup(&zero);
+    if (hint && *hint)
+        *hint = 0;
     if (t && t->ts) {
         u64 delta = now > t->ts ? now - t->ts : 0;
         u64 count = 1, ns = 0, net = 0;
@@ -414,7 +451,7 @@ int offcpu_switch(u64 *ctx) {
         if (picked && net >= OFFCPU_MIN_NS && offcpu_second_pick(delta, net, &count, &ns)) {
             if (t->flags & OFFCPU_KTHREAD) {
                 offcpu_read_kernel(next, t);
-                offcpu_charge(t->pid, t->tid, 0, 0, &t->kernel, t->kernel_n, count, ns);
+                offcpu_charge(t->pid, t->tid, 0, 0, t->kernel_print, t->kernel_n, count, ns);
             } else if (t->flags & OFFCPU_RSEQ) {
                 // blocked again before it returned: same stacks
                 if (t->pending_count == 0)
@@ -423,11 +460,14 @@ int offcpu_switch(u64 *ctx) {
                 t->pending_count += count;
             } else {
                 offcpu_read_kernel(next, t);
-                offcpu_charge(t->pid, t->tid, &t->user, t->user_n, &t->kernel, t->kernel_n, count, ns);
+                struct offcpu_stack *user = offcpu_user_stacks.task_storage_get(next, 0, 0);
+                offcpu_charge(t->pid, t->tid, user, user ? t->user_n : 0, t->kernel_print, t->kernel_n, count, ns);
             }
         }
         t->ts = 0;
     }
+    if (hint && t && t->pending_count)
+        *hint = (u64)next;
 
     // As the classic tracepoint reports it (__trace_sched_switch_state): a preempted task is
     // runnable; TASK_IDLE (an idle kernel thread's wait) is not blocked; flags such as
@@ -469,7 +509,8 @@ int offcpu_switch(u64 *ctx) {
     p->tid = tid;
     if (!(p->flags & (OFFCPU_KTHREAD | OFFCPU_RSEQ))) {
         // No rseq_update to wait for: the user stack now, frame pointers only.
-        p->user_n = offcpu_frames(bpf_get_stack(ctx, p->user.pcs, sizeof(p->user.pcs), BPF_F_USER_STACK));
+        struct offcpu_stack *user = offcpu_user_stacks.task_storage_get(prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+        p->user_n = user ? offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK)) : 0;
     }
     TIMED_RETURN(timing, 0);
 }
@@ -506,7 +547,7 @@ int offcpu_unwind_finish(u64 *ctx) {
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
     if (!t || t->pending_count == 0)
         TIMED_RETURN(timing, 0);
-    offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, &t->kernel, t->kernel_n,
+    offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, t->kernel_print, t->kernel_n,
                   t->pending_count, t->pending_ns);
     t->pending_ns = 0;
     t->pending_count = 0;
@@ -520,6 +561,10 @@ int offcpu_resume(u64 *ctx) {
 #ifdef OFFCPU_TASK_RSEQ_OFFSET
     // offcpu_switch reads OFFCPU_RSEQ from task_struct.rseq: a thread with no record has nothing
     // pending, and no record is made for it here (this runs at every return to user after a switch).
+    u32 zero = 0;
+    u64 *hint = offcpu_resume_hint.lookup(&zero);
+    if (!hint || *hint != bpf_get_current_task())
+        TIMED_RETURN(timing, 0);
     struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
     if (!t)
         TIMED_RETURN(timing, 0);
@@ -547,12 +592,12 @@ int offcpu_resume(u64 *ctx) {
         }
     }
 #endif
-    u32 zero = 0;
-    struct offcpu_stack *user = offcpu_scratch.lookup(&zero);
+    u32 slot = 0;
+    struct offcpu_stack *user = offcpu_scratch.lookup(&slot);
     if (!user)
         TIMED_RETURN(timing, 0);
     u32 n = offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK));
-    offcpu_charge(t->pid, t->tid, user, n, &t->kernel, t->kernel_n, t->pending_count, t->pending_ns);
+    offcpu_charge(t->pid, t->tid, user, n, t->kernel_print, t->kernel_n, t->pending_count, t->pending_ns);
     t->pending_ns = 0;
     t->pending_count = 0;
     TIMED_RETURN(timing, 0);
