@@ -128,6 +128,30 @@ def test_a_return_address_is_looked_up_at_its_call(build, live_jit, resolver: Fr
     assert resolver.user(proc, [main])[0].function == "main"
 
 
+def test_frames_resolved_again_come_from_memory_until_the_mappings_change(build, live_jit, files: FileClient) -> None:
+    # given a live process, and a stack of it resolved once (a frame in its executable, one in JIT code)
+    p, code = live_jit
+    exe = build("jit")
+    proc = replace(read_process(p.pid, with_cmdline=False), mappings=read_maps(p.pid))
+    text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
+    stack = [code + 2, text.start - text.offset + symbol_vaddr(exe, "call_jit") + 1]
+    cache = ElfCache()
+    resolver = FrameResolver(files, elf_cache=cache)
+    first = resolver.user(proc, stack)
+    looked_up = cache.stats["hits"] + cache.stats["parsed"]
+    # when it is resolved again, in a later batch (the same process and mappings, new objects)
+    again = resolver.user(replace(proc, mappings=tuple(replace(m) for m in proc.mappings)), stack)
+    # then the frames are the same and the module's symbols were not looked up again; the JIT frame
+    # was named again from the perf map (which may name it differently later), and both counted
+    assert again == first and first[1].function == "call_jit" and first[0].function == "jit_spin_loop"
+    assert cache.stats["hits"] + cache.stats["parsed"] == looked_up
+    assert resolver.stats["user_frames"] == 4 and resolver.stats["jit_named"] == 2 and resolver.stats["named"] == 2
+    # and when the process's mappings change, its frames are resolved afresh
+    resolver.user(replace(proc, mappings=proc.mappings[:-1] if proc.mappings[-1] != text else proc.mappings[1:]),
+                  stack)
+    assert cache.stats["hits"] + cache.stats["parsed"] > looked_up
+
+
 def test_a_closed_window_becomes_a_pprof_go_can_read(tmp_path: Path) -> None:
     # given a window with kernel and user frames and labels
     data = ServiceWindow()
