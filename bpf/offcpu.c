@@ -57,9 +57,11 @@
 #define OFFCPU_TASK_IDLE 0x402          // TASK_UNINTERRUPTIBLE | TASK_NOLOAD
 #define OFFCPU_TASK_RTLOCK_WAIT 0x1000  // reported as D
 #define OFFCPU_FRAMES 64     // per stack; the layout of struct unwind_stack
-// Places tasks block in whose kernel stacks are kept for all (offcpu_kstacks, 512 bytes each):
-// a host has tens to hundreds; the least recently used go.
-#define OFFCPU_KSTACKS 1024
+// Places tasks block in whose kernel stacks are kept for all (offcpu_kstacks, ~600 bytes each with
+// the map's own, 2.4 MB): a host has tens to hundreds; the least recently used go. They are the
+// only copy a thread's record names (no thread keeps its own), so there is room for many times
+// that: a place evicted while a thread waits in it costs that thread one more walk (20-60 us).
+#define OFFCPU_KSTACKS 4096
 #define OFFCPU_HASH_PRIME 0x100000001b3ULL
 // x86-64's kernel text and module space (Documentation/arch/x86/x86_64/mm.rst): the words of a
 // sleeping task's stack that may be code addresses (offcpu_same_block).
@@ -111,7 +113,7 @@ struct offcpu_task {
 // Every task that blocks gets a record, so it is kept small (64 bytes): creating one is the
 // dearest thing offcpu_switch does (~1 us), on a host that starts hundreds of processes a second
 // hundreds of times a second, and a record with the two stacks in it (1.1 KB) cost a third more to
-// create and made every switch slower (measured: 100 ns a switch on the busy load). The stacks live
+// create and made every switch slower (measured: ~40 ns a switch with short processes). The stacks live
 // apart: kernel stacks by place in offcpu_kstacks, shared; user stacks, for threads without rseq
 // only, in offcpu_user_stacks.
 BPF_TASK_STORAGE(offcpu_tasks, struct offcpu_task);
