@@ -1,8 +1,9 @@
 """The Debian roots the PHP and Ruby tests run their runtimes in (container stand-ins), built once and cached.
 
-Owns: which packages each root holds: trixie (PHP 8.4, Ruby 3.3) and sid with
-experimental's PHP 8.5 and Ruby 3.4; bookworm's Ruby 3.1 (to be refused); sid's
-OpenJDK 8 (to be refused by the JVM reader).
+Owns: which packages each root holds: trixie (PHP 8.4's CLI and php-fpm, Ruby
+3.3) and sid with experimental's PHP 8.5 (CLI and php-fpm) and Ruby 3.4;
+bookworm's Ruby 3.1 (to be refused); sid's OpenJDK 8 (to be refused by the JVM
+reader).
 
 Must not: start anything inside a root.
 """
@@ -22,13 +23,13 @@ def _log(msg: str) -> None:
 
 
 def trixie() -> Path:
-    return cached_root("trixie", ["php8.4-cli", "ruby3.3"], RECIPE, name="trixie-runtimes", log=_log)[0]
+    return cached_root("trixie", ["php8.4-cli", "php8.4-fpm", "ruby3.3"], RECIPE, name="trixie-runtimes", log=_log)[0]
 
 
 def experimental() -> Path:
     return cached_root("sid", ["ca-certificates"], RECIPE, name="experimental-runtimes", log=_log,
                        # php-common from sid: experimental's newer one Breaks php8.5-common.
-                       extra=("experimental", ["php8.5-cli", "ruby3.4", "php-common/sid"]))[0]
+                       extra=("experimental", ["php8.5-cli", "php8.5-fpm", "ruby3.4", "php-common/sid"]))[0]
 
 
 def bookworm_ruby() -> Path:

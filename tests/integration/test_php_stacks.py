@@ -12,12 +12,15 @@ does not reach).
 PHP 8.4 (Debian trixie) and 8.5 (Debian experimental) run the same script
 chrooted in cached Debian roots (tests/runtime_roots.py), as in a container.
 
-php-fpm (Debian bookworm's php8.2-fpm, which make setup installs): a master
-with its own config and a static pool of workers as nobody, driven by
-FastCGI requests over a unix socket (a small client here), each request
-running the same script; the workers' php_wall stacks show the request's
-chain <main> → Work::run → Work::cpu_a / Work::cpu_b in a 3:1 ratio (±10%)
-with the script's file and lines, as the CLI's do.
+php-fpm 8.2 (Debian bookworm's php8.2-fpm, which make setup installs, on the
+host), 8.4 and 8.5 (php8.4-fpm and php8.5-fpm, chrooted in the same roots as
+their CLIs, with the config, socket and script inside the root): a master with
+its own config and a static pool of workers as nobody, driven by FastCGI
+requests over a unix socket (a small client here, on the host, connecting
+through the master's /proc/PID/root), each request running the same script;
+per version, the workers' php_wall stacks show the request's chain <main> →
+Work::run → Work::cpu_a / Work::cpu_b in a 3:1 ratio (±10%) with the script's
+file (as php-fpm sees it) and lines, as the CLI's do.
 
 Refusals, logged once each with the reason (the stage's Reader driven
 tick by tick): a ZTS build (a fixture, tests/workloads/fake_php.c: no ZTS
@@ -37,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +103,9 @@ class Workload:
 
 @dataclass
 class Fpm:
+    version: str
     workers: list[int]                # the pool's worker pids
-    filename: str                     # the script's path, SCRIPT_FILENAME of each request
+    filename: str                     # the script's path as php-fpm sees it, SCRIPT_FILENAME of each request
 
 
 @dataclass
@@ -109,7 +113,7 @@ class Run:
     workloads: list[Workload]
     samples: dict[int, list[pprof.ReadSample]]   # pid → php_wall samples
     log: str
-    fpm: Fpm | None = None
+    fpms: list[Fpm]
 
 
 def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
@@ -133,16 +137,51 @@ def launch(started: list[subprocess.Popen], argv: list[str], mode: str, filename
     return p
 
 
+# version → its Debian root (tests/runtime_roots.py), where its PHP CLI and php-fpm run chrooted, as
+# in a container: the reader finds their files through /proc/PID/root. 8.2 runs on the host.
+ROOTS: dict[str, Callable[[], Path]] = {"8.4": runtime_roots.trixie, "8.5": runtime_roots.experimental}
+
+
+def chrooted(root: Path, argv: list[str]) -> list[str]:
+    """argv run chrooted in `root`: its program and paths are the root's."""
+    return ["chroot", str(root), *argv]
+
+
 def versions(work: Path, inside: Path) -> dict[str, tuple[list[str], str]]:
-    """version → (argv of its PHP, the script's path as that PHP sees it). 8.4 and 8.5 run chrooted
-    in their Debian roots, as in a container: the reader finds their files through /proc/PID/root."""
+    """version → (argv of its PHP, the script's path as that PHP sees it); 8.4 and 8.5 chrooted in
+    their roots, the script in `inside` there."""
     host_copy = work / SCRIPT.name
     shutil.copy(SCRIPT, host_copy)
     out = {"8.2": (["/usr/bin/php8.2"], str(host_copy))}
-    for v, root in (("8.4", runtime_roots.trixie()), ("8.5", runtime_roots.experimental())):
+    for v, root_of in ROOTS.items():
+        root = root_of()
         (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
         shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
-        out[v] = (["chroot", str(root), f"/usr/bin/php{v}"], str(inside / SCRIPT.name))
+        out[v] = (chrooted(root, [f"/usr/bin/php{v}"]), str(inside / SCRIPT.name))
+    return out
+
+
+@dataclass
+class FpmSite:
+    """Where one version's php-fpm runs: its program, and its directory (config, log, socket, script)
+    on the host and as php-fpm sees it (the same path on the host; `inside` the root when chrooted)."""
+    argv: list[str]
+    directory: Path
+    seen: Path
+
+
+def fpm_sites(fpm_dir: Path, inside: Path) -> dict[str, FpmSite]:
+    """version → its php-fpm: 8.2 on the host in `fpm_dir`, 8.4 and 8.5 chrooted in their roots, in
+    `inside`/fpm there (0755, as `fpm_dir`: the workers run as nobody, the root's own)."""
+    out = {"8.2": FpmSite([PHP_FPM], fpm_dir, fpm_dir)}
+    seen = inside / "fpm"
+    for v, root_of in ROOTS.items():
+        root = root_of()
+        directory = root / seen.relative_to("/")
+        directory.mkdir(parents=True, exist_ok=True)
+        for d in (directory.parent, directory):
+            d.chmod(0o755)
+        out[v] = FpmSite(chrooted(root, [f"/usr/sbin/php-fpm{v}"]), directory, seen)
     return out
 
 
@@ -198,25 +237,29 @@ class FpmPool:
     workers: list[int]
 
 
-def start_fpm(directory: Path) -> FpmPool:
-    """php-fpm with its own config in `directory` (0755: the workers run as nobody), in the foreground, in a
-    session of its own; a static pool of FPM_WORKERS workers listening on a unix socket there."""
-    sock = directory / "fpm.sock"
-    conf = directory / "php-fpm.conf"
-    conf.write_text(f"""[global]
-error_log = {directory}/fpm.log
+def start_fpm(site: FpmSite) -> FpmPool:
+    """php-fpm with its own config in the site's directory (0755: the workers run as nobody), in the
+    foreground, in a session of its own; a static pool of FPM_WORKERS workers listening on a unix socket
+    there."""
+    (site.directory / "php-fpm.conf").write_text(f"""[global]
+error_log = {site.seen}/fpm.log
 daemonize = no
 [split]
 user = nobody
 group = nogroup
-listen = {sock}
+listen = {site.seen}/fpm.sock
 pm = static
 pm.max_children = {FPM_WORKERS}
 ; the script runs for the test's whole time: no time limit on a request
 php_admin_value[max_execution_time] = 0
 """)
-    master = subprocess.Popen([PHP_FPM, "--nodaemonize", "--fpm-config", str(conf)], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # chroot execs php-fpm: the Popen's pid is the master's.
+    master = subprocess.Popen(site.argv + ["--nodaemonize", "--fpm-config", f"{site.seen}/php-fpm.conf"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    # The client connects through the master's /proc/PID/root: a root's own path on the host can
+    # pass the 107 bytes a unix socket's path may have.
+    sock = Path(f"/proc/{master.pid}/root{site.seen}/fpm.sock")
 
     def children() -> list[int]:
         try:
@@ -228,7 +271,7 @@ php_admin_value[max_execution_time] = 0
                  and len(children()) == FPM_WORKERS, timeout=30)
     except AssertionError:
         stop_fpm(FpmPool(master, str(sock), children()))
-        log = directory / "fpm.log"
+        log = site.directory / "fpm.log"
         raise AssertionError(f"php-fpm did not start: {log.read_text() if log.exists() else 'no log'}") from None
     return FpmPool(master, str(sock), children())
 
@@ -274,17 +317,19 @@ def request(sock: str, script: str) -> None:
         pass
 
 
-def run_fpm(receiver: Receiver, pipeline: Pipeline, directory: Path) -> Fpm:
-    """Start php-fpm, send each worker one request of php_split.php (split mode), and wait for 6,400
-    of their stacks; php-fpm and its workers are killed on the way out, the requests end with them."""
-    script = directory / SCRIPT.name
+def run_fpm(receiver: Receiver, pipeline: Pipeline, version: str, site: FpmSite) -> Fpm:
+    """Start the version's php-fpm, send each worker one request of php_split.php (split mode), and wait
+    for 6,400 of their stacks; php-fpm and its workers are killed on the way out, the requests end with
+    them."""
+    script = site.directory / SCRIPT.name
     shutil.copy(SCRIPT, script)
     script.chmod(0o644)
-    pool = start_fpm(directory)
+    filename = str(site.seen / SCRIPT.name)
+    pool = start_fpm(site)
     requests: list[threading.Thread] = []
     try:
         for _ in range(FPM_WORKERS):
-            t = threading.Thread(target=request, args=(pool.sock, str(script)), daemon=True)
+            t = threading.Thread(target=request, args=(pool.sock, filename), daemon=True)
             t.start()
             requests.append(t)
 
@@ -292,7 +337,7 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, directory: Path) -> Fpm:
             got = received_samples(receiver.dir)
             return sum(s.values[0] for pid in pool.workers for s in got.get(pid, [])) >= WANT_STACKS
         try:
-            wait_for("php_wall profiles of php-fpm's workers", enough, timeout=120, interval=1.0)
+            wait_for(f"php_wall profiles of php-fpm {version}'s workers", enough, timeout=120, interval=1.0)
         except AssertionError as e:
             runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
             raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
@@ -300,7 +345,7 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, directory: Path) -> Fpm:
         stop_fpm(pool)
         for t in requests:
             t.join(timeout=10)
-    return Fpm(pool.workers, str(script))
+    return Fpm(version, pool.workers, filename)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +358,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     # php-fpm's workers run as nobody: their script and socket in a directory nobody may enter.
     fpm_dir = Path(tempfile.mkdtemp(prefix="ebpfprofiler-fpm-"))
     fpm_dir.chmod(0o755)
+    sites = fpm_sites(fpm_dir, inside)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
@@ -348,16 +394,17 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 for p in w.procs:
                     p.kill()
                     p.wait()
-            fpm = run_fpm(receiver, pipeline, fpm_dir)
+            # One php-fpm at a time, as the CLIs.
+            fpms = [run_fpm(receiver, pipeline, v, site) for v, site in sites.items()]
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(workloads, received_samples(receiver.dir), pipeline.log(), fpm)
+        yield Run(workloads, received_samples(receiver.dir), pipeline.log(), fpms)
     finally:
         receiver.stop()
         shutil.rmtree(fpm_dir, ignore_errors=True)
-        for root in (runtime_roots.trixie(), runtime_roots.experimental()):
-            shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
+        for root_of in ROOTS.values():
+            shutil.rmtree(root_of() / inside.relative_to("/"), ignore_errors=True)
 
 
 VERSIONS = ["8.2", "8.4", "8.5"]
@@ -423,22 +470,26 @@ def test_frames_carry_function_class_file_and_line(run: Run, version: str) -> No
     judge_frames(split_samples(run, w), w.filename, f"PHP {version}")
 
 
-def fpm_samples(run: Run) -> list[pprof.ReadSample]:
-    assert run.fpm is not None
-    return [s for pid in run.fpm.workers for s in run.samples.get(pid, [])]
+def fpm(run: Run, version: str) -> Fpm:
+    return next(f for f in run.fpms if f.version == version)
 
 
-def test_fpm_workers_requests_are_in_cpu_a_and_cpu_b_three_to_one(run: Run) -> None:
-    samples = fpm_samples(run)
+def fpm_samples(run: Run, version: str) -> list[pprof.ReadSample]:
+    return [s for pid in fpm(run, version).workers for s in run.samples.get(pid, [])]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fpm_workers_requests_are_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
+    samples = fpm_samples(run, version)
     assert sum(s.values[0] for s in samples) >= WANT_STACKS
-    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {"php-fpm8.2"}, \
+    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {f"php-fpm{version}"}, \
         [s.labels for s in samples[:3]]
-    judge_split(samples, "php-fpm 8.2")
+    judge_split(samples, f"php-fpm {version}")
 
 
-def test_fpm_frames_carry_function_class_file_and_line(run: Run) -> None:
-    assert run.fpm is not None
-    judge_frames(fpm_samples(run), run.fpm.filename, "php-fpm 8.2")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fpm_frames_carry_function_class_file_and_line(run: Run, version: str) -> None:
+    judge_frames(fpm_samples(run, version), fpm(run, version).filename, f"php-fpm {version}")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
