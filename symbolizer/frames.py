@@ -106,7 +106,8 @@ class FrameResolver:
         """The frames resolved before for `proc`, with its mappings as they are now (else none)."""
         key = (proc.pid, proc.start_ticks)
         entry = self._remembered.get(key)
-        if entry is not None and entry[0] == proc.mappings:
+        # the same tuple for every stack of a batch; an equal one from a later batch
+        if entry is not None and (entry[0] is proc.mappings or entry[0] == proc.mappings):
             self._remembered.move_to_end(key)
             return entry[1]
         self._remembered[key] = entry = (proc.mappings, {})

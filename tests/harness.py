@@ -64,6 +64,14 @@ KEEP_RATE_BUDGET_PCT = 100.0
 TEST_ACK_TIMEOUT_S = 1.0
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid`'s main thread ([] if it is gone)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def stop_process(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
     """Stop a process this test started; kill it if it does not stop in time."""
     if p.poll() is None:

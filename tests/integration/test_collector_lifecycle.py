@@ -12,7 +12,8 @@ import pytest
 
 from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.config import ProfilerConfig, dump
-from tests.harness import PY, Pipeline, bpf_holdings, bpftool, open_dir, require_root, stop_process, wait_for
+from tests.harness import (PY, Pipeline, bpf_holdings, bpftool, children, open_dir, require_root, stop_process,
+                           wait_for)
 
 # How long the kernel may take to free programs a closed tail-call array held (a workqueue, then RCU).
 KERNEL_FREE_TIMEOUT_S = 10.0
@@ -89,7 +90,7 @@ def test_stages_stop_cleanly_when_run_is_killed(tmp_path: Path) -> None:
     pipeline = Pipeline(tmp_path, ProfilerConfig(sample_hz=19))
     stages: list[int] = []
     try:
-        stages = _children(pipeline.proc.pid)
+        stages = children(pipeline.proc.pid)
         collector = int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text().split()[0])
         assert collector in stages and len(stages) >= 3, stages
         progs, _ = bpf_holdings(collector)
@@ -110,10 +111,3 @@ def test_stages_stop_cleanly_when_run_is_killed(tmp_path: Path) -> None:
             except OSError:
                 pass
         pipeline.stop()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []

@@ -44,7 +44,7 @@ from ebpfprofiler.shared import endpoints, pprof, privileges
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import dotnet_runtimes
-from tests.harness import WORKLOADS, Pipeline, Receiver, open_dir, require_root, wait_for
+from tests.harness import WORKLOADS, Pipeline, Receiver, children, open_dir, require_root, wait_for
 
 SCRIPT = WORKLOADS / "dotnet_hot.py"
 HOT = "HotLoopEbpfTest"
@@ -187,8 +187,7 @@ def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
                      interval=1.0)
             reader = int(Path(endpoints.ready_file(str(pipeline.run_dir), "runtime")).read_text())
             r.reader_status = status(reader)
-            children = Path(f"/proc/{reader}/task/{reader}/children").read_text().split()
-            r.connector_status = [status(int(c)) for c in children]
+            r.connector_status = [status(c) for c in children(reader)]
             # The map is written as the runtime compiles: the latest fresh method is in it.
             r.written_while_on = f"FreshEbpfTest_{net8.fresh}("
             wait_for(f"{r.written_while_on} in {net8.perf_map}",

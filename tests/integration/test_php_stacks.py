@@ -51,7 +51,7 @@ from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import runtime_roots
-from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
+from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 
 SCRIPT = WORKLOADS / "php_split.php"
@@ -260,20 +260,14 @@ php_admin_value[max_execution_time] = 0
     # The client connects through the master's /proc/PID/root: a root's own path on the host can
     # pass the 107 bytes a unix socket's path may have.
     sock = Path(f"/proc/{master.pid}/root{site.seen}/fpm.sock")
-
-    def children() -> list[int]:
-        try:
-            return [int(x) for x in Path(f"/proc/{master.pid}/task/{master.pid}/children").read_text().split()]
-        except OSError:
-            return []
     try:
         wait_for("php-fpm's socket and workers", lambda: master.poll() is None and sock.exists()
-                 and len(children()) == FPM_WORKERS, timeout=30)
+                 and len(children(master.pid)) == FPM_WORKERS, timeout=30)
     except AssertionError:
-        stop_fpm(FpmPool(master, str(sock), children()))
+        stop_fpm(FpmPool(master, str(sock), children(master.pid)))
         log = site.directory / "fpm.log"
         raise AssertionError(f"php-fpm did not start: {log.read_text() if log.exists() else 'no log'}") from None
-    return FpmPool(master, str(sock), children())
+    return FpmPool(master, str(sock), children(master.pid))
 
 
 def ended(pid: int) -> bool:

@@ -34,16 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
-
 from ebpfprofiler.collector.procfs import read_maps
+from ebpfprofiler.receiver.store import list_profiles
 from ebpfprofiler.runtimes import elfsyms
 from ebpfprofiler.runtimes import ruby as ruby_plugin
 from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
 from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS
 from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, first_mappings
+from ebpfprofiler.shared import endpoints, pprof
+from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
