@@ -12,6 +12,13 @@
 // user stack goes to oncpu_dwarf_stacks_<buf> under a hash, and the key's
 // user_hash names it (user_stack is then -1).
 //
+// With -DONCPU_REGS (collector/regs.py: runtime_stacks names a runtime whose
+// on-CPU frames are named from the thread's registers: the JVM), a sample of
+// a process in oncpu_regs_pids also goes to the oncpu_regs ring buffer as
+// the thread's user registers and the top of its stack (struct
+// oncpu_regs_record; its layout is RECORD in collector/regs.py), for the
+// runtime reader to walk its JIT frames with.
+//
 // Compiled by bcc (with offcpu.c when off-CPU profiling is on), with
 // -DCOUNTS_ENTRIES and -DSTACK_ENTRIES from the collector.
 
@@ -29,7 +36,8 @@ struct oncpu_key {
 #define ONCPU_LOST_COUNTS_FULL 0
 #define ONCPU_LOST_USER_STACK 1
 #define ONCPU_LOST_KERNEL_STACK 2
-#define ONCPU_LOST_SLOTS 3
+#define ONCPU_LOST_REGS 3
+#define ONCPU_LOST_SLOTS 4
 
 BPF_HASH(oncpu_counts_0, struct oncpu_key, u64, COUNTS_ENTRIES);
 BPF_HASH(oncpu_counts_1, struct oncpu_key, u64, COUNTS_ENTRIES);
@@ -50,6 +58,76 @@ static __always_inline void oncpu_count_lost(int reason) {
     if (n)
         (*n)++;
 }
+
+#ifdef ONCPU_REGS
+// -DONCPU_REGS_PIDS, -DONCPU_REGS_RING_PAGES, -DONCPU_REGS_STACK_BYTES, -DONCPU_REGS_SHORT_STACK_BYTES
+// and -DONCPU_REGS_WAKE_EVERY come from collector/regs.py.
+struct oncpu_regs_record {
+    u32 pid;
+    u32 tid;
+    u64 time_ns;      // bpf_ktime_get_ns of the sample
+    u64 ip;           // user registers: where the thread runs,
+    u64 sp;           // its stack pointer,
+    u64 fp;           // its frame pointer (rbp)
+    u32 stack_len;    // bytes of `stack` copied from sp up: ONCPU_REGS_STACK_BYTES, SHORT_STACK_BYTES or 0
+    u32 pad;
+    u8 stack[ONCPU_REGS_STACK_BYTES];
+};
+BPF_HASH(oncpu_regs_pids, u32, u8, ONCPU_REGS_PIDS);      // processes whose samples carry registers
+BPF_RINGBUF_OUTPUT(oncpu_regs, ONCPU_REGS_RING_PAGES);
+BPF_ARRAY(oncpu_regs_sent, u64, 1);                       // records submitted: every WAKE_EVERY-th wakes the collector
+
+// The user registers of the sampled thread (the sample's, or those saved at kernel entry) and the top of its
+// stack, for a process the collector marked. A ring that is full loses the record, counted.
+static __always_inline void oncpu_send_regs(struct bpf_perf_event_data *ctx, u32 pid, u32 tid) {
+    if (!oncpu_regs_pids.lookup(&pid))
+        return;
+    struct pt_regs *regs = (struct pt_regs *)&ctx->regs;
+    u64 ip, sp, fp;
+    if ((regs->cs & 3) == 3) {
+        ip = regs->ip;
+        sp = regs->sp;
+        fp = regs->bp;
+    } else {
+#ifdef HAVE_TASK_PT_REGS
+        struct pt_regs *user = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+        struct pt_regs r = {};
+        if (!user || bpf_probe_read_kernel(&r, sizeof(r), user) || (r.cs & 3) != 3)
+            return;
+        ip = r.ip;
+        sp = r.sp;
+        fp = r.bp;
+#else
+        return;
+#endif
+    }
+    struct oncpu_regs_record *rec = oncpu_regs.ringbuf_reserve(sizeof(struct oncpu_regs_record));
+    if (!rec) {
+        oncpu_count_lost(ONCPU_LOST_REGS);
+        return;
+    }
+    rec->pid = pid;
+    rec->tid = tid;
+    rec->time_ns = bpf_ktime_get_ns();
+    rec->ip = ip;
+    rec->sp = sp;
+    rec->fp = fp;
+    rec->pad = 0;
+    // Near the top of the stack the whole copy would cross its end: a shorter one, else none.
+    if (bpf_probe_read_user(rec->stack, ONCPU_REGS_STACK_BYTES, (void *)sp) == 0)
+        rec->stack_len = ONCPU_REGS_STACK_BYTES;
+    else if (bpf_probe_read_user(rec->stack, ONCPU_REGS_SHORT_STACK_BYTES, (void *)sp) == 0)
+        rec->stack_len = ONCPU_REGS_SHORT_STACK_BYTES;
+    else
+        rec->stack_len = 0;
+    u32 zero = 0;
+    u64 *sent = oncpu_regs_sent.lookup(&zero);
+    u64 n = sent ? __sync_fetch_and_add(sent, 1) : 0;
+    // Woken only every WAKE_EVERY-th record (the collector also takes them at every drain): one
+    // wake-up a sample would cost the collector more than the sample.
+    oncpu_regs.ringbuf_submit(rec, n % ONCPU_REGS_WAKE_EVERY == 0 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+}
+#endif
 
 // -EFAULT means there is no such stack (a kernel thread has no user stack, a
 // sample in user mode no kernel stack); any other error is a stack we lost.
@@ -116,6 +194,10 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
     u32 *buf = oncpu_active.lookup(&zero);
     if (!buf)
         TIMED_RETURN(timing, 0);
+
+#ifdef ONCPU_REGS
+    oncpu_send_regs(ctx, pid, tid);
+#endif
 
     struct oncpu_key key = {};
     key.pid = pid;

@@ -6,7 +6,8 @@ announced once (without mappings) when first seen, its exit (or pid reuse)
 announced when a check of /proc finds it gone, and every FULL_EVERY_S a full
 re-announcement of the live ones, so a reader that (re)started late catches
 up. Sends never block: with no reader listening, or a slow one, ZeroMQ drops
-them (the next full announcement repairs that).
+them (the next full announcement repairs that). The same socket carries
+what collector/regs.py publishes (RegsBatch), with the same never-blocking send.
 
 Must not: read runtime memory, or decide which processes a reader reads.
 """
@@ -27,6 +28,7 @@ from ebpfprofiler.shared.wire import (
     MAX_ANNOUNCED_PROCESSES,
     Process,
     ProcessAnnouncement,
+    RegsBatch,
     encode,
 )
 
@@ -97,7 +99,11 @@ class Announcer:
                 processes=tuple(processes[i:i + MAX_ANNOUNCED_PROCESSES]),
                 exited=tuple(exited[i:i + MAX_ANNOUNCED_PROCESSES]), full=full))
 
-    def _send(self, msg: ProcessAnnouncement) -> None:
+    def publish(self, msg: RegsBatch) -> None:
+        """Another message for the runtime readers, sent like an announcement."""
+        self._send(msg)
+
+    def _send(self, msg: ProcessAnnouncement | RegsBatch) -> None:
         try:
             self.sock.send_multipart(encode(msg), zmq.NOBLOCK)
             self.stats["messages"] += 1

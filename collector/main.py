@@ -33,7 +33,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpftime, drains, overhead, preflight, unwind
+from ebpfprofiler.collector import alloc, bpftime, drains, overhead, preflight, regs, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.drains import EarlyDrains
@@ -47,6 +47,7 @@ from ebpfprofiler.collector.targets import TargetWatcher
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, lifecycle, privileges, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
+from ebpfprofiler.shared import runtime_registry
 from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
@@ -161,6 +162,11 @@ class Collector:
         lock_dwarf = dwarf and bool(cfg.lock_targets)
         if dwarf:
             defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
+        # runtime_stacks naming a runtime that walks its JIT frames from registers (the JVM): its
+        # processes' on-CPU samples carry them (collector/regs.py)
+        regs_names = runtime_registry.regs_mappings(cfg.runtime_stacks)
+        if regs_names:
+            defines.update(regs.bpf_defines())
         self.programs = Programs(bpf_dir, families, defines)
         # The event sources (collector/sources.py): every one is attached, drained, paused and
         # closed alike; on-CPU is also the one whose rate the overhead guard sets.
@@ -190,6 +196,8 @@ class Collector:
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
+        self.regs = (regs.RegsForwarder(self.programs.bpf, regs_names, self.announcer.publish, self.host)
+                     if regs_names else None)
         self.totals = {"batches": 0, "batches_dropped": 0}
         self.early = EarlyDrains()
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
@@ -296,6 +304,8 @@ class Collector:
             self.ship(raw, src.profile_type, stamp_ns, live)
         self._drain_new_processes = self.procs.stats["read"] - read_before
         self.announcer.flush()
+        if self.regs is not None:
+            self.regs.flush(self.oncpu.period_ns)
         if self.unwind is not None:
             counters = self.unwind.counters()
             if counters.get("tail_call_failed") or counters.get("stack_map_full"):
@@ -321,6 +331,8 @@ class Collector:
                 batch = self.unwind.annotate(batch)
             self.send(worker, batch)
             self.announcer.observe(batch.processes)
+            if self.regs is not None:
+                self.regs.observe(batch.processes)
 
     def track_targets(self, source: TargetedSource, live: Sequence[int]) -> None:
         """Unwind tables for every module of each target of a DWARF-unwound source (lock waits),
@@ -442,6 +454,8 @@ class Collector:
             counts = src.counts()
             if counts:
                 log.info("%s profiling: %s", src.profile_type, counts)
+        if self.regs is not None:
+            self.regs.close()
         self.programs.close()
         overhead.remove_status(self.run_dir)
         self.links.close()
@@ -596,6 +610,9 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         poller.register(wakeup, zmq.POLLIN)
         if collector.unwind is not None:      # tables are loaded as they arrive, not at the next drain
             poller.register(collector.unwind.sock, zmq.POLLIN)
+        regs_fd = collector.regs.fd() if collector.regs is not None else None
+        if regs_fd is not None:               # woken every ONCPU_REGS_WAKE_EVERY-th record, not at each
+            poller.register(regs_fd, zmq.POLLIN)
         new_processes = collector.new_process_fd()
         # The new-process events wake the loop only while no process waits for its early-drain look
         # (collector/drains.py): the look takes the events that came meanwhile. A host starting
@@ -629,6 +646,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
                 collector.take_new_processes()
             if collector.unwind is not None and collector.unwind.sock in events:
                 collector.unwind.receive()
+            if regs_fd is not None and regs_fd in events and collector.regs is not None:
+                collector.regs.flush(collector.oncpu.period_ns)
             if hup.is_set():
                 hup.clear()
                 cfg = reload_budget(collector, cfg, args.config)

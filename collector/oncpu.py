@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 PROFILE_TYPE = "cpu"
 PROGRAM_NAME = "on_cpu_sample"
 # Names of the oncpu_lost slots in bpf/oncpu.c, in order.
-LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "stack_gone")
+LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "regs_ring_full",
+                "stack_gone")
 NSEC_PER_SEC = 1_000_000_000
 
 
@@ -37,7 +38,7 @@ class OnCpuSampler(EventSource):
         self.period_ns = NSEC_PER_SEC // sample_hz
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
-        self._lost = LostCounters(bpf["oncpu_lost"], LOST_REASONS[:3])
+        self._lost = LostCounters(bpf["oncpu_lost"], LOST_REASONS[:4])
         self._attached = False
 
     def attach(self) -> None:

@@ -11,6 +11,9 @@ doubled back (up to the caps) for every window well under it, the figures
 logged each window; sum the stacks per service per window
 and profile type (symbolizer/window.py) with the process labels plus
 thread.name and thread.id; hand each closed window's profile (profile.py) to the uploader.
+On-CPU samples with registers from the collector (RegsBatch, for runtimes
+with a cpu profile type: the JVM) are walked by their process's plug-in
+(sample_regs) as they arrive, into that runtime's cpu profile (jvm_cpu).
 A stop (SIGTERM/SIGINT) hands out the window in progress, after each plug-in's
 stop() has undone what it asked of processes (the .NET plug-in's perf maps).
 Plug-ins with a helper (shared/runtime_registry.py helper_caps: the .NET
@@ -32,12 +35,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import zmq
 from ebpfprofiler.runtimes import profile as profile_mod
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import Runtime
-from ebpfprofiler.runtimes.targets import Targets
+from ebpfprofiler.runtimes.runtime import RegsStackReader, Runtime
+from ebpfprofiler.runtimes.runtime import ThreadStack
+from ebpfprofiler.runtimes.targets import Entry, Targets
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import (
     endpoints,
@@ -57,6 +62,8 @@ from ebpfprofiler.shared.wire import (
     MAX_BATCH_BYTES,
     ProcessAnnouncement,
     ProfileUpload,
+    RegsBatch,
+    RegsSample,
     WireError,
     decode,
 )
@@ -133,7 +140,8 @@ class Reader:
         self._window_cpu = time.process_time()
         self._window_wall = time.monotonic()
         self.stats = {"ticks": 0, "stacks": 0, "bad_messages": 0, "profiles": 0, "capped_processes": 0,
-                      "budget_spent": 0}
+                      "budget_spent": 0, "regs_samples": 0, "regs_not_read": 0}
+        self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz   # the collector's, as its last RegsBatch says
         self._window_stacks = 0
 
     # ------------------------------------------------------------ input
@@ -143,13 +151,49 @@ class Reader:
             frames = self.inbox.recv_multipart()
             try:
                 msg = decode(frames)
-                if not isinstance(msg, ProcessAnnouncement):
-                    raise WireError(f"a runtime reader takes process announcements, not {type(msg).__name__}")
+                if not isinstance(msg, (ProcessAnnouncement, RegsBatch)):
+                    raise WireError("a runtime reader takes process announcements and on-CPU samples with "
+                                    f"registers, not {type(msg).__name__}")
             except WireError as e:
                 self.stats["bad_messages"] += 1
                 log.warning("dropped a malformed message (%d so far): %s", self.stats["bad_messages"], e)
                 continue
-            self.targets.announce(msg)
+            if isinstance(msg, RegsBatch):
+                self.regs(msg, time.time_ns())
+            else:
+                self.targets.announce(msg)
+
+    def regs(self, msg: RegsBatch, now_ns: int) -> None:
+        """The collector's on-CPU samples with registers: each one walked by its process's plug-in, into
+        the runtime's cpu profile (jvm_cpu) with the collector's period; a sample of a process not read
+        (not announced yet, refused, another runtime's, its pid reused) is counted and dropped."""
+        by_pid: dict[int, list[RegsSample]] = {}
+        for r in msg.samples:
+            by_pid.setdefault(r.pid, []).append(r)
+        self.cpu_period_ns = msg.period_ns
+        budget = ReadBudget(self.max_bytes)
+        for pid, samples in by_pid.items():
+            e = self.targets.entries.get(pid)
+            reader = e.reader if e is not None else None
+            if (e is None or e.runtime is None or not isinstance(reader, RegsStackReader)
+                    or not e.runtime.spec.cpu_profile_type or e.process.start_ticks != samples[0].start_ticks):
+                self.stats["regs_not_read"] += len(samples)
+                continue
+            own = [replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
+            try:
+                stacks = reader.sample_regs(ProcessMemory(pid, budget), own)
+            except MemoryReadError as err:
+                if err.reason == "budget":
+                    self.stats["budget_spent"] += 1
+                    return
+                self.targets.stats["gone_while_reading"] += 1
+                self.targets.forget(e)
+                continue
+            except Exception as err:   # what a target's memory holds must never end the reader
+                self.targets.give_up(e, err)
+                continue
+            self.stats["regs_samples"] += len(samples)
+            self._add(e, e.runtime.spec.cpu_profile_type, stacks, msg.period_ns, now_ns)
 
     # ------------------------------------------------------------ sampling
 
@@ -184,20 +228,24 @@ class Reader:
                 continue
             if not self.targets.current(e):        # reused while we read: what we read is not e's
                 continue
-            base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
-                                  strip_process_args=self.cfg.strip_process_args)
-            by_service = self.windows.services(e.runtime.spec.profile_type, now_ns)
-            window = by_service.get(e.process.service)
-            if window is None:
-                window = by_service[e.process.service] = ServiceWindow()
-            for st in stacks:
-                if not st.frames:
-                    continue
-                tid, name = self.targets.thread(e, st.native_tid)
-                labels = base + (("thread.name", name), ("thread.id", str(tid)))
-                window.add(labels, st.frames, 1, self.period_ns)
-                self.stats["stacks"] += 1
-                self._window_stacks += 1
+            self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
+
+    def _add(self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int) -> None:
+        """A process's stacks into its service's window of profile_type, each worth `value` ns."""
+        base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
+                              strip_process_args=self.cfg.strip_process_args)
+        by_service = self.windows.services(profile_type, now_ns)
+        window = by_service.get(e.process.service)
+        if window is None:
+            window = by_service[e.process.service] = ServiceWindow()
+        for st in stacks:
+            if not st.frames:
+                continue
+            tid, name = self.targets.thread(e, st.native_tid)
+            labels = base + (("thread.name", name), ("thread.id", str(tid)))
+            window.add(labels, st.frames, 1, value)
+            self.stats["stacks"] += 1
+            self._window_stacks += 1
 
     # ------------------------------------------------------------ budget
 
@@ -227,7 +275,8 @@ class Reader:
     def flush(self, closed: list[ClosedWindow]) -> None:
         self.sender.poll()
         for w in closed:
-            gz, n = profile_mod.build(w, self.period_ns)
+            cpu = w.profile_type in runtime_registry.CPU_PROFILE_TYPES
+            gz, n = profile_mod.build(w, self.cpu_period_ns if cpu else self.period_ns)
             upload = ProfileUpload(
                 profile_id=str(uuid.uuid4()), host=self.host, service=w.service, profile_type=w.profile_type,
                 window_start_ns=w.start_ns, window_end_ns=w.end_ns, samples=n, pprof_gz=gz)

@@ -1,7 +1,8 @@
 """One gzip pprof of a runtime's profile type (python_wall, php_wall ...) from one closed window of one service.
 
 Owns: the runtime profile types' sample types and period (wall-clock
-samples: a count and nanoseconds), and turning aggregated (labels, frames)
+samples: a count and nanoseconds; the on-CPU types, jvm_cpu: a count and
+cpu nanoseconds, as the cpu profile), and turning aggregated (labels, frames)
 rows into pprof functions (qualified name and file; every runtime's frames
 have function, filename, line: runtimes/runtime.py), locations (one per
 function and line), one mapping named for the runtime, and samples.
@@ -11,11 +12,13 @@ Must not: decide windows or labels, or send anything.
 
 from __future__ import annotations
 
-from ebpfprofiler.shared.runtime_registry import BY_PROFILE_TYPE
+from ebpfprofiler.shared.runtime_registry import BY_PROFILE_TYPE, CPU_PROFILE_TYPES
 from ebpfprofiler.symbolizer.window import TRUNCATED, ClosedWindow
 
 SAMPLE_TYPES = (("samples", "count"), ("wall", "nanoseconds"))
 PERIOD_TYPE = ("wall", "nanoseconds")
+CPU_SAMPLE_TYPES = (("samples", "count"), ("cpu", "nanoseconds"))
+CPU_PERIOD_TYPE = ("cpu", "nanoseconds")
 
 
 def build(window: ClosedWindow, period_ns: int) -> tuple[bytes, int]:
@@ -24,7 +27,8 @@ def build(window: ClosedWindow, period_ns: int) -> tuple[bytes, int]:
     # process the reader can read (the shipped defaults, most hosts) never builds one
     from ebpfprofiler.shared.pprof import ProfileBuilder
 
-    b = ProfileBuilder(SAMPLE_TYPES, PERIOD_TYPE, period_ns, window.start_ns, window.end_ns - window.start_ns)
+    cpu = window.profile_type in CPU_PROFILE_TYPES
+    b = ProfileBuilder(CPU_SAMPLE_TYPES if cpu else SAMPLE_TYPES, CPU_PERIOD_TYPE if cpu else PERIOD_TYPE, period_ns, window.start_ns, window.end_ns - window.start_ns)
     name = BY_PROFILE_TYPE[window.profile_type].name
     mapping = b.mapping(name, f"[{name}]", has_functions=True)
     for (labels, frames), (count, value) in window.data.rows.items():

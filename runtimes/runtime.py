@@ -37,6 +37,12 @@ opentelemetry-ebpf-profiler's interpreter loaders):
      a thread or frame that fails validation is dropped and counted in
      `dropped` by reason, never raised.
    - `version`: what detect found ("8.2.29"), for the log.
+   - `sample_regs(mem, samples)` (only a runtime whose RuntimeSpec has a
+     cpu_profile_type: the JVM): the collector's on-CPU samples of the
+     process (RegsSample: the thread's user registers and the top of its
+     stack when the sample was taken; tid is the runtime's own thread id),
+     one ThreadStack each, frames walked from those registers (the stack
+     copy first, the process's memory above it). Same errors as sample().
 3. Frames: any frozen dataclass with `function` (the qualified name as the
    profile shows it: "Class::method", "Class#method"), `filename` and
    `line` (0: unknown); fields beyond those are the runtime's own (its
@@ -71,13 +77,14 @@ import ctypes
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from ebpfprofiler.runtimes.elfsyms import ElfSymbolError
 from ebpfprofiler.runtimes.memory import ProcessMemory
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec
+from ebpfprofiler.shared.wire import RegsSample
 
 # /proc/<pid>/maps of a PHP or Python process is a few hundred lines; a JVM's a few MB.
 MAX_MAPS_BYTES = 4 << 20
@@ -119,6 +126,13 @@ class StackReader(Protocol):
     dropped: dict[str, int]
 
     def sample(self, mem: ProcessMemory) -> list[ThreadStack]: ...
+
+
+@runtime_checkable
+class RegsStackReader(StackReader, Protocol):
+    """A StackReader that also walks the collector's on-CPU samples from their registers."""
+
+    def sample_regs(self, mem: ProcessMemory, samples: Sequence[RegsSample]) -> list[ThreadStack]: ...
 
 
 @dataclass

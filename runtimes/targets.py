@@ -170,6 +170,19 @@ class Targets:
                 e.thread_names[tid] = name
         return tid, name
 
+    def native_tid(self, e: Entry, host_tid: int) -> int:
+        """The runtime's own id of a thread of this host's tid (the same unless in a pid namespace)."""
+        if e.process.nspid == e.process.pid:
+            return host_tid
+        for native, tid in e.host_tids.items():
+            if tid == host_tid:
+                return native
+        e.host_tids = self._host_tids(e.process.pid)
+        for native, tid in e.host_tids.items():
+            if tid == host_tid:
+                return native
+        return 0
+
     def _host_tids(self, pid: int) -> dict[int, int]:
         out: dict[int, int] = {}
         try:

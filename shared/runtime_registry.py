@@ -28,6 +28,12 @@ class RuntimeSpec:
     # Its plug-in forks a helper at load that keeps the runtime stage's OPTIONAL_CAPS (shared/privileges.py);
     # the reader drops them once the plug-ins are loaded.
     helper_caps: bool = False
+    # Its on-CPU profile: the collector's cpu samples of its processes, each carrying the thread's user
+    # registers and the top of its stack (collector/regs.py), walked by its plug-in's sample_regs; "": none.
+    cpu_profile_type: str = ""
+    # A process mapping a file of one of these names is marked for those registers (by the collector, which
+    # sees mapping names only).
+    regs_mappings: tuple[str, ...] = ()
 
     @property
     def package(self) -> str:
@@ -42,7 +48,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
     RuntimeSpec("ruby", "Ruby", (("ruby", "Ruby 3.3 and 3.4"),), "ruby_wall",
                 ("function", "class_name", "filename", "line")),
     RuntimeSpec("jvm", "JVM", (("jvm", "HotSpot JDK 11 and newer"),), "jvm_wall",
-                ("function", "filename", "line", "kind")),
+                ("function", "filename", "line", "kind"), cpu_profile_type="jvm_cpu", regs_mappings=("libjvm.so",)),
     # No stacks of its own: it asks each .NET process for a perf map, whose names the cpu profiles then show.
     RuntimeSpec("dotnet", ".NET", (("dotnet", ".NET 8 and newer: JIT frame names in cpu profiles, from perf "
                                               "maps asked for over each process's diagnostics socket"),), "",
@@ -53,8 +59,17 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
 
 # Every runtime_stacks name the config accepts.
 OPT_INS: tuple[str, ...] = tuple(name for spec in RUNTIMES for name, _ in spec.opt_ins)
-PROFILE_TYPES: tuple[str, ...] = tuple(spec.profile_type for spec in RUNTIMES if spec.profile_type)
-BY_PROFILE_TYPE = {spec.profile_type: spec for spec in RUNTIMES if spec.profile_type}
+PROFILE_TYPES: tuple[str, ...] = tuple(t for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t)
+BY_PROFILE_TYPE = {t: spec for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t}
+# The runtimes' on-CPU profile types: cpu time (the collector's samples), not wall time.
+CPU_PROFILE_TYPES = frozenset(spec.cpu_profile_type for spec in RUNTIMES if spec.cpu_profile_type)
+
+
+def regs_mappings(runtime_stacks: tuple[str, ...]) -> frozenset[str]:
+    """The mapping names that mark a process for registers with its cpu samples, for the runtimes
+    runtime_stacks turns on."""
+    return frozenset(name for spec in RUNTIMES if any(o in runtime_stacks for o, _ in spec.opt_ins)
+                     for name in spec.regs_mappings)
 
 
 def opt_in_help() -> str:

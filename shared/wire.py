@@ -3,11 +3,12 @@
 Owns: every message that crosses a socket between stages (StackBatch
 collector → symbolizer, with the UnwindRequests it carries; UnwindTable
 symbolizer → collector; ProfileUpload symbolizer or runtime reader → uploader;
-ProcessAnnouncement collector → runtime readers; FileRequest and
+ProcessAnnouncement and RegsBatch collector → runtime readers; FileRequest and
 FileReply between a symbolizer and the collector's file broker), its version,
 its size caps and its validation. A message is a list of frames: frame 0 is a
 JSON header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload
-carries the gzip pprof as frame 1, untouched, and an UnwindTable its table
+carries the gzip pprof as frame 1, untouched, a RegsBatch its samples' stack
+copies end to end as frame 1, and an UnwindTable its table
 (shared/unwind_table.py format, checked by its reader) as frame 1. File messages are one frame,
 one Unix datagram each (the file descriptor travels beside it as SCM_RIGHTS).
 
@@ -52,6 +53,11 @@ MAX_UNWIND_REQUESTS = 4096
 UNWIND_STATUSES = ("ok", "none", "failed")
 # Processes (new or exited) in one announcement: the collector sends the rest in the next one.
 MAX_ANNOUNCED_PROCESSES = 4096
+# On-CPU samples with registers in one RegsBatch: a drain of a 64-CPU host at 999 Hz is ~64K;
+# the collector sends the rest in the next message.
+MAX_REGS_SAMPLES = 65536
+# Bytes of stack a RegsSample carries at most (bpf/oncpu.c copies ONCPU_REGS_STACK_BYTES).
+MAX_REGS_STACK_BYTES = 4096
 
 
 class WireError(ValueError):
@@ -162,6 +168,30 @@ class ProcessAnnouncement:
     full: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RegsSample:
+    """One on-CPU sample of a thread of a process the collector marked (collector/regs.py): its user
+    registers when it was taken, and a copy of its stack from sp up (len(stack) bytes; may be empty)."""
+    pid: int
+    start_ticks: int
+    tid: int
+    time_ns: int          # CLOCK_MONOTONIC of the sample
+    ip: int
+    sp: int
+    fp: int
+    stack: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RegsBatch:
+    """The collector tells runtime readers the on-CPU samples of marked processes, with their registers;
+    each sample stands for period_ns of CPU time."""
+    host: str
+    time_ns: int
+    period_ns: int
+    samples: tuple[RegsSample, ...]
+
+
 FILE_KINDS = ("module", "perf_map", "debug")
 # gone: the process exited (or its pid is another process's): says nothing about the file.
 FILE_ERRORS = ("missing", "gone", "refused", "unreadable", "bad_request")
@@ -191,7 +221,8 @@ class FileReply:
     reason: str = ""
 
 
-Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, ProcessAnnouncement]
+Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, ProcessAnnouncement,
+                RegsBatch]
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -233,6 +264,12 @@ def encode(msg: Message) -> list[bytes]:
             "host": msg.host, "time_ns": msg.time_ns, "full": msg.full,
             "processes": [_process_json(p) for p in msg.processes],
             "exited": [[pid, ticks] for pid, ticks in msg.exited]})]
+    if isinstance(msg, RegsBatch):
+        return [_header("regs_batch", {
+            "host": msg.host, "time_ns": msg.time_ns, "period_ns": msg.period_ns,
+            "samples": [[r.pid, r.start_ticks, r.tid, r.time_ns, r.ip, r.sp, r.fp, len(r.stack)]
+                        for r in msg.samples]}),
+                b"".join(r.stack for r in msg.samples)]
     if isinstance(msg, FileRequest):
         return [_header("file_request", {"pid": msg.pid, "start_ticks": msg.start_ticks, "kind": msg.kind,
                                          "start": msg.start, "end": msg.end, "build_id": msg.build_id})]
@@ -273,6 +310,10 @@ def decode(frames: Sequence[bytes]) -> Message:
             if len(frames) != 1:
                 raise WireError("a process_announcement has one frame")
             return _announcement(body)
+        if kind == "regs_batch":
+            if len(frames) != 2:
+                raise WireError("a regs_batch has two frames")
+            return _regs_batch(body, bytes(frames[1]))
         if kind in ("file_request", "file_reply"):
             if len(frames) != 1 or len(head) > MAX_FILE_MESSAGE_BYTES:
                 raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
@@ -429,6 +470,30 @@ def _announcement(b: dict[str, Any]) -> ProcessAnnouncement:
         host=_str(b["host"], "host"), time_ns=_int(b["time_ns"], "time_ns"),
         processes=_each(b["processes"], "processes", _process, MAX_ANNOUNCED_PROCESSES),
         exited=_each(b["exited"], "exited", exited, MAX_ANNOUNCED_PROCESSES), full=full)
+
+
+def _regs_batch(b: dict[str, Any], stacks: bytes) -> RegsBatch:
+    rows = _list(b["samples"], "samples", MAX_REGS_SAMPLES)
+    if len(stacks) > len(rows) * MAX_REGS_STACK_BYTES:
+        raise WireError(f"{len(stacks)} bytes of stacks for {len(rows)} samples")
+    out: list[RegsSample] = []
+    at = 0
+    for row in rows:
+        r = _list(row, "regs sample", 8)
+        if len(r) != 8:
+            raise WireError("a regs sample is [pid, start_ticks, tid, time_ns, ip, sp, fp, stack bytes]")
+        n = _int(r[7], "regs sample stack bytes", 0, MAX_REGS_STACK_BYTES)
+        if at + n > len(stacks):
+            raise WireError("regs samples name more stack bytes than the message carries")
+        out.append(RegsSample(pid=_int(r[0], "pid", 1, 1 << 32), start_ticks=_int(r[1], "start_ticks"),
+                              tid=_int(r[2], "tid", 1, 1 << 32), time_ns=_int(r[3], "time_ns"),
+                              ip=_int(r[4], "ip"), sp=_int(r[5], "sp"), fp=_int(r[6], "fp"),
+                              stack=stacks[at:at + n]))
+        at += n
+    if at != len(stacks):
+        raise WireError(f"{len(stacks) - at} stack bytes no regs sample names")
+    return RegsBatch(host=_str(b["host"], "host"), time_ns=_int(b["time_ns"], "time_ns"),
+                     period_ns=_int(b["period_ns"], "period_ns", 1, 1 << 40), samples=tuple(out))
 
 
 def _unwind_request(v: Any, what: str) -> UnwindRequest:

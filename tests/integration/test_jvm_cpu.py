@@ -1,0 +1,176 @@
+"""JVM on-CPU stacks end to end: the collector's cpu samples of real HotSpot JVMs (JDK 11, 17, 21, 25) carry
+the thread's user registers and the top of its stack, and the runtime reader walks them into jvm_cpu profiles.
+
+Given one pipeline with runtime_stacks: [jvm] (sample_hz 299, so that ~4,000 samples a JVM come in
+~30 s on two CPUs) and four JVMs, one per JDK (tests/jdks.py), each running
+tests/workloads/JvmSpin.java: a thread that never blocks, its CPU time split 3:1 by work between
+splitA (a loop calling inlinedLeaf, which the JIT inlines) and splitB;
+when the jvm_cpu profiles of the windows after every JVM's warm-up hold WANT_SAMPLES samples of each
+JVM's spinning thread;
+then, per JDK:
+- at least 90% of them have named Java frames down from the thread's start (java.lang.Thread.run,
+  JvmSpin.work and what it calls), not a cut-off JIT frame: the thread was running compiled code, which
+  has no last Java frame to walk from, so these come from the registers;
+- splitA : splitB is 3:1 ±10%;
+- splitA's frames are named with their file and lines: the caller JvmSpin.work at the CALL_A line (a
+  return address: exact), splitA in its own lines, or at line 0 where C2 left no debug information
+  near the running pc (its loop has no call and no safepoint: the PcDescs around it hold no scope).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.receiver.store import list_profiles
+from ebpfprofiler.shared import endpoints, pprof
+from ebpfprofiler.shared.config import ProfilerConfig
+
+from tests import jdks
+from tests.harness import Pipeline, Receiver, require_root, wait_for
+
+VERSIONS = ["11", "17", "21", "25"]
+SAMPLE_HZ = 299
+# Samples of each JVM's spinning thread: 4,000 judge a 3:1 split within ±10% (2.4 standard deviations of a
+# binomial share).
+WANT_SAMPLES = 4000
+# At least this share of them has the workload's frames named.
+WANT_NAMED = 0.90
+WORKLOAD_SECONDS = 240
+JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData"]
+SOURCE_NAME = "JvmSpin.java"
+
+
+def marked_lines(tag: str) -> set[int]:
+    return {i for i, line in enumerate(jdks.SPIN_SOURCE.read_text().splitlines(), 1)
+            if line.rstrip().endswith(f"// {tag}")}
+
+
+def method_lines(name: str) -> range:
+    """The lines of a method of the workload, from its declaration to its closing brace."""
+    lines = jdks.SPIN_SOURCE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines, 1) if f" {name}(" in line and line.lstrip().startswith("static"))
+    end = next(i for i in range(start, len(lines) + 1) if lines[i - 1] == "    }")
+    return range(start, end + 1)
+
+
+@dataclass
+class Run:
+    procs: dict[str, subprocess.Popen]
+    samples: dict[int, list[pprof.ReadSample]]    # pid → jvm_cpu samples of its spinning thread, after warm-up
+
+
+def spin_samples(directory: Path, since_ns: int) -> dict[int, list[pprof.ReadSample]]:
+    by_pid: dict[int, list[pprof.ReadSample]] = {}
+    for meta in list_profiles(str(directory)):
+        if meta["type"] != "jvm_cpu":
+            continue
+        profile = pprof.read(Path(meta["path"]).read_bytes())
+        if profile.time_ns < since_ns:
+            continue
+        assert profile.sample_types == (("samples", "count"), ("cpu", "nanoseconds")), profile.sample_types
+        for s in profile.samples:
+            if str(s.labels.get("thread.name", "")).startswith("spin-"):
+                by_pid.setdefault(int(s.labels["pid"]), []).append(s)
+    return by_pid
+
+
+def count(samples: list[pprof.ReadSample]) -> int:
+    return sum(s.values[0] for s in samples)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    require_root()
+    work = tmp_path_factory.mktemp("jvmcpu")
+    classes = jdks.classes(jdks.SPIN_SOURCE)
+    javas = {v: jdks.java_of(v) for v in VERSIONS}
+    receiver = Receiver(work / "received")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        pipeline = Pipeline(work, ProfilerConfig(
+            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
+            python_stacks=False, runtime_stacks=("jvm",), cpu_budget=50.0, dwarf_unwind=False, offcpu=False,
+            sample_hz=SAMPLE_HZ))
+        try:
+            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
+            wait_for("the runtime reader", ready.exists, timeout=30)
+            outs = {}
+            for v, java in javas.items():
+                outs[v] = work / f"jdk{v}.out"
+                with open(outs[v], "w") as f:
+                    p = subprocess.Popen([str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSpin",
+                                          str(WORKLOAD_SECONDS), "1"],
+                                         stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                module_started.append(p)   # killed and reaped at the module's end (conftest.py)
+                procs[v] = p
+            for v, p in procs.items():
+                wait_for(f"JDK {v}'s warm-up", lambda v=v, p=p: "ready\n" in outs[v].read_text()
+                         or p.poll() is not None, timeout=90, interval=0.2)
+                assert p.poll() is None, f"JDK {v} ended:\n{outs[v].read_text()[-2000:]}"
+            warm_ns = time.time_ns()
+
+            def enough() -> bool:
+                got = spin_samples(receiver.dir, warm_ns)
+                return all(count(got.get(p.pid, [])) >= WANT_SAMPLES for p in procs.values())
+            try:
+                wait_for("jvm_cpu profiles of every JDK", enough, timeout=150, interval=1.0)
+            except AssertionError as e:
+                got = spin_samples(receiver.dir, warm_ns)
+                runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "regist" in ln]
+                raise AssertionError(f"{e}; samples {[count(got.get(p.pid, [])) for p in procs.values()]}; "
+                                     "the pipeline said:\n" + "\n".join(runtime_log[-30:])) from None
+        finally:
+            code = pipeline.stop()
+        assert code == 0, pipeline.log()
+        yield Run(procs, spin_samples(receiver.dir, warm_ns))
+    finally:
+        receiver.stop()
+
+
+def own_frames(s: pprof.ReadSample) -> list[pprof.Frame]:
+    """The sample's frames of the workload's class, root first."""
+    return [f for f in s.frames if f.function.startswith("JvmSpin.")]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_running_java_threads_are_walked_from_their_registers(run: Run, version: str) -> None:
+    samples = run.samples[run.procs[version].pid]
+    named = sum(s.values[0] for s in samples if s.functions[0] == "java.lang.Thread.run"
+                and "JvmSpin.work" in s.functions)
+    total = count(samples)
+    assert named >= WANT_NAMED * total, (
+        f"JDK {version}: {named} of {total} samples are whole from Thread.run through JvmSpin.work; "
+        f"others: {[s.functions for s in samples if 'JvmSpin.work' not in s.functions][:5]}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_spinning_thread_splits_three_to_one(run: Run, version: str) -> None:
+    samples = run.samples[run.procs[version].pid]
+    a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
+    b = sum(s.values[0] for s in samples if "JvmSpin.splitB" in s.functions)
+    assert a + b >= WANT_NAMED * count(samples), f"JDK {version}: splitA {a}, splitB {b} of {count(samples)}"
+    assert 2.7 <= a / b <= 3.3, f"JDK {version}: splitA:splitB = {a}:{b} = {a / b:.2f}, want 3 ±10%"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_frames_are_named_with_file_and_lines(run: Run, version: str) -> None:
+    samples = run.samples[run.procs[version].pid]
+    call_a, split_a = marked_lines("CALL_A"), method_lines("splitA")
+    good = 0
+    seen = []
+    for s in samples:
+        own = own_frames(s)
+        names = [f.function for f in own]
+        if names[-2:] != ["JvmSpin.work", "JvmSpin.splitA"]:
+            continue
+        seen.append([(f.function, f.filename, f.line) for f in own])
+        if own[-2].line in call_a and (own[-1].line in split_a or own[-1].line == 0) \
+                and all(f.filename == SOURCE_NAME for f in own):
+            good += s.values[0]
+    a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
+    assert good >= 0.9 * a, f"JDK {version}: {good} of {a} splitA samples named right; some: {seen[:5]}"
