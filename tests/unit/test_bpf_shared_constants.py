@@ -98,3 +98,19 @@ def test_every_define_the_collector_passes_is_used_by_a_program() -> None:
     passed = set(unwind.bpf_defines(offcpu_dwarf=True, lock_dwarf=True)) | set(alloc.bpf_defines(65536, 5.0))
     for name in passed:
         assert re.search(rf"\b{name}\b", sources), name
+
+
+def test_register_records_are_decoded_as_the_program_lays_them_out() -> None:
+    """collector/regs.py's RECORD is struct oncpu_regs_record of bpf/oncpu.c up to its stack copy, and the
+    copy sizes the collector passes with -D are the ones the wire lets through."""
+    from ebpfprofiler.collector import regs
+    from ebpfprofiler.shared import wire
+
+    body = re.search(r"struct oncpu_regs_record \{(.*?)\};", (BPF / "oncpu.c").read_text(), re.DOTALL)
+    assert body, "bpf/oncpu.c has no struct oncpu_regs_record"
+    fields = re.findall(r"^\s*(u8|u32|u64)\s+(\w+)(\[\w+\])?;", body.group(1), re.MULTILINE)
+    assert fields[-1][1:] == ("stack", "[ONCPU_REGS_STACK_BYTES]"), fields
+    codes = {"u32": "I", "u64": "Q"}
+    assert "<" + "".join(codes[t] for t, _, _ in fields[:-1]) == regs.RECORD.format
+    assert regs.RECORD.size % 8 == 0      # the stack copy that follows starts 8-aligned
+    assert regs.ONCPU_REGS_SHORT_STACK_BYTES < regs.ONCPU_REGS_STACK_BYTES <= wire.MAX_REGS_STACK_BYTES

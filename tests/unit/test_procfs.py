@@ -91,3 +91,20 @@ def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
     third = table.get(5, [0x1500])
     assert third and third.executable == "/bin/three" and third.comm == "three", third
     assert third.mappings[0].path == "/bin/three"
+
+
+def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> None:
+    from ebpfprofiler.collector.regs import marked_by
+    from ebpfprofiler.shared import runtime_registry
+    from ebpfprofiler.shared.wire import Mapping, Process
+
+    def process(*paths: str) -> Process:
+        return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="java", executable="/usr/bin/java", service="s",
+                       mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p)
+                                      for i, p in enumerate(paths, 1)))
+    names = runtime_registry.regs_mappings(("jvm",))
+    assert "libjvm.so" in names
+    assert marked_by(process("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/jdk/lib/server/libjvm.so"), names) \
+        == "/opt/jdk/lib/server/libjvm.so"
+    assert marked_by(process("/opt/jdk/lib/server/libjvm.so.bak", "/tmp/libjvm.sox"), names) is None
+    assert runtime_registry.regs_mappings(("php", "ruby")) == frozenset()   # nothing marked without the JVM

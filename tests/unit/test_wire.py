@@ -131,3 +131,36 @@ def test_errors_quote_the_offending_value_cut() -> None:
     with pytest.raises(WireError) as e:
         wire.decode([samples])
     assert len(str(e.value)) < 400
+
+
+def regs_batch() -> wire.RegsBatch:
+    return wire.RegsBatch(host="h", time_ns=5, period_ns=52_631_578, samples=(
+        wire.RegsSample(pid=10, start_ticks=7, tid=11, time_ns=3, ip=0x7F0000001000, sp=0x7FFF0000, fp=0x7FFF0040,
+                        stack=bytes(range(256)) * 4),
+        wire.RegsSample(pid=10, start_ticks=7, tid=12, time_ns=4, ip=1, sp=2, fp=3, stack=b""),
+        wire.RegsSample(pid=20, start_ticks=9, tid=20, time_ns=4, ip=1, sp=2, fp=3, stack=b"\x01" * 256)))
+
+
+def test_regs_batches_round_trip_with_each_sample_its_own_stack_bytes() -> None:
+    msg = regs_batch()
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("change", [
+    "stack bytes no sample names", "a sample naming more bytes than sent", "a stack over the cap", "one frame",
+    "a short row"])
+def test_malformed_regs_batches_are_wire_errors(change: str) -> None:
+    head, stacks = wire.encode(regs_batch())
+    doc = json.loads(head)
+    rows = doc["body"]["samples"]
+    if change == "stack bytes no sample names":
+        stacks += b"\0" * 8
+    elif change == "a sample naming more bytes than sent":
+        rows[1][7] = 8
+    elif change == "a stack over the cap":
+        rows[0][7] = wire.MAX_REGS_STACK_BYTES + 1
+    elif change == "a short row":
+        rows[2] = rows[2][:7]
+    frames = [json.dumps(doc).encode()] + ([] if change == "one frame" else [stacks])
+    with pytest.raises(WireError):
+        wire.decode(frames)
