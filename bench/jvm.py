@@ -176,8 +176,10 @@ class JvmBench:
         shell, out = self._start(java, classes, d, "spin", [], park_ns=0, seconds=WORKLOAD_S + 60)
         row: dict = {}
         stats_on = kernel_stats()
+        jvm = 0
         try:
-            self._jvm_pid(shell)
+            jvm = self._jvm_pid(shell)
+            jvm_started = procs.start_time(jvm)
             for name, runtime_stacks in (("plain", ()), ("regs", ("jvm",))):
                 p = Pipeline(d / f"pipeline-{name}", SAMPLE_HZ, CPU_WINDOW_S, 1, runtime_stacks=runtime_stacks,
                              cpu_budget=100.0)
@@ -210,6 +212,8 @@ class JvmBench:
         finally:
             stats_on.close()
             procs.stop(shell)
+            if jvm:    # its shell's pipeline does not pass the signal on: the JVM would run to its deadline
+                procs.kill_pid(jvm, jvm_started)
         return row
 
     def run(self) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import random
 import socket
 import sys
 import time
@@ -78,6 +79,10 @@ MAX_BYTES_PER_TICK = 4 << 20
 # The caps never fall below these, however far over budget a window is.
 MIN_PROCESSES_PER_TICK = 1
 MIN_BYTES_PER_TICK = 64 << 10
+# On-CPU samples with registers walked a second at most (a 2-CPU host at 19 Hz sends 38; a 64-CPU host
+# of busy JVMs 1,216): past it a uniform subsample is walked, each worth the samples it stands for.
+MAX_REGS_PER_S = 256
+MIN_REGS_PER_S = 8
 # A window under this fraction of cpu_budget doubles the caps back.
 RELAX_BELOW = 0.5
 # Windows close this long after their end (as in the symbolizer; nothing arrives late here).
@@ -136,11 +141,14 @@ class Reader:
         self.outbox.connect(endpoints.uploader(run_dir))
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
         self.max_processes, self.max_bytes = MAX_PROCESSES_PER_TICK, MAX_BYTES_PER_TICK
+        self.max_regs_per_s = MAX_REGS_PER_S
+        self._regs_tokens, self._regs_refilled = float(MAX_REGS_PER_S), time.monotonic()
+        self._rng = random.Random()
         self._rr = 0
         self._window_cpu = time.process_time()
         self._window_wall = time.monotonic()
         self.stats = {"ticks": 0, "stacks": 0, "bad_messages": 0, "profiles": 0, "capped_processes": 0,
-                      "budget_spent": 0, "regs_samples": 0, "regs_not_read": 0}
+                      "budget_spent": 0, "regs_samples": 0, "regs_not_read": 0, "regs_subsampled": 0}
         self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz   # the collector's, as its last RegsBatch says
         self._window_stacks = 0
 
@@ -167,8 +175,20 @@ class Reader:
         """The collector's on-CPU samples with registers: each one walked by its process's plug-in, into
         the runtime's cpu profile (jvm_cpu) with the collector's period; a sample of a process not read
         (not announced yet, refused, another runtime's, its pid reused) is counted and dropped."""
+        now = time.monotonic()
+        self._regs_tokens = min(float(self.max_regs_per_s),
+                                self._regs_tokens + (now - self._regs_refilled) * self.max_regs_per_s)
+        self._regs_refilled = now
+        chosen: Sequence[RegsSample] = msg.samples
+        weight = 1.0
+        if len(chosen) > self._regs_tokens:
+            k = max(1, int(self._regs_tokens))
+            chosen = self._rng.sample(msg.samples, k)
+            weight = len(msg.samples) / k
+            self.stats["regs_subsampled"] += len(msg.samples) - k
+        self._regs_tokens = max(0.0, self._regs_tokens - len(chosen))
         by_pid: dict[int, list[RegsSample]] = {}
-        for r in msg.samples:
+        for r in chosen:
             by_pid.setdefault(r.pid, []).append(r)
         self.cpu_period_ns = msg.period_ns
         budget = ReadBudget(self.max_bytes)
@@ -193,7 +213,7 @@ class Reader:
                 self.targets.give_up(e, err)
                 continue
             self.stats["regs_samples"] += len(samples)
-            self._add(e, e.runtime.spec.cpu_profile_type, stacks, msg.period_ns, now_ns)
+            self._add(e, e.runtime.spec.cpu_profile_type, stacks, msg.period_ns, now_ns, weight)
 
     # ------------------------------------------------------------ sampling
 
@@ -230,8 +250,10 @@ class Reader:
                 continue
             self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
 
-    def _add(self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int) -> None:
-        """A process's stacks into its service's window of profile_type, each worth `value` ns."""
+    def _add(self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int,
+             weight: float = 1.0) -> None:
+        """A process's stacks into its service's window of profile_type, each worth `value` ns (and
+        `weight` samples: a subsample's stand for more)."""
         base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
                               strip_process_args=self.cfg.strip_process_args)
         by_service = self.windows.services(profile_type, now_ns)
@@ -243,7 +265,12 @@ class Reader:
                 continue
             tid, name = self.targets.thread(e, st.native_tid)
             labels = base + (("thread.name", name), ("thread.id", str(tid)))
-            window.add(labels, st.frames, 1, value)
+            if weight == 1.0:
+                window.add(labels, st.frames, 1, value)
+            else:   # a subsample: whole samples on average, the nanoseconds exact in expectation
+                n = int(weight) + (self._rng.random() < weight - int(weight))
+                if n:
+                    window.add(labels, st.frames, n, n * value)
             self.stats["stacks"] += 1
             self._window_stacks += 1
 
@@ -259,15 +286,22 @@ class Reader:
         if pct > self.cfg.cpu_budget:
             self.max_processes = max(MIN_PROCESSES_PER_TICK, self.max_processes // 2)
             self.max_bytes = max(MIN_BYTES_PER_TICK, self.max_bytes // 2)
+            self.max_regs_per_s = max(MIN_REGS_PER_S, self.max_regs_per_s // 2)
         elif pct < self.cfg.cpu_budget * RELAX_BELOW:
             self.max_processes = min(MAX_PROCESSES_PER_TICK, self.max_processes * 2)
             self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
+            self.max_regs_per_s = min(MAX_REGS_PER_S, self.max_regs_per_s * 2)
         per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
+        regs = ""
+        if self.stats["regs_samples"] or self.stats["regs_not_read"]:
+            regs = (f"; on-CPU samples with registers: {self.stats['regs_samples']} walked, "
+                    f"{self.stats['regs_subsampled']} left out of a subsample, {self.stats['regs_not_read']} of "
+                    f"processes not read (totals), at most {self.max_regs_per_s} a second")
         log.info("window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
-                 "%d processes, %d bytes%s; targets %s; frames dropped %s", pct, self.cfg.cpu_budget,
+                 "%d processes, %d bytes%s; targets %s; frames dropped %s%s", pct, self.cfg.cpu_budget,
                  self._window_stacks, per_stack, self.max_processes, self.max_bytes,
                  "" if before == (self.max_processes, self.max_bytes) else
-                 f" (were {before[0]}, {before[1]})", self.targets.stats, self.dropped() or "none")
+                 f" (were {before[0]}, {before[1]})", self.targets.stats, self.dropped() or "none", regs)
         self._window_stacks = 0
 
     # ------------------------------------------------------------ output

@@ -1,8 +1,8 @@
 """JVM on-CPU stacks end to end: the collector's cpu samples of real HotSpot JVMs (JDK 11, 17, 21, 25) carry
 the thread's user registers and the top of its stack, and the runtime reader walks them into jvm_cpu profiles.
 
-Given one pipeline with runtime_stacks: [jvm] (sample_hz 299, so that ~4,000 samples a JVM come in
-~30 s on two CPUs) and four JVMs, one per JDK (tests/jdks.py), each running
+Given one pipeline with runtime_stacks: [jvm] (sample_hz 127, so that ~4,000 samples a JVM come in
+~65 s on two CPUs, every one walked: under the reader's MAX_REGS_PER_S) and four JVMs, one per JDK (tests/jdks.py), each running
 tests/workloads/JvmSpin.java: a thread that never blocks, its CPU time split 3:1 by work between
 splitA (a loop calling inlinedLeaf, which the JIT inlines) and splitB;
 when the jvm_cpu profiles of the windows after every JVM's warm-up hold WANT_SAMPLES samples of each
@@ -34,14 +34,18 @@ from tests import jdks
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 VERSIONS = ["11", "17", "21", "25"]
-SAMPLE_HZ = 299
+SAMPLE_HZ = 127
 # Samples of each JVM's spinning thread: 4,000 judge a 3:1 split within ±10% (2.4 standard deviations of a
 # binomial share).
 WANT_SAMPLES = 4000
 # At least this share of them has the workload's frames named.
 WANT_NAMED = 0.90
 WORKLOAD_SECONDS = 240
-JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData"]
+# splitA and splitB stay methods of their own (inlined into work's compiled loop, their loops would have no
+# debug information of their own: the samples would name work); inlinedLeaf is inlined into splitA.
+JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData",
+              "-XX:CompileCommand=quiet", "-XX:CompileCommand=dontinline,JvmSpin::splitA",
+              "-XX:CompileCommand=dontinline,JvmSpin::splitB"]
 SOURCE_NAME = "JvmSpin.java"
 
 
@@ -62,6 +66,7 @@ def method_lines(name: str) -> range:
 class Run:
     procs: dict[str, subprocess.Popen]
     samples: dict[int, list[pprof.ReadSample]]    # pid → jvm_cpu samples of its spinning thread, after warm-up
+    log: str                                       # the pipeline's
 
 
 def spin_samples(directory: Path, since_ns: int) -> dict[int, list[pprof.ReadSample]]:
@@ -118,7 +123,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 got = spin_samples(receiver.dir, warm_ns)
                 return all(count(got.get(p.pid, [])) >= WANT_SAMPLES for p in procs.values())
             try:
-                wait_for("jvm_cpu profiles of every JDK", enough, timeout=150, interval=1.0)
+                wait_for("jvm_cpu profiles of every JDK", enough, timeout=180, interval=1.0)
             except AssertionError as e:
                 got = spin_samples(receiver.dir, warm_ns)
                 runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "regist" in ln]
@@ -127,7 +132,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(procs, spin_samples(receiver.dir, warm_ns))
+        yield Run(procs, spin_samples(receiver.dir, warm_ns), pipeline.log())
     finally:
         receiver.stop()
 
@@ -174,3 +179,10 @@ def test_frames_are_named_with_file_and_lines(run: Run, version: str) -> None:
             good += s.values[0]
     a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
     assert good >= 0.9 * a, f"JDK {version}: {good} of {a} splitA samples named right; some: {seen[:5]}"
+
+
+
+def test_every_sample_was_walked_not_a_subsample(run: Run) -> None:
+    windows = [ln for ln in run.log.splitlines() if "on-CPU samples with registers:" in ln]
+    assert windows, "the runtime reader logged no window with on-CPU samples"
+    assert " 0 left out of a subsample" in windows[-1], windows[-1]

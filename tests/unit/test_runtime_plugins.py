@@ -97,3 +97,54 @@ def test_ruby_succinct_index_lookup_matches_the_recorded_table() -> None:
                    15, 16], got
     lines = [10, 10, 11, 11, 12, 12, 12, 12, 11, 11, 11, 11, 11, 11, 11, 14]
     assert lines[got[19] - 1] == 11 and {lines[i - 1] for i in got} == {10, 11, 12, 14}
+
+
+class _Walked:
+    """A plug-in's reader that walks every on-CPU sample into one frame naming its thread (the test is of the
+    reader stage's subsampling, not of a runtime)."""
+    version = "1"
+    dropped: dict[str, int] = {}
+
+    def sample(self, mem: object) -> list:
+        return []
+
+    def sample_regs(self, mem: object, samples: list) -> list:
+        from ebpfprofiler.runtimes.runtime import ThreadStack
+        from ebpfprofiler.runtimes.jvm.reader import JvmFrame
+        return [ThreadStack(r.tid, (JvmFrame(f"t{r.tid}", "", 0, "compiled"),)) for r in samples]
+
+
+@pytest.mark.parametrize("arriving", [100, 5000])
+def test_on_cpu_samples_past_the_readers_cap_are_a_weighted_subsample(tmp_path: Path, arriving: int) -> None:
+    """Given a JVM process being read and a RegsBatch of `arriving` samples of two threads at 3:1,
+    when the reader takes it, then it walks at most MAX_REGS_PER_S of them and the jvm_cpu window still
+    holds ~`arriving` samples (each worth the collector's period) at 3:1."""
+    import os
+    from ebpfprofiler.runtimes import main as reader_main
+    from ebpfprofiler.runtimes.targets import Entry
+
+    run = tmp_path / "run"
+    run.mkdir()
+    r = reader_main.Reader(config.ProfilerConfig(plain_pid=True, runtime_stacks=("jvm",)), str(run), str(tmp_path))
+    r._rng.seed(1)    # the subsample is random; this test's figures are of one fixed draw
+    try:
+        pid = os.getpid()
+        me = wire.Process(pid=pid, start_ticks=1, uid=0, nspid=pid, comm="t", executable="/bin/t", service="s")
+        jvm = next(x for x in r.runtimes if x.spec.name == "jvm")
+        r.targets.entries[pid] = Entry(me, state="reading", reader=_Walked(), runtime=jvm)   # type: ignore[arg-type]
+        period = 52_631_578
+        samples = tuple(wire.RegsSample(pid, 1, pid if i % 4 else pid + 1, i, 1, 2, 3, b"") for i in range(arriving))
+        r.regs(wire.RegsBatch("h", 1, period, samples), 10**18)
+        walked = r.stats["regs_samples"]
+        assert walked == min(arriving, reader_main.MAX_REGS_PER_S)
+        (window,) = [w for w in r.windows.close_all() if w.profile_type == "jvm_cpu"]
+        by_frame: dict[str, int] = {}
+        for (_labels, frames), (n, ns) in window.data.rows.items():
+            by_frame[frames[0].function] = by_frame.get(frames[0].function, 0) + n
+            assert ns == n * period
+        total = sum(by_frame.values())
+        assert abs(total - arriving) <= 0.05 * arriving, by_frame
+        assert 2.4 <= by_frame[f"t{pid}"] / by_frame[f"t{pid + 1}"] <= 3.8, by_frame
+    finally:
+        r.inbox.close()
+        r.outbox.close()
