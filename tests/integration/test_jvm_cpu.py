@@ -12,13 +12,16 @@ then, per JDK:
   JvmSpin.work and what it calls), not a cut-off JIT frame: the thread was running compiled code, which
   has no last Java frame to walk from, so these come from the registers;
 - splitA : splitB is 3:1 ±10%;
-- splitA's frames are named with their file and lines: the caller JvmSpin.work at the CALL_A line (a
-  return address: exact), splitA in its own lines, or at line 0 where C2 left no debug information
-  near the running pc (its loop has no call and no safepoint: the PcDescs around it hold no scope).
+- inlinedLeaf, which -XX:+PrintInlining reports inlined into splitA, is named under splitA, above the
+  step() it calls, with file and lines: JvmSpin.work at the CALL_A line, splitA at CALL_LEAF,
+  inlinedLeaf at CALL_STEP (return addresses: exact; the inlined frame from splitA's nmethod's scope
+  descriptors at that call), step in its own lines or at line 0 (a running pc in a loop with no call or
+  safepoint, where C2 keeps no debug information).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,11 +44,12 @@ WANT_SAMPLES = 4000
 # At least this share of them has the workload's frames named.
 WANT_NAMED = 0.90
 WORKLOAD_SECONDS = 240
-# splitA and splitB stay methods of their own (inlined into work's compiled loop, their loops would have no
-# debug information of their own: the samples would name work); inlinedLeaf is inlined into splitA.
-JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData",
-              "-XX:CompileCommand=quiet", "-XX:CompileCommand=dontinline,JvmSpin::splitA",
-              "-XX:CompileCommand=dontinline,JvmSpin::splitB"]
+# splitA, splitB and step stay methods of their own: inlined into their callers' compiled loops, their
+# own loops would have no debug information of their own (the samples would name the caller).
+# inlinedLeaf is inlined into splitA (-XX:+PrintInlining says so).
+JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData", "-XX:+UnlockDiagnosticVMOptions",
+              "-XX:+PrintInlining", "-XX:CompileCommand=quiet", "-XX:CompileCommand=dontinline,JvmSpin::splitA",
+              "-XX:CompileCommand=dontinline,JvmSpin::splitB", "-XX:CompileCommand=dontinline,JvmSpin::step"]
 SOURCE_NAME = "JvmSpin.java"
 
 
@@ -65,6 +69,7 @@ def method_lines(name: str) -> range:
 @dataclass
 class Run:
     procs: dict[str, subprocess.Popen]
+    outs: dict[str, Path]                         # each JVM's output: -XX:+PrintInlining's report, "ready"
     samples: dict[int, list[pprof.ReadSample]]    # pid → jvm_cpu samples of its spinning thread, after warm-up
     log: str                                       # the pipeline's
 
@@ -104,7 +109,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
-            outs = {}
+            outs: dict[str, Path] = {}
             for v, java in javas.items():
                 outs[v] = work / f"jdk{v}.out"
                 with open(outs[v], "w") as f:
@@ -132,7 +137,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(procs, spin_samples(receiver.dir, warm_ns), pipeline.log())
+        yield Run(procs, outs, spin_samples(receiver.dir, warm_ns), pipeline.log())
     finally:
         receiver.stop()
 
@@ -163,23 +168,27 @@ def test_spinning_thread_splits_three_to_one(run: Run, version: str) -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_frames_are_named_with_file_and_lines(run: Run, version: str) -> None:
+def test_inlined_method_is_named_under_its_caller_with_file_and_lines(run: Run, version: str) -> None:
+    report = run.outs[version].read_text()
+    assert re.search(r"JvmSpin::inlinedLeaf \(\d+ bytes\)\s+inline \(hot\)", report), \
+        f"JDK {version}: -XX:+PrintInlining did not report inlinedLeaf inlined"
     samples = run.samples[run.procs[version].pid]
-    call_a, split_a = marked_lines("CALL_A"), method_lines("splitA")
+    call_a, call_leaf, call_step, step = (marked_lines("CALL_A"), marked_lines("CALL_LEAF"),
+                                          marked_lines("CALL_STEP"), method_lines("step"))
     good = 0
     seen = []
     for s in samples:
         own = own_frames(s)
         names = [f.function for f in own]
-        if names[-2:] != ["JvmSpin.work", "JvmSpin.splitA"]:
+        if "JvmSpin.splitA" not in names:
             continue
-        seen.append([(f.function, f.filename, f.line) for f in own])
-        if own[-2].line in call_a and (own[-1].line in split_a or own[-1].line == 0) \
-                and all(f.filename == SOURCE_NAME for f in own):
+        seen.append([(f.function, f.line) for f in own[-4:]])
+        if names[-4:] == ["JvmSpin.work", "JvmSpin.splitA", "JvmSpin.inlinedLeaf", "JvmSpin.step"] \
+                and own[-4].line in call_a and own[-3].line in call_leaf and own[-2].line in call_step \
+                and (own[-1].line in step or own[-1].line == 0) and all(f.filename == SOURCE_NAME for f in own):
             good += s.values[0]
     a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
     assert good >= 0.9 * a, f"JDK {version}: {good} of {a} splitA samples named right; some: {seen[:5]}"
-
 
 
 def test_every_sample_was_walked_not_a_subsample(run: Run) -> None:

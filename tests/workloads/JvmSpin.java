@@ -1,15 +1,23 @@
 // The JVM on-CPU test's workload (tests/integration/test_jvm_cpu.py): worker threads (the second argument:
 // how many, "spin-N") that never block, their CPU time split 3:1 between splitA (whose loop calls
-// inlinedLeaf, small enough for the JIT to inline) and splitB, by work: the same multiply-add chain
-// (which no compiler can shorten: each step needs the last), 3 * STEPS times in splitA, STEPS times in
-// splitB (~1 ms). Warm-up first (the JIT compiles both), then "ready" on stdout. Ends by itself after the
-// seconds given as its first argument.
+// inlinedLeaf, small enough for the JIT to inline) and splitB, by work: the same steps (a multiply-add
+// chain in step(), which the test keeps out of line: its call in inlinedLeaf is where splitA's compiled
+// code records that inlinedLeaf was inlined there), 3 * STEPS times in splitA, STEPS times in splitB.
+// Warm-up first (the JIT compiles them), then "ready" on stdout. Ends by itself after the seconds given as
+// its first argument.
 public class JvmSpin {
-    static final int STEPS = 1_000_000;
+    static final int STEPS = 15_000;
     static volatile long sink;
 
+    static long step(long x) {
+        for (int i = 0; i < 64; i++) {
+            x = x * 6364136223846793005L + 1442695040888963407L; // STEP
+        }
+        return x;
+    }
+
     static long inlinedLeaf(long x) {
-        return x * 6364136223846793005L + 1442695040888963407L; // LEAF
+        return step(x) ^ (x >>> 7); // CALL_STEP
     }
 
     static long splitA(long x, int steps) {
@@ -21,7 +29,7 @@ public class JvmSpin {
 
     static long splitB(long x, int steps) {
         for (int i = 0; i < steps; i++) {
-            x = x * 6364136223846793005L + 1442695040888963407L; // SPIN_B
+            x = step(x) ^ (x >>> 7); // SPIN_B
         }
         return x;
     }
