@@ -60,9 +60,12 @@ def bpf_defines() -> dict[str, int]:
 
 
 def marked_by(process: Process, names: frozenset[str]) -> str | None:
-    """The first mapping of `process` whose file name is one of `names`, or None."""
+    """The first mapping of `process` whose file name is one of `names` (a name ending in "*": one that
+    starts with what precedes it), or None."""
+    prefixes = tuple(n[:-1] for n in names if n.endswith("*"))
     for m in process.mappings:
-        if m.path.rsplit("/", 1)[-1] in names:
+        base = m.path.rsplit("/", 1)[-1]
+        if base in names or (prefixes and base.startswith(prefixes)):
             return m.path
     return None
 

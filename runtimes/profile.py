@@ -1,8 +1,8 @@
 """One gzip pprof of a runtime's profile type (python_wall, php_wall ...) from one closed window of one service.
 
 Owns: the runtime profile types' sample types and period (wall-clock
-samples: a count and nanoseconds; the on-CPU types, jvm_cpu: a count and
-cpu nanoseconds, as the cpu profile), and turning aggregated (labels, frames)
+samples: a count and nanoseconds; the on-CPU types, jvm_cpu and node_cpu:
+a count and cpu nanoseconds, as the cpu profile), and turning aggregated (labels, frames)
 rows into pprof functions (qualified name and file; every runtime's frames
 have function, filename, line: runtimes/runtime.py), locations (one per
 function and line), one mapping named for the runtime, and samples.

@@ -38,7 +38,7 @@ opentelemetry-ebpf-profiler's interpreter loaders):
      `dropped` by reason, never raised.
    - `version`: what detect found ("8.2.29"), for the log.
    - `sample_regs(mem, samples)` (only a runtime whose RuntimeSpec has a
-     cpu_profile_type: the JVM): the collector's on-CPU samples of the
+     cpu_profile_type: the JVM, Node.js): the collector's on-CPU samples of the
      process (RegsSample: the thread's user registers and the top of its
      stack when the sample was taken; tid is the runtime's own thread id),
      one ThreadStack each, frames walked from those registers (the stack

@@ -32,7 +32,7 @@ class RuntimeSpec:
     # registers and the top of its stack (collector/regs.py), walked by its plug-in's sample_regs; "": none.
     cpu_profile_type: str = ""
     # A process mapping a file of one of these names is marked for those registers (by the collector, which
-    # sees mapping names only).
+    # sees mapping names only); a name ending in "*" is a prefix ("libnode.so.*": libnode.so.115).
     regs_mappings: tuple[str, ...] = ()
 
     @property
@@ -54,7 +54,8 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
                                               "maps asked for over each process's diagnostics socket"),), "",
                 (), helper_caps=True),
     RuntimeSpec("node", "Node.js", (("node", "Node.js 20 to 26 (V8 11.3 to 14), builds without pointer compression"),),
-                "node_cpu", ("function", "filename", "line", "kind")),
+                "node_cpu", ("function", "filename", "line", "kind"), cpu_profile_type="node_cpu",
+                regs_mappings=("node", "libnode.so.*")),   # node_cpu: the timer's samples and these (runtimes/node)
 )
 
 # Every runtime_stacks name the config accepts.

@@ -89,7 +89,7 @@ class Node:
         if stack is None:
             return Refusal(f"{where}: no [stack] mapping: the main thread's stack is not found")
         return NodeProcess(f"{major}.{minor}.{build}.{patch}", layout, info, scan_ranges(process.mappings),
-                           (stack.start, stack.end), process.pid, process.proc)
+                           (stack.start, stack.end), process.pid, process.proc, mod.path)
 
 
 def runtime(cfg: Any) -> Node | None:

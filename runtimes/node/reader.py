@@ -17,13 +17,23 @@ function's current code kind where V8 says it), builtin (a JSFunction
 without a script: Array.prototype.map, Atomics.wait in a builtin exit frame).
 
 Running JavaScript (no exit frame) has no frame pointer that the reader can
-read: the leaf is where the thread's registers are. Without them (the BPF
-collector's user registers are the way, issue 19's path) the chain is
-found by scanning the stack below js_entry_sp for frames that link to the
-entry frame: from the entry frame down, the callee frame closest below each
-frame; exit frames found so are cut off (no call into C++ is running). A
+read: the leaf is where the thread's registers are. The collector's on-CPU
+samples carry them (sample_regs: the thread's pc, sp, rbp and the top of its
+stack when the sample was taken): a main-thread sample whose pc is in V8's
+code (JIT code, or the builtins in the node binary or libnode, its first
+frame a V8 frame and no exit frame before the entry frame) is walked up the
+frame pointer chain from its rbp, the sample's stack copy first and the
+process's memory above it; any other sample (C++, libc, the kernel: a call
+into C++, a fast C call, the event loop, GC) is left to the timer, which
+reads those exactly. Once a process's samples arrive, the timer leaves a
+thread running JavaScript to them (none of its samples is counted twice: a
+register sample taken before the timer's last scan is dropped); until then,
+or for a process the collector does not mark, the chain is found by
+scanning the stack below js_entry_sp for frames that link to the entry
+frame: from the entry frame down, the callee frame closest below each frame;
+exit frames found so are cut off (no call into C++ is running). A
 JavaScript callee below the real leaf that a finished call left behind is
-taken for a live one (its caller is right, it is not): it is why these
+taken for a live one (its caller is right, it is not): it is why scanned
 stacks are "from memory".
 
 Validation: every pointer is a tagged heap object of the expected instance
@@ -40,11 +50,13 @@ import bisect
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ebpfprofiler.runtimes.memory import MAX_READ_BYTES, MemoryReadError, ProcessMemory
 from ebpfprofiler.runtimes.node.layouts import VM_STATES, Layout
 from ebpfprofiler.runtimes.runtime import Mapping, ThreadStack, read_maps
+from ebpfprofiler.shared.wire import RegsSample
 
 # Frames read per chain: deeper chains are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128
@@ -89,6 +101,15 @@ MAX_FIELD_OFFSET = 1024
 MAX_SCOPE_INDEX = 16
 # A frame type marker is a small integer shifted by one (StackFrame::TypeToMarker); V8 has ~30 types.
 MAX_FRAME_TYPE = 64
+# The timer's period (runtimes/main.py SAMPLE_HZ): a register sample taken less than this after the timer's
+# last scanned stack of a thread running JavaScript is that stack's time, already counted.
+TIMER_PERIOD_NS = 1_000_000_000 // 19
+# A main-thread sample's sp is at most this far below the top of the [stack] seen at detection (the
+# mapping grows down with the stack, up to the default 8 MiB limit).
+MAX_MAIN_STACK = 8 << 20
+# The process's executable mappings are read again at most this often, for a pc in none of those known
+# (V8 commits JIT code pages as it needs them).
+CODE_MAPS_AGAIN_S = 1.0
 
 _Q = struct.Struct("<Q")
 _q = struct.Struct("<q")
@@ -246,10 +267,18 @@ class _Function:
 
 class NodeProcess:
     def __init__(self, version: str, layout: Layout, info: V8Info, ranges: list[tuple[int, int]],
-                 stack: tuple[int, int], pid: int = 0, proc: str = "/proc") -> None:
+                 stack: tuple[int, int], pid: int = 0, proc: str = "/proc", module: str = "") -> None:
         self.version, self.layout, self.v8 = version, layout, info
         self.stack_lo, self.stack_hi = stack
         self.pid, self.proc = pid, proc
+        self.module = module               # the mapped file holding V8 (node or libnode.so.N), as maps names it
+        # On-CPU samples with registers: whether any came (then the timer leaves running JavaScript to
+        # them), the monotonic time of the timer's last scanned stack, the executable mappings by start.
+        self.regs_seen = False
+        self._scanned_ns = 0
+        self._code: list[tuple[int, int, str]] = []
+        self._code_starts: list[int] = []
+        self._code_after = 0.0
         self.isolate: int | None = None
         self._searches, self._search_after = 1, 0.0
         self._scan = list(ranges)
@@ -261,8 +290,8 @@ class NodeProcess:
         self._types: dict[int, int] = {}
         self.dropped: dict[str, int] = {}
 
-    def _drop(self, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
 
     # ------------------------------------------------------------ the isolate
 
@@ -343,6 +372,11 @@ class NodeProcess:
             return []
         hi = min(self.stack_hi, js_entry_sp + FRAME_HEAD_BYTES)
         leaf = c_entry_fp or mem.u64(self.isolate + lay.fast_c_call_caller_fp)
+        if not leaf:                       # running JavaScript
+            if self.regs_seen:             # the on-CPU samples' registers show it (sample_regs)
+                self._drop("running_js_left_to_regs")
+                return []
+            self._scanned_ns = time.monotonic_ns()
         for size in (STACK_FIRST_READ, STACK_WINDOW):
             lo = max(self.stack_lo, js_entry_sp - size, min(leaf - FRAME_HEAD_BYTES, js_entry_sp) if leaf else 0)
             window = mem.read(lo, hi - lo)
@@ -359,6 +393,122 @@ class NodeProcess:
         if not frames:
             return []
         return [ThreadStack(0, tuple(frames))]
+
+    # ------------------------------------------------------------ on-CPU samples with registers
+
+    def sample_regs(self, mem: ProcessMemory, samples: Sequence[RegsSample]) -> list[ThreadStack]:
+        """The collector's on-CPU samples of this process: those of the main thread running JavaScript,
+        walked from their registers (one stack each); the others are the timer's (counted in dropped:
+        regs_not_main_thread, regs_not_js, regs_in_cxx, regs_before_handover)."""
+        self.regs_seen = True
+        main = [r for r in samples if self.stack_hi - MAX_MAIN_STACK <= r.sp < self.stack_hi and not r.sp & 7]
+        if len(main) < len(samples):
+            self._drop("regs_not_main_thread", len(samples) - len(main))
+        if self._scanned_ns:
+            fresh = [r for r in main if r.time_ns >= self._scanned_ns + TIMER_PERIOD_NS]
+            if len(fresh) < len(main):
+                self._drop("regs_before_handover", len(main) - len(fresh))
+            main = fresh
+        main = [r for r in main if self._in_v8_code(r.ip)]
+        if not main:
+            return []
+        # The entry frame of the outermost JavaScript now (0: none), to end the chains there.
+        entry = 0
+        if self.isolate is not None:
+            lay = self.layout
+            tlt = mem.read(self.isolate + lay.thread_local_top, lay.tlt_bytes)
+            if _Q.unpack_from(tlt, lay.tlt_isolate)[0] == self.isolate:
+                entry = _Q.unpack_from(tlt, lay.tlt_js_entry_sp)[0]
+        # The stack above the samples' copies, as it is now: one read for all of them.
+        lo = min(r.sp for r in main)
+        top = max(r.sp for r in main) + STACK_FIRST_READ
+        if lo < entry < self.stack_hi:
+            top = max(top, entry + FRAME_HEAD_BYTES)
+        hi = min(self.stack_hi, top, lo + STACK_WINDOW)
+        try:
+            now = mem.read(lo, hi - lo)
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("regs_stack_unreadable")
+            return []
+        out: list[ThreadStack] = []
+        for r in main:
+            if r.sp >= hi:                 # far above the others' (a read apart is not worth it)
+                self._drop("regs_stack_unreadable")
+                continue
+            copy = r.stack[:hi - r.sp]
+            window = copy + now[r.sp + len(copy) - lo:]
+            fps = self._chain_from_regs(window, r.sp, r.fp, entry)
+            if fps is None:
+                self._drop("regs_in_cxx")
+                continue
+            frames = [got for got in (self._frame(mem, window, r.sp, fp) for fp in fps) if got is not None]
+            if frames:
+                out.append(ThreadStack(r.tid, tuple(frames)))
+            else:
+                self._drop("regs_no_frames")
+        return out
+
+    def _chain_from_regs(self, window: bytes, lo: int, fp: int, entry: int) -> list[int] | None:
+        """Frame pointers from a sample's rbp up to its outermost entry frame (the one at `entry`, the
+        js_entry_sp now, or the last one the chain passes), leaf first; where the chain breaks before
+        one (C++ built without frame pointers), as far as it goes. None: not running JavaScript (a first
+        frame that is no V8 frame, or an exit frame before the first entry frame: a call into C++)."""
+        v8 = self.v8
+        if not self._plausible(window, lo, fp):
+            return None
+        out: list[int] = []
+        last_entry = -1
+        while True:
+            if len(out) >= MAX_FRAMES:
+                self._drop("too_deep")
+                break
+            out.append(fp)
+            marker = self._word(window, lo, fp + v8.off_context)
+            if marker is not None and not marker & 1:
+                if marker >> 1 in v8.ft_entry:
+                    last_entry = len(out) - 1
+                elif marker >> 1 in (v8.ft_exit, v8.ft_builtin_exit) and last_entry < 0:
+                    return None
+            if fp == entry:
+                break
+            nxt = self._word(window, lo, fp)
+            if nxt is None or nxt <= fp:
+                break
+            fp = nxt
+        if last_entry < 0:
+            self._drop("regs_chain_cut")
+            return out
+        return out[:last_entry + 1]
+
+    def _in_v8_code(self, pc: int) -> bool:
+        """Whether pc is in JIT code (anonymous executable memory) or in the file holding V8 (its builtins,
+        or its C++: sample_regs tells them apart by the frames); counted in dropped when not."""
+        kind = self._code_kind(pc)
+        if kind is None and self.pid and time.monotonic() >= self._code_after:
+            self._code_after = time.monotonic() + CODE_MAPS_AGAIN_S
+            try:
+                maps = read_maps(self.pid, self.proc)
+            except OSError:
+                maps = []
+            self._code = sorted((m.start, m.end, "v8" if m.path == self.module else
+                                 "jit" if m.path == "" or m.path.startswith("[anon:") else "native")
+                                for m in maps if m.perms[2:3] == "x")
+            self._code_starts = [c[0] for c in self._code]
+            kind = self._code_kind(pc)
+        if kind in ("jit", "v8"):
+            return True
+        self._drop("regs_not_js")
+        return False
+
+    def _code_kind(self, pc: int) -> str | None:
+        i = bisect.bisect_right(self._code_starts, pc) - 1
+        if i >= 0 and pc < self._code[i][1]:
+            return self._code[i][2]
+        return None
+
+    # ------------------------------------------------------------ the frame pointer chain
 
     def _word(self, window: bytes, lo: int, address: int) -> int | None:
         off = address - lo

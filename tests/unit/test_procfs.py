@@ -108,3 +108,23 @@ def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> No
         == "/opt/jdk/lib/server/libjvm.so"
     assert marked_by(process("/opt/jdk/lib/server/libjvm.so.bak", "/tmp/libjvm.sox"), names) is None
     assert runtime_registry.regs_mappings(("php", "ruby")) == frozenset()   # nothing marked without the JVM
+
+
+def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_soname() -> None:
+    from ebpfprofiler.collector.regs import marked_by
+    from ebpfprofiler.shared import runtime_registry
+    from ebpfprofiler.shared.wire import Mapping, Process
+
+    def process(*paths: str) -> Process:
+        return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="node", executable=paths[0], service="s",
+                       mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p)
+                                      for i, p in enumerate(paths, 1)))
+    names = runtime_registry.regs_mappings(("node",))
+    assert marked_by(process("/usr/local/bin/node"), names) == "/usr/local/bin/node"
+    assert marked_by(process("/usr/bin/nodejs", "/usr/lib/x86_64-linux-gnu/libnode.so.115"), names) \
+        == "/usr/lib/x86_64-linux-gnu/libnode.so.115"
+    assert marked_by(process("/usr/bin/nodejs", "/usr/lib/libnode.so.127"), names) == "/usr/lib/libnode.so.127"
+    assert marked_by(process("/usr/bin/python3", "/tmp/libnode.so", "/opt/node_modules/x.node", "/tmp/nodes"),
+                     names) is None
+    assert "libjvm.so" not in names and marked_by(process("/usr/local/bin/node"),
+                                                  runtime_registry.regs_mappings(("jvm",))) is None
