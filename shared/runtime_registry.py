@@ -60,7 +60,9 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
 
 # Every runtime_stacks name the config accepts.
 OPT_INS: tuple[str, ...] = tuple(name for spec in RUNTIMES for name, _ in spec.opt_ins)
-PROFILE_TYPES: tuple[str, ...] = tuple(t for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t)
+# (a runtime whose timer and register samples make one profile, Node's node_cpu, names it twice: once here)
+PROFILE_TYPES: tuple[str, ...] = tuple(dict.fromkeys(
+    t for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t))
 BY_PROFILE_TYPE = {t: spec for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t}
 # The runtimes' on-CPU profile types: cpu time (the collector's samples), not wall time.
 CPU_PROFILE_TYPES = frozenset(spec.cpu_profile_type for spec in RUNTIMES if spec.cpu_profile_type)

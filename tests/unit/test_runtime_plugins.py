@@ -36,7 +36,9 @@ def test_config_keys_and_profile_types_follow_from_the_registry(tmp_path: Path) 
         for name, _ in spec.opt_ins:
             assert name in str(e.value)
         assert not spec.profile_type or spec.profile_type in wire.PROFILE_TYPES   # "": .NET's names go to cpu
-    assert {"python_wall", "php_wall", "ruby_wall", "jvm_wall"} <= set(wire.PROFILE_TYPES)
+        assert not spec.cpu_profile_type or spec.cpu_profile_type in runtime_registry.CPU_PROFILE_TYPES
+    assert {"python_wall", "php_wall", "ruby_wall", "jvm_wall", "jvm_cpu", "node_cpu"} <= set(wire.PROFILE_TYPES)
+    assert len(set(wire.PROFILE_TYPES)) == len(wire.PROFILE_TYPES), wire.PROFILE_TYPES   # each once (--help)
 
 
 def test_every_registered_runtime_is_a_plug_in_that_follows_its_opt_in() -> None:
