@@ -10,8 +10,11 @@ cycles (2% and 20%), and always attached (alloc_duty_pct 100: the design
 before bursts); and the pipeline profiling the allocations of another
 process name, with this one not a target (no uprobe is in its memory).
 Under a profiler that targets it the workload waits until its uprobes are
-on (a burst) before it times its loop, so a timed run starts inside a burst:
-a little more than its share. Runs in bursts last ~3-10 s (ten periods and more);
+on (a burst), then a time drawn uniformly over one burst period, before it
+times its loop: a run then starts at a random point of the bursts' cycle, as
+a program's work does (started at a burst's start, a run of T seconds holds
+one burst more than its share: ~1 + T bursts for T; the figures before
+this change were taken so). Runs in bursts last ~3 s (three periods and more);
 always attached does fewer iterations (it is two orders of magnitude
 slower): the figure is a rate.
 
@@ -41,6 +44,7 @@ bench/run.py's check), or write results (bench/run.py does).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -48,6 +52,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ebpfprofiler.collector.alloc import BURST_PERIOD_S
 from ebpfprofiler.shared import pprof
 
 from bench import procs, stats
@@ -58,9 +63,9 @@ from bench.procs import BenchError
 WORKLOADS = Path(__file__).parent / "workloads"
 TEST_WORKLOADS = Path(__file__).parent.parent / "tests" / "workloads"   # the mixed workload the tests run
 SAMPLE_HZ = 19
-# Iterations per run: ~3-10 s alone, and in bursts (ten periods and more); ~1-3 s with a uprobe
+# Iterations per run: ~3 s alone, and in bursts (three periods and more); ~1-3 s with a uprobe
 # trap on every call (always attached).
-MALLOC_LONG = 200_000_000
+MALLOC_LONG = 400_000_000
 MALLOC_ALWAYS = 500_000
 MIX_SECONDS, MIX_MB_PER_S = 40, 15
 MIX_FUNCTIONS = ("mix_a", "mix_b", "leak_page")
@@ -103,6 +108,7 @@ class AllocLockBench:
         self.log = log
         self.keep = keep
         self.our_prog_ids: set[int] = set()
+        self.rng = random.Random()    # each run's start in the bursts' cycle
 
     def _profiled(self, d: Path, argv: list[str], iterations: int,
                   **changes: object) -> tuple[tuple[float, float], dict[str, float]]:
@@ -155,7 +161,8 @@ class AllocLockBench:
                                                  alloc_targets=("not_this_process",))
                     else:
                         n = MALLOC_ALWAYS if duty >= 100 else MALLOC_LONG
-                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(n), "1"], n,
+                        delay_us = 0 if duty >= 100 else int(1e6 * self.rng.uniform(0, BURST_PERIOD_S))
+                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(n), "1", str(delay_us)], n,
                                                  alloc_targets=("malloc_loop",), alloc_duty_pct=duty)
                     runs.append({"round": r, "suite": "malloc", "config": config, "rate": fig[0], "cpu_rate": fig[1],
                                  "bpf_ns": ns})
