@@ -5,8 +5,8 @@ bytes in a tight loop (the worst case: while the uprobes are attached every
 call traps into the kernel), as iterations per second. Configurations, each
 round in turn (the order reversed every other round): nothing; the pipeline
 with the workload as its alloc target at the defaults (one sample per 64
-KiB, uprobes attached in bursts for 5% of each second), at two other duty
-cycles (2% and 20%), and always attached (alloc_duty_pct 100: the design
+KiB, uprobes attached in bursts for 3% of each second), at two other duty
+cycles (5% and 20%), and always attached (alloc_duty_pct 100: the design
 before bursts); and the pipeline profiling the allocations of another
 process name, with this one not a target (no uprobe is in its memory).
 Under a profiler that targets it the workload waits until its uprobes are
@@ -54,6 +54,7 @@ from pathlib import Path
 
 from ebpfprofiler.collector.alloc import BURST_PERIOD_S
 from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared.config import DEFAULT_ALLOC_DUTY_PCT
 
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats, run_workload
@@ -73,8 +74,8 @@ MIX_FUNCTIONS = ("mix_a", "mix_b", "leak_page")
 MUTEX_PAIRS = 3_000_000
 MUTEX_WARMUP_S = 3.0
 # configuration -> alloc_duty_pct (None: no profiler; -1: profiling another process); defaults otherwise
-ALLOC_CONFIGS = {"none": None, "alloc, defaults (bursts, 5% duty)": 5.0, "alloc, 2% duty": 2.0,
-                 "alloc, 20% duty": 20.0, "alloc, always attached (100% duty)": 100.0,
+ALLOC_CONFIGS = {"none": None, f"alloc, defaults (bursts, {DEFAULT_ALLOC_DUTY_PCT:g}% duty)": DEFAULT_ALLOC_DUTY_PCT,
+                 "alloc, 5% duty": 5.0, "alloc, 20% duty": 20.0, "alloc, always attached (100% duty)": 100.0,
                  "alloc of another process (this one not a target)": -1}
 LOCK_CONFIGS = ("none", "pipeline, no lock targets", "pipeline, lock target")
 BPF_OBJ_NAME_CHARS = 15   # BPF_OBJ_NAME_LEN less its NUL

@@ -60,7 +60,7 @@ MAX_ALLOC_PROCESSES = 128
 EXP_ENTRIES = 256
 # One burst per period, at a random phase in it: every instant is sampled with the same chance
 # (duty) and every window of whole periods gets exactly its share; a second keeps a burst of the
-# default 5% at 50 ms, long beside the ~1 ms its attach and detach take.
+# default 3% at 30 ms, long beside the ~1 ms its attach and detach take.
 BURST_PERIOD_S = 1.0
 # Bursts whose drain's scale their live allocations keep (inuse): ~68 min at one a second; an older
 # allocation still live takes the scale over the whole run.

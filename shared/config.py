@@ -56,7 +56,7 @@ DEFAULT_ALLOC_SAMPLE_BYTES = 64 * 1024
 # with a random phase, collector/alloc.py). Each probed call traps into the
 # kernel (a malloc/free pair ~8 us here against ~20 ns unprobed), so it is the
 # slowdown of a program that does nothing but allocate; 100: always attached.
-DEFAULT_ALLOC_DUTY_PCT = 5.0
+DEFAULT_ALLOC_DUTY_PCT = 3.0
 # Each alloc target process costs seven uprobes; each lock target a map entry.
 MAX_TARGETS = 64
 # A target: an executable name or path, a container id, or cgroup:/path.

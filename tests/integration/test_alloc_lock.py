@@ -287,7 +287,8 @@ def test_default_sampling_inuse_is_the_leak_only(mix_run: MixRun) -> None:
         assert w.get("mix_a", 0) == 0 and w.get("mix_b", 0) == 0, windows
     # and it grows while the target leaks (the last window is idle: all of it live)
     assert with_leak[-1]["leak_page"] >= max(w["leak_page"] for w in with_leak), with_leak
-    assert "bursts of 50 ms a second" in mix_run.log
+    # at the default duty cycle (bursts of alloc_duty_pct of each second)
+    assert f"bursts of {10 * config_mod.DEFAULT_ALLOC_DUTY_PCT:.0f} ms a second" in mix_run.log
 
 
 @dataclass

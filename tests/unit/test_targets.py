@@ -106,12 +106,12 @@ def test_sampling_gaps_average_the_configured_bytes() -> None:
     assert abs(sorted(q)[128] / 65536 - math.log(2)) < 0.02
 
 
-def test_bursts_at_the_defaults_sample_a_fortieth_of_the_time_and_scale_it_back() -> None:
+def test_bursts_at_the_defaults_sample_a_sixty_seventh_of_the_time_and_scale_it_back() -> None:
     plan = BurstPlan(DEFAULT_ALLOC_DUTY_PCT)
-    # 5% of each second attached: 25 ms sampling, then a 25-ms tail
-    assert plan.attached_s == pytest.approx(0.05) and plan.sampling_s == pytest.approx(0.025)
-    assert plan.scale == 40 and plan.seen_free_share == pytest.approx(0.05)
-    # one sample per 64 KiB overall: one per 1.6 KiB while sampling, each standing for 40 times its bytes
+    # 3% of each second attached: 15 ms sampling, then a 15-ms tail
+    assert plan.attached_s == pytest.approx(0.03) and plan.sampling_s == pytest.approx(0.015)
+    assert plan.scale == 67 and plan.seen_free_share == pytest.approx(0.03)
+    # one sample per 64 KiB overall: one per ~1 KiB while sampling, each standing for 67 times its bytes
     assert plan.in_burst_sample_bytes(DEFAULT_ALLOC_SAMPLE_BYTES) * plan.scale == pytest.approx(
         DEFAULT_ALLOC_SAMPLE_BYTES, rel=1e-3)
     assert plan.in_burst_sample_bytes(0) == 0
