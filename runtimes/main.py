@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 import zmq
 from ebpfprofiler.runtimes import profile as profile_mod
@@ -200,17 +201,10 @@ class Reader:
                 self.stats["regs_not_read"] += len(samples)
                 continue
             own = [replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
-            try:
-                stacks = reader.sample_regs(ProcessMemory(pid, budget), own)
-            except MemoryReadError as err:
-                if err.reason == "budget":
-                    self.stats["budget_spent"] += 1
-                    return
-                self.targets.stats["gone_while_reading"] += 1
-                self.targets.forget(e)
-                continue
-            except Exception as err:   # what a target's memory holds must never end the reader
-                self.targets.give_up(e, err)
+            stacks, spent = self._read(e, partial(reader.sample_regs, ProcessMemory(pid, budget), own))
+            if spent:
+                return
+            if stacks is None:
                 continue
             self.stats["regs_samples"] += len(samples)
             self._add(e, e.runtime.spec.cpu_profile_type, stacks, msg.period_ns, now_ns, weight)
@@ -234,21 +228,30 @@ class Reader:
             if not self.targets.current(e):        # exited, or its pid names another process now
                 continue
             assert e.reader is not None and e.runtime is not None
-            try:
-                stacks = e.reader.sample(ProcessMemory(e.process.pid, budget))
-            except MemoryReadError as err:
-                if err.reason == "budget":
-                    self.stats["budget_spent"] += 1
-                    break
-                self.targets.stats["gone_while_reading"] += 1
-                self.targets.forget(e)
-                continue
-            except Exception as err:   # what a target's memory holds must never end the reader
-                self.targets.give_up(e, err)
+            stacks, spent = self._read(e, partial(e.reader.sample, ProcessMemory(e.process.pid, budget)))
+            if spent:
+                break
+            if stacks is None:
                 continue
             if not self.targets.current(e):        # reused while we read: what we read is not e's
                 continue
             self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
+
+    def _read(self, e: Entry, read: Callable[[], list[ThreadStack]]) -> tuple[list[ThreadStack] | None, bool]:
+        """(what read() gave, or None: e could not be read; whether this tick's read budget is spent).
+        A process gone meanwhile is forgotten; one whose memory is not what its plug-in expects is given
+        up (logged once)."""
+        try:
+            return read(), False
+        except MemoryReadError as err:
+            if err.reason == "budget":
+                self.stats["budget_spent"] += 1
+                return None, True
+            self.targets.stats["gone_while_reading"] += 1
+            self.targets.forget(e)
+        except Exception as err:   # what a target's memory holds must never end the reader
+            self.targets.give_up(e, err)
+        return None, False
 
     def _add(self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int,
              weight: float = 1.0) -> None:
