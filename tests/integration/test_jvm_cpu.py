@@ -36,7 +36,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 from tests import jdks
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 
-VERSIONS = ["11", "17", "21", "25"]
+VERSIONS = jdks.VERSIONS
 SAMPLE_HZ = 127
 # Samples of each JVM's spinning thread: 4,000 judge a 3:1 split within ±10% (2.4 standard deviations of a
 # binomial share).

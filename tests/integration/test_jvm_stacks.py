@@ -53,7 +53,7 @@ from tests import jdks, runtime_roots
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 
-VERSIONS = ["11", "17", "21", "25"]
+VERSIONS = jdks.VERSIONS
 # Worker threads per JVM: 5,000 worker stacks judge 3:1 within ±10% (2.8 standard deviations of a
 # binomial share); eight workers at 19 Hz give them in ~35 s.
 WORKERS = 8
