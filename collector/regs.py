@@ -25,7 +25,7 @@ from typing import Any
 
 from ebpfprofiler.collector.unwind import has_task_pt_regs
 from ebpfprofiler.shared.procstat import start_ticks
-from ebpfprofiler.shared.wire import MAX_REGS_SAMPLES, Process, RegsBatch, RegsSample
+from ebpfprofiler.shared.wire import Process, RegsBatch, RegsSample
 
 # Processes marked at once: JVMs on one host; past it, a new one is not marked (logged, counted).
 ONCPU_REGS_PIDS = 1024
@@ -38,8 +38,11 @@ ONCPU_REGS_SHORT_STACK_BYTES = 256
 # collector's loop keeps up.
 ONCPU_REGS_RING_PAGES = 128
 ONCPU_REGS_WAKE_EVERY = 32
-# Records held between two sends at most (a burst past it is dropped and counted).
-MAX_PENDING = MAX_REGS_SAMPLES
+# Records held between two sends at most, ~9 MB (the loop sends every 32nd record; a burst past it while
+# the loop is held up is dropped and counted).
+MAX_PENDING = 8192
+# Samples in one RegsBatch (~4.3 MB with their stacks, far under the readers' message cap).
+SAMPLES_PER_MESSAGE = 4096
 # How often marked processes are checked for exit (one /proc/<pid>/stat read each).
 EXIT_CHECK_S = 2.0
 
@@ -146,8 +149,9 @@ class RegsForwarder:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._publish(RegsBatch(host=self.host, time_ns=time.time_ns(), period_ns=period_ns,
-                                samples=tuple(pending)))
+        for i in range(0, len(pending), SAMPLES_PER_MESSAGE):
+            self._publish(RegsBatch(host=self.host, time_ns=time.time_ns(), period_ns=period_ns,
+                                    samples=tuple(pending[i:i + SAMPLES_PER_MESSAGE])))
         self.stats["sent"] += len(pending)
 
     def _unmark(self, pid: int) -> None:

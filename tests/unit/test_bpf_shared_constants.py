@@ -114,3 +114,6 @@ def test_register_records_are_decoded_as_the_program_lays_them_out() -> None:
     assert "<" + "".join(codes[t] for t, _, _ in fields[:-1]) == regs.RECORD.format
     assert regs.RECORD.size % 8 == 0      # the stack copy that follows starts 8-aligned
     assert regs.ONCPU_REGS_SHORT_STACK_BYTES < regs.ONCPU_REGS_STACK_BYTES <= wire.MAX_REGS_STACK_BYTES
+    # a message the collector sends is one the readers take
+    assert regs.SAMPLES_PER_MESSAGE <= wire.MAX_REGS_SAMPLES
+    assert regs.SAMPLES_PER_MESSAGE * (regs.RECORD.size + regs.ONCPU_REGS_STACK_BYTES) < wire.MAX_BATCH_BYTES
