@@ -5,12 +5,14 @@ reused pid is a new process; every stage that checks that a pid still names the 
 knew reads it here.
 
 Owns: splitting a stat line after the command name (which may hold spaces and parentheses),
-and reading the line with a size cap.
+and reading the line with a size cap; whether a pid exists at all (kill(pid, 0): no read).
 
 Must not: keep state, or read any other /proc file.
 """
 
 from __future__ import annotations
+
+import os
 
 from ebpfprofiler.shared.safestr import process_string
 
@@ -49,6 +51,20 @@ def identity(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
         return parse_stat(text)
     except (ValueError, IndexError):
         return None
+
+
+def alive(pid: int) -> bool:
+    """Whether a process (or zombie) has this pid in our pid namespace: kill(pid, 0), which needs no
+    privilege to tell (EPERM: it exists) and reads nothing of it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
 
 
 def start_ticks(pid: int, proc: str = "/proc") -> int | None:
