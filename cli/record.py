@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
               file=sys.stderr)
         return 1
     pids = set(args.pid)
-    gone = sorted(p for p in pids if not status.pid_alive(p))
+    gone = sorted(p for p in pids if not procstat.alive(p))
     if gone:
         print(f"{prog}: no process {', '.join(map(str, gone))}", file=sys.stderr)
         return 2
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         last_plain = time.monotonic()
         while not stop.wait(TTY_PROGRESS_S):
             now = time.monotonic()
-            targets_gone = bool(pids) and not any(status.pid_alive(p) for p in pids)
+            targets_gone = bool(pids) and not any(procstat.alive(p) for p in pids)
             if now >= end or child.poll() is not None or targets_gone:
                 break
             progress.update()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared.procstat import alive
 
 STATUS_FILE = "status.json"     # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
 # A status file is a few KiB; anything larger is not one.
@@ -41,16 +42,6 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def collector_pid(run_dir: str) -> int | None:
     """The pid in the collector's ready file, if that process runs."""
     try:
@@ -58,7 +49,7 @@ def collector_pid(run_dir: str) -> int | None:
             pid = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if pid_alive(pid) else None
+    return pid if alive(pid) else None
 
 
 def load(run_dir: str) -> dict[str, Any] | None:
