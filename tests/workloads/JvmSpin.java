@@ -3,8 +3,10 @@
 // inlinedLeaf, small enough for the JIT to inline) and splitB, by work: the same steps (a multiply-add
 // chain in step(), which the test keeps out of line: its call in inlinedLeaf is where splitA's compiled
 // code records that inlinedLeaf was inlined there), 3 * STEPS times in splitA, STEPS times in splitB.
-// Warm-up first (the JIT compiles them), then "ready" on stdout. Ends by itself after the seconds given as
-// its first argument.
+// Warm-up first (the JIT compiles them), then "ready" on stdout, then every 500 ms "split A_NS B_NS": the
+// nanoseconds the workers spent in splitA and in splitB so far, by the clock (the JIT may make a step of
+// one a little dearer than the other's: the test compares with this). Ends by itself after the seconds
+// given as its first argument.
 public class JvmSpin {
     static final int STEPS = 15_000;
     static volatile long sink;
@@ -34,11 +36,21 @@ public class JvmSpin {
         return x;
     }
 
+    // Nanoseconds the workers spent in splitA and in splitB (by the clock), the truth the test compares with.
+    static final java.util.concurrent.atomic.AtomicLong NS_A = new java.util.concurrent.atomic.AtomicLong();
+    static final java.util.concurrent.atomic.AtomicLong NS_B = new java.util.concurrent.atomic.AtomicLong();
+
     static void work(long deadline) {
         long x = 1;
-        while (System.nanoTime() < deadline) {
+        long t0 = System.nanoTime();
+        while (t0 < deadline) {
             x = splitA(x, STEPS); // CALL_A
+            long t1 = System.nanoTime();
             x = splitB(x, STEPS); // CALL_B
+            long t2 = System.nanoTime();
+            NS_A.addAndGet(t1 - t0);
+            NS_B.addAndGet(t2 - t1);
+            t0 = t2;
         }
         sink = x;
     }
@@ -62,8 +74,10 @@ public class JvmSpin {
         }
         System.out.println("ready");
         System.out.flush();
-        for (Thread t : threads) {
-            t.join();
+        while (System.nanoTime() < deadline) {
+            Thread.sleep(500);
+            System.out.println("split " + NS_A.get() + " " + NS_B.get());
+            System.out.flush();
         }
     }
 }
