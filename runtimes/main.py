@@ -42,8 +42,7 @@ from functools import partial
 import zmq
 from ebpfprofiler.runtimes import profile as profile_mod
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import RegsStackReader, Runtime
-from ebpfprofiler.runtimes.runtime import ThreadStack
+from ebpfprofiler.runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
 from ebpfprofiler.runtimes.targets import Entry, Targets
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import (
@@ -71,8 +70,6 @@ from ebpfprofiler.shared.wire import (
 )
 from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
 
-# Stacks per second per process: wall-clock sampling, every thread each time.
-SAMPLE_HZ = 19
 # Processes read per tick at most; the others wait for the next tick (round robin).
 MAX_PROCESSES_PER_TICK = 64
 # Bytes read per tick at most: a thread of 30 frames costs ~3 KB once its code objects are cached.
@@ -200,7 +197,8 @@ class Reader:
                     or not e.runtime.spec.cpu_profile_type or e.process.start_ticks != samples[0].start_ticks):
                 self.stats["regs_not_read"] += len(samples)
                 continue
-            own = [replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
+            own = samples if e.process.nspid == e.process.pid else [   # in a pid namespace: the runtime's tids
+                replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
             stacks, spent = self._read(e, partial(reader.sample_regs, ProcessMemory(pid, budget), own))
             if spent:
                 return

@@ -92,6 +92,9 @@ MAX_MAPS_BYTES = 4 << 20
 MAX_MAPPINGS = 65536
 # Per-file entries cached (symbols of one interpreter file each, a few KB).
 FILE_CACHE_ENTRIES = 256
+# The reader's timer: stacks per second per process (wall-clock sampling, every thread each time); a plug-in
+# that shares a profile with the collector's register samples (Node) needs its period.
+SAMPLE_HZ = 19
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,11 @@ KEEP_RATE_BUDGET_PCT = 100.0
 TEST_ACK_TIMEOUT_S = 1.0
 
 
+def marked_lines(source: Path, tag: str, comment: str = "//") -> set[int]:
+    """The 1-based lines of a workload's source that end in the comment `tag` ("// CALL_A", "# PARK")."""
+    return {i for i, line in enumerate(source.read_text().splitlines(), 1) if line.rstrip().endswith(f"{comment} {tag}")}
+
+
 def children(pid: int) -> list[int]:
     """The child processes of `pid`'s main thread ([] if it is gone)."""
     try:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from ebpfprofiler.runtimes.memory import MAX_READ_BYTES, MemoryReadError, ProcessMemory
 from ebpfprofiler.runtimes.node.layouts import VM_STATES, Layout
-from ebpfprofiler.runtimes.runtime import Mapping, ThreadStack, read_maps
+from ebpfprofiler.runtimes.runtime import SAMPLE_HZ, Mapping, ThreadStack, read_maps
 from ebpfprofiler.shared.wire import RegsSample
 
 # Frames read per chain: deeper chains are cut (and counted), like the kernel's 127.
@@ -101,9 +101,9 @@ MAX_FIELD_OFFSET = 1024
 MAX_SCOPE_INDEX = 16
 # A frame type marker is a small integer shifted by one (StackFrame::TypeToMarker); V8 has ~30 types.
 MAX_FRAME_TYPE = 64
-# The timer's period (runtimes/main.py SAMPLE_HZ): a register sample taken less than this after the timer's
+# The timer's period (runtimes/runtime.py SAMPLE_HZ): a register sample taken less than this after the timer's
 # last scanned stack of a thread running JavaScript is that stack's time, already counted.
-TIMER_PERIOD_NS = 1_000_000_000 // 19
+TIMER_PERIOD_NS = 1_000_000_000 // SAMPLE_HZ
 # A main-thread sample's sp is at most this far below the top of the [stack] seen at detection (the
 # mapping grows down with the stack, up to the default 8 MiB limit).
 MAX_MAIN_STACK = 8 << 20

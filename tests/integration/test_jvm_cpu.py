@@ -36,6 +36,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests import jdks
 from tests.harness import Pipeline, Receiver, require_root, wait_for
+from tests import harness
 
 VERSIONS = jdks.VERSIONS
 SAMPLE_HZ = 127
@@ -55,8 +56,7 @@ SOURCE_NAME = "JvmSpin.java"
 
 
 def marked_lines(tag: str) -> set[int]:
-    return {i for i, line in enumerate(jdks.SPIN_SOURCE.read_text().splitlines(), 1)
-            if line.rstrip().endswith(f"// {tag}")}
+    return harness.marked_lines(jdks.SPIN_SOURCE, tag)
 
 
 def method_lines(name: str) -> range:

@@ -52,6 +52,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 from tests import jdks, runtime_roots
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
+from tests import harness
 
 VERSIONS = jdks.VERSIONS
 # Worker threads per JVM: 5,000 worker stacks judge 3:1 within ±10% (2.8 standard deviations of a
@@ -68,7 +69,7 @@ SOURCE_NAME = "JvmSplit.java"
 
 
 def marked_lines(tag: str) -> set[int]:
-    return {i for i, line in enumerate(jdks.SOURCE.read_text().splitlines(), 1) if line.rstrip().endswith(f"// {tag}")}
+    return harness.marked_lines(jdks.SOURCE, tag)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
+from tests import harness
 
 SCRIPT = WORKLOADS / "php_split.php"
 FAKE_SOURCE = WORKLOADS / "fake_php.c"
@@ -77,7 +78,7 @@ FPM_STOP_S = 10
 
 
 def marked_lines(tag: str) -> set[int]:
-    return {i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.rstrip().endswith(f"// {tag}")}
+    return harness.marked_lines(SCRIPT, tag)
 
 
 def method_lines(qualified: str) -> range:

@@ -28,6 +28,7 @@ from ebpfprofiler.shared import endpoints, pprof
 from ebpfprofiler.shared.config import ProfilerConfig
 
 from tests.debroot import cached_root
+from tests import harness
 from tests.harness import (
     PY,
     WORKLOADS,
@@ -53,7 +54,7 @@ PY_SPY = str(Path(PY).parent / "py-spy")
 
 
 def marked_lines(tag: str) -> set[int]:
-    return {i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
+    return harness.marked_lines(SCRIPT, tag, "#")
 
 
 def function_lines(name: str) -> range:

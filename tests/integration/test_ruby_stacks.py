@@ -47,6 +47,7 @@ from ebpfprofiler.shared.config import ProfilerConfig
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
+from tests import harness
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
 RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"
@@ -65,7 +66,7 @@ WORKLOAD_SECONDS = 180
 
 
 def marked_lines(tag: str, script: Path = SCRIPT) -> set[int]:
-    return {i for i, line in enumerate(script.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}")}
+    return harness.marked_lines(script, tag, "#")
 
 
 def method_lines(qualified: str) -> range:
