@@ -79,36 +79,62 @@ static __always_inline void timing_end(struct prog_time *t) {
 
 #define TIMED_RETURN(timing, value) do { timing_end(timing); return (value); } while (0)
 
-// notify_new_pid: the first count of a process the programs have not seen
-// before wakes the collector (a ring-buffer event it polls), so a new
-// process's stacks, and the unwind tables they need, are drained soon after
-// its first sample instead of at the next idle drain (if it still lives 0.25 s
-// after: collector/drains.py). At most one event per
-// NEW_PID_NOTIFY_NS: it is a hint to drain, not a record; a process first
-// counted while that limit holds is notified by a later count past it.
-// Compiled with -DNEW_PID_NOTIFY_NS and -DSEEN_PIDS from the collector (collector/main.py; these
-// defaults, the same, are for a module compiled without them, as a test of one family does).
+// notify_new_pid: a process counted again at least NEW_PID_ALIVE_NS after
+// its first count, within NEW_PID_STALE_NS of it, wakes the collector (one
+// ring-buffer event it polls), so that a new process that lives has its
+// metadata and the unwind tables its stacks need read soon, not at the next
+// regular drain (collector/drains.py). One that ends sooner (a shell loop's
+// children live 1-5 ms) never wakes it: before, every new process's first
+// count did, and the collector woke twice (the event, then a look 0.25 s
+// later at whether it still lived) about once a second on a host that starts
+// processes all the time, for processes long gone. seen_pids keeps each
+// pid's first count's time, or SEEN_NOTIFIED; a first count older than
+// NEW_PID_STALE_NS (a pid reused since, or a process counted once long ago)
+// starts over. At most one event per NEW_PID_NOTIFY_NS: it is a hint to
+// drain, not a record; a process that waits for that limit is notified by a
+// later count past it.
+// Compiled with -DNEW_PID_NOTIFY_NS, -DNEW_PID_ALIVE_NS, -DNEW_PID_STALE_NS and -DSEEN_PIDS from
+// the collector (collector/main.py, collector/drains.py; these defaults, the same, are for a module
+// compiled without them, as a test of one family does).
 #ifndef NEW_PID_NOTIFY_NS
 #define NEW_PID_NOTIFY_NS 100000000
+#endif
+#ifndef NEW_PID_ALIVE_NS
+#define NEW_PID_ALIVE_NS 250000000
+#endif
+#ifndef NEW_PID_STALE_NS
+#define NEW_PID_STALE_NS 10000000000
 #endif
 #ifndef SEEN_PIDS
 #define SEEN_PIDS 65536
 #endif
+#define SEEN_NOTIFIED 0xffffffffffffffffULL
 BPF_RINGBUF_OUTPUT(new_pids, 1);
-BPF_TABLE("lru_hash", u32, u8, seen_pids, SEEN_PIDS);
+BPF_TABLE("lru_hash", u32, u64, seen_pids, SEEN_PIDS);   // pid -> its first count's time, or SEEN_NOTIFIED
 BPF_ARRAY(new_pid_last, u64, 1);
 
 static __always_inline void notify_new_pid(u32 pid) {
-    if (seen_pids.lookup(&pid))
+    u64 now = bpf_ktime_get_ns();
+    u64 *first = seen_pids.lookup(&pid);
+    if (!first) {
+        seen_pids.update(&pid, &now);
         return;
+    }
+    if (*first == SEEN_NOTIFIED)
+        return;
+    u64 since = now - *first;
+    if (since < NEW_PID_ALIVE_NS)
+        return;
+    if (since > NEW_PID_STALE_NS) {
+        *first = now;
+        return;
+    }
     u32 zero = 0;
     u64 *last = new_pid_last.lookup(&zero);
-    u64 now = bpf_ktime_get_ns();
     if (!last || now - *last < NEW_PID_NOTIFY_NS)
-        return;   // not seen yet: its next count, past the limit, notifies it
+        return;   // its next count, past the limit, notifies it
     *last = now;
-    u8 one = 1;
-    seen_pids.update(&pid, &one);
+    *first = SEEN_NOTIFIED;
     new_pids.ringbuf_output(&pid, sizeof(pid), 0);
 }
 

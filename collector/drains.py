@@ -1,13 +1,14 @@
 """When the collector drains its BPF maps next.
 
 Owns: the regular schedule (regular_delay: how far apart drains may be, from what the last drain
-took and how fast the host makes new pids), and the early drains of new processes: the pids of
-the new-process events (bpf/common.h, notify_new_pid) waiting for an early
-drain, and the decision whether one is due: only for a process that still lives EARLY_ALIVE_S
-after it was first counted. A host that starts hundreds of processes a second (a shell loop's
-children, each alive for a millisecond or two) otherwise drained five times a second for
-processes already gone, each drain a whole round of map reads, /proc joins and batches for the
-collector and the symbolizer; their samples lose nothing by waiting for the regular drain.
+took and how fast the host makes new pids), and the early drains of new processes: how long a
+new process must have lived before the programs wake the collector for it (EARLY_ALIVE_S and
+EARLY_STALE_S, compiled into bpf/common.h's notify_new_pid), the pids of those events waiting for
+an early drain, and the decision whether one is due: only while one of them still lives. A host that
+starts hundreds of processes a second (a shell loop's children, each alive for a millisecond or
+two) otherwise drained five times a second for processes already gone, each drain a whole round of
+map reads, /proc joins and batches for the collector and the symbolizer; their samples lose
+nothing by waiting for the regular drain.
 
 Must not: read BPF maps, or /proc beyond whether a pid exists (the `alive` callable) and the
 host's fork counter (/proc/stat) and kernel.pid_max.
@@ -21,14 +22,20 @@ from typing import Callable, Iterable
 
 # An early drain is at least this long after the last drain (at most five a second).
 EARLY_DRAIN_S = 0.2
-# A new process must still live this long after its event was taken for a drain to be brought
-# forward for it: a shell loop's /bin/true or `sleep 0.001` lives 1-5 ms. While processes wait,
-# the collector wakes once per look (collector/main.py), at most once per EARLY_LOOK_GAP_S.
+# The programs wake the collector for a new process only when they count it again at least this
+# long after its first count (bpf/common.h notify_new_pid, -DNEW_PID_ALIVE_NS): a shell loop's
+# /bin/true or `sleep 0.001` lives 1-5 ms and never wakes it. (The collector used to be woken at a
+# process's first count and look 0.25 s later whether it still lived: on a host that keeps starting
+# processes, two wake-ups a second of ~0.2-0.35 ms each, for processes long gone.)
 EARLY_ALIVE_S = 0.25
+# ... and no longer after it than this: an older first count (a pid reused since its first process
+# was counted, a process counted once long ago) starts over. A process counted twice within it
+# after EARLY_ALIVE_S (at 19 Hz: one using 1% of a CPU or more, or blocking now and then) brings
+# an early drain; one counted less often waits for the regular drain.
+EARLY_STALE_S = 10.0
 # Looks are at least this far apart: each costs the collector ~0.35 ms of CPU (a wake-up, the ring
-# buffer, the /proc checks), and a host that keeps starting processes (a shell loop's children,
-# ten events a second) kept it looking four times a second. A process that lives EARLY_ALIVE_S is
-# still looked at within EARLY_ALIVE_S + EARLY_LOOK_GAP_S of its event.
+# buffer, the /proc checks), and a host that keeps starting processes that live a second (a build's
+# compilers) would have it look up to five times a second.
 EARLY_LOOK_GAP_S = 1.0
 # Pids kept waiting (at most one event per NEW_PID_NOTIFY_NS arrives; one that lives is enough).
 MAX_EARLY_PIDS = 64
@@ -113,26 +120,22 @@ class EarlyDrains:
             self._pending.setdefault(pid, now)
 
     def due_at(self, last_drain: float) -> float | None:
-        """When to look: EARLY_ALIVE_S after the oldest waiting process's event, not before
-        EARLY_DRAIN_S after the last drain nor EARLY_LOOK_GAP_S after the last look; None when no
-        process waits."""
+        """When to look: as the oldest waiting process's event came (it has lived EARLY_ALIVE_S by
+        then), not before EARLY_DRAIN_S after the last drain nor EARLY_LOOK_GAP_S after the last
+        look; None when no process waits."""
         if not self._pending:
             return None
-        return max(last_drain + EARLY_DRAIN_S, self._last_look + EARLY_LOOK_GAP_S,
-                   min(self._pending.values()) + EARLY_ALIVE_S)
+        return max(last_drain + EARLY_DRAIN_S, self._last_look + EARLY_LOOK_GAP_S, min(self._pending.values()))
 
     def drain_now(self) -> bool:
-        """At due_at(): whether a process that has waited EARLY_ALIVE_S still lives. Those are then
-        forgotten; younger ones wait for the next look."""
-        now = self._clock()
-        old = [pid for pid, t in self._pending.items() if t + EARLY_ALIVE_S <= now]   # as due_at() adds
-        for pid in old:
-            del self._pending[pid]
-        if old:
-            self._last_look = now
-        if any(self._alive(pid) for pid in old):
+        """At due_at(): whether a waiting process still lives. All of them are then forgotten."""
+        pids, self._pending = list(self._pending), {}
+        if not pids:
+            return False
+        self._last_look = self._clock()
+        if any(self._alive(pid) for pid in pids):
             return True
-        self.gone += bool(old)
+        self.gone += 1
         return False
 
     def drained(self) -> None:

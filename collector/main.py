@@ -151,6 +151,8 @@ class Collector:
                    "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
                    "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
                    "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
+                   "NEW_PID_ALIVE_NS": round(drains.EARLY_ALIVE_S * 1e9),
+                   "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
                    **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct)}
         if cfg.offcpu:
             defines.update(offcpu_defines())

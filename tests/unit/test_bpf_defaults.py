@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ebpfprofiler.collector import bpftime
+from ebpfprofiler.collector import bpftime, drains
 
 from tests.harness import ROOT
 
@@ -21,6 +21,9 @@ def test_common_h_defaults_are_the_collectors_values() -> None:
         c = re.search(rf"^#define {name} (\d+)$", header, re.MULTILINE)
         assert py and c, name
         assert int(py.group(1).replace("_", "")) == int(c.group(1)), name
+    for name, seconds in (("NEW_PID_ALIVE_NS", drains.EARLY_ALIVE_S), ("NEW_PID_STALE_NS", drains.EARLY_STALE_S)):
+        c = re.search(rf"^#define {name} (\d+)$", header, re.MULTILINE)
+        assert c and int(c.group(1)) == round(seconds * 1e9), name
 
 
 def test_common_h_timing_period_is_the_collectors() -> None:

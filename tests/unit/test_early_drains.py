@@ -1,8 +1,9 @@
 """collector/drains.py: when the collector drains.
 
-Given the new-process events of a shell loop (children alive for a millisecond) and of a
-long-lived process, when the collector asks when the next drain is due and whether to make it,
-then only the long-lived one brings a drain forward, and never within 0.2 s of the last drain.
+Given the new-process events (the programs send one for a process counted again EARLY_ALIVE_S
+after its first count: bpf/common.h notify_new_pid), when the collector asks when the next drain
+is due and whether to make it, then a process still alive brings a drain forward, never within
+0.2 s of the last drain nor within a second of the last look; one gone since brings none.
 
 Given what the last drain took (keys, the pids the host made meanwhile), when the collector asks
 for the next regular drain, then a quiet host waits the longest interval (or to the window
@@ -16,7 +17,6 @@ from pathlib import Path
 from ebpfprofiler.collector.drains import (
     DRAIN_KEYS_TARGET,
     DRAINS_PER_PID_WRAP,
-    EARLY_ALIVE_S,
     EARLY_DRAIN_S,
     EARLY_LOOK_GAP_S,
     MAX_EARLY_PIDS,
@@ -36,13 +36,12 @@ class Clock:
         return self.now
 
 
-def test_a_process_gone_before_it_lived_early_alive_s_brings_no_drain() -> None:
+def test_a_process_gone_by_its_look_brings_no_drain() -> None:
     clock, living = Clock(), set()
     early = EarlyDrains(alive=living.__contains__, clock=clock)
     assert early.due_at(last_drain=99.0) is None
-    early.notified([41])               # a shell's child, alive when its event is taken
-    assert early.due_at(last_drain=99.0) == 100.0 + EARLY_ALIVE_S
-    clock.now = 100.0 + EARLY_ALIVE_S  # and gone since
+    early.notified([41])               # it lived EARLY_ALIVE_S, and ended just after its event
+    assert early.due_at(last_drain=99.0) == 100.0   # at once
     assert not early.drain_now()
     assert early.gone == 1 and early.due_at(last_drain=99.0) is None
 
@@ -51,7 +50,7 @@ def test_a_process_that_lives_brings_the_drain_forward_but_not_within_early_drai
     clock, living = Clock(), {7}
     early = EarlyDrains(alive=living.__contains__, clock=clock)
     early.notified([7])
-    just_drained = 100.0 + EARLY_ALIVE_S - EARLY_DRAIN_S / 2
+    just_drained = 100.0 - EARLY_DRAIN_S / 2
     assert early.due_at(last_drain=just_drained) == just_drained + EARLY_DRAIN_S
     clock.now = just_drained + EARLY_DRAIN_S
     assert early.drain_now()
@@ -59,16 +58,15 @@ def test_a_process_that_lives_brings_the_drain_forward_but_not_within_early_drai
     assert early.due_at(last_drain=clock.now) is None
 
 
-def test_a_younger_process_waits_for_its_own_look() -> None:
+def test_looks_are_early_look_gap_s_apart() -> None:
     clock, living = Clock(), {8}
     early = EarlyDrains(alive=living.__contains__, clock=clock)
     early.notified([41])               # gone by its look
-    clock.now += 0.09
-    early.notified([8])                # alive, but not yet EARLY_ALIVE_S old at 41's look
-    clock.now = 100.0 + EARLY_ALIVE_S
     assert not early.drain_now()
-    assert early.due_at(last_drain=0.0) == 100.0 + EARLY_ALIVE_S + EARLY_LOOK_GAP_S   # the next look
-    clock.now = 100.0 + EARLY_ALIVE_S + EARLY_LOOK_GAP_S
+    clock.now += 0.09
+    early.notified([8])                # alive: looked at a look gap after the last look
+    assert early.due_at(last_drain=0.0) == 100.0 + EARLY_LOOK_GAP_S
+    clock.now = 100.0 + EARLY_LOOK_GAP_S
     assert early.drain_now()
 
 
