@@ -305,6 +305,7 @@ class Collector:
             self._drain_keys += len(raw.samples)
             self.ship(raw, src.profile_type, stamp_ns, live)
         self._drain_new_processes = self.procs.stats["read"] - read_before
+        self.procs.forget_exited()
         self.announcer.flush()
         if self.regs is not None:
             self.regs.flush(self.oncpu.period_ns)

@@ -16,7 +16,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ebpfprofiler.shared import procstat
 from ebpfprofiler.shared.procstat import parse_stat
@@ -164,7 +164,8 @@ class ProcessTable:
         self._proc = proc
         self._capacity = capacity
         self._entries: OrderedDict[int, tuple[Process, list[int]]] = OrderedDict()
-        self.stats = {"read": 0, "maps_read": 0, "gone": 0}
+        self._exited: dict[int, Process] = {}   # found exited by the last forget_exited()
+        self.stats = {"read": 0, "maps_read": 0, "gone": 0, "forgotten": 0}
 
     def get(self, pid: int, addresses: Iterable[int] = ()) -> Process | None:
         """The process `pid` with mappings that cover `addresses` where it can. A process is read
@@ -193,6 +194,25 @@ class ProcessTable:
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
         return entry[0]
+
+    def forget_exited(self, alive: Callable[[int], bool] = procstat.alive) -> int:
+        """Called after each drain: forget the processes that had exited at the last call (their last
+        samples, in the buffer that drain did not take, came with this one), and note those that
+        have exited since. Without it the table kept every process it ever read, mappings and
+        all, up to PROCESS_CACHE_ENTRIES: on a host starting processes all the time, ~100 KB a
+        minute. How many were forgotten."""
+        forgotten = 0
+        for pid, p in self._exited.items():
+            entry = self._entries.get(pid)
+            if entry is not None and entry[0] is p:   # not read again since (a reused pid)
+                del self._entries[pid]
+                forgotten += 1
+        self._exited = {pid: p for pid, (p, _) in self._entries.items() if not alive(pid)}
+        self.stats["forgotten"] += forgotten
+        return forgotten
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def _refresh(self, p: Process) -> tuple[Process, list[int]]:
         self.stats["maps_read"] += 1

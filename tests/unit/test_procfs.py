@@ -93,6 +93,29 @@ def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
     assert third.mappings[0].path == "/bin/three"
 
 
+def test_an_exited_process_is_kept_for_one_more_drain_then_forgotten(tmp_path: Path) -> None:
+    # given a fake /proc with two processes the table has read
+    proc = tmp_path / "proc"
+    for pid in (5, 6):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (p) S 1 {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 100 0 0")
+        (proc / str(pid) / "status").write_text("Uid:\t7\t7\t7\t7\n")
+        (proc / str(pid) / "cgroup").write_text("0::/\n")
+        (proc / str(pid) / "maps").write_text("1000-2000 r-xp 00000000 fd:01 9 /bin/p\n")
+    table = procfs.ProcessTable(with_cmdline=False, proc=str(proc))
+    assert table.get(5) and table.get(6) and len(table) == 2
+    living = {5, 6}
+    assert table.forget_exited(living.__contains__) == 0
+    # when 6 exits, then the drain after still names its samples; the one after that forgets it
+    living.discard(6)
+    (proc / "6" / "stat").unlink()
+    assert table.forget_exited(living.__contains__) == 0
+    got = table.get(6)
+    assert got is not None and got.pid == 6            # what was known: the best answer
+    assert table.forget_exited(living.__contains__) == 1
+    assert table.get(6) is None and len(table) == 1 and table.stats["forgotten"] == 1
+
+
 def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> None:
     from ebpfprofiler.collector.regs import marked_by
     from ebpfprofiler.shared import runtime_registry
