@@ -59,6 +59,9 @@ WARM_S = 70.0
 # boundary's drain, the profiles built, written and uploaded) is counted once, not 0 or 1 times by
 # where a shorter stretch falls.
 MEASURE_S = 60.0
+# After the measurement, at most this long for the overhead guard's first judged window (it ends at
+# the first drain 60 s after the start-up window's end: on a quiet host, just after a window boundary).
+GUARD_WAIT_S = 75.0
 # Round trips of one ping-pong run; about 2-4 s on these machines.
 PINGPONG_TRIPS = 200_000
 # Ping-pong runs per side (alone: this many before the agent and as many after; under the agent).
@@ -154,6 +157,35 @@ class Agent:
             procs.stop(self.proc, timeout=60)
             self.proc = None
 
+    def decisions(self) -> dict[str, int]:
+        """The overhead guard's decisions in the agent's log (collector/main.py end_window_if_due):
+        windows judged, and of those, how many halved the rate, doubled it, or were over the budget
+        at 1 Hz already (the start-up window is not judged)."""
+        out = {"judged": 0, "halve": 0, "double": 0, "over at floor": 0}
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return out
+        for line in text.splitlines():
+            if "ebpfprofiler.collector: overhead" not in line or "overhead budget " in line \
+                    or "overhead of the start-up window" in line:
+                continue
+            out["judged"] += 1
+            if "halving sample_hz" in line:
+                out["halve"] += 1
+            elif "over budget at" in line:
+                out["over at floor"] += 1
+            elif "doubling sample_hz" in line:
+                out["double"] += 1
+        return out
+
+
+def guard_text(decisions: dict[str, int]) -> str:
+    """What the guard did over a run, in a few words: "3 windows, none halved"."""
+    did = ", ".join(f"{n} {what}" for what, n in (("halved", decisions["halve"]), ("doubled", decisions["double"]),
+                                                   ("over at 1 Hz", decisions["over at floor"])) if n)
+    return f"{decisions['judged']} window(s) judged, " + (did or "none halved")
+
 
 def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: float) -> dict[str, Any]:
     """Start the agent, then the load; after warm_s, the agent's cost over measure_s (the kernel's BPF
@@ -175,12 +207,19 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         wall = time.monotonic() - t0
         now = {s: _cpu_rss(p) for s, p in stages.items()}
         b1 = _bpf_of(stages["collector"])
+        # The guard's first judged window (60 s after the start-up one, which ends at the first drain
+        # 60 s after start) ends about when the measurement does: wait for it, under the same load,
+        # so that what the guard decided is part of the figures.
+        deadline = time.monotonic() + GUARD_WAIT_S
+        while agent.decisions()["judged"] < 1 and time.monotonic() < deadline:
+            time.sleep(1.0)
         status = agent.status()
     finally:
         for p in loads:
             procs.stop(p, sig=signal.SIGKILL, timeout=10)
         agent.stop()
         stats.close()
+    decisions = agent.decisions()
     stage_ms = {s: 1000 * (now[s][0] - c0[s]) / wall for s in stages}
     progs = {}
     for name, (t, c) in b1.items():
@@ -192,7 +231,8 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     total_pct = (sum(stage_ms.values()) + bpf_ms) / 10
     return {"total_pct": total_pct, "stage_ms_per_s": stage_ms, "bpf_ms_per_s": bpf_ms, "programs": progs,
             "rss_mb": {s: now[s][1] / 1e6 for s in stages}, "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
-            "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "seconds": wall}
+            "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions,
+            "seconds": wall}
 
 
 def measure_peer(work: Path, peer: str, load: list[list[str]], seconds: float) -> dict[str, Any]:
@@ -252,7 +292,7 @@ class BudgetBench:
                     runs[name].append(res)
                     self.log(f"budget round {r + 1}: {name}: {res['total_pct']:.3f}% of one CPU "
                              f"(stages {sum(res['stage_ms_per_s'].values()):.2f} ms/s, BPF {res['bpf_ms_per_s']:.3f} ms/s), "
-                             f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard {res['guard']}")
+                             f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard: {guard_text(res['decisions'])}")
                 for peer in ("profile-bpfcc", "perf -g"):
                     d = tmp / f"{peer.replace(' ', '')}-{r}"
                     d.mkdir()
@@ -346,7 +386,9 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
         rows.append([name, f"{_median([r['total_pct'] for r in rs]):.3f}",
                      f"{_median([sum(r['stage_ms_per_s'].values()) for r in rs]):.2f}",
                      f"{_median([r['bpf_ms_per_s'] for r in rs]):.3f}",
-                     f"{_median([r['rss_total_mb'] for r in rs]):.0f}", str(rs[-1]["sample_hz"]), str(rs[-1]["guard"])])
+                     f"{_median([r['rss_total_mb'] for r in rs]):.0f}", str(rs[-1]["sample_hz"]),
+                     guard_text({k: sum(r["decisions"][k] for r in rs) for k in rs[0]["decisions"]})
+                     if all("decisions" in r for r in rs) else str(rs[-1]["guard"])])
     for peer in ("profile-bpfcc", "perf -g"):
         rows.append([f"{peer} (busy, CPU incl. symbolizing)", f"{_median([r['total_pct'] for r in runs[peer]]):.3f}",
                      "", "", "", "19", ""])

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from bench.budget import SPAWNER, Agent, _cpu_rss
+from bench.budget import SPAWNER, Agent, _cpu_rss, guard_text
 from bench.procs import BenchError
 
 # The run's length: the 30 minutes.
@@ -82,6 +82,7 @@ class GrowthBench:
             for p in loads:
                 procs.stop(p, sig=signal.SIGKILL, timeout=10)
             agent.stop()
+        decisions = agent.decisions()
         measured = self.run_s - WARM_S
         out: dict[str, Any] = {}
         for s, pts in series.items():
@@ -92,7 +93,7 @@ class GrowthBench:
                       "growth_mb": growth, "growth_mb_per_h": growth / ((self.run_s - WARM_S - TAIL_S) / 3600),
                       "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured}
         return {"stages": out, "series": {s: pts for s, pts in series.items()},
-                "sample_hz": status.get("rate_hz"), "guard": status.get("decision"),
+                "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions,
                 "total_start_mb": sum(v["start_mb"] for v in out.values()),
                 "total_end_mb": sum(v["end_mb"] for v in out.values())}
 
@@ -107,7 +108,8 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
                          f"{v['end_mb']:.1f}", f"{v['max_mb']:.1f}", f"{v['growth_mb']:+.1f}",
                          f"{v['growth_mb_per_h']:+.1f}", f"{v['cpu_pct']:.2f}"])
     notes = [f"run {i + 1}: all stages {r['total_start_mb']:.0f} -> {r['total_end_mb']:.0f} MB; rate "
-             f"{r['sample_hz']} Hz at the end, guard {r['guard']}" for i, r in enumerate(result["runs"])]
+             f"{r['sample_hz']} Hz at the end; guard: "
+             + (guard_text(r["decisions"]) if "decisions" in r else (r["guard"] or "its last window kept the rate")) for i, r in enumerate(result["runs"])]
     notes.append("growth: median RSS of the last {:.0f} s minus that of the first {:.0f} s after the warm-up".format(
         result["tail_s"], result["tail_s"]))
     caption = (f"{result['run_s'] / 60:.0f} minutes under budget's busy load at deploy/agent.yaml's defaults, "
