@@ -199,8 +199,8 @@ class ProcessTable:
         """Called after each drain: forget the processes that had exited at the last call (their last
         samples, in the buffer that drain did not take, came with this one), and note those that
         have exited since. Without it the table kept every process it ever read, mappings and
-        all, up to PROCESS_CACHE_ENTRIES: on a host starting processes all the time, ~100 KB a
-        minute. How many were forgotten."""
+        all, up to PROCESS_CACHE_ENTRIES (on bench growth's busy load the collector grew 2.9 MB in
+        30 minutes that way, 2.2 MB since). How many were forgotten."""
         forgotten = 0
         for pid, p in self._exited.items():
             entry = self._entries.get(pid)
