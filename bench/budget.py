@@ -47,7 +47,7 @@ from bench import bpf, procs
 from bench.offcpu import build as build_pingpong
 from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals, kernel_stats
 from bench.procs import BenchError
-from ebpfprofiler.collector.overhead import read_proc
+from ebpfprofiler.collector.overhead import START_UP, read_proc
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds after start before measuring: past the first window boundary (at most upload_interval_s,
@@ -157,34 +157,27 @@ class Agent:
             procs.stop(self.proc, timeout=60)
             self.proc = None
 
-    def decisions(self) -> dict[str, int]:
-        """The overhead guard's decisions in the agent's log (collector/main.py end_window_if_due):
-        windows judged, and of those, how many halved the rate, doubled it, or were over the budget
-        at 1 Hz already (the start-up window is not judged)."""
-        out = {"judged": 0, "halve": 0, "double": 0, "over at floor": 0}
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return out
-        for line in text.splitlines():
-            if "ebpfprofiler.collector: overhead" not in line or "overhead budget " in line \
-                    or "overhead of the start-up window" in line:
-                continue
-            out["judged"] += 1
-            if "halving sample_hz" in line:
-                out["halve"] += 1
-            elif "over budget at" in line:
-                out["over at floor"] += 1
-            elif "doubling sample_hz" in line:
-                out["double"] += 1
-        return out
+    def note_window(self, seen: dict[int, str]) -> None:
+        """Note the overhead guard's last window (RUN_DIR/status.json, as `ebpfprofiler status` and
+        tests/integration/test_overhead_guard.py read it) in `seen`: its end time -> its decision.
+        The file holds one window and they are 60 s apart: note it more often than that."""
+        s = self.status()
+        if "time_ns" in s:
+            seen[s["time_ns"]] = s.get("decision", "")
 
 
-def guard_text(decisions: dict[str, int]) -> str:
-    """What the guard did over a run, in a few words: "3 windows, none halved"."""
-    did = ", ".join(f"{n} {what}" for what, n in (("halved", decisions["halve"]), ("doubled", decisions["double"]),
-                                                   ("over at 1 Hz", decisions["over at floor"])) if n)
-    return f"{decisions['judged']} window(s) judged, " + (did or "none halved")
+def decisions(seen: dict[int, str]) -> dict[str, int]:
+    """Of the windows noted (Agent.note_window): how many were judged (all but the start-up one), and
+    how many of those halved the rate, doubled it, or were over the budget at 1 Hz already."""
+    judged = [d for d in seen.values() if d != START_UP]
+    return {"judged": len(judged), **{k: judged.count(k) for k in ("halve", "double", "over at floor")}}
+
+
+def guard_text(d: dict[str, int]) -> str:
+    """What the guard did over a run, in a few words: "3 window(s) judged, none halved"."""
+    did = ", ".join(f"{n} {what}" for what, n in (("halved", d["halve"]), ("doubled", d["double"]),
+                                                   ("over at 1 Hz", d["over at floor"])) if n)
+    return f"{d['judged']} window(s) judged, " + (did or "none halved")
 
 
 def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: float) -> dict[str, Any]:
@@ -210,8 +203,12 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         # The guard's first judged window (60 s after the start-up one, which ends at the first drain
         # 60 s after start) ends about when the measurement does: wait for it, under the same load,
         # so that what the guard decided is part of the figures.
+        seen: dict[int, str] = {}
         deadline = time.monotonic() + GUARD_WAIT_S
-        while agent.decisions()["judged"] < 1 and time.monotonic() < deadline:
+        while True:
+            agent.note_window(seen)
+            if decisions(seen)["judged"] >= 1 or time.monotonic() >= deadline:
+                break
             time.sleep(1.0)
         status = agent.status()
     finally:
@@ -219,7 +216,6 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
             procs.stop(p, sig=signal.SIGKILL, timeout=10)
         agent.stop()
         stats.close()
-    decisions = agent.decisions()
     stage_ms = {s: 1000 * (now[s][0] - c0[s]) / wall for s in stages}
     progs = {}
     for name, (t, c) in b1.items():
@@ -231,7 +227,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     total_pct = (sum(stage_ms.values()) + bpf_ms) / 10
     return {"total_pct": total_pct, "stage_ms_per_s": stage_ms, "bpf_ms_per_s": bpf_ms, "programs": progs,
             "rss_mb": {s: now[s][1] / 1e6 for s in stages}, "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
-            "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions,
+            "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(seen),
             "seconds": wall}
 
 

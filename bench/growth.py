@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from bench.budget import SPAWNER, Agent, _cpu_rss, guard_text
+from bench.budget import SPAWNER, Agent, _cpu_rss, decisions, guard_text
 from bench.procs import BenchError
 
 # The run's length: the 30 minutes.
@@ -62,6 +62,7 @@ class GrowthBench:
             t0 = time.monotonic()
             cpu0: dict[str, float] = {}
             stages: dict[str, int] = {}
+            windows: dict[int, str] = {}   # the guard's windows seen: end time -> decision
             while (now := time.monotonic() - t0) < self.run_s:
                 time.sleep(SAMPLE_S)
                 now = time.monotonic() - t0
@@ -71,6 +72,7 @@ class GrowthBench:
                 if stages and got != stages:
                     raise BenchError(f"a stage restarted during the run ({stages} -> {got}); see {agent.log}")
                 stages = got
+                agent.note_window(windows)
                 for s, pid in stages.items():
                     cpu, rss = _cpu_rss(pid)
                     if now >= WARM_S:
@@ -82,7 +84,6 @@ class GrowthBench:
             for p in loads:
                 procs.stop(p, sig=signal.SIGKILL, timeout=10)
             agent.stop()
-        decisions = agent.decisions()
         measured = self.run_s - WARM_S
         out: dict[str, Any] = {}
         for s, pts in series.items():
@@ -93,7 +94,7 @@ class GrowthBench:
                       "growth_mb": growth, "growth_mb_per_h": growth / ((self.run_s - WARM_S - TAIL_S) / 3600),
                       "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured}
         return {"stages": out, "series": {s: pts for s, pts in series.items()},
-                "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions,
+                "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(windows),
                 "total_start_mb": sum(v["start_mb"] for v in out.values()),
                 "total_end_mb": sum(v["end_mb"] for v in out.values())}
 
