@@ -6,12 +6,14 @@ for RUN_S seconds. Every SAMPLE_S each stage's RSS (/proc/PID/status VmRSS) and 
 
 Figures per stage: RSS at the end of the warm-up (WARM_S), at the end, the highest seen, and the
 growth: the median RSS of the last TAIL_S seconds minus that of the TAIL_S seconds after the
-warm-up, in MB and in MB per hour; and the run's CPU, % of one CPU. Writes bench/results/growth.json.
-One round is one run (`--rounds` runs them back to back).
+warm-up, in MB and in MB per hour; whether it still grows at the end: the last TAIL_S seconds'
+median minus that of the TAIL_S seconds before them; and the run's CPU, % of one CPU. Writes
+bench/results/growth.json. One round is one run (`--rounds` runs them back to back).
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import statistics
 import tempfile
@@ -87,11 +89,10 @@ class GrowthBench:
         measured = self.run_s - WARM_S
         out: dict[str, Any] = {}
         for s, pts in series.items():
-            head = [m for t, m in pts if t <= WARM_S + TAIL_S]
-            tail = [m for t, m in pts if t >= self.run_s - TAIL_S]
-            growth = statistics.median(tail) - statistics.median(head)
+            growth = _median_mb(pts, self.run_s - TAIL_S) - _median_mb(pts, WARM_S, WARM_S + TAIL_S)
             out[s] = {"start_mb": pts[0][1], "end_mb": pts[-1][1], "max_mb": max(m for _, m in pts),
                       "growth_mb": growth, "growth_mb_per_h": growth / ((self.run_s - WARM_S - TAIL_S) / 3600),
+                      "late_growth_mb": late_growth_mb(pts, self.run_s),
                       "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured}
         return {"stages": out, "series": {s: pts for s, pts in series.items()},
                 "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(windows),
@@ -99,20 +100,32 @@ class GrowthBench:
                 "total_end_mb": sum(v["end_mb"] for v in out.values())}
 
 
+def _median_mb(pts: list[tuple[float, float]], start: float, end: float = math.inf) -> float:
+    """The median RSS (MB) of the reads taken from start to end seconds into the run."""
+    return statistics.median(m for t, m in pts if start <= t <= end)
+
+
+def late_growth_mb(pts: list[tuple[float, float]], run_s: float) -> float:
+    """The last TAIL_S seconds' median RSS minus that of the TAIL_S seconds before them: whether a stage
+    still grows at the end of the run, where `growth_mb` may also hold a cache filling early on."""
+    return _median_mb(pts, run_s - TAIL_S) - _median_mb(pts, run_s - 2 * TAIL_S, run_s - TAIL_S)
+
+
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     head = ["stage", "RSS after warm-up MB", "RSS at end MB", "highest MB", "growth MB", "MB per hour",
-            "% of one CPU"]
+            f"last {2 * result['tail_s'] / 60:.0f} min MB", "% of one CPU"]
     rows = []
     for i, run in enumerate(result["runs"]):
         for s, v in run["stages"].items():
             rows.append([f"{s}" + (f" (run {i + 1})" if len(result["runs"]) > 1 else ""), f"{v['start_mb']:.1f}",
                          f"{v['end_mb']:.1f}", f"{v['max_mb']:.1f}", f"{v['growth_mb']:+.1f}",
-                         f"{v['growth_mb_per_h']:+.1f}", f"{v['cpu_pct']:.2f}"])
+                         f"{v['growth_mb_per_h']:+.1f}",
+                         f"{v['late_growth_mb']:+.1f}" if "late_growth_mb" in v else "", f"{v['cpu_pct']:.2f}"])
     notes = [f"run {i + 1}: all stages {r['total_start_mb']:.0f} -> {r['total_end_mb']:.0f} MB; rate "
              f"{r['sample_hz']} Hz at the end; guard: "
              + (guard_text(r["decisions"]) if "decisions" in r else (r["guard"] or "its last window kept the rate")) for i, r in enumerate(result["runs"])]
-    notes.append("growth: median RSS of the last {:.0f} s minus that of the first {:.0f} s after the warm-up".format(
-        result["tail_s"], result["tail_s"]))
+    notes.append("growth: median RSS of the last {0:.0f} s minus that of the first {0:.0f} s after the warm-up; "
+                 "last {1:.0f} min: that of the last {0:.0f} s minus that of the {0:.0f} s before them".format(result["tail_s"], 2 * result["tail_s"] / 60))
     caption = (f"{result['run_s'] / 60:.0f} minutes under budget's busy load at deploy/agent.yaml's defaults, "
                f"RSS read every {result['sample_s']:.0f} s after {result['warm_s']:.0f} s")
     return caption, head, rows, notes
