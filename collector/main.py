@@ -216,6 +216,7 @@ class Collector:
         self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
         self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
+        self._trimmed_at = time.monotonic()
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
                                             bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
 
@@ -315,7 +316,9 @@ class Collector:
                 log.warning("DWARF unwinder this drain: %s", counters)
             for name, n in counters.items():
                 self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
-        _malloc_trim()   # the drain's buffers, freed, would otherwise stay resident (growth suite)
+        if time.monotonic() - self._trimmed_at >= MALLOC_TRIM_GAP_S:
+            _malloc_trim()   # the drain's buffers, freed, would otherwise stay resident (growth suite)
+            self._trimmed_at = time.monotonic()
 
     def ship(self, raw: RawDrain, profile_type: str, time_ns: int, live: Sequence[int]) -> None:
         """One drain of one family: joined with /proc, batched per worker, sent; its losses counted."""
@@ -506,6 +509,10 @@ def reload_budget(collector: Collector, cfg: config_mod.ProfilerConfig,
     return cfg.replace(overhead_budget_pct=new.overhead_budget_pct)
 
 
+# Between the collector's heap trims after drains: early drains for new processes may come every
+# second, and a trim costs 0.6-0.8 ms; regular drains (12-60 s apart) each get one.
+MALLOC_TRIM_GAP_S = 10.0
+
 # The compiler's libraries, mapped by bcc and not run again once the programs are loaded: their clean
 # file pages (~80 MB of RSS) are dropped (MADV_DONTNEED) and fault back in from the file if ever needed.
 # Only mappings with no page of their own (smaps Anonymous 0: not written, not RELRO) are dropped:
@@ -541,7 +548,7 @@ def _malloc_trim() -> None:
     After compiling, and after every drain: a drain's batch buffers and /proc reads, freed, leave free
     chunks whose pages stay resident. Without this, on the growth suite's busy load, glibc's bytes in
     use stayed at ~14 MB (mallinfo2) while the collector's RSS grew from 70 to 75 MB in 10 minutes,
-    and one trim then gave back 14 MB. A call costs 0.6-0.8 ms of CPU, once a drain."""
+    and one trim then gave back 14 MB. A call costs 0.6-0.8 ms of CPU: at most one a MALLOC_TRIM_GAP_S."""
     global _LIBC
     try:
         if _LIBC is None:
