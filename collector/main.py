@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -522,7 +523,7 @@ MADV_DONTNEED = 4
 
 
 def _page_out_compiler() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc = _libc()
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     try:
         with open("/proc/self/smaps") as f:
@@ -549,16 +550,16 @@ def _malloc_trim() -> None:
     chunks whose pages stay resident. Without this, on the growth suite's busy load, glibc's bytes in
     use stayed at ~14 MB (mallinfo2) while the collector's RSS grew from 70 to 75 MB in 10 minutes,
     and one trim then gave back 14 MB. A call costs 0.6-0.8 ms of CPU: at most one a MALLOC_TRIM_GAP_S."""
-    global _LIBC
     try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
-_LIBC: ctypes.CDLL | None = None
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once: the heap trims after drains and the compiler's page-out use it."""
+    return ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector") -> int:

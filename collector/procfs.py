@@ -200,7 +200,7 @@ class ProcessTable:
         samples, in the buffer that drain did not take, came with this one), and note those that
         have exited since. Without it the table kept every process it ever read, mappings and
         all, up to PROCESS_CACHE_ENTRIES (on bench growth's busy load the collector grew 2.9 MB in
-        30 minutes that way, 2.2 MB since). How many were forgotten."""
+        30 minutes that way). How many were forgotten."""
         forgotten = 0
         for pid, p in self._exited.items():
             entry = self._entries.get(pid)
