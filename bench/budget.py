@@ -49,6 +49,9 @@ from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals, kernel_stats
 from bench.procs import BenchError
 from ebpfprofiler.collector.overhead import START_UP, read_proc
 
+# /proc/stat counts in clock ticks.
+_TICKS = os.sysconf("SC_CLK_TCK")
+
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds after start before measuring: past the first window boundary (at most upload_interval_s,
 # 60, after start) and its hand-over. The first window holds the start-up work (BPF compile, the
@@ -157,20 +160,36 @@ class Agent:
             procs.stop(self.proc, timeout=60)
             self.proc = None
 
-    def note_window(self, seen: dict[int, str]) -> None:
+    def note_window(self, seen: dict[int, tuple[str, float]]) -> None:
         """Note the overhead guard's last window (RUN_DIR/status.json, as `ebpfprofiler status` and
-        tests/integration/test_overhead_guard.py read it) in `seen`: its end time -> its decision.
-        The file holds one window and they are 60 s apart: note it more often than that."""
+        tests/integration/test_overhead_guard.py read it) in `seen`: its end time -> its decision and
+        the % of one CPU it judged. The file holds one window and they are 60 s apart: note it more
+        often than that."""
         s = self.status()
         if "time_ns" in s:
-            seen[s["time_ns"]] = s.get("decision", "")
+            seen[s["time_ns"]] = (s.get("decision", ""), float(s.get("used_pct", 0.0)))
 
 
-def decisions(seen: dict[int, str]) -> dict[str, int]:
+def decisions(seen: dict[int, tuple[str, float]]) -> dict[str, int]:
     """Of the windows noted (Agent.note_window): how many were judged (all but the start-up one), and
     how many of those halved the rate, doubled it, or were over the budget at 1 Hz already."""
-    judged = [d for d in seen.values() if d != START_UP]
+    judged = [d for d, _ in seen.values() if d != START_UP]
     return {"judged": len(judged), **{k: judged.count(k) for k in ("halve", "double", "over at floor")}}
+
+
+def judged_pcts(seen: dict[int, tuple[str, float]]) -> list[float]:
+    """The % of one CPU of each judged window noted, in time order: what the guard saw, by the agent's
+    own counting (its programs time themselves, collector/bpftime.py)."""
+    return [pct for _, (d, pct) in sorted(seen.items()) if d != START_UP]
+
+
+def host_steal_ticks() -> int:
+    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run (/proc/stat's
+    "steal", all CPUs): a round that ran slow because the host was busy shows here."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu "):
+            return int(line.split()[8])
+    return 0
 
 
 def guard_text(d: dict[str, int]) -> str:
@@ -195,15 +214,17 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
             raise BenchError(f"the collector is not running; see {agent.log}")
         c0 = {s: _cpu_rss(p)[0] for s, p in stages.items()}
         b0 = _bpf_of(stages["collector"])
+        steal0 = host_steal_ticks()
         t0 = time.monotonic()
         time.sleep(measure_s)
         wall = time.monotonic() - t0
+        steal = host_steal_ticks() - steal0
         now = {s: _cpu_rss(p) for s, p in stages.items()}
         b1 = _bpf_of(stages["collector"])
         # The guard's first judged window (60 s after the start-up one, which ends at the first drain
         # 60 s after start) ends about when the measurement does: wait for it, under the same load,
         # so that what the guard decided is part of the figures.
-        seen: dict[int, str] = {}
+        seen: dict[int, tuple[str, float]] = {}
         deadline = time.monotonic() + GUARD_WAIT_S
         while True:
             agent.note_window(seen)
@@ -228,6 +249,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     return {"total_pct": total_pct, "stage_ms_per_s": stage_ms, "bpf_ms_per_s": bpf_ms, "programs": progs,
             "rss_mb": {s: now[s][1] / 1e6 for s in stages}, "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
             "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(seen),
+            "judged_pct": judged_pcts(seen), "host_steal_pct": 100 * steal / _TICKS / wall / (os.cpu_count() or 1),
             "seconds": wall}
 
 
@@ -288,7 +310,9 @@ class BudgetBench:
                     runs[name].append(res)
                     self.log(f"budget round {r + 1}: {name}: {res['total_pct']:.3f}% of one CPU "
                              f"(stages {sum(res['stage_ms_per_s'].values()):.2f} ms/s, BPF {res['bpf_ms_per_s']:.3f} ms/s), "
-                             f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard: {guard_text(res['decisions'])}")
+                             f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard: {guard_text(res['decisions'])} "
+                             f"(judged {', '.join(f'{p:.3f}%' for p in res['judged_pct'])}), "
+                             f"host steal {res['host_steal_pct']:.2f}%")
                 for peer in ("profile-bpfcc", "perf -g"):
                     d = tmp / f"{peer.replace(' ', '')}-{r}"
                     d.mkdir()
@@ -400,4 +424,10 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
              "by program (busy): " + ", ".join(f"{n} {p['ns_per_run']:.0f} ns x {p['runs_per_s']:.0f}/s"
                                               for n, p in runs["busy"][-1]["programs"].items()),
              "RSS by stage (busy): " + ", ".join(f"{s} {v:.0f} MB" for s, v in runs["busy"][-1]["rss_mb"].items())]
+    for name in ("idle", "busy", "spawner"):
+        if all("judged_pct" in r for r in runs[name]):
+            notes.append(f"{name}, by round: % of one CPU measured from outside / the windows the guard judged "
+                         f"(its own counting) / the host's steal time: " + "; ".join(
+                             f"{r['total_pct']:.3f} / {', '.join(f'{p:.3f}' for p in r['judged_pct'])} / "
+                             f"{r['host_steal_pct']:.2f}%" for r in runs[name]))
     return caption, head, rows, notes

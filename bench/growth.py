@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from bench.budget import SPAWNER, Agent, _cpu_rss, decisions, guard_text
+from bench.budget import SPAWNER, Agent, _cpu_rss, decisions, guard_text, judged_pcts
 from bench.procs import BenchError
 
 # The run's length: the 30 minutes.
@@ -64,7 +64,7 @@ class GrowthBench:
             t0 = time.monotonic()
             cpu0: dict[str, float] = {}
             stages: dict[str, int] = {}
-            windows: dict[int, str] = {}   # the guard's windows seen: end time -> decision
+            windows: dict[int, tuple[str, float]] = {}   # the guard's windows seen: end time -> decision, %
             while (now := time.monotonic() - t0) < self.run_s:
                 time.sleep(SAMPLE_S)
                 now = time.monotonic() - t0
@@ -96,6 +96,7 @@ class GrowthBench:
                       "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured}
         return {"stages": out, "series": {s: pts for s, pts in series.items()},
                 "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(windows),
+                "judged_pct": judged_pcts(windows),
                 "total_start_mb": sum(v["start_mb"] for v in out.values()),
                 "total_end_mb": sum(v["end_mb"] for v in out.values())}
 
