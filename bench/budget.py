@@ -24,8 +24,9 @@ Figures: total % of one CPU, stage by stage, BPF program by program (ns per run,
 per stage, and the terms of the cost model (README "Overhead"): fixed cost a second (idle), cost per
 new process (spawner - idle, per process started), cost per sample (on_cpu_sample ns per run), cost
 per context switch with a short block (pingpong: the off-CPU programs' ns per switch) and with a long
-one (idle: off-CPU BPF ns per interval charged), and the overhead guard's decisions (status.json).
-Writes bench/results/budget.json.
+one (idle: off-CPU BPF ns per interval charged), the overhead guard's decisions and the % of one
+CPU each judged window cost by the agent's own counting (status.json), and the host's steal time
+over each measurement (a round the hypervisor slowed shows there). Writes bench/results/budget.json.
 """
 
 from __future__ import annotations
@@ -183,13 +184,19 @@ def judged_pcts(seen: dict[int, tuple[str, float]]) -> list[float]:
     return [pct for _, (d, pct) in sorted(seen.items()) if d != START_UP]
 
 
-def host_steal_ticks() -> int:
-    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run (/proc/stat's
-    "steal", all CPUs): a round that ran slow because the host was busy shows here."""
+def _proc_stat(key: str, field: int) -> int:
+    """Field `field` (1 is the first after the key) of /proc/stat's line `key`, 0 if there is none."""
     for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("cpu "):
-            return int(line.split()[8])
+        words = line.split()
+        if words and words[0] == key:
+            return int(words[field])
     return 0
+
+
+def host_steal_ticks() -> int:
+    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run ("steal", all
+    CPUs): a round that ran slow because the host was busy shows here."""
+    return _proc_stat("cpu", 8)
 
 
 def guard_text(d: dict[str, int]) -> str:
@@ -361,10 +368,7 @@ class BudgetBench:
 
 
 def _forks() -> int:
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("processes "):
-            return int(line.split()[1])
-    return 0
+    return _proc_stat("processes", 1)
 
 
 def _median(xs: list[float]) -> float:
