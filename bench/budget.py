@@ -50,9 +50,6 @@ from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals, kernel_stats
 from bench.procs import BenchError
 from ebpfprofiler.collector.overhead import START_UP, read_proc
 
-# /proc/stat counts in clock ticks.
-_TICKS = os.sysconf("SC_CLK_TCK")
-
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds after start before measuring: past the first window boundary (at most upload_interval_s,
 # 60, after start) and its hand-over. The first window holds the start-up work (BPF compile, the
@@ -184,21 +181,6 @@ def judged_pcts(seen: dict[int, tuple[str, float]]) -> list[float]:
     return [pct for _, (d, pct) in sorted(seen.items()) if d != START_UP]
 
 
-def _proc_stat(key: str, field: int) -> int:
-    """Field `field` (1 is the first after the key) of /proc/stat's line `key`, 0 if there is none."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        words = line.split()
-        if words and words[0] == key:
-            return int(words[field])
-    return 0
-
-
-def host_steal_ticks() -> int:
-    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run ("steal", all
-    CPUs): a round that ran slow because the host was busy shows here."""
-    return _proc_stat("cpu", 8)
-
-
 def guard_text(d: dict[str, int]) -> str:
     """What the guard did over a run, in a few words: "3 window(s) judged, none halved"."""
     did = ", ".join(f"{n} {what}" for what, n in (("halved", d["halve"]), ("doubled", d["double"]),
@@ -221,11 +203,13 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
             raise BenchError(f"the collector is not running; see {agent.log}")
         c0 = {s: _cpu_rss(p)[0] for s, p in stages.items()}
         b0 = _bpf_of(stages["collector"])
-        steal0 = host_steal_ticks()
+        # steal: the hypervisor ran something else while this VM's CPUs wanted to run (a round the
+        # host slowed shows here)
+        steal0 = procs.host_cpu()["steal_s"]
         t0 = time.monotonic()
         time.sleep(measure_s)
         wall = time.monotonic() - t0
-        steal = host_steal_ticks() - steal0
+        steal = procs.host_cpu()["steal_s"] - steal0
         now = {s: _cpu_rss(p) for s, p in stages.items()}
         b1 = _bpf_of(stages["collector"])
         # The guard's first judged window (60 s after the start-up one, which ends at the first drain
@@ -256,7 +240,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     return {"total_pct": total_pct, "stage_ms_per_s": stage_ms, "bpf_ms_per_s": bpf_ms, "programs": progs,
             "rss_mb": {s: now[s][1] / 1e6 for s in stages}, "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
             "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(seen),
-            "judged_pct": judged_pcts(seen), "host_steal_pct": 100 * steal / _TICKS / wall / (os.cpu_count() or 1),
+            "judged_pct": judged_pcts(seen), "host_steal_pct": 100 * steal / wall / (os.cpu_count() or 1),
             "seconds": wall}
 
 
@@ -368,7 +352,10 @@ class BudgetBench:
 
 
 def _forks() -> int:
-    return _proc_stat("processes", 1)
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("processes "):
+            return int(line.split()[1])
+    return 0
 
 
 def _median(xs: list[float]) -> float:
