@@ -2,11 +2,14 @@
 // how many, "spin-N") that never block, their CPU time split 3:1 between splitA (whose loop calls
 // inlinedLeaf, small enough for the JIT to inline) and splitB, by work: the same steps (a multiply-add
 // chain in step(), which the test keeps out of line: its call in inlinedLeaf is where splitA's compiled
-// code records that inlinedLeaf was inlined there), 3 * STEPS times in splitA, STEPS times in splitB.
+// code records that inlinedLeaf was inlined there), 3 * steps times in splitA, steps times in splitB, with
+// steps drawn afresh each round around STEPS.
 // Warm-up first (the JIT compiles them), then "ready" on stdout, then every 500 ms "split A_NS B_NS": the
-// nanoseconds the workers spent in splitA and in splitB so far, by the clock (the JIT may make a step of
-// one a little dearer than the other's: the test compares with this). Ends by itself after the seconds
-// given as its first argument.
+// CPU nanoseconds the workers spent in splitA and in splitB so far, by their own thread CPU clocks (the
+// JIT may make a step of one a little dearer than the other's: the test compares with this). CPU time,
+// not the wall clock: on a shared host a worker is preempted for milliseconds at a time, and the wall
+// clock charges each such wait to whichever half it fell in, which moved a 10-s split by ±10%; the
+// sampler counts CPU time only. Ends by itself after the seconds given as its first argument.
 public class JvmSpin {
     static final int STEPS = 15_000;
     static volatile long sink;
@@ -36,18 +39,27 @@ public class JvmSpin {
         return x;
     }
 
-    // Nanoseconds the workers spent in splitA and in splitB (by the clock), the truth the test compares with.
+    // CPU nanoseconds the workers spent in splitA and in splitB, the truth the test compares with.
     static final java.util.concurrent.atomic.AtomicLong NS_A = new java.util.concurrent.atomic.AtomicLong();
     static final java.util.concurrent.atomic.AtomicLong NS_B = new java.util.concurrent.atomic.AtomicLong();
+    static final java.lang.management.ThreadMXBean CPU = java.lang.management.ManagementFactory.getThreadMXBean();
 
     static void work(long deadline) {
         long x = 1;
-        long t0 = System.nanoTime();
-        while (t0 < deadline) {
-            x = splitA(x, STEPS); // CALL_A
-            long t1 = System.nanoTime();
-            x = splitB(x, STEPS); // CALL_B
-            long t2 = System.nanoTime();
+        int seed = (int) Thread.currentThread().getId() * 0x9E3779B9 | 1;
+        long t0 = CPU.getCurrentThreadCpuTime();
+        while (System.nanoTime() < deadline) {
+            // Each round's length varies (STEPS/2 to 3*STEPS/2, xorshift), so that the rounds keep no
+            // fixed phase to the fixed-period sampler (at a fixed length, one run's 5-s windows split
+            // varied twice as much as independent samples would).
+            seed ^= seed << 13;
+            seed ^= seed >>> 17;
+            seed ^= seed << 5;
+            int steps = STEPS / 2 + (seed >>> 1) % STEPS;
+            x = splitA(x, steps); // CALL_A
+            long t1 = CPU.getCurrentThreadCpuTime();
+            x = splitB(x, steps); // CALL_B
+            long t2 = CPU.getCurrentThreadCpuTime();
             NS_A.addAndGet(t1 - t0);
             NS_B.addAndGet(t2 - t1);
             t0 = t2;
