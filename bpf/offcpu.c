@@ -381,12 +381,15 @@ static __always_inline int offcpu_has_user_regs(void) {
 #define OFFCPU_RUN_DELAY 1
 #endif
 
+// `task` is one of sched_switch's tp_btf arguments, a BTF pointer: a plain load of its member, which
+// the verifier checks against the kernel's BTF, costs one instruction where bpf_probe_read_kernel costs
+// a helper call (this runs at every block).
 static __always_inline u64 offcpu_run_delay(struct task_struct *task) {
-    u64 run_delay = 0;
 #ifdef OFFCPU_RUN_DELAY
-    bpf_probe_read_kernel(&run_delay, sizeof(run_delay), (char *)task + OFFCPU_TASK_RUN_DELAY_OFFSET);
+    return *(u64 *)((char *)task + OFFCPU_TASK_RUN_DELAY_OFFSET);
+#else
+    return 0;
 #endif
-    return run_delay;
 }
 
 #ifdef OFFCPU_RUN_DELAY
@@ -494,8 +497,8 @@ int offcpu_switch(u64 *ctx) {
 #ifdef OFFCPU_TASK_RSEQ_OFFSET
     // Whether it will pass rseq_update now, not whether it once did: exec unregisters rseq, and
     // a shell's child that execs a Go or static binary keeps its task (and this record).
-    u64 rseq = 0;
-    bpf_probe_read_kernel(&rseq, sizeof(rseq), (char *)prev + OFFCPU_TASK_RSEQ_OFFSET);
+    // (a plain load from the BTF pointer, as in offcpu_run_delay)
+    u64 rseq = *(u64 *)((char *)prev + OFFCPU_TASK_RSEQ_OFFSET);
     if (rseq) {
         p->flags |= OFFCPU_RSEQ;
     } else if (p->flags & OFFCPU_RSEQ) {
