@@ -81,6 +81,7 @@ class Layout:
     cb_name: int
     cb_size: int
     cb_frame_size: int
+    cb_frame_complete: int            # CodeBlob::_frame_complete_offset (int to JDK 22, int16_t since), else -1
     cb_code_begin: int                # pointer field (JDK 11-21), else -1
     cb_code_offset: int               # int field from the blob (JDK 23+), else -1
     cb_kind: int                      # u1 kind (JDK 23+), else -1
@@ -198,7 +199,8 @@ def layout(vs: VMStructs, major: int) -> Layout:
         vs_low=field(("VirtualSpace", "_low")), heap_block_size=size("HeapBlock"),
         hb_used=field(("HeapBlock::Header", "_used")),
         cb_name=field(("CodeBlob", "_name")), cb_size=field(("CodeBlob", "_size")),
-        cb_frame_size=field(("CodeBlob", "_frame_size")), cb_code_begin=cb_code_begin, cb_code_offset=cb_code_offset,
+        cb_frame_size=field(("CodeBlob", "_frame_size")),
+        cb_frame_complete=opt(("CodeBlob", "_frame_complete_offset")), cb_code_begin=cb_code_begin, cb_code_offset=cb_code_offset,
         cb_kind=cb_kind, kind_nmethod=const("CodeBlobKind::Nmethod") if cb_kind >= 0 else -1,
         cb_mutable_data=opt(("CodeBlob", "_mutable_data")), cb_relocation_size=opt(("CodeBlob", "_relocation_size")),
         nm_method=field(("CompiledMethod", "_method"), ("nmethod", "_method")),

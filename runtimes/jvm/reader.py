@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ebpfprofiler.runtimes.jvm import layouts
+from ebpfprofiler.runtimes.jvm import layouts, x86edge
 from ebpfprofiler.runtimes.jvm.layouts import Layout
 from ebpfprofiler.runtimes.memory import MAX_USER_ADDRESS, MemoryReadError, ProcessMemory
 from ebpfprofiler.runtimes.runtime import ThreadStack
@@ -92,10 +92,13 @@ STACK_SLACK, STACK_GRANULE = 1024, 4096
 BLOB_CACHE_ENTRIES = 16384
 METHOD_CACHE_ENTRIES = 16384
 NMETHOD_CACHE_ENTRIES = 4096
+# Running pcs of compiled code whose place in the frame's set-up (x86edge) is remembered: the hot ones.
+EDGE_CACHE_ENTRIES = 16384
 # Interpreted frames (Method*, bcp) remembered, then forgotten all at once.
 INTERP_FRAME_ENTRIES = 65536
-# Frames read, by kind; "no_scope": a running pc of compiled code with no debug information near it.
-FRAME_KINDS = ("interpreted", "compiled", "inlined", "native", "stub", "running", "no_scope")
+# Frames read, by kind; "no_scope": a running pc of compiled code with no debug information near it;
+# "entry", "exit": one in its method's prologue or epilogue, walked from the decoded instructions.
+FRAME_KINDS = ("interpreted", "compiled", "inlined", "native", "stub", "running", "no_scope", "entry", "exit")
 
 # A hidden class's name ends in "+0x<address>" (lambdas' "Foo$$Lambda+0x0000000800000a08"): one name per
 # lambda site, not one per process.
@@ -103,6 +106,7 @@ _HIDDEN_SUFFIX = re.compile(r"\+0x[0-9a-f]+$")
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<i")
 _H = struct.Struct("<H")
+_h = struct.Struct("<h")
 _QQQ = struct.Struct("<QQQ")
 
 
@@ -143,6 +147,7 @@ class _Blob:
     end: int
     name: str
     frame_words: int
+    frame_complete: int                   # bytes from code_begin where the frame is whole; -1 unknown
     nmethod: bool
     code_begin: int
     compile_id: int
@@ -263,6 +268,8 @@ class JvmProcess:
         self._blobs: OrderedDict[int, _Blob | None] = OrderedDict()
         self._methods: OrderedDict[int, _Method | None] = OrderedDict()
         self._nmethods: OrderedDict[int, _Nmethod] = OrderedDict()
+        # (blob start, compile id, pc) → where a running frame at pc stands (None: whole), x86edge
+        self._edges: OrderedDict[tuple[int, int, int], tuple[x86edge.Edge, str] | None] = OrderedDict()
         self._depths: dict[int, int] = {}         # JavaThread → bytes of its stack read with its anchor
         self._checked: set[int] = set()           # code blobs (by start) checked again this sample
         # OS thread id → (JavaThread*, stack base, stack size), read again when a sample names another
@@ -481,20 +488,56 @@ class JvmProcess:
                 if not pc:
                     pc = stack.word(sp - 8)
             else:
+                top = running and not frames      # pc is where it ran, not a return address
                 if blob.nmethod:
-                    frames.extend(self._compiled(mem, blob, pc, running and not frames))
+                    frames.extend(self._compiled(mem, blob, pc, top))
                 else:
                     frames.append(JvmFrame(f"[stub: {blob.name}]", "", 0, "stub"))
                     self._count("stub")
                 if blob.frame_words <= 0:
                     break                  # no frame size: not walkable from here
-                sender_sp = sp + 8 * blob.frame_words
-                pc, fp, sp = stack.word(sender_sp - 8), stack.word(sender_sp - 16), sender_sp
+                edge = self._edge(mem, blob, pc) if top and blob.nmethod else None
+                if edge is None:
+                    sender_sp = sp + 8 * blob.frame_words
+                    pc, fp, sp = stack.word(sender_sp - 8), stack.word(sender_sp - 16), sender_sp
+                else:                      # entering or returning: less than the whole frame on the stack
+                    ret = sp + edge.ret_at
+                    fp = fp if edge.caller_rbp_at is None else stack.word(sp + edge.caller_rbp_at)
+                    pc, sp = stack.word(ret), ret + 8
             if not below < sp <= stack_hi:
                 raise _Bad("sender_sp")       # every caller's frame lies above its callee's
         else:
             self._drop("frames_capped")
         return frames[:MAX_FRAMES]
+
+    def _edge(self, mem: ProcessMemory, blob: _Blob, pc: int) -> x86edge.Edge | None:
+        """Where a compiled frame sampled running at pc stands if that is in its method's prologue or
+        epilogue (x86edge); None when its frame is whole there, or its code there is not known."""
+        key = (blob.start, blob.compile_id, pc)
+        if key in self._edges:
+            got = self._edges[key]
+            self._edges.move_to_end(key)
+        else:
+            try:
+                code = mem.read(pc, min(x86edge.EDGE_CODE_BYTES, blob.end - pc))
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget", "denied"):
+                    raise
+                return None
+            off = pc - blob.code_begin
+            if 0 <= off < blob.frame_complete:
+                edge = x86edge.in_prologue(code, blob.frame_complete - off, 8 * blob.frame_words)
+                got = (edge, "entry") if edge else None
+            else:
+                edge = x86edge.in_epilogue(code)
+                got = (edge, "exit") if edge else None
+            self._edges[key] = got
+            if len(self._edges) > EDGE_CACHE_ENTRIES:
+                self._edges.popitem(last=False)
+        if got is None:
+            return None
+        self._count(got[1])
+        return got[0]
 
     def _anchor(self, mem: ProcessMemory, at: int) -> tuple[int, int, int]:
         raw = mem.read(at, 24)
@@ -775,8 +818,8 @@ class JvmProcess:
 
     def _header(self, mem: ProcessMemory, start: int, pc: int) -> _Blob:
         lay = self.lay
-        need = max(lay.cb_name, lay.cb_size, lay.cb_frame_size, lay.cb_code_begin, lay.cb_code_offset,
-                   lay.cb_kind, lay.nm_compile_id) + 8
+        need = max(lay.cb_name, lay.cb_size, lay.cb_frame_size, lay.cb_frame_complete, lay.cb_code_begin,
+                   lay.cb_code_offset, lay.cb_kind, lay.nm_compile_id) + 8
         raw = mem.read(start, need)
         size = _I.unpack_from(raw, lay.cb_size)[0]
         if not 0 < size < MAX_BLOB_BYTES or not start <= pc < start + size:
@@ -792,11 +835,13 @@ class JvmProcess:
         frame_words = _I.unpack_from(raw, lay.cb_frame_size)[0]
         if not 0 <= frame_words <= MAX_FRAME_WORDS:
             raise _Bad("frame_size")
+        # An int to JDK 22, an int16_t since: its low 16 bits either way (offsets are small; -1 is -1).
+        frame_complete = _h.unpack_from(raw, lay.cb_frame_complete)[0] if lay.cb_frame_complete >= 0 else -1
         compile_id = _I.unpack_from(raw, lay.nm_compile_id)[0] if nmethod else 0
         call_stub = False
         if not nmethod and name.startswith("StubRoutines"):
             call_stub = pc == mem.u64(lay.call_stub_return)
-        return _Blob(start, start + size, name, frame_words, nmethod, code_begin, compile_id,
+        return _Blob(start, start + size, name, frame_words, frame_complete, nmethod, code_begin, compile_id,
                      name == "Interpreter", call_stub)
 
     def _nmethod(self, mem: ProcessMemory, blob: _Blob) -> _Nmethod:
