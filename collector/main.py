@@ -546,8 +546,8 @@ def _page_out_compiler() -> None:
 def _malloc_trim() -> None:
     """Give the free pages of glibc's heaps back to the kernel (malloc_trim(0)).
 
-    After compiling, and after drains (at most one a MALLOC_TRIM_GAP_S): a drain's batch buffers and /proc reads, freed, leave free
-    chunks whose pages stay resident. Without this, on the growth suite's busy load, glibc's bytes in
+    After compiling, and after drains (at most one a MALLOC_TRIM_GAP_S): a drain's batch buffers and
+    /proc reads, freed, leave free chunks whose pages stay resident. Without this, on the growth suite's busy load, glibc's bytes in
     use stayed at ~14 MB (mallinfo2) while the collector's RSS grew from 70 to 75 MB in 10 minutes,
     and one trim then gave back 14 MB. A call costs 0.6-0.8 ms of CPU."""
     try:

@@ -13,6 +13,7 @@ then, per JDK:
   has no last Java frame to walk from, so these come from the registers; also those sampled on a
   method's first or last instructions (step() is called millions of times a second: its prologue and its
   return were 0.5-2% of the samples, cut at step before the reader decoded them, runtimes/jvm/x86edge.py);
+- at most 0.2% of them are such a cut, step alone (0-0.03% measured since the decoder);
 - splitA : splitB is within ±10% of the split the workload measured itself (by its thread's CPU clock,
   which is what the samples count: about 3:1, which it checks too);
 - inlinedLeaf, which -XX:+PrintInlining reports inlined into splitA, is named under splitA, above the
@@ -47,6 +48,9 @@ SAMPLE_HZ = 127
 WANT_SAMPLES = 6000
 # At least this share of them has the workload's frames named (99.95-100% in four JDKs).
 WANT_NAMED = 0.99
+# At most this share of them is cut at step() (a stack of step alone): 0.5-2% in each JDK before the
+# reader decoded prologues and epilogues, 0-0.03% since; the share above alone would miss the smaller cuts.
+MAX_CUT_AT_STEP = 0.002
 WORKLOAD_SECONDS = 240
 # splitA, splitB and step stay methods of their own: inlined into their callers' compiled loops, their
 # own loops would have no debug information of their own (the samples would name the caller).
@@ -159,6 +163,14 @@ def test_running_java_threads_are_walked_from_their_registers(run: Run, version:
     assert named >= WANT_NAMED * total, (
         f"JDK {version}: {named} of {total} samples are whole from Thread.run through JvmSpin.work; "
         f"others: {[s.functions for s in samples if 'JvmSpin.work' not in s.functions][:5]}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_method_sampled_entering_or_returning_keeps_its_callers(run: Run, version: str) -> None:
+    samples = run.samples[run.procs[version].pid]
+    cut = sum(s.values[0] for s in samples if s.functions == ("JvmSpin.step",))
+    assert cut <= MAX_CUT_AT_STEP * count(samples), (
+        f"JDK {version}: {cut} of {count(samples)} samples are step() alone, cut from its callers")
 
 
 def measured_split(out: Path) -> float:
