@@ -412,17 +412,19 @@ class NodeProcess:
         main = [r for r in main if self._in_v8_code(r.ip)]
         if not main:
             return []
-        # The entry frame of the outermost JavaScript now (0: none), to end the chains there.
-        entry = 0
+        # The entry frame of the outermost JavaScript now, to end the chains there (0: none, or the
+        # isolate no longer says: none that a chain could be checked against; None: no isolate found yet).
+        entry: int | None = None
         if self.isolate is not None:
             lay = self.layout
             tlt = mem.read(self.isolate + lay.thread_local_top, lay.tlt_bytes)
+            entry = 0
             if _Q.unpack_from(tlt, lay.tlt_isolate)[0] == self.isolate:
                 entry = _Q.unpack_from(tlt, lay.tlt_js_entry_sp)[0]
         # The stack above the samples' copies, as it is now: one read for all of them.
         lo = min(r.sp for r in main)
         top = max(r.sp for r in main) + STACK_FIRST_READ
-        if lo < entry < self.stack_hi:
+        if entry and lo < entry < self.stack_hi:
             top = max(top, entry + FRAME_HEAD_BYTES)
         hi = min(self.stack_hi, top, lo + STACK_WINDOW)
         try:
@@ -443,6 +445,8 @@ class NodeProcess:
             if fps is None:
                 self._drop("regs_in_cxx")
                 continue
+            if not fps:                    # the stack changed under it (counted there)
+                continue
             frames = [got for got in (self._frame(mem, window, r.sp, fp) for fp in fps) if got is not None]
             if frames:
                 out.append(ThreadStack(r.tid, tuple(frames)))
@@ -450,11 +454,14 @@ class NodeProcess:
                 self._drop("regs_no_frames")
         return out
 
-    def _chain_from_regs(self, window: bytes, lo: int, fp: int, entry: int) -> list[int] | None:
+    def _chain_from_regs(self, window: bytes, lo: int, fp: int, entry: int | None) -> list[int] | None:
         """Frame pointers from a sample's rbp up to its outermost entry frame (the one at `entry`, the
-        js_entry_sp now, or the last one the chain passes), leaf first; where the chain breaks before
-        one (C++ built without frame pointers), as far as it goes. None: not running JavaScript (a first
-        frame that is no V8 frame, or an exit frame before the first entry frame: a call into C++)."""
+        js_entry_sp now, or the last one the chain passes), leaf first. None: not running JavaScript (a
+        first frame that is no V8 frame, or an exit frame before the first entry frame: a call into C++).
+        Where the chain breaks before any entry frame: once the isolate is known (`entry` not None), []
+        (from a JavaScript leaf the first entry frame is reached over V8 frames only, which all keep
+        rbp: the stack above the sample's copy was read after the thread had moved on, and what the
+        chain found there is another moment's); before (None), as far as it goes."""
         v8 = self.v8
         if not self._plausible(window, lo, fp):
             return None
@@ -471,13 +478,18 @@ class NodeProcess:
                     last_entry = len(out) - 1
                 elif marker >> 1 in (v8.ft_exit, v8.ft_builtin_exit) and last_entry < 0:
                     return None
-            if fp == entry:
+            if entry and fp == entry:
                 break
             nxt = self._word(window, lo, fp)
             if nxt is None or nxt <= fp:
                 break
             fp = nxt
         if last_entry < 0:
+            if len(out) >= MAX_FRAMES:     # deeper than is walked: the leaf end is kept (too_deep)
+                return out
+            if entry is not None:
+                self._drop("regs_stack_changed")
+                return []
             self._drop("regs_chain_cut")
             return out
         return out[:last_entry + 1]

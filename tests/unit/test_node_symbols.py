@@ -15,7 +15,7 @@ from ebpfprofiler.runtimes import elfsyms
 from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
 from ebpfprofiler.runtimes.node import _facts
 from ebpfprofiler.runtimes.node.layouts import LAYOUTS
-from ebpfprofiler.runtimes.node.reader import NodeProcess, V8Info
+from ebpfprofiler.runtimes.node.reader import MAX_FRAMES, NodeProcess, V8Info
 from ebpfprofiler.shared.wire import RegsSample
 
 HOST_NODE = "/usr/bin/node"
@@ -122,9 +122,32 @@ def test_register_chain_ends_at_the_entry_frame_or_where_it_breaks() -> None:
     assert node._chain_from_regs(window, lo, fps[1], fps[2]) == fps[1:3]     # the js_entry_sp now ends it
     words, fps = _frames(node, ["js", "js", "entry", "cxx", "js", "entry"])  # nested: up to the outermost
     assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == fps
-    words, fps = _frames(node, ["js", "js"])                                # C++ without frame pointers above
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == fps
+    words, fps = _frames(node, ["js", "js"])                # no entry frame, and no isolate found to tell
+    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], None) == fps
     assert node.dropped == {"regs_chain_cut": 1}
+
+
+def test_register_chain_that_breaks_below_the_running_entry_is_another_moments_and_dropped() -> None:
+    """The slots above a sample's stack copy are read later: when the thread has moved on (its frames
+    there written over: a call into C++, the process writing its profile at exit), the chain breaks
+    before any entry frame. Kept, it would put the leaf at the root of the profile, its callers lost."""
+    node = _node()
+    lo, hi = STACK_HI - 0x1100, STACK_HI
+    # given two JavaScript frames whose caller's slots now hold what C++ wrote there, under an entry
+    # frame the isolate names as running
+    words, fps = _frames(node, ["js", "js", "cxx", "entry"])
+    words[fps[1]] = 0x10                                   # the saved rbp, written over: below itself
+    # when the chain is followed from the leaf, then nothing is kept, and the drop is counted
+    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], fps[3]) == []
+    # and so when the isolate no longer names a running entry frame (0: the process leaving JavaScript)
+    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == []
+    assert node.dropped == {"regs_stack_changed": 2}
+    # but a chain deeper than is walked keeps its leaf end (counted as too deep)
+    deep, deep_fps = _frames(node, ["js"] * (MAX_FRAMES + 1) + ["entry"])
+    deep_lo = deep_fps[0] - 0x100
+    chain = node._chain_from_regs(_window(deep, deep_lo, deep_fps[-1] + 0x100), deep_lo, deep_fps[0], deep_fps[-1])
+    assert chain == deep_fps[:MAX_FRAMES]
+    assert node.dropped == {"regs_stack_changed": 2, "too_deep": 1}
 
 
 def test_register_chain_of_a_call_into_cxx_is_not_javascript() -> None:
