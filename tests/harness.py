@@ -113,13 +113,19 @@ def bpf_holdings(pid: int) -> tuple[set[int], int]:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target == "anon_inode:[perf_event]":
                 perf += 1
-            elif target == "anon_inode:bpf-prog":
-                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
-                    if line.startswith("prog_id:"):
-                        progs.add(int(line.split()[1]))
+            elif target == "anon_inode:bpf-prog" and (prog := bpf_prog_id(pid, fd)) is not None:
+                progs.add(prog)
         except (FileNotFoundError, ProcessLookupError):
             pass
     return progs, perf
+
+
+def bpf_prog_id(pid: int, fd: int | str) -> int | None:
+    """The id of the BPF program that `pid`'s descriptor `fd` holds (None: not a program)."""
+    for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("prog_id:"):
+            return int(line.split()[1])
+    return None
 
 
 def namespace_host_gaps(mountinfo: str = "/proc/self/mountinfo") -> str:

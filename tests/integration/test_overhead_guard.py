@@ -28,6 +28,7 @@ from tests.harness import (
     ROOT,
     Pipeline,
     bpf_holdings,
+    bpf_prog_id,
     bpftool,
     open_dir,
     require_root,
@@ -159,16 +160,11 @@ def empty_programs(tracepoints: Iterable[str]) -> Iterator[dict[str, int]]:
         for tp in tracepoints:
             progs.append(prog := BtfProgram(module, "stats_probe", tp))
             prog.attach()
-        yield {prog.tracepoint: prog_id(prog.fd) for prog in progs}
+        yield {prog.tracepoint: bpf_prog_id(os.getpid(), prog.fd) or 0 for prog in progs}
     finally:
         for prog in progs:
             prog.close()
         module.cleanup()
-
-
-def prog_id(fd: int) -> int:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines())
-    return int(fields["prog_id"])
 
 
 def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_path: Path) -> None:
