@@ -4,12 +4,20 @@ PY     := $(VENV)/bin/python
 CONFIG ?= deploy/agent.yaml
 # more options for `ebpfprofiler run` (e.g. RUN_ARGS="--run-dir DIR --state-dir DIR")
 RUN_ARGS ?=
+# KERNEL=VER[,VER...]: set up the header trees of these kernels, not the running one's
+# (a chroot or an image that will boot them; deploy/setup.sh --kernel)
+KERNEL ?=
+SETUP_ARGS := $(if $(KERNEL),--kernel "$(KERNEL)")
 
-.PHONY: setup run record test test-assets unit integration bench clean
+.PHONY: setup test-setup run record test test-assets unit integration bench clean
 
-## setup: install everything this host needs (idempotent; Debian 12, as root)
+## setup: install what running the agent needs (idempotent; Debian 12, as root)
 setup:
-	@bash deploy/setup.sh
+	@bash deploy/setup.sh $(SETUP_ARGS)
+
+## test-setup: setup, plus the test tools: Debian packages (runtimes, browser, qemu, ...) and requirements-dev.txt
+test-setup:
+	@bash deploy/setup.sh --test $(SETUP_ARGS)
 
 ## run: profile this host with every stage in the foreground (Ctrl-C stops)
 run: setup
@@ -21,21 +29,21 @@ record: setup
 	$(VENV)/bin/ebpfprofiler record $(RECORD_ARGS)
 
 ## test-assets: fetch the runtimes and Debian roots the tests profile, side by side (cached)
-test-assets: setup
+test-assets: test-setup
 	$(PY) -m tests.assets
 
 ## test: every test, unit and integration (real BPF, real processes)
-test: setup test-assets
+test: test-setup test-assets
 	$(PY) -m pytest -v --durations=40 tests
 
-unit: setup
+unit: test-setup
 	$(PY) -m pytest -v tests/unit
 
-integration: setup test-assets
+integration: test-setup test-assets
 	$(PY) -m pytest -v tests/integration
 
 ## bench: speed and overhead figures into bench/results/, and a table
-bench: setup
+bench: test-setup
 	$(PY) -m bench.run
 
 clean:
