@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ebpfprofiler.collector.bpfstats import _bpf
 from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
 from ebpfprofiler.collector.procfs import read_maps
 from ebpfprofiler.collector.sources import TargetedSource
+from ebpfprofiler.collector import syscalls
 from ebpfprofiler.collector.targets import Target
 from ebpfprofiler.shared import privileges
 
@@ -245,11 +245,11 @@ def load_uprobe_multi(bpf: Any, name: str) -> int:
                          kern_version=lib.bpf_module_kern_version(bpf.module), prog_name=fn[:15],
                          expected_attach_type=BPF_TRACE_UPROBE_MULTI)
     try:
-        fd = _bpf(BPF_PROG_LOAD, attr)
+        fd = syscalls.bpf(BPF_PROG_LOAD, attr)
     except OSError:
         attr.log_level = 1
         try:
-            fd = _bpf(BPF_PROG_LOAD, attr)
+            fd = syscalls.bpf(BPF_PROG_LOAD, attr)
         except OSError as e:
             raise OSError(e.errno, f"loading {name}: {e.strerror}: {log_buf.value[-2000:].decode(errors='replace')}") from e
     bpf.funcs[fn] = BPF.Function(bpf, fn, fd)
@@ -263,7 +263,7 @@ def open_link(prog_fd: int, path: bytes, offsets: list[int], pid: int, ret: bool
     attr = _UprobeMultiAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
                             path=ctypes.cast(cpath, ctypes.c_void_p).value or 0, offsets=ctypes.addressof(offs),
                             cnt=len(offsets), multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=pid)
-    return _bpf(BPF_LINK_CREATE, attr)
+    return syscalls.bpf(BPF_LINK_CREATE, attr)
 
 
 @dataclass

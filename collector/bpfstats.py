@@ -19,8 +19,8 @@ import errno
 import os
 from dataclasses import dataclass
 
-# x86-64's syscall number of bpf(2); the only architecture the collector runs on with DWARF (README).
-NR_BPF_X86_64 = 321
+from ebpfprofiler.collector import syscalls
+
 # bpf(2) commands and the one statistics type (include/uapi/linux/bpf.h).
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_ENABLE_STATS = 32
@@ -33,10 +33,6 @@ PROG_INFO_RUN_CNT = 200
 PROG_INFO_SIZE = 256
 STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
 class _EnableStatsAttr(ctypes.Structure):
     _fields_ = [("type", ctypes.c_uint32), ("pad", ctypes.c_uint8 * 116)]
 
@@ -44,15 +40,6 @@ class _EnableStatsAttr(ctypes.Structure):
 class _InfoByFdAttr(ctypes.Structure):
     _fields_ = [("bpf_fd", ctypes.c_uint32), ("info_len", ctypes.c_uint32), ("info", ctypes.c_uint64),
                 ("pad", ctypes.c_uint8 * 104)]
-
-
-def _bpf(cmd: int, attr: ctypes.Structure) -> int:
-    ret = _libc.syscall(ctypes.c_long(NR_BPF_X86_64), ctypes.c_long(cmd), ctypes.byref(attr),
-                        ctypes.c_uint(ctypes.sizeof(attr)))
-    if ret < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-    return int(ret)
 
 
 @dataclass(frozen=True)
@@ -66,7 +53,7 @@ def prog_stats(fd: int) -> ProgStats:
     """run_time_ns and run_cnt of the BPF program behind `fd` (counted only while statistics are on)."""
     buf = ctypes.create_string_buffer(PROG_INFO_SIZE)
     attr = _InfoByFdAttr(bpf_fd=fd, info_len=PROG_INFO_SIZE, info=ctypes.addressof(buf))
-    _bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+    syscalls.bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
     raw = buf.raw
     return ProgStats(int.from_bytes(raw[PROG_INFO_RUN_TIME_NS:PROG_INFO_RUN_TIME_NS + 8], "little"),
                      int.from_bytes(raw[PROG_INFO_RUN_CNT:PROG_INFO_RUN_CNT + 8], "little"),
@@ -90,7 +77,7 @@ class RunTimeStats:
         self._fd = -1
         self._sysctl_before: str | None = None
         try:
-            self._fd = _bpf(BPF_ENABLE_STATS, _EnableStatsAttr(type=BPF_STATS_RUN_TIME))
+            self._fd = syscalls.bpf(BPF_ENABLE_STATS, _EnableStatsAttr(type=BPF_STATS_RUN_TIME))
             self.how = "BPF_ENABLE_STATS"
             return
         except OSError as e:

@@ -9,7 +9,8 @@ read a sleeping task's kernel stack (bpf_get_task_stack), and it costs no
 perf-event record per call, as a classic tracepoint does (measured on the
 ping-pong: the classic sched_switch path made it several times slower).
 
-Owns: loading such a function (bcc's relocated instructions, map fds
+Owns: libbpf (loaded once, by ctypes): its feature probes (probe_helper, probe_map_type), the
+kernel's BTF (enum_has, member_offset); loading such a function (bcc's relocated instructions, map fds
 already in place) with the bpf() syscall, the BTF id of its tracepoint
 (libbpf's libbpf_find_vmlinux_btf_id), attaching and detaching it (a link
 descriptor: closing it detaches), and closing it all; and the offsets of
@@ -28,8 +29,9 @@ import os
 import struct
 from typing import Any, Sequence
 
+from ebpfprofiler.collector import syscalls
+
 # bpf(2) commands and types of include/uapi/linux/bpf.h (kernel ABI, stable).
-_SYS_BPF = 321                      # x86-64
 _BPF_PROG_LOAD = 5
 _BPF_RAW_TRACEPOINT_OPEN = 17
 _BPF_PROG_TYPE_TRACING = 26
@@ -40,7 +42,7 @@ _LOG_BYTES = 1 << 20
 # How much of that log an error message quotes.
 _LOG_QUOTED = 2000
 # BTF kinds (include/uapi/linux/btf.h) member_offset looks through.
-_BTF_KIND_STRUCT, _BTF_KIND_UNION = 4, 5
+_BTF_KIND_STRUCT, _BTF_KIND_UNION, _BTF_KIND_ENUM = 4, 5, 6
 _BTF_MODIFIERS = {8, 9, 10, 11, 18}   # typedef, volatile, const, restrict, type_tag
 # A kernel type nests far less; bounds the walk through anonymous members and modifiers.
 _BTF_MAX_DEPTH = 16
@@ -50,16 +52,7 @@ class BtfProgramError(RuntimeError):
     """A tp_btf program could not be loaded or attached; the message says why."""
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _libbpf: Any = None
-
-
-def _bpf(cmd: int, attr: ctypes.Array) -> int:
-    fd = _libc.syscall(_SYS_BPF, cmd, attr, _ATTR_BYTES)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(fd)
 
 
 def _lib() -> Any:
@@ -78,8 +71,45 @@ def _lib() -> Any:
         lib.btf__type_by_id.restype = ctypes.c_void_p
         lib.btf__name_by_offset.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         lib.btf__name_by_offset.restype = ctypes.c_char_p
+        lib.libbpf_probe_bpf_helper.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.libbpf_probe_bpf_helper.restype = ctypes.c_int
+        lib.libbpf_probe_bpf_map_type.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        lib.libbpf_probe_bpf_map_type.restype = ctypes.c_int
         _libbpf = lib
     return _libbpf
+
+
+def probe_helper(prog_type: int, helper: int) -> bool | None:
+    """Whether programs of `prog_type` may call BPF helper `helper` on this kernel (libbpf loads a
+    tiny program that calls it); None when it cannot tell (no privilege to load programs)."""
+    ret = _lib().libbpf_probe_bpf_helper(prog_type, helper, None)
+    return None if ret < 0 else ret == 1
+
+
+def probe_map_type(map_type: int) -> bool | None:
+    """Whether this kernel creates maps of `map_type` (libbpf creates one); None when it cannot tell."""
+    ret = _lib().libbpf_probe_bpf_map_type(map_type, None)
+    return None if ret < 0 else ret == 1
+
+
+def enum_has(enum_name: str, member: str) -> bool | None:
+    """Whether enum `enum_name` of the running kernel's BTF names `member`; None without BTF."""
+    lib = _lib()
+    btf = lib.btf__load_vmlinux_btf()
+    if not btf:
+        return None
+    try:
+        type_id = lib.btf__find_by_name_kind(btf, enum_name.encode(), _BTF_KIND_ENUM)
+        if type_id <= 0:
+            return False
+        ptr = lib.btf__type_by_id(btf, type_id)
+        _name_off, info, _size = struct.unpack("III", ctypes.string_at(ptr, 12))
+        vlen = info & 0xFFFF
+        values = ctypes.string_at(ptr + 12, 8 * vlen)    # struct btf_enum: name_off, val
+        return any(lib.btf__name_by_offset(btf, struct.unpack_from("I", values, 8 * i)[0]) == member.encode()
+                   for i in range(vlen))
+    finally:
+        lib.btf__free(btf)
 
 
 def member_offset(struct_name: str, path: tuple[str, ...]) -> int | None:
@@ -179,7 +209,7 @@ class BtfProgram:
         struct.pack_into("I", attr, 68, _BPF_TRACE_RAW_TP)                  # expected_attach_type
         struct.pack_into("I", attr, 108, tracepoint_btf_id(tracepoint))     # attach_btf_id
         try:
-            self.fd = _bpf(_BPF_PROG_LOAD, attr)
+            self.fd = syscalls.bpf(_BPF_PROG_LOAD, attr)
         except OSError as e:
             text = log.value.decode("utf-8", "replace")
             raise BtfProgramError(f"loading {fn_name} on {tracepoint}: {e.strerror}; verifier: "
@@ -195,7 +225,7 @@ class BtfProgram:
         attr = ctypes.create_string_buffer(_ATTR_BYTES)
         struct.pack_into("QI", attr, 0, 0, self.fd)     # name: none (the program's BTF id names it)
         try:
-            self._link = _bpf(_BPF_RAW_TRACEPOINT_OPEN, attr)
+            self._link = syscalls.bpf(_BPF_RAW_TRACEPOINT_OPEN, attr)
         except OSError as e:
             raise BtfProgramError(f"attaching {self.name} to {self.tracepoint}: {e.strerror}") from None
 
