@@ -28,23 +28,27 @@ import time
 from typing import Sequence, TextIO
 
 from ebpfprofiler.cli import status
-from ebpfprofiler.cli.run import die_with_parent
+from ebpfprofiler.cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
 from ebpfprofiler.report import profiles as profiles_mod
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges, procstat
+from ebpfprofiler.shared import privileges, procstat, ready
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
 
 # Windows this long: profiles (and the progress line's figures) arrive every few seconds.
 WINDOW_S = 2
-# `run` compiles the BPF programs at start: ~5 s here, more on a loaded host.
-START_TIMEOUT_S = 120.0
+# `run` judges each stage's start (shared/ready.py: no limit while a heartbeat is fresh, READY_TIMEOUT_S
+# for a stage that says nothing) and exits when one fails; this is only for a `run` that cannot: a start
+# in which nothing at all happened (no stage became ready, no heartbeat was renewed) for this long.
+START_QUIET_S = READY_TIMEOUT_S + 30.0
 # `run` drains once more and every window is written before it exits; then it is killed.
 STOP_TIMEOUT_S = 90.0
 # A plain progress line this often when stdout is not a terminal.
 PLAIN_PROGRESS_S = 3.0
 # How often the progress line is redrawn on a terminal.
 TTY_PROGRESS_S = 0.5
+# How often the start is looked at when stdout is not a terminal (the stages' files: a few reads).
+START_POLL_S = 0.1
 # Functions printed at the end.
 TOP_N = 15
 # Run log lines shown when `run` fails.
@@ -158,8 +162,35 @@ class Progress:
                 f"{len(self.processes)} processes, {self.lost} samples lost")
 
 
-def ready(run_dir: str, names: list[str]) -> bool:
-    return all(os.path.exists(endpoints.ready_file(run_dir, n)) for n in names)
+class StartProgress:
+    """The agent's start as `run` goes through it, read from the stages' ready and progress files."""
+
+    def __init__(self, run_dir: str, names: list[str]) -> None:
+        self.started = time.monotonic()
+        self.watches = {n: ready.StartWatch(run_dir, n) for n in names}
+        self.looks: dict[str, ready.Start] = {}
+
+    def check(self) -> None:
+        self.looks = {n: w.check() for n, w in self.watches.items()}
+
+    def ready(self) -> bool:
+        return all(s.state is ready.State.READY for s in self.looks.values())
+
+    def stuck(self) -> str | None:
+        """Why the start will not finish (a stale heartbeat; nothing happened for START_QUIET_S), or None."""
+        for name, s in self.looks.items():
+            if s.state is ready.State.STALE:
+                return f"{name}'s heartbeat stopped {s.quiet_s:.0f} s ago, {s.elapsed_s:.0f} s into {s.doing}"
+        quiet = time.monotonic() - max(w.last_sign for w in self.watches.values())
+        if quiet > START_QUIET_S:
+            return f"nothing happened for {quiet:.0f} s"
+        return None
+
+    def line(self) -> str:
+        working = [f"; {n} {s.doing} ({s.elapsed_s:.0f} s so far)" for n, s in self.looks.items()
+                   if s.state is ready.State.WORKING]
+        done = sum(s.state is ready.State.READY for s in self.looks.values())
+        return f"starting: {done} of {len(self.looks)} stages ready" + "".join(working)
 
 
 def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
@@ -208,18 +239,35 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
                                       "--run-dir", run_dir, "--state-dir", state_dir],
                                      stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)
-        print(f"{prog}: starting the profiler (compiling BPF programs) ...", file=out, flush=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready(run_dir, stages):
-            if child.poll() is not None or time.monotonic() > deadline:
-                print(f"{prog}: the profiler did not start (exit {child.poll()}); its log:\n{tail(run_log)}",
-                      file=sys.stderr)
+        print(f"{prog}: starting the profiler (the collector compiles and loads its BPF programs) ...", file=out,
+              flush=True)
+        starting = StartProgress(run_dir, stages)
+        last_plain = time.monotonic()
+        while True:
+            starting.check()
+            if starting.ready():
+                break
+            stuck = f"exit {child.returncode}" if child.poll() is not None else starting.stuck()
+            if stuck:
+                if tty:
+                    print(file=out)
+                print(f"{prog}: the profiler did not start ({stuck}); its log:\n{tail(run_log)}", file=sys.stderr)
                 return 1
-            if stop.wait(0.1):
+            now = time.monotonic()
+            if tty:
+                print("\r\033[K" + starting.line(), end="", file=out, flush=True)
+            elif now - last_plain >= PROGRESS_LOG_S:
+                print(starting.line(), file=out, flush=True)
+                last_plain = now
+            if stop.wait(TTY_PROGRESS_S if tty else START_POLL_S):
+                if tty:
+                    print(file=out)
                 return 130
+        if tty:
+            print("\r\033[K", end="", file=out, flush=True)
         target = f"processes {' '.join(map(str, sorted(pids)))}" if pids else "every process"
-        print(f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (Ctrl-C ends it early)",
-              file=out, flush=True)
+        print(f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (the profiler started in "
+              f"{time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)", file=out, flush=True)
         progress = Progress(local_dir, run_dir, pids)
         end = time.monotonic() + args.duration
         last_plain = time.monotonic()

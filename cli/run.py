@@ -1,7 +1,11 @@
 """`ebpfprofiler run`: profile this host with every stage, in the foreground.
 
 Owns: starting the stages (uploader, symbolizer workers, collector — in that
-order, so each one's peer is listening), waiting until each says it is ready,
+order, so each one's peer is listening), waiting until each says it is ready
+(shared/ready.py's rule: no time limit while a stage's start-up step, such as
+the collector's BPF compile, keeps its heartbeat fresh, with a line every
+PROGRESS_LOG_S saying what it does and for how long; READY_TIMEOUT_S for a
+stage that says nothing; a stale heartbeat or an exit is a failure),
 restarting a stage that dies (with backoff), and stopping them in the order
 that loses nothing: collector first (it drains once more), then the workers
 (they close their open windows), then the uploader (it delivers what it holds).
@@ -36,14 +40,19 @@ from typing import Sequence
 
 from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, files, privileges, runlock, stage_code
+from ebpfprofiler.shared import endpoints, files, privileges, ready, runlock, stage_code
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.stopping import stop_on_signals
 
-# A stage that has not written its ready file by then is reported (the
-# collector compiles BPF at start: ~5 s here, more on a loaded host).
+# A starting stage that says nothing for this long (no ready file, no fresh heartbeat) is reported: the
+# stages start in about a second; the collector's BPF compile and load (8-15 s here, minutes under
+# emulation) keeps a heartbeat (shared/ready.py), which suspends this limit while it is fresh.
 READY_TIMEOUT_S = 60.0
+# While a stage's start-up step works, a line saying what it does and for how long this often.
+PROGRESS_LOG_S = 10.0
+# How often the wait for a starting stage looks at its files.
+READY_POLL_S = 0.05
 # How long a stopping stage may take before it is killed.
 STOP_TIMEOUT_S = 20.0
 # Restart backoff for a stage that died: doubles from the first to the cap.
@@ -173,10 +182,7 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
 
 
 def start(stage: Stage) -> None:
-    try:
-        os.unlink(endpoints.ready_file(run_dir_of(stage), stage.name))
-    except FileNotFoundError:
-        pass
+    ready.forget(run_dir_of(stage), stage.name)
     # cwd /: the directory `run` was started in may be one the stage's user cannot enter
     stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")
     stage.started = time.monotonic()
@@ -188,16 +194,36 @@ def run_dir_of(stage: Stage) -> str:
     return stage.argv[stage.argv.index("--run-dir") + 1]
 
 
-def wait_ready(stage: Stage, stop: threading.Event) -> bool:
-    path = endpoints.ready_file(run_dir_of(stage), stage.name)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and not stop.is_set():
-        if os.path.exists(path):
-            return True
-        if stage.proc is None or stage.proc.poll() is not None:
-            return False
-        stop.wait(0.05)
-    return False
+def wait_ready(stage: Stage, stop: threading.Event, quiet_timeout_s: float = READY_TIMEOUT_S) -> str | None:
+    """Wait until `stage` is ready (None) or why it will not be: it exited, its heartbeat went stale,
+    or it said nothing for `quiet_timeout_s`; "" when `stop` was set first. While a start-up step
+    works, logs what it does every PROGRESS_LOG_S."""
+    assert stage.proc is not None
+    watch = ready.StartWatch(run_dir_of(stage), stage.name, stage.proc.pid)
+    said_at: float | None = None
+    while not stop.is_set():
+        got = watch.check()
+        if got.state is ready.State.READY:
+            if said_at is not None:
+                log.info("%s ready after %.1f s", stage.name, time.monotonic() - stage.started)
+            return None
+        if stage.proc.poll() is not None:
+            return f"exited with {stage.proc.returncode} before it was ready"
+        if got.state is ready.State.STALE:
+            return (f"its heartbeat stopped {got.quiet_s:.0f} s ago, {got.elapsed_s:.0f} s into "
+                    f"{got.doing} (not renewed for {ready.STALE_BEATS} beats)")
+        if got.state is ready.State.QUIET and got.quiet_s > quiet_timeout_s:
+            return f"said nothing for {quiet_timeout_s:.0f} s and is not ready"
+        if got.state is ready.State.WORKING:
+            now = time.monotonic()
+            if said_at is None:
+                log.info("%s: %s", stage.name, got.doing)
+                said_at = now
+            elif now - said_at >= PROGRESS_LOG_S:
+                log.info("%s: %s (%.0f s so far)", stage.name, got.doing, got.elapsed_s)
+                said_at = now
+        stop.wait(READY_POLL_S)
+    return ""
 
 
 def stop_stage(stage: Stage) -> None:
@@ -263,11 +289,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     try:
         for stage in all_stages:
             start(stage)
-            if not wait_ready(stage, stop):
+            why = wait_ready(stage, stop)
+            if why is not None:
                 if stop.is_set():
                     return 0
-                log.error("%s did not become ready (exit %s); see its log lines above", stage.name,
-                          stage.proc.poll() if stage.proc else None)
+                log.error("%s did not become ready: %s; see its log lines above%s", stage.name, why,
+                          "" if stage.proc is None or stage.proc.poll() is not None else
+                          "; stopping it (what it says as it stops is about this stop)")
                 return 1
         log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
         while not stop.is_set():

@@ -39,6 +39,11 @@ def ready_file(run_dir: str, stage: str) -> str:
     return os.path.join(run_dir, f"{stage}.ready")
 
 
+def progress_file(run_dir: str, stage: str) -> str:
+    """Written by a stage while a long start-up step runs (what it does, a heartbeat); removed when it ends."""
+    return os.path.join(run_dir, f"{stage}.progress")
+
+
 def processes(run_dir: str) -> str:
     """The collector's PUB socket; runtime readers subscribe to process announcements on it."""
     return f"ipc://{os.path.join(run_dir, 'processes.sock')}"
