@@ -615,7 +615,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
-        collector = Collector(cfg, args.bpf_dir, args.run_dir)
+        with ready.progress(args.run_dir, "collector", "compiling and loading BPF programs"):   # heartbeat
+            collector = Collector(cfg, args.bpf_dir, args.run_dir)
     except Exception as e:  # bcc raises bare Exception for compile and load failures
         log.error("cannot load BPF programs from %s: %s", args.bpf_dir, e)
         return 1
