@@ -8,6 +8,15 @@
 // skipped (-1).
 
 #include <linux/errno.h>   // EEXIST, EFAULT: what map and stack helpers return
+#include <uapi/linux/ptrace.h>
+
+// Whether registers saved in a perf event's context were taken in user mode (x86-64: the privilege
+// level in cs). The whole 8-byte slot is read: since 6.12 (FRED) the kernel's headers declare cs as
+// a 16-bit member of a union, and the verifier refuses a 2-byte read of a perf event's context
+// ("invalid bpf_context access off=136 size=2"); the level is in the low bits either way.
+static __always_inline int regs_user_mode(struct pt_regs *regs) {
+    return (*(u64 *)((char *)regs + __builtin_offsetof(struct pt_regs, cs)) & 3) == 3;
+}
 
 #ifdef PIDNS_INO
 static __always_inline int current_ids(u32 *pid, u32 *tid) {
@@ -108,12 +117,17 @@ static __always_inline void timing_end(struct prog_time *t) {
 #ifndef SEEN_PIDS
 #define SEEN_PIDS 65536
 #endif
+// Without ring buffers (-DHAVE_RINGBUF from collector/features.py: Linux 5.8) nothing is notified:
+// new processes are read at the regular drains.
 #define SEEN_NOTIFIED 0xffffffffffffffffULL
+#ifdef HAVE_RINGBUF
 BPF_RINGBUF_OUTPUT(new_pids, 1);
 BPF_TABLE("lru_hash", u32, u64, seen_pids, SEEN_PIDS);   // pid -> its first count's time, or SEEN_NOTIFIED
 BPF_ARRAY(new_pid_last, u64, 1);
+#endif
 
 static __always_inline void notify_new_pid(u32 pid) {
+#ifdef HAVE_RINGBUF
     u64 now = bpf_ktime_get_ns();
     u64 *first = seen_pids.lookup(&pid);
     if (!first) {
@@ -136,6 +150,7 @@ static __always_inline void notify_new_pid(u32 pid) {
     *last = now;
     *first = SEEN_NOTIFIED;
     new_pids.ringbuf_output(&pid, sizeof(pid), 0);
+#endif
 }
 
 // The double buffer: each family (oncpu, offcpu, lock, alloc) counts in two hash maps,

@@ -46,7 +46,10 @@
 //
 // Compiled by bcc together with oncpu.c, with -DCOUNTS_ENTRIES,
 // -DSTACK_ENTRIES, -DOFFCPU_MIN_NS and -DOFFCPU_SAMPLE_NS from the collector; -DOFFCPU_DWARF
-// (after unwind.h) for the DWARF walk at return to user.
+// (after unwind.h) for the DWARF walk at return to user; the kernel's features as
+// collector/features.py found them: -DOFFCPU_TASK_STORAGE (else records by thread id, with
+// -DOFFCPU_TASK_PID_OFFSET, -DOFFCPU_THREADS and -DOFFCPU_USER_STACK_THREADS),
+// -DHAVE_GET_TASK_STACK (else no kernel frames), -DHAVE_TASK_PT_REGS.
 
 #ifndef OFFCPU_SAMPLE_NS
 #define OFFCPU_SAMPLE_NS 0
@@ -101,6 +104,9 @@ struct offcpu_task {
     u32 kernel_n;       // frames of its kernel stack, kept in offcpu_kstacks under kernel_print
     u32 user_n;         // frames in offcpu_user_stacks (threads without rseq only)
     u64 kernel_print;   // the place it last blocked in (offcpu_same_block) whose kernel stack was read
+#ifndef OFFCPU_TASK_STORAGE
+    u64 owner;          // the task_struct it belongs to (records by thread id: see offcpu_record_of)
+#endif
 };
 
 // Indexes of offcpu_lost; the collector names them (collector/offcpu.py).
@@ -116,8 +122,24 @@ struct offcpu_task {
 // create and made every switch slower (measured: ~40 ns a switch with short processes). The stacks live
 // apart: kernel stacks by place in offcpu_kstacks, shared; user stacks, for threads without rseq
 // only, in offcpu_user_stacks.
+//
+// Kernels before 5.11 have no task storage (-DOFFCPU_TASK_STORAGE from collector/features.py says
+// it is there): the records then live in LRU hash maps keyed by the thread's kernel id, each naming
+// the task it belongs to, so that the record of an exited thread whose id was reused is not taken
+// for the new thread's (offcpu_record_of); an evicted record loses that thread's interval.
+#ifdef OFFCPU_TASK_STORAGE
 BPF_TASK_STORAGE(offcpu_tasks, struct offcpu_task);
 BPF_TASK_STORAGE(offcpu_user_stacks, struct offcpu_stack);
+#else
+#ifndef OFFCPU_TASK_PID_OFFSET
+#error "records by thread id need -DOFFCPU_TASK_PID_OFFSET (task_struct.pid in the kernel's BTF)"
+#endif
+#ifdef OFFCPU_DWARF
+#error "the off-CPU DWARF walk needs task storage (bpf_get_current_task_btf)"
+#endif
+BPF_TABLE("lru_hash", u32, struct offcpu_task, offcpu_tasks, OFFCPU_THREADS);
+BPF_TABLE("lru_hash", u32, struct offcpu_stack, offcpu_user_stacks, OFFCPU_USER_STACK_THREADS);
+#endif
 BPF_HASH(offcpu_counts_0, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_HASH(offcpu_counts_1, struct offcpu_key, struct offcpu_value, COUNTS_ENTRIES);
 BPF_ARRAY_OF_MAPS(offcpu_count_maps, "offcpu_counts_0", 2);   // [buf]: offcpu_counts_<buf> (common.h)
@@ -146,6 +168,70 @@ static __always_inline void offcpu_count_lost(int reason) {
     u64 *n = offcpu_lost.lookup(&reason);
     if (n)
         (*n)++;
+}
+
+#ifndef OFFCPU_TASK_STORAGE
+// The record of kernel thread `ktid` if it belongs to task `owner` (a task_struct's address); with
+// `create`, a new one in place of one that belongs to another task (the id was reused).
+static __always_inline struct offcpu_task *offcpu_record_of(u32 ktid, u64 owner, int create) {
+    struct offcpu_task *t = offcpu_tasks.lookup(&ktid);
+    if (t && t->owner == owner)
+        return t;
+    if (!create)
+        return 0;
+    struct offcpu_task fresh = {};
+    fresh.owner = owner;
+    if (offcpu_tasks.update(&ktid, &fresh))
+        return 0;
+    return offcpu_tasks.lookup(&ktid);
+}
+
+static __always_inline u32 offcpu_ktid(struct task_struct *task) {
+    return *(u32 *)((char *)task + OFFCPU_TASK_PID_OFFSET);   // a plain load from a BTF pointer
+}
+#endif
+
+// The record of `task` (a tp_btf argument), made if missing with `create`.
+static __always_inline struct offcpu_task *offcpu_task_of(struct task_struct *task, int create) {
+#ifdef OFFCPU_TASK_STORAGE
+    if (create)
+        return offcpu_tasks.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    return offcpu_tasks.task_storage_get(task, 0, 0);
+#else
+    return offcpu_record_of(offcpu_ktid(task), (u64)task, create);
+#endif
+}
+
+// The record of the current task, made if missing with `create`.
+static __always_inline struct offcpu_task *offcpu_current_task(int create) {
+#ifdef OFFCPU_TASK_STORAGE
+    if (create)
+        return offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    return offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+#else
+    return offcpu_record_of((u32)bpf_get_current_pid_tgid(), bpf_get_current_task(), create);
+#endif
+}
+
+// The user stack kept for `task` (a thread without rseq), made if missing with `create`. Without task
+// storage it is under the thread's id: only read for a thread whose own record (offcpu_task_of) names
+// frames in it, which it wrote when it blocked.
+static __always_inline struct offcpu_stack *offcpu_user_stack_of(struct task_struct *task, int create) {
+#ifdef OFFCPU_TASK_STORAGE
+    if (create)
+        return offcpu_user_stacks.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    return offcpu_user_stacks.task_storage_get(task, 0, 0);
+#else
+    u32 ktid = offcpu_ktid(task);
+    struct offcpu_stack *s = offcpu_user_stacks.lookup(&ktid);
+    if (s || !create)
+        return s;
+    u32 slot = 1;   // any 512 bytes to create it with (its frames are written next)
+    struct offcpu_stack *init = offcpu_scratch.lookup(&slot);
+    if (!init || offcpu_user_stacks.update(&ktid, init))
+        return 0;
+    return offcpu_user_stacks.lookup(&ktid);
+#endif
 }
 
 // The stack's hash (never 0), or 0 for no frames; with `pad`, the frames after the n-th are zeroed
@@ -297,9 +383,10 @@ static __always_inline void offcpu_read_kernel(struct task_struct *next, struct 
                 return;
         }
     }
+    t->kernel_n = 0;
+#ifdef HAVE_GET_TASK_STACK
     u32 slot = 1;
     struct offcpu_stack *walked = offcpu_scratch.lookup(&slot);
-    t->kernel_n = 0;
     if (!walked)
         return;
     u32 n = offcpu_frames(bpf_get_task_stack(next, walked->pcs, sizeof(walked->pcs), 0));
@@ -310,6 +397,7 @@ static __always_inline void offcpu_read_kernel(struct task_struct *next, struct 
         print = t->kernel_print = h;   // the place is not known: the stack names itself
     if (offcpu_kstacks.update(&print, walked) == 0)
         t->kernel_n = n;
+#endif
 }
 
 // Whether a long block is charged, and with what weight, by its blocked time `net` (its length
@@ -442,7 +530,7 @@ int offcpu_switch(u64 *ctx) {
     u64 now = bpf_ktime_get_ns();
 
     // Switch-in: the end of next's blocked interval.
-    struct offcpu_task *t = offcpu_tasks.task_storage_get(next, 0, 0);
+    struct offcpu_task *t = offcpu_task_of(next, 0);
     u64 *hint = offcpu_resume_hint.lookup(&zero);
     if (hint && *hint)
         *hint = 0;
@@ -465,7 +553,9 @@ int offcpu_switch(u64 *ctx) {
                 t->pending_count += count;
             } else {
                 offcpu_read_kernel(next, t);
-                struct offcpu_stack *user = offcpu_user_stacks.task_storage_get(next, 0, 0);
+                struct offcpu_stack *user = t->user_n ? offcpu_user_stack_of(next, 0) : 0;
+                if (t->user_n && !user)
+                    offcpu_count_lost(OFFCPU_LOST_USER_STACK);   // evicted (records by thread id only)
                 offcpu_charge(t->pid, t->tid, user, user ? t->user_n : 0, t->kernel_print, t->kernel_n, count, ns);
             }
         }
@@ -487,7 +577,7 @@ int offcpu_switch(u64 *ctx) {
     u32 pid, tid;
     if (current_ids(&pid, &tid) != 0 || pid == 0)   // current is prev; pid 0: the idle task
         TIMED_RETURN(timing, 0);
-    struct offcpu_task *p = offcpu_tasks.task_storage_get(prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    struct offcpu_task *p = offcpu_task_of(prev, 1);
     if (!p) {
         offcpu_count_lost(OFFCPU_LOST_NO_RECORD);
         TIMED_RETURN(timing, 0);
@@ -514,7 +604,7 @@ int offcpu_switch(u64 *ctx) {
     p->tid = tid;
     if (!(p->flags & (OFFCPU_KTHREAD | OFFCPU_RSEQ))) {
         // No rseq_update to wait for: the user stack now, frame pointers only.
-        struct offcpu_stack *user = offcpu_user_stacks.task_storage_get(prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+        struct offcpu_stack *user = offcpu_user_stack_of(prev, 1);
         p->user_n = user ? offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK)) : 0;
     }
     TIMED_RETURN(timing, 0);
@@ -549,7 +639,7 @@ int offcpu_unwind_finish(u64 *ctx) {
     if (!st)
         TIMED_RETURN(timing, 0);
     unwind_finish(st);
-    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+    struct offcpu_task *t = offcpu_current_task(0);
     if (!t || t->pending_count == 0)
         TIMED_RETURN(timing, 0);
     offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, t->kernel_print, t->kernel_n,
@@ -570,12 +660,11 @@ int offcpu_resume(u64 *ctx) {
     u64 *hint = offcpu_resume_hint.lookup(&zero);
     if (!hint || *hint != bpf_get_current_task())
         TIMED_RETURN(timing, 0);
-    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0, 0);
+    struct offcpu_task *t = offcpu_current_task(0);
     if (!t)
         TIMED_RETURN(timing, 0);
 #else
-    struct offcpu_task *t = offcpu_tasks.task_storage_get(bpf_get_current_task_btf(), 0,
-                                                          BPF_LOCAL_STORAGE_GET_F_CREATE);
+    struct offcpu_task *t = offcpu_current_task(1);
     if (!t)
         TIMED_RETURN(timing, 0);
     if (!(t->flags & OFFCPU_RSEQ))

@@ -84,7 +84,7 @@ static __always_inline void oncpu_send_regs(struct bpf_perf_event_data *ctx, u32
         return;
     struct pt_regs *regs = (struct pt_regs *)&ctx->regs;
     u64 ip, sp, fp;
-    if ((regs->cs & 3) == 3) {
+    if (regs_user_mode(regs)) {
         ip = regs->ip;
         sp = regs->sp;
         fp = regs->bp;
@@ -92,7 +92,7 @@ static __always_inline void oncpu_send_regs(struct bpf_perf_event_data *ctx, u32
 #ifdef HAVE_TASK_PT_REGS
         struct pt_regs *user = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
         struct pt_regs r = {};
-        if (!user || bpf_probe_read_kernel(&r, sizeof(r), user) || (r.cs & 3) != 3)
+        if (!user || bpf_probe_read_kernel(&r, sizeof(r), user) || !regs_user_mode(&r))
             return;
         ip = r.ip;
         sp = r.sp;

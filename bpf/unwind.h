@@ -22,8 +22,6 @@
 // kernels, where a sample taken in the kernel still has the thread's user
 // registers (bpf_task_pt_regs); without it such samples use frame pointers.
 
-#include <uapi/linux/ptrace.h>
-
 #define UNWIND_MAX_FRAMES 64
 // Frames per step program: on 6.18, 6 verify in 0.3 s and 8 exceed the
 // verifier's 1M-instruction budget; 4 leaves room for older verifiers.
@@ -140,7 +138,7 @@ static __always_inline int unwind_begin(struct unwind_state *st, struct pt_regs 
     st->fp_steps = 0;
     st->dwarf_steps = 0;
     st->hash = 0xcbf29ce484222325ULL;
-    if (regs && (regs->cs & 3) == 3) {
+    if (regs && regs_user_mode(regs)) {
         st->pc = regs->ip;
         st->sp = regs->sp;
         st->fp = regs->bp;
@@ -148,7 +146,7 @@ static __always_inline int unwind_begin(struct unwind_state *st, struct pt_regs 
 #ifdef HAVE_TASK_PT_REGS
         struct pt_regs *user = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
         struct pt_regs r = {};
-        if (!user || bpf_probe_read_kernel(&r, sizeof(r), user) || (r.cs & 3) != 3)
+        if (!user || bpf_probe_read_kernel(&r, sizeof(r), user) || !regs_user_mode(&r))
             return 0;
         st->pc = r.ip;
         st->sp = r.sp;

@@ -1,8 +1,10 @@
 """`ebpfprofiler status`: what the running profiler cost in its last upload window, as a table.
 
 Owns: reading RUN_DIR/status.json (written by the collector's overhead guard,
-collector/overhead.py) as untrusted input of bounded size, telling whether the
-collector that wrote it still runs, and printing the figures.
+collector/overhead.py) and RUN_DIR/kernel.json (written by the collector at start,
+collector/features.py: the kernel's features, what it refused, how it holds its
+privileges) as untrusted input of bounded size, telling whether the
+collector that wrote them still runs, and printing the figures.
 
 Must not: signal, start or change any stage.
 """
@@ -21,6 +23,7 @@ from ebpfprofiler.shared import endpoints
 from ebpfprofiler.shared.procstat import alive
 
 STATUS_FILE = "status.json"     # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
+KERNEL_FILE = "kernel.json"     # collector/features.py's STATUS_FILE
 # A status file is a few KiB; anything larger is not one.
 MAX_STATUS_BYTES = 1 << 20
 
@@ -28,13 +31,16 @@ MAX_STATUS_BYTES = 1 << 20
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Print what the running profiler cost in its last upload window: CPU time and RSS "
+        description="Print the running kernel's features as the collector found them (each one missing, "
+                    "and what the agent does without it; what the config asked for and the kernel refused; "
+                    "whether the collector holds CAP_SYS_ADMIN), then what the running profiler cost in its "
+                    "last upload window: CPU time and RSS "
                     "of every stage's process, the kernel's BPF run time of each of the collector's "
                     "programs (run count and ns per run), samples and lost samples, the sampling rate "
                     "the overhead guard allows against the configured one, and the budget "
                     "(overhead_budget_pct; change it in the config file and send SIGHUP to `ebpfprofiler "
-                    "run` or the collector). Reads RUN_DIR/status.json, which the collector writes at the "
-                    "end of each upload window. Exit 0 with the table, 1 when no collector runs, 2 when "
+                    "run` or the collector). Reads RUN_DIR/kernel.json, which the collector writes when it is "
+                    "ready, and RUN_DIR/status.json, which it writes at the end of each upload window. Exit 0 with the table, 1 when no collector runs, 2 when "
                     "one runs but no window has ended yet.")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
                    help="runtime directory of the running profiler (default: %(default)s)")
@@ -52,8 +58,8 @@ def collector_pid(run_dir: str) -> int | None:
     return pid if alive(pid) else None
 
 
-def load(run_dir: str) -> dict[str, Any] | None:
-    path = os.path.join(run_dir, STATUS_FILE)
+def load(run_dir: str, name: str = STATUS_FILE) -> dict[str, Any] | None:
+    path = os.path.join(run_dir, name)
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_STATUS_BYTES + 1)
@@ -65,6 +71,24 @@ def load(run_dir: str) -> dict[str, Any] | None:
     if not isinstance(doc, dict):
         raise ValueError(f"{path} is not a JSON object")   # ValueError, as for the others: a bad file, not a bad call
     return doc
+
+
+def kernel_lines(doc: dict[str, Any]) -> list[str]:
+    """The kernel part of the status: its release, each feature it lacks and what the agent does without
+    it, what the config asked for and was refused, and how the collector holds CAP_SYS_ADMIN."""
+    feats = doc.get("features", {})
+    have = sorted(n for n, f in feats.items() if isinstance(f, dict) and f.get("available"))
+    lines = [f"kernel: {doc.get('release')}; features: {', '.join(have) or 'none'}"]
+    for name, f in sorted(feats.items()):
+        if isinstance(f, dict) and not f.get("available"):
+            lines.append(f"  missing {name} ({f.get('why')}; {f.get('since')}): {f.get('without')}")
+    for r in doc.get("refused", []):
+        if isinstance(r, dict):
+            lines.append(f"  refused: {r.get('what')}: {r.get('why')}")
+    lines.append(f"  CAP_SYS_ADMIN: {doc.get('cap_sys_admin')}")
+    if doc.get("cpus_not_sampled"):
+        lines.append(f"  CPUs offline at start, not sampled: {doc['cpus_not_sampled']}")
+    return lines
 
 
 def _ms(ns: Any) -> str:
@@ -140,14 +164,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler status") -
         return 1
     try:
         doc = load(args.run_dir)
+        kernel = load(args.run_dir, KERNEL_FILE)
     except (OSError, ValueError) as e:
         print(f"{prog}: cannot read the status file: {e}", file=sys.stderr)
         return 1
+    if kernel is not None and kernel.get("pid") != pid:
+        kernel = None
+    if kernel is not None and not args.json:
+        print("\n".join(kernel_lines(kernel)) + "\n")
     if doc is None or doc.get("pid") != pid:
         print(f"{prog}: the collector (pid {pid}) runs, but no upload window has ended since it started; "
               f"the first figures come at the end of the first window (upload_interval_s)", file=sys.stderr)
         return 2
-    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else table(doc))
+    print(json.dumps({**doc, "kernel": kernel}, indent=2, sort_keys=True) if args.json else table(doc))
     return 0
 
 

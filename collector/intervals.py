@@ -9,8 +9,9 @@ Owns: draining those counts into a RawDrain, and the lifetime of ids in the
 family's one stack map: an id is deleted only when no pending interval (a
 thread still blocked) refers to it and no drain has used it for
 STACK_KEEP_DRAINS drains, so a thread that blocks in one interval and wakes
-in a later one still finds its stack; attaching and detaching the family's
-tracepoints.
+in a later one still finds its stack. (Its tracepoints are attached by bcc when
+the module loads and stay attached until it is unloaded: the family pauses by
+its own means, lock.py by emptying its pid set.)
 
 Must not: read /proc or talk to other stages.
 """
@@ -39,7 +40,7 @@ STACK_SWEEP_EVERY = 5
 
 
 class IntervalTracer(EventSource):
-    """One interval family: `prefix` names its maps, `tracepoints` its TRACEPOINT_PROBEs."""
+    """One interval family: `prefix` names its maps, `tracepoints` its TRACEPOINT_PROBEs (for the log)."""
 
     def __init__(self, bpf: Any, prefix: str, profile_type: str, tracepoints: tuple[bytes, ...],
                  label: str, dwarf: bool = False) -> None:
@@ -56,8 +57,6 @@ class IntervalTracer(EventSource):
         self._stacks = bpf[f"{prefix}_stacks"]
         self._last_used: dict[int, int] = {}
         self._drains = 0
-        # bcc attached the TRACEPOINT_PROBE when it loaded the module.
-        self._attached = True
 
     def drain(self) -> RawDrain:
         self._drains += 1
@@ -93,26 +92,3 @@ class IntervalTracer(EventSource):
             present = [k.value for k in self._dwarf_stacks.keys()]
             pending_hashes = {v.user_hash for v in self._bpf[f"{self.prefix}_start"].values()}
             delete_dwarf_stacks(self._dwarf_stacks, stale_ids(present, pending_hashes, self._hash_used, horizon))
-
-    def attach(self) -> None:
-        """Attach the tracepoints again after detach() (bcc attached them at load).
-
-        Threads that blocked before the pause and were woken during it left
-        start records whose wakeup was never seen; they are cleared first, so
-        no paused time is charged as blocked time."""
-        if self._attached:
-            return
-        self._bpf[f"{self.prefix}_start"].clear()
-        for tp in self.tracepoints:
-            category, name = tp.split(b":")
-            self._bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + category + b"__" + name)
-        self._attached = True
-        log.info("%s profiling attached again to %s", self.label,
-                 " and ".join(t.decode() for t in self.tracepoints))
-
-    def detach(self) -> None:
-        if self._attached:
-            for tp in self.tracepoints:
-                self._bpf.detach_tracepoint(tp)
-            self._attached = False
-            log.info("%s profiling detached", self.label)

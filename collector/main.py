@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -34,13 +35,14 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpftime, drains, overhead, preflight, regs, unwind
+from ebpfprofiler.collector import alloc, bpftime, drains, features, overhead, preflight, regs, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.drains import EarlyDrains
 from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
+from ebpfprofiler.collector.programs import capture_stderr, explain
 from ebpfprofiler.collector.lock import LOCK_PIDS, LockTracer
 from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.collector.sources import EventSource, TargetedSource
@@ -130,8 +132,10 @@ def drain_stamp_ns(last_ns: int, now_ns: int, interval_ns: int) -> int:
         return now_ns
     return boundary - 1
 
+
 class Collector:
-    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str) -> None:
+    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
+                 kernel: features.KernelFeatures) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from ebpfprofiler.collector.intervals import START_ENTRIES
         from ebpfprofiler.collector.offcpu import OffCpuTracer
@@ -143,31 +147,40 @@ class Collector:
 
         self.cfg = cfg
         self.run_dir = run_dir
+        self.kernel = kernel
+        # What the config asks for that this kernel cannot give: (what, why), in the log and in status.
+        self.refused: list[tuple[str, str]] = []
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
         self.ksyms = KernelSymbols()
-        families = (["oncpu"] + (["offcpu"] if cfg.offcpu else []) + (["lock"] if cfg.lock_targets else [])
-                    + (["alloc"] if cfg.alloc_targets else []))
+        offcpu_on = cfg.offcpu and self._can("off-CPU profiles (offcpu)", "btf")
+        alloc_on = bool(cfg.alloc_targets) and self._can("allocation profiles (alloc_targets)", "uprobe_multi")
+        families = (["oncpu"] + (["offcpu"] if offcpu_on else []) + (["lock"] if cfg.lock_targets else [])
+                    + (["alloc"] if alloc_on else []))
         defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
                    "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
                    "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
                    "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
                    "NEW_PID_ALIVE_NS": round(drains.EARLY_ALIVE_S * 1e9),
                    "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
-                   **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct)}
-        if cfg.offcpu:
-            defines.update(offcpu_defines())
+                   **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct), **features.bpf_defines(kernel)}
+        if offcpu_on:
+            defines.update(offcpu_defines(task_storage=kernel.has("task_storage")))
         dwarf = cfg.dwarf_unwind
         if dwarf and unwind.supported():
             log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())
             dwarf = False
-        offcpu_dwarf = dwarf and cfg.offcpu and cfg.offcpu_dwarf
+        # the off-CPU walk starts from the blocked thread's saved user registers (bpf_task_pt_regs)
+        offcpu_dwarf = (dwarf and offcpu_on and cfg.offcpu_dwarf
+                        and self._can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs"))
         lock_dwarf = dwarf and bool(cfg.lock_targets)
         if dwarf:
             defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
         # runtime_stacks naming a runtime that walks its JIT frames from registers (the JVM): its
         # processes' on-CPU samples carry them (collector/regs.py)
         regs_names = runtime_registry.regs_mappings(cfg.runtime_stacks)
+        if regs_names and not self._can("JIT frames from registers (jvm_cpu)", "ringbuf"):
+            regs_names = frozenset()
         if regs_names:
             defines.update(regs.bpf_defines())
         self.programs = Programs(bpf_dir, families, defines)
@@ -175,13 +188,13 @@ class Collector:
         # closed alike; on-CPU is also the one whose rate the overhead guard sets.
         self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz, dwarf=dwarf)
         self.sources: list[EventSource] = [self.oncpu]
-        if cfg.offcpu:
+        if offcpu_on:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms, dwarf=offcpu_dwarf))
         # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
         self.watchers: list[tuple[TargetWatcher, TargetedSource]] = []
         if cfg.lock_targets:
             self.watchers.append((TargetWatcher(cfg.lock_targets), LockTracer(self.programs.bpf, dwarf=lock_dwarf)))
-        if cfg.alloc_targets:
+        if alloc_on:
             self.watchers.append((TargetWatcher(cfg.alloc_targets),
                                   alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct)))
         self.sources += [source for _, source in self.watchers]
@@ -221,7 +234,19 @@ class Collector:
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
                                             bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
 
+    def _can(self, what: str, feature: str) -> bool:
+        """Whether the kernel has `feature`; if not, `what` is refused, logged, and named in status."""
+        if self.kernel.has(feature):
+            return True
+        f = self.kernel.features[feature]
+        why = f"needs {f.spec.what} ({f.spec.since}): {f.why}"
+        self.refused.append((what, why))
+        log.warning("%s refused: %s; the rest of the agent runs", what, why)
+        return False
+
     def start(self) -> None:
+        """Open the perf events and start sampling: after this the collector opens no perf event again
+        (collector/perfevents.py), so a capability it held only to open them may go."""
         self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()
         self.sampling = True     # (bcc attached the off-CPU tracepoints when it loaded them)
@@ -244,10 +269,13 @@ class Collector:
             src.attach()
         self.sampling = True
 
-    def new_process_fd(self) -> int:
-        """A descriptor that is readable when a process the programs had not seen is first counted."""
-        self._new_pids = self.programs.bpf["new_pids"]
+    def new_process_fd(self) -> int | None:
+        """A descriptor that is readable when a process the programs had not seen is first counted; None
+        without ring buffers (bpf/common.h: new processes then wait for the regular drains)."""
         self._notified: list[int] = []
+        if not self.kernel.has("ringbuf"):
+            return None
+        self._new_pids = self.programs.bpf["new_pids"]
         self._new_pids.open_ring_buffer(self._on_new_pid)
         return int(self._new_pids.map_fd)
 
@@ -260,7 +288,8 @@ class Collector:
         process is not read here: its first count is often that of a child forked to exec, whose
         mappings are about to be replaced (an executable's table asked for then was the parent's,
         and its answer made /proc/PID/map_files unreadable for the new image)."""
-        self.programs.bpf.ring_buffer_consume()
+        if self.kernel.has("ringbuf"):
+            self.programs.bpf.ring_buffer_consume()
         pids, self._notified = self._notified, []
         self.early.notified(pids)
 
@@ -570,19 +599,51 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-collector"
     return _main(args, prog, hup)
 
 
-def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
-    # Allocation profiling's uprobes need CAP_SYS_ADMIN: kept only when the config asks for it (a
-    # config that cannot be read is reported below, as the stage).
-    extra: frozenset[int] = frozenset()
-    if args.config and not args.preflight:
+def start_caps(config_path: str | None, paranoid: int | None) -> tuple[frozenset[int], frozenset[int]]:
+    """(capabilities beyond the stage's that it keeps, those it holds only until its perf events are open).
+
+    CAP_SYS_ADMIN: kept for allocation profiling (creating a uprobe takes it since Linux 6.16), only when
+    the config asks for it (a config that cannot be read is reported later, as the stage); else held
+    through start-up only when kernel.perf_event_paranoid is above 2 (Debian's default 3), under which
+    perf_event_open(2) takes it (collector/perfevents.py)."""
+    sys_admin = privileges.OPTIONAL_CAPS["collector"]
+    if config_path:
         try:
-            if config_mod.load(args.config).alloc_targets:
-                extra = privileges.OPTIONAL_CAPS["collector"]
+            if config_mod.load(config_path).alloc_targets:
+                return sys_admin, frozenset()
         except config_mod.ConfigError:
             pass
+    if paranoid is not None and paranoid > preflight.PARANOID_MAX_WITHOUT_SYS_ADMIN:
+        return frozenset(), sys_admin
+    return frozenset(), frozenset()
+
+
+def raise_memlock(kernel: features.KernelFeatures) -> str:
+    """On a kernel that charges BPF maps to RLIMIT_MEMLOCK (before 5.11), raise it to unlimited while the
+    process may (before the privilege drop); what was done, for the log ("": nothing to do)."""
+    if kernel.has("memcg_accounting"):
+        return ""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        return f"RLIMIT_MEMLOCK raised from {soft} bytes to unlimited: this kernel charges BPF maps to it"
+    except (ValueError, OSError):
+        return f"RLIMIT_MEMLOCK is {soft} bytes and cannot be raised (hard limit {hard})"
+
+
+def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
+    # The kernel's features, probed before the privilege drop (each probe loads a tiny program).
+    try:
+        kernel = features.probe()
+    except ValueError as e:     # EBPFPROFILER_DISABLE_FEATURES names a feature that does not exist
+        lifecycle.refuse(prog, str(e), lifecycle.EXIT_BAD_CONFIG)
+    memlock = raise_memlock(kernel)
+    keep, for_start = start_caps(args.config if not args.preflight else None, preflight.Host().paranoid())
     # First: every check and every step below runs as the stage.
-    lifecycle.become(prog, "collector", "the collector's", extra)
-    checks = preflight.run_checks()
+    lifecycle.become(prog, "collector", "the collector's", keep | for_start)
+    checks = preflight.run_checks(kernel=kernel)
     if args.preflight:
         print(preflight.report(checks))
         return 0 if preflight.passed(checks) else 1
@@ -591,6 +652,9 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
     if not preflight.passed(checks):
         print(f"{prog}: this host cannot run the collector:\n{preflight.report(checks)}", file=sys.stderr)
         return 1
+    log.info("kernel %s: %s", kernel.release, "; ".join(f.describe() for f in kernel.features.values()))
+    if memlock:
+        log.info("%s", memlock)
 
     lifecycle.hold_run_dir(prog, args.run_dir, "collector")
     stop = stop_on_signals(log, "stopping")
@@ -615,13 +679,23 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
-        with ready.progress(args.run_dir, "collector", "compiling and loading BPF programs"):   # heartbeat
-            collector = Collector(cfg, args.bpf_dir, args.run_dir)
+        with (ready.progress(args.run_dir, "collector", "compiling and loading BPF programs"),   # heartbeat
+              capture_stderr() as said):    # the compiler's and the verifier's words, quoted if refused
+            collector = Collector(cfg, args.bpf_dir, args.run_dir, kernel)
     except Exception as e:  # bcc raises bare Exception for compile and load failures
-        log.error("cannot load BPF programs from %s: %s", args.bpf_dir, e)
+        log.error("cannot load the BPF programs from %s: %s", args.bpf_dir, explain(e, said))
         return 1
     try:
         collector.start()
+        if for_start:
+            privileges.keep_only(privileges.STAGES["collector"].caps | keep)
+            log.info("kernel.perf_event_paranoid > %d: CAP_SYS_ADMIN was held to open the perf events at "
+                     "start, and is dropped now", preflight.PARANOID_MAX_WITHOUT_SYS_ADMIN)
+        features.write_status(args.run_dir, kernel, collector.refused, {
+            "cap_sys_admin": ("kept (alloc_targets)" if keep else "held at start only, to open perf events "
+                              "(kernel.perf_event_paranoid > 2)" if for_start else "not held"),
+            "perf_event_cpus": collector.oncpu.events.cpus if collector.oncpu.events else [],
+            "cpus_not_sampled": collector.oncpu.events.uncovered if collector.oncpu.events else []})
         ready.announce(args.run_dir, "collector")
         offcpu = "off" if not cfg.offcpu else f"from {cfg.offcpu_min_ms} ms" + (
             f", sampled below {cfg.offcpu_sample_ms} ms" if cfg.offcpu_sample_ms > cfg.offcpu_min_ms else "")
@@ -647,6 +721,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
 
         def listen(on: bool) -> None:
             nonlocal listening
+            if new_processes is None:   # no ring buffers: new processes wait for the regular drains
+                return
             if on and not listening:
                 poller.register(new_processes, zmq.POLLIN)
             elif listening and not on:
@@ -667,7 +743,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
                 stopping.drain_wakeups()
             if stop.is_set():
                 break
-            if new_processes in events:
+            if new_processes is not None and new_processes in events:
                 collector.take_new_processes()
             if collector.unwind is not None and collector.unwind.sock in events:
                 collector.unwind.receive()
@@ -700,7 +776,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         collector.drain_once()   # what was sampled since the last drain
         collector.snapshots_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
-        lifecycle.shut_down(args.run_dir, "collector", collector.close)
+        lifecycle.shut_down(args.run_dir, "collector", collector.close,
+                            lambda: features.remove_status(args.run_dir))
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all,
                                             take_dwarf_stacks)
-from ebpfprofiler.collector.btfprog import BtfProgram, member_offsets
+from ebpfprofiler.collector.btfprog import BtfProgram, BtfProgramError, member_offsets
 from ebpfprofiler.collector.sources import EventSource
 
 __all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS", "bpf_defines"]
@@ -33,6 +33,12 @@ STEP_PROGRAMS = (("offcpu_unwind_step", "rseq_update"), ("offcpu_unwind_finish",
 # Names of the offcpu_lost slots in bpf/offcpu.c, in order.
 LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "no_task_record")
 
+
+# Without task storage (kernels before 5.11): threads whose records are kept at once, and threads without
+# rseq whose user stack taken at the block is kept (512 bytes each, 8 MB; the LRU forgets the longest
+# idle first, and a forgotten one costs that interval its record or its user stack, counted).
+THREAD_RECORDS = 65536
+USER_STACK_RECORDS = 16384
 
 # -D flag of bpf/offcpu.c → task_struct member it reads, and what is lost without it (no BTF).
 TASK_FIELDS = {
@@ -61,12 +67,22 @@ def sample_ns(min_ms: int, sample_ms: int) -> int:
     return sample_ms * 1_000_000 if sample_ms > min_ms else 0
 
 
-def bpf_defines() -> dict[str, int]:
-    """The offsets bpf/offcpu.c needs of task_struct, cfs_rq and rq members, from the running kernel's BTF.
+def bpf_defines(task_storage: bool = True) -> dict[str, int]:
+    """The offsets bpf/offcpu.c needs of task_struct, cfs_rq and rq members, from the running kernel's BTF,
+    and where its per-thread records live: task storage, or (a kernel before 5.11, collector/features.py)
+    LRU hash maps by thread id, which need task_struct.pid's offset.
 
     bcc's headers may be another kernel's (/lib/modules/<release>/build), so its own offsets of
     these fields cannot be trusted; a field not found is left out and the loss logged."""
-    out = {}
+    out: dict[str, int] = {}
+    if task_storage:
+        out["OFFCPU_TASK_STORAGE"] = 1
+    else:
+        pid = member_offsets("task_struct", [("pid",)])[0]
+        if pid is None:
+            raise BtfProgramError("off-CPU records by thread id need task_struct.pid, which the kernel's BTF lacks")
+        out.update(OFFCPU_TASK_PID_OFFSET=pid, OFFCPU_THREADS=THREAD_RECORDS,
+                   OFFCPU_USER_STACK_THREADS=USER_STACK_RECORDS)
     offsets = member_offsets("task_struct", [path for path, _ in TASK_FIELDS.values()])
     for (define, (path, loss)), offset in zip(TASK_FIELDS.items(), offsets):
         if offset is None:

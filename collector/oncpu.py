@@ -1,6 +1,7 @@
 """On-CPU sampling: bpf/oncpu.c on a cpu-clock perf event on every CPU.
 
-Owns: attaching and detaching the perf events, and draining the
+Owns: the program's perf events (collector/perfevents.py: opened once, then enabled, disabled and
+given a new period), and draining the
 double-buffered counts and stack maps into a RawDrain: flip, read the retired
 buffer, clear it, so no sample is counted twice or dropped between reads.
 
@@ -10,13 +11,13 @@ Must not: read /proc or talk to other stages (the collector's main loop does).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from bcc import PerfSWConfig, PerfType
+from bcc import BPF
 
 from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks,
                                             take_counts, take_dwarf_stacks)
+from ebpfprofiler.collector.perfevents import CpuClockEvents
 from ebpfprofiler.collector.sources import EventSource
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,29 @@ class OnCpuSampler(EventSource):
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
         self._lost = LostCounters(bpf["oncpu_lost"], LOST_REASONS[:4])
-        self._attached = False
+        self._prog_fd = bpf.load_func(PROGRAM_NAME.encode(), BPF.PERF_EVENT).fd
+        self.events: CpuClockEvents | None = None
+
+    def open(self) -> None:
+        """Open the perf events, stopped (collector/perfevents.py: once, while the collector may)."""
+        if self.events is None:
+            self.events = CpuClockEvents(self._prog_fd, self.period_ns)
+            if self.events.uncovered:
+                log.warning("on-CPU sampling: CPUs %s are offline now and get no perf event: they are not "
+                            "sampled if they come online, until the collector restarts",
+                            ",".join(map(str, self.events.uncovered)))
 
     def attach(self) -> None:
         """Start sampling every CPU at sample_hz (a fixed period of cpu-clock)."""
-        self._bpf.attach_perf_event(
-            ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
-            fn_name=PROGRAM_NAME.encode(), sample_period=self.period_ns, cpu=-1)
-        self._attached = True
+        self.open()
+        assert self.events is not None
+        if self.events.enabled:
+            return
+        if self.events.period_ns != self.period_ns:
+            self.events.set_period(self.period_ns)
+        self.events.enable()
         log.info("on-CPU sampling attached: cpu-clock every %d ns (%d Hz) on %d CPUs",
-                 self.period_ns, self.sample_hz, os.cpu_count() or 0)
+                 self.period_ns, self.sample_hz, len(self.events.cpus))
 
     def drain(self) -> RawDrain:
         old, counts = self._buffers.retire()
@@ -66,7 +80,11 @@ class OnCpuSampler(EventSource):
         return out
 
     def detach(self) -> None:
-        if self._attached:
-            self._bpf.detach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK)
-            self._attached = False
+        if self.events is not None and self.events.enabled:
+            self.events.disable()
             log.info("on-CPU sampling detached")
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None

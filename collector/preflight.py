@@ -1,38 +1,110 @@
-"""Preflight: can this host run the collector? Each missing thing named, with its fix.
+"""Preflight: can this host run the collector? Each cause named, with what to do about it.
 
-Owns: the checks the collector makes before it loads anything — operating
-system, kernel version (>= 5.8), BTF, the capabilities it holds, tracefs, a
-kernel header tree for bcc, bcc itself — and their report. The collector runs
-them at start and refuses to start with this report instead of a traceback.
+Owns: the checks the collector makes before it loads anything — operating system, kernel version
+(>= 5.8), the capabilities it holds, kernel.perf_event_paranoid against them, the memlock limit on
+kernels that charge BPF maps to it, BTF, tracefs, the kernel header tree bcc compiles against
+(missing, or another kernel's), bcc itself — and the kernel features it will do without
+(collector/features.py), and their report. `ebpfprofiler run` runs them (as the collector, with
+its capabilities) before it starts any stage; the collector runs them again at every start and
+refuses to start with this report instead of a traceback.
 
-Must not: change the host (no mounts, no installs) or import bcc (it only
-checks that bcc can be found: importing it costs ~100 MB).
+Every check reads a file tree (`Host`), by default the running host's /proc, /sys and
+/lib/modules; the unit tests give it trees recorded on Debian's kernels (tests/fixtures/kernels/).
+
+Must not: change the host (no mounts, no installs, no sysctl) or import bcc (it only checks that
+bcc can be found: importing it costs ~100 MB).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import re
 from dataclasses import dataclass
 
+from ebpfprofiler.collector.features import KernelFeatures
 from ebpfprofiler.shared.privileges import (CAP_BPF, CAP_CHECKPOINT_RESTORE, CAPABILITY_NAMES, CAP_PERFMON,
-                                            CAP_SYS_ADMIN, COLLECTOR_CAPS)
+                                            CAP_SYS_ADMIN, CAP_SYS_RESOURCE, COLLECTOR_CAPS)
 
 MIN_KERNEL = (5, 8)
+# kernel.perf_event_paranoid above this (Debian's and Ubuntu's kernels ship 3 and 4) refuses perf_event_open(2)
+# to a process without CAP_SYS_ADMIN: their patch, not upstream's levels (-1 to 2).
+PARANOID_MAX_WITHOUT_SYS_ADMIN = 2
+RLIM_INFINITY = "unlimited"      # as /proc/PID/limits writes it
 
 # What the collector needs each capability for: shared/privileges.py's table, which the stage's
 # privilege drop keeps.
 REQUIRED_CAPS: dict[int, tuple[str, str]] = {bit: (CAPABILITY_NAMES[bit], why) for bit, why in COLLECTOR_CAPS.items()}
 
+OK, WARN, FAIL = "ok", "warn", "fail"
+
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    ok: bool
+    level: str        # OK, WARN (the agent runs without something), FAIL (it cannot start)
     detail: str
     fix: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.level != FAIL
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where the checks read: a root directory holding proc/, sys/ and lib/modules/ (the host's is "/")."""
+    root: str = "/"
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel.lstrip("/"))
+
+    def read(self, rel: str) -> str | None:
+        try:
+            with open(self.path(rel), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self.path(rel))
+
+    def release(self) -> str:
+        text = self.read("proc/sys/kernel/osrelease")
+        return text.strip() if text else platform.release()
+
+    def paranoid(self) -> int | None:
+        text = self.read("proc/sys/kernel/perf_event_paranoid")
+        try:
+            return int(text) if text is not None else None
+        except ValueError:
+            return None
+
+    def status_field(self, key: str) -> int:
+        """A hexadecimal capability set of proc/self/status (CapEff, CapPrm), 0 if absent."""
+        for line in (self.read("proc/self/status") or "").splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1], 16)
+        return 0
+
+    def memlock(self) -> tuple[str, str]:
+        """(soft, hard) of "Max locked memory" in proc/self/limits: bytes, or "unlimited"."""
+        for line in (self.read("proc/self/limits") or "").splitlines():
+            if line.startswith("Max locked memory"):
+                soft, hard = line[len("Max locked memory"):].split()[:2]
+                return soft, hard
+        return RLIM_INFINITY, RLIM_INFINITY
+
+    def features(self) -> KernelFeatures | None:
+        """Probe results recorded beside a tree (features.json), for the tests; None on a live host."""
+        text = self.read("features.json")
+        if text is None:
+            return None
+        from ebpfprofiler.collector.features import resolve
+        doc = json.loads(text)
+        return resolve(doc["release"], doc["probes"], frozenset(doc.get("disabled", ())))
 
 
 def _kernel_version(release: str) -> tuple[int, int]:
@@ -56,47 +128,116 @@ def check_caps(caps: int) -> list[Check]:
         # before 5.9 for CAP_CHECKPOINT_RESTORE.
         if not held and bit in (CAP_BPF, CAP_PERFMON, CAP_CHECKPOINT_RESTORE) and caps >> CAP_SYS_ADMIN & 1:
             held = True
-        out.append(Check(f"capability {name}", held, f"needed to {why}",
+        out.append(Check(f"capability {name}", OK if held else FAIL, f"needed to {why}",
                          "" if held else f"run the collector as root, or grant {name} "
                                          f"(systemd: AmbientCapabilities={name})"))
     return out
 
 
-def run_checks(proc: str = "/proc", sys_dir: str = "/sys") -> list[Check]:
+def check_paranoid(paranoid: int | None, caps: int) -> Check:
+    """kernel.perf_event_paranoid against the capabilities held: above 2 (Debian's and Ubuntu's default)
+    perf_event_open(2) takes CAP_SYS_ADMIN, which the collector holds while it opens its perf events at
+    start only (collector/perfevents.py)."""
+    if paranoid is None:
+        return Check("perf_event_paranoid", WARN, "kernel.perf_event_paranoid could not be read")
+    if paranoid <= PARANOID_MAX_WITHOUT_SYS_ADMIN:
+        return Check("perf_event_paranoid", OK, f"{paranoid}: CAP_PERFMON opens the perf events")
+    if caps >> CAP_SYS_ADMIN & 1:
+        return Check("perf_event_paranoid", OK, f"{paranoid}: opening perf events takes CAP_SYS_ADMIN; the collector "
+                     "holds it while it opens them at start, then drops it")
+    return Check("perf_event_paranoid", FAIL,
+                 f"{paranoid} (Debian's and Ubuntu's default): perf_event_open(2) needs CAP_SYS_ADMIN, and the "
+                 f"collector does not hold it",
+                 "run the collector as root (`ebpfprofiler run` does), or grant CAP_SYS_ADMIN to its unit "
+                 "(AmbientCapabilities= and CapabilityBoundingSet=, as deploy/systemd's unit does): it holds it "
+                 "only while it opens its perf events at start. Lowering the sysctl to 2 also works, for the "
+                 "whole host")
+
+
+def check_memlock(kernel: KernelFeatures | None, soft: str, hard: str, caps: int) -> Check:
+    """Before 5.11 BPF maps are charged to RLIMIT_MEMLOCK: the collector raises it to unlimited at start
+    (collector/main.py), which needs the hard limit unlimited or CAP_SYS_RESOURCE."""
+    if kernel is not None and kernel.has("memcg_accounting"):
+        return Check("memlock limit", OK, "BPF maps are charged to the memory cgroup, not to RLIMIT_MEMLOCK")
+    if soft == RLIM_INFINITY:
+        return Check("memlock limit", OK, "unlimited (this kernel charges BPF maps to RLIMIT_MEMLOCK)")
+    if hard == RLIM_INFINITY or caps >> CAP_SYS_RESOURCE & 1:
+        return Check("memlock limit", OK, f"{soft} bytes; this kernel charges BPF maps to it, and the collector "
+                     "raises it to unlimited at start")
+    return Check("memlock limit", FAIL,
+                 f"{soft} bytes (hard limit {hard}): this kernel charges BPF maps to RLIMIT_MEMLOCK (before Linux "
+                 "5.11), and the collector cannot raise it",
+                 "run the collector as root, or with LimitMEMLOCK=infinity (systemd; deploy/systemd's unit sets "
+                 "it), or `ulimit -l unlimited` before starting it")
+
+
+def check_headers(host: Host, release: str) -> Check:
+    """The header tree bcc compiles against: /lib/modules/RELEASE/build, which must exist, and should be
+    this kernel's (include/generated/utsrelease.h names its release)."""
+    build = f"/lib/modules/{release}/build"
+    trees = [d for d in (build, f"/lib/modules/{release}/source") if host.exists(f"{d}/include/linux/kconfig.h")]
+    if not trees:
+        return Check("kernel headers", FAIL, f"{build} has no header tree",
+                     f"apt-get install linux-headers-{release}, or run `deploy/setup.sh` (it installs them, or "
+                     "links Debian's newest header tree in their place)")
+    uts = host.read(f"{trees[0]}/include/generated/utsrelease.h") or ""
+    m = re.search(r'UTS_RELEASE\s+"([^"]+)"', uts)
+    if m and m.group(1) != release:
+        return Check("kernel headers", WARN,
+                     f"{build} is the header tree of {m.group(1)}, not of {release}: bcc compiles against it; the "
+                     "programs read kernel structures through the running kernel's BTF, but a struct whose "
+                     "layout changed between the two is read wrong",
+                     f"install linux-headers-{release} if your distribution has it")
+    return Check("kernel headers", OK, f"{build} has {release}'s header tree" if m else f"{build} has a header tree")
+
+
+def check_features(kernel: KernelFeatures | None) -> list[Check]:
+    """One line per kernel feature the agent will do without (it runs, without that one)."""
+    if kernel is None:
+        return []
+    return [Check(f"kernel feature {f.spec.name}", WARN, f"missing ({f.why}; {f.spec.since}): {f.spec.without}")
+            for f in kernel.missing()]
+
+
+def run_checks(host: Host | None = None, kernel: KernelFeatures | None = None) -> list[Check]:
+    """Every check, on `host` (the running one by default) with the kernel features probed there (`kernel`;
+    a recorded tree carries its own)."""
+    host = host or Host()
     system = platform.system()
     if system != "Linux":
-        return [Check("operating system", False, f"{system} is unsupported",
-                      "ebpfprofiler runs on Linux 5.8 or newer")]
-    release = platform.release()
+        return [Check("operating system", FAIL, f"{system} is unsupported", "ebpfprofiler runs on Linux 5.8 or newer")]
+    kernel = host.features() or kernel
+    release = host.release()
     version = _kernel_version(release)
-    checks = [Check("kernel version", version >= MIN_KERNEL, f"{release} (need {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or newer)",
-                    "" if version >= MIN_KERNEL else "upgrade the kernel to 5.8 or newer")]
-    btf = os.path.exists(f"{sys_dir}/kernel/btf/vmlinux")
-    checks.append(Check("BTF", btf, f"{sys_dir}/kernel/btf/vmlinux " + ("present" if btf else "missing"),
+    new_enough = version >= MIN_KERNEL
+    checks = [Check("kernel version", OK if new_enough else FAIL, f"{release} (need {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or newer)",
+                    "" if new_enough else "upgrade the kernel to 5.8 or newer")]
+    btf = host.exists("sys/kernel/btf/vmlinux")
+    checks.append(Check("BTF", OK if btf else WARN, "/sys/kernel/btf/vmlinux " + ("present" if btf else
+                        "missing: no off-CPU profiles (their programs need BTF)"),
                         "" if btf else "use a kernel built with CONFIG_DEBUG_INFO_BTF=y"))
-    checks += check_caps(effective_caps(f"{proc}/self/status"))
-    tracefs = next((p for p in (f"{sys_dir}/kernel/tracing", f"{sys_dir}/kernel/debug/tracing")
-                    if os.path.exists(f"{p}/events")), None)
-    checks.append(Check("tracefs", tracefs is not None, f"mounted at {tracefs}" if tracefs else "not mounted",
-                        "" if tracefs else "mount -t tracefs tracefs /sys/kernel/tracing (make setup does)"))
-    build = f"/lib/modules/{release}/build"
-    headers = any(os.path.exists(os.path.join(d, "include/linux/kconfig.h"))
-                  for d in (build, f"/lib/modules/{release}/source"))
-    checks.append(Check("kernel headers", headers, f"{build} " + ("has a header tree" if headers else "has none"),
-                        "" if headers else f"apt-get install linux-headers-{release}, or run make setup "
-                                           "(it links Debian's newest header tree in its place)"))
+    caps = host.status_field("CapEff")
+    checks += check_caps(caps)
+    checks.append(check_paranoid(host.paranoid(), caps))
+    checks.append(check_memlock(kernel, *host.memlock(), caps))
+    tracefs = next((p for p in ("sys/kernel/tracing", "sys/kernel/debug/tracing") if host.exists(f"{p}/events")), None)
+    checks.append(Check("tracefs", OK if tracefs else FAIL, f"mounted at /{tracefs}" if tracefs else "not mounted",
+                        "" if tracefs else "mount -t tracefs tracefs /sys/kernel/tracing (deploy/setup.sh does)"))
+    checks.append(check_headers(host, release))
     bcc = importlib.util.find_spec("bcc") is not None
-    checks.append(Check("bcc", bcc, "python module bcc " + ("found" if bcc else "not found"),
+    checks.append(Check("bcc", OK if bcc else FAIL, "python module bcc " + ("found" if bcc else "not found"),
                         "" if bcc else "apt-get install python3-bpfcc and use a venv with "
-                                       "--system-site-packages (make setup does)"))
+                                       "--system-site-packages (deploy/setup.sh does)"))
+    checks += check_features(kernel)
     return checks
 
 
 def report(checks: list[Check]) -> str:
     lines = []
     for c in checks:
-        lines.append(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" + ("" if c.ok else f"\n     fix: {c.fix}"))
-    failed = [c.name for c in checks if not c.ok]
+        tag = {OK: "ok  ", WARN: "warn", FAIL: "FAIL"}[c.level]
+        lines.append(f"{tag} {c.name}: {c.detail}" + (f"\n     fix: {c.fix}" if c.fix and c.level != OK else ""))
+    failed = [c.name for c in checks if c.level == FAIL]
     lines.append("preflight: " + ("ready" if not failed else f"{len(failed)} problem(s): {', '.join(failed)}"))
     return "\n".join(lines)
 

@@ -2,7 +2,10 @@
 
 Owns: the bcc BPF object: one compile (LLVM costs seconds and ~100 MB, so
 once), the -D sizes every program is built with, the pid namespace the
-programs name tasks in, and unloading it all.
+programs name tasks in, the flags of the running kernel's own build that bcc
+does not pass (kernel_cflags: a new distribution kernel compiles without a
+release of ours), what the compiler and the verifier said when something is
+refused (their output captured and quoted, not a traceback), and unloading it all.
 A family that is not asked for is not compiled, so it cannot be loaded or
 attached (offcpu: false loads no sched_switch program).
 
@@ -11,8 +14,11 @@ Must not: attach, drain or interpret maps (oncpu.py and offcpu.py do).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Mapping, Sequence
+import re
+import tempfile
+from typing import Iterator, Mapping, Sequence
 
 from bcc import BPF
 
@@ -38,8 +44,9 @@ class Programs:
         headers = ["common.h"] + (["unwind.h"] if "DWARF_UNWIND" in defines else [])
         text = "\n".join(_read(os.path.join(bpf_dir, f)) for f in headers + [f"{f}.c" for f in families])
         cflags = [f"-D{k}={v}" for k, v in {**defines, **bpftime.bpf_defines(), **pid_namespace_defines()}.items()]
+        self.kernel_cflags = kernel_cflags()
         self.families = tuple(families)
-        self.bpf = BPF(text=text.encode(), cflags=cflags)
+        self.bpf = BPF(text=text.encode(), cflags=cflags + self.kernel_cflags)
 
     def close(self) -> None:
         """Detach whatever is still attached and unload every program and map."""
@@ -57,6 +64,89 @@ def pid_namespace_defines(ns_path: str = "/proc/self/ns/pid") -> dict[str, int]:
     if st.st_ino == INIT_PID_NS_INO:
         return {}
     return {"PIDNS_DEV": st.st_dev, "PIDNS_INO": st.st_ino}
+
+
+# Flags of the kernel's own build that clang needs to read its headers, by the config symbol (or the
+# top Makefile's text) that says the kernel was built with them. Linux 6.19 and newer (Debian's 7.x)
+# use Microsoft's anonymous struct members in their headers ("-fms-extensions"); without the flag
+# clang reads e.g. "no member named 'ns_id' in 'struct ns_common'".
+BUILD_FLAGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("CONFIG_CC_MS_EXTENSIONS", "-fms-extensions", ("-fms-extensions", "-Wno-microsoft-anon-tag")),
+)
+# Lines of the compiler's or the verifier's output quoted when a program is refused.
+QUOTED_LINES = 25
+# Bytes of that output kept (a verifier log can be megabytes; its end says why).
+CAPTURED_BYTES = 1 << 20
+
+
+def kernel_cflags(release: str | None = None, modules: str = "/lib/modules") -> list[str]:
+    """The flags of BUILD_FLAGS that the header tree bcc compiles against (/lib/modules/RELEASE/build)
+    says its kernel was built with: from its include/config/auto.conf, or its top Makefile."""
+    release = release or os.uname().release
+    out: list[str] = []
+    for symbol, makefile_text, flags in BUILD_FLAGS:
+        if _config_has(os.path.join(modules, release, "build"), symbol, makefile_text):
+            out.extend(f for f in flags if f not in out)
+    return out
+
+
+def _config_has(tree: str, symbol: str, makefile_text: str) -> bool:
+    for path, pattern in ((os.path.join(tree, "include/config/auto.conf"), rf"^{symbol}=(?!n$)"),
+                          (os.path.join(tree, "Makefile"), re.escape(makefile_text))):
+        try:
+            with open(path, errors="replace") as f:
+                if re.search(pattern, f.read(), re.MULTILINE):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+class Captured:
+    """What the process wrote to its standard error while captured (bcc's C++ code writes the compiler's
+    diagnostics and the verifier's log there)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def tail(self, lines: int = QUOTED_LINES) -> str:
+        kept = [ln for ln in self.text.splitlines() if ln.strip()]
+        return "\n".join(kept[-lines:])
+
+
+@contextlib.contextmanager
+def capture_stderr() -> Iterator[Captured]:
+    """Standard error (file descriptor 2) into a private file for the duration; what was written is then
+    in the Captured object, and is written to the real standard error too, so nothing is lost."""
+    captured = Captured()
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            size = sink.seek(0, os.SEEK_END)
+            sink.seek(max(0, size - CAPTURED_BYTES))
+            raw = sink.read()
+            captured.text = raw.decode("utf-8", "replace")
+            os.write(2, raw)
+
+
+def explain(error: BaseException, captured: Captured) -> str:
+    """One message for a failed compile or load: what failed (the program bcc or the kernel refused),
+    the error, and the last lines the compiler or the verifier wrote."""
+    text = str(error)
+    m = re.search(r"Failed to load BPF program b?'?([\w.]+)'?: (.*)", text)
+    if m:
+        head = f"the kernel refused BPF program {m.group(1)}: {m.group(2)}"
+    elif "Failed to compile BPF" in text or "error:" in captured.text:
+        head = "the BPF programs did not compile against this kernel's headers"
+    else:
+        head = text
+    tail = captured.tail()
+    return head + (f"\nlast lines of the compiler's and verifier's output:\n{tail}" if tail else "")
 
 
 def _read(path: str) -> str:

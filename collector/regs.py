@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ebpfprofiler.collector.unwind import has_task_pt_regs
 from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared.wire import Process, RegsBatch, RegsSample
 
@@ -57,8 +56,6 @@ def bpf_defines() -> dict[str, int]:
     d = {"ONCPU_REGS": 1, "ONCPU_REGS_PIDS": ONCPU_REGS_PIDS, "ONCPU_REGS_STACK_BYTES": ONCPU_REGS_STACK_BYTES,
          "ONCPU_REGS_SHORT_STACK_BYTES": ONCPU_REGS_SHORT_STACK_BYTES,
          "ONCPU_REGS_RING_PAGES": ONCPU_REGS_RING_PAGES, "ONCPU_REGS_WAKE_EVERY": ONCPU_REGS_WAKE_EVERY}
-    if has_task_pt_regs():
-        d["HAVE_TASK_PT_REGS"] = 1
     return d
 
 

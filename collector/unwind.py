@@ -132,23 +132,11 @@ def bpf_defines(offcpu_dwarf: bool, lock_dwarf: bool = False) -> dict[str, int]:
     """The -D flags of bpf/unwind.h and the families' DWARF paths."""
     d = {"DWARF_UNWIND": 1, "UNWIND_ROWS": UNWIND_ROWS, "UNWIND_MODULES": UNWIND_MODULES,
          "UNWIND_PROCS": UNWIND_PROCS, "DWARF_STACK_ENTRIES": DWARF_STACK_ENTRIES}
-    if has_task_pt_regs():
-        d["HAVE_TASK_PT_REGS"] = 1
     if offcpu_dwarf:
         d["OFFCPU_DWARF"] = 1
     if lock_dwarf:
         d["LOCK_DWARF"] = 1
     return d
-
-
-def has_task_pt_regs(release: str | None = None) -> bool:
-    """bpf_task_pt_regs came with Linux 5.15."""
-    release = release or os.uname().release
-    try:
-        major, minor = (int(x) for x in release.split("-")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (5, 15)
 
 
 def supported() -> str:

@@ -438,9 +438,11 @@ class Pipeline:
 
     Its runtime, state and config live in an open directory of its own
     (removed at stop), as the stages run as their own users; a test that sets
-    local_dir puts it under such a directory too (open_dir)."""
+    local_dir puts it under such a directory too (open_dir). `env` is added to
+    the stages' environment (EBPFPROFILER_DISABLE_FEATURES: a kernel without them)."""
 
-    def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig, shipped_budget: bool = False) -> None:
+    def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig, shipped_budget: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         if cfg.overhead_budget_pct == config_mod.DEFAULT_OVERHEAD_BUDGET_PCT and not shipped_budget:
             # A test's pipeline samples at the rate the test asked for: the overhead guard would
             # halve it on this 2-CPU machine (start-up windows build unwind tables). A test of the
@@ -456,7 +458,7 @@ class Pipeline:
         self.proc = subprocess.Popen(
             [PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(self.config_path),
              "--run-dir", str(self.run_dir), "--state-dir", str(self.state_dir)],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
         try:
             wait_for("every stage to be ready", lambda: self._ready(stages), timeout=90)

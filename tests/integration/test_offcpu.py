@@ -38,13 +38,13 @@ class OffcpuRun:
 
 
 def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]],
-                 started: list[subprocess.Popen]) -> tuple[OffcpuRun, list[str]]:
+                 started: list[subprocess.Popen], env: dict[str, str] | None = None) -> tuple[OffcpuRun, list[str]]:
     """Run the pipeline around `workloads` (started together, each appended to `started`, the caller's
-    fixture that ends them); their stdout, and the offcpu samples."""
+    fixture that ends them); their stdout, and the offcpu samples. `env`: the stages' (harness.Pipeline)."""
     receiver = Receiver(work / "received")
     try:
         # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
-        pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url, python_stacks=False))
+        pipeline = Pipeline(work, cfg.replace(endpoint=receiver.url, python_stacks=False), env=env)
         try:
             procs = []
             for argv in workloads:
@@ -132,6 +132,32 @@ def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads, rse
         assert abs(by[waiter] / unit - share) <= 0.10 * share, f"{waiter}: {by[waiter] / NS:.3f}s of {dict(by)}"
     total = sum(by.values()) / NS
     assert abs(total - wall) <= 0.10 * wall, f"blocked {total:.3f}s vs wall {wall:.3f}s"
+
+
+@pytest.fixture(scope="module")
+def records_by_thread_id(build, tmp_path_factory: pytest.TempPathFactory,
+                         module_started: list[subprocess.Popen]) -> Iterator[Workloads]:
+    """The 3:1:2 workload (also without rseq) as a kernel before 5.11 profiles it: no task storage, so
+    bpf/offcpu.c keeps its per-thread records in LRU hashes by thread id (collector/features.py)."""
+    require_root()
+    work = tmp_path_factory.mktemp("offcpu_by_tid")
+    offcpu = build("offcpu")
+    no_rseq = work / "no_rseq"
+    shutil.copy(offcpu, no_rseq)
+    run, outputs = run_pipeline(work, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1,
+                                                     dwarf_unwind=False), [
+        [str(offcpu), "ratio", str(RATIO_SECONDS)],
+        ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
+    ], module_started, env={"EBPFPROFILER_DISABLE_FEATURES": "task_storage"})
+    yield Workloads(run, offcpu, no_rseq, offcpu, float(workload_fields(outputs[0])["wall_seconds"]),
+                    float(workload_fields(outputs[1])["wall_seconds"]), 0.0, 0, int(workload_fields(outputs[0])["loops"]))
+
+
+@pytest.mark.parametrize("rseq", [True, False], ids=["rseq", "no_rseq"])
+def test_without_task_storage_blocked_time_still_splits_3_1_2(records_by_thread_id: Workloads, rseq: bool) -> None:
+    """Given a kernel without task storage (Debian 11's 5.10), when threads block 3:1:2 in three places,
+    then the records by thread id charge the same split, and the blocked time sums to the wall time."""
+    test_blocked_time_splits_3_1_2_and_sums_to_wall_time(records_by_thread_id, rseq)
 
 
 def test_samples_count_blocking_intervals(min_1ms: Workloads) -> None:

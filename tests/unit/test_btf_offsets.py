@@ -51,13 +51,23 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
 
     def inner(type_id: int, name: str) -> int:
         return next(m for m in types[type_id]["members"] if m["name"] == name)["bits_offset"] // 8
-    assert {k: v for k, v in defines.items() if k not in ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET")} == {
+    assert defines["OFFCPU_TASK_STORAGE"] == 1   # this kernel has task storage: no records by thread id
+    named = ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET", "OFFCPU_TASK_STORAGE")
+    assert {k: v for k, v in defines.items() if k not in named} == {
         "OFFCPU_TASK_RUN_DELAY_OFFSET": info + inner(info_type, "run_delay"),
         "OFFCPU_TASK_LAST_QUEUED_OFFSET": info + inner(info_type, "last_queued"),
         "OFFCPU_TASK_CFS_RQ_OFFSET": se + inner(se_type, "cfs_rq"),
         "OFFCPU_CFS_RQ_RQ_OFFSET": bpftool_member("cfs_rq", "rq")[0],
         "OFFCPU_RQ_CLOCK_OFFSET": bpftool_member("rq", "clock")[0],
         "OFFCPU_RQ_CPU_OFFSET": bpftool_member("rq", "cpu")[0]}
+
+
+def test_without_task_storage_the_records_are_keyed_by_the_pid_field_the_kernel_has() -> None:
+    # a kernel before 5.11 (collector/features.py): bpf/offcpu.c reads task_struct.pid from a BTF pointer
+    defines = offcpu.bpf_defines(task_storage=False)
+    assert "OFFCPU_TASK_STORAGE" not in defines
+    assert defines["OFFCPU_TASK_PID_OFFSET"] == bpftool_member("task_struct", "pid")[0]
+    assert defines["OFFCPU_THREADS"] == offcpu.THREAD_RECORDS
 
 
 def flattened(type_id: int, base_bits: int = 0) -> dict[str, int]:
