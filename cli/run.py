@@ -22,6 +22,9 @@ home; SIGHUP validates it again and replaces the copy before passing the
 signal on), and their code where they can import it (shared/stage_code.py).
 Anything they would still be unable to read is an error before any starts.
 
+Before any stage starts, it runs the collector's preflight (as the collector, with its
+capabilities): a host that cannot run it is told why, and nothing is started.
+
 Must not: do any stage's work itself.
 """
 
@@ -213,7 +216,7 @@ def wait_ready(stage: Stage, stop: threading.Event, quiet_timeout_s: float = REA
             return (f"its heartbeat stopped {got.quiet_s:.0f} s ago, {got.elapsed_s:.0f} s into "
                     f"{got.doing} (not renewed for {ready.STALE_BEATS} beats)")
         if got.state is ready.State.QUIET and got.quiet_s > quiet_timeout_s:
-            return f"said nothing for {quiet_timeout_s:.0f} s and is not ready"
+            return f"said nothing for {quiet_timeout_s:g} s and is not ready"
         if got.state is ready.State.WORKING:
             now = time.monotonic()
             if said_at is None:
@@ -238,6 +241,30 @@ def stop_stage(stage: Stage) -> None:
         p.kill()
         p.wait()
     log.info("stopped %s (exit %s)", stage.name, p.returncode)
+
+
+# The collector's preflight probes the kernel (a few tiny programs) and reads /proc: a second or two;
+# a host where it takes this long has a problem preflight would not name.
+PREFLIGHT_TIMEOUT_S = 120.0
+
+
+def preflight(collector: Stage, prog: str) -> bool:
+    """The collector's preflight (collector/preflight.py), run as the collector will run, before any stage
+    starts: a host that cannot run it is told each cause and what to do, and nothing is started. What the
+    kernel lacks that the agent does without is logged."""
+    try:
+        out = subprocess.run(collector.argv + ["--preflight"], env=collector.env, capture_output=True, text=True,
+                             timeout=PREFLIGHT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"{prog}: the collector's preflight took over {PREFLIGHT_TIMEOUT_S:.0f} s", file=sys.stderr)
+        return False
+    if out.returncode != 0:
+        print(f"{prog}: this host cannot run the collector:\n{out.stdout}{out.stderr}", file=sys.stderr, end="")
+        return False
+    for line in out.stdout.splitlines():
+        if line.startswith("warn "):
+            log.warning("preflight: %s", line[len("warn "):])
+    return True
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:
@@ -271,6 +298,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     print(f"ebpfprofiler: {where}", flush=True)
 
     all_stages = stages(args, cfg, code)
+    if not preflight(all_stages[-1], prog):
+        return 1
 
     def forward_hup(_signum: int, _frame: object) -> None:
         try:   # the stages read the copy: validate the file again and replace the copy first
