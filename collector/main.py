@@ -109,9 +109,14 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
                     "perf event.")
     p.add_argument("--config", help="agent YAML file (modules.ebpf_profiler block); required unless --preflight")
     p.add_argument("--preflight", action="store_true",
-                   help="check that this host can run the collector (kernel >= 5.8, BTF, capabilities, "
-                        "tracefs, kernel headers, bcc), name what is missing and how to fix it, and exit "
-                        "0 if ready, 1 if not; the collector also runs these checks at every start")
+                   help="check that this host can run the collector (kernel >= 5.8, capabilities, "
+                        "kernel.perf_event_paranoid against them, the memlock limit, BTF, tracefs, kernel "
+                        "headers, bcc) and which kernel features it will do without; name what is missing and "
+                        "how to fix it, and exit 0 if ready, 1 if not; the collector also runs these checks at "
+                        "every start, and `ebpfprofiler run` before it starts any stage")
+    p.add_argument("--record", metavar="DIR",
+                   help="with --preflight: also write into DIR the files the checks read and the kernel features "
+                        "probed, so that the same checks can be replayed elsewhere (a bug report, a test)")
     p.add_argument("--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs "
                    "(default: %(default)s)")
     p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
@@ -645,6 +650,8 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
     lifecycle.become(prog, "collector", "the collector's", keep | for_start)
     checks = preflight.run_checks(kernel=kernel)
     if args.preflight:
+        if args.record:
+            preflight.record(args.record, kernel)
         print(preflight.report(checks))
         return 0 if preflight.passed(checks) else 1
     log_mod.setup("collector")

@@ -180,7 +180,9 @@ def check_headers(host: Host, release: str) -> Check:
         return Check("kernel headers", FAIL, f"{build} has no header tree",
                      f"apt-get install linux-headers-{release}, or run `deploy/setup.sh` (it installs them, or "
                      "links Debian's newest header tree in their place)")
-    uts = host.read(f"{trees[0]}/include/generated/utsrelease.h") or ""
+    # Debian splits a tree in two: build (generated files, utsrelease.h) and source (kconfig.h and the rest)
+    uts = next((t for t in (host.read(f"{d}/include/generated/utsrelease.h") for d in (build, f"/lib/modules/{release}/source"))
+                if t), "")
     m = re.search(r'UTS_RELEASE\s+"([^"]+)"', uts)
     if m and m.group(1) != release:
         return Check("kernel headers", WARN,
@@ -230,6 +232,45 @@ def run_checks(host: Host | None = None, kernel: KernelFeatures | None = None) -
                                        "--system-site-packages (deploy/setup.sh does)"))
     checks += check_features(kernel)
     return checks
+
+
+# What record() copies of a host: every file the checks read, as it is (the capability sets and limits are
+# the reading process's: the collector's, after its privilege drop).
+RECORDED_FILES = ("proc/sys/kernel/osrelease", "proc/sys/kernel/perf_event_paranoid", "proc/self/status",
+                  "proc/self/limits")
+
+
+def record(dest: str, kernel: KernelFeatures | None, host: Host | None = None) -> None:
+    """Write into `dest` the tree run_checks() reads on `host` (its files; empty stand-ins for the BTF, tracefs
+    and header-tree files whose presence it checks, with the header tree's utsrelease.h), and the features
+    probed (features.json): a host's preflight, replayable elsewhere (tests/fixtures/kernels/)."""
+    host = host or Host()
+    release = host.release()
+    for rel in RECORDED_FILES:
+        text = host.read(rel)
+        if text is not None:
+            _write(dest, rel, text)
+    marks = ["sys/kernel/btf/vmlinux", "sys/kernel/tracing/events", "sys/kernel/debug/tracing/events"]
+    for tree in (f"lib/modules/{release}/build", f"lib/modules/{release}/source"):
+        marks.append(f"{tree}/include/linux/kconfig.h")
+        uts = host.read(f"{tree}/include/generated/utsrelease.h")
+        if uts is not None:
+            _write(dest, f"{tree}/include/generated/utsrelease.h", uts)
+    for rel in marks:
+        if host.exists(rel):
+            _write(dest, rel, "")
+    if kernel is not None:
+        _write(dest, "features.json", json.dumps(kernel.to_json(), indent=1, sort_keys=True) + "\n")
+
+
+def _write(dest: str, rel: str, text: str) -> None:
+    path = os.path.join(dest, rel)
+    if rel.endswith("/events"):       # a directory on the host
+        os.makedirs(path, exist_ok=True)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def report(checks: list[Check]) -> str:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.harness import PY, require_root
+from tests.harness import PY, open_dir, require_root
 
 COLLECTOR = [PY, "-m", "ebpfprofiler.collector.main"]
 
@@ -47,4 +48,25 @@ def test_collector_refuses_to_start_without_a_capability(tmp_path: Path) -> None
     out = run(COLLECTOR + ["--config", str(cfg), "--run-dir", str(tmp_path / "run")], drop="syslog")
     assert out.returncode == 1
     assert "cannot run the collector" in out.stderr and "CAP_SYSLOG" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_run_names_the_cause_before_it_starts_any_stage() -> None:
+    # given a host where the collector would lack a capability (dropped from the bounding set)
+    require_root()
+    work = open_dir("preflight")   # reachable by the stages' users, as `run` checks first
+    cfg = work / "agent.yaml"
+    cfg.write_text("modules:\n  ebpf_profiler: {}\n")
+    # when `ebpfprofiler run` starts
+    try:
+        out = run([PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(cfg), "--run-dir", str(work / "run"),
+                   "--state-dir", str(work / "state")], drop="syslog")
+        ready = (work / "run" / "uploader.ready").exists()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # then it refuses with the collector's preflight, naming the cause and its fix, and started nothing
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "cannot run the collector" in out.stderr and "grant CAP_SYSLOG" in out.stderr
+    assert "started uploader" not in out.stdout + out.stderr
+    assert not ready
     assert "Traceback" not in out.stderr
