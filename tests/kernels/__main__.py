@@ -1,0 +1,238 @@
+"""`python -m tests.kernels`: the project's kernel matrix (`make test-kernels`).
+
+Boots Debian's own kernels (tests/kernels/debs.py) under qemu on one guest
+disk holding the current working tree (tests/kernels/guestroot.py), runs the
+smoke suite in each (tests/kernels/guest_smoke.py), and prints a table with
+one row per kernel. Writes RESULTS/RUN_ID/{results.json,results.md} and each
+guest's whole serial log beside them, and RESULTS/latest.{json,md}. Exit 1
+if any required cell failed (CI runs it for bullseye and bookworm).
+
+    python -m tests.kernels [--kernels bullseye,bookworm,...] [--results DIR] [--accel auto|tcg|kvm]
+
+Owns: the order of the run, the table and the exit status.
+Must not: change the host's settings or a guest's (see the modules it calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.kernels import boot, debs, guest_smoke, guestroot
+
+DEFAULT_RESULTS = guestroot.REPO / "bench" / "results" / "kernels"
+# Boot to the guest's init, and power-off, under TCG: ~1 min; on top of the suite's own budget.
+BOOT_MARGIN_S = 300
+GUEST_TIMEOUT_S = guest_smoke.SUITE_BUDGET_S + BOOT_MARGIN_S
+# The table's columns: (key of the row, header). Every one but "kernel" and "startup" is required.
+COLUMNS = [("kernel", "kernel"), ("boot", "boot"), ("preflight", "preflight"), ("fp", "FP %"),
+           ("dwarf", "DWARF %"), ("offcpu", "off-CPU %"), ("python", "Python"), ("run", "run"),
+           ("status", "status"), ("stop", "clean stop"), ("startup", "start-up s (record/run)"),
+           ("panics", "panics")]
+REQUIRED = ["boot", "preflight", "fp", "dwarf", "offcpu", "python", "run", "status", "stop"]
+# Characters of a reason shown in a table cell (the whole reason is in the failures list and the JSON).
+CELL_REASON_CHARS = 70
+
+
+def log(msg: str) -> None:
+    print(f"test-kernels: {msg}", flush=True)
+
+
+def frame_pointer_flags() -> list[str]:
+    """The tests' frame-pointer flags (tests/harness.py), for the guest's frame-pointer programs."""
+    from tests.harness import FRAME_POINTER_FLAGS
+    return list(FRAME_POINTER_FLAGS)
+
+
+def cell(result: dict[str, Any] | None, figure: bool = False) -> tuple[str, bool]:
+    """(the table cell, whether it passed) of one step's result."""
+    if result is None:
+        return "✗ no result", False
+    ok = result.get("status") == "ok"
+    if figure and result.get("pct") is not None:
+        text = f"{result['pct']}% ({result.get('samples', 0)})"
+        return (text if ok else f"✗ {text}: {result.get('reason', '')}"), ok
+    if ok:
+        return "✓", True
+    return f"✗ {result.get('reason') or 'failed'}", False
+
+
+def short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= CELL_REASON_CHARS else text[:CELL_REASON_CHARS - 1] + "…"
+
+
+def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") -> dict[str, Any]:
+    """One kernel's row: cells (short), passed flags, and everything reported."""
+    results = b.results if b else []
+    by_step: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if r.get("step") not in ("progress",):
+            by_step[str(r.get("step"))] = r
+    env = by_step.get("env", {})
+    cells: dict[str, str] = {"kernel": f"{name} {env.get('uname_r', release)}"}
+    passed: dict[str, bool] = {}
+    if b is None or error:
+        booted, why = False, error or "not booted"
+    elif "env" in by_step:
+        booted, why = True, ""
+    elif b.timed_out:
+        booted, why = False, f"timeout {GUEST_TIMEOUT_S} s before the suite started"
+    else:
+        booted, why = False, f"qemu exit {b.exit_code} before the suite started"
+    cells["boot"], passed["boot"] = ("✓", True) if booted else (f"✗ {why}", False)
+    if b is not None and booted and "done" not in by_step:
+        why = (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})") + \
+            " before the suite finished" + (": kernel panic" if b.panics else "")
+        cells["boot"], passed["boot"] = f"✗ {why}", False
+    for key in REQUIRED[1:]:
+        cells[key], passed[key] = cell(by_step.get(key), figure=key in ("fp", "dwarf", "offcpu"))
+    rec, run = by_step.get("record", {}), by_step.get("run", {})
+    cells["startup"] = f"{rec.get('ready_s') or '–'}/{run.get('ready_s') or '–'}"
+    panics = b.panics if b else []
+    cells["panics"] = f"✗ {len(panics)}: {panics[0].splitlines()[0].strip()}" if panics else "none"
+    passed["panics"] = not panics
+    return {"name": name, "release": env.get("uname_r", release), "cells": cells, "passed": passed,
+            "env": env, "steps": by_step, "panics": panics,
+            "boot": {"accel": b.accel, "seconds": b.seconds, "timed_out": b.timed_out, "exit": b.exit_code,
+                     "console_log": str(b.console_log)} if b else None,
+            "failed": [k for k, ok in passed.items() if not ok]}
+
+
+def table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    heads = [h for _, h in COLUMNS]
+    body = [[short(r["cells"].get(k, "")) for k, _ in COLUMNS] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*heads), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+
+
+def details(rows: list[dict[str, Any]]) -> str:
+    """Per kernel: the guest's facts, each failure's whole reason and the log lines that said why."""
+    out = []
+    for r in rows:
+        env = r["env"]
+        out.append(f"### {r['name']} ({r['release']})\n")
+        if env:
+            out.append(f"- perf_event_paranoid={env.get('perf_event_paranoid')}, memlock {env.get('memlock')}, "
+                       f"BTF {'yes' if env.get('btf') else 'no'}, {env.get('python3')}, bcc {env.get('bcc')}, "
+                       f"headers {env.get('headers')}")
+        if r["boot"]:
+            out.append(f"- boot: {r['boot']['accel']}, {r['boot']['seconds']} s in the guest; serial log "
+                       f"{r['boot']['console_log']}")
+        for key in r["failed"]:
+            step = r["steps"].get(key, {})
+            out.append(f"- **{key}**: {step.get('reason') or r['cells'].get(key, '')}")
+        for key in ("preflight", "record", "run"):
+            step = r["steps"].get(key, {})
+            lines = step.get("notable") or []
+            if key == "preflight" and step.get("output"):
+                lines = step["output"].strip().splitlines()[-12:]
+            if lines and (key in r["failed"] or key == "preflight" or step.get("status") != "ok"
+                          or r["failed"]):
+                out.append(f"- {key} said:\n\n```\n" + "\n".join(lines[-20:]) + "\n```")
+        for p in r["panics"]:
+            out.append("- panic:\n\n```\n" + p + "\n```")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", default=",".join(debs.SUITES),
+                   help=f"comma-separated, from {', '.join(debs.SUITES)} (default: all)")
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="results directory (default: %(default)s)")
+    p.add_argument("--accel", choices=["auto", "tcg", "kvm"], default="auto",
+                   help="auto: KVM only if a stock kernel boots with it here, else TCG (default)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    unknown = [n for n in names if n not in debs.SUITES]
+    if unknown:
+        p.error(f"unknown kernels {unknown}; known: {', '.join(debs.SUITES)}")
+    started = time.monotonic()
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    outdir = Path(args.results) / run_id
+    outdir.mkdir(parents=True, exist_ok=True)
+    log(f"results in {outdir}")
+    timings: dict[str, float] = {}
+
+    kernels: dict[str, debs.KernelDebs] = {}
+    rows: list[dict[str, Any]] = []
+    t = time.monotonic()
+    for n in names:
+        try:
+            kernels[n] = debs.fetch(n, log)
+            log(f"{n}: {kernels[n].release} ({kernels[n].version})")
+        except Exception as e:   # a suite that cannot be fetched is a row that says why; the others run
+            rows.append(row_of(n, "?", None, f"download: {e}"[:300]))
+    timings["download_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    image = guestroot.KERNEL_CACHE / "disk.img"
+    prep: dict[str, object] = {}
+    try:
+        prep = guestroot.make_image(list(kernels.values()), image, {"fp_flags": frame_pointer_flags()}, log)
+    except Exception as e:   # no disk: every kernel's row says why
+        rows += [row_of(n, k.release, None, f"guest disk: {e}"[:300]) for n, k in kernels.items()]
+        kernels = {}
+    timings["prepare_s"] = round(time.monotonic() - t, 1)
+    root = Path(str(prep.get("root", "")))
+
+    accel = args.accel
+    per_kernel: dict[str, float] = {}
+    for n, k in kernels.items():
+        t = time.monotonic()
+        initrd = outdir / f"{n}.initrd.img"
+        try:
+            mods = boot.make_initrd(root, k.release, initrd)
+        except Exception as e:
+            rows.append(row_of(n, k.release, None, f"initrd: {e}"[:300]))
+            continue
+        if accel == "auto":
+            accel = "kvm" if boot.kvm_boots(guestroot.vmlinuz(root, k.release), initrd, image, outdir, log) else "tcg"
+        log(f"booting {n} ({k.release}, {accel}; initrd loads {', '.join(mods)}; deadline {GUEST_TIMEOUT_S} s)")
+        b = boot.boot(k.release, guestroot.vmlinuz(root, k.release), initrd, image, outdir, accel,
+                      GUEST_TIMEOUT_S, log, name=n)
+        initrd.unlink(missing_ok=True)
+        row = row_of(n, k.release, b)
+        rows.append(row)
+        per_kernel[n] = round(time.monotonic() - t, 1)
+        summary = ", ".join(f"{c}: {row['cells'][c]}" for c in REQUIRED + ["startup", "panics"])
+        log(f"{n}: {summary} ({per_kernel[n]:.0f} s)")
+    timings["total_s"] = round(time.monotonic() - started, 1)
+    order = {n: i for i, n in enumerate(names)}
+    rows.sort(key=lambda r: order.get(r["name"], 99))
+    failed = {r["name"]: r["failed"] for r in rows if r["failed"]}
+    doc = {"run_id": run_id, "host": platform.release(), "accel": accel, "kernels": names, "timings": timings,
+           "per_kernel_s": per_kernel, "prepare": prep, "rows": rows, "failed": failed}
+    text_table = table(rows, markdown=False)
+    md = (f"# Kernel matrix {run_id}\n\n`python -m tests.kernels --kernels {','.join(names)}` on {platform.release()}"
+          f" ({accel}); {timings['total_s']:.0f} s in all (downloads {timings['download_s']:.0f} s, guest disk "
+          f"{timings['prepare_s']:.0f} s; per kernel: "
+          f"{', '.join(f'{n} {s:.0f} s' for n, s in per_kernel.items())}).\n\n"
+          f"{table(rows, markdown=True)}\n\n## Details\n\n{details(rows)}")
+    (outdir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (outdir / "results.md").write_text(md)
+    shutil.copy2(outdir / "results.json", outdir.parent / "latest.json")
+    shutil.copy2(outdir / "results.md", outdir.parent / "latest.md")
+    print("\n" + text_table + "\n", flush=True)
+    log(f"wrote {outdir / 'results.md'}, {outdir / 'results.json'} and the serial logs beside them")
+    if failed:
+        log("FAILED: " + "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items()))
+        return 1
+    log("every kernel passed every step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Booting one Debian kernel under qemu on the guest disk, with a deadline, keeping its serial log.
+
+Owns: the initrd (a busybox cpio that loads the kernel's own virtio and ext4
+modules, found through its modules.dep, mounts the disk and switches to the
+guest init), choosing the accelerator (KVM only when a stock kernel is seen to
+boot with it; TCG otherwise), the qemu command line, the host-side deadline
+that kills qemu, and reading what the guest reported: the console log
+(ttyS0, kept whole) and the results port (ttyS1: one marked JSON line per
+result).
+
+Must not: pass the kernel anything that changes what the agent meets (no
+sysctl, no rlimit, no kernel option beyond the console, the root disk, `quiet`
+as Debian's boot loader sets it, and rebooting at once on a panic so a panic
+ends the run), or write to the guest disk (qemu's -snapshot discards writes).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tests.kernels.guest_smoke import RESULT_MARK
+from tests.kernels.guestroot import GUEST_INIT
+
+BUSYBOX = Path("/bin/busybox")   # Debian's busybox-static: runs in the initrd without libraries
+# What the initrd loads (with their dependencies from modules.dep): the disk and its file system.
+REQUIRED_MODULES = ["virtio_pci", "virtio_blk", "ext4"]
+# Loaded when the kernel has them as modules: ext4's checksums and a guest entropy source.
+OPTIONAL_MODULES = ["crc32c_generic", "crc32c_intel", "virtio_rng"]
+# Guest size, as the issue's measurements were taken.
+GUEST_MEMORY = "4G"
+GUEST_CPUS = "2"
+# The KVM probe: a stock kernel that boots prints its banner within this; TCG is used if not.
+KVM_PROBE_TIMEOUT_S = 60
+# How often the host reads the serial logs while a guest runs (progress lines, the end marker).
+POLL_S = 2.0
+# Lines of a panic or oops kept in the results (the whole log is kept beside them).
+PANIC_CONTEXT_LINES = 40
+
+
+@dataclass
+class BootResult:
+    release: str
+    accel: str
+    seconds: float
+    timed_out: bool
+    exit_code: int | None
+    console_log: Path
+    results: list[dict] = field(default_factory=list)
+    panics: list[str] = field(default_factory=list)
+
+
+def _module_paths(moddir: Path) -> tuple[dict[str, str], dict[str, list[str]], set[str]]:
+    """(module name → relative path, relative path → dependencies, names built in) of one kernel."""
+    deps: dict[str, list[str]] = {}
+    names: dict[str, str] = {}
+    for line in (moddir / "modules.dep").read_text().splitlines():
+        mod, _, rest = line.partition(":")
+        deps[mod] = rest.split()
+        names[_name(mod)] = mod
+    builtin = {_name(line) for line in (moddir / "modules.builtin").read_text().split()}
+    return names, deps, builtin
+
+
+def _name(path: str) -> str:
+    base = os.path.basename(path)
+    return re.sub(r"\.ko(\.(xz|zst|gz))?$", "", base).replace("-", "_")
+
+
+def _load_order(moddir: Path) -> list[str]:
+    names, deps, builtin = _module_paths(moddir)
+    order: list[str] = []
+
+    def visit(mod: str) -> None:
+        if mod in order:
+            return
+        for d in deps.get(mod, []):
+            visit(d)
+        order.append(mod)
+
+    for n in REQUIRED_MODULES:
+        if n in names:
+            visit(names[n])
+        elif n not in builtin:
+            raise AssertionError(f"{moddir.name}: {n} is neither a module nor built in")
+    for n in OPTIONAL_MODULES:
+        if n in names:
+            visit(names[n])
+    return order
+
+
+def _decompressed(path: Path) -> bytes:
+    if path.suffix == ".xz":
+        return lzma.decompress(path.read_bytes())
+    if path.suffix == ".zst":
+        return subprocess.run(["zstd", "-dc", str(path)], capture_output=True, check=True, timeout=60).stdout
+    if path.suffix == ".gz":
+        import gzip
+        return gzip.decompress(path.read_bytes())
+    return path.read_bytes()
+
+
+INIT_SCRIPT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+echo "initrd: loading $(wc -l < /modules/order) modules"
+while read m; do insmod "/modules/$m" || echo "initrd: insmod $m failed"; done < /modules/order
+# the disk appears once virtio_blk has probed it: poll, 30 s at most
+i=0
+while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+mkdir -p /newroot
+if ! mount -t ext4 /dev/vda /newroot; then
+    echo "initrd: cannot mount /dev/vda"; ls /dev; cat /proc/modules
+    echo o > /proc/sysrq-trigger
+fi
+umount /proc /sys
+mount --move /dev /newroot/dev
+exec switch_root /newroot @INIT@
+"""
+
+
+def make_initrd(root: Path, release: str, out: Path) -> list[str]:
+    """A cpio initrd for `release` at `out`; the modules it loads, in order."""
+    moddir = root / "usr/lib/modules" / release
+    order = _load_order(moddir)
+    with tempfile.TemporaryDirectory(prefix="ktest-initrd-") as tmp:
+        t = Path(tmp)
+        for d in ("bin", "proc", "sys", "dev", "modules", "newroot"):
+            (t / d).mkdir()
+        shutil.copy2(BUSYBOX, t / "bin/busybox")
+        names = []
+        for i, mod in enumerate(order):
+            name = f"{i:02d}-{_name(mod)}.ko"
+            (t / "modules" / name).write_bytes(_decompressed(moddir / mod))
+            names.append(name)
+        (t / "modules/order").write_text("".join(n + "\n" for n in names))
+        init = t / "init"
+        init.write_text(INIT_SCRIPT.replace("@INIT@", GUEST_INIT))
+        init.chmod(0o755)
+        files = subprocess.run(["find", "."], cwd=t, capture_output=True, text=True, check=True).stdout
+        with open(out, "wb") as f:
+            subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=t, input=files.encode(), stdout=f,
+                           check=True, timeout=60)
+    return [_name(m) for m in order]
+
+
+def qemu_argv(kernel: Path, initrd: Path, image: Path, console: Path, results: Path, accel: str,
+              append: str = "") -> list[str]:
+    cmdline = f"console=ttyS0 root=/dev/vda rw quiet panic=-1 {append}".strip()
+    return ["qemu-system-x86_64", "-nodefaults", "-no-user-config", "-accel", accel,
+            "-cpu", "host" if accel == "kvm" else "max", "-m", GUEST_MEMORY, "-smp", GUEST_CPUS,
+            "-no-reboot", "-display", "none", "-monitor", "none",
+            "-serial", f"file:{console}", "-serial", f"file:{results}",
+            "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline,
+            "-drive", f"file={image},format=raw,if=virtio,snapshot=on",
+            "-device", "virtio-rng-pci"]
+
+
+def panics(text: str) -> list[str]:
+    """Each panic, oops or BUG of a console log: its first line and what followed (capped)."""
+    lines = text.splitlines()
+    found: list[str] = []
+    i = 0
+    while i < len(lines):
+        if re.search(r"Kernel panic|Oops:|BUG: |general protection fault", lines[i]):
+            found.append("\n".join(lines[i:i + PANIC_CONTEXT_LINES]))
+            i += PANIC_CONTEXT_LINES
+        else:
+            i += 1
+    return found
+
+
+def read_results(path: Path) -> list[dict]:
+    out: list[dict] = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        at = line.find(RESULT_MARK)
+        if at < 0:
+            continue
+        try:
+            out.append(json.loads(line[at + len(RESULT_MARK):]))
+        except ValueError:
+            out.append({"step": "garbled", "line": line[:500]})
+    return out
+
+
+def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, accel: str, timeout_s: float,
+         log: Callable[[str], None] = print, name: str = "") -> BootResult:
+    """Boot once and wait for the guest to power off, or kill qemu at `timeout_s`."""
+    tag = name or release
+    console, results = outdir / f"{tag}.console.log", outdir / f"{tag}.results.log"
+    argv = qemu_argv(kernel, initrd, image, console, results, accel)
+    (outdir / f"{tag}.qemu.argv").write_text(" ".join(argv) + "\n")
+    started = time.monotonic()
+    seen = 0
+    with open(outdir / f"{tag}.qemu.log", "w") as qlog:
+        p = subprocess.Popen(argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        timed_out = False
+        try:
+            while True:
+                try:
+                    p.wait(POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                got = read_results(results)
+                for r in got[seen:]:
+                    if r.get("step") == "progress":
+                        log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('message', '')}")
+                    else:
+                        log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('step')}: "
+                            f"{r.get('status', '')} {r.get('reason', '')}".rstrip())
+                seen = len(got)
+                if time.monotonic() - started > timeout_s:
+                    timed_out = True
+                    break
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = console.read_text(errors="replace") if console.exists() else ""
+    return BootResult(release=release, accel=accel, seconds=round(time.monotonic() - started, 1),
+                      timed_out=timed_out, exit_code=None if timed_out else p.returncode, console_log=console,
+                      results=read_results(results), panics=panics(text))
+
+
+def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callable[[str], None] = print) -> bool:
+    """Whether this host's KVM boots a stock kernel: its banner and the initrd's first line within
+    KVM_PROBE_TIMEOUT_S (here a paravirtual KVM that stock kernels hang or die on: then TCG)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    console, results = outdir / "kvm-probe.console.log", outdir / "kvm-probe.results.log"
+    argv = qemu_argv(kernel, initrd, image, console, results, "kvm", append="ktest.probe=1")
+    started = time.monotonic()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    ok = False
+    try:
+        while time.monotonic() - started < KVM_PROBE_TIMEOUT_S and p.poll() is None:
+            if console.exists() and "initrd: loading" in console.read_text(errors="replace"):
+                ok = True
+                break
+            time.sleep(0.5)   # polling the console file with the deadline above
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log(f"KVM probe: {'a stock kernel boots with KVM' if ok else 'a stock kernel does not boot with KVM: TCG'}"
+        f" ({time.monotonic() - started:.0f} s; log {console})")
+    return ok
