@@ -57,3 +57,11 @@ install:
 ## uninstall: stop the agent and remove what install put in place; PURGE=1 also removes config and state
 uninstall:
 	@PURGE=$(PURGE) bash deploy/uninstall.sh
+
+## test-kernels: boot Debian's kernels under qemu (TCG here; 4-6 min each) and run a smoke test of the
+## agent in each; a table, one row per kernel (KERNELS=bullseye,bookworm for a subset; results in
+## bench/results/kernels/)
+KERNELS ?= bullseye,bookworm,bookworm-backports,trixie,sid
+.PHONY: test-kernels
+test-kernels: test-setup
+	$(PY) -m tests.kernels --kernels $(KERNELS)
