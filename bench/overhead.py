@@ -305,7 +305,7 @@ class PySpyProfiler(Profiler):
         d.mkdir(parents=True)
         found = shutil.which("py-spy") or str(Path(__file__).resolve().parent.parent / ".venv" / "bin" / "py-spy")
         if not os.path.exists(found):
-            raise BenchError("py-spy not found: make setup installs it into .venv")
+            raise BenchError("py-spy not found: make test-setup installs it into .venv")
         self.argv = [found, "record", "-r", str(hz), "-f", "raw", "-o", str(d / "raw.txt"), "--nonblocking", "--"]
         self.proc: subprocess.Popen | None = None
 

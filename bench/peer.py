@@ -25,7 +25,7 @@ STOP_TIMEOUT_S = 60.0
 def command() -> str:
     found = shutil.which("profile-bpfcc") or "/usr/sbin/profile-bpfcc"
     if not os.path.exists(found):
-        raise BenchError("profile-bpfcc not found: install bpfcc-tools (make setup does)")
+        raise BenchError("profile-bpfcc not found: install bpfcc-tools (make test-setup does)")
     return found
 
 

@@ -61,7 +61,7 @@ class PySpy:
 
     def __init__(self, workdir: Path, pids: list[int]) -> None:
         if not os.path.exists(PY_SPY):
-            raise BenchError(f"{PY_SPY} is missing: make setup installs it (requirements-dev.txt)")
+            raise BenchError(f"{PY_SPY} is missing: make test-setup installs it (requirements-dev.txt)")
         workdir.mkdir(parents=True)
         self.procs: list[subprocess.Popen] = []
         self.errs: list[Path] = []

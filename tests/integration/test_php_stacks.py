@@ -12,7 +12,7 @@ does not reach).
 PHP 8.4 (Debian trixie) and 8.5 (Debian experimental) run the same script
 chrooted in cached Debian roots (tests/runtime_roots.py), as in a container.
 
-php-fpm 8.2 (Debian bookworm's php8.2-fpm, which make setup installs, on the
+php-fpm 8.2 (Debian bookworm's php8.2-fpm, which make test-setup installs, on the
 host), 8.4 and 8.5 (php8.4-fpm and php8.5-fpm, chrooted in the same roots as
 their CLIs, with the config, socket and script inside the root): a master with
 its own config and a static pool of workers as nobody, driven by FastCGI

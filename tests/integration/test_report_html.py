@@ -1,4 +1,4 @@
-"""The HTML report in a real browser: headless Chromium (Debian's, installed by make setup).
+"""The HTML report in a real browser: headless Chromium (Debian's, installed by make test-setup).
 
 Given a recording of the 3:1 workload (heavy:light) made with `record -o
 out.pb.gz`, and two offcpu profiles of other services, rendered with
@@ -125,7 +125,7 @@ def ratio_workload(build: Callable[..., Path], started: list[subprocess.Popen]) 
 
 def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("chromium")
-    assert exe, "chromium is not installed: make setup installs it (deploy/setup.sh DEV_PACKAGES)"
+    assert exe, "chromium is not installed: make test-setup installs it (deploy/setup.sh TEST_PACKAGES)"
     # Reduced motion: the report then draws without transitions, whose animation frames a loaded CI
     # host's headless Chromium stalled once mid-way (a zoom that never finished in 10 s of virtual time).
     return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

@@ -48,7 +48,7 @@ HOST_UNITS = next(p for p in (Path("/usr/lib/systemd/system"), Path("/lib/system
 def systemd_analyze(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("systemd-analyze")
     if exe is None:
-        pytest.fail("systemd-analyze is missing: install Debian's systemd package (make setup does)")
+        pytest.fail("systemd-analyze is missing: install Debian's systemd package (make test-setup does)")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
 
 
