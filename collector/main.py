@@ -35,7 +35,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpftime, drains, features, overhead, preflight, regs, unwind
+from ebpfprofiler.collector import alloc, bpftime, drains, features, overhead, plan, preflight, regs, unwind
 from ebpfprofiler.collector.bpfmaps import RawDrain
 from ebpfprofiler.collector.announce import Announcer
 from ebpfprofiler.collector.drains import EarlyDrains
@@ -43,14 +43,13 @@ from ebpfprofiler.collector.filebroker import FileBroker
 from ebpfprofiler.collector.kallsyms import KernelSymbols
 from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
 from ebpfprofiler.collector.programs import capture_stderr, explain
-from ebpfprofiler.collector.lock import LOCK_PIDS, LockTracer
+from ebpfprofiler.collector.lock import LockTracer
 from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.collector.sources import EventSource, TargetedSource
 from ebpfprofiler.collector.targets import TargetWatcher
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import endpoints, lifecycle, privileges, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared import runtime_registry
 from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
@@ -65,21 +64,11 @@ DRAIN_INTERVAL_S = 1.0
 # every 15 s were the largest part of the agent's cost. A process that starts meanwhile and lives
 # brings a drain forward (collector/drains.py), so that its metadata is read while it lives.
 IDLE_DRAIN_INTERVAL_S = 60.0
-# The programs send at most one new-process event (collector/drains.py) per NEW_PID_NOTIFY_NS.
-NEW_PID_NOTIFY_NS = 100_000_000
-# Processes the programs remember having notified (an LRU map).
-SEEN_PIDS = 65536
 # New-process events looked at per wake-up (a backlog after a stall needs only a few).
 MAX_NOTIFIED_PER_TAKE = 64
 # A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
 # drained, and stamped into the window it was taken in (drain_stamp_ns).
 BOUNDARY_LAG_S = 0.05
-# Distinct (pid, tid, user stack, kernel stack) keys per drain and family; a
-# 64-CPU host at 999 Hz takes ~64K samples a second, most of them repeats.
-COUNTS_ENTRIES = 40960
-# Distinct stacks per stack map; each entry is 127 x 8 bytes of kernel memory
-# (three maps when off-CPU is on: ~50 MB).
-STACK_ENTRIES = 16384
 # A worker that keeps refusing batches is reported at most this often.
 DROP_LOG_EVERY_S = 60
 # At start, how long to wait for the workers' connections before sampling:
@@ -142,10 +131,7 @@ class Collector:
     def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
                  kernel: features.KernelFeatures) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
-        from ebpfprofiler.collector.intervals import START_ENTRIES
         from ebpfprofiler.collector.offcpu import OffCpuTracer
-        from ebpfprofiler.collector.offcpu import bpf_defines as offcpu_defines
-        from ebpfprofiler.collector.offcpu import sample_ns as offcpu_sample_ns
         from ebpfprofiler.collector.oncpu import OnCpuSampler
         from ebpfprofiler.collector.procfs import ProcessTable
         from ebpfprofiler.collector.programs import Programs
@@ -153,53 +139,30 @@ class Collector:
         self.cfg = cfg
         self.run_dir = run_dir
         self.kernel = kernel
-        # What the config asks for that this kernel cannot give: (what, why), in the log and in status.
-        self.refused: list[tuple[str, str]] = []
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
         self.ksyms = KernelSymbols()
-        offcpu_on = cfg.offcpu and self._can("off-CPU profiles (offcpu)", "btf")
-        alloc_on = bool(cfg.alloc_targets) and self._can("allocation profiles (alloc_targets)", "uprobe_multi")
-        families = (["oncpu"] + (["offcpu"] if offcpu_on else []) + (["lock"] if cfg.lock_targets else [])
-                    + (["alloc"] if alloc_on else []))
-        defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
-                   "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
-                   "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
-                   "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
-                   "NEW_PID_ALIVE_NS": round(drains.EARLY_ALIVE_S * 1e9),
-                   "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
-                   **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct), **features.bpf_defines(kernel)}
-        if offcpu_on:
-            defines.update(offcpu_defines(task_storage=kernel.has("task_storage")))
-        dwarf = cfg.dwarf_unwind
-        if dwarf and unwind.supported():
-            log.warning("dwarf_unwind: %s; user stacks use frame pointers", unwind.supported())
-            dwarf = False
-        # the off-CPU walk starts from the blocked thread's saved user registers (bpf_task_pt_regs)
-        offcpu_dwarf = (dwarf and offcpu_on and cfg.offcpu_dwarf
-                        and self._can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs"))
-        lock_dwarf = dwarf and bool(cfg.lock_targets)
-        if dwarf:
-            defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
-        # runtime_stacks naming a runtime that walks its JIT frames from registers (the JVM): its
-        # processes' on-CPU samples carry them (collector/regs.py)
-        regs_names = runtime_registry.regs_mappings(cfg.runtime_stacks)
-        if regs_names and not self._can("JIT frames from registers (jvm_cpu)", "ringbuf"):
-            regs_names = frozenset()
-        if regs_names:
-            defines.update(regs.bpf_defines())
-        self.programs = Programs(bpf_dir, families, defines)
+        # What to compile for this config on this kernel (collector/plan.py); what the kernel cannot
+        # give is refused alone: in the log, and in status (kernel.json).
+        p = plan.plan(cfg, kernel)
+        self.refused = list(p.refused)
+        for what, why in p.refused:
+            log.warning("%s refused: %s; the rest of the agent runs", what, why)
+        for note in p.notes:
+            log.warning("%s", note)
+        dwarf, offcpu_dwarf, lock_dwarf, regs_names = p.dwarf, p.offcpu_dwarf, p.lock_dwarf, p.regs_names
+        self.programs = Programs(bpf_dir, p.families, p.defines)
         # The event sources (collector/sources.py): every one is attached, drained, paused and
         # closed alike; on-CPU is also the one whose rate the overhead guard sets.
         self.oncpu = OnCpuSampler(self.programs.bpf, cfg.sample_hz, dwarf=dwarf)
         self.sources: list[EventSource] = [self.oncpu]
-        if offcpu_on:
+        if p.offcpu:
             self.sources.append(OffCpuTracer(self.programs.bpf, cfg.offcpu_min_ms, dwarf=offcpu_dwarf))
         # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
         self.watchers: list[tuple[TargetWatcher, TargetedSource]] = []
         if cfg.lock_targets:
             self.watchers.append((TargetWatcher(cfg.lock_targets), LockTracer(self.programs.bpf, dwarf=lock_dwarf)))
-        if alloc_on:
+        if p.alloc:
             self.watchers.append((TargetWatcher(cfg.alloc_targets),
                                   alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct)))
         self.sources += [source for _, source in self.watchers]
@@ -238,16 +201,6 @@ class Collector:
         self._trimmed_at = time.monotonic()
         self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
                                             bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
-
-    def _can(self, what: str, feature: str) -> bool:
-        """Whether the kernel has `feature`; if not, `what` is refused, logged, and named in status."""
-        if self.kernel.has(feature):
-            return True
-        f = self.kernel.features[feature]
-        why = f"needs {f.spec.what} ({f.spec.since}): {f.why}"
-        self.refused.append((what, why))
-        log.warning("%s refused: %s; the rest of the agent runs", what, why)
-        return False
 
     def start(self) -> None:
         """Open the perf events and start sampling: after this the collector opens no perf event again
