@@ -57,10 +57,11 @@ def _child_setup(default_sigint: bool) -> Callable[[], None]:
 
 
 def start(argv: Sequence[str], *, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=None,
-          default_sigint: bool = False, text: bool = False) -> subprocess.Popen:
+          default_sigint: bool = False, text: bool = False, env: dict[str, str] | None = None,
+          cwd: str | None = None) -> subprocess.Popen:
     """Start a process in its own session (a Ctrl-C at the terminal reaches bench only)."""
     p = subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, stdin=stdin, text=text, start_new_session=True,
-                         preexec_fn=_child_setup(default_sigint))
+                         preexec_fn=_child_setup(default_sigint), env=env, cwd=cwd)
     _started.append(p)
     return p
 

@@ -38,13 +38,15 @@ from bench.python import section as python_section
 from bench.runtimes import RuntimesBench
 from bench.runtimes import section as runtimes_section
 from bench.scaling import ScalingBench
+from bench.startup import StartupBench
+from bench.startup import section as startup_section
 from bench.tables import TablesBench
 from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
 SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "runtimes", "jvm", "overhead", "alloc", "budget",
-          "dotnet", "growth")
+          "dotnet", "growth", "startup")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -68,7 +70,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
                     "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
                     "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
-                    "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run). Writes "
+                    "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run), startup "
+                    "(`run` at the defaults and `record --offcpu`, cold and warm: start to the collector's ready file "
+                    "and to its first sample drained, and where the time goes). Writes "
                     "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds; each runs every configuration once, in turn (default: %(default)s)")
@@ -179,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "budget": BudgetBench(args.rounds, log=log),
         "dotnet": DotNetBench(args.rounds, log, args.keep),
         "growth": GrowthBench(1, log=log),
+        "startup": StartupBench(args.rounds, args.quiet_wait, log, args.keep),
     }
     results: dict[str, dict] = {}
     failure = None
@@ -220,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
                 "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
                 "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
-                "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults")}
+                "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults"),
+                "startup": (startup_section,
+                            "Start-up: to the collector's ready file and its first sample, cold and warm")}
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
