@@ -49,7 +49,8 @@
 // (after unwind.h) for the DWARF walk at return to user; the kernel's features as
 // collector/features.py found them: -DOFFCPU_TASK_STORAGE (else records by thread id, with
 // -DOFFCPU_TASK_PID_OFFSET, -DOFFCPU_THREADS and -DOFFCPU_USER_STACK_THREADS),
-// -DHAVE_GET_TASK_STACK (else no kernel frames), -DHAVE_TASK_PT_REGS.
+// -DHAVE_GET_TASK_STACK (else no kernel frames), -DHAVE_TASK_PT_REGS; and how sched_switch tells
+// prev's state (-DOFFCPU_SWITCH_PREV_STATE, else -DOFFCPU_TASK_STATE_OFFSET and _SIZE).
 
 #ifndef OFFCPU_SAMPLE_NS
 #define OFFCPU_SAMPLE_NS 0
@@ -517,12 +518,20 @@ static __always_inline u64 offcpu_waited(struct task_struct *prev, struct task_s
 #endif
 }
 
-// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
+// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state); before
+// 5.18 without prev_state (-DOFFCPU_SWITCH_PREV_STATE from collector/offcpu.py says which)
 int offcpu_switch(u64 *ctx) {
     struct prog_time *timing = timing_begin(TIMED_offcpu_switch);
     struct task_struct *prev = (struct task_struct *)ctx[1];
     struct task_struct *next = (struct task_struct *)ctx[2];
+#ifdef OFFCPU_SWITCH_PREV_STATE
     unsigned int state = (unsigned int)ctx[3];
+#elif OFFCPU_TASK_STATE_SIZE == 8
+    // before 5.18 sched_switch passes no prev_state: prev's own field, as the classic tracepoint read it
+    unsigned int state = (unsigned int)*(u64 *)((char *)prev + OFFCPU_TASK_STATE_OFFSET);   // long state (< 5.14)
+#else
+    unsigned int state = *(u32 *)((char *)prev + OFFCPU_TASK_STATE_OFFSET);                 // unsigned int __state
+#endif
     u32 zero = 0;
     u32 *gen = offcpu_gen.lookup(&zero);
     if (!gen)

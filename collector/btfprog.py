@@ -42,7 +42,8 @@ _LOG_BYTES = 1 << 20
 # How much of that log an error message quotes.
 _LOG_QUOTED = 2000
 # BTF kinds (include/uapi/linux/btf.h) member_offset looks through.
-_BTF_KIND_STRUCT, _BTF_KIND_UNION, _BTF_KIND_ENUM = 4, 5, 6
+_BTF_KIND_PTR, _BTF_KIND_STRUCT, _BTF_KIND_UNION, _BTF_KIND_ENUM, _BTF_KIND_TYPEDEF = 2, 4, 5, 6, 8
+_BTF_KIND_FUNC_PROTO = 13
 _BTF_MODIFIERS = {8, 9, 10, 11, 18}   # typedef, volatile, const, restrict, type_tag
 # A kernel type nests far less; bounds the walk through anonymous members and modifiers.
 _BTF_MAX_DEPTH = 16
@@ -108,6 +109,34 @@ def enum_has(enum_name: str, member: str) -> bool | None:
         values = ctypes.string_at(ptr + 12, 8 * vlen)    # struct btf_enum: name_off, val
         return any(lib.btf__name_by_offset(btf, struct.unpack_from("I", values, 8 * i)[0]) == member.encode()
                    for i in range(vlen))
+    finally:
+        lib.btf__free(btf)
+
+
+def tracepoint_arity(tracepoint: str) -> int | None:
+    """How many arguments raw tracepoint `tracepoint` passes a tp_btf program in the running kernel (its
+    btf_trace_<name> typedef: a pointer to a function of (void *, args...)); None without BTF or it.
+    They change: sched_switch gained prev_state as its fourth in 5.18."""
+    lib = _lib()
+    btf = lib.btf__load_vmlinux_btf()
+    if not btf:
+        return None
+    try:
+        type_id = lib.btf__find_by_name_kind(btf, f"btf_trace_{tracepoint}".encode(), _BTF_KIND_TYPEDEF)
+        for _ in range(_BTF_MAX_DEPTH):
+            if type_id <= 0:
+                return None
+            ptr = lib.btf__type_by_id(btf, type_id)
+            if not ptr:
+                return None
+            _name_off, info, size_or_type = struct.unpack("III", ctypes.string_at(ptr, 12))
+            kind = (info >> 24) & 0x1F
+            if kind == _BTF_KIND_FUNC_PROTO:
+                return (info & 0xFFFF) - 1
+            if kind not in (_BTF_KIND_TYPEDEF, _BTF_KIND_PTR):
+                return None
+            type_id = size_or_type
+        return None
     finally:
         lib.btf__free(btf)
 

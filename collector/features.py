@@ -32,6 +32,7 @@ from ebpfprofiler.shared import files
 DISABLE_ENV = "EBPFPROFILER_DISABLE_FEATURES"
 
 # include/uapi/linux/bpf.h: program and map types, helper ids (stable kernel ABI).
+_PROG_TYPE_SOCKET_FILTER = 1
 _PROG_TYPE_PERF_EVENT = 7
 _MAP_TYPE_RINGBUF = 27
 _MAP_TYPE_TASK_STORAGE = 29
@@ -67,6 +68,9 @@ FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("task_pt_regs", "Linux 5.15", "bpf_task_pt_regs (user registers of a task in the kernel)",
                 "user stacks of on-CPU samples taken in the kernel, and every off-CPU user stack, are walked "
                 "with frame pointers only (DWARF unwinding needs the user registers)", ("btf", "task_storage")),
+    FeatureSpec("switch_prev_state", "Linux 5.18", "sched_switch's prev_state argument",
+                "off-CPU reads the blocking task's state from its task_struct (the field BTF names), as the "
+                "classic tracepoint did", ("btf",)),
     FeatureSpec("uprobe_multi", "Linux 6.6", "uprobe_multi links",
                 "no allocation profiles (alloc_targets is refused)", ("btf",)),
 )
@@ -191,8 +195,10 @@ def probe(sys_dir: str = "/sys", env: Mapping[str, str] = os.environ) -> KernelF
         # bpf_get_current_task_btf, which the programs call for the task's registers, came in 5.11
         "task_pt_regs": lambda: _both(btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_TASK_PT_REGS),
                                       btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_GET_CURRENT_TASK_BTF)),
-        # as libbpf tells (its FEAT_MEMCG_ACCOUNT): bpf_ktime_get_coarse_ns came in the same release
-        "memcg_accounting": helper(_FUNC_KTIME_GET_COARSE_NS),
+        # as libbpf tells (its FEAT_MEMCG_ACCOUNT): bpf_ktime_get_coarse_ns came in the same release, and
+        # a socket filter may call it (6.1's tracing programs may not)
+        "memcg_accounting": lambda: btfprog.probe_helper(_PROG_TYPE_SOCKET_FILTER, _FUNC_KTIME_GET_COARSE_NS),
+        "switch_prev_state": lambda: (btfprog.tracepoint_arity("sched_switch") or 0) >= 4 if btf else False,
         "uprobe_multi": lambda: btfprog.enum_has("bpf_attach_type", "BPF_TRACE_UPROBE_MULTI") if btf else False,
     }
     probes: dict[str, bool | None] = {}

@@ -67,14 +67,20 @@ def sample_ns(min_ms: int, sample_ms: int) -> int:
     return sample_ms * 1_000_000 if sample_ms > min_ms else 0
 
 
-def bpf_defines(task_storage: bool = True) -> dict[str, int]:
-    """The offsets bpf/offcpu.c needs of task_struct, cfs_rq and rq members, from the running kernel's BTF,
-    and where its per-thread records live: task storage, or (a kernel before 5.11, collector/features.py)
-    LRU hash maps by thread id, which need task_struct.pid's offset.
+def bpf_defines(task_storage: bool = True, prev_state: bool = True) -> dict[str, int]:
+    """The offsets bpf/offcpu.c needs of task_struct, cfs_rq and rq members, from the running kernel's BTF;
+    where its per-thread records live: task storage, or (a kernel before 5.11, collector/features.py)
+    LRU hash maps by thread id, which need task_struct.pid's offset; and where a blocking task's state
+    is: sched_switch's prev_state (5.18), or the task's own field.
 
     bcc's headers may be another kernel's (/lib/modules/<release>/build), so its own offsets of
     these fields cannot be trusted; a field not found is left out and the loss logged."""
     out: dict[str, int] = {}
+    if prev_state:
+        out["OFFCPU_SWITCH_PREV_STATE"] = 1
+    else:
+        offset, size = state_field()
+        out.update(OFFCPU_TASK_STATE_OFFSET=offset, OFFCPU_TASK_STATE_SIZE=size)
     if task_storage:
         out["OFFCPU_TASK_STORAGE"] = 1
     else:
@@ -100,6 +106,20 @@ def bpf_defines(task_storage: bool = True) -> dict[str, int]:
     else:
         out.update({d: off for d, off in waits.items() if off is not None})
     return out
+
+
+# The task's state as sched_switch's prev_state reports it, by kernel: an argument since 5.18; before,
+# the task's own field, `unsigned int __state` since 5.14 and `long state` before (a member of BTF).
+STATE_FIELDS = (("__state", 4), ("state", 8))
+
+
+def state_field() -> tuple[int, int]:
+    """(offset, size) of task_struct's state field in the running kernel's BTF."""
+    offsets = member_offsets("task_struct", [(name,) for name, _ in STATE_FIELDS])
+    for (_, size), offset in zip(STATE_FIELDS, offsets):
+        if offset is not None:
+            return offset, size
+    raise BtfProgramError("task_struct has no state field in the kernel's BTF")
 
 
 class OffCpuTracer(EventSource):

@@ -70,7 +70,8 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
                "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
                **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct), **features.bpf_defines(kernel)}
     if offcpu_on:
-        defines.update(offcpu_defines(task_storage=kernel.has("task_storage")))
+        defines.update(offcpu_defines(task_storage=kernel.has("task_storage"),
+                                      prev_state=kernel.has("switch_prev_state")))
     dwarf = cfg.dwarf_unwind
     if dwarf and unwind.supported():
         notes.append(f"dwarf_unwind: {unwind.supported()}; user stacks use frame pointers")

@@ -75,6 +75,8 @@ BUILD_FLAGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 # Lines of the compiler's or the verifier's output quoted when a program is refused.
 QUOTED_LINES = 25
+# A line of the stage's own log (shared/log.py's format), captured with the rest: not the compiler's.
+OWN_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+\[\d+\] ")
 # Bytes of that output kept (a verifier log can be megabytes; its end says why).
 CAPTURED_BYTES = 1 << 20
 
@@ -110,7 +112,8 @@ class Captured:
         self.text = ""
 
     def tail(self, lines: int = QUOTED_LINES) -> str:
-        kept = [ln for ln in self.text.splitlines() if ln.strip()]
+        """The last `lines` lines, without the stage's own log lines (they go to standard error too)."""
+        kept = [ln for ln in self.text.splitlines() if ln.strip() and not OWN_LOG_LINE.match(ln)]
         return "\n".join(kept[-lines:])
 
 
@@ -145,6 +148,8 @@ def explain(error: BaseException, captured: Captured) -> str:
         head = "the BPF programs did not compile against this kernel's headers"
     else:
         head = text
+    if "verifier:" in text:       # a program we load ourselves (collector/btfprog.py): its log is in the error
+        return head
     tail = captured.tail()
     return head + (f"\nlast lines of the compiler's and verifier's output:\n{tail}" if tail else "")
 

@@ -138,7 +138,8 @@ def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads, rse
 def records_by_thread_id(build, tmp_path_factory: pytest.TempPathFactory,
                          module_started: list[subprocess.Popen]) -> Iterator[Workloads]:
     """The 3:1:2 workload (also without rseq) as a kernel before 5.11 profiles it: no task storage, so
-    bpf/offcpu.c keeps its per-thread records in LRU hashes by thread id (collector/features.py)."""
+    bpf/offcpu.c keeps its per-thread records in LRU hashes by thread id, and no prev_state argument of
+    sched_switch (5.18), so the blocking task's state is read from its task_struct (collector/features.py)."""
     require_root()
     work = tmp_path_factory.mktemp("offcpu_by_tid")
     offcpu = build("offcpu")
@@ -148,14 +149,15 @@ def records_by_thread_id(build, tmp_path_factory: pytest.TempPathFactory,
                                                      dwarf_unwind=False), [
         [str(offcpu), "ratio", str(RATIO_SECONDS)],
         ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
-    ], module_started, env={"EBPFPROFILER_DISABLE_FEATURES": "task_storage"})
+    ], module_started, env={"EBPFPROFILER_DISABLE_FEATURES": "task_storage,switch_prev_state"})
     yield Workloads(run, offcpu, no_rseq, offcpu, float(workload_fields(outputs[0])["wall_seconds"]),
                     float(workload_fields(outputs[1])["wall_seconds"]), 0.0, 0, int(workload_fields(outputs[0])["loops"]))
 
 
 @pytest.mark.parametrize("rseq", [True, False], ids=["rseq", "no_rseq"])
 def test_without_task_storage_blocked_time_still_splits_3_1_2(records_by_thread_id: Workloads, rseq: bool) -> None:
-    """Given a kernel without task storage (Debian 11's 5.10), when threads block 3:1:2 in three places,
+    """Given a kernel without task storage nor sched_switch's prev_state (Debian 11's 5.10), when threads block
+    3:1:2 in three places,
     then the records by thread id charge the same split, and the blocked time sums to the wall time."""
     test_blocked_time_splits_3_1_2_and_sums_to_wall_time(records_by_thread_id, rseq)
 

@@ -52,7 +52,8 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
     def inner(type_id: int, name: str) -> int:
         return next(m for m in types[type_id]["members"] if m["name"] == name)["bits_offset"] // 8
     assert defines["OFFCPU_TASK_STORAGE"] == 1   # this kernel has task storage: no records by thread id
-    named = ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET", "OFFCPU_TASK_STORAGE")
+    assert defines["OFFCPU_SWITCH_PREV_STATE"] == 1   # the state from sched_switch's argument (5.18+)
+    named = ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET", "OFFCPU_TASK_STORAGE", "OFFCPU_SWITCH_PREV_STATE")
     assert {k: v for k, v in defines.items() if k not in named} == {
         "OFFCPU_TASK_RUN_DELAY_OFFSET": info + inner(info_type, "run_delay"),
         "OFFCPU_TASK_LAST_QUEUED_OFFSET": info + inner(info_type, "last_queued"),
@@ -68,6 +69,14 @@ def test_without_task_storage_the_records_are_keyed_by_the_pid_field_the_kernel_
     assert "OFFCPU_TASK_STORAGE" not in defines
     assert defines["OFFCPU_TASK_PID_OFFSET"] == bpftool_member("task_struct", "pid")[0]
     assert defines["OFFCPU_THREADS"] == offcpu.THREAD_RECORDS
+
+
+def test_before_5_18_prev_state_is_read_from_the_task_field_the_kernel_has() -> None:
+    # sched_switch gained prev_state in 5.18; before it, bpf/offcpu.c reads prev's own field
+    defines = offcpu.bpf_defines(prev_state=False)
+    assert "OFFCPU_SWITCH_PREV_STATE" not in defines
+    assert (defines["OFFCPU_TASK_STATE_OFFSET"], defines["OFFCPU_TASK_STATE_SIZE"]) == (
+        bpftool_member("task_struct", "__state")[0], 4)
 
 
 def flattened(type_id: int, base_bits: int = 0) -> dict[str, int]:
