@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -38,6 +39,20 @@ COLUMNS = [("kernel", "kernel"), ("boot", "boot"), ("preflight", "preflight"), (
 REQUIRED = ["boot", "preflight", "fp", "dwarf", "offcpu", "python", "run", "status", "stop"]
 # Characters of a reason shown in a table cell (the whole reason is in the failures list and the JSON).
 CELL_REASON_CHARS = 70
+
+
+# What the host needs (deploy/setup.sh --test installs each: `make test-setup`).
+HOST_TOOLS = ["qemu-system-x86_64", "debootstrap", "mke2fs", "cpio", "dpkg-deb", "apt-get", "chroot"]
+
+
+def host_gaps() -> list[str]:
+    """What this host lacks for the matrix, one phrase each."""
+    gaps = [f"no {t} on PATH" for t in HOST_TOOLS if shutil.which(t) is None]
+    if not boot.BUSYBOX.exists():
+        gaps.append(f"no {boot.BUSYBOX} (busybox-static)")
+    if os.geteuid() != 0:
+        gaps.append("not root (debootstrap, chroot and mke2fs -d of a root's files need it)")
+    return gaps
 
 
 def log(msg: str) -> None:
@@ -160,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in debs.SUITES]
     if unknown:
         p.error(f"unknown kernels {unknown}; known: {', '.join(debs.SUITES)}")
+    gaps = host_gaps()
+    if gaps:
+        print(f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
+              "the tools (run as root)", file=sys.stderr)
+        return 2
     started = time.monotonic()
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     outdir = Path(args.results) / run_id

@@ -183,11 +183,16 @@ def panics(text: str) -> list[str]:
     return found
 
 
-def read_results(path: Path) -> list[dict]:
+def read_results(path: Path, final: bool = True) -> list[dict]:
+    """The result lines the guest wrote to its results port; while it runs (final False), without a
+    last line it has not finished writing."""
     out: list[dict] = []
     if not path.exists():
         return out
-    for line in path.read_text(errors="replace").splitlines():
+    text = path.read_text(errors="replace")
+    if not final:
+        text = text[:text.rfind("\n") + 1]
+    for line in text.splitlines():
         at = line.find(RESULT_MARK)
         if at < 0:
             continue
@@ -218,7 +223,7 @@ def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, ac
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                got = read_results(results)
+                got = read_results(results, final=False)
                 for r in got[seen:]:
                     if r.get("step") == "progress":
                         log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('message', '')}")
@@ -247,8 +252,10 @@ def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callab
     console, results = outdir / "kvm-probe.console.log", outdir / "kvm-probe.results.log"
     argv = qemu_argv(kernel, initrd, image, console, results, "kvm", append="ktest.probe=1")
     started = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True)
+    qemu_log = outdir / "kvm-probe.qemu.log"
+    with open(qemu_log, "w") as qlog:
+        p = subprocess.Popen(argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
     ok = False
     try:
         while time.monotonic() - started < KVM_PROBE_TIMEOUT_S and p.poll() is None:
@@ -260,6 +267,7 @@ def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callab
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    said = " ".join(qemu_log.read_text(errors="replace").split())[-300:]
     log(f"KVM probe: {'a stock kernel boots with KVM' if ok else 'a stock kernel does not boot with KVM: TCG'}"
-        f" ({time.monotonic() - started:.0f} s; log {console})")
+        f" ({time.monotonic() - started:.0f} s{'; qemu: ' + said if said and not ok else ''}; log {console})")
     return ok

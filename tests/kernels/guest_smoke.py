@@ -159,15 +159,19 @@ def notable(text: str) -> list[str]:
 
 
 def cause(text: str) -> str:
-    """The line of an output that best says why it failed: its first ERROR (or traceback's last line),
-    else its first notable line, else its last line; without the log line's time stamp."""
+    """The line of an output that best says why it failed: its first ERROR (a stage's before the
+    supervisor's), else a traceback's exception, else its first notable line, else its last line;
+    without the log line's time stamp."""
     lines = [STAMP_RE.sub("", line).strip() for line in text.splitlines() if line.strip()]
+    errors = [x for x in lines if re.search(r"\b(ERROR|CRITICAL)\b", x)]
+    # a stage's own error says more than the supervisor's "did not become ready" that follows it
+    own = [x for x in errors if not x.startswith("run[")]
+    if own or errors:
+        return (own or errors)[0][:400]
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             return next((x for x in lines[i + 1:] if not x.startswith(("File ", "^", "~"))
                          and re.match(r"^[\w.]+(Error|Exception)\b", x)), line)[:400]
-        if re.search(r"\b(ERROR|CRITICAL)\b", line):
-            return line[:400]
     return next((x for x in lines if NOTABLE_RE.search(x) and not IGNORED_RE.search(x)), lines[-1] if lines else "")[:400]
 
 
@@ -205,8 +209,8 @@ def facts() -> dict[str, Any]:
 class Output:
     """A process's merged stdout/stderr, read by a thread, each line with its time since start."""
 
-    def __init__(self, p: subprocess.Popen[str]) -> None:
-        self.p, self.started = p, time.monotonic()
+    def __init__(self, p: subprocess.Popen[str], name: str) -> None:
+        self.p, self.started, self.name = p, time.monotonic(), name
         self.lines: list[tuple[float, str]] = []
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -217,6 +221,8 @@ class Output:
         for line in self.p.stdout:
             with self._lock:
                 self.lines.append((time.monotonic() - self.started, line.rstrip("\n")))
+            # live into the console log: a guest that hangs or panics mid-step still shows how far it got
+            print(f"[{self.name} {time.monotonic() - self.started:5.1f}] {line.rstrip()}", flush=True)
 
     def first(self, pattern: str) -> float | None:
         """Seconds from start to the first line matching `pattern`, None if none yet."""
@@ -234,10 +240,10 @@ class Output:
         return self.snapshot()
 
 
-def start(argv: list[str], **kw: Any) -> tuple[subprocess.Popen[str], Output]:
+def start(name: str, argv: list[str]) -> tuple[subprocess.Popen[str], Output]:
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True, **kw)
-    return p, Output(p)
+                         start_new_session=True)
+    return p, Output(p, name)
 
 
 def kill_group(p: subprocess.Popen[Any]) -> None:
@@ -286,7 +292,8 @@ def bpf_objects() -> dict[str, set[str]]:
 # ---------------------------------------------------------------- figures
 
 def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str]]:
-    """(% of pid's value whose stack holds main→alpha→beta in a row, its samples, its 3 heaviest stacks)."""
+    """(% of pid's value whose stack holds main→alpha→beta in a row, its samples (off-CPU: blocks
+    counted), its 3 heaviest stacks)."""
     from ebpfprofiler.report import profiles as pm
     total = chained = samples = 0
     stacks: dict[str, int] = {}
@@ -298,7 +305,8 @@ def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str
             names = [pm.frame_name(f).split(".")[0] for f in s.frames]
             v = s.values[vi]
             total += v
-            samples += 1
+            # a row's values are (count, value, …) (symbolizer/profile.py): the count is its samples
+            samples += s.values[0] if len(item.profile.sample_types) > 1 else 1
             if any(tuple(names[i:i + 3]) == CHAIN for i in range(len(names) - 2)):
                 chained += v
             key = ";".join(pm.frame_name(f) for f in s.frames)[-300:]
@@ -360,7 +368,7 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
     argv = [ebpfprofiler(), "record", "-d", str(RECORD_SECONDS), "--offcpu", "-o", str(out), "-p",
             *[str(p) for p in pids.values()]]
     report.progress(f"record: {' '.join(argv[1:])}")
-    p, output = start(argv)
+    p, output = start("record", argv)
     try:
         p.wait(RECORD_TIMEOUT_S)
         timed_out = False
@@ -369,7 +377,6 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
     finally:
         kill_group(p)
     text = output.text()
-    echo("record", text)
     ready_s = output.first(r"^[^:]*: recording ")
     base = {"command": " ".join(argv[1:]), "exit": p.returncode, "ready_s": round(ready_s, 1) if ready_s else None,
             "notable": notable(text), "tail": tail(text)}
@@ -403,7 +410,7 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
     before = bpf_objects()
     argv = [ebpfprofiler(), "run", "--config", str(config)]
     report.progress(f"run: {' '.join(argv[1:])} (runtime_stacks: [python_legacy], window {RUN_WINDOW_S} s)")
-    p, output = start(argv)
+    p, output = start("run", argv)
     cells: dict[str, dict[str, Any]] = {}
     try:
         ready = wait_until(lambda: output.first(r"all stages ready") is not None, READY_TIMEOUT_S,
@@ -480,7 +487,6 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
     cells["stop"] = {"status": "ok" if clean else "failed", "exit": rc, "stop_s": stop_s, "left": left,
                      "reason": "; ".join(problems)[:300]}
     text = output.text()
-    echo("run", text)
     run_cell = cells["run"]
     for name in ("python", "status"):
         cells.setdefault(name, {"status": "failed", "reason": "run did not become ready"})

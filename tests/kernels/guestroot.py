@@ -58,6 +58,8 @@ SETUP_TIMEOUT_S = 900
 SMALL_STEP_TIMEOUT_S = 300
 # mke2fs -d of a ~3 GB tree: ~1 min here.
 MKFS_TIMEOUT_S = 900
+# Guest roots kept in the cache (the one in use and the last used other: CI's subset and a full run).
+KEEP_ROOTS = 2
 # Free space left in the image beyond the root's size (pip caches, BPF objects, the smoke's files).
 IMAGE_SLACK_MB = 1024
 
@@ -100,6 +102,7 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
     base = base_root(log)
     root = KERNEL_CACHE / f"root-{_kernels_key(base, kernels)}"
     if (root / ".complete").exists():
+        os.utime(root / ".complete")   # its last use, for _prune
         return root
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -120,7 +123,19 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
         subprocess.run(["chroot", str(partial), "depmod", k.release], check=True, timeout=SMALL_STEP_TIMEOUT_S)
     (partial / ".complete").write_text(json.dumps([k.to_json() for k in kernels], indent=1))
     partial.rename(root)
+    _prune(keep=root, log=log)
     return root
+
+
+def _prune(keep: Path, log: Callable[[str], None]) -> None:
+    """Roots of older kernel sets (a new kernel in a suite, another --kernels choice): the KEEP_ROOTS
+    most recently used stay, the others go (each is ~2 GB)."""
+    roots = sorted((r for r in KERNEL_CACHE.glob("root-*") if (r / ".complete").exists() and r != keep),
+                   key=lambda r: (r / ".complete").stat().st_mtime, reverse=True)
+    for old in roots[KEEP_ROOTS - 1:]:
+        log(f"removing the guest root {old} (not used since "
+            f"{time.strftime('%Y-%m-%d', time.gmtime((old / '.complete').stat().st_mtime))})")
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy_project(root: Path) -> None:

@@ -1,0 +1,70 @@
+"""The kernel matrix's host-side reading, on made-up guest output: no qemu, no BPF.
+
+What a guest reports must reach the table as it was: a panic in the serial
+log, a result line the guest had not finished writing, the stage error behind
+the supervisor's, a module order the kernel can load, a guest that timed out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.kernels import boot
+from tests.kernels.__main__ import GUEST_TIMEOUT_S, row_of
+from tests.kernels.guest_smoke import RESULT_MARK, cause
+
+PANIC_LOG = """initrd: loading 12 modules
+[  201.5] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI
+[  201.5] RIP: 0010:exit_to_user_mode_loop+0x1/0x100
+[  201.6] Kernel panic - not syncing: Fatal exception in interrupt
+"""
+
+
+def test_a_panic_and_its_context_are_found() -> None:
+    found = boot.panics(PANIC_LOG)
+    assert len(found) == 1, found   # the oops and the panic after it are one event (its context)
+    assert found[0].startswith("[  201.5] Oops: int3") and "Kernel panic" in found[0]
+
+
+def test_a_result_line_still_being_written_is_left_for_later(tmp_path: Path) -> None:
+    path = tmp_path / "results.log"
+    path.write_text(f'{RESULT_MARK}{{"step": "env", "status": "ok"}}\r\n{RESULT_MARK}{{"step": "bu')
+    assert [r["step"] for r in boot.read_results(path, final=False)] == ["env"]
+    assert [r["step"] for r in boot.read_results(path)] == ["env", "garbled"]
+
+
+def test_the_stage_error_is_the_cause_not_the_supervisors() -> None:
+    out = ("2026-12-06 03:34:51,000 collector[184] WARNING x: offcpu_dwarf refused: needs task_pt_regs\n"
+           "2026-12-06 03:34:52,000 run[167] ERROR ebpfprofiler.run: collector did not become ready\n"
+           "2026-12-06 03:34:50,000 collector[184] ERROR c: loading offcpu_switch: Permission denied\n"
+           "2026-12-06 03:34:53,000 uploader[1] INFO u: exiting: 0 written, 0 refused\n")
+    assert cause(out) == "collector[184] ERROR c: loading offcpu_switch: Permission denied"
+    assert cause("x\nTraceback (most recent call last):\n  File \"a\", line 1\nPermissionError: no\n") == \
+        "PermissionError: no"
+    assert cause("uploader exiting: 0 written, 0 refused\nlast words") == "last words"
+
+
+def test_modules_load_after_their_dependencies_and_built_ins_are_skipped(tmp_path: Path) -> None:
+    (tmp_path / "modules.dep").write_text(
+        "kernel/fs/ext4/ext4.ko.xz: kernel/fs/jbd2/jbd2.ko.xz kernel/lib/crc16.ko.xz\n"
+        "kernel/fs/jbd2/jbd2.ko.xz:\nkernel/lib/crc16.ko.xz:\n"
+        "kernel/drivers/block/virtio_blk.ko.xz:\nkernel/crypto/crc32c_generic.ko.xz:\n")
+    (tmp_path / "modules.builtin").write_text("kernel/drivers/virtio/virtio_pci.ko\n")
+    order = [boot._name(m) for m in boot._load_order(tmp_path)]
+    assert order == ["virtio_blk", "jbd2", "crc16", "ext4", "crc32c_generic"]
+
+
+def test_a_guest_that_hung_mid_suite_fails_its_boot_cell_with_the_panic(tmp_path: Path) -> None:
+    b = boot.BootResult(release="7.2.13+deb14-amd64", accel="tcg", seconds=900.0, timed_out=False, exit_code=0,
+                        console_log=tmp_path / "sid.console.log",
+                        results=[{"step": "env", "status": "ok", "uname_r": "7.2.13+deb14-amd64"},
+                                 {"step": "preflight", "status": "ok"}],
+                        panics=boot.panics(PANIC_LOG))
+    row = row_of("sid", "7.2.13+deb14-amd64", b)
+    assert row["cells"]["boot"].startswith("✗ guest ended (qemu exit 0) before the suite finished: kernel panic")
+    assert row["cells"]["preflight"] == "✓" and row["cells"]["fp"] == "✗ no result"
+    assert row["cells"]["panics"].startswith("✗ 1: [  201.5] Oops: int3")
+    timed_out = boot.BootResult(release="5.10.0-32-amd64", accel="tcg", seconds=GUEST_TIMEOUT_S, timed_out=True,
+                                exit_code=None, console_log=tmp_path / "bullseye.console.log")
+    assert row_of("bullseye", "5.10.0-32-amd64", timed_out)["cells"]["boot"] == \
+        f"✗ timeout {GUEST_TIMEOUT_S} s before the suite started"
