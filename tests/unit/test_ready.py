@@ -219,3 +219,22 @@ def test_run_reports_a_stale_heartbeat_a_silent_stage_and_an_exit(tmp_path: Path
         assert answer == ["exited with 3 before it was ready"], answer
     finally:
         stop.set()
+
+
+def test_record_shows_the_step_and_calls_a_stale_heartbeat_stuck(tmp_path: Path,
+                                                                 started: list[subprocess.Popen]) -> None:
+    from ebpfprofiler.cli.record import StartProgress
+    p = start_stage(tmp_path, started)
+    starting = StartProgress(str(tmp_path), ["collector"])
+    # while the step works: its line says what and for how long, and the start is not stuck
+    wait_for("the step in record's line", lambda: (starting.check(), f"collector {DOING} (" in starting.line())[1],
+             DEADLINE_S, 0.01)
+    assert starting.line().startswith("starting: 0 of 1 stages ready; ") and starting.stuck() is None
+    # when its heartbeat stops, record calls the start stuck, naming the stage and what it was doing
+    os.kill(p.pid, signal.SIGSTOP)
+    why = wait_for("a stuck start", lambda: (starting.check(), starting.stuck())[1], DEADLINE_S, 0.01)
+    assert why.startswith("collector's heartbeat stopped ") and why.endswith(f"into {DOING}"), why
+    # and once the stage is ready, so is the start
+    os.kill(p.pid, signal.SIGCONT)
+    tell(p, "end")
+    wait_for("the start to be ready", lambda: (starting.check(), starting.ready())[1], DEADLINE_S, 0.01)
