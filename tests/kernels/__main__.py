@@ -100,7 +100,8 @@ def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") 
     elif b.timed_out:
         booted, why = False, f"timeout {GUEST_TIMEOUT_S} s before the suite started"
     else:
-        booted, why = False, f"qemu exit {b.exit_code} before the suite started"
+        booted, why = False, f"qemu exit {b.exit_code} before the suite started" + (
+            f": {b.qemu_said}" if b.qemu_said else "")
     cells["boot"], passed["boot"] = ("✓", True) if booted else (f"✗ {why}", False)
     if b is not None and booted and "done" not in by_step:
         why = (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})") + \
@@ -215,14 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         initrd = outdir / f"{n}.initrd.img"
         try:
             mods = boot.make_initrd(root, k.release, initrd)
+            kernel = guestroot.vmlinuz(root, k.release)
         except Exception as e:
             rows.append(row_of(n, k.release, None, f"initrd: {e}"[:300]))
             continue
         if accel == "auto":
-            accel = "kvm" if boot.kvm_boots(guestroot.vmlinuz(root, k.release), initrd, image, outdir, log) else "tcg"
+            accel = "kvm" if boot.kvm_boots(kernel, initrd, image, outdir, log) else "tcg"
         log(f"booting {n} ({k.release}, {accel}; initrd loads {', '.join(mods)}; deadline {GUEST_TIMEOUT_S} s)")
-        b = boot.boot(k.release, guestroot.vmlinuz(root, k.release), initrd, image, outdir, accel,
-                      GUEST_TIMEOUT_S, log, name=n)
+        b = boot.boot(k.release, kernel, initrd, image, outdir, accel, GUEST_TIMEOUT_S, log, name=n)
         initrd.unlink(missing_ok=True)
         row = row_of(n, k.release, b)
         rows.append(row)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = ", ".join(f"{c}: {row['cells'][c]}" for c in REQUIRED + ["startup", "panics"])
         log(f"{n}: {summary} ({per_kernel[n]:.0f} s)")
     timings["total_s"] = round(time.monotonic() - started, 1)
-    order = {n: i for i, n in enumerate(names)}
+    order = {n: i for i, n in enumerate(debs.SUITES)}   # the table in the suites' order, whatever ran first
     rows.sort(key=lambda r: order.get(r["name"], 99))
     failed = {r["name"]: r["failed"] for r in rows if r["failed"]}
     doc = {"run_id": run_id, "host": platform.release(), "accel": accel, "kernels": names, "timings": timings,

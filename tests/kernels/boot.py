@@ -58,6 +58,7 @@ class BootResult:
     console_log: Path
     results: list[dict] = field(default_factory=list)
     panics: list[str] = field(default_factory=list)
+    qemu_said: str = ""   # the last of qemu's own output (why it would not start)
 
 
 def _module_paths(moddir: Path) -> tuple[dict[str, str], dict[str, list[str]], set[str]]:
@@ -239,9 +240,10 @@ def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, ac
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     text = console.read_text(errors="replace") if console.exists() else ""
+    said = (outdir / f"{tag}.qemu.log").read_text(errors="replace").strip().splitlines()
     return BootResult(release=release, accel=accel, seconds=round(time.monotonic() - started, 1),
                       timed_out=timed_out, exit_code=None if timed_out else p.returncode, console_log=console,
-                      results=read_results(results), panics=panics(text))
+                      results=read_results(results), panics=panics(text), qemu_said=said[-1][:300] if said else "")
 
 
 def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callable[[str], None] = print) -> bool:

@@ -230,7 +230,12 @@ def make_image(kernels: list[KernelDebs], image: Path, plan: dict[str, object],
 
 
 def vmlinuz(root: Path, release: str) -> Path:
-    return root / "boot" / f"vmlinuz-{release}"
+    """The kernel image: /boot/vmlinuz-RELEASE, or where sid's split packages put it (linux-binary-RELEASE:
+    /usr/lib/modules/RELEASE/vmlinuz)."""
+    for path in (root / "boot" / f"vmlinuz-{release}", root / "usr/lib/modules" / release / "vmlinuz"):
+        if path.exists():
+            return path
+    raise AssertionError(f"no kernel image of {release} in {root}/boot or {root}/usr/lib/modules/{release}")
 
 
 if __name__ == "__main__":
