@@ -70,9 +70,10 @@ def cell(result: dict[str, Any] | None, figure: bool = False) -> tuple[str, bool
     if result is None:
         return "✗ no result", False
     ok = result.get("status") == "ok"
-    if figure and result.get("pct") is not None:
+    if figure and result.get("pct") is not None:   # the whole reason is in the details below the table
         text = f"{result['pct']}% ({result.get('samples', 0)})"
-        return (text if ok else f"✗ {text}: {result.get('reason', '')}"), ok
+        few = "few samples" in str(result.get("reason", ""))
+        return (text if ok else f"✗ {text}{': too few samples' if few else ''}"), ok
     if ok:
         return "✓", True
     return f"✗ {result.get('reason') or 'failed'}", False
@@ -107,9 +108,12 @@ def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") 
         why = (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})") + \
             " before the suite finished" + (": kernel panic" if b.panics else "")
         cells["boot"], passed["boot"] = f"✗ {why}", False
+    rec, run = by_step.get("record", {}), by_step.get("run", {})
+    steady = run.get("steady") or {}
     for key in REQUIRED[1:]:
         cells[key], passed[key] = cell(by_step.get(key), figure=key in ("fp", "dwarf", "offcpu"))
-    rec, run = by_step.get("record", {}), by_step.get("run", {})
+        if steady.get(key, {}).get("pct") is not None:   # `run`'s last whole window, for comparison
+            cells[key] += f" [run: {steady[key]['pct']}%]"
     cells["startup"] = f"{rec.get('ready_s') or '–'}/{run.get('ready_s') or '–'}"
     panics = b.panics if b else []
     cells["panics"] = f"✗ {len(panics)}: {panics[0].splitlines()[0].strip()}" if panics else "none"
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     outdir = Path(args.results) / run_id
     outdir.mkdir(parents=True, exist_ok=True)
+    ignore = outdir.parent / ".gitignore"   # serial logs and initrds are a run's, not the repository's
+    if not ignore.exists():
+        ignore.write_text("# written by python -m tests.kernels: every run's results stay out of git\n*\n")
     log(f"results in {outdir}")
     timings: dict[str, float] = {}
 

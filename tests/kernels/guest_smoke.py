@@ -96,6 +96,8 @@ READY_TIMEOUT_S = 300
 RECORD_TIMEOUT_S = READY_TIMEOUT_S + RECORD_SECONDS + 180
 # run: upload windows of this length, so profiles arrive quickly.
 RUN_WINDOW_S = 10
+# Windows `run` writes before its steady-state figures are read (its last whole window).
+STEADY_WINDOWS = 4
 # After `run` is ready: cpu profiles of the workloads and python_wall of python3 within a few windows.
 PROFILES_TIMEOUT_S = 6 * RUN_WINDOW_S
 # `ebpfprofiler status` reads a file: seconds, more under TCG (Python start-up).
@@ -124,8 +126,8 @@ TAIL_LINES = 30
 # Lines of a step's whole output echoed to the console log.
 CONSOLE_ECHO_LINES = 600
 # The whole suite's worst case, for the host's deadline (boot and power-off are the host's margin).
-SUITE_BUDGET_S = (BUILD_TIMEOUT_S + PREFLIGHT_TIMEOUT_S + RECORD_TIMEOUT_S + READY_TIMEOUT_S + PROFILES_TIMEOUT_S
-                  + STATUS_TIMEOUT_S + STOP_TIMEOUT_S + 6 * TOOL_TIMEOUT_S)
+SUITE_BUDGET_S = (BUILD_TIMEOUT_S + PREFLIGHT_TIMEOUT_S + RECORD_TIMEOUT_S + READY_TIMEOUT_S + 3 * PROFILES_TIMEOUT_S
+                  + STEADY_WINDOWS * RUN_WINDOW_S + STATUS_TIMEOUT_S + STOP_TIMEOUT_S + 6 * TOOL_TIMEOUT_S)
 
 
 class Reporter:
@@ -317,7 +319,7 @@ def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str
 
 def figure(name: str, pct: float | None, samples: int, heaviest: list[str], **extra: Any) -> dict[str, Any]:
     if pct is None or samples < MIN_SAMPLES:
-        return {"status": "failed", "reason": f"{samples} samples (fewer than {MIN_SAMPLES})", "pct": pct,
+        return {"status": "failed", "reason": f"too few samples: {samples} (fewer than {MIN_SAMPLES})", "pct": pct,
                 "samples": samples, "stacks": heaviest, **extra}
     ok = pct >= MIN_CHAIN_PCT
     return {"status": "ok" if ok else "failed", "pct": pct, "samples": samples, "stacks": heaviest,
@@ -400,6 +402,37 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
                                   unit=offcpu[0].profile.sample_types[-1]))
 
 
+def windows_of(local: Path, kind: str, pid: int) -> dict[str, list[str]]:
+    """Window → the `kind` profile files (local_dir/SERVICE/KIND-WINDOW-ID.pb.gz) holding samples of pid."""
+    from ebpfprofiler.report import profiles as pm
+    out: dict[str, list[str]] = {}
+    for f in pm.profile_files([str(local)]):
+        name = os.path.basename(f)
+        if name.startswith(kind + "-") and any(str(s.labels.get("pid")) == str(pid)
+                                               for x in pm.load([f]) for s in x.profile.samples):
+            out.setdefault(name[len(kind) + 1:].split("-")[0], []).append(f)
+    return out
+
+
+def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) -> dict[str, Any]:
+    """The FP, DWARF and off-CPU shares in `run`'s last whole window, once STEADY_WINDOWS windows have
+    been written: apart from `record`'s figures, which include its first seconds (unwind tables are
+    built after a process is first seen), they say whether the unwinding works once it has them."""
+    from ebpfprofiler.report import profiles as pm
+    wait_until(lambda: len(windows_of(local, "cpu", pids["knofp"])) >= STEADY_WINDOWS,
+               STEADY_WINDOWS * RUN_WINDOW_S + PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None)
+    out: dict[str, Any] = {}
+    for cell, kind, prog in (("fp", "cpu", "kfp"), ("dwarf", "cpu", "knofp"), ("offcpu", "offcpu", "kblock")):
+        wins = windows_of(local, kind, pids[prog])
+        if len(wins) < 2:
+            out[cell] = {"pct": None, "windows": len(wins)}
+            continue
+        last = sorted(wins)[-2]   # the newest may still be in progress at another service's worker
+        pct, samples, heaviest = chain_share(pm.load(wins[last]), pids[prog])
+        out[cell] = {"pct": pct, "samples": samples, "window": last, "windows": len(wins), "stacks": heaviest}
+    return out
+
+
 def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
     from ebpfprofiler.report import profiles as pm
     local = WORK / "profiles"
@@ -455,6 +488,10 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
                                    "output": (st.stdout + st.stderr)[-2000:]}
             except subprocess.TimeoutExpired:
                 cells["status"] = {"status": "failed", "reason": f"timeout {STATUS_TIMEOUT_S} s"}
+            try:
+                cells["run"]["steady"] = steady_figures(local, pids, p)
+            except Exception as e:   # informational figures: their failure must not cost the stop's check
+                cells["run"]["steady"] = {"error": repr(e)[:300]}
         # the stop: SIGINT, as Ctrl-C; it must end by itself within the deadline, exit 0, leave nothing
         stop_started = time.monotonic()
         exited_before = p.poll()

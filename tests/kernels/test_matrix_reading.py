@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.kernels import boot
 from tests.kernels.__main__ import GUEST_TIMEOUT_S, row_of
 from tests.kernels.guest_smoke import RESULT_MARK, cause
@@ -68,3 +70,40 @@ def test_a_guest_that_hung_mid_suite_fails_its_boot_cell_with_the_panic(tmp_path
                                 exit_code=None, console_log=tmp_path / "bullseye.console.log")
     assert row_of("bullseye", "5.10.0-32-amd64", timed_out)["cells"]["boot"] == \
         f"✗ timeout {GUEST_TIMEOUT_S} s before the suite started"
+
+
+def _profile(path: Path, sample_types: list[tuple[str, str]], stacks: list[tuple[list[str], list[int], int]]) -> None:
+    from ebpfprofiler.shared.pprof import ProfileBuilder
+    b = ProfileBuilder(sample_types, sample_types[-1], 1, 0, 10_000_000_000)
+    m = b.mapping(("/tmp/ktest/knofp", ""), "/tmp/ktest/knofp", "", has_functions=True)
+    for frames, values, pid in stacks:
+        ids = [b.location(("/tmp/ktest/knofp", "", i, f, 0), m, i, [b.function(f, "")], 0)
+               for i, f in enumerate(reversed(frames))]   # leaf first
+        b.sample(ids, values, {"pid": str(pid)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b.gzipped())
+
+
+def test_figures_count_a_programs_samples_and_read_runs_last_whole_window(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from ebpfprofiler.report import profiles as pm
+    from tests.kernels import guest_smoke
+    cpu = [("samples", "count"), ("cpu", "nanoseconds")]
+    whole, cut, other = ["_start", "main", "alpha", "beta"], ["beta"], ["main", "alpha", "beta"]
+    for i, window in enumerate(["20261206T040000Z", "20261206T040010Z", "20261206T040020Z"]):
+        _profile(tmp_path / "svc" / f"cpu-{window}-{i}.pb.gz", cpu,
+                 [(whole, [3 + i, 30], 7), (cut, [1, 10], 7), (other, [50, 500], 8)])
+    first = pm.load([str(tmp_path / "svc" / "cpu-20261206T040000Z-0.pb.gz")])
+    assert guest_smoke.chain_share(first, 7)[:2] == (75.0, 4)   # 30 of 40 ns; 3 + 1 samples, not 2 rows
+    wins = guest_smoke.windows_of(tmp_path, "cpu", 7)
+    assert sorted(wins) == ["20261206T040000Z", "20261206T040010Z", "20261206T040020Z"]
+    assert guest_smoke.windows_of(tmp_path, "offcpu", 7) == {}
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr(guest_smoke, "STEADY_WINDOWS", 3)
+    steady = guest_smoke.steady_figures(tmp_path, {"kfp": 8, "knofp": 7, "kblock": 9}, Running())  # type: ignore[arg-type]
+    assert steady["dwarf"]["window"] == "20261206T040010Z"   # the last whole one, not the newest
+    assert steady["dwarf"]["pct"] == 75.0 and steady["dwarf"]["samples"] == 5
+    assert steady["fp"]["pct"] == 100.0 and steady["offcpu"] == {"pct": None, "windows": 0}
