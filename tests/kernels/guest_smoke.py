@@ -45,8 +45,14 @@ C_SOURCE = r"""
 #include <time.h>
 volatile unsigned long sink;
 __attribute__((noipa)) void beta(void) {
-#ifdef BLOCK
-    struct timespec ts = {0, 20 * 1000 * 1000};   /* 20 ms, off-CPU */
+#if defined(BLOCK_RAW)
+    /* 20 ms off-CPU in an inline syscall: beta's own frame is the top user frame, so a frame-pointer
+       walk sees every caller (as tests/workloads/offcpu.c; Debian's libc has no frame pointers) */
+    struct timespec ts = {0, 20 * 1000 * 1000};
+    long ret;
+    __asm__ volatile("syscall" : "=a"(ret) : "a"(35L), "D"(&ts), "S"(0L) : "rcx", "r11", "memory");
+#elif defined(BLOCK_LIBC)
+    struct timespec ts = {0, 20 * 1000 * 1000};   /* 20 ms off-CPU in libc: its callers need DWARF */
     nanosleep(&ts, 0);
 #else
     unsigned long x = sink;
@@ -78,8 +84,10 @@ def main():
 main()
 """
 # name → gcc flags. kfp: frame pointers, as the issue's test (the host's tests/harness.py
-# FRAME_POINTER_FLAGS reach it through --fp-flags); knofp: -O2 without them (.eh_frame kept: DWARF
-# unwinding needed); kblock: blocks in beta, built with frame pointers.
+# FRAME_POINTER_FLAGS reach it through GUEST_PLAN); knofp: -O2 without them (.eh_frame kept: DWARF
+# unwinding needed); kblock: blocks in beta in a syscall of its own, built with frame pointers (the
+# off-CPU figure); kblocklibc: blocks in libc's nanosleep (off-CPU through libc: informational, as its
+# callers need DWARF off-CPU, which kernels before 5.15 lack by design).
 DEFAULT_FP_FLAGS = ["-O1", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer", "-fasynchronous-unwind-tables"]
 CHAIN = ("main", "alpha", "beta")
@@ -331,7 +339,8 @@ def figure(name: str, pct: float | None, samples: int, heaviest: list[str], **ex
 def build(report: Reporter, fp_flags: list[str]) -> dict[str, Path]:
     src = WORK / "abc.c"
     src.write_text(C_SOURCE)
-    progs = {"kfp": fp_flags, "knofp": NOFP_FLAGS, "kblock": fp_flags + ["-DBLOCK"]}
+    progs = {"kfp": fp_flags, "knofp": NOFP_FLAGS, "kblock": fp_flags + ["-DBLOCK_RAW"],
+             "kblocklibc": fp_flags + ["-DBLOCK_LIBC"]}
     built: dict[str, Path] = {}
     for name, flags in progs.items():
         out = WORK / name
@@ -385,7 +394,7 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
     if timed_out or p.returncode != 0:
         why = f"timeout {RECORD_TIMEOUT_S} s" if timed_out else f"exit {p.returncode}"
         report("record", status="failed", reason=f"{why}: {cause(text)}"[:300], **base)
-        for cell in ("fp", "dwarf", "offcpu"):
+        for cell in ("fp", "dwarf", "offcpu", "offcpu_libc"):
             report(cell, status="failed", reason="record failed")
         return
     report("record", status="ok", **base)
@@ -395,11 +404,13 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
     report("fp", **figure("kfp", *chain_share(loaded, pids["kfp"])))
     report("dwarf", **figure("knofp", *chain_share(loaded, pids["knofp"])))
     if not offcpu:
-        report("offcpu", status="failed", reason="record wrote no offcpu profile",
-               written=sorted(x.name for x in WORK.glob("rec*")))
+        for cell in ("offcpu", "offcpu_libc"):
+            report(cell, status="failed", reason="record wrote no offcpu profile",
+                   written=sorted(x.name for x in WORK.glob("rec*")))
     else:
         report("offcpu", **figure("kblock off-CPU", *chain_share(offcpu, pids["kblock"]),
                                   unit=offcpu[0].profile.sample_types[-1]))
+        report("offcpu_libc", **figure("kblocklibc off-CPU", *chain_share(offcpu, pids["kblocklibc"])))
 
 
 def windows_of(local: Path, kind: str, pid: int) -> dict[str, list[str]]:
@@ -422,7 +433,8 @@ def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) 
     wait_until(lambda: len(windows_of(local, "cpu", pids["knofp"])) >= STEADY_WINDOWS,
                STEADY_WINDOWS * RUN_WINDOW_S + PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None)
     out: dict[str, Any] = {}
-    for cell, kind, prog in (("fp", "cpu", "kfp"), ("dwarf", "cpu", "knofp"), ("offcpu", "offcpu", "kblock")):
+    for cell, kind, prog in (("fp", "cpu", "kfp"), ("dwarf", "cpu", "knofp"), ("offcpu", "offcpu", "kblock"),
+                             ("offcpu_libc", "offcpu", "kblocklibc")):
         wins = windows_of(local, kind, pids[prog])
         if len(wins) < 2:
             out[cell] = {"pct": None, "windows": len(wins)}
@@ -566,11 +578,11 @@ def main() -> int:
         workloads.append(py)
         report.progress(f"workloads running: {pids}, python3 {py.pid}")
         steps: list[tuple[str, Callable[[], None]]] = [("preflight", lambda: preflight(report))]
-        if len(pids) == 3:
+        if len(pids) == len(built) == 4:
             steps.append(("record", lambda: record(report, pids)))
             steps.append(("run", lambda: run_step(report, pids, py.pid)))
         else:
-            for cell in ("record", "fp", "dwarf", "offcpu", "run", "python", "status", "stop"):
+            for cell in ("record", "fp", "dwarf", "offcpu", "offcpu_libc", "run", "python", "status", "stop"):
                 report(cell, status="failed", reason="the workloads did not build")
         for name, fn in steps:
             report.progress(f"{name} …")
