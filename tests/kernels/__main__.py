@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -172,6 +173,16 @@ def details(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM, SIGHUP and SIGINT end the run through its `finally` blocks, which kill qemu and every
+    other process it started (SIGINT too when this was started in the background, where it is ignored)."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in debs.SUITES]
     if unknown:
         p.error(f"unknown kernels {unknown}; known: {', '.join(debs.SUITES)}")
+    stop_on_signals()
     gaps = host_gaps()
     if gaps:
         print(f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
