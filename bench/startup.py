@@ -7,7 +7,8 @@ Two commands, as a user runs them:
   config has it).
 Each round starts each command COLD (the page cache dropped first, `sync; echo 3 >
 /proc/sys/vm/drop_caches`: LLVM, the kernel headers and Python's modules are read from disk again)
-and then WARM (again at once), each after waiting for a quiet host (bench/host.py).
+and then WARM (again at once), each after waiting for a quiet host (bench/host.py); a host that stays
+busy past --quiet-wait after at least one whole round ends the suite with the rounds it has (noted).
 
 Figures, seconds from the moment bench starts the command, median (min–max) over the rounds:
 - collector ready: its ready file (RUN/collector.ready) appears, polled every POLL_S;
@@ -107,11 +108,21 @@ class StartupBench:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-startup-", dir="/tmp"))
         tmp.chmod(0o755)      # the stages run as their own users and must enter it
         runs: list[dict[str, Any]] = []
+        ended_early = ""
         try:
             for r in range(self.rounds):
                 for command in COMMANDS:
                     for temp in ("cold", "warm"):
-                        waited = host.wait_until_quiet(self.our_prog_ids, self.quiet_wait, self.log)
+                        try:
+                            waited = host.wait_until_quiet(self.our_prog_ids, self.quiet_wait, self.log)
+                        except BenchError as e:
+                            if r == 0:
+                                raise
+                            # a shared host busy for good: the whole rounds measured so far stand
+                            ended_early = f"ended after {r} of {self.rounds} rounds: {e}"
+                            runs = [x for x in runs if x["round"] <= r]
+                            self.log(ended_early)
+                            raise _EndedEarly() from None
                         work = tmp / f"{r + 1}-{command}-{temp}"
                         work.mkdir()
                         work.chmod(0o755)
@@ -123,12 +134,14 @@ class StartupBench:
                         self.log(f"startup round {r + 1} {command} {temp}: collector ready {got['ready']:.1f} s, "
                                  f"first sample {got.get('first_sample', float('nan')):.1f} s "
                                  f"(compile and load {got.get('step_s', float('nan')):.1f} s)")
+        except _EndedEarly:
+            pass
         finally:
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 self.log(f"kept {tmp}")
-        return {"runs": runs, "summary": summarize(runs), "record_s": RECORD_S,
+        return {"runs": runs, "summary": summarize(runs), "record_s": RECORD_S, "ended_early": ended_early,
                 "config": "deploy/agent.yaml (run); record -d %g --offcpu" % RECORD_S}
 
     def _run(self, work: Path) -> dict[str, Any]:
@@ -209,6 +222,10 @@ class StartupBench:
         return got
 
 
+class _EndedEarly(Exception):
+    """The host stayed busy after at least one whole round: the suite ends with the rounds it has."""
+
+
 def _debug_env() -> dict[str, str]:
     return {**os.environ, "EBPFPROFILER_LOG_LEVEL": "DEBUG"}
 
@@ -263,4 +280,6 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     notes = ["first sample drained: the collector's first drain that took a sample (a CPU loop runs from ready)",
              "the rows below the first two split the time to ready, from the agent's log; the compile-and-load "
              "step is bcc's compile and the kernel's verifier (docs/architecture.md, Start-up)"]
+    if result.get("ended_early"):
+        notes.append(result["ended_early"])
     return caption, head, rows, notes
