@@ -1,8 +1,9 @@
 """The kernel matrix's smoke suite, run inside each guest by tests/kernels/guest_init.sh.
 
 Owns: the guest's facts (uname -r, perf_event_paranoid, RLIMIT_MEMLOCK, BTF,
-python3), three C workloads built with the guest's gcc (main→alpha→beta with
-frame pointers, without them, and blocking in beta), and the steps run
+python3), four C workloads built with the guest's gcc (main→alpha→beta with
+frame pointers, without them, blocking in beta in a syscall of its own, and
+blocking in beta in libc's nanosleep), and the steps run
 against them: preflight; `ebpfprofiler record` (FP, DWARF and off-CPU
 figures, and its start-up time); `ebpfprofiler run` with python_legacy on
 the guest's own python3 (python_wall names alpha/beta, cpu profiles are
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
@@ -589,7 +591,6 @@ def main() -> int:
             try:
                 fn()
             except Exception as e:   # the step failed in the suite itself: recorded, the next one runs
-                import traceback
                 report(name, status="failed", reason=f"suite error: {e!r}"[:300],
                        tail=traceback.format_exc().splitlines()[-TAIL_LINES:])
     finally:
