@@ -106,8 +106,10 @@ READY_TIMEOUT_S = 300
 RECORD_TIMEOUT_S = READY_TIMEOUT_S + RECORD_SECONDS + 180
 # run: upload windows of this length, so profiles arrive quickly.
 RUN_WINDOW_S = 10
-# Windows `run` writes before its steady-state figures are read (its last whole window).
-STEADY_WINDOWS = 4
+# Windows `run` writes before its steady-state figures are read (its last whole window, the 6th):
+# under TCG a process's unwind tables arrive up to ~30 s after `run` is ready (seen on 6.12: the 4th
+# window still had none).
+STEADY_WINDOWS = 7
 # After `run` is ready: cpu profiles of the workloads and python_wall of python3 within a few windows.
 PROFILES_TIMEOUT_S = 6 * RUN_WINDOW_S
 # `ebpfprofiler status` reads a file: seconds, more under TCG (Python start-up).
