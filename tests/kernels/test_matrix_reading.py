@@ -107,3 +107,15 @@ def test_figures_count_a_programs_samples_and_read_runs_last_whole_window(tmp_pa
     assert steady["dwarf"]["window"] == "20261206T040010Z"   # the last whole one, not the newest
     assert steady["dwarf"]["pct"] == 75.0 and steady["dwarf"]["samples"] == 5
     assert steady["fp"]["pct"] == 100.0 and steady["offcpu"] == {"pct": None, "windows": 0}
+
+
+def test_a_figure_passes_on_runs_window_and_shows_records_too() -> None:
+    from tests.kernels.__main__ import cell
+    record = {"status": "failed", "pct": 77.4, "samples": 1575, "reason": "77.4% of knofp stacks …"}
+    assert cell(record, {"pct": 100.0, "samples": 80}) == ("77.4% (1575) [run: 100.0%]", True)
+    assert cell({**record, "status": "ok", "pct": 92.4, "samples": 1589}, {"pct": 1.3, "samples": 78}) == \
+        ("✗ 92.4% (1589) [run: 1.3%]", False)
+    assert cell({**record, "status": "ok", "pct": 92.4, "samples": 1589}, {}) == ("92.4% (1589)", True)
+    assert cell({"status": "failed", "pct": 40.0, "samples": 3, "reason": "too few samples: 3"}, {}) == \
+        ("✗ 40.0% (3): too few samples", False)
+    assert cell({"status": "failed", "reason": "record failed"}, {}) == ("✗ record failed", False)
