@@ -41,10 +41,12 @@ COLUMNS = [("kernel", "kernel"), ("boot", "boot"), ("preflight", "preflight"), (
 REQUIRED = ["boot", "preflight", "fp", "dwarf", "offcpu", "python", "run", "status", "stop"]
 # Shown, not required: off-CPU stacks through libc's nanosleep need DWARF off-CPU (Linux 5.15).
 INFORMATIONAL = ["offcpu_libc"]
+# run's window judges a figure when it holds this many of the program's samples (19 Hz, 10 s: ~190).
+MIN_STEADY_SAMPLES = 20
 LEGEND = ("FP, DWARF, off-CPU: the share of the program's samples (off-CPU: blocked time) whose stack holds "
           "main→alpha→beta in `record -d 30` (its samples) [and in `run`'s 6th 10-s window]; a cell passes at "
           f"{guest_smoke.MIN_CHAIN_PCT}% of run's figure (record's 30 s include the seconds before a new process's "
-          "unwind tables arrive), of record's when run has none. Off-CPU via libc: shown, not required (its "
+          f"unwind tables arrive), of record's when run's window has fewer than {MIN_STEADY_SAMPLES} samples. Off-CPU via libc: shown, not required (its "
           "callers need DWARF off-CPU: Linux 5.15). Start-up: seconds from `record`/`run` to ready.")
 # Characters of a reason shown in a table cell (the whole reason is in the failures list and the JSON).
 CELL_REASON_CHARS = 70
@@ -84,9 +86,11 @@ def cell(result: dict[str, Any] | None, steady: dict[str, Any] | None = None) ->
     ok = result.get("status") == "ok"
     if steady is not None and result.get("pct") is not None:   # the whole reason is in the details
         text = f"{result['pct']}% ({result.get('samples', 0)})"
-        if steady.get("pct") is not None:
-            ok = steady["pct"] >= guest_smoke.MIN_CHAIN_PCT and (steady.get("samples") or 0) > 0
+        if steady.get("pct") is not None and (steady.get("samples") or 0) >= MIN_STEADY_SAMPLES:
+            ok = steady["pct"] >= guest_smoke.MIN_CHAIN_PCT
             text += f" [run: {steady['pct']}%]"
+        elif steady.get("pct") is not None:
+            text += f" [run: {steady['pct']}% of {steady.get('samples', 0)}]"
         few = "few samples" in str(result.get("reason", "")) and steady.get("pct") is None
         return (text if ok else f"✗ {text}{': too few samples' if few else ''}"), ok
     if ok:

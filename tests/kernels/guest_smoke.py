@@ -453,9 +453,12 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
     from ebpfprofiler.report import profiles as pm
     local = WORK / "profiles"
     config = WORK / "agent.yaml"
+    # overhead_budget_pct 100, as `record` sets it: under TCG every stage costs ~50x its real CPU, and the
+    # guard would halve the rate each window (19 → 1 Hz by the 5th), leaving run's figures a few samples
     config.write_text("modules:\n  ebpf_profiler:\n"
                       f"    upload_interval_s: {RUN_WINDOW_S}\n    local_dir: {local}\n"
-                      "    runtime_stacks: [python_legacy]\n    plain_pid: true\n    offcpu: true\n")
+                      "    runtime_stacks: [python_legacy]\n    plain_pid: true\n    offcpu: true\n"
+                      "    overhead_budget_pct: 100\n")
     before = bpf_objects()
     argv = [ebpfprofiler(), "run", "--config", str(config)]
     report.progress(f"run: {' '.join(argv[1:])} (runtime_stacks: [python_legacy], window {RUN_WINDOW_S} s)")

@@ -107,6 +107,17 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     log(f"building the guest root {root} (the base and {len(kernels)} kernels)")
+    try:
+        _add_kernels(base, partial, kernels)
+    except BaseException:   # a failed or interrupted build leaves nothing half made behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    partial.rename(root)
+    _prune(keep=root, log=log)
+    return root
+
+
+def _add_kernels(base: Path, partial: Path, kernels: list[KernelDebs]) -> None:
     run_killing_group(["cp", "-a", "--reflink=auto", str(base), str(partial)], SMALL_STEP_TIMEOUT_S,
                       KERNEL_CACHE / "copy-base.log")
     (partial / ".complete").unlink()
@@ -122,9 +133,6 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
         # the root's own depmod (kmod), as the image package's postinst would run it
         subprocess.run(["chroot", str(partial), "depmod", k.release], check=True, timeout=SMALL_STEP_TIMEOUT_S)
     (partial / ".complete").write_text(json.dumps([k.to_json() for k in kernels], indent=1))
-    partial.rename(root)
-    _prune(keep=root, log=log)
-    return root
 
 
 def _prune(keep: Path, log: Callable[[str], None]) -> None:

@@ -115,6 +115,9 @@ def test_a_figure_passes_on_runs_window_and_shows_records_too() -> None:
     assert cell(record, {"pct": 100.0, "samples": 80}) == ("77.4% (1575) [run: 100.0%]", True)
     assert cell({**record, "status": "ok", "pct": 92.4, "samples": 1589}, {"pct": 1.3, "samples": 78}) == \
         ("✗ 92.4% (1589) [run: 1.3%]", False)
+    # too few samples in run's window to judge by: record's figure does, run's is shown with its count
+    assert cell({**record, "status": "ok", "pct": 92.4, "samples": 1589}, {"pct": 0.0, "samples": 3}) == \
+        ("92.4% (1589) [run: 0.0% of 3]", True)
     assert cell({**record, "status": "ok", "pct": 92.4, "samples": 1589}, {}) == ("92.4% (1589)", True)
     assert cell({"status": "failed", "pct": 40.0, "samples": 3, "reason": "too few samples: 3"}, {}) == \
         ("✗ 40.0% (3): too few samples", False)
