@@ -119,7 +119,8 @@ class StartupBench:
                             if r == 0:
                                 raise
                             # a shared host busy for good: the whole rounds measured so far stand
-                            ended_early = f"ended after {r} of {self.rounds} rounds: {e}"
+                            ended_early = (f"ended after {r} of {self.rounds} rounds: "
+                                           f"{str(e).removesuffix('; nothing measured')}")
                             runs = [x for x in runs if x["round"] <= r]
                             self.log(ended_early)
                             raise _EndedEarly() from None
