@@ -79,15 +79,15 @@ def bpf_defines(task_storage: bool = True, prev_state: bool = True) -> dict[str,
     if prev_state:
         out["OFFCPU_SWITCH_PREV_STATE"] = 1
     else:
-        offset, size = state_field()
-        out.update(OFFCPU_TASK_STATE_OFFSET=offset, OFFCPU_TASK_STATE_SIZE=size)
+        state_offset, state_size = state_field()
+        out.update(OFFCPU_TASK_STATE_OFFSET=state_offset, OFFCPU_TASK_STATE_SIZE=state_size)
     if task_storage:
         out["OFFCPU_TASK_STORAGE"] = 1
     else:
-        pid = member_offsets("task_struct", [("pid",)])[0]
-        if pid is None:
+        pid_offset = member_offsets("task_struct", [("pid",)])[0]
+        if pid_offset is None:
             raise BtfProgramError("off-CPU records by thread id need task_struct.pid, which the kernel's BTF lacks")
-        out.update(OFFCPU_TASK_PID_OFFSET=pid, OFFCPU_THREADS=THREAD_RECORDS,
+        out.update(OFFCPU_TASK_PID_OFFSET=pid_offset, OFFCPU_THREADS=THREAD_RECORDS,
                    OFFCPU_USER_STACK_THREADS=USER_STACK_RECORDS)
     offsets = member_offsets("task_struct", [path for path, _ in TASK_FIELDS.values()])
     for (define, (path, loss)), offset in zip(TASK_FIELDS.items(), offsets):

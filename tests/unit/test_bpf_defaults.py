@@ -14,7 +14,7 @@ COMMON_H = Path(ROOT) / "bpf" / "common.h"
 
 def test_common_h_defaults_are_the_collectors_values() -> None:
     # The collector imports bcc only when it runs: read its constants from the source.
-    main = (Path(ROOT) / "collector" / "main.py").read_text()
+    main = (Path(ROOT) / "collector" / "plan.py").read_text()
     header = COMMON_H.read_text()
     for name in ("NEW_PID_NOTIFY_NS", "SEEN_PIDS"):
         py = re.search(rf"^{name} = ([\d_]+)$", main, re.MULTILINE)

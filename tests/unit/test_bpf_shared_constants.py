@@ -117,3 +117,28 @@ def test_register_records_are_decoded_as_the_program_lays_them_out() -> None:
     # a message the collector sends is one the readers take
     assert regs.SAMPLES_PER_MESSAGE <= wire.MAX_REGS_SAMPLES
     assert regs.SAMPLES_PER_MESSAGE * (regs.RECORD.size + regs.ONCPU_REGS_STACK_BYTES) < wire.MAX_BATCH_BYTES
+
+
+def test_the_perf_event_context_bpf_oncpu_declares_is_the_kernels() -> None:
+    """bpf/oncpu.c declares struct bpf_perf_event_data itself rather than include its header (half of bcc's
+    compile): its fields, in order, are those of the header tree's uapi header, and on x86-64 the registers
+    are a struct pt_regs."""
+    import os
+    tree = Path(f"/lib/modules/{os.uname().release}/source")
+    if not (tree / "include").is_dir():
+        tree = Path(f"/lib/modules/{os.uname().release}/build")
+    fields = r"struct bpf_perf_event_data \{(.*?)\};"
+    ours = re.search(fields, (BPF / "oncpu.c").read_text(), re.DOTALL)
+    theirs = re.search(fields, (tree / "include/uapi/linux/bpf_perf_event.h").read_text(), re.DOTALL)
+    assert ours and theirs
+
+    def names(body: str) -> list[tuple[str, str]]:
+        return re.findall(r"^\s*(\w+(?:\s+\w+)?)\s+(\w+);", body, re.MULTILINE)
+    ours_fields, their_fields = names(ours.group(1)), names(theirs.group(1))
+    assert [n for _, n in ours_fields] == [n for _, n in their_fields] == ["regs", "sample_period", "addr"]
+    assert [t for t, _ in ours_fields[1:]] == [t for t, _ in their_fields[1:]]
+    # x86-64 has no header of its own: it takes the generic one's registers
+    assert not (tree / "arch/x86/include/uapi/asm/bpf_perf_event.h").exists()
+    generic = (tree / "include/uapi/asm-generic/bpf_perf_event.h").read_text()
+    assert re.search(r"typedef struct pt_regs bpf_user_pt_regs_t;", generic)
+    assert ours_fields[0][0] == "struct pt_regs"
