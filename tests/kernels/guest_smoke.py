@@ -152,7 +152,7 @@ class Reporter:
         doc = {"step": step, **fields}
         self.out.write(RESULT_MARK + json.dumps(doc, default=str) + "\n")
         self.out.flush()
-        short = {k: v for k, v in doc.items() if k not in ("output", "notable", "tail")}
+        short = {k: v for k, v in doc.items() if k not in ("output", "notable", "tail", "tree")}
         print(f"ktest: {json.dumps(short, default=str)[:2000]}", flush=True)
 
     def progress(self, message: str) -> None:
@@ -363,8 +363,13 @@ def build(report: Reporter, fp_flags: list[str]) -> dict[str, Path]:
 def preflight(report: Reporter) -> None:
     helptext = subprocess.run([ebpfprofiler(), "--help"], capture_output=True, text=True,
                               timeout=PREFLIGHT_TIMEOUT_S).stdout
+    # The tree the checks read, recorded (collector/preflight.py record): the unit tests replay it
+    # (tests/fixtures/kernels/). Written by the collector's user, after its privilege drop.
+    tree = WORK / "preflight-tree"
+    tree.mkdir(mode=0o1777, exist_ok=True)
+    tree.chmod(0o1777)
     argv = ([ebpfprofiler(), "preflight"] if re.search(r"^\s+preflight\s", helptext, re.M)
-            else [str(VENV_BIN / "ebpfprofiler-collector"), "--preflight"])
+            else [str(VENV_BIN / "ebpfprofiler-collector"), "--preflight", "--record", str(tree)])
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -373,8 +378,10 @@ def preflight(report: Reporter) -> None:
     text = p.stdout + p.stderr
     echo("preflight", text)
     last = cause(text)
+    recorded = {str(f.relative_to(tree)): (f.read_text(errors="replace") if f.is_file() else None)
+                for f in sorted(tree.rglob("*")) if f.is_file() or not any(f.iterdir())}
     report("preflight", status="ok" if p.returncode == 0 else "failed", exit=p.returncode, command=" ".join(argv),
-           reason="" if p.returncode == 0 else last[:300], output=text[-4000:])
+           reason="" if p.returncode == 0 else last[:300], output=text[-4000:], tree=recorded)
 
 
 def record(report: Reporter, pids: dict[str, int]) -> None:
