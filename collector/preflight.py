@@ -265,8 +265,9 @@ def record(dest: str, kernel: KernelFeatures | None, host: Host | None = None) -
 
 def _write(dest: str, rel: str, text: str) -> None:
     path = os.path.join(dest, rel)
-    if rel.endswith("/events"):       # a directory on the host
+    if rel.endswith("/events"):       # a directory on the host: kept with a file in it (git keeps no empty one)
         os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, ".present"), "w").close()
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
