@@ -49,7 +49,7 @@ from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.stopping import stop_on_signals
 
 # A starting stage that says nothing for this long (no ready file, no fresh heartbeat) is reported: the
-# stages start in about a second; the collector's BPF compile and load (~7 s here, 3-4 minutes under
+# stages start in about a second; the collector's BPF compile and load (~2.5 s here, 1-1.5 minutes under
 # qemu TCG) keeps a heartbeat (shared/ready.py), which suspends this limit while it is fresh.
 READY_TIMEOUT_S = 60.0
 # While a stage's start-up step works, a line saying what it does and for how long this often.
