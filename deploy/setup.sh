@@ -84,13 +84,13 @@ apt_updated=0
 apt_update() {
     [ "$apt_updated" = 0 ] || return 0
     say "apt-get update"
-    apt-get update -q >/dev/null
+    apt-get -o Acquire::Retries=3 update -q >/dev/null
     apt_updated=1
 }
 apt_install() {
     apt_update
     say "apt-get install $*"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=3 install -y -q --no-install-recommends "$@" >/dev/null
 }
 apt_has() { apt_update; apt-cache show "$1" >/dev/null 2>&1; }   # PKG: apt can install it
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

@@ -23,6 +23,9 @@ CACHE = Path("/var/cache/ebpfprofiler-test")
 # debootstrap of a minbase root with a few packages takes ~40 s here; 600 s
 # bounds a stuck mirror.
 DEBOOTSTRAP_TIMEOUT_S = 600
+# A mirror drops a download now and then ("Couldn't download packages: findutils"
+# ended a CI run); three tries make that a retry instead of a failed run.
+DEBOOTSTRAP_ATTEMPTS = 3
 
 
 def debian_mirror(suite: str = "bookworm") -> str:
@@ -64,7 +67,7 @@ def run_killing_group(argv: list[str], timeout: float, log_path: Path) -> None:
 def _install_extra(root: Path, mirror: str, suite: str, packages: list[str], log_path: Path) -> None:
     (root / "etc/apt/sources.list.d").mkdir(parents=True, exist_ok=True)
     (root / f"etc/apt/sources.list.d/{suite}.list").write_text(f"deb {mirror} {suite} main\n")
-    apt = ["chroot", str(root), "apt-get", "-o", "Acquire::Check-Valid-Until=false", "-y"]
+    apt = ["chroot", str(root), "apt-get", "-o", "Acquire::Check-Valid-Until=false", "-o", "Acquire::Retries=3", "-y"]
     run_killing_group(apt + ["update"], DEBOOTSTRAP_TIMEOUT_S, log_path)
     run_killing_group(apt + ["--no-install-recommends", "-t", suite, "install"] + packages, DEBOOTSTRAP_TIMEOUT_S,
                       log_path.with_suffix(".install.log"))
@@ -90,10 +93,20 @@ def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root"
     shutil.rmtree(partial, ignore_errors=True)
     log(f"building a {suite} root ({len(packages)} packages from {mirror}) into {root}")
     try:
-        run_killing_group(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
-                           str(partial), mirror], DEBOOTSTRAP_TIMEOUT_S, CACHE / f"debootstrap-{name}-{key}.log")
-        if extra is not None:
-            _install_extra(partial, mirror, extra[0], sorted(set(extra[1])), CACHE / f"apt-{name}-{key}.log")
+        for attempt in range(1, DEBOOTSTRAP_ATTEMPTS + 1):
+            try:
+                run_killing_group(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
+                                   str(partial), mirror], DEBOOTSTRAP_TIMEOUT_S,
+                                  CACHE / f"debootstrap-{name}-{key}.log")
+                if extra is not None:
+                    _install_extra(partial, mirror, extra[0], sorted(set(extra[1])), CACHE / f"apt-{name}-{key}.log")
+                break
+            except AssertionError as e:
+                if attempt == DEBOOTSTRAP_ATTEMPTS:
+                    raise
+                last = str(e).strip().splitlines()[-1] if str(e).strip() else "no output"
+                log(f"{suite} root: try {attempt} of {DEBOOTSTRAP_ATTEMPTS} failed ({last}); building it again")
+                shutil.rmtree(partial, ignore_errors=True)
         for deb in (partial / "var/cache/apt/archives").glob("*.deb"):
             deb.unlink()
         (partial / ".complete").write_text(json.dumps({"suite": suite, "mirror": mirror, "packages": packages}))

@@ -76,6 +76,7 @@ def apt_options(suite: str) -> list[str]:
             "-o", f"Dir::Etc::Preferences={state / 'etc/preferences'}",
             "-o", f"Dir::Etc::PreferencesParts={state / 'etc/preferences.d'}",
             "-o", f"Dir::Cache={state / 'cache'}", "-o", "Acquire::Check-Valid-Until=false",
+            "-o", "Acquire::Retries=3",   # a mirror drops a download now and then
             "-o", "APT::Architecture=amd64", "-o", "APT::Architectures::=amd64", "-o", "Debug::NoLocking=1"]
 
 
