@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping
 
 from ebpfprofiler.shared import files
@@ -155,10 +156,7 @@ def write_status(run_dir: str, kernel: KernelFeatures, refused: list[tuple[str, 
 
 
 def remove_status(run_dir: str) -> None:
-    try:
-        os.unlink(status_path(run_dir))
-    except FileNotFoundError:
-        pass
+    Path(status_path(run_dir)).unlink(missing_ok=True)
 
 
 def disabled_by_env(env: Mapping[str, str] = os.environ) -> frozenset[str]:

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ebpfprofiler.collector.bpftime import ProgTime
 from ebpfprofiler.shared import files
@@ -288,7 +289,4 @@ def write_status(run_dir: str, w: WindowFigures) -> None:
 
 
 def remove_status(run_dir: str) -> None:
-    try:
-        os.unlink(status_path(run_dir))
-    except FileNotFoundError:
-        pass
+    Path(status_path(run_dir)).unlink(missing_ok=True)
