@@ -6,8 +6,9 @@ removed at the end), running the agent itself (`ebpfprofiler run` as a child,
 so the stages, privileges and code paths are the agent's) with profiles
 written locally in short windows and plain pid labels, the progress line,
 and at the end: merging what was written, keeping the processes asked for,
-writing -o by its extension (report/profiles.py) and printing the top
-functions.
+writing -o by its extension (report/profiles.py; 0600 unless --mode, never
+through a symlink: shared/files.py's write_atomic) and printing the top
+functions. -o's directory is checked before the recording starts.
 
 Must not: do any stage's work itself, or leave anything behind (the child
 `run` stops every stage in order on Ctrl-C, SIGTERM or the end).
@@ -31,7 +32,7 @@ from ebpfprofiler.cli import status
 from ebpfprofiler.cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
 from ebpfprofiler.report import profiles as profiles_mod
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import privileges, procstat, ready
+from ebpfprofiler.shared import files, privileges, procstat, ready
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stopping import stop_on_signals
 
@@ -73,7 +74,11 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("-o", "--output", default="profile.html",
                    help="result by extension: .html (the report), .pb.gz (pprof: the cpu profile; other "
                         "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise) "
-                        "(default: %(default)s)")
+                        "(default: %(default)s); written beside its name, then renamed into place (a "
+                        "symlink there is replaced, never followed); its directory must exist")
+    p.add_argument("--mode", type=files.parse_mode, default=files.PRIVATE_MODE, metavar="OCTAL",
+                   help="permissions of the files written, such as 0644 (default: 0600, root's alone: the "
+                        "stacks recorded may be other users')")
     args = p.parse_args(argv)
     if args.duration <= 0:
         p.error("-d must be more than 0 seconds")
@@ -208,6 +213,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         print(f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
               file=sys.stderr)
         return 1
+    problem = files.output_dir_problem(args.output)
+    if problem:   # before recording, not after: the recording would be lost
+        print(f"{prog}: -o {problem}; nothing was recorded", file=sys.stderr)
+        return 2
     pids = set(args.pid)
     gone = sorted(p for p in pids if not procstat.alive(p))
     if gone:
@@ -299,7 +308,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         progress.update()   # the last windows, and the collector's last figures
         print(f"recorded: {progress.samples} cpu samples, {len(progress.processes)} processes, "
               f"{progress.lost} samples lost", file=out, flush=True)
-        written = profiles_mod.write_outputs(loaded, args.output)
+        try:
+            written = profiles_mod.write_outputs(loaded, args.output, args.mode)
+        except OSError as e:   # its directory was checked at the start; changed since
+            print(f"{prog}: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+            return 1
         groups = profiles_mod.by_type(loaded)
         for ptype, items in groups.items():
             print(f"\ntop {TOP_N} functions, {ptype} ({items[0].profile.sample_types[-1][0]}):", file=out)

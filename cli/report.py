@@ -2,7 +2,8 @@
 
 Owns: the command line; reading is report/profiles.py's, the page is report/html.py's.
 
-Must not: write anything but -o.
+Must not: write anything but -o, which goes through shared/files.py's
+write_atomic (0600 unless --mode; a symlink at -o is replaced, never followed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from typing import Sequence
 
 from ebpfprofiler.report import html, profiles
+from ebpfprofiler.shared import files
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler report") -> int:
@@ -21,8 +23,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler report") -
                     "subdirectory per service) into one self-contained HTML file: a flame graph per profile "
                     "type and service, with click-to-zoom, search and tooltips; it needs no network.")
     p.add_argument("paths", nargs="+", metavar="FILE|DIR", help=".pb.gz files, or directories searched for them")
-    p.add_argument("-o", "--output", default="profile.html", help="the HTML file (default: %(default)s)")
+    p.add_argument("-o", "--output", default="profile.html",
+                   help="the HTML file (default: %(default)s); written beside its name, then renamed into place "
+                        "(a symlink there is replaced, never followed); its directory must exist")
+    p.add_argument("--mode", type=files.parse_mode, default=files.PRIVATE_MODE, metavar="OCTAL",
+                   help="permissions of the file written, such as 0644 (default: 0600: the stacks may be "
+                        "other users')")
     args = p.parse_args(argv)
+    problem = files.output_dir_problem(args.output)
+    if problem:
+        print(f"{prog}: -o {problem}", file=sys.stderr)
+        return 2
     skipped = profiles.Skipped()
     loaded = profiles.load(args.paths, skipped)
     if not loaded:
@@ -30,8 +41,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler report") -
               + (f" ({sum(skipped.counts.values())} skipped: {dict(skipped.counts)})" if skipped.counts else ""),
               file=sys.stderr)
         return 1
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(html.render(loaded))
+    try:
+        files.write_atomic(args.output, html.render(loaded).encode(), mode=args.mode)
+    except OSError as e:
+        print(f"{prog}: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     types = sorted({x.profile_type for x in loaded})
     print(f"{prog}: wrote {args.output}: {len(loaded)} profiles ({', '.join(types)}) of "
           f"{len({x.service for x in loaded})} services"

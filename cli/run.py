@@ -25,7 +25,8 @@ Anything they would still be unable to read is an error before any starts.
 Before any stage starts, it runs the collector's preflight (as the collector, with its
 capabilities): a host that cannot run it is told why, and nothing is started.
 
-Must not: do any stage's work itself.
+Must not: do any stage's work itself, or create, chown or chmod a directory
+through a symlink (shared/files.py's ensure_dir).
 """
 
 from __future__ import annotations
@@ -154,20 +155,27 @@ def stage_state_dir(state_dir: str, stage: str) -> str:
 
 
 def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> None:
-    """The directories the stage users need, owned and moded as the systemd units have them."""
+    """The directories the stage users need, owned and moded as the systemd units have them; created
+    and chowned without following a symlink. files.UnsafePath (nothing changed) for a symlink in one's
+    path or one owned by someone other than root or its stage's user."""
     gid = privileges.ids("uploader")[1]   # the agent's group
 
     def ensure(path: str, owner: str | None, mode: int) -> None:
-        os.makedirs(path, exist_ok=True)
-        os.chown(path, privileges.ids(owner)[0] if owner else 0, gid)
-        os.chmod(path, mode)
+        # never through a symlink, and never someone else's directory (files.ensure_dir): root would
+        # chown and chmod whatever it points to
+        files.ensure_dir(path, privileges.ids(owner)[0] if owner else 0, gid, mode)
 
+    uploader = privileges.STAGES["uploader"].user
+    # the token is a secret only the uploader reads (uploader/http.py warns when group or others may read
+    # it); a CA certificate is not secret, and the agent's group may read it
+    advice = {"token_file": f"chown {uploader} it and chmod 600",
+              "ca_file": f"chgrp {privileges.AGENT_GROUP} it and chmod 640"}
     for key in ("token_file", "ca_file"):
         path = getattr(cfg, key)
         if path and stage_code.unreadable_by_agent([path]):
             raise privileges.PrivilegeError(
-                f"modules.ebpf_profiler.{key}: {path} is not readable by {privileges.STAGES['uploader'].user}: "
-                f"chgrp {privileges.AGENT_GROUP} it and chmod 640, in a directory the group can enter")
+                f"modules.ebpf_profiler.{key}: {path} is not readable by {uploader}: "
+                f"{advice[key]}, in a directory {uploader} can enter")
     # every stage binds its sockets here; sticky: a member of the group cannot unlink another's socket
     ensure(args.run_dir, None, 0o3770)
     ensure(args.state_dir, None, 0o750)

@@ -16,10 +16,9 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
-from ebpfprofiler.shared import pprof
+from ebpfprofiler.shared import files, pprof
 
 log = logging.getLogger("ebpfprofiler.report")
 
@@ -222,9 +221,12 @@ def top_table(loaded: Sequence[Loaded], n: int = 15) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(loaded: Sequence[Loaded], out: str) -> list[str]:
+def write_outputs(loaded: Sequence[Loaded], out: str, mode: int = files.PRIVATE_MODE) -> list[str]:
     """`out` by its extension: .pb.gz (merged pprof), .folded, .html. The cpu profile (else the first
-    type) takes the name given; every other type gets its name as a suffix: out.offcpu.pb.gz."""
+    type) takes the name given; every other type gets its name as a suffix: out.offcpu.pb.gz.
+
+    Each file is written by files.write_atomic (a symlink at its name is replaced, never followed), with
+    `mode`: 0600 by default, as the stacks may be other users'."""
     groups = by_type(loaded)
     written = []
     for ext in (SUFFIX, ".folded", ".html"):
@@ -234,14 +236,11 @@ def write_outputs(loaded: Sequence[Loaded], out: str) -> list[str]:
         raise ValueError(f"{out}: the output's extension must be .pb.gz, .folded or .html")
     if ext == ".html":
         from ebpfprofiler.report import html
-        Path(out).write_text(html.render(loaded))
+        files.write_atomic(out, html.render(loaded).encode(), mode=mode)
         return [out]
     stem = out[: -len(ext)]
     for i, (ptype, items) in enumerate(groups.items()):
         path = out if i == 0 else f"{stem}.{ptype}{ext}"
-        if ext == SUFFIX:
-            Path(path).write_bytes(merge(items))
-        else:
-            Path(path).write_text(folded(items))
+        files.write_atomic(path, merge(items) if ext == SUFFIX else folded(items).encode(), mode=mode)
         written.append(path)
     return written
