@@ -4,9 +4,18 @@ Owns: turning loaded profiles (report/profiles.py) into flame graph trees
 (drawn root at the top; root → service → stacks for "all services", root → stacks for each
 service), capping their size, and filling report/template.html with them
 and the vendored d3-flame-graph and d3 (report/vendor/, with their
-licences), inlined so the file needs no network. Function names come from
-profiled processes: they go into the page as JSON with <, > and & escaped,
-and the page sets them only as text.
+licences), inlined so the file needs no network.
+
+Function and service names come from profiled processes (or from any pprof a user hands in):
+- they never pass through the template's text: the template is split at its @MARKER@s once, and
+  each part is written as it is, so a name holding a marker's text is only that name;
+- they go into the page only as JSON, in the data block (<script type="application/json">), with
+  every non-ASCII character, <, > and & written as \\uXXXX (no "</script>", "<!--" or U+2028 can come
+  out of a name), and the page sets them only as text;
+- the page has a byte cap (MAX_HTML_BYTES): the trees are built against it, frame by frame, and the
+  frames of the lightest stacks that do not fit are merged into "(other)" at the deepest frame
+  they share with a heavier stack, with a note in the page. The page is never built whole first
+  to be measured.
 
 Must not: read files other than its template and vendored scripts.
 """
@@ -14,44 +23,134 @@ Must not: read files other than its template and vendored scripts.
 from __future__ import annotations
 
 import datetime
+import heapq
+import html as html_mod
 import json
+import re
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ebpfprofiler.report import profiles as profiles_mod
 
+# Bytes of a whole page at most: what a browser opens and draws in a few seconds. A busy host's real
+# report is a few MB; a hostile 191 KB pprof once made a 455 MB page (issue 40).
+MAX_HTML_BYTES = 32 << 20
 # Distinct stacks kept per flame graph (the heaviest): a host-wide report of a busy host stays a few MB.
 MAX_STACKS_PER_GRAPH = 50_000
 # A function name longer than this is cut (a flame graph cannot show more, and a hostile name stays small).
 MAX_NAME_CHARS = 300
 ALL_SERVICES = "(all services)"
+# The frame that stands for what the byte cap merged under a frame.
+OTHER = "(other)"
+# Bytes kept for the note and the data block's own keys (a few hundred in fact).
+_NOTE_RESERVE = 4096
+# Digits of a value allowed for: the sums of a hostile pprof's int64 values can pass 20 digits.
+_VALUE_DIGITS = 40
+# A tree node's bytes besides its name: {"name":…,"value":…,"children":[…]}, and a comma.
+_NODE_BYTES = len('{"name":,"value":,"children":[]},') + _VALUE_DIGITS
+_MARKER = re.compile(r"@([A-Z0-9_]+)@")
 
 
-def _tree(stacks: dict[tuple[str, ...], int], root: str) -> dict[str, Any]:
-    top = sorted(stacks.items(), key=lambda kv: -kv[1])[:MAX_STACKS_PER_GRAPH]
-    node: dict[str, Any] = {"name": root, "value": 0, "children": {}}
+def _json(value: Any) -> str:
+    """JSON that is safe inside <script>: ASCII only, and no <, > or & (so no "</script>" or "<!--")."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True) \
+        .replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+class _Node:
+    __slots__ = ("name", "value", "children", "other")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.value = 0
+        self.children: dict[str, _Node] | None = None
+        self.other = 0         # value merged under this frame by the byte cap, drawn as a child OTHER
+
+
+_OTHER_BYTES = _NODE_BYTES + len(_json(OTHER))
+
+
+def _node_bytes(name: str) -> int:
+    # its own bytes, and those of the OTHER child it may get: an OTHER is paid for in advance
+    return _NODE_BYTES + len(_json(name)) + _OTHER_BYTES
+
+
+@dataclass
+class _Graph:
+    type: str
+    service: str
+    unit: str
+    total: int
+    samples: int
+    stacks: dict[tuple[str, ...], int]
+    tree: _Node | None = None
+    merged_frames: int = 0
+
+    def header(self) -> str:
+        """Its JSON object up to its tree: `{…,"tree":`."""
+        fields = {"type": self.type[:MAX_NAME_CHARS], "service": self.service[:MAX_NAME_CHARS],
+                  "unit": self.unit[:MAX_NAME_CHARS], "total": self.total, "samples": self.samples,
+                  "merged_frames": self.merged_frames}
+        return _json(fields)[:-1] + ',"tree":'
+
+
+def _tree(stacks: dict[tuple[str, ...], int], root: str, budget: int) -> tuple[_Node, int, int]:
+    """The flame graph of `stacks` in at most `budget` bytes of JSON, how many frames the cap merged
+    into OTHER, and the bytes it may take. Heaviest stacks first: a frame that would pass the budget, and the rest of
+    its stack, go into its parent's OTHER."""
+    top = heapq.nlargest(MAX_STACKS_PER_GRAPH, stacks.items(), key=lambda kv: kv[1])
+    node = _Node(root)
+    used = _node_bytes(root)
+    merged = 0
     for stack, v in top:
-        node["value"] += v
+        node.value += v
         cur = node
-        for name in stack:
+        for depth, name in enumerate(stack):
             name = name[:MAX_NAME_CHARS]
-            nxt = cur["children"].get(name)
+            nxt = cur.children.get(name) if cur.children is not None else None
             if nxt is None:
-                nxt = cur["children"][name] = {"name": name, "value": 0, "children": {}}
-            nxt["value"] += v
+                cost = _node_bytes(name)
+                if used + cost > budget:
+                    cur.other += v
+                    merged += len(stack) - depth
+                    break
+                used += cost
+                if cur.children is None:
+                    cur.children = {}
+                nxt = cur.children[name] = _Node(name)
+            nxt.value += v
             cur = nxt
-
-    def finish(n: dict[str, Any]) -> dict[str, Any]:
-        out = {"name": n["name"], "value": n["value"]}
-        if n["children"]:
-            out["children"] = [finish(c) for c in n["children"].values()]
-        return out
-
-    return finish(node)
+    return node, merged, used
 
 
-def model(loaded: Sequence[profiles_mod.Loaded]) -> dict[str, Any]:
-    """The page's data: a list of {type, service, unit, total, samples, tree}."""
+def _tree_json(root: _Node) -> Iterator[str]:
+    """`root` as d3-flame-graph's JSON ({name, value, children}), in pieces; no recursion (a stack may be
+    deeper than Python's recursion limit)."""
+    todo: list[_Node | str] = [root]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            yield item
+            continue
+        head = f'{{"name":{_json(item.name)},"value":{int(item.value)}'
+        kids: list[_Node | str] = list(item.children.values()) if item.children else []
+        if item.other:
+            other = _Node(OTHER)
+            other.value = item.other
+            kids.append(other)
+        if not kids:
+            yield head + "}"
+            continue
+        yield head + ',"children":['
+        todo.append("]}")
+        for i in range(len(kids) - 1, -1, -1):
+            todo.append(kids[i])
+            if i:
+                todo.append(",")
+
+
+def _graphs(loaded: Sequence[profiles_mod.Loaded]) -> list[_Graph]:
     out = []
     for ptype, items in profiles_mod.by_type(loaded).items():
         unit = items[0].profile.sample_types[-1][1]
@@ -61,39 +160,95 @@ def model(loaded: Sequence[profiles_mod.Loaded]) -> dict[str, Any]:
         per_service = {svc: profiles_mod.stacks(group) for svc, group in sorted(by_service.items())}
         counts = {svc: sum(s.values[0] for g in group for s in g.profile.samples)
                   for svc, group in by_service.items()}
-        entries = []
-        for svc, stacks in per_service.items():
-            entries.append({"type": ptype, "service": svc, "unit": unit, "total": sum(stacks.values()),
-                            "samples": counts[svc], "tree": _tree(stacks, svc)})
+        graphs = [_Graph(ptype, svc, unit, sum(stacks.values()), counts[svc], stacks)
+                  for svc, stacks in per_service.items()]
         if len(per_service) > 1:
             merged = {(svc,) + stack: v for svc, stacks in per_service.items() for stack, v in stacks.items()}
-            entries.insert(0, {"type": ptype, "service": ALL_SERVICES, "unit": unit,
-                               "total": sum(merged.values()), "samples": sum(counts.values()),
-                               "tree": _tree(merged, "all")})
-        out += entries
-    return {"generated": datetime.datetime.now(datetime.timezone.utc).strftime("made %Y-%m-%d %H:%M UTC"),
-            "profiles": out}
+            graphs.insert(0, _Graph(ptype, ALL_SERVICES, unit, sum(merged.values()), sum(counts.values()), merged))
+        out += graphs
+    return out
 
 
-def _script_json(doc: dict[str, Any]) -> str:
-    # inside <script>: no "</script>" or "<!--" can come out of a name
-    return json.dumps(doc, separators=(",", ":")).replace("&", "\\u0026").replace("<", "\\u003c") \
-        .replace(">", "\\u003e")
+def _build(graphs: list[_Graph], budget: int) -> tuple[list[_Graph], str]:
+    """Builds each graph's tree within its share of `budget` bytes; the graphs kept and the page's note."""
+    # The graphs' own fields first: past half the budget, the graphs with the least total are left out.
+    kept, headers = [], 0
+    for g in sorted(graphs, key=lambda g: -g.total):
+        cost = len(g.header()) + 2 * _VALUE_DIGITS + _node_bytes(g.service[:MAX_NAME_CHARS])
+        if headers + cost > budget // 2:
+            continue
+        kept.append(g)
+        headers += cost
+    left_out = len(graphs) - len(kept)
+    keep = {id(g) for g in kept}
+    kept = [g for g in graphs if id(g) in keep]
+    free = budget - headers
+    for i, g in enumerate(kept):
+        share = free // (len(kept) - i)      # what an earlier graph did not use goes to the later ones
+        root = "all" if g.service == ALL_SERVICES else g.service[:MAX_NAME_CHARS]
+        g.tree, g.merged_frames, used = _tree(g.stacks, root, share)
+        free -= used
+    merged = sum(g.merged_frames for g in kept)
+    note = ""
+    if merged or left_out:
+        note = (f"This report is cut to stay under {MAX_HTML_BYTES >> 20} MiB: "
+                + (f"{merged:,} frames of the lightest stacks are merged into “{OTHER}”" if merged else "")
+                + ("; " if merged and left_out else "")
+                + (f"{left_out:,} of the smallest graphs are left out" if left_out else "") + ".")
+    return kept, note
+
+
+def _data_json(graphs: list[_Graph], note: str) -> Iterator[str]:
+    generated = datetime.datetime.now(datetime.timezone.utc).strftime("made %Y-%m-%d %H:%M UTC")
+    yield f'{{"generated":{_json(generated)},"note":{_json(note)},"profiles":['
+    for i, g in enumerate(graphs):
+        assert g.tree is not None
+        yield ("," if i else "") + g.header()
+        yield from _tree_json(g.tree)
+        yield "}"
+    yield "]}"
 
 
 def _vendor(name: str) -> str:
     return resources.files("ebpfprofiler.report").joinpath("vendor", name).read_text(encoding="utf-8")
 
 
+def _script(text: str) -> str:
+    return text.replace("</script", "<\\/script")
+
+
+def chunks(loaded: Sequence[profiles_mod.Loaded], title: str = "ebpfprofiler flame graph",
+           max_bytes: int = MAX_HTML_BYTES) -> Iterator[str]:
+    """The page, in pieces (at most `max_bytes` in all, UTF-8)."""
+    template = resources.files("ebpfprofiler.report").joinpath("template.html").read_text(encoding="utf-8")
+    pieces = _MARKER.split(template)       # literal text, marker name, literal text, …
+    fixed = {"TITLE": html_mod.escape(title), "FLAMEGRAPH_CSS": _vendor("d3-flamegraph.css"),
+             "D3_JS": _script(_vendor("d3.min.js")), "FLAMEGRAPH_JS": _script(_vendor("d3-flamegraph.min.js"))}
+    markers = pieces[1::2]
+    unknown = set(markers) - set(fixed) - {"DATA", "NOTE"}
+    if unknown:
+        raise ValueError(f"template.html has markers this writer does not fill: {sorted(unknown)}")
+    used = sum(len(p.encode()) for p in pieces[0::2]) + sum(len(fixed[m].encode()) for m in markers if m in fixed)
+    graphs, note = _build(_graphs(loaded), max_bytes - used - markers.count("NOTE") * _NOTE_RESERVE
+                          - _NOTE_RESERVE)
+    for i, piece in enumerate(pieces):
+        if i % 2 == 0:
+            yield piece
+        elif piece == "DATA":
+            yield from _data_json(graphs, note)
+        elif piece == "NOTE":
+            yield html_mod.escape(note)
+        else:
+            yield fixed[piece]
+
+
 def render(loaded: Sequence[profiles_mod.Loaded], title: str = "ebpfprofiler flame graph") -> str:
-    page = resources.files("ebpfprofiler.report").joinpath("template.html").read_text(encoding="utf-8")
-    # the scripts go in last: a vendored file may contain any of the markers' text
-    parts = {"@TITLE@": title.replace("&", "&amp;").replace("<", "&lt;"),
-             "@DATA@": _script_json(model(loaded)),
-             "@FLAMEGRAPH_CSS@": _vendor("d3-flamegraph.css")}
-    for k, v in parts.items():
-        page = page.replace(k, v)
-    head, _, rest = page.partition("@D3_JS@")
-    mid, _, tail = rest.partition("@FLAMEGRAPH_JS@")
-    return head + _vendor("d3.min.js").replace("</script", "<\\/script") + mid + \
-        _vendor("d3-flamegraph.min.js").replace("</script", "<\\/script") + tail
+    """The whole page (at most MAX_HTML_BYTES)."""
+    return "".join(chunks(loaded, title))
+
+
+def model(loaded: Sequence[profiles_mod.Loaded]) -> dict[str, Any]:
+    """The page's data, as the page reads it: {generated, note, profiles: [{type, service, unit, total,
+    samples, merged_frames, tree}]}."""
+    graphs, note = _build(_graphs(loaded), MAX_HTML_BYTES)
+    return dict(json.loads("".join(_data_json(graphs, note))))

@@ -89,3 +89,76 @@ def test_the_report_holds_every_service_and_no_name_can_break_out_of_its_script(
     assert doc["profiles"][2]["tree"]["children"][0]["children"][0]["name"] == HOSTILE
     # self-contained: nothing is loaded from elsewhere
     assert not re.search(r"""<(script|link|img)[^>]+(src|href)=""", page)
+
+
+# Every marker report/template.html holds: a name holding one's text must stay that name.
+MARKERS = sorted(set(re.findall(r"@[A-Z0-9_]+@", (Path(html.__file__).parent / "template.html").read_text())))
+
+
+def data_of(page: str) -> dict:
+    found = re.findall(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)
+    assert len(found) == 1, "the page has no single data block"
+    return json.loads(found[0])
+
+
+def test_a_function_named_like_a_template_marker_leaves_the_page_whole(tmp_path: Path) -> None:
+    assert {"@DATA@", "@D3_JS@", "@FLAMEGRAPH_CSS@", "@FLAMEGRAPH_JS@", "@TITLE@"} <= set(MARKERS)
+    path = tmp_path / "cpu-20261201T000000Z-1.pb.gz"
+    path.write_bytes(cpu_profile("/usr/bin/a", {("main",) + tuple(MARKERS): 3, ("main", "work"): 1}))
+    page = html.render(profiles.load([str(path)]))
+    # each vendored script and the style sheet once, in its own element, and nothing left unfilled
+    # outside the data
+    for vendored in ("d3.min.js", "d3-flamegraph.min.js", "d3-flamegraph.css"):
+        text = (Path(html.__file__).parent / "vendor" / vendored).read_text()
+        assert page.count(text.replace("</script", "<\\/script")[:2000]) == 1, vendored
+    outside = re.sub(r'<script id="data" type="application/json">.*?</script>', "", page, flags=re.S)
+    assert not re.search(r"@[A-Z0-9_]+@", outside.split("<script>", 1)[0] + outside.rsplit("</script>", 1)[1])
+    tree = data_of(page)["profiles"][0]["tree"]
+    names = []
+    while tree.get("children"):
+        tree = max(tree["children"], key=lambda c: c["value"])
+        names.append(tree["name"])
+    assert names == ["main", *MARKERS]
+
+
+def big_profile(path: Path) -> Path:
+    """A pprof of under 1 MB that made a 500 MB page: 50,000 stacks of 31 frames, no two sharing a root,
+    30 of them long names."""
+    b = pprof.ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
+                             PERIOD, 1_700_000_000_000_000_000, 2_000_000_000)
+    m = b.mapping("exe", "/usr/bin/big", "abc")
+    deep = [b.location(("d", i), m, 0x2000 + i, [b.function(f"deep_{i:03d}_" + "x" * 290)]) for i in range(30)]
+    for i in range(50_000):
+        root = b.location(("r", i), m, 0x100000 + i, [b.function(f"root_{i}")])
+        b.sample(list(reversed([root, *deep])), [1 + i % 7, (1 + i % 7) * PERIOD],
+                 {"process.executable": "/usr/bin/big", "pid": "1"})
+    path.write_bytes(b.gzipped())
+    assert path.stat().st_size < 1 << 20
+    return path
+
+
+def test_a_page_over_the_byte_cap_merges_the_lightest_frames_into_other_and_says_so(tmp_path: Path) -> None:
+    import resource
+    loaded = profiles.load([str(big_profile(tmp_path / "cpu-20261201T000000Z-1.pb.gz"))])
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    page = html.render(loaded)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - rss_before
+    assert len(page.encode()) <= html.MAX_HTML_BYTES
+    assert grown < 4 * html.MAX_HTML_BYTES, f"writing the page took {grown >> 20} MB more"
+    doc = data_of(page)
+    graph = doc["profiles"][0]
+    assert graph["merged_frames"] > 0 and "merged into" in doc["note"]
+    # the note is in the page itself, not only in its data
+    assert re.search(r'<p id="note"[^>]*>This report is cut to stay under \d+ MiB: [\d,]+ frames', page)
+    # every sample is still counted: what was merged is in "(other)" frames
+    tree = graph["tree"]
+    assert tree["value"] == graph["total"] == sum(c["value"] for c in tree["children"])
+    others, todo = 0, [tree]
+    while todo:
+        node = todo.pop()
+        others += node["name"] == html.OTHER
+        todo += node.get("children", [])
+    assert others > 0
+    # the heaviest stacks are whole
+    heavy = [c for c in tree["children"] if c["name"] == "root_6"]
+    assert heavy and len(json.dumps(heavy[0])) > 30 * 290
