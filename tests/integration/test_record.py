@@ -6,7 +6,10 @@ root in a 0700 working directory, then:
   reader) lists the workload's functions from, main→top→mid→leaf, leaf hottest;
 - `-o out.folded` holds the workload's folded stacks, heavy:light 3:1 ±10%;
 - on a terminal the progress line is redrawn in place; Ctrl-C ends the
-  recording early, the result is still written, and nothing it started is left.
+  recording early, the result is still written, and nothing it started is left;
+- `-o` at a symlink to a file root cares about replaces the link with a
+  regular 0600 file and leaves the target as it was; `-o` into a missing
+  directory is refused in seconds, naming it, with nothing recorded or left.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -182,6 +186,37 @@ def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
         for pid, start in tree.items():      # what a failed check left: `run` stops its stages
             if _start(pid) == start and b"cli.main" in _cmdline(pid):
                 os.kill(pid, signal.SIGTERM)
+
+
+def test_record_o_at_a_symlink_writes_a_0600_file_in_its_place_and_never_touches_the_target(
+        private_cwd: Path, workload) -> None:
+    # Given a file root cares about (a stand-in for /etc/shadow) and -o naming a symlink to it
+    hot = workload("hot")
+    precious = private_cwd / "precious"
+    precious.write_bytes(b"root:$6$precious:19000:0:99999:7:::\n")
+    precious.chmod(0o640)
+    link = private_cwd / "out.folded"
+    link.symlink_to(precious)
+    r = record(private_cwd, "-d", "2", "-p", str(hot.pid), "-o", str(link))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Then the target is as it was, and the output is a regular file of root's alone in the link's place
+    assert precious.read_bytes() == b"root:$6$precious:19000:0:99999:7:::\n"
+    assert stat.S_IMODE(precious.stat().st_mode) == 0o640
+    st = link.lstat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    assert "main;top;mid;leaf " in link.read_text()
+
+
+def test_record_into_a_missing_directory_is_refused_before_recording(private_cwd: Path) -> None:
+    workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
+    started = time.monotonic()
+    r = record(private_cwd, "-d", "20", "-o", "out/profile.html")
+    assert time.monotonic() - started < 10, f"it recorded first: {r.stdout}{r.stderr}"
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "out/profile.html" in r.stderr and "the directory out does not exist" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert list(private_cwd.iterdir()) == []
+    assert set(Path("/tmp").glob("ebpfprofiler-record-*")) <= workspaces_before
 
 
 def _stat(pid: int) -> list[str]:
