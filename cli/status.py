@@ -3,8 +3,10 @@
 Owns: reading RUN_DIR/status.json (written by the collector's overhead guard,
 collector/overhead.py) and RUN_DIR/kernel.json (written by the collector at start,
 collector/features.py: the kernel's features, what it refused, how it holds its
-privileges) as untrusted input of bounded size, telling whether the
-collector that wrote them still runs, and printing the figures.
+privileges) and each running stage's counters of checks that fired
+(RUN_DIR/<stage>.counters.json, shared/counters.py) as untrusted input of
+bounded size, telling whether the collector that wrote them still runs, and
+printing the figures.
 
 Must not: signal, start or change any stage.
 """
@@ -19,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ebpfprofiler.shared import endpoints
+from ebpfprofiler.shared import counters, endpoints
 from ebpfprofiler.shared.procstat import alive
 
 STATUS_FILE = "status.json"     # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
@@ -89,6 +91,15 @@ def kernel_lines(doc: dict[str, Any]) -> list[str]:
     if doc.get("cpus_not_sampled"):
         lines.append(f"  CPUs offline at start, not sampled: {doc['cpus_not_sampled']}")
     return lines
+
+
+def check_lines(checks: dict[str, dict[str, int]]) -> list[str]:
+    """Each stage's checks that fired since it started (hostile input skipped, cut or refused), by reason."""
+    lines = []
+    for stage, counts in sorted(checks.items()):
+        fired = {k: v for k, v in sorted(counts.items()) if v}
+        lines.append(f"  {stage}: " + (", ".join(f"{k} {v}" for k, v in fired.items()) or "none"))
+    return ["checks that fired, since each stage started:"] + (lines or ["  none"])
 
 
 def _ms(ns: Any) -> str:
@@ -176,7 +187,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler status") -
         print(f"{prog}: the collector (pid {pid}) runs, but no upload window has ended since it started; "
               f"the first figures come at the end of the first window (upload_interval_s)", file=sys.stderr)
         return 2
-    print(json.dumps({**doc, "kernel": kernel}, indent=2, sort_keys=True) if args.json else table(doc))
+    checks = counters.read_all(args.run_dir)
+    print(json.dumps({**doc, "kernel": kernel, "checks": checks}, indent=2, sort_keys=True) if args.json
+          else table(doc) + "\n\n" + "\n".join(check_lines(checks)))
     return 0
 
 

@@ -7,7 +7,9 @@ process, when a drain sees it), its exit announced when a check finds its pid
 gone (kill(pid, 0)), and every FULL_EVERY_S a full
 re-announcement of the live ones, so a reader that (re)started late catches
 up. Sends never block: with no reader listening, or a slow one, ZeroMQ drops
-them (the next full announcement repairs that). The same socket carries
+them (the next full announcement repairs that). An announcement over
+MAX_BATCH_BYTES (long command lines) is sent in parts (shared/wire.py
+encode_within), counted. The same socket carries
 what collector/regs.py publishes (RegsBatch), with the same never-blocking send.
 
 Must not: read runtime memory, or decide which processes a reader reads.
@@ -31,6 +33,7 @@ from ebpfprofiler.shared.wire import (
     ProcessAnnouncement,
     RegsBatch,
     encode,
+    encode_within,
 )
 
 # Processes remembered as announced; a host rarely runs more at once (the oldest are forgotten).
@@ -56,7 +59,9 @@ class Announcer:
         self._new: list[Process] = []
         self._next_exit_check = time.monotonic() + EXIT_CHECK_S
         self._next_full = time.monotonic() + FULL_EVERY_S
-        self.stats = {"announced": 0, "exited": 0, "messages": 0, "dropped_messages": 0}
+        # split: announcements over MAX_BATCH_BYTES sent in parts; unsendable: a part of one process
+        # that still did not fit (not sent; the reader learns of that process at no time).
+        self.stats = {"announced": 0, "exited": 0, "messages": 0, "dropped_messages": 0, "split": 0, "unsendable": 0}
 
     def observe(self, processes: Iterable[Process]) -> None:
         """Processes of a drain; the new ones (or a pid's new process) are announced at the next flush."""
@@ -108,11 +113,24 @@ class Announcer:
         self._send(msg)
 
     def _send(self, msg: ProcessAnnouncement | RegsBatch) -> None:
-        try:
-            self.sock.send_multipart(encode(msg), zmq.NOBLOCK)
-            self.stats["messages"] += 1
-        except zmq.Again:
-            self.stats["dropped_messages"] += 1
+        if isinstance(msg, RegsBatch):   # bounded by regs.SAMPLES_PER_MESSAGE
+            messages = [encode(msg)]
+        else:
+            parts, unfit = encode_within(msg)
+            messages = [frames for _, frames in parts]
+            if len(parts) + len(unfit) > 1:
+                self.stats["split"] += 1
+                if self.stats["split"] == 1:
+                    log.warning("an announcement of %d processes was over its byte cap: sent in %d parts "
+                                "(counted as announcements_split in status; logged once)",
+                                len(msg.processes), len(parts))
+            self.stats["unsendable"] += len(unfit)
+        for frames in messages:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
+                self.stats["messages"] += 1
+            except zmq.Again:
+                self.stats["dropped_messages"] += 1
 
     def close(self) -> None:
         self.sock.close()

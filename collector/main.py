@@ -48,11 +48,11 @@ from ebpfprofiler.collector.routing import worker_for
 from ebpfprofiler.collector.sources import EventSource, TargetedSource
 from ebpfprofiler.collector.targets import TargetWatcher
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, lifecycle, privileges, ready, remote_config, stopping
+from ebpfprofiler.shared import counters, endpoints, lifecycle, privileges, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.stage_code import default_bpf_dir
 from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import Process, StackBatch, UnwindRequest, encode
+from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, StackBatch, UnwindRequest, encode_within
 
 # The shortest stretch between regular drains (a busy host; and while alloc or lock targets are watched).
 DRAIN_INTERVAL_S = 1.0
@@ -182,7 +182,11 @@ class Collector:
         self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
         self.regs = (regs.RegsForwarder(self.programs.bpf, regs_names, self.announcer.publish, self.host)
                      if regs_names else None)
-        self.totals = {"batches": 0, "batches_dropped": 0}
+        # batches_split: batches over MAX_BATCH_BYTES, sent in parts; parts_unsendable: a part that could
+        # not be made to fit (its samples counted lost as <type>.oversize).
+        self.totals = {"batches": 0, "batches_dropped": 0, "batches_split": 0, "parts_unsendable": 0}
+        self.counters = counters.CounterFile(run_dir, "collector")   # the checks that fired, for status
+        self._log_once = log_mod.LogOnce(log)
         self.early = EarlyDrains()
         self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
@@ -304,6 +308,7 @@ class Collector:
                 log.warning("DWARF unwinder this drain: %s", counters)
             for name, n in counters.items():
                 self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
+        self.counters.update(self.checks())
         if time.monotonic() - self._trimmed_at >= MALLOC_TRIM_GAP_S:
             _malloc_trim()   # the drain's buffers, freed, would otherwise stay resident (growth suite)
             self._trimmed_at = time.monotonic()
@@ -416,9 +421,40 @@ class Collector:
         except OSError as e:
             log.warning("cannot write %s: %s", overhead.status_path(self.run_dir), e.strerror)
 
+    def checks(self) -> dict[str, int]:
+        """The checks on hostile input that fired since start, by reason (RUN_DIR/collector.counters.json)."""
+        a = self.announcer.stats
+        return {"mappings_cut": self.procs.stats["mappings_cut"], "mapping_tables_cut": self.procs.stats["tables_cut"],
+                "batches_split": self.totals["batches_split"], "batch_parts_unsendable": self.totals["parts_unsendable"],
+                "announcements_split": a["split"], "announcement_parts_unsendable": a["unsendable"]}
+
     def send(self, worker: int, batch: StackBatch) -> None:
+        """`batch` to `worker`: in parts of at most MAX_BATCH_BYTES when it is larger, never dropped whole."""
+        parts, unfit = encode_within(batch)
+        if len(parts) + len(unfit) > 1:
+            self.totals["batches_split"] += 1
+            big = max(batch.processes, key=lambda p: len(p.mappings), default=None)
+            if big is not None:
+                self._log_once(("batch_split", big.pid, big.start_ticks), logging.WARNING,
+                               "a %s batch for symbolizer worker %d was over %d bytes: sent in %d parts (its "
+                               "largest mapping table: pid %d (%s), %d mappings); counted as batches_split in "
+                               "status; logged once for that process", batch.profile_type, worker,
+                               MAX_BATCH_BYTES, len(parts), big.pid, big.comm, len(big.mappings))
+        for part in unfit:
+            self.totals["parts_unsendable"] += 1
+            key = f"{batch.profile_type}.oversize"
+            self.lost[key] = self.lost.get(key, 0) + sum(s.count for s in part.samples)
+            for p in part.processes:
+                self._log_once(("batch_part_unsendable", p.pid, p.start_ticks), logging.WARNING,
+                               "pid %d (%s): a sample of it with its process does not fit %d bytes; its samples "
+                               "in that part are lost (counted as %s); logged once for this process", p.pid, p.comm,
+                               MAX_BATCH_BYTES, key)
+        for part, frames in parts:
+            self._send_frames(worker, part, frames)
+
+    def _send_frames(self, worker: int, batch: StackBatch, frames: list[bytes]) -> None:
         dropped = self._dropped_since_ok
-        if not self.links.send(worker, encode(batch)):
+        if not self.links.send(worker, frames):
             self.totals["batches_dropped"] += 1
             n = sum(s.count for s in batch.samples)
             dropped[worker] = dropped.get(worker, 0) + n
@@ -456,6 +492,7 @@ class Collector:
         self.links.close()
         self.broker.close()
         self.announcer.close()
+        self.counters.update(self.checks(), force=True)
         log.info("collector stopped: samples %s, lost %s, %s, files %s", self.samples, self.lost or "none",
                  {**self.totals, "early_drains_not_made": self.early.gone}, self.broker.stats)
 

@@ -4,6 +4,10 @@ Owns: parsing /proc/<pid>/{stat,status,exe,cgroup,cmdline,maps} and a bounded
 cache of processes keyed by (pid, start time), so a reused pid is a new process.
 Container ids and Kubernetes pod uids are recognised in cgroup paths of the
 common runtimes (docker, containerd, cri-o, podman) and of kubepods slices.
+A process's mapping table, as the wire encodes it, is capped by bytes
+(MAX_MAPPING_TABLE_BYTES): what is left out is counted (stats["mappings_cut"])
+and logged once per process, and still counts as covered, so that samples in
+it do not make the table be read again at every drain.
 
 Must not: open or parse the files a process maps (that is the symbolizer's job,
 unprivileged), or send anything anywhere.
@@ -12,6 +16,7 @@ unprivileged), or send anything anywhere.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import re
 from collections import OrderedDict
@@ -19,14 +24,22 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from ebpfprofiler.shared import procstat
+from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.shared.procstat import parse_stat
 from ebpfprofiler.shared.safestr import process_string
-from ebpfprofiler.shared.wire import Mapping, Process
+from ebpfprofiler.shared.wire import Mapping, Process, mapping_bytes
+
+log = logging.getLogger(__name__)
 
 # /proc/<pid>/maps of a big JVM is a few MB; past this we keep what we read.
 MAX_MAPS_BYTES = 16 << 20
 # Executable mappings kept per process; the wire format caps at 65536 too.
 MAX_EXEC_MAPPINGS = 65536
+# Bytes of one process's mapping table on the wire. The table travels with every batch that holds
+# the process's samples; a large real one (a JVM or a browser: ~2,000 executable mappings of ~100-byte
+# rows) is ~0.2 MB, while one file with a long non-ASCII name mapped 15,000 times is ~40 MB and
+# took whole batches past MAX_BATCH_BYTES. 2 MiB is ten times the real one, and 32 such tables fit a batch.
+MAX_MAPPING_TABLE_BYTES = 2 << 20
 # Processes whose metadata is cached; a host rarely runs more at once.
 PROCESS_CACHE_ENTRIES = 32768
 # /proc/<pid>/cmdline is capped by ARG_MAX; we keep this much of it.
@@ -147,9 +160,32 @@ def read_maps(pid: int, proc: str = "/proc") -> tuple[Mapping, ...]:
         return ()
 
 
-def covers(mappings: tuple[Mapping, ...], starts: list[int], address: int) -> bool:
+def cap_table(maps: tuple[Mapping, ...], cap: int = MAX_MAPPING_TABLE_BYTES) -> tuple[tuple[Mapping, ...], int]:
+    """The mappings of `maps` that fit `cap` bytes on the wire, in address order, and how many did not.
+    The smallest rows go first: a process that maps one long-named file thousands of times loses
+    those, not its executable and libraries."""
+    sizes = [mapping_bytes(m) for m in maps]
+    if sum(sizes) <= cap:
+        return maps, 0
+    kept: list[Mapping] = []
+    used = 0
+    for size, m in sorted(zip(sizes, maps), key=lambda x: (x[0], x[1].start)):
+        if used + size > cap:
+            break
+        kept.append(m)
+        used += size
+    kept.sort(key=lambda m: m.start)
+    return tuple(kept), len(maps) - len(kept)
+
+
+def covers(starts: list[int], ends: list[int], address: int) -> bool:
     i = bisect.bisect_right(starts, address) - 1
-    return i >= 0 and address < mappings[i].end
+    return i >= 0 and address < ends[i]
+
+
+# A process in the table: it (with the mappings sent), and the starts and ends of all its executable
+# mappings, those the byte cap left out included.
+_Entry = tuple[Process, list[int], list[int]]
 
 
 class ProcessTable:
@@ -163,9 +199,12 @@ class ProcessTable:
         self._with_cmdline = with_cmdline
         self._proc = proc
         self._capacity = capacity
-        self._entries: OrderedDict[int, tuple[Process, list[int]]] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._exited: dict[int, Process] = {}   # found exited by the last forget_exited()
-        self.stats = {"read": 0, "maps_read": 0, "gone": 0, "forgotten": 0}
+        # mappings_cut: mappings left out of tables read (MAX_MAPPING_TABLE_BYTES);
+        # tables_cut: tables read that were cut.
+        self.stats = {"read": 0, "maps_read": 0, "gone": 0, "forgotten": 0, "mappings_cut": 0, "tables_cut": 0}
+        self._log_once = LogOnce(log)
 
     def get(self, pid: int, addresses: Iterable[int] = ()) -> Process | None:
         """The process `pid` with mappings that cover `addresses` where it can. A process is read
@@ -186,8 +225,8 @@ class ProcessTable:
             self.stats["read"] += 1
             entry = self._refresh(p)
         else:
-            p, starts = entry
-            if any(not covers(p.mappings, starts, a) for a in addresses):
+            p, starts, ends = entry
+            if any(not covers(starts, ends, a) for a in addresses):
                 entry = self._refresh(p)
         self._entries[pid] = entry
         self._entries.move_to_end(pid)
@@ -207,14 +246,23 @@ class ProcessTable:
             if entry is not None and entry[0] is p:   # not read again since (a reused pid)
                 del self._entries[pid]
                 forgotten += 1
-        self._exited = {pid: p for pid, (p, _) in self._entries.items() if not alive(pid)}
+        self._exited = {pid: entry[0] for pid, entry in self._entries.items() if not alive(pid)}
         self.stats["forgotten"] += forgotten
         return forgotten
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _refresh(self, p: Process) -> tuple[Process, list[int]]:
+    def _refresh(self, p: Process) -> _Entry:
         self.stats["maps_read"] += 1
         maps = read_maps(p.pid, self._proc)
-        return replace(p, mappings=maps), [m.start for m in maps]
+        kept, cut = cap_table(maps)
+        if cut:
+            self.stats["mappings_cut"] += cut
+            self.stats["tables_cut"] += 1
+            self._log_once(("mappings_cut", p.pid, p.start_ticks), logging.WARNING,
+                           "pid %d (%s): its %d executable mappings take more than %d bytes on the wire; %d "
+                           "left out (those with the longest names; their samples have no module), counted as "
+                           "mappings_cut in status; logged once for this process", p.pid, p.comm, len(maps),
+                           MAX_MAPPING_TABLE_BYTES, cut)
+        return replace(p, mappings=kept), [m.start for m in maps], [m.end for m in maps]

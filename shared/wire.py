@@ -5,7 +5,8 @@ collector → symbolizer, with the UnwindRequests it carries; UnwindTable
 symbolizer → collector; ProfileUpload symbolizer or runtime reader → uploader;
 ProcessAnnouncement and RegsBatch collector → runtime readers; FileRequest and
 FileReply between a symbolizer and the collector's file broker), its version,
-its size caps and its validation. A message is a list of frames: frame 0 is a
+its size caps and its validation, and the splitting of a StackBatch or a
+ProcessAnnouncement over MAX_BATCH_BYTES into parts that fit (encode_within). A message is a list of frames: frame 0 is a
 JSON header {"v": WIRE_VERSION, "kind": ..., "body": {...}}; a ProfileUpload
 carries the gzip pprof as frame 1, untouched, a RegsBatch its samples' stack
 copies end to end as frame 1, and an UnwindTable its table
@@ -21,7 +22,7 @@ Must not: open sockets, or know what a stage does with a message.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence, TypeVar, Union
 
 from ebpfprofiler.shared.safestr import cut, quote
@@ -30,8 +31,13 @@ from ebpfprofiler.shared import runtime_registry
 WIRE_VERSION = 1
 
 # A drained second of a busy 64-CPU host at 999 Hz is a few MB of JSON; 64 MiB
-# leaves room while bounding what one message can make a worker allocate.
+# leaves room while bounding what one message can make a worker allocate. Senders
+# split a larger StackBatch or ProcessAnnouncement (encode_within), never drop it whole.
 MAX_BATCH_BYTES = 64 << 20
+# What a stage's receiving socket lets in (ZMQ_MAXMSGSIZE, per frame). ZeroMQ answers a larger frame
+# by dropping the connection, and with it everything queued on it, silently: the slack lets a frame
+# a little over MAX_BATCH_BYTES reach decode(), which refuses it with a counted, logged WireError.
+RECEIVE_LIMIT_BYTES = MAX_BATCH_BYTES + (64 << 10)
 # A gzip pprof of one service and window; larger ones are a bug or an attack.
 MAX_PROFILE_BYTES = 32 << 20
 # Bounds on counts inside one message, so a small message cannot claim a huge one.
@@ -338,6 +344,102 @@ def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = Wire
     return doc
 
 
+# ---------------------------------------------------------------- bounded by bytes
+
+Splittable = TypeVar("Splittable", StackBatch, ProcessAnnouncement)
+
+
+def encode_within(msg: Splittable, max_bytes: int = MAX_BATCH_BYTES
+                  ) -> tuple[list[tuple[Splittable, list[bytes]]], list[Splittable]]:
+    """`msg` as messages of at most `max_bytes` each, with their frames: the message itself when it fits,
+    else parts of it (a batch split by process, then one process's samples in halves; an announcement
+    by its lists), each a valid message; and the parts that cannot be made to fit (one sample with its
+    process; the collector's cap on a mapping table keeps that from happening)."""
+    frames = encode(msg)
+    if len(frames[0]) <= max_bytes:
+        return [(msg, frames)], []
+    halves = _batch_halves(msg) if isinstance(msg, StackBatch) else _announcement_halves(msg)
+    if halves is None:
+        return [], [msg]
+    fit: list[tuple[Splittable, list[bytes]]] = []
+    unfit: list[Splittable] = []
+    for half in halves:
+        f, u = encode_within(half, max_bytes)
+        fit += f
+        unfit += u
+    return fit, unfit
+
+
+def mapping_bytes(m: Mapping) -> int:
+    """Bytes `m` takes in an encoded message: its row and the comma after it."""
+    return len(json.dumps(_mapping_json(m), separators=(",", ":"))) + 1   # ASCII: characters are bytes
+
+
+def _batch_halves(b: StackBatch) -> tuple[StackBatch, StackBatch] | None:
+    groups: dict[int, list[Sample]] = {p.pid: [] for p in b.processes}
+    for s in b.samples:
+        groups.setdefault(s.pid, []).append(s)
+    if len(groups) > 1:
+        pids = list(groups)
+        firsts, seconds = set(pids[: len(pids) // 2]), set(pids[len(pids) // 2:])
+        return (_batch_part(b, firsts, [s for p in firsts for s in groups[p]], True),
+                _batch_part(b, seconds, [s for p in seconds for s in groups[p]], False))
+    if len(b.samples) > 1:
+        every = set(groups)
+        half = len(b.samples) // 2
+        return (_batch_part(b, every, list(b.samples[:half]), True),
+                _batch_part(b, every, list(b.samples[half:]), False))
+    if len(b.unwind_requests) > 1:
+        half = len(b.unwind_requests) // 2
+        return (replace(b, unwind_requests=b.unwind_requests[:half]),
+                replace(b, samples=(), user_stacks=(), kernel_stacks=(), kernel_symbols={}, lost={},
+                        unwind_requests=b.unwind_requests[half:]))
+    return None
+
+
+def _batch_part(b: StackBatch, pids: set[int], samples: list[Sample], first: bool) -> StackBatch:
+    """The part of `b` with the processes `pids` and `samples`, its stacks renumbered; the host-wide
+    loss counts, and unwind requests of no process in it, travel with the first part."""
+    user: dict[int, int] = {}
+    kernel: dict[int, int] = {}
+    user_stacks: list[tuple[int, ...]] = []
+    kernel_stacks: list[tuple[int, ...]] = []
+
+    def renumber(i: int, stacks: tuple[tuple[int, ...], ...], index: dict[int, int],
+                 out: list[tuple[int, ...]]) -> int:
+        if i < 0:
+            return -1
+        j = index.get(i)
+        if j is None:
+            j = index[i] = len(out)
+            out.append(stacks[i])
+        return j
+
+    part = [replace(s, user_stack=renumber(s.user_stack, b.user_stacks, user, user_stacks),
+                    kernel_stack=renumber(s.kernel_stack, b.kernel_stacks, kernel, kernel_stacks))
+            for s in samples]
+    kaddrs = {a for st in kernel_stacks for a in st}
+    known = {p.pid for p in b.processes}
+    return replace(
+        b, processes=tuple(p for p in b.processes if p.pid in pids), user_stacks=tuple(user_stacks),
+        kernel_stacks=tuple(kernel_stacks), samples=tuple(part),
+        kernel_symbols={a: n for a, n in b.kernel_symbols.items() if a in kaddrs},
+        lost=b.lost if first else {},
+        unwind_requests=tuple(r for r in b.unwind_requests
+                              if r.pid in pids or (first and r.pid not in known)))
+
+
+def _announcement_halves(a: ProcessAnnouncement) -> tuple[ProcessAnnouncement, ProcessAnnouncement] | None:
+    if len(a.processes) > 1:
+        half = len(a.processes) // 2
+        return (replace(a, processes=a.processes[:half]),
+                replace(a, processes=a.processes[half:], exited=()))
+    if len(a.exited) > 1:
+        half = len(a.exited) // 2
+        return replace(a, exited=a.exited[:half]), replace(a, processes=(), exited=a.exited[half:])
+    return None
+
+
 # ---------------------------------------------------------------- encoding
 
 def _header(kind: str, body: dict[str, Any]) -> bytes:
@@ -350,8 +452,12 @@ def _process_json(p: Process) -> dict[str, Any]:
         "comm": p.comm, "executable": p.executable, "service": p.service,
         "container_id": p.container_id, "pod_uid": p.pod_uid,
         "cmdline": list(p.cmdline) if p.cmdline is not None else None,
-        "mappings": [[m.start, m.end, m.offset, m.path, m.dev, m.inode] for m in p.mappings],
+        "mappings": [_mapping_json(m) for m in p.mappings],
     }
+
+
+def _mapping_json(m: Mapping) -> list[Any]:
+    return [m.start, m.end, m.offset, m.path, m.dev, m.inode]
 
 
 # ---------------------------------------------------------------- decoding

@@ -32,7 +32,7 @@ from ebpfprofiler.shared import endpoints, handoff, identity, lifecycle, ready, 
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.labels import process_labels
 from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
+from ebpfprofiler.shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
 from ebpfprofiler.symbolizer import profile as profile_mod
 from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
 from ebpfprofiler.symbolizer.files import FileClient
@@ -89,7 +89,7 @@ class Worker:
                        "alloc": max(1, cfg.alloc_sample_bytes)}
         ctx: zmq.Context = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, RECEIVE_LIMIT_BYTES)
         self.inbox.setsockopt(zmq.RCVHWM, BATCH_QUEUE)
         self.inbox.bind(endpoints.symbolizer(run_dir, worker))
         # Profiles go to the uploader over a DEALER; the uploader acks each one once it is
