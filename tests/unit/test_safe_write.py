@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import grp
+import logging
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -243,3 +245,32 @@ def test_ensure_dir_refuses_a_file_in_the_path(reachable: Path) -> None:
     (reachable / "file").write_text("")
     with pytest.raises(files.UnsafePath, match="is not a directory"):
         files.ensure_dir(str(reachable / "file" / "d"), 0, 0, 0o700)
+
+
+# --- the token file's mode: what `run` advises is what the uploader accepts without a warning
+
+@as_root
+@with_agent_users
+def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_without_warning(
+        reachable: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ebpfprofiler.uploader.http import read_token
+    token = reachable / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)                      # root's: the uploader cannot read it
+    args = argparse.Namespace(run_dir=str(reachable / "run"), state_dir=str(reachable / "state"))
+    cfg = config_mod.ProfilerConfig(endpoint="http://127.0.0.1:1", token_file=str(token))
+    with pytest.raises(privileges.PrivilegeError) as refused:
+        run_mod.prepare_dirs(args, cfg)
+    # follow the advice as given: "chown USER it" / "chgrp GROUP it", "chmod MODE"
+    advice = str(refused.value)
+    owner = re.search(r"chown (\S+) it", advice)
+    group = re.search(r"chgrp (\S+) it", advice)
+    mode = re.search(r"chmod (\d+)", advice)
+    assert mode and (owner or group), advice
+    os.chown(token, pwd.getpwnam(owner.group(1)).pw_uid if owner else -1,
+             grp.getgrnam(group.group(1)).gr_gid if group else -1)
+    token.chmod(int(mode.group(1), 8))
+    run_mod.prepare_dirs(args, cfg)         # now readable by the uploader
+    with caplog.at_level(logging.WARNING, logger="ebpfprofiler.uploader.http"):
+        assert read_token(str(token)) == "s3cret"
+    assert not [r for r in caplog.records if "token file" in r.getMessage()], caplog.text
