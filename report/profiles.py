@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from ebpfprofiler.shared import files, pprof
+from ebpfprofiler.shared.safestr import printable
 
 log = logging.getLogger("ebpfprofiler.report")
 
@@ -26,6 +27,8 @@ log = logging.getLogger("ebpfprofiler.report")
 MAX_FILE_BYTES = 64 << 20
 # Files read from one directory at most (a local_dir of a long-running agent holds many windows).
 MAX_FILES = 20_000
+# Characters of a profile type taken from a pprof's sample type (the agent's are a word).
+MAX_TYPE_CHARS = 64
 # pprof's own suffix; the local_dir layout names files TYPE-WINDOW-ID.pb.gz.
 SUFFIX = ".pb.gz"
 
@@ -60,13 +63,19 @@ def profile_files(paths: Sequence[str]) -> list[str]:
     return out[:MAX_FILES]
 
 
+def _word(text: str) -> bool:
+    return text.replace("_", "").isalnum() and text.isascii() and len(text) <= MAX_TYPE_CHARS
+
+
 def type_of(path: str, profile: pprof.ReadProfile) -> str:
-    """cpu, offcpu, python_wall …: the local_dir name's prefix, else the profile's last sample type."""
+    """cpu, offcpu, python_wall …: the local_dir name's prefix, else the profile's last sample type, else
+    "profile". Only a word: the type names output files (out.TYPE.folded) and is printed."""
     name = os.path.basename(path)
     head = name.split("-", 1)[0]
-    if "-" in name and head.replace("_", "").isalnum():
+    if "-" in name and _word(head):
         return head
-    return profile.sample_types[-1][0] if profile.sample_types else "profile"
+    kind = profile.sample_types[-1][0] if profile.sample_types else ""
+    return kind if _word(kind) else "profile"
 
 
 def service_of(profile: pprof.ReadProfile) -> str:
@@ -144,13 +153,14 @@ def stacks(loaded: Iterable[Loaded]) -> Counter[tuple[str, ...]]:
 
 
 def folded(loaded: Iterable[Loaded], value: str = "samples") -> str:
-    """Brendan Gregg's folded stacks: `root;…;leaf COUNT`, one line per stack, by count, heaviest first."""
+    """Brendan Gregg's folded stacks: `root;…;leaf COUNT`, one line per stack, by count, heaviest first.
+    Names as safestr.printable writes them (no control character or line break), `;` as `:`."""
     out: Counter[tuple[str, ...]] = Counter()
     for item in loaded:
         names = [t for t, _ in item.profile.sample_types]
         i = names.index(value) if value in names else value_index(item.profile)
         for s in item.profile.samples:
-            out[tuple(frame_name(f).replace(";", ":") for f in s.frames)] += s.values[i]
+            out[tuple(printable(frame_name(f)).replace(";", ":") for f in s.frames)] += s.values[i]
     return "".join(f"{';'.join(k)} {v}\n" for k, v in sorted(out.items(), key=lambda kv: (-kv[1], kv[0])) if k)
 
 
@@ -208,7 +218,8 @@ def format_value(v: int, unit: str) -> str:
 
 
 def top_table(loaded: Sequence[Loaded], n: int = 15) -> str:
-    """The top-`n` table `record` prints: flat and cumulative, as go tool pprof -top does."""
+    """The top-`n` table `record` prints to root's terminal: flat and cumulative, as go tool pprof -top does;
+    names as safestr.printable writes them (no escape sequence or line break reaches the terminal)."""
     if not loaded:
         return "(no samples)"
     unit = loaded[0].profile.sample_types[-1][1]
@@ -217,7 +228,8 @@ def top_table(loaded: Sequence[Loaded], n: int = 15) -> str:
     lines = [f"{'self':>10} {'self%':>6} {'total':>10} {'total%':>6}  function"]
     for r in rows:
         lines.append(f"{format_value(r.self_value, unit):>10} {100 * r.self_value / grand:5.1f}% "
-                     f"{format_value(r.total_value, unit):>10} {100 * r.total_value / grand:5.1f}%  {r.function}")
+                     f"{format_value(r.total_value, unit):>10} {100 * r.total_value / grand:5.1f}%  "
+                     f"{printable(r.function)}")
     return "\n".join(lines)
 
 

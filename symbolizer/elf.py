@@ -34,7 +34,8 @@ What we do ourselves, each bounded by a cap below:
 - symbol entries in bulk, by a struct.Struct laid out from pyelftools' Elf_Sym
   fields, with pyelftools decoding each distinct st_info/st_shndx value once;
 - symbol names, through a bounded window on the string table, cut to
-  MAX_SYMBOL_NAME_BYTES.
+  MAX_SYMBOL_NAME_BYTES, and made strings by the process-string rule
+  (shared/safestr.process_string: escaped, no control characters).
 Parsing runs under time_budget(ELF_PARSE_SECONDS) and every failure becomes
 ElfError. Only 64-bit little-endian ELF is read (x86-64 and arm64); anything
 else is an ElfError.
@@ -63,6 +64,7 @@ from elftools.construct.core import Construct, FormatField, Struct
 from elftools.elf.elffile import ELFFile
 
 from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.shared.safestr import process_string
 from ebpfprofiler.symbolizer.files import ProcessGone
 from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
 
@@ -454,7 +456,7 @@ def _build(build_id: str, has_symtab: bool, loads: tuple[tuple[int, int, int], .
             continue  # an alias with a less preferred name
         starts.append(value)
         ends.append(min(value + size, _U64_MAX) if size else 0)
-        names.append(name.decode("utf-8", "replace"))
+        names.append(process_string(name))
     # A size-0 symbol covers up to the next one; the last, up to the end of its segment.
     for i, end in enumerate(ends):
         if end == 0:

@@ -9,7 +9,8 @@ huge file. The collector's file broker opens it (inside the process's root,
 refusing a symlink at /tmp or at the map, and anything but a regular file);
 here the descriptor must still be a regular file owned by the process's uid;
 size, line length and entry count are capped, and malformed lines are
-skipped and counted.
+skipped and counted. Names are made strings by the process-string rule
+(shared/safestr.process_string: escaped, no control characters, capped).
 
 Format: one "START SIZE name" per line, START and SIZE hex with or without 0x,
 the name the rest of the line (it may contain spaces). A NUL ends an entry
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
 from ebpfprofiler.shared.log import LogOnce
+from ebpfprofiler.shared.safestr import process_string
 from ebpfprofiler.symbolizer.files import ProcessGone
 
 log = logging.getLogger(__name__)
@@ -222,7 +224,7 @@ def _parse(f: BinaryIO) -> tuple[array, array, tuple[str, ...], int]:
                 raise PerfMapRefused(f"more than {PERF_MAP_MAX_ENTRIES} entries")
             starts.append(start)
             ends.append(start + size)
-            names.append(m[3].decode("utf-8", "replace"))
+            names.append(process_string(m[3]))
 
     # Stable sort: of entries with the same start, the last line is last and kept.
     order = sorted(range(len(starts)), key=starts.__getitem__)
