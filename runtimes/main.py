@@ -8,7 +8,11 @@ new processes and read the thread stacks of the ones a plug-in reads
 (targets.py), within this tick's caps, shared by every runtime — MAX_PROCESSES_PER_TICK processes and MAX_BYTES_PER_TICK
 bytes read, halved for every window whose CPU time went over cpu_budget and
 doubled back (up to the caps) for every window well under it, the figures
-logged each window; sum the stacks per service per window
+logged each window; MAX_SECONDS_PER_TICK of reading — each process within its
+share of them (a PROCESS_SHARE_DIVISOR-th of the bytes, MAX_SECONDS_PER_PROCESS;
+one over it is skipped that tick, counted by reason and logged once), and the
+next tick starting after the last process this one tried (round robin that
+always moves on); sum the stacks per service per window
 and profile type (symbolizer/window.py) with the process labels plus
 thread.name and thread.id; hand each closed window's profile (profile.py) to the uploader.
 On-CPU samples with registers from the collector (RegsBatch, for runtimes
@@ -46,6 +50,7 @@ from ebpfprofiler.runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, T
 from ebpfprofiler.runtimes.targets import Entry, Targets
 from ebpfprofiler.shared import config as config_mod
 from ebpfprofiler.shared import (
+    counters,
     endpoints,
     handoff,
     identity,
@@ -57,6 +62,7 @@ from ebpfprofiler.shared import (
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared import runtime_registry
 from ebpfprofiler.shared.labels import process_labels
+from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.shared import stopping
 from ebpfprofiler.shared.stopping import stop_on_signals
 from ebpfprofiler.shared.wire import (
@@ -74,6 +80,14 @@ from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
 MAX_PROCESSES_PER_TICK = 64
 # Bytes read per tick at most: a thread of 30 frames costs ~3 KB once its code objects are cached.
 MAX_BYTES_PER_TICK = 4 << 20
+# One process's reads take at most this share (1/N) of the tick's bytes, so another process is read in every
+# tick however much one process's stacks take.
+PROCESS_SHARE_DIVISOR = 2
+# Seconds one process's reads may take in a tick (a tick is 53 ms; an ordinary process takes well under
+# 10 ms): past it that read is given up for this tick, and the others are read.
+MAX_SECONDS_PER_PROCESS = 0.1
+# Seconds all of a tick's reads may take: past it the tick ends, and the next starts where it stopped.
+MAX_SECONDS_PER_TICK = 0.25
 # The caps never fall below these, however far over budget a window is.
 MIN_PROCESSES_PER_TICK = 1
 MIN_BYTES_PER_TICK = 64 << 10
@@ -146,7 +160,10 @@ class Reader:
         self._window_cpu = time.process_time()
         self._window_wall = time.monotonic()
         self.stats = {"ticks": 0, "stacks": 0, "bad_messages": 0, "profiles": 0, "capped_processes": 0,
-                      "budget_spent": 0, "regs_samples": 0, "regs_not_read": 0, "regs_subsampled": 0}
+                      "budget_spent": 0, "tick_time_spent": 0, "process_over_bytes": 0, "process_over_time": 0,
+                      "regs_samples": 0, "regs_not_read": 0, "regs_subsampled": 0}
+        self._log_once = LogOnce(log)
+        self.counters = counters.CounterFile(run_dir, "runtime")   # the checks that fired, for status
         self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz   # the collector's, as its last RegsBatch says
         self._window_stacks = 0
 
@@ -189,7 +206,7 @@ class Reader:
         for r in chosen:
             by_pid.setdefault(r.pid, []).append(r)
         self.cpu_period_ns = msg.period_ns
-        budget = ReadBudget(self.max_bytes)
+        budget = ReadBudget(self.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         for pid, samples in by_pid.items():
             e = self.targets.entries.get(pid)
             reader = e.reader if e is not None else None
@@ -199,7 +216,7 @@ class Reader:
                 continue
             own = samples if e.process.nspid == e.process.pid else [   # in a pid namespace: the runtime's tids
                 replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
-            stacks, spent = self._read(e, partial(reader.sample_regs, ProcessMemory(pid, budget), own))
+            stacks, spent = self._read(e, budget, partial(_sample_regs, reader, own))
             if spent:
                 return
             if stacks is None:
@@ -211,8 +228,10 @@ class Reader:
 
     def tick(self, now_ns: int) -> None:
         self.stats["ticks"] += 1
-        budget = ReadBudget(self.max_bytes)
+        budget = ReadBudget(self.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         self.targets.detect_some(budget)
+        self.targets.poll_pending()
+        self.counters.update(self.checks())        # written at most every counters.WRITE_GAP_S
         entries = self.targets.readable()
         if not entries:
             return
@@ -221,12 +240,15 @@ class Reader:
             self.stats["capped_processes"] += len(entries) - n
         start = self._rr % len(entries)
         chosen = (entries[start:] + entries[:start])[:n]
-        self._rr += n
+        # The next tick starts after the last process this one tried, however this one ends (its budget
+        # spent, a process over its share or failing): one process can never hold the start.
+        tried = 0
         for e in chosen:
+            tried += 1
             if not self.targets.current(e):        # exited, or its pid names another process now
                 continue
             assert e.reader is not None and e.runtime is not None
-            stacks, spent = self._read(e, partial(e.reader.sample, ProcessMemory(e.process.pid, budget)))
+            stacks, spent = self._read(e, budget, e.reader.sample)
             if spent:
                 break
             if stacks is None:
@@ -234,17 +256,46 @@ class Reader:
             if not self.targets.current(e):        # reused while we read: what we read is not e's
                 continue
             self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
+        self._rr = start + tried
 
-    def _read(self, e: Entry, read: Callable[[], list[ThreadStack]]) -> tuple[list[ThreadStack] | None, bool]:
-        """(what read() gave, or None: e could not be read; whether this tick's read budget is spent).
-        A process gone meanwhile is forgotten; one whose memory is not what its plug-in expects is given
-        up (logged once)."""
+    def checks(self) -> dict[str, int]:
+        """The checks on hostile input that fired since start, by reason (RUN_DIR/runtime.counters.json): the
+        reader's caps, the targets' (detection, refusals by the cap that fired) and each plug-in's own."""
+        out = {"bad_messages": self.stats["bad_messages"], "tick_bytes_spent": self.stats["budget_spent"],
+               "tick_time_spent": self.stats["tick_time_spent"],
+               "process_over_bytes": self.stats["process_over_bytes"],
+               "process_over_time": self.stats["process_over_time"],
+               "detect_slow": self.targets.stats["detect_slow"], "read_errors": self.targets.stats["read_errors"]}
+        out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
+        for r in self.runtimes:
+            own = getattr(r, "checks", None)
+            if own is not None:
+                out.update(own())
+        return out
+
+    def _read(self, e: Entry, tick: ReadBudget,
+              read: Callable[[ProcessMemory], list[ThreadStack]]) -> tuple[list[ThreadStack] | None, bool]:
+        """(what read() gave with e's share of the tick's budget, or None: e could not be read; whether
+        this tick's budget is spent). A process gone meanwhile is forgotten; one whose memory is not what
+        its plug-in expects is given up (logged once); one over its share of the tick is skipped this
+        tick (counted by reason, logged once)."""
+        share = ReadBudget(max(1, self.max_bytes // PROCESS_SHARE_DIVISOR), time.monotonic() + MAX_SECONDS_PER_PROCESS,
+                           parent=tick)
         try:
-            return read(), False
+            return read(ProcessMemory(e.process.pid, share)), False
         except MemoryReadError as err:
             if err.reason == "budget":
-                self.stats["budget_spent"] += 1
-                return None, True
+                if tick.spent:
+                    self.stats["budget_spent" if tick.spent == "bytes" else "tick_time_spent"] += 1
+                    return None, True
+                reason = f"process_over_{share.spent or 'bytes'}"
+                self.stats[reason] += 1
+                self._log_once((e.process.pid, e.process.start_ticks, reason), logging.INFO,
+                               "pid %d (%s): reading its stacks takes more than its share of a tick (%d bytes, "
+                               "%.0f ms): over in %s; at such ticks it is skipped and the next tick starts after "
+                               "it", e.process.pid, e.process.executable, share.max_bytes,
+                               1e3 * MAX_SECONDS_PER_PROCESS, share.spent or "bytes")
+                return None, False
             self.targets.stats["gone_while_reading"] += 1
             self.targets.forget(e)
         except Exception as err:   # what a target's memory holds must never end the reader
@@ -330,6 +381,17 @@ class Reader:
         return out
 
     def close(self) -> None:
+        self.stop_runtimes()
+        self.counters.update(self.checks(), force=True)
+        self.flush(list(self.windows.close_all()))
+        self.sender.close(handoff.CLOSE_TIMEOUT_S)
+        self.inbox.close()
+        self.outbox.close()
+        log.info("runtime reader stopped: %s, targets %s, frames dropped %s", self.stats, self.targets.stats,
+                 self.dropped() or "none")
+
+    def stop_runtimes(self) -> None:
+        """Each plug-in's stop(): undo what it asked of processes (its lines logged)."""
         for r in self.runtimes:
             stop = getattr(r, "stop", None)
             if stop is not None:
@@ -338,12 +400,10 @@ class Reader:
                         log.info("%s", line)
                 except Exception as e:   # any error: one plug-in's undoing must not stop the others'
                     log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
-        self.flush(list(self.windows.close_all()))
-        self.sender.close(handoff.CLOSE_TIMEOUT_S)
-        self.inbox.close()
-        self.outbox.close()
-        log.info("runtime reader stopped: %s, targets %s, frames dropped %s", self.stats, self.targets.stats,
-                 self.dropped() or "none")
+
+
+def _sample_regs(reader: RegsStackReader, samples: Sequence[RegsSample], mem: ProcessMemory) -> list[ThreadStack]:
+    return reader.sample_regs(mem, samples)
 
 
 def wants_helper_caps(cfg: config_mod.ProfilerConfig) -> bool:

@@ -1,7 +1,7 @@
 """Reading another process's memory: process_vm_readv, bounded, never anything else.
 
 Owns: ProcessMemory (reads of one process, each at most MAX_READ_BYTES, each
-charged to a per-tick ReadBudget; several independent reads in one system
+charged to a ReadBudget: a process's share of the tick's, in bytes and time; several independent reads in one system
 call with read_many), and turning every failure into a
 MemoryReadError with a short reason: the process is gone (ESRCH), an address
 is not mapped (EFAULT), or we may not read it (EPERM).
@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import struct
+import time
 
 # One read is at most this: a code object's location table or a name is far
 # smaller; a larger request means a corrupt length.
@@ -36,15 +37,28 @@ class MemoryReadError(Exception):
 
 
 class ReadBudget:
-    """Bytes that may still be read this tick; every read is charged to it."""
+    """Bytes (and, with a deadline, time) that may still be spent reading; every read is charged to it.
 
-    def __init__(self, max_bytes: int) -> None:
+    One per tick; a process read within a tick gets one of its own whose `parent` is the tick's, so a
+    read is charged to both. `spent` names the cap that fired first ("bytes" or "time"), "" while none
+    has: the reader tells a process over its own share from a tick whose budget is spent."""
+
+    def __init__(self, max_bytes: int, deadline: float | None = None, parent: ReadBudget | None = None) -> None:
         self.max_bytes = max_bytes
+        self.deadline = deadline          # time.monotonic() past which no read is made
+        self.parent = parent
         self.used = 0
+        self.spent = ""
 
     def charge(self, n: int) -> None:
+        if self.parent is not None:
+            self.parent.charge(n)
         if self.used + n > self.max_bytes:
-            raise MemoryReadError("budget", f"{self.max_bytes} bytes per tick spent")
+            self.spent = self.spent or "bytes"
+            raise MemoryReadError("budget", f"{self.max_bytes} bytes spent")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.spent = self.spent or "time"
+            raise MemoryReadError("budget", "time spent")
         self.used += n
 
 

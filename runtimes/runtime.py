@@ -19,12 +19,19 @@ opentelemetry-ebpf-profiler's interpreter loaders):
        * a Served(message): it is mine, and detect did all there is to do for it
          (the .NET plug-in asked it for a perf map: its frames are named in the
          cpu profiles, no stacks are read here); logged once like a refusal,
+       * a Pending(message, poll): it is mine, and detect asked it something it
+         answers later (the .NET plug-in's EnablePerfMap); targets.py calls
+         poll() at every tick, which must never block, until it gives the
+         Served or Refusal (None: not yet; retries and their time limits are
+         the plug-in's),
        * or None: not mine (looked at its mappings' names only, cheaply).
      It may raise MemoryReadError or OSError when the process vanished
      meanwhile; anything else it raises is logged once and the process is
      left alone (targets.give_up).
    - `stop()` (optional): called once when the reader stops, to undo what
      detect asked of processes; returns lines for the reader's log.
+   - `checks()` (optional): its own checks on what processes gave it that
+     fired, {reason: count since start}, for the reader's status counters.
    - Per-file data (symbols and offsets read from a binary; what the
      loader of the OTel profiler computes once per ELF file) goes in
      `process.files`, a FileCache keyed by the file's identity (device,
@@ -61,7 +68,7 @@ diagnostics socket, as its tools send them, and are undone at stop); validate
 every pointer read from it before following it; cap every count and length
 read from it with a named constant.
 
-Owns: the Protocols above, Refusal, Served, ThreadStack, Mapping (/proc/PID/maps,
+Owns: the Protocols above, Refusal, Served, Pending, ThreadStack, Mapping (/proc/PID/maps,
 parsed once per detection for all runtimes), open_mapped (a mapped file
 opened through /proc/PID/root without following the target's links out of
 its root), mapped_file_facts (a plug-in's per-file data of a mapped file, or
@@ -100,11 +107,18 @@ SAMPLE_HZ = 19
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str
+    kind: str = ""        # a cap or time limit that fired ("elf_time", "dotnet_stalled"): counted by it
 
 
 @dataclass(frozen=True, slots=True)
 class Served:
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    message: str                                   # what was asked, for the log
+    poll: Callable[[], Served | Refusal | None]    # never blocks; None: no outcome yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +172,7 @@ class ProcessContext:
 class Runtime(Protocol):
     spec: RuntimeSpec
 
-    def detect(self, process: ProcessContext) -> StackReader | Refusal | Served | None: ...
+    def detect(self, process: ProcessContext) -> StackReader | Refusal | Served | Pending | None: ...
 
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:

@@ -19,10 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, Refusal, Runtime, Served, StackReader
+from ebpfprofiler.runtimes.runtime import (
+    FileCache,
+    Pending,
+    ProcessContext,
+    Refusal,
+    Runtime,
+    Served,
+    StackReader,
+)
 from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared.wire import Process, ProcessAnnouncement
@@ -31,6 +40,15 @@ from ebpfprofiler.shared.wire import Process, ProcessAnnouncement
 MAX_PROCESSES = 16384
 # Detections per tick: each reads the process's maps, and the first of a file reads its symbols (~1 ms).
 DETECTS_PER_TICK = 4
+# Seconds of detection per tick at most (a detection is ~1 ms; the first of a file reads its symbols).
+MAX_DETECT_SECONDS_PER_TICK = 0.02
+# A detection slower than this pauses detection (a real file's symbols take ~50 ms; a crafted file's are
+# cut at elfsyms.READ_SECONDS).
+SLOW_DETECT_S = 0.25
+# After a slow detection, detection pauses so that it takes at most this share of the reader's time.
+DETECT_SHARE = 0.25
+# Pending requests polled per tick (each a non-blocking read, or a retry's connect).
+MAX_POLLS_PER_TICK = 64
 # Threads named per process (a comm read each); more threads are labelled by id only.
 MAX_THREAD_NAMES = 4096
 
@@ -40,8 +58,9 @@ log = logging.getLogger("ebpfprofiler.runtime")
 @dataclass
 class Entry:
     process: Process
-    state: str = "new"                         # new, reading, refused, served, other
+    state: str = "new"                         # new, pending, reading, refused, served, other
     reader: StackReader | None = None
+    pending: Pending | None = None
     runtime: Runtime | None = None
     thread_names: dict[int, str] = field(default_factory=dict)
     host_tids: dict[int, int] = field(default_factory=dict)   # the runtime's thread id → this host's tid
@@ -53,8 +72,10 @@ class Targets:
         self.files = FileCache()
         self.entries: dict[int, Entry] = {}
         self._log_once = LogOnce(log)
-        self.stats = {"announced": 0, "exited": 0, "refused": 0, "served": 0, "reading": 0, "reused_pid": 0,
-                      "gone_while_reading": 0, "detect_failed": 0, "read_errors": 0}
+        self.stats = {"announced": 0, "exited": 0, "refused": 0, "served": 0, "reading": 0, "pending": 0,
+                      "reused_pid": 0, "gone_while_reading": 0, "detect_failed": 0, "detect_slow": 0,
+                      "read_errors": 0}
+        self._detect_after = 0.0          # time.monotonic() before which no detection starts (after a slow one)
 
     def announce(self, msg: ProcessAnnouncement) -> None:
         for pid, ticks in msg.exited:
@@ -81,59 +102,110 @@ class Targets:
         return False
 
     def detect_some(self, budget: ReadBudget) -> None:
+        """Detect up to DETECTS_PER_TICK new processes, within MAX_DETECT_SECONDS_PER_TICK; after a slow
+        one, detection pauses so that it takes at most DETECT_SHARE of the reader's time."""
+        now = time.monotonic()
+        if now < self._detect_after:
+            return
         done = 0
+        stop_at = now + MAX_DETECT_SECONDS_PER_TICK
         for e in list(self.entries.values()):
             if e.state != "new":
                 continue
-            if done >= DETECTS_PER_TICK:
+            if done >= DETECTS_PER_TICK or time.monotonic() > stop_at:
                 break
             done += 1
             if not self.current(e):
                 continue
-            pid = e.process.pid
-            ctx = ProcessContext(pid, self.proc, ProcessMemory(pid, budget), self.files, e.process.start_ticks)
-            got: StackReader | Refusal | Served | None = None
-            runtime: Runtime | None = None
-            try:
-                for runtime in self.runtimes:
-                    got = runtime.detect(ctx)
-                    if got is not None:
-                        break
-            except (MemoryReadError, OSError) as err:
-                self.stats["detect_failed"] += 1
-                log.debug("pid %d: detection failed: %s", pid, err)
-                e.state = "other"
+            began = time.monotonic()
+            self._detect(e, budget)
+            took = time.monotonic() - began
+            if took > SLOW_DETECT_S:
+                self.stats["detect_slow"] += 1
+                self._detect_after = time.monotonic() + took * (1 / DETECT_SHARE - 1)
+                self._log_once((e.process.pid, e.process.start_ticks, "slow"), logging.INFO,
+                               "pid %d (%s): detecting its runtime took %.2f s; detection pauses %.1f s so that "
+                               "the processes being read keep their ticks", e.process.pid, e.process.executable,
+                               took, took * (1 / DETECT_SHARE - 1))
+                break
+
+    def _detect(self, e: Entry, budget: ReadBudget) -> None:
+        pid = e.process.pid
+        ctx = ProcessContext(pid, self.proc, ProcessMemory(pid, budget), self.files, e.process.start_ticks)
+        got: StackReader | Refusal | Served | Pending | None = None
+        runtime: Runtime | None = None
+        try:
+            for runtime in self.runtimes:
+                got = runtime.detect(ctx)
+                if got is not None:
+                    break
+        except (MemoryReadError, OSError) as err:
+            self.stats["detect_failed"] += 1
+            log.debug("pid %d: detection failed: %s", pid, err)
+            e.state = "other"
+            return
+        except Exception as err:   # what a process maps or holds must never end the reader
+            e.runtime = runtime
+            self.give_up(e, err)
+            return
+        if got is None or runtime is None:
+            e.state = "other"
+            return
+        e.runtime = runtime
+        self._settle(e, got)
+
+    def _settle(self, e: Entry, got: StackReader | Refusal | Served | Pending) -> None:
+        """What detect (or a pending request) said of e's runtime: logged once, counted, e's new state."""
+        assert e.runtime is not None
+        pid, title = e.process.pid, e.runtime.spec.title
+        if isinstance(got, Pending):
+            e.state, e.pending = "pending", got
+            self.stats["pending"] += 1
+            log.debug("pid %d (%s): %s: %s", pid, e.process.executable, title, got.message)
+        elif isinstance(got, Refusal):
+            e.state, e.pending = "refused", None
+            self.stats["refused"] += 1
+            if got.kind:                           # a check that fired: counted by its name
+                key = f"refused_{got.kind}"
+                self.stats[key] = self.stats.get(key, 0) + 1
+            self._log_once((pid, e.process.start_ticks), logging.INFO,
+                           "pid %d (%s) refused: %s: %s", pid, e.process.executable, title, got.reason)
+        elif isinstance(got, Served):
+            e.state, e.pending = "served", None
+            self.stats["served"] += 1
+            self._log_once((pid, e.process.start_ticks), logging.INFO,
+                           "pid %d (%s): %s: %s", pid, e.process.executable, title, got.message)
+        else:
+            e.state, e.reader, e.pending = "reading", got, None
+            self.stats["reading"] += 1
+            log.info("pid %d (%s): reading %s %s stacks", pid, e.process.executable, title, got.version)
+
+    def poll_pending(self) -> None:
+        """Every process with a request pending: its outcome, if known (each poll never blocks; at most
+        MAX_POLLS_PER_TICK a tick, the longest waiting first)."""
+        waiting = [e for e in self.entries.values() if e.state == "pending"]
+        for e in waiting[:MAX_POLLS_PER_TICK]:
+            assert e.pending is not None
+            if not self.current(e):
                 continue
-            except Exception as err:   # what a process maps or holds must never end the reader
-                e.runtime = runtime
+            try:
+                got = e.pending.poll()
+            except Exception as err:   # what a process answers must never end the reader
+                e.pending = None
                 self.give_up(e, err)
                 continue
-            if got is None or runtime is None:
-                e.state = "other"
-                continue
-            e.runtime = runtime
-            title = runtime.spec.title
-            if isinstance(got, Refusal):
-                e.state = "refused"
-                self.stats["refused"] += 1
-                self._log_once((pid, e.process.start_ticks), logging.INFO,
-                               "pid %d (%s) refused: %s: %s", pid, e.process.executable, title, got.reason)
-            elif isinstance(got, Served):
-                e.state = "served"
-                self.stats["served"] += 1
-                self._log_once((pid, e.process.start_ticks), logging.INFO,
-                               "pid %d (%s): %s: %s", pid, e.process.executable, title, got.message)
+            if got is not None:
+                self._settle(e, got)
             else:
-                e.state, e.reader = "reading", got
-                self.stats["reading"] += 1
-                log.info("pid %d (%s): reading %s %s stacks", pid, e.process.executable, title, got.version)
+                # polled: to the end of the order, so that every pending process is polled in turn
+                self.entries[e.process.pid] = self.entries.pop(e.process.pid)
 
     def readable(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.state == "reading"]
 
     def idle(self) -> bool:
-        """Nothing to detect and nothing to read: the reader may sleep until an announcement."""
-        return not any(e.state in ("new", "reading") for e in self.entries.values())
+        """Nothing to detect, to read or to wait for: the reader may sleep until an announcement."""
+        return not any(e.state in ("new", "reading", "pending") for e in self.entries.values())
 
     def forget(self, e: Entry) -> None:
         self.entries.pop(e.process.pid, None)

@@ -11,8 +11,14 @@ its limits in ipc.py. The runtime writes every method it has compiled so far
 and each one it compiles from then on; the symbolizers' perf-map path
 (symbolizer/perfmap.py, through the collector's file broker) names the
 process's JIT frames in its cpu (and offcpu) profiles from their next look
-at the map (PERF_MAP_RECHECK_S), so from the next window on. The answer is a
-Served (the map is on, or was on already), or a Refusal with the reason:
+at the map (PERF_MAP_RECHECK_S), so from the next window on. The command is
+sent without waiting and detect returns a Pending: its answer is read as it
+arrives, at the reader's ticks (ipc.PendingAnswer), so a process that never
+answers holds up neither the other processes nor the stop; one that does not
+answer within ENABLE_ANSWER_TIMEOUT_S is asked again RETRY_AFTER_S later
+(doubling), ENABLE_ATTEMPTS times in all (each counted as `stalled`), then
+refused. The outcome is a Served (the map is on, or was on already), or a
+Refusal with the reason:
 
 - DOTNET_EnableDiagnostics=0 (or its _IPC form, or COMPlus_): no socket;
 - a TMPDIR other than /tmp: the socket is there, and only /tmp is looked in;
@@ -27,7 +33,8 @@ is not asked (and not told to stop).
 
 stop() sends DisablePerfMap to every process it enabled, or sent EnablePerfMap
 to without a well-formed answer (it may have turned its map on all the same),
-that still runs (the same pid and start time), within STOP_BUDGET_S in all,
+that still runs (the same pid and start time), the ones that answered OK
+first, and awaits their answers together, within STOP_BUDGET_S in all,
 and returns one line per process for the reader's log. The runtime then closes the map and stops
 writing it; the file stays where it is, as the runtime itself leaves it
 (DisablePerfMap and the runtime's shutdown close it, neither removes it), and
@@ -41,14 +48,16 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from ebpfprofiler.runtimes.dotnet import ipc
 from ebpfprofiler.runtimes.dotnet.connect import ConnectRefused, Connector
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, Served, first_mappings
+from ebpfprofiler.runtimes.runtime import Pending, ProcessContext, Refusal, Served, first_mappings
 from ebpfprofiler.runtimes.targets import start_ticks as current_start_ticks
 from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
 from ebpfprofiler.shared.safestr import process_string, quote
@@ -57,8 +66,13 @@ SPEC: RuntimeSpec = spec_of("dotnet")
 
 # Processes remembered as enabled (each is told to stop at stop()); past this the exited ones are forgotten.
 MAX_ENABLED = 16384
-# Seconds stop() spends telling processes to stop their maps, in all (each costs a connect and an answer).
+# Seconds stop() spends telling processes to stop their maps, in all (each costs a connect; their answers are
+# awaited together, ANSWER_TIMEOUT_S at most).
 STOP_BUDGET_S = 5.0
+# Times EnablePerfMap is sent to a process that does not answer within ENABLE_ANSWER_TIMEOUT_S; then it is left alone.
+ENABLE_ATTEMPTS = 3
+# Seconds before the first retry of an unanswered EnablePerfMap; each later one waits twice the one before.
+RETRY_AFTER_S = 10.0
 
 _CORECLR = "libcoreclr.so"
 # .../shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so: the framework's version is its directory's name.
@@ -110,17 +124,33 @@ def environment_refusal(env: dict[bytes, bytes]) -> Refusal | Served | None:
     return None
 
 
+_Outcome = TypeVar("_Outcome", Served, Refusal)
+
+
+@dataclass
+class _Request:
+    """EnablePerfMap asked of one process: its answer read as it arrives (reader ticks), retried when late."""
+    enabled: _Enabled
+    where: str
+    answer: ipc.PendingAnswer | None = None      # None: waiting to retry (or not sent yet)
+    attempts: int = 0
+    retry_at: float = 0.0
+
+
 class DotNet:
     spec = SPEC
 
     def __init__(self) -> None:
         # Forked now, while the reader still holds CAP_SETUID and CAP_SETGID (runtimes/main.py).
         self._connector = Connector()
-        self._enabled: dict[tuple[int, int], _Enabled] = {}
+        # Told to stop at stop(): True once EnablePerfMap was answered OK, False while it was only sent (it
+        # may have turned its map on without a well-formed answer).
+        self._enabled: dict[tuple[int, int], tuple[_Enabled, bool]] = {}
+        self._requests: dict[tuple[int, int], _Request] = {}
         self.stats = {"enabled": 0, "already_on": 0, "refused": 0, "no_socket": 0, "not_answered": 0,
-                      "malformed": 0, "disabled": 0, "disable_failed": 0}
+                      "stalled": 0, "malformed": 0, "disabled": 0, "disable_failed": 0}
 
-    def detect(self, process: ProcessContext) -> Served | Refusal | None:
+    def detect(self, process: ProcessContext) -> Served | Refusal | Pending | None:
         mods = first_mappings(process.mappings, lambda base: base == _CORECLR)
         if not mods:
             return None
@@ -140,82 +170,161 @@ class DotNet:
         if decided is not None:
             self.stats["refused"] += 1
             return Refusal(f"{where}: {decided.reason}")
-        sent: list[bool] = []
-        got = self._ask(process.pid, process.start_ticks, ipc.enable_perf_map(), ipc.ENABLE_ANSWER_TIMEOUT_S, sent)
-        nspid = _nspid(process.pid, process.proc)
-        enabled = _Enabled(process.pid, process.start_ticks, nspid, version)
-        if isinstance(got, Refusal):
-            if sent:      # it may have turned the map on without a (well-formed) answer: told to stop at stop()
-                self._remember(enabled)
-            return Refusal(f"{where}: EnablePerfMap not sent or not answered: {got.reason}")
+        req = _Request(_Enabled(process.pid, process.start_ticks, _nspid(process.pid, process.proc), version), where)
+        failed = self._send(req)
+        if failed is not None:
+            return failed
+        self._requests[(process.pid, process.start_ticks)] = req
+        return Pending(f"{where}: EnablePerfMap sent", partial(self._poll, req))
+
+    def _send(self, req: _Request) -> Refusal | None:
+        """EnablePerfMap sent to req's process without waiting for the answer; a Refusal if it could not be."""
+        e = req.enabled
+        try:
+            sock: socket.socket = self._connector.connect(e.pid, e.start_ticks)
+        except ConnectRefused as err:
+            self.stats["no_socket"] += 1
+            return self._done(req, Refusal(f"{req.where}: EnablePerfMap not sent or not answered: {err}"))
+        req.attempts += 1
+        if (e.pid, e.start_ticks) not in self._enabled:
+            self._remember(e, False)       # it may turn its map on whatever comes back: told to stop at stop()
+        try:
+            ipc.send_now(sock, ipc.enable_perf_map())
+        except OSError as err:
+            sock.close()
+            self.stats["not_answered"] += 1
+            return self._done(req, Refusal(f"{req.where}: EnablePerfMap not sent or not answered: the connection "
+                                           f"failed: {err.strerror or err}"))
+        req.answer = ipc.PendingAnswer(sock, ipc.ENABLE_ANSWER_TIMEOUT_S)
+        return None
+
+    def _poll(self, req: _Request) -> Served | Refusal | None:
+        """The outcome of req once known (never blocks): read what the process has answered so far; past
+        the time limit, close and retry after RETRY_AFTER_S (doubling), up to ENABLE_ATTEMPTS in all."""
+        where = req.where
+        if req.answer is None:
+            if time.monotonic() < req.retry_at:
+                return None
+            return self._send(req)
+        try:
+            got = req.answer.poll()
+        except ipc.AnswerTimeout:
+            req.answer.sock.close()
+            req.answer = None
+            self.stats["stalled"] += 1
+            if req.attempts >= ENABLE_ATTEMPTS:
+                return self._done(req, Refusal(
+                    f"{where}: EnablePerfMap not sent or not answered: no answer within "
+                    f"{ipc.ENABLE_ANSWER_TIMEOUT_S} s, {req.attempts} times; left alone", "dotnet_stalled"))
+            req.retry_at = time.monotonic() + RETRY_AFTER_S * 2 ** (req.attempts - 1)
+            return None
+        except ipc.MalformedAnswer as err:
+            req.answer.sock.close()
+            self.stats["malformed"] += 1
+            return self._done(req, Refusal(f"{where}: EnablePerfMap not sent or not answered: a malformed answer "
+                                           f"({self.stats['malformed']} so far): {err}", "dotnet_malformed"))
+        except OSError as err:
+            req.answer.sock.close()
+            self.stats["not_answered"] += 1
+            return self._done(req, Refusal(f"{where}: EnablePerfMap not sent or not answered: the connection "
+                                           f"failed: {err.strerror or err}"))
+        if got is None:
+            return None
+        req.answer.sock.close()
+        e = req.enabled
         if got.ok and got.hresult == 0:
-            self._remember(enabled)
+            self._remember(e, True)
             self.stats["enabled"] += 1
-            return Served(f"{where}: EnablePerfMap answered {got.text()}: it writes /tmp/perf-{nspid}.map; "
-                          f"its JIT frames are named from the next window on")
+            return self._done(req, Served(f"{where}: EnablePerfMap answered {got.text()}: it writes "
+                                          f"/tmp/perf-{e.nspid}.map; its JIT frames are named from the next window on"))
+        self._enabled.pop((e.pid, e.start_ticks), None)      # it answered an error: no map was turned on
         self.stats["refused"] += 1
         if got.hresult == ipc.UNKNOWN_COMMAND:
-            return Refusal(f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
-                           f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames")
-        return Refusal(f"{where}: EnablePerfMap answered {got.text()}")
+            return self._done(req, Refusal(
+                f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
+                f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames"))
+        return self._done(req, Refusal(f"{where}: EnablePerfMap answered {got.text()}"))
 
-    def _ask(self, pid: int, start_ticks: int, message: bytes, timeout: float = ipc.ANSWER_TIMEOUT_S,
-             sent: list[bool] | None = None) -> ipc.Answer | Refusal:
-        """The answer to `message`, or a Refusal with the reason; `sent` gets True once connected (the
-        command may have reached the runtime, whatever comes back)."""
-        try:
-            sock: socket.socket = self._connector.connect(pid, start_ticks)
-        except ConnectRefused as e:
-            self.stats["no_socket"] += 1
-            return Refusal(str(e))
-        if sent is not None:
-            sent.append(True)
-        with sock:
-            try:
-                return ipc.exchange(sock, message, timeout)
-            except ipc.AnswerTimeout as e:
-                self.stats["not_answered"] += 1
-                return Refusal(str(e))
-            except ipc.MalformedAnswer as e:
-                self.stats["malformed"] += 1
-                return Refusal(f"a malformed answer ({self.stats['malformed']} so far): {e}")
-            except OSError as e:
-                self.stats["not_answered"] += 1
-                return Refusal(f"the connection failed: {e.strerror or e}")
+    def _done(self, req: _Request, outcome: _Outcome) -> _Outcome:
+        self._requests.pop((req.enabled.pid, req.enabled.start_ticks), None)
+        return outcome
 
-    def _remember(self, e: _Enabled) -> None:
+    def _remember(self, e: _Enabled, confirmed: bool) -> None:
         if len(self._enabled) >= MAX_ENABLED:
             for key in [k for k in self._enabled if current_start_ticks(k[0]) != k[1]]:
                 del self._enabled[key]
         if len(self._enabled) >= MAX_ENABLED:
             self._enabled.pop(next(iter(self._enabled)))
-        self._enabled[(e.pid, e.start_ticks)] = e
+        self._enabled[(e.pid, e.start_ticks)] = (e, confirmed)
 
     def stop(self) -> list[str]:
-        """DisablePerfMap to every process this reader enabled that still runs; a log line for each."""
+        """DisablePerfMap to every process this reader enabled (or sent EnablePerfMap) that still runs, the
+        ones that answered OK first, all answers awaited together within STOP_BUDGET_S; a log line each."""
         lines: list[str] = []
         deadline = time.monotonic() + STOP_BUDGET_S
-        left = list(self._enabled.values())
+        for req in self._requests.values():
+            if req.answer is not None:
+                req.answer.sock.close()
+        self._requests.clear()
+        left = sorted(self._enabled.values(), key=lambda ec: not ec[1])
         self._enabled.clear()
-        for i, e in enumerate(left):
+        asking: list[tuple[_Enabled, ipc.PendingAnswer]] = []
+        for i, (e, _) in enumerate(left):
             if time.monotonic() > deadline:
                 lines.append(f".NET: {len(left) - i} processes were not asked to stop their perf maps within "
                              f"{STOP_BUDGET_S} s; they keep writing them")
                 break
             if current_start_ticks(e.pid) != e.start_ticks:
                 continue                 # exited: its runtime closed the map
-            got = self._ask(e.pid, e.start_ticks, ipc.disable_perf_map())
-            if isinstance(got, ipc.Answer) and got.ok and got.hresult == 0:
-                self.stats["disabled"] += 1
-                lines.append(f"pid {e.pid} (.NET {e.version}): DisablePerfMap answered {got.text()}: it stopped "
-                             f"writing /tmp/perf-{e.nspid}.map (the file stays, as the runtime leaves it)")
-            else:
-                self.stats["disable_failed"] += 1
-                why = got.reason if isinstance(got, Refusal) else f"answered {got.text()}"
-                lines.append(f"pid {e.pid} (.NET {e.version}): DisablePerfMap failed: {why}")
+            try:
+                sock = self._connector.connect(e.pid, e.start_ticks)
+            except ConnectRefused as err:
+                self._stop_failed(lines, e, str(err))
+                continue
+            try:
+                ipc.send_now(sock, ipc.disable_perf_map())
+            except OSError as err:
+                sock.close()
+                self._stop_failed(lines, e, f"the connection failed: {err.strerror or err}")
+                continue
+            asking.append((e, ipc.PendingAnswer(sock, ipc.ANSWER_TIMEOUT_S)))
+        while asking:
+            waiting = []
+            for e, pending in asking:
+                try:
+                    if time.monotonic() > deadline:
+                        raise ipc.AnswerTimeout(f"no answer within the stop budget of {STOP_BUDGET_S} s")
+                    got = pending.poll()
+                except (ipc.AnswerTimeout, ipc.MalformedAnswer, OSError) as err:
+                    pending.sock.close()
+                    self._stop_failed(lines, e, str(err))
+                    continue
+                if got is None:
+                    waiting.append((e, pending))
+                    continue
+                pending.sock.close()
+                if got.ok and got.hresult == 0:
+                    self.stats["disabled"] += 1
+                    lines.append(f"pid {e.pid} (.NET {e.version}): DisablePerfMap answered {got.text()}: it stopped "
+                                 f"writing /tmp/perf-{e.nspid}.map (the file stays, as the runtime leaves it)")
+                else:
+                    self._stop_failed(lines, e, f"answered {got.text()}")
+            asking = waiting
+            if asking:
+                soonest = min(min(p.deadline for _, p in asking), deadline)
+                select.select([p.sock for _, p in asking], [], [], max(0.0, soonest - time.monotonic()) + 0.001)
         self._connector.close()
         lines.append(f".NET: perf maps {self.stats}")
         return lines
+
+    def checks(self) -> dict[str, int]:
+        """The checks on what processes answered that fired, for the reader's status counters."""
+        return {"dotnet_stalled": self.stats["stalled"], "dotnet_malformed": self.stats["malformed"],
+                "dotnet_not_answered": self.stats["not_answered"]}
+
+    def _stop_failed(self, lines: list[str], e: _Enabled, why: str) -> None:
+        self.stats["disable_failed"] += 1
+        lines.append(f"pid {e.pid} (.NET {e.version}): DisablePerfMap failed: {why}")
 
 
 def _nspid(pid: int, proc: str) -> int:

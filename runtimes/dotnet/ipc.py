@@ -10,16 +10,19 @@ socket: the Server command set 0xFF with OK 0x00 or Error 0xFF, and an int32
 HRESULT payload. One command per connection: the runtime closes it after
 answering.
 
-The peer is untrusted (any process can listen on a socket of that name): each
-send and read has a time limit, the answer is read up to MAX_ANSWER_BYTES and
+The peer is untrusted (any process can listen on a socket of that name): the
+command is sent without waiting, the answer read without blocking as it
+arrives (PendingAnswer: the reader polls it at its ticks, so a peer that never
+answers holds up nothing) within a time limit, up to MAX_ANSWER_BYTES, and
 must be exactly one well-formed message; anything else raises MalformedAnswer,
-a timeout or a closed connection AnswerTimeout or OSError.
+a timeout AnswerTimeout, a failed connection OSError.
 
 Must not: open or connect sockets (connect.py does), or log.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -113,24 +116,48 @@ def parse_answer(data: bytes) -> Answer:
     return Answer(command_id == RESPONSE_OK, hresult)
 
 
-def exchange(sock: socket.socket, message: bytes, timeout: float = ANSWER_TIMEOUT_S) -> Answer:
-    """Send `message` on the connected `sock` and read its answer, within `timeout` seconds in all."""
-    deadline = time.monotonic() + timeout
-    try:
-        sock.settimeout(timeout)
-        sock.sendall(message)
-        data = b""
-        while len(data) <= MAX_ANSWER_BYTES:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AnswerTimeout(f"no whole answer within {timeout} s ({len(data)} bytes)")
-            sock.settimeout(left)
-            chunk = sock.recv(MAX_ANSWER_BYTES + 1 - len(data))
+def send_now(sock: socket.socket, message: bytes) -> None:
+    """Send `message` (a few bytes) on the fresh connection `sock` without waiting: it fits in the socket's
+    buffer, or OSError. The socket stays non-blocking, for PendingAnswer."""
+    sock.setblocking(False)
+    if sock.send(message) != len(message):
+        raise OSError("the command did not fit in the connection's buffer")
+
+
+class PendingAnswer:
+    """The answer on `sock` as it arrives, read without blocking (the socket is non-blocking: send_now),
+    within `timeout` seconds from now."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.data = b""
+
+    def poll(self) -> Answer | None:
+        """The Answer once it is whole (or the peer closed), None while more may come; AnswerTimeout past
+        the deadline, MalformedAnswer, or OSError (the connection failed)."""
+        while len(self.data) <= MAX_ANSWER_BYTES:
+            try:
+                chunk = self.sock.recv(MAX_ANSWER_BYTES + 1 - len(self.data))
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > self.deadline:
+                    raise AnswerTimeout(f"no whole answer within {self.timeout} s ({len(self.data)} bytes)") from None
+                return None
             if not chunk:
                 break
-            data += chunk
-            if len(data) >= HEADER_BYTES and _HEADER.unpack_from(data)[1] == len(data):
+            self.data += chunk
+            if len(self.data) >= HEADER_BYTES and _HEADER.unpack_from(self.data)[1] == len(self.data):
                 break                   # a whole message: the runtime closes after it, a peer may not
-    except socket.timeout:
-        raise AnswerTimeout(f"no whole answer within {timeout} s") from None
-    return parse_answer(data)
+        return parse_answer(self.data)
+
+
+def exchange(sock: socket.socket, message: bytes, timeout: float = ANSWER_TIMEOUT_S) -> Answer:
+    """Send `message` on the connected `sock` and read its answer, within `timeout` seconds in all."""
+    send_now(sock, message)
+    pending = PendingAnswer(sock, timeout)
+    while True:
+        got = pending.poll()
+        if got is not None:
+            return got
+        select.select([sock], [], [], max(0.0, pending.deadline - time.monotonic()) + 0.001)

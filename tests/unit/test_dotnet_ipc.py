@@ -5,7 +5,7 @@ The answers are the bytes .NET 8.0.4 and .NET Core 3.1.23 sent to EnablePerfMap
 are real Unix sockets at the name a .NET process with this test's pid and
 start time would use, in this process's /tmp, reached by the real connector
 (a forked process that becomes this process's user): one that answers right,
-one that never answers, one that floods, one that answers EnablePerfMap with
+one that never answers (its EnablePerfMap retried after a pause, then refused), one that floods, one that answers EnablePerfMap with
 garbage (and is told to stop at stop all the same), a symlink and a regular
 file where the socket should be.
 """
@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ebpfprofiler.runtimes import dotnet as dotnet_plugin
 from ebpfprofiler.runtimes.dotnet import DotNet, environment_refusal, ipc, parse_environ
 from ebpfprofiler.runtimes.dotnet.connect import ConnectRefused, Connector, socket_name
-from ebpfprofiler.runtimes.runtime import FileCache, Mapping, ProcessContext, Refusal, Served
+from ebpfprofiler.runtimes.runtime import FileCache, Mapping, Pending, ProcessContext, Refusal, Served
+from ebpfprofiler.shared.polling import wait_for
 from ebpfprofiler.runtimes.targets import start_ticks
 
 OK_8_0_4 = bytes.fromhex("444f544e45545f4950435f5631001800ff00000000000000")
@@ -224,8 +226,11 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
                          [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/"
                                   "libcoreclr.so")])
-    # When it is detected / Then the answer is a counted refusal that says how it was malformed
-    res = plugin.detect(ctx)
+    # When it is detected (the command is sent; the answer is read as it arrives, at the reader's ticks)
+    pending = plugin.detect(ctx)
+    assert isinstance(pending, Pending), pending
+    res = wait_for("the answer", pending.poll, timeout=10)
+    # Then the outcome is a counted refusal that says how it was malformed
     assert isinstance(res, Refusal) and "(.NET 8.0.4): EnablePerfMap not sent or not answered: a malformed " \
         "answer (1 so far): magic b'garbage that i'" in res.reason, res
     assert plugin.stats["malformed"] == 1
@@ -234,3 +239,58 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     t.join(10)
     assert got == [ipc.enable_perf_map(), ipc.disable_perf_map()]
     assert any(f"pid {SELF} (.NET 8.0.4): DisablePerfMap answered OK" in ln for ln in lines), lines
+
+
+def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
+        name: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a peer at the name that takes every connection and never answers (time limits made short)
+    monkeypatch.setattr(ipc, "ENABLE_ANSWER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(dotnet_plugin, "RETRY_AFTER_S", 0.5)
+    monkeypatch.setattr(dotnet_plugin, "ENABLE_ATTEMPTS", 2)
+    connected: list[float] = []
+    done = threading.Event()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(name))
+    srv.listen(4)
+
+    def peer() -> None:
+        held = []
+        with srv:
+            srv.settimeout(10)
+            for _ in range(2):
+                conn, _ = srv.accept()
+                connected.append(time.monotonic())
+                held.append(conn)
+            done.wait(10)
+        for c in held:
+            c.close()
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    plugin = DotNet()
+    try:
+        ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
+                             [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/"
+                                      "libcoreclr.so")])
+        # When it is detected and polled as the reader's ticks do: no poll waits for the peer
+        pending = plugin.detect(ctx)
+        assert isinstance(pending, Pending), pending
+        longest = 0.0
+
+        def poll() -> Served | Refusal | None:
+            nonlocal longest
+            began = time.monotonic()
+            got = pending.poll()
+            longest = max(longest, time.monotonic() - began)
+            return got
+        res = wait_for("the outcome", poll, timeout=10, interval=0.02)
+        # Then it was asked twice, the second time RETRY_AFTER_S after the first went unanswered, each
+        # counted as stalled, then refused with a reason counted by its kind
+        assert isinstance(res, Refusal) and res.kind == "dotnet_stalled", res
+        assert "no answer within 0.3 s, 2 times; left alone" in res.reason, res.reason
+        assert plugin.stats["stalled"] == 2
+        assert len(connected) == 2 and connected[1] - connected[0] >= 0.3 + 0.5 - 0.05, connected
+        assert longest < 0.25, f"a poll took {longest:.2f} s"
+    finally:
+        done.set()
+        plugin.stop()
+        t.join(5)

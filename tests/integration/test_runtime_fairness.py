@@ -1,0 +1,183 @@
+"""The runtime reader is fair and bounded with hostile processes beside ordinary ones (issue 40, cases 6 and 7).
+
+The reader is the stage's own Reader (runtimes/main.py) driven tick by tick in
+the test process (tests/integration/test_runtime_edges.py's DrivenReader),
+reading real processes:
+
+- Case 7: a CPython process whose stacks take more than a tick's read budget
+  (hundreds of threads, each deep in a recursion), announced before an
+  ordinary spinner: the spinner is read at every tick, the big one's
+  overruns are counted per reason, and the round-robin start moves on.
+- Case 6: ten fake .NET processes (tests/workloads/fake_dotnet.c: they map a
+  file named libcoreclr.so and listen on the diagnostics socket the reader
+  connects to, and never answer), a fake .NET process that answers like the
+  runtime, and an ordinary CPython spinner: the spinner's stacks and the
+  answering process's answer arrive in time, the stalled ones are counted and
+  retried, and stopping the reader stays within its budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ebpfprofiler.runtimes import dotnet
+from ebpfprofiler.runtimes.dotnet import ipc
+from ebpfprofiler.shared import counters
+
+from tests.integration.test_runtime_edges import PYTHON311, DrivenReader, go, spinner, start
+
+# A process's own deadline: it ends by itself even if the test cannot end it.
+WORKLOAD_SECONDS = 120
+# Threads of the big process, each this deep: 500 x 125 frames take over a tick's 4 MiB.
+BIG_THREADS = 500
+BIG_DEPTH = 125
+# Ticks the fairness test watches.
+TICKS = 30
+# Fake .NET processes that never answer (each cost the reader ENABLE_ANSWER_TIMEOUT_S, 3 s, before the fix).
+SILENT_DOTNET = 10
+# Seconds within which the answering .NET process's answer must arrive, and the spinner's stacks.
+SERVED_WITHIN_S = 3.0
+# The longest a tick may take with the silent processes about (a tick is 53 ms; a loaded host is slow).
+MAX_TICK_S = 1.0
+
+BIG = '''\
+import sys, threading, time
+
+def deep(n, ev):
+    if n:
+        return deep(n - 1, ev)
+    ev.wait()
+
+def main():
+    threads, depth, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    ev = threading.Event()
+    for _ in range(threads):
+        threading.Thread(target=deep, args=(depth, ev), daemon=True).start()
+    print("ready", flush=True)
+    time.sleep(seconds)
+
+main()
+'''
+
+
+def test_a_process_over_the_read_budget_never_starves_the_next_one(
+        tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
+    d = DrivenReader(tmp_path)
+    try:
+        # Given a process whose stacks take more than a tick's bytes, announced first, and an ordinary spinner
+        big_py = tmp_path / "big.py"
+        big_py.write_text(BIG)
+        big, _ = start(started, [PYTHON311, str(big_py), str(BIG_THREADS), str(BIG_DEPTH), str(WORKLOAD_SECONDS)])
+        spin, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
+        go(spin)
+        d.announce(big.pid)
+        d.announce(spin.pid)
+        for _ in range(3):                    # detection (DETECTS_PER_TICK a tick)
+            d.tick()
+        assert [d.reader.targets.entries[p.pid].state for p in (big, spin)] == ["reading", "reading"]
+        # When the reader ticks
+        served = []
+        for _ in range(TICKS):
+            before = d.reader.stats["stacks"]
+            spin_before = _stacks_of(d, "spin")
+            d.tick()
+            served.append(_stacks_of(d, "spin") > spin_before)
+            assert d.reader.stats["stacks"] >= before
+        # Then the spinner got its stacks at every tick, and the big process's overruns are counted by reason
+        assert all(served), f"the spinner was read at {sum(served)} of {TICKS} ticks"
+        over = {k: v for k, v in d.reader.stats.items() if k.startswith("process_over_")}
+        assert sum(over.values()) >= TICKS // 2, d.reader.stats
+        # logged once for the process, not at every tick
+        lines = [r for r in caplog.records if f"pid {big.pid} " in r.getMessage() and "share of a tick" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        # and in the stage's counters, which `ebpfprofiler status` prints
+        status = _status(d, tmp_path)
+        assert status["process_over_time"] + status["process_over_bytes"] == sum(over.values()), status
+    finally:
+        d.close()
+
+
+def _stacks_of(d: DrivenReader, function: str) -> int:
+    """Stacks holding `function` in the reader's open windows so far."""
+    n = 0
+    for by_service in d.reader.windows._open.values():     # the test reads the open windows
+        for w in by_service.values():
+            for (_, frames), row in w.rows.items():
+                if any(getattr(f, "function", "") == function for f in frames):
+                    n += row[0]
+    return n
+
+
+def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_the_stop(
+        tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
+    fake = build("fake_dotnet", ["-O1", "-Wall", "-Werror"])
+    coreclr = tmp_path / "dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so"
+    coreclr.parent.mkdir(parents=True)
+    coreclr.write_bytes(b"\0" * 4096)
+    d = DrivenReader(tmp_path, runtime_stacks=("python_legacy", "dotnet"))
+    try:
+        # Given ten fake .NET processes that listen on their diagnostics socket and never answer, announced
+        # first, then one that answers like .NET 8, and an ordinary CPython spinner
+        silent = [start(started, [str(fake), "silent", str(coreclr), str(WORKLOAD_SECONDS)])[0]
+                  for _ in range(SILENT_DOTNET)]
+        answering, _ = start(started, [str(fake), "answer", str(coreclr), str(WORKLOAD_SECONDS)])
+        spin, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
+        go(spin)
+        d.announce(*(p.pid for p in silent))
+        d.announce(answering.pid)
+        d.announce(spin.pid)
+        # When the reader ticks
+        began = time.monotonic()
+        served_at = stacks_at = None
+        longest = 0.0
+        while time.monotonic() - began < ipc.ENABLE_ANSWER_TIMEOUT_S + 2 * SERVED_WITHIN_S:
+            t = time.monotonic()
+            d.tick()
+            longest = max(longest, time.monotonic() - t)
+            if served_at is None and d.reader.targets.entries[answering.pid].state == "served":
+                served_at = time.monotonic() - began
+            if stacks_at is None and _stacks_of(d, "spin"):
+                stacks_at = time.monotonic() - began
+            if served_at is not None and d.reader.targets.stats.get("pending", 0) and \
+                    _plugin(d).stats["stalled"] >= SILENT_DOTNET:
+                break
+            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))      # the reader's own pace
+        # Then no tick waited for a silent process, the answering one was served and the spinner read in time
+        assert longest < MAX_TICK_S, f"a tick took {longest:.2f} s"
+        assert served_at is not None and served_at < SERVED_WITHIN_S, served_at
+        assert stacks_at is not None and stacks_at < SERVED_WITHIN_S, stacks_at
+        assert any(f"pid {answering.pid} " in r.getMessage() and "EnablePerfMap answered OK" in r.getMessage()
+                   for r in caplog.records)
+        # and every silent one was counted as stalled, and is waiting for its retry, not refused for good
+        assert _plugin(d).stats["stalled"] == SILENT_DOTNET, _plugin(d).stats
+        assert [d.reader.targets.entries[p.pid].state for p in silent] == ["pending"] * SILENT_DOTNET
+        assert _status(d, tmp_path)["dotnet_stalled"] == SILENT_DOTNET
+        # When the reader stops
+        t = time.monotonic()
+        d.reader.stop_runtimes()
+        took = time.monotonic() - t
+        # Then the stop stays within its budget, and the answering process was told to stop its map
+        assert took < dotnet.STOP_BUDGET_S / 2, f"stopping took {took:.2f} s"
+        assert any(f"pid {answering.pid} (.NET 8.0.4): DisablePerfMap answered OK" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        d.close()
+
+
+def _status(d: DrivenReader, run_dir: Path) -> dict[str, int]:
+    """The runtime reader's counters as `ebpfprofiler status` reads them (RUN_DIR/runtime.counters.json)."""
+    d.reader.counters.update(d.reader.checks(), force=True)
+    return counters.read_all(str(run_dir))["runtime"]
+
+
+def _plugin(d: DrivenReader) -> dotnet.DotNet:
+    (got,) = [r for r in d.reader.runtimes if isinstance(r, dotnet.DotNet)]
+    return got
