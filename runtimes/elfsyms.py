@@ -9,7 +9,9 @@ them place an initialised data symbol's bytes in the file: read_values).
 
 The file is untrusted (a profiled process maps what it likes): every count,
 offset and size is checked against the caps below and the file's size before
-it is read, and every failure is an ElfSymbolError. (symbolizer/elf.py reads
+it is read (the first table of each type only, MAX_SYMBOL_BYTES in all, within
+READ_SECONDS), and every failure is an ElfSymbolError naming the cap that
+fired (its `kind`, which the reader counts). (symbolizer/elf.py reads
 function symbols for the symbolizer; this reads the data symbols a runtime
 reader needs, and only those.)
 
@@ -43,6 +45,9 @@ MAX_PREFIX_SYMBOLS = 4096
 MAX_PREFIX_NAME_BYTES = 256
 # Wall-clock budget of one file: libpython's ~50K symbols take ~50 ms; a crafted file is cut off here.
 READ_SECONDS = 2.0
+# Bytes of symbol tables and their string tables read from one file in all (libpython's are ~2 MB, node's
+# .dynsym and .dynstr ~6 MB); past it the file is refused.
+MAX_SYMBOL_BYTES = 64 << 20
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
@@ -53,7 +58,13 @@ _SHT_SYMTAB, _SHT_DYNSYM, _SHT_STRTAB = 2, 11, 3
 
 
 class ElfSymbolError(Exception):
-    """The file is not a readable 64-bit little-endian ELF file, or breaks a cap."""
+    """The file is not a readable 64-bit little-endian ELF file, or breaks a cap; `kind` names which
+    ("malformed", or the cap: "file_over_cap", "symbols_over_cap", "strtab_over_cap", "bytes_over_cap",
+    "prefix_over_cap", "time"), for the reader's counters."""
+
+    def __init__(self, message: str, kind: str = "malformed") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,8 @@ def _starts(strtab: bytes, needles: list[bytes]) -> set[int]:
         i = strtab.find(needle)
         while i >= 0:
             if len(out) >= MAX_PREFIX_SYMBOLS * 4:
-                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS * 4} names starting like the ones asked for")
+                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS * 4} names starting like the ones asked for",
+                                     "prefix_over_cap")
             out.add(i)
             i = strtab.find(needle, i + 1)
     return out
@@ -128,7 +140,7 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
     deadline = time.monotonic() + READ_SECONDS
     size = os.fstat(f.fileno()).st_size
     if size > MAX_FILE_BYTES:
-        raise ElfSymbolError(f"{size} bytes, more than {MAX_FILE_BYTES}")
+        raise ElfSymbolError(f"{size} bytes, more than {MAX_FILE_BYTES}", "file_over_cap")
     ident, e_type, _machine, _v, _entry, phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, \
         _shstrndx = _EHDR.unpack(_read(f, size, 0, _EHDR.size, "ELF header"))
     if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
@@ -148,22 +160,30 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
     if not loads:
         raise ElfSymbolError("no PT_LOAD segment")
     first_offset, first_vaddr, _ = min(loads)
-    shdrs = [_SHDR.unpack_from(_read(f, size, shoff, shnum * _SHDR.size, "section headers"), i * _SHDR.size)
-             for i in range(shnum)] if shoff else []
+    # The section header table is read once (reading it per header made 4096 headers a read of 1 GiB).
+    raw_shdrs = _read(f, size, shoff, shnum * _SHDR.size, "section headers") if shoff else b""
+    shdrs = [_SHDR.unpack_from(raw_shdrs, i * _SHDR.size) for i in range(shnum)] if shoff else []
     found: dict[str, int] = {}
+    spent = 0                          # bytes of symbol and string tables read
     for sh_type in (_SHT_DYNSYM,) if dynsym_only else (_SHT_DYNSYM, _SHT_SYMTAB):
-        for sh in shdrs:
-            if sh[1] != sh_type or (len(found) == len(wanted) and not pre):
+        # An ELF file has at most one section of each type (the gABI): a crafted one's others are not read.
+        for sh in [sh for sh in shdrs if sh[1] == sh_type][:1]:
+            if len(found) == len(wanted) and not pre:
                 continue
             _name, _t, _fl, _addr, offset, sh_size, link, _info, _align, entsize = sh
             if entsize != _SYM.size or link >= len(shdrs) or shdrs[link][1] != _SHT_STRTAB:
                 raise ElfSymbolError("unusable symbol table")
             count = sh_size // entsize
             if count > MAX_SYMBOLS:
-                raise ElfSymbolError(f"{count} symbols, more than {MAX_SYMBOLS}")
+                raise ElfSymbolError(f"{count} symbols, more than {MAX_SYMBOLS}", "symbols_over_cap")
             str_offset, str_size = shdrs[link][4], shdrs[link][5]
             if str_size > MAX_STRTAB_BYTES:
-                raise ElfSymbolError(f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}")
+                raise ElfSymbolError(f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}",
+                                     "strtab_over_cap")
+            spent += str_size + count * entsize
+            if spent > MAX_SYMBOL_BYTES:
+                raise ElfSymbolError(f"symbol and string tables of more than {MAX_SYMBOL_BYTES} bytes",
+                                     "bytes_over_cap")
             strtab = _read(f, size, str_offset, str_size, "string table")
             # With a prefix, only symbols whose name starts where a wanted name or the prefix occurs in
             # the string table are looked at (found by bytes.find, not per symbol: node's 90K .dynsym
@@ -171,7 +191,7 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
             starts = _starts(strtab, [*wanted, pre]) if pre else None
             for first in range(0, count, SYMBOL_CHUNK):
                 if time.monotonic() > deadline:
-                    raise ElfSymbolError(f"reading symbols took more than {READ_SECONDS:g} s")
+                    raise ElfSymbolError(f"reading symbols took more than {READ_SECONDS:g} s", "time")
                 n = min(SYMBOL_CHUNK, count - first)
                 chunk = _read(f, size, offset + first * entsize, n * entsize, "symbols")
                 for st_name, _info, _other, shndx, value, _sz in _SYM.iter_unpack(chunk):
@@ -192,7 +212,8 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
                         if text not in found:
                             prefixed += 1
                             if prefixed > MAX_PREFIX_SYMBOLS:
-                                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols")
+                                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols",
+                                                     "prefix_over_cap")
                             found[text] = value
                 if len(found) == len(wanted) and not pre:
                     break

@@ -270,7 +270,7 @@ def mapped_file_facts(process: "ProcessContext", mod: Mapping, tag: str, compute
         try:
             got: _Facts = process.files.get((tag,) + file_key(f), lambda: compute(f))
         except ElfSymbolError as e:
-            return Refusal(f"{where}: unreadable ELF file: {e}")
+            return Refusal(f"{where}: unreadable ELF file: {e}", f"elf_{e.kind}")
     return got
 
 

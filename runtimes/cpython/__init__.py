@@ -30,7 +30,7 @@ class CPython:
         if got is None:
             return None
         if isinstance(got, version.Refusal):
-            return Refusal(got.reason)
+            return Refusal(got.reason, got.kind)
         return CPythonProcess(got)
 
 

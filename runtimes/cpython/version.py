@@ -52,6 +52,7 @@ class Target:
 class Refusal:
     pid: int
     reason: str
+    kind: str = ""          # a cap that fired (runtime.Refusal's kind)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
     try:
         info = _symbols_of(pid, mod, proc)
     except ElfSymbolError as e:
-        return Refusal(pid, f"{where}: unreadable ELF file: {e}")
+        return Refusal(pid, f"{where}: unreadable ELF file: {e}", f"elf_{e.kind}")
     if info is None:
         return Refusal(pid, f"{where}: the file is not reachable as the process maps it "
                             f"(through /proc/{pid}/root, nor on this host)")

@@ -8,12 +8,18 @@ reading real processes:
   (hundreds of threads, each deep in a recursion), announced before an
   ordinary spinner: the spinner is read at every tick, the big one's
   overruns are counted per reason, and the round-robin start moves on.
-- Case 6: ten fake .NET processes (tests/workloads/fake_dotnet.c: they map a
+- Case 6: ten fake .NET processes (tests/workloads/fake_runtime.c: they map a
   file named libcoreclr.so and listen on the diagnostics socket the reader
   connects to, and never answer), a fake .NET process that answers like the
   runtime, and an ordinary CPython spinner: the spinner's stacks and the
   answering process's answer arrive in time, the stalled ones are counted and
   retried, and stopping the reader stays within its budget.
+- Fake JVMs: processes mapping a libjvm.so whose one 1,000,000-symbol .symtab
+  its section headers list 2,000 times (tests/elf_builder.py), a copy each,
+  beside an ordinary spinner: each file's symbols are read once and bounded,
+  detection pauses after each slow one, and the spinner keeps most of its
+  stacks; one whose header claims a table of 2^40 bytes is refused with the
+  cap counted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ebpfprofiler.runtimes import dotnet
 from ebpfprofiler.runtimes.dotnet import ipc
 from ebpfprofiler.shared import counters
 
+from tests.elf_builder import symbol_table_elf
 from tests.integration.test_runtime_edges import PYTHON311, DrivenReader, go, spinner, start
 
 # A process's own deadline: it ends by itself even if the test cannot end it.
@@ -42,6 +49,13 @@ TICKS = 30
 SILENT_DOTNET = 10
 # Seconds within which the answering .NET process's answer must arrive, and the spinner's stacks.
 SERVED_WITHIN_S = 3.0
+# Fake libjvm.so files with a huge .symtab (a copy each: the reader caches a file's symbols by its identity).
+FAKE_JVMS = 3
+FAKE_JVM_SYMBOLS = 1_000_000
+FAKE_JVM_TABLES = 2000
+# Seconds the fake-JVM test ticks, and the share of its ticks' stacks the spinner must keep.
+FAKE_JVM_RUN_S = 8.0
+FAKE_JVM_KEEP = 0.5
 # The longest a tick may take with the silent processes about (a tick is 53 ms; a loaded host is slow).
 MAX_TICK_S = 1.0
 
@@ -118,7 +132,7 @@ def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_
         tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen],
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
-    fake = build("fake_dotnet", ["-O1", "-Wall", "-Werror"])
+    fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
     coreclr = tmp_path / "dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so"
     coreclr.parent.mkdir(parents=True)
     coreclr.write_bytes(b"\0" * 4096)
@@ -181,3 +195,51 @@ def _status(d: DrivenReader, run_dir: Path) -> dict[str, int]:
 def _plugin(d: DrivenReader) -> dotnet.DotNet:
     (got,) = [r for r in d.reader.runtimes if isinstance(r, dotnet.DotNet)]
     return got
+
+
+def test_fake_jvms_with_huge_symbol_tables_cost_a_bounded_share_of_the_reader(
+        tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
+    fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
+    huge = symbol_table_elf(FAKE_JVM_SYMBOLS, tables=FAKE_JVM_TABLES)
+    files = []
+    for i in range(FAKE_JVMS):
+        (tmp_path / f"jvm{i}").mkdir()
+        files.append(tmp_path / f"jvm{i}" / "libjvm.so")
+        files[-1].write_bytes(huge)
+    (tmp_path / "forged").mkdir()
+    forged = tmp_path / "forged" / "libjvm.so"
+    forged.write_bytes(symbol_table_elf(10, claimed_bytes=1 << 40))
+    d = DrivenReader(tmp_path, runtime_stacks=("python_legacy", "jvm"))
+    try:
+        # Given processes mapping a fake libjvm.so with a huge .symtab each, one whose header claims a huge
+        # table, and an ordinary spinner announced after them
+        fakes = [start(started, [str(fake), "map", str(f), str(WORKLOAD_SECONDS)])[0] for f in files]
+        bad, _ = start(started, [str(fake), "map", str(forged), str(WORKLOAD_SECONDS)])
+        spin, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
+        go(spin)
+        d.announce(*(p.pid for p in fakes), bad.pid, spin.pid)
+        # When the reader ticks at its pace
+        began = time.monotonic()
+        ticks = 0
+        while time.monotonic() - began < FAKE_JVM_RUN_S:
+            t = time.monotonic()
+            d.tick()
+            ticks += 1
+            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))      # the reader's own pace
+        wall = time.monotonic() - began
+        # Then every fake was refused, each logged once
+        for p in [*fakes, bad]:
+            assert d.reader.targets.entries[p.pid].state == "refused", p.pid
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+            assert len([ln for ln in lines if "refused" in ln]) == 1, lines
+        # and the spinner kept most of the stacks it would have had at 19 a second
+        spun = _stacks_of(d, "spin")
+        assert spun >= FAKE_JVM_KEEP * 19 * wall, f"{spun} stacks of the spinner in {wall:.1f} s ({ticks} ticks)"
+        # and the checks that fired are counted by reason
+        status = _status(d, tmp_path)
+        assert status.get("refused_elf_symbols_over_cap") == 1, status
+        assert status["detect_slow"] >= 1, status
+    finally:
+        d.close()

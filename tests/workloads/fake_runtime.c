@@ -1,9 +1,12 @@
-/* A process the runtime reader takes for .NET 8: it maps a file named libcoreclr.so and listens on the
- * diagnostics socket a .NET process of its pid and start time would have, /tmp/dotnet-diagnostic-<pid>-<start
- * time>-socket. Then, as argv[1] says:
- *   silent: it never accepts a connection (a peer that never answers: issue 40, case 6);
- *   answer: it answers every command as .NET 8.0.4 does, OK (the bytes .NET 8.0.4 sent to EnablePerfMap).
- * Usage: fake_dotnet silent|answer PATH/libcoreclr.so SECONDS. Prints "ready <socket path>" once listening;
+/* A process the runtime reader takes for a runtime's: it maps the file argv[2] (a libcoreclr.so makes it
+ * .NET's, a libjvm.so a JVM's). Then, as argv[1] says:
+ *   map: nothing more (a fake libjvm.so with a huge .symtab: issue 40);
+ *   silent: it listens on the diagnostics socket a .NET process of its pid and start time would have,
+ *     /tmp/dotnet-diagnostic-<pid>-<start time>-socket, and never accepts a connection (a peer that never
+ *     answers: issue 40, case 6);
+ *   answer: it listens there and answers every command as .NET 8.0.4 does, OK (the bytes .NET 8.0.4 sent to
+ *     EnablePerfMap).
+ * Usage: fake_runtime map|silent|answer FILE SECONDS. Prints "ready" once it maps the file (and listens);
  * ends after SECONDS, or when its stdin closes (the test's end), removing its socket. */
 #include <fcntl.h>
 #include <poll.h>
@@ -23,7 +26,8 @@ static char sock_path[108];
 
 static void bye(int sig) {
     (void)sig;
-    unlink(sock_path);
+    if (sock_path[0])
+        unlink(sock_path);
     _exit(0);
 }
 
@@ -44,11 +48,11 @@ static unsigned long long start_ticks(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4 || (strcmp(argv[1], "silent") && strcmp(argv[1], "answer"))) {
-        fprintf(stderr, "usage: %s silent|answer PATH/libcoreclr.so SECONDS\n", argv[0]);
+    if (argc != 4 || (strcmp(argv[1], "map") && strcmp(argv[1], "silent") && strcmp(argv[1], "answer"))) {
+        fprintf(stderr, "usage: %s map|silent|answer FILE SECONDS\n", argv[0]);
         return 2;
     }
-    int answer = !strcmp(argv[1], "answer");
+    int answer = !strcmp(argv[1], "answer"), listening = strcmp(argv[1], "map");
     int fd = open(argv[2], O_RDONLY);
     if (fd < 0 || mmap(NULL, 4096, PROT_READ, MAP_PRIVATE, fd, 0) == MAP_FAILED) {
         perror(argv[2]);
@@ -58,15 +62,20 @@ int main(int argc, char **argv) {
     signal(SIGALRM, bye);
     signal(SIGTERM, bye);
     alarm((unsigned)atoi(argv[3]));            /* its own deadline */
-    int srv = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    strcpy(addr.sun_path, sock_path);
-    unlink(sock_path);
-    if (srv < 0 || bind(srv, (struct sockaddr *)&addr, sizeof(addr)) || listen(srv, 64)) {
-        perror(sock_path);
-        return 2;
+    int srv = -1;
+    if (listening) {
+        srv = socket(AF_UNIX, SOCK_STREAM, 0);
+        struct sockaddr_un addr = {.sun_family = AF_UNIX};
+        strcpy(addr.sun_path, sock_path);
+        unlink(sock_path);
+        if (srv < 0 || bind(srv, (struct sockaddr *)&addr, sizeof(addr)) || listen(srv, 64)) {
+            perror(sock_path);
+            return 2;
+        }
+    } else {
+        sock_path[0] = 0;                      /* nothing to remove */
     }
-    printf("ready %s\n", sock_path);
+    printf("ready\n");
     fflush(stdout);
     struct pollfd fds[2] = {{.fd = 0, .events = POLLIN}, {.fd = srv, .events = answer ? POLLIN : 0}};
     for (;;) {
