@@ -74,7 +74,7 @@ from ebpfprofiler.shared.wire import (
     WireError,
     decode,
 )
-from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
+from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
 
 # Processes read per tick at most; the others wait for the next tick (round robin).
 MAX_PROCESSES_PER_TICK = 64
@@ -265,7 +265,8 @@ class Reader:
                "tick_time_spent": self.stats["tick_time_spent"],
                "process_over_bytes": self.stats["process_over_bytes"],
                "process_over_time": self.stats["process_over_time"],
-               "detect_slow": self.targets.stats["detect_slow"], "read_errors": self.targets.stats["read_errors"]}
+               "detect_slow": self.targets.stats["detect_slow"], "read_errors": self.targets.stats["read_errors"],
+               "samples_over_service_cap": self.windows.samples_over_service_cap}
         out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
         for r in self.runtimes:
             own = getattr(r, "checks", None)
@@ -309,9 +310,7 @@ class Reader:
         base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
                               strip_process_args=self.cfg.strip_process_args)
         by_service = self.windows.services(profile_type, now_ns)
-        window = by_service.get(e.process.service)
-        if window is None:
-            window = by_service[e.process.service] = ServiceWindow()
+        window = self.windows.service_in(by_service, e.process.service)
         for st in stacks:
             if not st.frames:
                 continue

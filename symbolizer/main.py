@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import zmq
 
 from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, handoff, identity, lifecycle, ready, remote_config, stopping
+from ebpfprofiler.shared import counters, endpoints, handoff, identity, lifecycle, ready, remote_config, stopping
 from ebpfprofiler.shared import log as log_mod
 from ebpfprofiler.shared.labels import process_labels
 from ebpfprofiler.shared.stopping import stop_on_signals
@@ -103,7 +103,9 @@ class Worker:
         # A flush blocked on the uploader must still notice a stop.
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
         self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0,
-                      "unwind_batches_dropped": 0}
+                      "unwind_batches_dropped": 0, "samples_over_row_cap": 0}
+        # the checks that fired, for status (RUN_DIR/symbolizer-N.counters.json)
+        self.counters = counters.CounterFile(run_dir, f"symbolizer-{worker}")
         self._unwind_queue: deque[StackBatch] = deque()
         self._labels: dict[tuple[int, int], tuple[tuple[str, str], ...]] = {}
 
@@ -152,9 +154,7 @@ class Worker:
                 continue
             target = targets.get(s.pid)
             if target is None:
-                window = by_service.get(proc.service)
-                if window is None:
-                    window = by_service[proc.service] = ServiceWindow()
+                window = self.windows.service_in(by_service, proc.service)
                 target = targets[s.pid] = (self.labels(batch.host, proc), window)
             frames: tuple[Frame, ...] = ()
             if s.kernel_stack >= 0:
@@ -199,11 +199,20 @@ class Worker:
             self.sender.send(upload)
             self.stats["profiles"] += 1
             if w.data.truncated:
+                self.stats["samples_over_row_cap"] += w.data.truncated
                 log.warning("service %s window %d: %d samples summed into [truncated] (row cap)",
                             w.service, w.start_ns, w.data.truncated)
             log.info("profile %s %s of service %s, window %s: %d samples, %d bytes", upload.profile_id,
                      w.profile_type, w.service, handoff.window_text(upload),
                      sum(r[0] for r in w.data.rows.values()), len(gz))
+        self.counters.update(self.checks())
+
+    def checks(self) -> dict[str, int]:
+        """The checks on hostile input that fired since start, by reason."""
+        return {"bad_messages": self.stats["bad_messages"],
+                "unwind_batches_dropped": self.stats["unwind_batches_dropped"],
+                "samples_over_row_cap": self.stats["samples_over_row_cap"],
+                "samples_over_service_cap": self.windows.samples_over_service_cap}
 
     def set_interval(self, interval_s: int, why: str) -> None:
         """Windows of interval_s from now on; the windows in progress are handed out now."""
@@ -217,6 +226,7 @@ class Worker:
 
     def close(self) -> None:
         self.flush(list(self.windows.close_all()))
+        self.counters.update(self.checks(), force=True)
         self.sender.close(handoff.CLOSE_TIMEOUT_S)   # waits for the last acks; logs what it could not hand off
         if self.unwind is not None:
             self.unwind.close()

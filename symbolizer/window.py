@@ -11,11 +11,17 @@ boundary of the new length; windows after it are aligned as usual.
 A batch that arrives after its window was handed out is counted into the
 oldest window still open, never into a second profile of a closed window.
 
+Services per window are capped (MAX_SERVICES_PER_WINDOW): a process whose
+service would pass the cap has its samples summed into OTHER_SERVICES (with
+their own process labels), counted (samples_over_service_cap, when the window
+is handed out) and logged once per process.
+
 Must not: resolve frames or encode profiles.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
@@ -25,6 +31,14 @@ from typing import Any, Callable, Hashable, Iterator
 MAX_ROWS_PER_SERVICE_WINDOW = 100_000
 
 TRUNCATED: tuple[Hashable, ...] = ("[truncated]",)
+# Services in one window of one profile type (per symbolizer worker; in the runtime reader). A host
+# runs a few hundred at most (Kubernetes' default is 110 pods a node), each one profile and one upload
+# per window; a local user starting programs from many paths would otherwise grow both without bound.
+MAX_SERVICES_PER_WINDOW = 1_000
+# The service that stands for those past the cap; its samples keep their process labels.
+OTHER_SERVICES = "[other services]"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +83,8 @@ class Windows:
         self._closed_before = 0      # times before this belong to windows that were handed out
         self._since = 0              # the last change of length: no window starts before it
         self.late_batches = 0
+        self.samples_over_service_cap = 0   # summed into OTHER_SERVICES, counted as their windows close
+        self._cap_logged = False
 
     def window_start(self, time_ns: int) -> int:
         if time_ns < self._closed_before:
@@ -85,10 +101,23 @@ class Windows:
         return self._open[(profile_type, self.window_start(time_ns))]
 
     def service(self, profile_type: str, time_ns: int, service: str) -> ServiceWindow:
-        by_service = self.services(profile_type, time_ns)
+        return self.service_in(self.services(profile_type, time_ns), service)
+
+    def service_in(self, by_service: dict[str, ServiceWindow], service: str) -> ServiceWindow:
+        """`service`'s window in `by_service` (from services()), made if new; OTHER_SERVICES's once the
+        window holds MAX_SERVICES_PER_WINDOW services."""
         w = by_service.get(service)
         if w is None:
-            w = by_service[service] = ServiceWindow()
+            if len(by_service) >= MAX_SERVICES_PER_WINDOW:
+                if not self._cap_logged:
+                    self._cap_logged = True
+                    log.warning("more than %d services in one window: the samples of the rest are summed "
+                                "into %s (counted as samples_over_service_cap; logged once)",
+                                MAX_SERVICES_PER_WINDOW, OTHER_SERVICES)
+                service = OTHER_SERVICES
+                w = by_service.get(service)
+            if w is None:
+                w = by_service[service] = ServiceWindow()
         return w
 
     def close_due(self, now_ns: int, grace_ns: int) -> Iterator[ClosedWindow]:
@@ -126,4 +155,6 @@ class Windows:
             if cut_ns is not None and start < cut_ns < end:
                 end = cut_ns
             for service, data in self._open.pop(key).items():
+                if service == OTHER_SERVICES:
+                    self.samples_over_service_cap += sum(row[0] for row in data.rows.values())
                 yield ClosedWindow(profile_type, service, start, end, data)
