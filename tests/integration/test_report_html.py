@@ -202,3 +202,59 @@ def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, r
     r = chromium(f"--screenshot={shot}", driven.as_uri(), cwd=tmp_path)
     assert shot.exists() and shot.stat().st_size > 10_000, r.stderr[-3000:]
     print(f"screenshot: {shot}")
+
+
+NAMES_DRIVE = """
+<script>
+(function () {
+  function names() {
+    return Array.from(document.querySelectorAll("#chart g.frame")).map(function (g) { return g.getAttribute("name"); });
+  }
+  function finish() {
+    const pre = document.createElement("pre"); pre.id = "drive-result";
+    pre.textContent = JSON.stringify({names: names(), d3: typeof d3, flamegraph: typeof flamegraph,
+                                      scripts: document.scripts.length});
+    document.body.appendChild(pre);
+  }
+  let left = 10000;
+  (function poll() {
+    if (names().length > 4 || left <= 0) { finish(); } else { left -= 100; setTimeout(poll, 100); }
+  })();
+})();
+</script>
+"""
+
+
+def test_function_names_holding_the_template_markers_still_give_a_drawn_flame_graph(tmp_path: Path) -> None:
+    # Given a pprof whose function names are the template's markers, a closing script tag and escapes
+    markers = sorted(set(re.findall(r"@[A-Z0-9_]+@", (Path(__file__).parents[2] / "report" / "template.html")
+                                   .read_text())))
+    assert {"@D3_JS@", "@FLAMEGRAPH_CSS@", "@FLAMEGRAPH_JS@", "@DATA@"} <= set(markers)
+    hostile = [*markers, "</script><script>document.title='owned'</script>", "\x1b[2Jx\ny"]
+    b = pprof.ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
+                             10_000_000, 1_700_000_000_000_000_000, 2_000_000_000)
+    m = b.mapping("exe", "/usr/bin/hostile", "")
+    stack = ["main", *hostile]
+    locs = [b.location((n,), m, 0x1000 + i, [b.function(n)]) for i, n in enumerate(stack)]
+    b.sample(list(reversed(locs)), [5, 50_000_000], {"process.executable": "/usr/bin/hostile", "pid": "1"})
+    (tmp_path / "cpu-20261201T000000Z-1.pb.gz").write_bytes(b.gzipped())
+    # When `ebpfprofiler report` renders it
+    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "report", "cpu-20261201T000000Z-1.pb.gz",
+                        "-o", "report.html"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "report.html").read_text()
+    # Then the page keeps d3 and the flame graph (issue 40 case 1: they went into the data, and the page was blank)
+    assert page.count("<script") == 4, page.count("<script")
+    driven = tmp_path / "driven.html"
+    first_script = page.index("<script")
+    driven.write_text(page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", NAMES_DRIVE
+                                                                                      + "</body>"))
+    dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
+    found = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
+    assert found, f"the page did not run: {dom.stderr[-3000:]}"
+    got = json.loads(found.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">")
+                     .replace("&amp;", "&"))
+    # And Chromium draws every frame, each hostile name as that name
+    assert got["d3"] == "object" and got["flamegraph"] == "function", got
+    assert set(hostile) | {"main"} <= set(got["names"]), got["names"]
+    assert "<title>owned" not in dom.stdout
