@@ -332,7 +332,7 @@ class Collector:
             self.send(worker, batch)
             self.announcer.observe(batch.processes)
             if self.regs is not None:
-                self.regs.observe(batch.processes)
+                self.regs.observe(batch.processes, on_cpu=profile_type == self.oncpu.profile_type)
 
     def track_targets(self, source: TargetedSource, live: Sequence[int]) -> None:
         """Unwind tables for every module of each target of a DWARF-unwound source (lock waits),
@@ -426,7 +426,8 @@ class Collector:
         a = self.announcer.stats
         return {"mappings_cut": self.procs.stats["mappings_cut"], "mapping_tables_cut": self.procs.stats["tables_cut"],
                 "batches_split": self.totals["batches_split"], "batch_parts_unsendable": self.totals["parts_unsendable"],
-                "announcements_split": a["split"], "announcement_parts_unsendable": a["unsendable"]}
+                "announcements_split": a["split"], "announcement_parts_unsendable": a["unsendable"],
+                **(self.regs.checks() if self.regs is not None else {})}
 
     def send(self, worker: int, batch: StackBatch) -> None:
         """`batch` to `worker`: in parts of at most MAX_BATCH_BYTES when it is larger, never dropped whole."""

@@ -3,7 +3,10 @@
 Owns: which processes bpf/oncpu.c sends registers for (oncpu_regs_pids: a
 process that maps a file the registry names for a runtime that
 runtime_stacks turns on, such as libjvm.so, found in the mappings of the
-processes a drain saw; dropped when the process exits), taking the
+processes a drain saw; dropped when the process exits; a slot whose process
+had no on-CPU sample for IDLE_EVICT_S goes to a process that waits for one
+and has had on-CPU samples since, the eviction counted as squatting and
+logged once per process), taking the
 oncpu_regs ring buffer's records (RECORD: the C struct oncpu_regs_record),
 and publishing them to the runtime readers as RegsBatch messages on the
 announcer's socket, once a drain and whenever the program wakes the
@@ -11,7 +14,8 @@ collector (every ONCPU_REGS_WAKE_EVERY-th record). A record of a process no
 longer marked, or of a pid now naming another process, is dropped.
 
 Must not: read process memory or walk stacks (the runtime reader does, as
-the runtime user), or mark a process for any reason but its mappings' names.
+the runtime user), mark a process for any reason but its mappings' names, or
+change the BPF program (slots are given and taken back in its map, from here).
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ebpfprofiler.shared.log import LogOnce
 from ebpfprofiler.shared.procstat import start_ticks
 from ebpfprofiler.shared.wire import Process, RegsBatch, RegsSample
 
-# Processes marked at once: JVMs on one host; past it, a new one is not marked (logged, counted).
+# Processes marked at once: JVMs on one host; past it, a new one waits for a slot (logged, counted).
 ONCPU_REGS_PIDS = 1024
+# A marked process with no on-CPU sample for this long is squatting: its slot goes to a waiting process
+# that has had on-CPU samples since (a JVM at work is sampled many times a second; a newly marked process
+# gets this long to show it).
+IDLE_EVICT_S = 30.0
 # Stack bytes a record copies from sp up: a few compiled Java frames (48-200 bytes each) and the
 # interpreter's; deeper frames are read from the process later, by the runtime reader.
 ONCPU_REGS_STACK_BYTES = 1024
@@ -78,21 +87,33 @@ class RegsForwarder:
         self.host = host
         self._pids = bpf["oncpu_regs_pids"]
         self._marked: dict[int, int] = {}           # pid → start_ticks of the process marked
+        self._used: dict[int, float] = {}           # marked pid → time.monotonic() of its last on-CPU sample
+        self._paths: dict[int, str] = {}            # marked pid → the mapping it was marked for (the log)
+        # pid → (start_ticks, mapping, time.monotonic() of its last on-CPU sample): processes waiting for a slot
+        self._waiting: dict[int, tuple[int, str, float]] = {}
+        self._log_once = LogOnce(log)
         self._seen: dict[int, tuple[int, int]] = {}  # pid → (start_ticks, mappings) last looked at, unmarked
         self._pending: list[RegsSample] = []
         self._next_exit_check = time.monotonic() + EXIT_CHECK_S
-        self.stats = {"marked": 0, "unmarked": 0, "not_marked_full": 0, "records": 0, "sent": 0,
-                      "dropped_unmarked": 0, "dropped_pending": 0, "malformed": 0}
+        self.stats = {"marked": 0, "unmarked": 0, "not_marked_full": 0, "evicted_idle": 0, "records": 0,
+                      "sent": 0, "dropped_unmarked": 0, "dropped_pending": 0, "malformed": 0}
         bpf["oncpu_regs"].open_ring_buffer(self._on_record)
 
     def fd(self) -> int:
         """The ring buffer's descriptor: readable when the program woke the collector."""
         return int(self._bpf["oncpu_regs"].map_fd)
 
-    def observe(self, processes: Iterable[Process]) -> None:
-        """Processes of a drain: mark the new ones that map a file of the runtimes asked for."""
+    def observe(self, processes: Iterable[Process], on_cpu: bool = True) -> None:
+        """Processes of a drain (of on-CPU samples when `on_cpu`): mark the new ones that map a file of the
+        runtimes asked for; when every slot is taken, such a process with on-CPU samples waits for one, and
+        gets the slot of a marked process idle for IDLE_EVICT_S."""
+        now = time.monotonic()
         for p in processes:
-            if self._marked.get(p.pid) == p.start_ticks or not p.mappings:
+            if self._marked.get(p.pid) == p.start_ticks:
+                if on_cpu:
+                    self._used[p.pid] = now
+                continue
+            if not p.mappings:
                 continue
             if self._seen.get(p.pid) == (p.start_ticks, len(p.mappings)):
                 continue
@@ -105,14 +126,50 @@ class RegsForwarder:
             self._seen.pop(p.pid, None)
             if p.pid not in self._marked and len(self._marked) >= ONCPU_REGS_PIDS:
                 self.stats["not_marked_full"] += 1
+                if on_cpu and (p.pid in self._waiting or len(self._waiting) < ONCPU_REGS_PIDS):
+                    self._waiting[p.pid] = (p.start_ticks, path, now)
                 if self.stats["not_marked_full"] == 1:
-                    log.warning("registers with on-CPU samples: %d processes marked already; pid %d (%s) is not "
-                                "(its JIT frames stay unnamed in the cpu profile)", ONCPU_REGS_PIDS, p.pid, path)
+                    log.warning("registers with on-CPU samples: %d processes marked already; pid %d (%s) waits "
+                                "for the slot of one with no on-CPU sample for %.0f s (its JIT frames stay "
+                                "unnamed in the cpu profile until then)", ONCPU_REGS_PIDS, p.pid, path, IDLE_EVICT_S)
                 continue
-            self._pids[ctypes.c_uint32(p.pid)] = ctypes.c_uint8(1)
-            self._marked[p.pid] = p.start_ticks
-            self.stats["marked"] += 1
-            log.info("registers with on-CPU samples: pid %d (maps %s)", p.pid, path)
+            self._mark(p.pid, p.start_ticks, path, now)
+        self._give_slots(now)
+
+    def _mark(self, pid: int, ticks: int, path: str, now: float) -> None:
+        self._waiting.pop(pid, None)
+        self._pids[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        self._marked[pid] = ticks
+        self._used[pid] = now              # IDLE_EVICT_S from now to show that it runs
+        self._paths[pid] = path
+        self.stats["marked"] += 1
+        log.info("registers with on-CPU samples: pid %d (maps %s)", pid, path)
+
+    def _give_slots(self, now: float) -> None:
+        """Slots of squatting processes (no on-CPU sample for IDLE_EVICT_S) to waiting ones, the most
+        recently busy first; a waiting process not seen on a CPU for IDLE_EVICT_S is forgotten."""
+        for pid in [q for q, (_, _, seen) in self._waiting.items() if now - seen >= IDLE_EVICT_S]:
+            del self._waiting[pid]
+        for pid, (ticks, path, _) in sorted(self._waiting.items(), key=lambda kv: -kv[1][2]):
+            if self._marked.get(pid) == ticks or start_ticks(pid) != ticks:
+                del self._waiting[pid]     # marked already, or exited meanwhile
+                continue
+            if len(self._marked) >= ONCPU_REGS_PIDS:
+                idle = min(self._used, key=self._used.__getitem__)
+                if now - self._used[idle] < IDLE_EVICT_S:
+                    return                 # every holder ran within IDLE_EVICT_S: the others wait on
+                self.stats["evicted_idle"] += 1
+                self._log_once(("evicted", idle, self._marked[idle]), logging.WARNING,
+                               "registers with on-CPU samples: pid %d (maps %s) had no on-CPU sample for %.0f s: "
+                               "its slot goes to pid %d (maps %s), which runs (%d slots taken back so far, "
+                               "regs_evicted_idle in status)", idle, self._paths.get(idle, "?"),
+                               now - self._used[idle], pid, path, self.stats["evicted_idle"])
+                self._unmark(idle)
+            self._mark(pid, ticks, path, now)
+
+    def checks(self) -> dict[str, int]:
+        """The checks that fired, for the collector's status counters."""
+        return {"regs_not_marked_full": self.stats["not_marked_full"], "regs_evicted_idle": self.stats["evicted_idle"]}
 
     def _on_record(self, _ctx: object, data: int, size: int) -> None:
         self.stats["records"] += 1
@@ -125,6 +182,7 @@ class RegsForwarder:
         if ticks is None:
             self.stats["dropped_unmarked"] += 1
             return
+        self._used[pid] = time.monotonic()
         if n > size - RECORD.size:
             self.stats["malformed"] += 1
             return
@@ -143,6 +201,7 @@ class RegsForwarder:
             for pid, ticks in list(self._marked.items()):
                 if start_ticks(pid) != ticks:
                     self._unmark(pid)
+        self._give_slots(now)
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -157,6 +216,8 @@ class RegsForwarder:
         except KeyError:
             pass
         del self._marked[pid]
+        self._used.pop(pid, None)
+        self._paths.pop(pid, None)
         self.stats["unmarked"] += 1
 
     def close(self) -> None:

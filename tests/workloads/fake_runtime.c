@@ -1,6 +1,9 @@
 /* A process the runtime reader takes for a runtime's: it maps the file argv[2] (a libcoreclr.so makes it
- * .NET's, a libjvm.so a JVM's). Then, as argv[1] says:
+ * .NET's, a libjvm.so a JVM's), executable, as a runtime maps its library. Then, as argv[1] says:
  *   map: nothing more (a fake libjvm.so with a huge .symtab: issue 40);
+ *   burst: it runs on a CPU for BURST_MS, then sleeps (a fake JVM that takes a register-sampling slot and
+ *     sits on it: issue 40, case 8);
+ *   spin: it runs on a CPU until it ends (a busy process that needs a slot);
  *   silent: it listens on the diagnostics socket a .NET process of its pid and start time would have,
  *     /tmp/dotnet-diagnostic-<pid>-<start time>-socket, and never accepts a connection (a peer that never
  *     answers: issue 40, case 6);
@@ -23,6 +26,7 @@
 static const unsigned char OK_8_0_4[24] = {'D', 'O', 'T', 'N', 'E', 'T', '_', 'I', 'P', 'C', '_', 'V', '1', 0,
                                            24, 0, 0xff, 0, 0, 0, 0, 0, 0, 0};
 static char sock_path[108];
+#define BURST_MS 1000
 
 static void bye(int sig) {
     (void)sig;
@@ -48,13 +52,16 @@ static unsigned long long start_ticks(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4 || (strcmp(argv[1], "map") && strcmp(argv[1], "silent") && strcmp(argv[1], "answer"))) {
-        fprintf(stderr, "usage: %s map|silent|answer FILE SECONDS\n", argv[0]);
+    const char *mode = argv[1];
+    if (argc != 4 || (strcmp(mode, "map") && strcmp(mode, "burst") && strcmp(mode, "spin") &&
+                      strcmp(mode, "silent") && strcmp(mode, "answer"))) {
+        fprintf(stderr, "usage: %s map|burst|spin|silent|answer FILE SECONDS\n", argv[0]);
         return 2;
     }
-    int answer = !strcmp(argv[1], "answer"), listening = strcmp(argv[1], "map");
+    int answer = !strcmp(mode, "answer"), listening = !strcmp(mode, "silent") || answer;
+    int spin = !strcmp(mode, "spin") || !strcmp(mode, "burst");
     int fd = open(argv[2], O_RDONLY);
-    if (fd < 0 || mmap(NULL, 4096, PROT_READ, MAP_PRIVATE, fd, 0) == MAP_FAILED) {
+    if (fd < 0 || mmap(NULL, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, fd, 0) == MAP_FAILED) {
         perror(argv[2]);
         return 2;
     }
@@ -78,8 +85,18 @@ int main(int argc, char **argv) {
     printf("ready\n");
     fflush(stdout);
     struct pollfd fds[2] = {{.fd = 0, .events = POLLIN}, {.fd = srv, .events = answer ? POLLIN : 0}};
+    struct timespec began;
+    clock_gettime(CLOCK_MONOTONIC, &began);
     for (;;) {
-        if (poll(fds, 2, -1) < 0)
+        if (spin && !strcmp(mode, "burst")) {
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            spin = (now.tv_sec - began.tv_sec) * 1000 + (now.tv_nsec - began.tv_nsec) / 1000000 < BURST_MS;
+        }
+        if (spin)                              /* ~10 ms of CPU between looks at stdin */
+            for (volatile unsigned long i = 0; i < 5000000; i++)
+                ;
+        if (poll(fds, 2, spin ? 0 : -1) < 0)
             continue;
         if (fds[0].revents) {                  /* stdin closed (or written to): the test is over */
             char c;
