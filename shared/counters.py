@@ -3,7 +3,7 @@
 Owns: RUN_DIR/<stage>.counters.json, {"version", "stage", "pid", "time_ns",
 "counters": {reason: count since the stage started}}, written whole
 (shared/files.write_atomic) when a count changed, at most every WRITE_GAP_S
-and at a stage's close; and reading those files back as untrusted input of
+(a change within it waits for the next count or flush) and at a stage's close; and reading those files back as untrusted input of
 bounded size (cli/status.py prints the ones whose stage still runs).
 
 Must not: decide what is counted, or log (the stage that counts logs once per
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -40,29 +41,48 @@ def path(run_dir: str, stage: str) -> str:
 
 
 class CounterFile:
-    """The counters file of one stage."""
+    """The counters file of one stage; counts may come from several threads."""
 
     def __init__(self, run_dir: str, stage: str, clock: Any = time.monotonic) -> None:
         self.path = path(run_dir, stage)
         self.stage = stage
         self._clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
         self._written: dict[str, int] | None = None
         self._at = float("-inf")
 
+    def count(self, reason: str, n: int = 1) -> None:
+        """One more (or `n` more) of `reason`; written as update() writes."""
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + n
+        self.flush()
+
     def update(self, counters: Mapping[str, int], force: bool = False) -> None:
-        """Write `counters` if they changed and WRITE_GAP_S has passed since the last write (or `force`)."""
-        now = self._clock()
-        current = {k: int(v) for k, v in counters.items()}
-        if current == self._written or (not force and now - self._at < WRITE_GAP_S):
-            return
-        doc = {"version": VERSION, "stage": self.stage, "pid": os.getpid(), "time_ns": time.time_ns(),
-               "counters": dict(sorted(current.items()))}
-        try:
-            files.write_atomic(self.path, json.dumps(doc).encode() + b"\n", mode=0o644)
-        except OSError as e:
-            log.warning("cannot write %s: %s", self.path, e.strerror)
-            return
-        self._written, self._at = current, now
+        """Set these counts (since the stage started) and write as flush() does."""
+        with self._lock:
+            self._counts.update({k: int(v) for k, v in counters.items()})
+        self.flush(force)
+
+    def flush(self, force: bool = False) -> None:
+        """Write the counts if they changed and WRITE_GAP_S has passed since the last write (or `force`)."""
+        with self._lock:
+            now = self._clock()
+            current = dict(self._counts)
+            if current == self._written or (not force and now - self._at < WRITE_GAP_S):
+                return
+            doc = {"version": VERSION, "stage": self.stage, "pid": os.getpid(), "time_ns": time.time_ns(),
+                   "counters": dict(sorted(current.items()))}
+            try:
+                files.write_atomic(self.path, json.dumps(doc).encode() + b"\n", mode=0o644)
+            except OSError as e:
+                log.warning("cannot write %s: %s", self.path, e.strerror)
+                return
+            self._written, self._at = current, now
+
+    def get(self, reason: str) -> int:
+        with self._lock:
+            return self._counts.get(reason, 0)
 
 
 def read_all(run_dir: str) -> dict[str, dict[str, int]]:

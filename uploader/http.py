@@ -6,7 +6,10 @@ else here is the same for every format. Also the one GET of the agent config
 (shared.config's agent_config_url), with the same TLS, token and timeouts.
 
 Owns: the client side of the upload (docs/upload-api.md, docs/backends.md): the
-bearer token, TLS verification, connect and read timeouts, how an answer is
+bearer token, TLS verification, connect and read timeouts and the overall
+deadline of a request (request_deadline_s: a timer shuts the client's sockets
+when it passes, so a backend that trickles its reply, or reads the body a byte
+at a time, cannot hold a request open), how an answer is
 classified (delivered, with what the format read from a 2xx reply; retry
 later; never), and how long to wait before the next attempt (exponential
 backoff with jitter, a numeric Retry-After honoured up to a cap). Also reading
@@ -27,11 +30,19 @@ import json
 import logging
 import os
 import random
+import socket
 import stat
+import threading
+import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import requests
+import requests.adapters
 import requests.auth
+import urllib3
+import urllib3.connection
 
 from ebpfprofiler.shared.config import AGENT_CONFIG_PATH
 from ebpfprofiler.shared.handoff import cut
@@ -45,6 +56,11 @@ BACKOFF_ENV = "EBPFPROFILER_UPLOAD_BACKOFF_S"
 
 # A backend that cannot accept a TCP connection in this long is down for us.
 CONNECT_TIMEOUT_S = 5.0
+# A whole request (connect, sending the body, the reply) ends within the connect timeout plus this many
+# read timeouts (upload_timeout_s). The read timeout bounds each recv only: a backend that sent a byte a
+# second held an upload open forever. An honest backend answers within one read timeout of the body's
+# end; the rest is for sending the body (a 32 MiB profile at ~3 Mbit/s at the default 30 s).
+DEADLINE_READ_TIMEOUTS = 4
 # First wait between attempts; it doubles per attempt (1 s, 2 s, 4 s …) with jitter.
 DEFAULT_BACKOFF_BASE_S = 1.0
 # No single wait between attempts is longer than this, whatever the backoff says.
@@ -61,6 +77,11 @@ MAX_TOKEN_BYTES = 16 << 10
 MAX_AGENT_CONFIG_BYTES = 64 << 10
 
 RETRY_STATUSES = frozenset({408, 429})   # and every 5xx
+
+
+def request_deadline_s(read_timeout_s: float) -> float:
+    """Seconds a whole request may take, for a read timeout of `read_timeout_s`."""
+    return CONNECT_TIMEOUT_S + DEADLINE_READ_TIMEOUTS * read_timeout_s
 
 
 class TokenError(ValueError):
@@ -136,6 +157,9 @@ class Outcome:
     reached: bool = True              # False: no connection (nothing about this profile was learnt)
     rejected: int = 0                 # a 2xx whose reply says this many profiles were refused for good (OTLP)
     note: str = ""                    # what the 2xx reply said beyond "stored"
+    # Why it failed, as a status counter: deadline, connect_timeout, read_timeout, unreachable,
+    # http_retry (a 408, 429 or 5xx), refused (another status), unsendable, bad_request.
+    cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,21 +185,105 @@ class _Bearer(requests.auth.AuthBase):
         return "_Bearer(<hidden>)"
 
 
+class _Sockets:
+    """The sockets of one client's connections (weakly held), so that a deadline can end a request
+    blocked in a send or a recv on one of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+    def add(self, sock: socket.socket | None) -> None:
+        if sock is not None:
+            with self._lock:
+                self._socks.add(sock)
+
+    def shut(self) -> None:
+        """Shut every one down: a blocked send or recv returns at once (the connection is not reused)."""
+        with self._lock:
+            socks = list(self._socks)
+        for sock in socks:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)   # the descriptor's, under TLS too
+            except OSError:
+                pass     # closed already
+
+
+def _adapter(sockets: _Sockets) -> requests.adapters.HTTPAdapter:
+    """requests' adapter, with connections that hand their sockets to `sockets` as they connect."""
+
+    class Http(urllib3.connection.HTTPConnection):
+        def connect(self) -> None:
+            super().connect()
+            sockets.add(self.sock)
+
+    class Https(urllib3.connection.HTTPSConnection):
+        def connect(self) -> None:
+            super().connect()
+            sockets.add(self.sock)
+
+    class HttpPool(urllib3.HTTPConnectionPool):
+        ConnectionCls = Http
+
+    class HttpsPool(urllib3.HTTPSConnectionPool):
+        ConnectionCls = Https
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = {"http": HttpPool, "https": HttpsPool}
+
+    return Adapter()
+
+
+class _Deadline:
+    """The deadline of one request: when it passes, the client's sockets are shut."""
+
+    def __init__(self, seconds: float, sockets: _Sockets) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.passed = threading.Event()
+        self._sockets = sockets
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def _expire(self) -> None:
+        self.passed.set()
+        self._sockets.shut()
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._timer.cancel()
+
+    def over(self) -> bool:
+        return self.passed.is_set() or time.monotonic() >= self.at
+
+
 class HttpClient:
     """Posts profiles to one backend; one attempt per post() call.
 
     One requests.Session per client, used from one thread: the sender and the
-    remote config fetcher each have a client of their own."""
+    remote config fetcher each have a client of their own. Every request ends
+    within deadline_s (request_deadline_s of the read timeout unless given)."""
 
     def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "",
-                 upload_format: UploadFormat | None = None, agent_config_url: str | None = None) -> None:
+                 upload_format: UploadFormat | None = None, agent_config_url: str | None = None,
+                 deadline_s: float | None = None) -> None:
         self.format: UploadFormat = upload_format or PprofFormat()
         self.url = endpoint.rstrip("/") + self.format.path
         # None: our backend's document under the endpoint (shared.config.agent_config_url decides for a stage).
         self.agent_config_url = (endpoint.rstrip("/") + AGENT_CONFIG_PATH if agent_config_url is None
                                  else agent_config_url)
         self.read_timeout_s = read_timeout_s
+        self.deadline_s = request_deadline_s(read_timeout_s) if deadline_s is None else deadline_s
         self._session = requests.Session()
+        self._sockets = _Sockets()
+        adapter = _adapter(self._sockets)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
         self._session.headers["User-Agent"] = user_agent()
         # Certificates are always verified; a CA file replaces the system's CAs. It is passed
         # with each request: a session-wide verify loses to REQUESTS_CA_BUNDLE in the environment.
@@ -195,33 +303,45 @@ class HttpClient:
         try:
             req = self.format.request(upload)
         except FormatError as e:   # the same profile gives the same error on every attempt
-            return Outcome(False, False, f"cannot be sent as {self.format.name}: {_cut(str(e))}")
-        try:
-            resp = self._session.post(
-                self.url, params=req.params, headers=req.headers, data=req.body,
-                timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
-                verify=self._verify, auth=self._auth,
-            )
-        except requests.Timeout as e:
-            what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
-            limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
-            return Outcome(False, True, f"no {what} within {limit:g}s ({type(e).__name__})",
-                           reached=what == "read")
-        except requests.ConnectionError as e:   # refused, reset, DNS, TLS verification
-            return Outcome(False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False)
-        except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
-            return Outcome(False, False, f"{type(e).__name__}: {_cut(_cause(e))}")
-        head = bytearray()
-        try:
-            # A body read to its end lets the session reuse the connection; a longer one is cut off.
-            for chunk in resp.iter_content(chunk_size=1024):
-                head += chunk
-                if len(head) >= MAX_RESPONSE_BYTES:
-                    break
-        except (requests.RequestException, OSError):
-            pass   # a broken reply body does not change its status
-        finally:
-            resp.close()
+            return Outcome(False, False, f"cannot be sent as {self.format.name}: {_cut(str(e))}", cause="unsendable")
+        with _Deadline(self.deadline_s, self._sockets) as deadline:
+            try:
+                resp = self._session.post(
+                    self.url, params=req.params, headers=req.headers, data=req.body,
+                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
+                    verify=self._verify, auth=self._auth,
+                )
+            except requests.Timeout as e:
+                if deadline.over():
+                    return self._over(deadline)
+                what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
+                limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
+                return Outcome(False, True, f"no {what} within {limit:g}s ({type(e).__name__})",
+                               reached=what == "read", cause=f"{what}_timeout")
+            except requests.ConnectionError as e:   # refused, reset, DNS, TLS verification
+                if deadline.over():
+                    return self._over(deadline)
+                return Outcome(False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False,
+                               cause="unreachable")
+            except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
+                if deadline.over():
+                    return self._over(deadline)
+                return Outcome(False, False, f"{type(e).__name__}: {_cut(_cause(e))}", cause="bad_request")
+            head = bytearray()
+            try:
+                # A body read to its end lets the session reuse the connection; a longer one is cut off.
+                for chunk in resp.iter_content(chunk_size=1024):
+                    head += chunk
+                    if len(head) >= MAX_RESPONSE_BYTES or deadline.over():
+                        break
+            except (requests.RequestException, OSError):
+                pass   # a broken reply body does not change its status
+            finally:
+                resp.close()
+            if deadline.over():
+                # Whatever the status said: a reply not read whole in time is retried (the backend stores
+                # a profile once by its id), and the profile stays spooled meanwhile.
+                return self._over(deadline, resp.status_code)
         status = resp.status_code
         if 200 <= status < 300:
             accepted = self.format.accepted(bytes(head), resp.headers.get("Content-Type", ""))
@@ -231,32 +351,44 @@ class HttpClient:
             reason += f" (redirect to {resp.headers.get('Location', '?')!r}; set endpoint to the final URL)"
         retry = status in RETRY_STATUSES or 500 <= status < 600
         retry_after = _retry_after(resp.headers.get("Retry-After")) if retry else None
-        return Outcome(False, retry, reason, status, retry_after)
+        return Outcome(False, retry, reason, status, retry_after, cause="http_retry" if retry else "refused")
+
+    def _over(self, deadline: _Deadline, status: int | None = None) -> Outcome:
+        said = f" (it had answered HTTP {status}, then sent its reply too slowly)" if status is not None else ""
+        return Outcome(False, True, f"over the request deadline of {deadline.seconds:g}s{said}", cause="deadline")
 
     def get_agent_config(self, host: str) -> ConfigReply:
         """One GET of {endpoint}/v1/agent-config?host=H: its JSON document, no remote settings (404), or why not."""
-        try:
-            resp = self._session.get(
-                self.agent_config_url, params={"host": host}, headers={"Accept": "application/json"},
-                timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
-                verify=self._verify, auth=self._auth,
-            )
-        except requests.Timeout as e:
-            what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
-            limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
-            return ConfigReply(False, reason=f"no {what} within {limit:g}s ({type(e).__name__})")
-        except requests.RequestException as e:
-            return ConfigReply(False, reason=f"{type(e).__name__}: {_cut(_cause(e))}")
-        body = bytearray()
-        try:
-            for chunk in resp.iter_content(chunk_size=4096):
-                body += chunk
-                if len(body) > MAX_AGENT_CONFIG_BYTES:
-                    break
-        except (requests.RequestException, OSError) as e:
-            return ConfigReply(False, reason=f"reply broken off: {type(e).__name__}", status=resp.status_code)
-        finally:
-            resp.close()
+        with _Deadline(self.deadline_s, self._sockets) as deadline:
+            try:
+                resp = self._session.get(
+                    self.agent_config_url, params={"host": host}, headers={"Accept": "application/json"},
+                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
+                    verify=self._verify, auth=self._auth,
+                )
+            except requests.Timeout as e:
+                if deadline.over():
+                    return ConfigReply(False, reason=self._over(deadline).reason)
+                what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
+                limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
+                return ConfigReply(False, reason=f"no {what} within {limit:g}s ({type(e).__name__})")
+            except requests.RequestException as e:
+                if deadline.over():
+                    return ConfigReply(False, reason=self._over(deadline).reason)
+                return ConfigReply(False, reason=f"{type(e).__name__}: {_cut(_cause(e))}")
+            body = bytearray()
+            try:
+                for chunk in resp.iter_content(chunk_size=4096):
+                    body += chunk
+                    if len(body) > MAX_AGENT_CONFIG_BYTES or deadline.over():
+                        break
+            except (requests.RequestException, OSError) as e:
+                if not deadline.over():
+                    return ConfigReply(False, reason=f"reply broken off: {type(e).__name__}", status=resp.status_code)
+            finally:
+                resp.close()
+            if deadline.over():
+                return ConfigReply(False, reason=self._over(deadline, resp.status_code).reason, status=resp.status_code)
         status = resp.status_code
         if status == 404:
             return ConfigReply(True, None, "HTTP 404: no remote settings", status)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from ebpfprofiler.shared import endpoints, lifecycle, ready, remote_config, stopping
+from ebpfprofiler.shared import counters, endpoints, lifecycle, ready, remote_config, stopping
 from ebpfprofiler.shared import log as shared_log
 from ebpfprofiler.shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
 from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload
@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
             log.error("cannot use the spool in %s: %s", spool.directory, e)
             return 1
         store = spool
-        sender = Sender(spool, client, log, backoff_base_s())
+        sender = Sender(spool, client, log, backoff_base_s(), counters.CounterFile(args.run_dir, STAGE))
         where = (f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
-                 f"{cfg.upload_timeout_s} s) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)")
+                 f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)")
         if token and cfg.endpoint.startswith("http://"):
             log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
 
@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         if sender is not None and client is not None:
             if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
                 log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
+            if sender.checks is not None:
+                sender.checks.flush(force=True)
             client.close()
             s = spool.counts
             log.info("exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "

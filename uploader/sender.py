@@ -11,7 +11,9 @@ retried, as the OTLP specification asks. While the backend cannot be
 reached, the oldest profile stays first in line, so when it is back the
 backlog flows oldest first; a profile the backend answered with a retryable
 error (or did not answer in time) also waits out its own backoff, so one bad
-profile cannot hold up the rest.
+profile cannot hold up the rest. Every failed attempt is counted by its cause
+(http.Outcome.cause: deadline, read_timeout, ...) in the uploader's counters
+file (shared/counters.py), which `ebpfprofiler status` prints.
 
 Retry state (attempts, next attempt time) lives in memory only; the spool
 itself survives restarts, so a profile is retried by the next run too.
@@ -27,6 +29,7 @@ import threading
 import time
 from collections import Counter
 
+from ebpfprofiler.shared.counters import CounterFile
 from ebpfprofiler.shared.handoff import window_text
 from ebpfprofiler.shared.wire import ProfileUpload
 from ebpfprofiler.uploader.http import HttpClient, backoff_delay
@@ -41,12 +44,14 @@ ERROR_PAUSE_S = 5.0
 class Sender:
     """Posts what is in the spool from its own thread."""
 
-    def __init__(self, spool: Spool, client: HttpClient, log: logging.Logger, backoff_base_s: float) -> None:
+    def __init__(self, spool: Spool, client: HttpClient, log: logging.Logger, backoff_base_s: float,
+                 checks: CounterFile | None = None) -> None:
         self.spool = spool
         self.client = client
         self.log = log
         self.backoff_base_s = backoff_base_s
         self.counts: Counter[str] = Counter()
+        self.checks = checks     # failed attempts by cause, for status
         self._stopping = threading.Event()
         self._final_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
@@ -75,6 +80,8 @@ class Sender:
         failures = 0            # consecutive retryable failures, any profile
         pause_until = 0.0
         while True:
+            if self.checks is not None:
+                self.checks.flush()
             now = time.monotonic()
             stopping = self._stopping.is_set()
             if stopping and now >= self._final_deadline:
@@ -119,6 +126,10 @@ class Sender:
             self.log.debug("uploaded profile %s service=%r type=%s window=%s on attempt %d", upload.profile_id,
                            upload.service, upload.profile_type, window_text(upload), entry.attempts)
             return 0, pause_until
+        if outcome.cause:
+            self.counts[outcome.cause] += 1
+            if self.checks is not None:
+                self.checks.count(outcome.cause)
         if outcome.retry:
             failures += 1
             self.counts["failed_attempts"] += 1
