@@ -500,3 +500,37 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
     missing = set(range(first, last + w, w)) - have
     assert missing <= allowed, f"windows missing beyond those in progress: {sorted(missing - allowed)}"
     assert len(missing) <= len(allowed)
+
+
+# ---------------------------------------------------------------- a backend that trickles its reply
+
+def test_a_backend_trickling_its_reply_is_given_up_at_the_deadline_and_the_profile_stays_spooled(
+        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
+    """Issue 40, case 10: a 200's headers, then a byte every 0.3 s forever, never trip the 1-s read timeout."""
+    from ebpfprofiler.shared import counters
+    from ebpfprofiler.uploader.http import request_deadline_s
+    from tests.unit.test_upload_deadline import SlowBackend
+
+    backend = SlowBackend("reply")
+    try:
+        # given an uploader with a 1-s read timeout (deadline 9 s) posting to that backend
+        u = launch_uploader(workdir, http_config(workdir, backend.url, upload_timeout_s=1), env=FAST_BACKOFF)
+        procs.append(u)
+        worker = TestWorker(u.run_dir, zctx)
+        upload = make_upload("/usr/bin/slow")
+        worker.send(upload)
+        worker.wait_acked()
+        start = time.monotonic()
+        # when it posts, then the attempt is given up at the deadline, logged with its cause
+        deadline_s = request_deadline_s(1)
+        wait_for("the deadline", lambda: "over the request deadline" in u.log(), timeout=deadline_s + 20)
+        assert time.monotonic() - start <= deadline_s + 10
+        # and the profile stays in the spool, and the uploader's counters say why
+        assert len(u.spooled()) == 1
+        wait_for("the counter", lambda: counters.read_all(str(u.run_dir)).get("uploader", {}).get("deadline", 0) >= 1,
+                 timeout=10)
+        assert u.stop() == 0
+        assert len(u.spooled()) == 1
+        worker.close()
+    finally:
+        backend.stop()
