@@ -52,9 +52,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.collector.alloc import BURST_PERIOD_S
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import DEFAULT_ALLOC_DUTY_PCT
+from collector.alloc import BURST_PERIOD_S
+from shared import pprof
+from shared.config import DEFAULT_ALLOC_DUTY_PCT
 
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats, run_workload

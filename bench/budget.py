@@ -48,7 +48,7 @@ from bench import bpf, procs
 from bench.offcpu import build as build_pingpong
 from bench.overhead import BpfccProfiler, PerfProfiler, bpf_totals, kernel_stats
 from bench.procs import BenchError
-from ebpfprofiler.collector.overhead import START_UP, read_proc
+from collector.overhead import START_UP, read_proc
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds after start before measuring: past the first window boundary (at most upload_interval_s,

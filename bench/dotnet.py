@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.runtimes import dotnet
-from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, Served
+from runtimes import dotnet
+from runtimes.runtime import FileCache, ProcessContext, Served
 
 from bench import procs, stats
 from bench.procs import BenchError

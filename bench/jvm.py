@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.collector.procfs import read_process
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.runtimes.main import Reader
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import ProcessAnnouncement
+from collector.procfs import read_process
+from shared import pprof
+from runtimes.main import Reader
+from shared.config import ProfilerConfig
+from shared.wire import ProcessAnnouncement
 
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats

@@ -33,12 +33,12 @@ def _timing_constants() -> dict[str, float]:
     """The pipeline's drain interval and window grace, from its code (fallbacks if renamed)."""
     out = {"drain_interval_s": 1.0, "window_grace_s": 2.5, "symbolizer_poll_s": 0.25}
     try:
-        from ebpfprofiler.collector import main as collector_main
+        from collector import main as collector_main
         out["drain_interval_s"] = float(getattr(collector_main, "DRAIN_INTERVAL_S", 1.0))
     except Exception:
         pass
     try:
-        from ebpfprofiler.symbolizer import main as symbolizer_main
+        from symbolizer import main as symbolizer_main
         out["window_grace_s"] = float(getattr(symbolizer_main, "WINDOW_GRACE_S", 2.5))
         out["symbolizer_poll_s"] = float(getattr(symbolizer_main, "POLL_MS", 250)) / 1000
     except Exception:

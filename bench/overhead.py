@@ -48,8 +48,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.collector.bpfstats import RunTimeStats
-from ebpfprofiler.shared import pprof
+from collector.bpfstats import RunTimeStats
+from shared import pprof
 
 from bench import bpf, peer, procs, stats
 from bench.pipeline import Pipeline

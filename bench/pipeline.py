@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared import pprof
+from shared import config as config_mod
+from shared import endpoints
+from shared import pprof
 
 from bench import bpf, procs
 from bench.procs import BenchError
@@ -69,7 +69,7 @@ class Pipeline:
         t0 = time.monotonic()
         with open(self.log_path, "w") as log:
             self.proc = procs.start(
-                [sys.executable, "-m", "ebpfprofiler.cli.main", "run", "--config", str(self.config_path),
+                [sys.executable, "-m", "cli.main", "run", "--config", str(self.config_path),
                  "--run-dir", str(self.run_dir), "--state-dir", str(self.workdir / "state")],
                 stdout=log, stderr=log)
         procs.wait_for("every pipeline stage to be ready", self._all_ready, READY_TIMEOUT_S)

@@ -15,8 +15,8 @@ import subprocess
 import time
 from typing import Callable, Sequence, TypeVar
 
-from ebpfprofiler.shared import polling
-from ebpfprofiler.shared.procstat import read_stat, start_ticks, stat_fields
+from shared import polling
+from shared.procstat import read_stat, start_ticks, stat_fields
 
 T = TypeVar("T")
 

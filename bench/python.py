@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.shared import pprof
+from shared import pprof
 
 from bench import procs, stats
 from bench.pipeline import Pipeline

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.collector.procfs import read_process
-from ebpfprofiler.runtimes.main import Reader
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import ProcessAnnouncement
+from collector.procfs import read_process
+from runtimes.main import Reader
+from shared.config import ProfilerConfig
+from shared.wire import ProcessAnnouncement
 
 from bench import procs, stats
 from bench.procs import BenchError

@@ -35,11 +35,11 @@ from typing import Callable
 
 import zmq
 
-from ebpfprofiler.collector.filebroker import FileBroker
-from ebpfprofiler.collector.routing import worker_for
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, privileges
-from ebpfprofiler.shared.wire import StackBatch, decode, encode
+from collector.filebroker import FileBroker
+from collector.routing import worker_for
+from shared import config as config_mod
+from shared import endpoints, privileges
+from shared.wire import StackBatch, decode, encode
 
 from bench import bpf, procs, stats
 from bench.procs import BenchError
@@ -103,7 +103,7 @@ class ScalingBench:
             pull.bind(endpoints.symbolizer(str(run_dir), 0))
         finally:
             os.umask(old)
-        collector = procs.start([sys.executable, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
+        collector = procs.start([sys.executable, "-m", "collector.main", "--config", str(cfg),
                                  "--run-dir", str(run_dir)], stderr=open(tmp / "record-collector.log", "w"))
         batches: list[StackBatch] = []
         try:
@@ -164,9 +164,9 @@ class ScalingBench:
             broker = FileBroker(str(run_dir), allowed_uids={privileges.ids("symbolizer")[0]})
         finally:
             os.umask(old)
-        stages = [procs.start([sys.executable, "-m", "ebpfprofiler.uploader.main", "--config", str(cfg),
+        stages = [procs.start([sys.executable, "-m", "uploader.main", "--config", str(cfg),
                                "--run-dir", str(run_dir), "--state-dir", str(state / "uploader")])]
-        stages += [procs.start([sys.executable, "-m", "ebpfprofiler.symbolizer.main", "--config", str(cfg),
+        stages += [procs.start([sys.executable, "-m", "symbolizer.main", "--config", str(cfg),
                                 "--run-dir", str(run_dir), "--state-dir", str(state / "symbolizer"),
                                 "--worker", str(w)]) for w in range(workers)]
         ctx = zmq.Context()

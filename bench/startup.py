@@ -46,7 +46,7 @@ from bench import bpf, host, procs
 from bench.procs import BenchError
 from bench.report import _mmm
 from bench.stats import summary
-from ebpfprofiler.shared import endpoints
+from shared import endpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 EBPFPROFILER = str(ROOT / ".venv" / "bin" / "ebpfprofiler")

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from ebpfprofiler.symbolizer import cfi
+from symbolizer import cfi
 from elftools.dwarf.callframe import FDE
 from elftools.elf.elffile import ELFFile
 
@@ -37,7 +37,7 @@ PEER_MODULE = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the (large) parent across fork and exec.
 _MEMORY_PROBE = """
 import json, sys
-from ebpfprofiler.symbolizer import cfi
+from symbolizer import cfi
 def hwm():
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])

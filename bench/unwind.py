@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ebpfprofiler.shared import pprof
+from shared import pprof
 
 from bench import bpf, procs, stats
 from bench.pipeline import PROGRAM_NAME, Pipeline

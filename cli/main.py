@@ -14,15 +14,15 @@ import sys
 
 # subcommand → (module with main(argv) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("ebpfprofiler.cli.run", "profile this host: start and supervise every stage in the foreground"),
-    "collector": ("ebpfprofiler.collector.main", "the root stage: BPF programs, /proc discovery, stack batches"),
-    "symbolizer": ("ebpfprofiler.symbolizer.main", "a symbolizer worker: names frames, builds one pprof per service"),
-    "uploader": ("ebpfprofiler.uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
-    "runtime": ("ebpfprofiler.runtimes.main", "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)"),
-    "receiver": ("ebpfprofiler.receiver.server", "a reference backend implementing POST /v1/profiles"),
-    "record": ("ebpfprofiler.cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
-    "report": ("ebpfprofiler.cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
-    "status": ("ebpfprofiler.cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
+    "run": ("cli.run", "profile this host: start and supervise every stage in the foreground"),
+    "collector": ("collector.main", "the root stage: BPF programs, /proc discovery, stack batches"),
+    "symbolizer": ("symbolizer.main", "a symbolizer worker: names frames, builds one pprof per service"),
+    "uploader": ("uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
+    "runtime": ("runtimes.main", "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)"),
+    "receiver": ("receiver.server", "a reference backend implementing POST /v1/profiles"),
+    "record": ("cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
+    "report": ("cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
+    "status": ("cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
 }
 
 

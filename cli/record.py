@@ -28,13 +28,13 @@ import tempfile
 import time
 from typing import Sequence, TextIO
 
-from ebpfprofiler.cli import status
-from ebpfprofiler.cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
-from ebpfprofiler.report import profiles as profiles_mod
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import files, privileges, procstat, ready
-from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared.stopping import stop_on_signals
+from cli import status
+from cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
+from report import profiles as profiles_mod
+from shared import config as config_mod
+from shared import files, privileges, procstat, ready
+from shared import log as log_mod
+from shared.stopping import stop_on_signals
 
 # Windows this long: profiles (and the progress line's figures) arrive every few seconds.
 WINDOW_S = 2
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in
             # order; and a SIGTERM to `run` if this process is killed outright (else the agent, its BPF
             # programs and its perf events would run on with nobody to stop them)
-            child = subprocess.Popen([sys.executable, "-m", "ebpfprofiler.cli.main", "run", "--config", config,
+            child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config,
                                       "--run-dir", run_dir, "--state-dir", state_dir],
                                      stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)

@@ -12,8 +12,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from ebpfprofiler.report import html, profiles
-from ebpfprofiler.shared import files
+from report import html, profiles
+from shared import files
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler report") -> int:

@@ -42,12 +42,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ebpfprofiler.shared.stage_code import default_bpf_dir
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, files, privileges, ready, runlock, stage_code
-from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared import stopping
-from ebpfprofiler.shared.stopping import stop_on_signals
+from shared.stage_code import default_bpf_dir
+from shared import config as config_mod
+from shared import endpoints, files, privileges, ready, runlock, stage_code
+from shared import log as log_mod
+from shared import stopping
+from shared.stopping import stop_on_signals
 
 # A starting stage that says nothing for this long (no ready file, no fresh heartbeat) is reported: the
 # stages start in about a second; the collector's BPF compile and load (~2.5 s here, 1-1.5 minutes under
@@ -119,15 +119,15 @@ def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig,
     code = code or stage_code.StageCode(bpf_dir=args.bpf_dir)
     py = [sys.executable, "-m"]
     common = ["--config", stage_config(args.state_dir), "--run-dir", args.run_dir]
-    out = [Stage("uploader", py + ["ebpfprofiler.uploader.main"] + common +
+    out = [Stage("uploader", py + ["uploader.main"] + common +
                  ["--state-dir", stage_state_dir(args.state_dir, "uploader")])]
     for w in range(cfg.symbolizer_workers):
-        out.append(Stage(f"symbolizer-{w}", py + ["ebpfprofiler.symbolizer.main"] + common +
+        out.append(Stage(f"symbolizer-{w}", py + ["symbolizer.main"] + common +
                          ["--worker", str(w), "--state-dir", stage_state_dir(args.state_dir, "symbolizer")]))
     if runtime_reader_wanted(cfg):   # before the collector: subscribed before the first announcement
-        out.append(Stage("runtime", py + ["ebpfprofiler.runtimes.main"] + common +
+        out.append(Stage("runtime", py + ["runtimes.main"] + common +
                          ["--state-dir", stage_state_dir(args.state_dir, "runtime")]))
-    out.append(Stage("collector", py + ["ebpfprofiler.collector.main"] + common + ["--bpf-dir", code.bpf_dir]))
+    out.append(Stage("collector", py + ["collector.main"] + common + ["--bpf-dir", code.bpf_dir]))
     env = code.env()
     for stage in out:
         stage.env = env

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ebpfprofiler.shared import counters, endpoints
-from ebpfprofiler.shared.procstat import alive
+from shared import counters, endpoints
+from shared.procstat import alive
 
 STATUS_FILE = "status.json"     # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
 KERNEL_FILE = "kernel.json"     # collector/features.py's STATUS_FILE

@@ -35,12 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
-from ebpfprofiler.collector.procfs import read_maps
-from ebpfprofiler.collector.sources import TargetedSource
-from ebpfprofiler.collector import syscalls
-from ebpfprofiler.collector.targets import Target
-from ebpfprofiler.shared import privileges
+from collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
+from collector.procfs import read_maps
+from collector.sources import TargetedSource
+from collector import syscalls
+from collector.targets import Target
+from shared import privileges
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from dataclasses import replace
 
 import zmq
 
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.procstat import alive
-from ebpfprofiler.shared.wire import (
+from shared import endpoints
+from shared.procstat import alive
+from shared.wire import (
     MAX_ANNOUNCED_PROCESSES,
     Process,
     ProcessAnnouncement,

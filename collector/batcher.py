@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Sequence
 
-from ebpfprofiler.collector.bpfmaps import RawDrain
-from ebpfprofiler.collector.procfs import ProcessTable
-from ebpfprofiler.collector.routing import worker_for
-from ebpfprofiler.shared.wire import Process, Sample, StackBatch
+from collector.bpfmaps import RawDrain
+from collector.procfs import ProcessTable
+from collector.routing import worker_for
+from shared.wire import Process, Sample, StackBatch
 
 # Service of samples whose process exited before the collector could read it.
 UNKNOWN_SERVICE = "[unknown]"

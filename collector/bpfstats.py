@@ -19,7 +19,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from ebpfprofiler.collector import syscalls
+from collector import syscalls
 
 # bpf(2) commands and the one statistics type (include/uapi/linux/bpf.h).
 BPF_OBJ_GET_INFO_BY_FD = 15

@@ -29,7 +29,7 @@ import os
 import struct
 from typing import Any, Sequence
 
-from ebpfprofiler.collector import syscalls
+from collector import syscalls
 
 # bpf(2) commands and types of include/uapi/linux/bpf.h (kernel ABI, stable).
 _BPF_PROG_LOAD = 5

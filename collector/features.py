@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ebpfprofiler.shared import files
+from shared import files
 
 DISABLE_ENV = "EBPFPROFILER_DISABLE_FEATURES"
 
@@ -177,7 +177,7 @@ def _both(a: bool | None, b: bool | None) -> bool | None:
 
 def probe(sys_dir: str = "/sys", env: Mapping[str, str] = os.environ) -> KernelFeatures:
     """Probe the running kernel (needs CAP_BPF for the program and map probes)."""
-    from ebpfprofiler.collector import btfprog
+    from collector import btfprog
 
     btf = os.path.exists(f"{sys_dir}/kernel/btf/vmlinux")
 

@@ -44,12 +44,12 @@ import struct
 import threading
 from typing import Collection, Sequence
 
-from ebpfprofiler.collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_status
-from ebpfprofiler.shared.procstat import start_ticks
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.files import open_in_root
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
+from collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_status
+from shared.procstat import start_ticks
+from shared import endpoints
+from shared.files import open_in_root
+from shared.log import LogOnce
+from shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 

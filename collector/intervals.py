@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
+from collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
                                             delete_stacks, read_dwarf_stacks, read_stacks, stale_ids, take_counts)
-from ebpfprofiler.collector.sources import EventSource
+from collector.sources import EventSource
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.shared import endpoints
+from shared import endpoints
 
 log = logging.getLogger(__name__)
 

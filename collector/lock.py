@@ -18,9 +18,9 @@ import ctypes
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.intervals import IntervalTracer
-from ebpfprofiler.collector.sources import TargetedSource
-from ebpfprofiler.collector.targets import Target
+from collector.intervals import IntervalTracer
+from collector.sources import TargetedSource
+from collector.targets import Target
 
 log = logging.getLogger(__name__)
 

@@ -35,24 +35,24 @@ from typing import Sequence
 
 import zmq
 
-from ebpfprofiler.collector import alloc, bpftime, drains, features, overhead, plan, preflight, regs, unwind
-from ebpfprofiler.collector.bpfmaps import RawDrain
-from ebpfprofiler.collector.announce import Announcer
-from ebpfprofiler.collector.drains import EarlyDrains
-from ebpfprofiler.collector.filebroker import FileBroker
-from ebpfprofiler.collector.kallsyms import KernelSymbols
-from ebpfprofiler.collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
-from ebpfprofiler.collector.programs import capture_stderr, explain
-from ebpfprofiler.collector.lock import LockTracer
-from ebpfprofiler.collector.routing import worker_for
-from ebpfprofiler.collector.sources import EventSource, TargetedSource
-from ebpfprofiler.collector.targets import TargetWatcher
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import counters, endpoints, lifecycle, privileges, ready, remote_config, stopping
-from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared.stage_code import default_bpf_dir
-from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import MAX_BATCH_BYTES, Process, StackBatch, UnwindRequest, encode_within
+from collector import alloc, bpftime, drains, features, overhead, plan, preflight, regs, unwind
+from collector.bpfmaps import RawDrain
+from collector.announce import Announcer
+from collector.drains import EarlyDrains
+from collector.filebroker import FileBroker
+from collector.kallsyms import KernelSymbols
+from collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
+from collector.programs import capture_stderr, explain
+from collector.lock import LockTracer
+from collector.routing import worker_for
+from collector.sources import EventSource, TargetedSource
+from collector.targets import TargetWatcher
+from shared import config as config_mod
+from shared import counters, endpoints, lifecycle, privileges, ready, remote_config, stopping
+from shared import log as log_mod
+from shared.stage_code import default_bpf_dir
+from shared.stopping import stop_on_signals
+from shared.wire import MAX_BATCH_BYTES, Process, StackBatch, UnwindRequest, encode_within
 
 # The shortest stretch between regular drains (a busy host; and while alloc or lock targets are watched).
 DRAIN_INTERVAL_S = 1.0
@@ -131,10 +131,10 @@ class Collector:
     def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
                  kernel: features.KernelFeatures) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
-        from ebpfprofiler.collector.offcpu import OffCpuTracer
-        from ebpfprofiler.collector.oncpu import OnCpuSampler
-        from ebpfprofiler.collector.procfs import ProcessTable
-        from ebpfprofiler.collector.programs import Programs
+        from collector.offcpu import OffCpuTracer
+        from collector.oncpu import OnCpuSampler
+        from collector.procfs import ProcessTable
+        from collector.programs import Programs
 
         self.cfg = cfg
         self.run_dir = run_dir
@@ -315,7 +315,7 @@ class Collector:
 
     def ship(self, raw: RawDrain, profile_type: str, time_ns: int, live: Sequence[int]) -> None:
         """One drain of one family: joined with /proc, batched per worker, sent; its losses counted."""
-        from ebpfprofiler.collector.batcher import build_batches
+        from collector.batcher import build_batches
 
         batches = build_batches(
             raw, self.procs, self.ksyms.name, host=self.host, profile_type=profile_type,
@@ -379,7 +379,7 @@ class Collector:
 
     def set_rate(self, sample_hz: int) -> None:
         """Sample at `sample_hz`: detach, drain what was taken at the old period, attach at the new one."""
-        from ebpfprofiler.collector.oncpu import NSEC_PER_SEC
+        from collector.oncpu import NSEC_PER_SEC
 
         attached = self.sampling      # the on-CPU perf events are attached exactly while sampling
         if attached:

@@ -15,10 +15,10 @@ import ctypes
 import logging
 from typing import Any
 
-from ebpfprofiler.collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all,
+from collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all,
                                             take_dwarf_stacks)
-from ebpfprofiler.collector.btfprog import BtfProgram, BtfProgramError, member_offsets
-from ebpfprofiler.collector.sources import EventSource
+from collector.btfprog import BtfProgram, BtfProgramError, member_offsets
+from collector.sources import EventSource
 
 __all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS", "bpf_defines"]
 

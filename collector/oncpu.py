@@ -15,10 +15,10 @@ from typing import Any
 
 from bcc import BPF
 
-from ebpfprofiler.collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks,
+from collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks,
                                             take_counts, take_dwarf_stacks)
-from ebpfprofiler.collector.perfevents import CpuClockEvents
-from ebpfprofiler.collector.sources import EventSource
+from collector.perfevents import CpuClockEvents
+from collector.sources import EventSource
 
 log = logging.getLogger(__name__)
 

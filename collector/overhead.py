@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ebpfprofiler.collector.bpftime import ProgTime
-from ebpfprofiler.shared import files
-from ebpfprofiler.shared.procstat import read_stat, stat_fields
+from collector.bpftime import ProgTime
+from shared import files
+from shared.procstat import read_stat, stat_fields
 
 log = logging.getLogger("ebpfprofiler.collector.overhead")
 

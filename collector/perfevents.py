@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ebpfprofiler.collector import syscalls
+from collector import syscalls
 
 log = logging.getLogger(__name__)
 

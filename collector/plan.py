@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ebpfprofiler.collector import alloc, drains, features, regs, unwind
-from ebpfprofiler.collector.intervals import START_ENTRIES
-from ebpfprofiler.collector.lock import LOCK_PIDS
-from ebpfprofiler.collector.offcpu import bpf_defines as offcpu_defines
-from ebpfprofiler.collector.offcpu import sample_ns as offcpu_sample_ns
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import runtime_registry
+from collector import alloc, drains, features, regs, unwind
+from collector.intervals import START_ENTRIES
+from collector.lock import LOCK_PIDS
+from collector.offcpu import bpf_defines as offcpu_defines
+from collector.offcpu import sample_ns as offcpu_sample_ns
+from shared import config as config_mod
+from shared import runtime_registry
 
 # Distinct (pid, tid, user stack, kernel stack) keys per drain and family; a
 # 64-CPU host at 999 Hz takes ~64K samples a second, most of them repeats.

@@ -24,8 +24,8 @@ import platform
 import re
 from dataclasses import dataclass
 
-from ebpfprofiler.collector.features import KernelFeatures
-from ebpfprofiler.shared.privileges import (CAP_BPF, CAP_CHECKPOINT_RESTORE, CAPABILITY_NAMES, CAP_PERFMON,
+from collector.features import KernelFeatures
+from shared.privileges import (CAP_BPF, CAP_CHECKPOINT_RESTORE, CAPABILITY_NAMES, CAP_PERFMON,
                                             CAP_SYS_ADMIN, CAP_SYS_RESOURCE, COLLECTOR_CAPS)
 
 MIN_KERNEL = (5, 8)
@@ -102,7 +102,7 @@ class Host:
         text = self.read("features.json")
         if text is None:
             return None
-        from ebpfprofiler.collector.features import resolve
+        from collector.features import resolve
         doc = json.loads(text)
         return resolve(doc["release"], doc["probes"], frozenset(doc.get("disabled", ())))
 

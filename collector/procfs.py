@@ -23,11 +23,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from ebpfprofiler.shared import procstat
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.procstat import parse_stat
-from ebpfprofiler.shared.safestr import process_string
-from ebpfprofiler.shared.wire import Mapping, Process, mapping_bytes
+from shared import procstat
+from shared.log import LogOnce
+from shared.procstat import parse_stat
+from shared.safestr import process_string
+from shared.wire import Mapping, Process, mapping_bytes
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Iterator, Mapping, Sequence
 
 from bcc import BPF
 
-from ebpfprofiler.collector import bpftime
+from collector import bpftime
 
 FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace.

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.procstat import start_ticks
-from ebpfprofiler.shared.wire import Process, RegsBatch, RegsSample
+from shared.log import LogOnce
+from shared.procstat import start_ticks
+from shared.wire import Process, RegsBatch, RegsSample
 
 # Processes marked at once: JVMs on one host; past it, a new one waits for a slot (logged, counted).
 ONCPU_REGS_PIDS = 1024

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ebpfprofiler.collector.bpfmaps import RawDrain
-from ebpfprofiler.collector.targets import Target
+from collector.bpfmaps import RawDrain
+from collector.targets import Target
 
 __all__ = ["EventSource", "TargetedSource"]
 

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ebpfprofiler.collector.procfs import parse_cgroup, parse_stat, read_capped
-from ebpfprofiler.shared.procstat import start_ticks
+from collector.procfs import parse_cgroup, parse_stat, read_capped
+from shared.procstat import start_ticks
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import zmq
 
-from ebpfprofiler.shared import endpoints, unwind_table
-from ebpfprofiler.shared.safestr import cut
-from ebpfprofiler.shared.wire import (
+from shared import endpoints, unwind_table
+from shared.safestr import cut
+from shared.wire import (
     MAX_UNWIND_TABLE_BYTES,
     Mapping,
     Process,

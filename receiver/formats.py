@@ -52,7 +52,7 @@ class IngestFormat(Protocol):
 
 
 def by_path() -> dict[str, IngestFormat]:
-    from ebpfprofiler.receiver.otlp import OtlpIngest
-    from ebpfprofiler.receiver.pyroscope import PyroscopeIngest
+    from receiver.otlp import OtlpIngest
+    from receiver.pyroscope import PyroscopeIngest
     formats: list[IngestFormat] = [OtlpIngest(), PyroscopeIngest()]
     return {f.path: f for f in formats}

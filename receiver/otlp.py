@@ -19,8 +19,8 @@ from typing import Any, Mapping
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
 
-from ebpfprofiler.receiver.formats import BadRequest, Parsed
-from ebpfprofiler.shared.pprof import PprofError, gunzip_capped
+from receiver.formats import BadRequest, Parsed
+from shared.pprof import PprofError, gunzip_capped
 
 SIGNAL_VERSION = service_pb.DESCRIPTOR.package.rsplit(".", 1)[1]
 PATH = f"/{SIGNAL_VERSION}/profiles"

@@ -19,9 +19,9 @@ import re
 from typing import Mapping
 from urllib.parse import parse_qs
 
-from ebpfprofiler.receiver.formats import BadRequest, Parsed
-from ebpfprofiler.shared.pprof import PprofError, read as read_pprof
-from ebpfprofiler.shared.wire import MAX_STRING
+from receiver.formats import BadRequest, Parsed
+from shared.pprof import PprofError, read as read_pprof
+from shared.wire import MAX_STRING
 
 PATH = "/ingest"
 _NAME = re.compile(r"([^{}]+)(?:\{([^{}]*)\})?")

@@ -36,10 +36,10 @@ from types import FrameType
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from ebpfprofiler.receiver import formats, otlp, pyroscope, store
-from ebpfprofiler.shared import log as shared_log
-from ebpfprofiler.shared.pprof import PprofError, read as read_pprof
-from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, MAX_STRING
+from receiver import formats, otlp, pyroscope, store
+from shared import log as shared_log
+from shared.pprof import PprofError, read as read_pprof
+from shared.wire import MAX_PROFILE_BYTES, MAX_STRING
 
 STAGE = "receiver"
 UPLOAD_PATH = "/v1/profiles"

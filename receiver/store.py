@@ -16,9 +16,9 @@ import os
 import threading
 from typing import Any
 
-from ebpfprofiler.shared.files import write_atomic
+from shared.files import write_atomic
 # Profile ids become file names: the hand-off's safe alphabet and bounded length, no "/".
-from ebpfprofiler.shared.handoff import is_valid_profile_id as is_valid_id
+from shared.handoff import is_valid_profile_id as is_valid_id
 
 # One writer at a time makes "already stored?" and "store" one step.
 _lock = threading.Lock()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Iterator, Sequence
 
-from ebpfprofiler.report import profiles as profiles_mod
+from report import profiles as profiles_mod
 
 # Bytes of a whole page at most: what a browser opens and draws in a few seconds. A busy host's real
 # report is a few MB; a hostile 191 KB pprof once made a 455 MB page (issue 40).
@@ -210,7 +210,7 @@ def _data_json(graphs: list[_Graph], note: str) -> Iterator[str]:
 
 
 def _vendor(name: str) -> str:
-    return resources.files("ebpfprofiler.report").joinpath("vendor", name).read_text(encoding="utf-8")
+    return resources.files("report").joinpath("vendor", name).read_text(encoding="utf-8")
 
 
 def _script(text: str) -> str:
@@ -220,7 +220,7 @@ def _script(text: str) -> str:
 def chunks(loaded: Sequence[profiles_mod.Loaded], title: str = "ebpfprofiler flame graph",
            max_bytes: int = MAX_HTML_BYTES) -> Iterator[str]:
     """The page, in pieces (at most `max_bytes` in all, UTF-8)."""
-    template = resources.files("ebpfprofiler.report").joinpath("template.html").read_text(encoding="utf-8")
+    template = resources.files("report").joinpath("template.html").read_text(encoding="utf-8")
     pieces = _MARKER.split(template)       # literal text, marker name, literal text, …
     fixed = {"TITLE": html_mod.escape(title), "FLAMEGRAPH_CSS": _vendor("d3-flamegraph.css"),
              "D3_JS": _script(_vendor("d3.min.js")), "FLAMEGRAPH_JS": _script(_vendor("d3-flamegraph.min.js"))}

@@ -18,8 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from ebpfprofiler.shared import files, pprof
-from ebpfprofiler.shared.safestr import printable
+from shared import files, pprof
+from shared.safestr import printable
 
 log = logging.getLogger("ebpfprofiler.report")
 
@@ -247,7 +247,7 @@ def write_outputs(loaded: Sequence[Loaded], out: str, mode: int = files.PRIVATE_
     else:
         raise ValueError(f"{out}: the output's extension must be .pb.gz, .folded or .html")
     if ext == ".html":
-        from ebpfprofiler.report import html
+        from report import html
         files.write_atomic(out, html.render(loaded).encode(), mode=mode)
         return [out]
     stem = out[: -len(ext)]

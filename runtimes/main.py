@@ -13,7 +13,7 @@ share of them (a PROCESS_SHARE_DIVISOR-th of the bytes, MAX_SECONDS_PER_PROCESS;
 one over it is skipped that tick, counted by reason and logged once), and the
 next tick starting after the last process this one tried (round robin that
 always moves on); sum the stacks per service per window
-and profile type (symbolizer/window.py) with the process labels plus
+and profile type (shared/window.py) with the process labels plus
 thread.name and thread.id; hand each closed window's profile (profile.py) to the uploader.
 On-CPU samples with registers from the collector (RegsBatch, for runtimes
 with a cpu profile type: the JVM) are walked by their process's plug-in
@@ -44,12 +44,12 @@ from dataclasses import replace
 from functools import partial
 
 import zmq
-from ebpfprofiler.runtimes import profile as profile_mod
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
-from ebpfprofiler.runtimes.targets import Entry, Targets
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import (
+from runtimes import profile as profile_mod
+from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
+from runtimes.targets import Entry, Targets
+from shared import config as config_mod
+from shared import (
     counters,
     endpoints,
     handoff,
@@ -59,13 +59,13 @@ from ebpfprofiler.shared import (
     ready,
     remote_config,
 )
-from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared import runtime_registry
-from ebpfprofiler.shared.labels import process_labels
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared import stopping
-from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import (
+from shared import log as log_mod
+from shared import runtime_registry
+from shared.labels import process_labels
+from shared.log import LogOnce
+from shared import stopping
+from shared.stopping import stop_on_signals
+from shared.wire import (
     MAX_BATCH_BYTES,
     ProcessAnnouncement,
     ProfileUpload,
@@ -74,7 +74,7 @@ from ebpfprofiler.shared.wire import (
     WireError,
     decode,
 )
-from ebpfprofiler.symbolizer.window import ClosedWindow, Windows
+from shared.window import ClosedWindow, Windows
 
 # Processes read per tick at most; the others wait for the next tick (round robin).
 MAX_PROCESSES_PER_TICK = 64

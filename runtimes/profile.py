@@ -12,8 +12,8 @@ Must not: decide windows or labels, or send anything.
 
 from __future__ import annotations
 
-from ebpfprofiler.shared.runtime_registry import BY_PROFILE_TYPE, CPU_PROFILE_TYPES
-from ebpfprofiler.symbolizer.window import TRUNCATED, ClosedWindow
+from shared.runtime_registry import BY_PROFILE_TYPE, CPU_PROFILE_TYPES
+from shared.window import TRUNCATED, ClosedWindow
 
 SAMPLE_TYPES = (("samples", "count"), ("wall", "nanoseconds"))
 PERIOD_TYPE = ("wall", "nanoseconds")
@@ -25,7 +25,7 @@ def build(window: ClosedWindow, period_ns: int) -> tuple[bytes, int]:
     """(gzip pprof, number of samples) of a closed window."""
     # imported at the first profile: protobuf is ~3 MB of the reader's memory, and a host with no
     # process the reader can read (the shipped defaults, most hosts) never builds one
-    from ebpfprofiler.shared.pprof import ProfileBuilder
+    from shared.pprof import ProfileBuilder
 
     cpu = window.profile_type in CPU_PROFILE_TYPES
     b = ProfileBuilder(CPU_SAMPLE_TYPES if cpu else SAMPLE_TYPES, CPU_PERIOD_TYPE if cpu else PERIOD_TYPE, period_ns, window.start_ns, window.end_ns - window.start_ns)

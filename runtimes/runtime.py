@@ -88,10 +88,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
-from ebpfprofiler.runtimes.elfsyms import ElfSymbolError
-from ebpfprofiler.runtimes.memory import ProcessMemory
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec
-from ebpfprofiler.shared.wire import RegsSample
+from runtimes.elfsyms import ElfSymbolError
+from runtimes.memory import ProcessMemory
+from shared.runtime_registry import RuntimeSpec
+from shared.wire import RegsSample
 
 # /proc/<pid>/maps of a PHP or Python process is a few hundred lines; a JVM's a few MB.
 MAX_MAPS_BYTES = 4 << 20

@@ -22,8 +22,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import (
+from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
+from runtimes.runtime import (
     FileCache,
     Pending,
     ProcessContext,
@@ -32,9 +32,9 @@ from ebpfprofiler.runtimes.runtime import (
     Served,
     StackReader,
 )
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.procstat import start_ticks
-from ebpfprofiler.shared.wire import Process, ProcessAnnouncement
+from shared.log import LogOnce
+from shared.procstat import start_ticks
+from shared.wire import Process, ProcessAnnouncement
 
 # Processes remembered (read, refused or of no runtime); the oldest are forgotten beyond this.
 MAX_PROCESSES = 16384

@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from ebpfprofiler.shared.safestr import quote
-from ebpfprofiler.shared import runtime_registry
+from shared.safestr import quote
+from shared import runtime_registry
 
 # Where the block lives in the agent's YAML file.
 MODULE_PATH = ("modules", "ebpf_profiler")

@@ -20,8 +20,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ebpfprofiler.shared import files
-from ebpfprofiler.shared.procstat import alive
+from shared import files
+from shared.procstat import alive
 
 log = logging.getLogger(__name__)
 

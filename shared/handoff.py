@@ -43,8 +43,8 @@ from typing import Callable, Sequence
 
 import zmq
 
-from ebpfprofiler.shared.safestr import quote
-from ebpfprofiler.shared.wire import ProfileUpload, WireError, decode, encode, json_object
+from shared.safestr import quote
+from shared.wire import ProfileUpload, WireError, decode, encode, json_object
 
 HANDOFF_VERSION = 1
 

@@ -9,8 +9,8 @@ Must not: read /proc or decide windows.
 
 from __future__ import annotations
 
-from ebpfprofiler.shared import identity
-from ebpfprofiler.shared.wire import Process
+from shared import identity
+from shared.wire import Process
 
 
 def process_labels(host: str, p: Process, secret: bytes, *, plain_pid: bool,

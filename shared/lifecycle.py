@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, NoReturn
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import privileges, ready, runlock
+from shared import config as config_mod
+from shared import privileges, ready, runlock
 
 # Exit statuses of a stage that cannot start.
 EXIT_CANNOT_RUN = 1

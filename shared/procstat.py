@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ebpfprofiler.shared.safestr import process_string
+from shared.safestr import process_string
 
 # A stat line is ~300 bytes: 52 numeric fields and a comm of at most 64 bytes.
 MAX_STAT_BYTES = 4096

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from ebpfprofiler.shared import endpoints, files
+from shared import endpoints, files
 
 # A working step rewrites its progress file this often: often enough that a supervisor knows within
 # seconds that it stopped, rarely enough to cost nothing (a small write and a datagram).

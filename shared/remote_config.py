@@ -33,11 +33,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import privileges, stopping
-from ebpfprofiler.shared.files import write_atomic
-from ebpfprofiler.shared.safestr import cut, quote
-from ebpfprofiler.shared.wire import json_object
+from shared import config as config_mod
+from shared import privileges, stopping
+from shared.files import write_atomic
+from shared.safestr import cut, quote
+from shared.wire import json_object
 
 # What the backend may change (docs/remote-config.md): only `enabled` and `upload_interval_s`;
 # anything else it sends is refused.

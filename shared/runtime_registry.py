@@ -37,7 +37,7 @@ class RuntimeSpec:
 
     @property
     def package(self) -> str:
-        return f"ebpfprofiler.runtimes.{self.name}"
+        return f"runtimes.{self.name}"
 
 
 RUNTIMES: tuple[RuntimeSpec, ...] = (

@@ -7,8 +7,8 @@ cannot (a clone under root's 0700 home), a view of that code in a root-owned
 directory they can read: the packages copied (they are small), each
 unreadable sys.path entry hard-linked file by file (copied across file
 systems). A stage is then started with PYTHONPATH pointing into the view, so
-Python's path finder finds `ebpfprofiler.*` there before the editable
-install's finder points it back at the checkout.
+Python's path finder finds the packages there before the editable
+install's path entry points it back at the checkout.
 
 Used by the root launchers only (`ebpfprofiler run`, `ebpfprofiler record`,
 the test harness), before any stage starts.
@@ -27,7 +27,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 
-from ebpfprofiler.shared import privileges
+from shared import privileges
 
 
 def default_bpf_dir() -> str:
@@ -37,7 +37,7 @@ def default_bpf_dir() -> str:
     return os.environ.get("EBPFPROFILER_BPF_DIR") or (
         here if os.path.isfile(os.path.join(here, "oncpu.c")) else "/usr/lib/ebpfprofiler/bpf")
 
-# The packages of setup.cfg ([options] packages), each installed as ebpfprofiler.<name>.
+# The top-level packages of setup.cfg ([options] packages).
 PACKAGES = ("cli", "collector", "symbolizer", "uploader", "receiver", "runtimes", "shared", "report")
 # Copied with neither bytecode caches nor editor leftovers.
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".*")
@@ -59,12 +59,12 @@ class StageCode:
 
 
 def package_dirs() -> dict[str, str]:
-    """ebpfprofiler.<name> → the directory it is imported from."""
+    """<name> → the directory the package is imported from."""
     out = {}
     for name in PACKAGES:
-        spec = importlib.util.find_spec(f"ebpfprofiler.{name}")
+        spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError(f"ebpfprofiler.{name} is not importable: run `make setup`")
+            raise RuntimeError(f"package {name} is not importable: run `make setup`")
         out[name] = os.path.realpath(list(spec.submodule_search_locations)[0])
     return out
 
@@ -121,11 +121,11 @@ def prepare(view_dir: str, bpf_dir: str) -> StageCode:
     gid = privileges.ids("uploader")[1]
     new = f"{view_dir}.new-{os.getpid()}"
     shutil.rmtree(new, ignore_errors=True)
-    os.makedirs(os.path.join(new, "ebpfprofiler"), mode=0o750)
+    os.makedirs(new, mode=0o750)
     for name, src in packages.items():
-        shutil.copytree(src, os.path.join(new, "ebpfprofiler", name), ignore=_IGNORE, symlinks=True)
+        shutil.copytree(src, os.path.join(new, name), ignore=_IGNORE, symlinks=True)
     # where default_bpf_dir() looks beside the packages, as in a checkout
-    shutil.copytree(bpf_dir, os.path.join(new, "ebpfprofiler", "bpf"), ignore=_IGNORE)
+    shutil.copytree(bpf_dir, os.path.join(new, "bpf"), ignore=_IGNORE)
     path = [new]
     for i, entry in enumerate(e for e in entries if e in blocked):
         dst = os.path.join(new, f"path{i}")
@@ -147,4 +147,4 @@ def prepare(view_dir: str, bpf_dir: str) -> StageCode:
     if still:
         raise privileges.PrivilegeError(f"the stages' users cannot read {still[0]} even in the code view; "
                                         f"is {os.path.dirname(view_dir)} readable by group {privileges.AGENT_GROUP}?")
-    return StageCode(bpf_dir=os.path.join(view_dir, "ebpfprofiler", "bpf"), pythonpath=tuple(renamed))
+    return StageCode(bpf_dir=os.path.join(view_dir, "bpf"), pythonpath=tuple(renamed))

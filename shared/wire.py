@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence, TypeVar, Union
 
-from ebpfprofiler.shared.safestr import cut, quote
-from ebpfprofiler.shared import runtime_registry
+from shared.safestr import cut, quote
+from shared import runtime_registry
 
 WIRE_VERSION = 1
 

@@ -37,8 +37,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.symbolizer.elf import (
+from shared import unwind_table as ut
+from symbolizer.elf import (
     ELF_PARSE_SECONDS,
     MAX_NOTE_BYTES,
     MAX_PROGRAM_HEADERS,
@@ -49,7 +49,7 @@ from ebpfprofiler.symbolizer.elf import (
     _Reader,
     _table,
 )
-from ebpfprofiler.symbolizer.limits import time_budget
+from symbolizer.limits import time_budget
 from elftools.elf.elffile import ELFFile
 
 # node's .eh_frame is 2.7 MB and libc's 150 KB; the section is read whole, so this bounds memory

@@ -63,10 +63,10 @@ from typing import Any, BinaryIO, Callable, Hashable
 from elftools.construct.core import Construct, FormatField, Struct
 from elftools.elf.elffile import ELFFile
 
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.safestr import process_string
-from ebpfprofiler.symbolizer.files import ProcessGone
-from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
+from shared.log import LogOnce
+from shared.safestr import process_string
+from symbolizer.files import ProcessGone
+from symbolizer.limits import BudgetExceeded, time_budget
 
 log = logging.getLogger(__name__)
 

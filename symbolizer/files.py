@@ -17,8 +17,8 @@ import os
 import socket
 from typing import BinaryIO
 
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.wire import (MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, Mapping, Process, WireError,
+from shared import endpoints
+from shared.wire import (MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, Mapping, Process, WireError,
                                       decode, encode)
 
 # The broker opens one file per request; anything slower is a stuck collector.

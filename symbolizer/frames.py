@@ -26,11 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ebpfprofiler.shared.wire import Mapping, Process
-from ebpfprofiler.symbolizer.elf import ElfCache, ElfSymbols
-from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.names import DebugFileNames, KernelNames, ModuleNames, NameSource, PerfMapNames
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache
+from shared.wire import Mapping, Process
+from symbolizer.elf import ElfCache, ElfSymbols
+from symbolizer.files import FileClient
+from symbolizer.names import DebugFileNames, KernelNames, ModuleNames, NameSource, PerfMapNames
+from symbolizer.perfmap import PerfMapCache
 
 KERNEL_MODULE = "[kernel.kallsyms]"
 JIT_MODULE = "[jit]"

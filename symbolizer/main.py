@@ -27,17 +27,17 @@ from typing import Callable, Sequence
 
 import zmq
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import counters, endpoints, handoff, identity, lifecycle, ready, remote_config, stopping
-from ebpfprofiler.shared import log as log_mod
-from ebpfprofiler.shared.labels import process_labels
-from ebpfprofiler.shared.stopping import stop_on_signals
-from ebpfprofiler.shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
-from ebpfprofiler.symbolizer import profile as profile_mod
-from ebpfprofiler.symbolizer.frames import Frame, FrameResolver
-from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.unwind import UnwindServer
-from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow, Windows
+from shared import config as config_mod
+from shared import counters, endpoints, handoff, identity, lifecycle, ready, remote_config, stopping
+from shared import log as log_mod
+from shared.labels import process_labels
+from shared.stopping import stop_on_signals
+from shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
+from symbolizer import profile as profile_mod
+from symbolizer.frames import Frame, FrameResolver
+from symbolizer.files import FileClient
+from symbolizer.unwind import UnwindServer
+from shared.window import ClosedWindow, ServiceWindow, Windows
 
 # Batches from the collector's last drain of a window arrive within about a
 # drain interval after it ends; windows close this long after their end.

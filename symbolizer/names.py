@@ -27,10 +27,10 @@ import os
 from collections import OrderedDict
 from typing import BinaryIO, Protocol
 
-from ebpfprofiler.shared.wire import MAX_BUILD_ID_HEX, Mapping, Process
-from ebpfprofiler.symbolizer.elf import ElfCache, ElfSymbols
-from ebpfprofiler.symbolizer.files import FileClient, ProcessGone
-from ebpfprofiler.symbolizer.perfmap import PerfMap, PerfMapCache
+from shared.wire import MAX_BUILD_ID_HEX, Mapping, Process
+from symbolizer.elf import ElfCache, ElfSymbols
+from symbolizer.files import FileClient, ProcessGone
+from symbolizer.perfmap import PerfMap, PerfMapCache
 
 __all__ = ["NameSource", "DebugFileNames", "ModuleNames", "PerfMapNames", "KernelNames", "MAX_MODULE_BYTES"]
 

@@ -32,9 +32,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.safestr import process_string
-from ebpfprofiler.symbolizer.files import ProcessGone
+from shared.log import LogOnce
+from shared.safestr import process_string
+from symbolizer.files import ProcessGone
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ebpfprofiler.shared.pprof import ProfileBuilder
-from ebpfprofiler.symbolizer.frames import Frame
-from ebpfprofiler.symbolizer.window import TRUNCATED, ClosedWindow
+from shared.pprof import ProfileBuilder
+from symbolizer.frames import Frame
+from shared.window import TRUNCATED, ClosedWindow
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.log import LogOnce
-from ebpfprofiler.shared.wire import (
+from shared import endpoints
+from shared.log import LogOnce
+from shared.wire import (
     Mapping,
     Process,
     StackBatch,
@@ -35,9 +35,9 @@ from ebpfprofiler.shared.wire import (
     UnwindTable,
     encode,
 )
-from ebpfprofiler.symbolizer import cfi
-from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.unwind_cache import UnwindCache, file_identity
+from symbolizer import cfi
+from symbolizer.files import FileClient
+from symbolizer.unwind_cache import UnwindCache, file_identity
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import os
 import re
 import time
 
-from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.shared.files import write_atomic
-from ebpfprofiler.shared.wire import MAX_UNWIND_TABLE_BYTES
+from shared import unwind_table as ut
+from shared.files import write_atomic
+from shared.wire import MAX_UNWIND_TABLE_BYTES
 
 log = logging.getLogger(__name__)
 

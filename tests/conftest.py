@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterator
 import pytest
 import zmq
 
-from ebpfprofiler.shared.stage_code import default_bpf_dir
-from ebpfprofiler.shared import privileges, stage_code
-from ebpfprofiler.shared.config import ProfilerConfig
+from shared.stage_code import default_bpf_dir
+from shared import privileges, stage_code
+from shared.config import ProfilerConfig
 from tests.harness import (FRAME_POINTER_FLAGS, WORKLOADS, Pipeline, Receiver, UploaderProcess, kill_and_reap,
                            launch_uploader, open_dir)
 

@@ -37,13 +37,13 @@ from urllib.parse import urlsplit
 import pytest
 import zmq
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, handoff
-from ebpfprofiler.shared.polling import wait_for
-from ebpfprofiler.shared.pprof import ProfileBuilder
-from ebpfprofiler.shared.privileges import ids as stage_ids
-from ebpfprofiler.shared.wire import ProfileUpload
+from receiver.store import list_profiles
+from shared import config as config_mod
+from shared import endpoints, handoff
+from shared.polling import wait_for
+from shared.pprof import ProfileBuilder
+from shared.privileges import ids as stage_ids
+from shared.wire import ProfileUpload
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
@@ -218,7 +218,7 @@ class Receiver:
         self.stderr = stderr
         with open(stderr, "wb") if stderr else contextlib.nullcontext() as err:
             self.proc = subprocess.Popen(
-                [PY, "-m", "ebpfprofiler.cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
+                [PY, "-m", "cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
                  "--dir", str(directory), *options], stdout=subprocess.PIPE, stderr=err)
         self.announcement = first_line(self.proc, DEADLINE_S)
         m = re.search(r"listening on (http://\S+)", self.announcement)
@@ -401,7 +401,7 @@ class UploaderProcess:
 
 
 def uploader_command(config: Path, run_dir: Path, state_dir: Path) -> list[str]:
-    return [PY, "-m", "ebpfprofiler.cli.main", "uploader", "--config", str(config),
+    return [PY, "-m", "cli.main", "uploader", "--config", str(config),
             "--run-dir", str(run_dir), "--state-dir", str(state_dir)]
 
 
@@ -456,7 +456,7 @@ class Pipeline:
         self.log_path = workdir / "pipeline.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(self.config_path),
+            [PY, "-m", "cli.main", "run", "--config", str(self.config_path),
              "--run-dir", str(self.run_dir), "--state-dir", str(self.state_dir)],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]

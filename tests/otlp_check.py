@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ebpfprofiler.shared import pprof
+from shared import pprof
 
 # Resource attribute → our label; service.name and process.executable.name are checked apart.
 LABEL_OF = {"host.name": "host", "container.id": "container", "k8s.pod.uid": "k8s.pod",

@@ -48,9 +48,9 @@ from opentelemetry.proto.collector.profiles.v1development import profiles_servic
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.profiles.v1development import profiles_pb2 as pb
 
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.formats import Accepted, FormatError, Request
+from shared import pprof
+from shared.wire import ProfileUpload
+from uploader.formats import Accepted, FormatError, Request
 
 # "v1development": the version part of the generated classes' package; OTLP/HTTP's path is /<version>/<signal>.
 SIGNAL_VERSION = service_pb.DESCRIPTOR.package.rsplit(".", 1)[1]

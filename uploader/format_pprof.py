@@ -9,8 +9,8 @@ Must not: alter the profile's bytes.
 
 from __future__ import annotations
 
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.formats import Accepted, Request
+from shared.wire import ProfileUpload
+from uploader.formats import Accepted, Request
 
 PATH = "/v1/profiles"
 SOURCE = "ebpf"

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import re
 
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.formats import Accepted, FormatError, Request
+from shared import pprof
+from shared.wire import ProfileUpload
+from uploader.formats import Accepted, FormatError, Request
 
 PATH = "/ingest"
 # Labels of ours that name a series when all samples share them, and their Pyroscope names.

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import ProfileUpload
+from shared.config import ProfilerConfig
+from shared.wire import ProfileUpload
 
 
 class FormatError(ValueError):
@@ -61,10 +61,10 @@ class UploadFormat(Protocol):
 def for_config(cfg: ProfilerConfig) -> UploadFormat:
     """The format the config names (validated by shared.config)."""
     if cfg.upload_format == "otlp":
-        from ebpfprofiler.uploader.format_otlp import OtlpFormat
+        from uploader.format_otlp import OtlpFormat
         return OtlpFormat(plain_pid=cfg.plain_pid)
     if cfg.upload_format == "pyroscope":
-        from ebpfprofiler.uploader.format_pyroscope import PyroscopeFormat
+        from uploader.format_pyroscope import PyroscopeFormat
         return PyroscopeFormat()
-    from ebpfprofiler.uploader.format_pprof import PprofFormat
+    from uploader.format_pprof import PprofFormat
     return PprofFormat()

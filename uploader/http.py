@@ -44,11 +44,11 @@ import requests.auth
 import urllib3
 import urllib3.connection
 
-from ebpfprofiler.shared.config import AGENT_CONFIG_PATH
-from ebpfprofiler.shared.handoff import cut
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.format_pprof import PprofFormat
-from ebpfprofiler.uploader.formats import FormatError, UploadFormat
+from shared.config import AGENT_CONFIG_PATH
+from shared.handoff import cut
+from shared.wire import ProfileUpload
+from uploader.format_pprof import PprofFormat
+from uploader.formats import FormatError, UploadFormat
 
 log = logging.getLogger("ebpfprofiler.uploader.http")
 

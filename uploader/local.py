@@ -21,9 +21,9 @@ import os
 import re
 from datetime import datetime, timezone
 
-from ebpfprofiler.shared.files import write_atomic
-from ebpfprofiler.shared.handoff import RETRY, STORED, window_text
-from ebpfprofiler.shared.wire import ProfileUpload
+from shared.files import write_atomic
+from shared.handoff import RETRY, STORED, window_text
+from shared.wire import ProfileUpload
 
 log = logging.getLogger("ebpfprofiler.uploader.local")
 

@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from ebpfprofiler.shared import counters, endpoints, lifecycle, ready, remote_config, stopping
-from ebpfprofiler.shared import log as shared_log
-from ebpfprofiler.shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
-from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload
-from ebpfprofiler.uploader import formats
-from ebpfprofiler.uploader.local import LocalWriter
-from ebpfprofiler.uploader.spool import Spool
+from shared import counters, endpoints, lifecycle, ready, remote_config, stopping
+from shared import log as shared_log
+from shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
+from shared.wire import MAX_PROFILE_BYTES, ProfileUpload
+from uploader import formats
+from uploader.local import LocalWriter
+from uploader.spool import Spool
 
 if TYPE_CHECKING:
     # Imported in main() only with an endpoint: requests and what it pulls in are ~13 MB of RSS
     # that the default, local_dir, never uses.
-    from ebpfprofiler.uploader.http import HttpClient
-    from ebpfprofiler.uploader.remote import RemoteConfigFetcher
-    from ebpfprofiler.uploader.sender import Sender
+    from uploader.http import HttpClient
+    from uploader.remote import RemoteConfigFetcher
+    from uploader.sender import Sender
 
 STAGE = "uploader"
 
@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
     cfg = lifecycle.load_config(prog, args.config)
     token = ""
     if not cfg.uploads_locally:
-        from ebpfprofiler.uploader.http import HttpClient, TokenError, backoff_base_s, read_token
-        from ebpfprofiler.uploader.remote import RemoteConfigFetcher
-        from ebpfprofiler.uploader.sender import Sender
+        from uploader.http import HttpClient, TokenError, backoff_base_s, read_token
+        from uploader.remote import RemoteConfigFetcher
+        from uploader.sender import Sender
         try:
             token = read_token(cfg.token_file) if cfg.token_file else ""
         except TokenError as e:

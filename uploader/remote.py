@@ -21,10 +21,10 @@ import logging
 import threading
 from typing import Any
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import log as shared_log
-from ebpfprofiler.shared import remote_config
-from ebpfprofiler.uploader.http import HttpClient
+from shared import config as config_mod
+from shared import log as shared_log
+from shared import remote_config
+from uploader.http import HttpClient
 
 
 def describe(overrides: dict[str, Any]) -> str:

@@ -29,11 +29,11 @@ import threading
 import time
 from collections import Counter
 
-from ebpfprofiler.shared.counters import CounterFile
-from ebpfprofiler.shared.handoff import window_text
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.http import HttpClient, backoff_delay
-from ebpfprofiler.uploader.spool import Entry, Spool
+from shared.counters import CounterFile
+from shared.handoff import window_text
+from shared.wire import ProfileUpload
+from uploader.http import HttpClient, backoff_delay
+from uploader.spool import Entry, Spool
 
 # An idle sender still wakes this often (to notice a stop, or a due time that moved).
 IDLE_WAKE_S = 1.0

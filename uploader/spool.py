@@ -37,9 +37,9 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from ebpfprofiler.shared.files import write_atomic
-from ebpfprofiler.shared.handoff import REFUSED, RETRY, STORED, window_text
-from ebpfprofiler.shared.wire import MAX_PROFILE_BYTES, ProfileUpload, WireError, decode, encode
+from shared.files import write_atomic
+from shared.handoff import REFUSED, RETRY, STORED, window_text
+from shared.wire import MAX_PROFILE_BYTES, ProfileUpload, WireError, decode, encode
 
 MAGIC = b"EBPFSPOOL\x01"
 SUFFIX = ".prof"

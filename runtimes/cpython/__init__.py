@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ebpfprofiler.runtimes.cpython import version
-from ebpfprofiler.runtimes.cpython.reader import CPythonProcess
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+from runtimes.cpython import version
+from runtimes.cpython.reader import CPythonProcess
+from runtimes.runtime import ProcessContext, Refusal
+from shared.runtime_registry import RuntimeSpec, spec_of
 
 SPEC: RuntimeSpec = spec_of("cpython")
 

@@ -25,9 +25,9 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.cpython.lines import addr2line
-from ebpfprofiler.runtimes.cpython.version import Target
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.cpython.lines import addr2line
+from runtimes.cpython.version import Target
+from runtimes.memory import MemoryReadError, ProcessMemory
 
 # Frames read per thread: deeper stacks are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128

@@ -22,11 +22,11 @@ import re
 import struct
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.cpython import layouts
-from ebpfprofiler.runtimes.elfsyms import ElfInfo, ElfSymbolError, read_symbols
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
-from ebpfprofiler.shared.files import open_in_root, open_regular
-from ebpfprofiler.shared.safestr import process_string
+from runtimes.cpython import layouts
+from runtimes.elfsyms import ElfInfo, ElfSymbolError, read_symbols
+from runtimes.memory import MemoryReadError, ProcessMemory
+from shared.files import open_in_root, open_regular
+from shared.safestr import process_string
 
 # /proc/<pid>/maps of a Python process is a few hundred lines; a JVM's a few MB.
 MAX_MAPS_BYTES = 4 << 20

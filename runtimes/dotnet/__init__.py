@@ -55,12 +55,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from ebpfprofiler.runtimes.dotnet import ipc
-from ebpfprofiler.runtimes.dotnet.connect import ConnectRefused, Connector
-from ebpfprofiler.runtimes.runtime import Pending, ProcessContext, Refusal, Served, first_mappings
-from ebpfprofiler.runtimes.targets import start_ticks as current_start_ticks
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
-from ebpfprofiler.shared.safestr import process_string, quote
+from runtimes.dotnet import ipc
+from runtimes.dotnet.connect import ConnectRefused, Connector
+from runtimes.runtime import Pending, ProcessContext, Refusal, Served, first_mappings
+from runtimes.targets import start_ticks as current_start_ticks
+from shared.runtime_registry import RuntimeSpec, spec_of
+from shared.safestr import process_string, quote
 
 SPEC: RuntimeSpec = spec_of("dotnet")
 

@@ -40,7 +40,7 @@ import struct
 import time
 
 import prctl
-from ebpfprofiler.shared import privileges, procstat
+from shared import privileges, procstat
 
 # Seconds the child has to take the ids, find the socket and connect (a runtime's backlog is short).
 CONNECT_TIMEOUT_S = 0.5

@@ -25,13 +25,13 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.jvm import layouts, vmstructs
-from ebpfprofiler.runtimes.jvm.reader import JvmProcess, _Bad
-from ebpfprofiler.runtimes.memory import MemoryReadError
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
-from ebpfprofiler.shared.safestr import process_string
+from runtimes import elfsyms
+from runtimes.jvm import layouts, vmstructs
+from runtimes.jvm.reader import JvmProcess, _Bad
+from runtimes.memory import MemoryReadError
+from runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
+from shared.runtime_registry import RuntimeSpec, spec_of
+from shared.safestr import process_string
 
 SPEC: RuntimeSpec = spec_of("jvm")
 

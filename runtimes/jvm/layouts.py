@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.jvm.vmstructs import VMStructs
+from runtimes.jvm.vmstructs import VMStructs
 
 # Supported HotSpot feature versions (JDK 9 and 10 are end-of-life and untested).
 MIN_MAJOR = 11

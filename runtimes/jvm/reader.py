@@ -44,12 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ebpfprofiler.runtimes.jvm import layouts, x86edge
-from ebpfprofiler.runtimes.jvm.layouts import Layout
-from ebpfprofiler.runtimes.memory import MAX_USER_ADDRESS, MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.runtime import ThreadStack
-from ebpfprofiler.shared.wire import RegsSample
-from ebpfprofiler.shared.safestr import process_string as safe_text
+from runtimes.jvm import layouts, x86edge
+from runtimes.jvm.layouts import Layout
+from runtimes.memory import MAX_USER_ADDRESS, MemoryReadError, ProcessMemory
+from runtimes.runtime import ThreadStack
+from shared.wire import RegsSample
+from shared.safestr import process_string as safe_text
 
 # Java threads read per process (a busy server has a few hundred).
 MAX_THREADS = 2048

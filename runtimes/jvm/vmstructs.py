@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.memory import MemoryReadError, ProcessMemory
 
 # HotSpot 25 has ~2,300 struct entries, ~1,100 types, ~1,500 int and ~100 long constants.
 MAX_ENTRIES = 16384

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.node.layouts import LAYOUTS, SUPPORTED
-from ebpfprofiler.runtimes.node.reader import NodeProcess, V8Info, scan_ranges
-from ebpfprofiler.runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+from runtimes import elfsyms
+from runtimes.node.layouts import LAYOUTS, SUPPORTED
+from runtimes.node.reader import NodeProcess, V8Info, scan_ranges
+from runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
+from shared.runtime_registry import RuntimeSpec, spec_of
 
 SPEC: RuntimeSpec = spec_of("node")
 

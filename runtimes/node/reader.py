@@ -53,10 +53,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.memory import MAX_READ_BYTES, MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.node.layouts import VM_STATES, Layout
-from ebpfprofiler.runtimes.runtime import SAMPLE_HZ, Mapping, ThreadStack, read_maps
-from ebpfprofiler.shared.wire import RegsSample
+from runtimes.memory import MAX_READ_BYTES, MemoryReadError, ProcessMemory
+from runtimes.node.layouts import VM_STATES, Layout
+from runtimes.runtime import SAMPLE_HZ, Mapping, ThreadStack, read_maps
+from shared.wire import RegsSample
 
 # Frames read per chain: deeper chains are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128

@@ -19,17 +19,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.php.layouts import LAYOUTS
-from ebpfprofiler.runtimes.php.reader import PhpProcess
-from ebpfprofiler.runtimes.runtime import (
+from runtimes import elfsyms
+from runtimes.php.layouts import LAYOUTS
+from runtimes.php.reader import PhpProcess
+from runtimes.runtime import (
     Mapping,
     ProcessContext,
     Refusal,
     first_mappings,
     mapped_file_facts,
 )
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+from shared.runtime_registry import RuntimeSpec, spec_of
 
 SPEC: RuntimeSpec = spec_of("php")
 

@@ -29,10 +29,10 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.php import layouts
-from ebpfprofiler.runtimes.php.layouts import Layout
-from ebpfprofiler.runtimes.runtime import ThreadStack
+from runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.php import layouts
+from runtimes.php.layouts import Layout
+from runtimes.runtime import ThreadStack
 
 # Frames read per chain: deeper chains are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128

@@ -24,18 +24,18 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS, Layout
-from ebpfprofiler.runtimes.ruby.reader import RubyProcess
-from ebpfprofiler.runtimes.runtime import (
+from runtimes import elfsyms
+from runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.ruby.layouts import LAYOUTS, Layout
+from runtimes.ruby.reader import RubyProcess
+from runtimes.runtime import (
     Mapping,
     ProcessContext,
     Refusal,
     first_mappings,
     mapped_file_facts,
 )
-from ebpfprofiler.shared.runtime_registry import RuntimeSpec, spec_of
+from shared.runtime_registry import RuntimeSpec, spec_of
 
 SPEC: RuntimeSpec = spec_of("ruby")
 

@@ -44,10 +44,10 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.ruby import layouts
-from ebpfprofiler.runtimes.ruby.layouts import Layout
-from ebpfprofiler.runtimes.runtime import ThreadStack
+from runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.ruby import layouts
+from runtimes.ruby.layouts import Layout
+from runtimes.runtime import ThreadStack
 
 # Ractors read per process (each is an OS-thread-backed actor; thousands are not a program, a loop is).
 MAX_RACTORS = 256

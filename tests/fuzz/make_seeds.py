@@ -16,9 +16,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ebpfprofiler.collector.procfs import read_maps, read_process
-from ebpfprofiler.shared import wire
-from ebpfprofiler.symbolizer import cfi
+from collector.procfs import read_maps, read_process
+from shared import wire
+from symbolizer import cfi
 from tests.harness import END_NS, START_NS, WORKLOADS, make_upload
 
 SEEDS = Path(__file__).resolve().parent / "seeds"

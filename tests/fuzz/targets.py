@@ -16,10 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
-from ebpfprofiler.receiver import server as receiver
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.shared import pprof, remote_config, unwind_table, wire
-from ebpfprofiler.symbolizer import cfi, elf, perfmap
+from receiver import server as receiver
+from runtimes import elfsyms
+from shared import pprof, remote_config, unwind_table, wire
+from symbolizer import cfi, elf, perfmap
 
 
 @dataclass(frozen=True)

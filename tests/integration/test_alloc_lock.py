@@ -22,10 +22,10 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import DEFAULT_ALLOC_SAMPLE_BYTES, ProfilerConfig
+from receiver.store import list_profiles
+from shared import config as config_mod
+from shared import endpoints, pprof
+from shared.config import DEFAULT_ALLOC_SAMPLE_BYTES, ProfilerConfig
 from tests.harness import (ROOT, Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root,
                            wait_for, workload_fields)
 
@@ -378,10 +378,10 @@ def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path,
     never saw (entry probe on first, as a preempted attach leaves it) must cost that one sample,
     not every later allocation of the thread."""
     require_root()
-    from ebpfprofiler.collector import alloc, bpfstats
-    from ebpfprofiler.shared.stage_code import default_bpf_dir
-    from ebpfprofiler.collector.programs import Programs
-    from ebpfprofiler.collector.targets import Target
+    from collector import alloc, bpfstats
+    from shared.stage_code import default_bpf_dir
+    from collector.programs import Programs
+    from collector.targets import Target
 
     exe = tmp_path / "mix_target"
     shutil.copy(build("alloc_mix"), exe)

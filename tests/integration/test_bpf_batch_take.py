@@ -8,7 +8,7 @@ each key once with its value, as ctypes objects like bcc's items(), and the maps
 from __future__ import annotations
 
 
-from ebpfprofiler.collector.bpfmaps import BATCH_ENTRIES, DWARF_STACK_ID_BASE, take_all, take_dwarf_stacks
+from collector.bpfmaps import BATCH_ENTRIES, DWARF_STACK_ID_BASE, take_all, take_dwarf_stacks
 
 from tests.harness import require_root
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from ebpfprofiler.collector.bpfmaps import DoubleBuffer, take_all
+from collector.bpfmaps import DoubleBuffer, take_all
 
 from tests.harness import ROOT, require_root
 

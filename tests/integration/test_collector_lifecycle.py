@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.config import ProfilerConfig, dump
+from shared import endpoints
+from shared.config import ProfilerConfig, dump
 from tests.harness import (PY, Pipeline, bpf_holdings, bpftool, children, open_dir, require_root, stop_process,
                            wait_for)
 
@@ -32,7 +32,7 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
     run_dir.mkdir()
     shutil.chown(run_dir, group="ebpfprofiler")
     run_dir.chmod(0o3770)
-    p = subprocess.Popen([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg),
+    p = subprocess.Popen([PY, "-m", "collector.main", "--config", str(cfg),
                           "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
     started.append(p)   # killed at the end if a check fails before the stop under test
     try:
@@ -77,7 +77,7 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
 def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("modules:\n  ebpf_profiler:\n    sample_hz: fast\n")
-    out = subprocess.run([PY, "-m", "ebpfprofiler.collector.main", "--config", str(cfg)],
+    out = subprocess.run([PY, "-m", "collector.main", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "sample_hz = 'fast' is not allowed" in out.stderr and "Traceback" not in out.stderr
@@ -106,7 +106,7 @@ def test_stages_stop_cleanly_when_run_is_killed(tmp_path: Path) -> None:
     finally:
         for pid in stages:   # none left, unless a check above failed
             try:
-                if b"ebpfprofiler" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"--run-dir" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass

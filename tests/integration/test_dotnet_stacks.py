@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof, privileges
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import endpoints, pprof, privileges
+from shared.config import ProfilerConfig
 
 from tests import dotnet_runtimes
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, open_dir, require_root, wait_for

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import pprof
+from shared.config import ProfilerConfig
 from elftools.elf.elffile import ELFFile
 
 from tests.harness import Pipeline, Receiver, require_root, wait_for

@@ -36,10 +36,10 @@ LOAD_EVERYTHING = r"""
 import ctypes, sys
 from bcc import BPF
 from bcc.libbcc import lib
-from ebpfprofiler.collector import alloc, features, offcpu, plan, programs, unwind
-from ebpfprofiler.collector.btfprog import BtfProgram
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.stage_code import default_bpf_dir
+from collector import alloc, features, offcpu, plan, programs, unwind
+from collector.btfprog import BtfProgram
+from shared.config import ProfilerConfig
+from shared.stage_code import default_bpf_dir
 
 cfg = ProfilerConfig(offcpu=True, dwarf_unwind=True, offcpu_dwarf=True, runtime_stacks=("jvm",),
                      lock_targets=("nothing-matches",), alloc_targets=("nothing-matches",))

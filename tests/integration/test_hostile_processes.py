@@ -24,9 +24,9 @@ from typing import Iterator
 import pytest
 import zmq
 
-from ebpfprofiler.shared import endpoints, pprof, unwind_table, wire
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.safestr import CUT_MARKER, process_string
+from shared import endpoints, pprof, unwind_table, wire
+from shared.config import ProfilerConfig
+from shared.safestr import CUT_MARKER, process_string
 from tests.harness import PY, Pipeline, Receiver, open_dir, require_root, workload_fields
 from tests.integration.test_oncpu_pipeline import read_received
 
@@ -117,11 +117,11 @@ def run(build, tmp_path_factory: pytest.TempPathFactory,
                 procs.append(subprocess.Popen([exe, str(HOSTILE_CPU_S)], stdout=subprocess.DEVNULL))
             push_unasked_unwind_table(pipeline.run_dir)
             second_run = subprocess.run(
-                [PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(pipeline.config_path),
+                [PY, "-m", "cli.main", "run", "--config", str(pipeline.config_path),
                  "--run-dir", str(pipeline.run_dir), "--state-dir", str(pipeline.state_dir)],
                 capture_output=True, text=True, timeout=60)
             second_collector = subprocess.run(
-                [PY, "-m", "ebpfprofiler.cli.main", "collector", "--config", str(pipeline.config_path),
+                [PY, "-m", "cli.main", "collector", "--config", str(pipeline.config_path),
                  "--run-dir", str(pipeline.run_dir)], capture_output=True, text=True, timeout=60)
             ordinary = subprocess.Popen([str(hot), str(ORDINARY_CPU_S)], stdout=subprocess.PIPE, text=True)
             procs.append(ordinary)

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests import jdks
 from tests.harness import Pipeline, Receiver, require_root, wait_for

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.runtimes import jvm
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from runtimes import jvm
+from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.runtime import FileCache, ProcessContext
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests import jdks, runtime_roots
 from tests.harness import Pipeline, Receiver, require_root, wait_for

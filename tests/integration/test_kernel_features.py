@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector.preflight import PARANOID_MAX_WITHOUT_SYS_ADMIN
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof, privileges
-from ebpfprofiler.shared.config import ProfilerConfig
+from collector.preflight import PARANOID_MAX_WITHOUT_SYS_ADMIN
+from receiver.store import list_profiles
+from shared import endpoints, pprof, privileges
+from shared.config import ProfilerConfig
 from tests.harness import PY, Pipeline, Receiver, require_root
 
 PARANOID = Path("/proc/sys/kernel/perf_event_paranoid")
@@ -39,7 +39,7 @@ def samples_of(receiver: Receiver, kind: str, exe: Path) -> int:
 
 
 def status(p: Pipeline) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "status", "--run-dir", str(p.run_dir)],
+    return subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
                           capture_output=True, text=True, timeout=30)
 
 

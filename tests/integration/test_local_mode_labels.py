@@ -7,8 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from shared import pprof
+from shared.config import ProfilerConfig
 from tests.harness import Pipeline, open_dir, require_root
 
 

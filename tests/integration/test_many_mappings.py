@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 
-from ebpfprofiler.shared import counters
-from ebpfprofiler.shared.config import ProfilerConfig
+from shared import counters
+from shared.config import ProfilerConfig
 from tests.harness import Pipeline, Receiver, open_dir, require_root, wait_for
 from tests.integration.test_oncpu_pipeline import read_received
 

@@ -16,9 +16,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import pprof
+from receiver.store import list_profiles
+from shared import config as config_mod
+from shared import pprof
 
 from tests.harness import ROOT, Pipeline, Receiver, require_root, wait_for
 

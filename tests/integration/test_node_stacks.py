@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from runtimes import elfsyms
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests import node_builds
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import pprof
+from shared.config import ProfilerConfig
 from tests.harness import Pipeline, Receiver, require_root, workload_fields
 
 RATIO_SECONDS = 6.0

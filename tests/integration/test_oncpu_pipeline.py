@@ -18,9 +18,9 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root
 
 SAMPLE_HZ = 99

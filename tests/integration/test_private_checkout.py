@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import endpoints, pprof
+from shared import config as config_mod
+from shared import endpoints, pprof
 from tests.harness import ROOT, open_dir, require_root, wait_for
 
 HOT_STACK = ("main", "top", "mid", "leaf")
@@ -118,7 +118,7 @@ def test_a_local_dir_the_stages_cannot_reach_is_refused_before_any_stage_starts(
     try:
         config = _config(private_checkout.parent / "refused.yaml", private_checkout.parent / "profiles")
         venv_py = ROOT / ".venv" / "bin" / "python"
-        r = subprocess.run([str(venv_py), "-m", "ebpfprofiler.cli.main", "run", "--config", str(config),
+        r = subprocess.run([str(venv_py), "-m", "cli.main", "run", "--config", str(config),
                             "--run-dir", str(out / "run"), "--state-dir", str(out / "state")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1, r.stderr

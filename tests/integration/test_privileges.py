@@ -21,10 +21,10 @@ from typing import Iterator
 import pytest
 import zmq
 
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, privileges
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import MAX_BATCH_BYTES
+from receiver.store import list_profiles
+from shared import endpoints, privileges
+from shared.config import ProfilerConfig
+from shared.wire import MAX_BATCH_BYTES
 from tests.harness import PY, Pipeline, Receiver, require_root, wait_for
 
 STAGES = {"collector": "collector", "symbolizer-0": "symbolizer", "uploader": "uploader"}
@@ -76,7 +76,7 @@ def test_each_stage_has_its_user_capabilities_and_no_new_privs(running, stage: s
 
 def as_stage(stage: str, code: str) -> str:
     """Run `code` in a fresh process that has taken `stage`'s identity; its stdout."""
-    script = f"from ebpfprofiler.shared import privileges\nprivileges.become({stage!r})\n{code}"
+    script = f"from shared import privileges\nprivileges.become({stage!r})\n{code}"
     out = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()

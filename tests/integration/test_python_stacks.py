@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from receiver.store import list_profiles
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests.debroot import cached_root
 from tests import harness

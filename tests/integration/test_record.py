@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ebpfprofiler.cli.record import sweep_stale_workspaces
+from cli.record import sweep_stale_workspaces
 from tests.harness import PY, bpf_holdings, bpftool, require_root, wait_for
 
 RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
@@ -57,7 +57,7 @@ def workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> Cal
 
 
 def record(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "record", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([PY, "-m", "cli.main", "record", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=RECORD_TIMEOUT_S)
 
 
@@ -102,7 +102,7 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
     master, slave = pty.openpty()
-    p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
+    p = subprocess.Popen([PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid),
                           "-o", "out.folded"], cwd=private_cwd, stdout=slave, stderr=slave, start_new_session=True)
     started.append(p)   # killed with its session at the end, if a check failed before the Ctrl-C
     os.close(slave)
@@ -153,7 +153,7 @@ def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
     # Given a recording under way (its agent runs in a session of its own, under `run`)
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
-    p = subprocess.Popen([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "120", "-p", str(hot.pid),
+    p = subprocess.Popen([PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid),
                           "-o", "out.folded"], cwd=private_cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     started.append(p)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
-from ebpfprofiler.shared import counters, endpoints
-from ebpfprofiler.shared.config import ProfilerConfig, dump
-from ebpfprofiler.shared.wire import RegsBatch, WireError, decode
+from shared import counters, endpoints
+from shared.config import ProfilerConfig, dump
+from shared.wire import RegsBatch, WireError, decode
 
 from tests.harness import PY, open_dir, require_root, stop_process, wait_for
 
@@ -38,10 +38,10 @@ READY_TIMEOUT_S = 120.0
 
 COLLECTOR = f"""
 import sys
-from ebpfprofiler.collector import regs
+from collector import regs
 regs.ONCPU_REGS_PIDS = {SLOTS}
 regs.IDLE_EVICT_S = {IDLE_EVICT_S}
-from ebpfprofiler.collector.main import main
+from collector.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import pytest
 
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared import endpoints
+from shared import pprof
+from shared.config import ProfilerConfig
+from shared import endpoints
 from tests.harness import Pipeline, Receiver, bpf_holdings, require_root, wait_for
 
 LOCAL_HZ = 19

@@ -25,7 +25,7 @@ from typing import Callable
 
 import pytest
 
-from ebpfprofiler.shared import pprof
+from shared import pprof
 from tests.harness import PY, require_root
 
 RECORD_TIMEOUT_S = 240
@@ -154,14 +154,14 @@ def share_of(profile: pprof.ReadProfile, name: str) -> float:
 
 def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, ratio_workload) -> None:
     require_root()
-    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "record", "-d", "5", "--hz", "199",
+    r = subprocess.run([PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199",
                         "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S)
     assert r.returncode == 0, r.stdout + r.stderr
     # and a second profile type of two other services, as the agent's local_dir would hold it
     (tmp_path / "offcpu-20261201T000000Z-1.pb.gz").write_bytes(offcpu_profile("/usr/bin/sleeper"))
     (tmp_path / "offcpu-20261201T000000Z-2.pb.gz").write_bytes(offcpu_profile("/usr/bin/waiter"))
-    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "report", "out.pb.gz", "offcpu-20261201T000000Z-1.pb.gz",
+    r = subprocess.run([PY, "-m", "cli.main", "report", "out.pb.gz", "offcpu-20261201T000000Z-1.pb.gz",
                         "offcpu-20261201T000000Z-2.pb.gz", "-o", "report.html"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -239,7 +239,7 @@ def test_function_names_holding_the_template_markers_still_give_a_drawn_flame_gr
     b.sample(list(reversed(locs)), [5, 50_000_000], {"process.executable": "/usr/bin/hostile", "pid": "1"})
     (tmp_path / "cpu-20261201T000000Z-1.pb.gz").write_bytes(b.gzipped())
     # When `ebpfprofiler report` renders it
-    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "report", "cpu-20261201T000000Z-1.pb.gz",
+    r = subprocess.run([PY, "-m", "cli.main", "report", "cpu-20261201T000000Z-1.pb.gz",
                         "-o", "report.html"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     page = (tmp_path / "report.html").read_text()

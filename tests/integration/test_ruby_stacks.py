@@ -34,15 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.collector.procfs import read_maps
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes import ruby as ruby_plugin
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS
-from ebpfprofiler.runtimes.runtime import FileCache, ProcessContext, first_mappings
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from collector.procfs import read_maps
+from receiver.store import list_profiles
+from runtimes import elfsyms
+from runtimes import ruby as ruby_plugin
+from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.ruby.layouts import LAYOUTS
+from runtimes.runtime import FileCache, ProcessContext, first_mappings
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 
 from tests import runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for

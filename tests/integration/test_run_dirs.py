@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.shared import config as config_mod
+from shared import config as config_mod
 from tests.harness import PY, open_dir, require_root, write_config
 
 REFUSAL_S = 10.0   # config load and directory checks: well under a second; the stages' start is seconds
@@ -48,7 +48,7 @@ def test_run_with_a_run_dir_symlinked_to_another_users_directory_refuses_and_cha
                           config_mod.ProfilerConfig(endpoint="", local_dir=str(reachable / "profiles")))
     before = nobodys.lstat()
     started = time.monotonic()
-    r = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "run", "--config", str(config), "--run-dir", str(link),
+    r = subprocess.run([PY, "-m", "cli.main", "run", "--config", str(config), "--run-dir", str(link),
                         "--state-dir", str(reachable / "state")], capture_output=True, text=True, timeout=120)
     assert time.monotonic() - started < REFUSAL_S, r.stdout + r.stderr
     assert r.returncode == 1, r.stdout + r.stderr

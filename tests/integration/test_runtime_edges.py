@@ -42,12 +42,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.collector.procfs import read_process
-from ebpfprofiler.runtimes.main import Reader
-from ebpfprofiler.runtimes.targets import start_ticks
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.labels import process_labels
-from ebpfprofiler.shared.wire import ProcessAnnouncement
+from collector.procfs import read_process
+from runtimes.main import Reader
+from runtimes.targets import start_ticks
+from shared.config import ProfilerConfig
+from shared.labels import process_labels
+from shared.wire import ProcessAnnouncement
 
 from tests.harness import PY, ROOT, WORKLOADS, kill_and_reap, namespace_host_gaps, require_root, wait_for
 
@@ -341,7 +341,7 @@ def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path, started:
 
 def _pid_reuse_driver(script: str, work: str) -> None:
     """Pid 1 of a fresh pid namespace: A at pid P, then B at pid P; print what the reader made of it."""
-    from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
+    from runtimes.memory import ProcessMemory, ReadBudget
 
     # Two programs with a function each of their own, both the spinner underneath.
     a_src, b_src = Path(work) / "a.py", Path(work) / "b.py"

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.runtimes import dotnet
-from ebpfprofiler.runtimes.dotnet import ipc
-from ebpfprofiler.shared import counters
+from runtimes import dotnet
+from runtimes.dotnet import ipc
+from shared import counters
 
 from tests.elf_builder import symbol_table_elf
 from tests.integration.test_runtime_edges import PYTHON311, DrivenReader, go, spinner, start

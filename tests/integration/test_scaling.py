@@ -15,10 +15,10 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from ebpfprofiler.collector.routing import worker_for
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
+from collector.routing import worker_for
+from receiver.store import list_profiles
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 WINDOW_S = 2

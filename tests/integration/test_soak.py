@@ -27,9 +27,9 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.shared import endpoints, pprof
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.safestr import process_string
+from shared import endpoints, pprof
+from shared.config import ProfilerConfig
+from shared.safestr import process_string
 from tests.harness import (FRAME_POINTER_FLAGS, Pipeline, Receiver, open_dir, require_root, wait_for,
                            workload_fields)
 from tests.integration.test_hostile_processes import NEWLINE_DIRS, NEWLINES_PER_DIR, stage_pids

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.privileges import OPTIONAL_CAPS, STAGES, mask
+from shared import pprof
+from shared.privileges import OPTIONAL_CAPS, STAGES, mask
 
 from tests import debroot
 from tests.harness import FRAME_POINTER_FLAGS, PY, ROOT, bpf_holdings, bpftool, namespace_host_gaps, require_root, wait_for

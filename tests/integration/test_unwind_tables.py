@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import zmq
-from ebpfprofiler.collector import unwind
-from ebpfprofiler.shared.stage_code import default_bpf_dir
-from ebpfprofiler.collector.procfs import read_maps
-from ebpfprofiler.collector.programs import Programs
-from ebpfprofiler.shared import endpoints, unwind_table
-from ebpfprofiler.shared.wire import Process, Sample, StackBatch, UnwindTable, encode
-from ebpfprofiler.symbolizer import cfi
+from collector import unwind
+from shared.stage_code import default_bpf_dir
+from collector.procfs import read_maps
+from collector.programs import Programs
+from shared import endpoints, unwind_table
+from shared.wire import Process, Sample, StackBatch, UnwindTable, encode
+from symbolizer import cfi
 
 from tests.harness import require_root, wait_for
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.config import UPLOAD_FORMATS, ProfilerConfig
-from ebpfprofiler.symbolizer.main import WINDOW_GRACE_S
-from ebpfprofiler.shared.privileges import ids as stage_ids
-from ebpfprofiler.uploader.spool import decode_file
+from shared import endpoints
+from shared.config import UPLOAD_FORMATS, ProfilerConfig
+from symbolizer.main import WINDOW_GRACE_S
+from shared.privileges import ids as stage_ids
+from uploader.spool import decode_file
 from tests.harness import (FAST_BACKOFF, Pipeline, Receiver, TestWorker, UploaderProcess, http_config,
                            launch_uploader, make_upload, require_root, reserve_port, wait_for)
 
@@ -507,8 +507,8 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
 def test_a_backend_trickling_its_reply_is_given_up_at_the_deadline_and_the_profile_stays_spooled(
         tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
     """Issue 40, case 10: a 200's headers, then a byte every 0.3 s forever, never trip the 1-s read timeout."""
-    from ebpfprofiler.shared import counters
-    from ebpfprofiler.uploader.http import request_deadline_s
+    from shared import counters
+    from uploader.http import request_deadline_s
     from tests.unit.test_upload_deadline import SlowBackend
 
     backend = SlowBackend("reply")

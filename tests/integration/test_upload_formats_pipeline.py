@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
 
-from ebpfprofiler.receiver.pyroscope import parse_name
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader.spool import SpoolFormatError, decode_file
+from receiver.pyroscope import parse_name
+from shared import pprof
+from shared.config import ProfilerConfig
+from shared.wire import ProfileUpload
+from uploader.spool import SpoolFormatError, decode_file
 from tests.harness import Pipeline, Receiver, require_root, reserve_port, wait_for
 from tests.otlp_check import otlp_samples, pprof_samples
 

@@ -124,7 +124,7 @@ MIN_CHAIN_PCT = 80.0
 # Fewer samples than this is no figure (30 s at 99 Hz of a spinning program gives ~1500 at TCG speed or less).
 MIN_SAMPLES = 20
 # The agent's processes (`ebpfprofiler run` and its stages), by command line.
-AGENT_PROCESS_RE = r"bin/ebpfprofiler |ebpfprofiler\.(cli|collector|symbolizer|uploader|runtimes)\."
+AGENT_PROCESS_RE = r"bin/ebpfprofiler |-m (cli|collector|symbolizer|uploader|runtimes)\.main"
 # Log lines that say something was refused, degraded or failed.
 NOTABLE_RE = re.compile(r"refus|cannot|can't|WARNING|ERROR|verifier|Traceback|failed|denied|not permitted|"
                         r"invalid|error:|did not|degrad|unavailable", re.IGNORECASE)
@@ -308,7 +308,7 @@ def bpf_objects() -> dict[str, set[str]]:
 def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str]]:
     """(% of pid's value whose stack holds main→alpha→beta in a row, its samples (off-CPU: blocks
     counted), its 3 heaviest stacks)."""
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     total = chained = samples = 0
     stacks: dict[str, int] = {}
     for item in items:
@@ -385,7 +385,7 @@ def preflight(report: Reporter) -> None:
 
 
 def record(report: Reporter, pids: dict[str, int]) -> None:
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     out = WORK / "rec.pb.gz"
     argv = [ebpfprofiler(), "record", "-d", str(RECORD_SECONDS), "--offcpu", "-o", str(out), "-p",
             *[str(p) for p in pids.values()]]
@@ -426,7 +426,7 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
 
 def windows_of(local: Path, kind: str, pid: int) -> dict[str, list[str]]:
     """Window → the `kind` profile files (local_dir/SERVICE/KIND-WINDOW-ID.pb.gz) holding samples of pid."""
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     out: dict[str, list[str]] = {}
     for f in pm.profile_files([str(local)]):
         name = os.path.basename(f)
@@ -440,7 +440,7 @@ def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) 
     """The FP, DWARF and off-CPU shares in `run`'s last whole window, once STEADY_WINDOWS windows have
     been written: apart from `record`'s figures, which include its first seconds (unwind tables are
     built after a process is first seen), they say whether the unwinding works once it has them."""
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     wait_until(lambda: len(windows_of(local, "cpu", pids["knofp"])) >= STEADY_WINDOWS,
                STEADY_WINDOWS * RUN_WINDOW_S + PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None)
     out: dict[str, Any] = {}
@@ -457,7 +457,7 @@ def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) 
 
 
 def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     local = WORK / "profiles"
     config = WORK / "agent.yaml"
     # overhead_budget_pct 100, as `record` sets it: under TCG every stage costs ~50x its real CPU, and the

@@ -202,7 +202,7 @@ def _chroot_setup(root: Path, releases: list[str], log: Callable[[str], None]) -
             script = (f"cd {GUEST_PROJECT} && bash deploy/users.sh && "
                       "{ [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv; } && "
                       ".venv/bin/pip install -q -r requirements.txt && .venv/bin/pip install -q --no-deps -e . && "
-                      ".venv/bin/python -c 'import bcc, zmq, prctl, yaml, ebpfprofiler.cli.main'")
+                      ".venv/bin/python -c 'import bcc, zmq, prctl, yaml, cli.main'")
         log(f"setting up the project in the guest root: {script}")
         env_cmd = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8",
                    "DEBIAN_FRONTEND=noninteractive", "PIP_DISABLE_PIP_VERSION_CHECK=1"] + _host_pip_cert(root)

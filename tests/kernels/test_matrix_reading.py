@@ -73,7 +73,7 @@ def test_a_guest_that_hung_mid_suite_fails_its_boot_cell_with_the_panic(tmp_path
 
 
 def _profile(path: Path, sample_types: list[tuple[str, str]], stacks: list[tuple[list[str], list[int], int]]) -> None:
-    from ebpfprofiler.shared.pprof import ProfileBuilder
+    from shared.pprof import ProfileBuilder
     b = ProfileBuilder(sample_types, sample_types[-1], 1, 0, 10_000_000_000)
     m = b.mapping(("/tmp/ktest/knofp", ""), "/tmp/ktest/knofp", "", has_functions=True)
     for frames, values, pid in stacks:
@@ -86,7 +86,7 @@ def _profile(path: Path, sample_types: list[tuple[str, str]], stacks: list[tuple
 
 def test_figures_count_a_programs_samples_and_read_runs_last_whole_window(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from ebpfprofiler.report import profiles as pm
+    from report import profiles as pm
     from tests.kernels import guest_smoke
     cpu = [("samples", "count"), ("cpu", "nanoseconds")]
     whole, cut, other = ["_start", "main", "alpha", "beta"], ["beta"], ["main", "alpha", "beta"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector import procfs
-from ebpfprofiler.shared import wire
-from ebpfprofiler.shared.wire import Mapping, Process, ProcessAnnouncement, Sample, StackBatch, UnwindRequest
+from collector import procfs
+from shared import wire
+from shared.wire import Mapping, Process, ProcessAnnouncement, Sample, StackBatch, UnwindRequest
 
 # A path of 960 bytes of "é": a JSON row of ~2.8 KB once the wire escapes it (\u00e9).
 LONG_DIR = "/tmp/many/" + "/".join(["é" * 120] * 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ebpfprofiler.collector import bpftime, drains
+from collector import bpftime, drains
 
 from tests.harness import ROOT
 

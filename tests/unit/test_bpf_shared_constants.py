@@ -14,8 +14,8 @@ from types import ModuleType
 
 import pytest
 
-from ebpfprofiler.collector import alloc, intervals, offcpu, oncpu, unwind
-from ebpfprofiler.shared import unwind_table
+from collector import alloc, intervals, offcpu, oncpu, unwind
+from shared import unwind_table
 from tests.harness import ROOT
 
 BPF = Path(ROOT) / "bpf"
@@ -103,8 +103,8 @@ def test_every_define_the_collector_passes_is_used_by_a_program() -> None:
 def test_register_records_are_decoded_as_the_program_lays_them_out() -> None:
     """collector/regs.py's RECORD is struct oncpu_regs_record of bpf/oncpu.c up to its stack copy, and the
     copy sizes the collector passes with -D are the ones the wire lets through."""
-    from ebpfprofiler.collector import regs
-    from ebpfprofiler.shared import wire
+    from collector import regs
+    from shared import wire
 
     body = re.search(r"struct oncpu_regs_record \{(.*?)\};", (BPF / "oncpu.c").read_text(), re.DOTALL)
     assert body, "bpf/oncpu.c has no struct oncpu_regs_record"

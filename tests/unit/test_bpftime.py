@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ebpfprofiler.collector import bpftime
-from ebpfprofiler.collector.bpftime import ProgTime
+from collector import bpftime
+from collector.bpftime import ProgTime
 
 from tests.harness import ROOT
 

@@ -15,8 +15,8 @@ from functools import lru_cache
 
 import pytest
 
-from ebpfprofiler.collector import offcpu
-from ebpfprofiler.collector.btfprog import member_offset
+from collector import offcpu
+from collector.btfprog import member_offset
 
 VMLINUX = "/sys/kernel/btf/vmlinux"
 

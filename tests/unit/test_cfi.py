@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.symbolizer import cfi
+from shared import unwind_table as ut
+from symbolizer import cfi
 
 from tests.harness import WORKLOADS
 

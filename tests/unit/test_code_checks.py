@@ -2,7 +2,7 @@
 
 Both run with the configuration in pyproject.toml ([tool.ruff], [tool.mypy]) and fail on any
 finding, so `make test` fails on a new one. mypy needs the import names the installed package
-has (ebpfprofiler.collector is collector/): it is run on a tree of links named so, made in a
+has (collector is collector/): it is run on a tree of links named so, made in a
 temporary directory; its cache stays in the checkout's .venv (which `make clean` removes and no copy
 of the checkout takes along), so a second run is quick.
 """

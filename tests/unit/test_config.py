@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared import config
+from shared import config
 
 
 def write(tmp_path: Path, body: str) -> str:
@@ -80,6 +80,6 @@ def test_targets_are_kept_as_given_without_repeats(tmp_path: Path) -> None:
 
 
 def test_offcpu_sampling_is_off_unless_sample_ms_is_above_min_ms() -> None:
-    from ebpfprofiler.collector.offcpu import sample_ns
+    from collector.offcpu import sample_ns
     assert sample_ns(1, 10) == 10_000_000
     assert sample_ns(1, 0) == 0 and sample_ns(10, 10) == 0 and sample_ns(20, 10) == 0

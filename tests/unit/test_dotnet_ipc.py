@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.runtimes import dotnet as dotnet_plugin
-from ebpfprofiler.runtimes.dotnet import DotNet, environment_refusal, ipc, parse_environ
-from ebpfprofiler.runtimes.dotnet.connect import ConnectRefused, Connector, socket_name
-from ebpfprofiler.runtimes.runtime import FileCache, Mapping, Pending, ProcessContext, Refusal, Served
-from ebpfprofiler.shared.polling import wait_for
-from ebpfprofiler.runtimes.targets import start_ticks
+from runtimes import dotnet as dotnet_plugin
+from runtimes.dotnet import DotNet, environment_refusal, ipc, parse_environ
+from runtimes.dotnet.connect import ConnectRefused, Connector, socket_name
+from runtimes.runtime import FileCache, Mapping, Pending, ProcessContext, Refusal, Served
+from shared.polling import wait_for
+from runtimes.targets import start_ticks
 
 OK_8_0_4 = bytes.fromhex("444f544e45545f4950435f5631001800ff00000000000000")
 UNKNOWN_COMMAND_3_1_23 = bytes.fromhex("444f544e45545f4950435f5631001800ffff000085131380")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ebpfprofiler.collector.drains import (
+from collector.drains import (
     DRAIN_KEYS_TARGET,
     DRAINS_PER_PID_WRAP,
     EARLY_DRAIN_S,

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from ebpfprofiler.symbolizer import elf
-from ebpfprofiler.symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
-from ebpfprofiler.symbolizer.files import ProcessGone
-from ebpfprofiler.symbolizer.limits import BudgetExceeded, time_budget
+from symbolizer import elf
+from symbolizer.elf import ElfCache, ElfError, ElfSymbols, read_elf
+from symbolizer.files import ProcessGone
+from symbolizer.limits import BudgetExceeded, time_budget
 from tests.harness import vaddr_to_offset
 
 FIXTURE_C = Path(__file__).parent.parent / "fixtures" / "symbols.c"

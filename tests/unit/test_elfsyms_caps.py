@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.jvm import vmstructs
-from ebpfprofiler.runtimes.runtime import FileCache, Mapping, ProcessContext, Refusal, mapped_file_facts
+from runtimes import elfsyms
+from runtimes.jvm import vmstructs
+from runtimes.runtime import FileCache, Mapping, ProcessContext, Refusal, mapped_file_facts
 
 from tests.elf_builder import symbol_table_elf
 

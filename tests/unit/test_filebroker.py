@@ -11,11 +11,11 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.collector.filebroker import DEBUG_DIR, FileBroker, Refused, open_debug
-from ebpfprofiler.collector.procfs import parse_stat, read_maps
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared.wire import FileReply, Mapping, Process, decode
-from ebpfprofiler.symbolizer.files import FileClient, FileRefused
+from collector.filebroker import DEBUG_DIR, FileBroker, Refused, open_debug
+from collector.procfs import parse_stat, read_maps
+from shared import endpoints
+from shared.wire import FileReply, Mapping, Process, decode
+from symbolizer.files import FileClient, FileRefused
 from tests.harness import stop_process, wait_for
 
 
@@ -247,7 +247,7 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, start
 
 def test_connections_past_the_cap_are_closed_and_the_broker_goes_on(tmp_path: Path, monkeypatch, jit) -> None:
     # given a broker that serves at most 2 connections at once, held open by a peer
-    from ebpfprofiler.collector import filebroker
+    from collector import filebroker
     monkeypatch.setattr(filebroker, "MAX_CONNECTIONS", 2)
     b = FileBroker(str(tmp_path), allowed_uids={os.getuid()})
     held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]

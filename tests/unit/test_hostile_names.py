@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.report import profiles
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.safestr import printable, process_string, unescape
-from ebpfprofiler.symbolizer.elf import read_elf
-from ebpfprofiler.symbolizer import perfmap
+from report import profiles
+from shared import pprof
+from shared.safestr import printable, process_string, unescape
+from symbolizer.elf import read_elf
+from symbolizer import perfmap
 from tests.harness import vaddr_to_offset
 
 FIXTURE_C = Path(__file__).parent.parent / "fixtures" / "symbols.c"

@@ -29,11 +29,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.runtimes import jvm
-from ebpfprofiler.runtimes.jvm import layouts, vmstructs
-from ebpfprofiler.runtimes.jvm.reader import MAX_FRAMES, JvmProcess, _Bad, line_table, read_signed, read_uint
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.runtime import Refusal
+from runtimes import jvm
+from runtimes.jvm import layouts, vmstructs
+from runtimes.jvm.reader import MAX_FRAMES, JvmProcess, _Bad, line_table, read_signed, read_uint
+from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.runtime import Refusal
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "jvm"
 RELEASES = {8: "25.452-b09", 11: "11.0.13+8", 17: "17.0.15+6-Debian-1deb12u1", 21: "21.0.8+9", 25: "25.0.2+10"}

@@ -13,7 +13,7 @@ Given the bytes at a sampled pc, when x86edge decodes them, then:
 from __future__ import annotations
 
 import pytest
-from ebpfprofiler.runtimes.jvm.x86edge import Edge, in_epilogue, in_prologue
+from runtimes.jvm.x86edge import Edge, in_epilogue, in_prologue
 
 FRAME_BYTES = 32     # step's frame: 4 words (return address, rbp, two of its own)
 

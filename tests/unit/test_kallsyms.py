@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ebpfprofiler.collector.kallsyms import KernelSymbols
+from collector.kallsyms import KernelSymbols
 
 RECORDED = Path(__file__).parents[1] / "fixtures" / "proc" / "kallsyms.txt"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector import features, perfevents, programs
-from ebpfprofiler.collector.main import start_caps
-from ebpfprofiler.shared.privileges import CAP_SYS_ADMIN
+from collector import features, perfevents, programs
+from collector.main import start_caps
+from shared.privileges import CAP_SYS_ADMIN
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
 ALL_YES = {spec.name: True for spec in features.FEATURES}

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from ebpfprofiler.runtimes.memory import (
+from runtimes.memory import (
     MAX_READ_BYTES,
     MemoryReadError,
     ProcessMemory,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ebpfprofiler.shared.wire import Mapping, Process
-from ebpfprofiler.symbolizer.frames import JIT_MODULE, KERNEL_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
-from ebpfprofiler.symbolizer.names import DebugFileNames, KernelNames, ModuleNames, NameSource, PerfMapNames
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache
+from shared.wire import Mapping, Process
+from symbolizer.frames import JIT_MODULE, KERNEL_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
+from symbolizer.names import DebugFileNames, KernelNames, ModuleNames, NameSource, PerfMapNames
+from symbolizer.perfmap import PerfMapCache
 
 JIT_START = 0x7000_0000
 JIT_END = JIT_START + 0x1000

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import struct
 
-from ebpfprofiler.runtimes import elfsyms
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.node import _facts
-from ebpfprofiler.runtimes.node.layouts import LAYOUTS
-from ebpfprofiler.runtimes.node.reader import MAX_FRAMES, NodeProcess, V8Info
-from ebpfprofiler.shared.wire import RegsSample
+from runtimes import elfsyms
+from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.node import _facts
+from runtimes.node.layouts import LAYOUTS
+from runtimes.node.reader import MAX_FRAMES, NodeProcess, V8Info
+from shared.wire import RegsSample
 
 HOST_NODE = "/usr/bin/node"
 # Only in the host node's .symtab (a local symbol: never exported).
@@ -177,8 +177,8 @@ def test_samples_not_running_javascript_are_left_to_the_timer() -> None:
     assert node.sample_regs(_PlantedMemory(words), samples) == []
     assert node.sample_regs(_PlantedMemory(exit_words), [sample(2_000_000_000, V8_TEXT + 8, exit_fps[0])]) == []
     assert node.regs_seen
-    from ebpfprofiler.runtimes import main
-    from ebpfprofiler.runtimes.node import reader
+    from runtimes import main
+    from runtimes.node import reader
     assert reader.TIMER_PERIOD_NS == 1_000_000_000 // main.SAMPLE_HZ      # the handover's period is the timer's
     assert node.dropped == {"regs_before_handover": 1, "regs_not_main_thread": 1, "regs_not_js": 1,
                             "not_function": 2, "regs_no_frames": 1, "regs_in_cxx": 1}, node.dropped

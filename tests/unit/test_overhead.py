@@ -8,15 +8,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.cli import status as status_cli
-from ebpfprofiler.collector.bpftime import ProgTime
-from ebpfprofiler.collector.overhead import (
+from cli import status as status_cli
+from collector.bpftime import ProgTime
+from collector.overhead import (
     Budget,
     OverheadGuard,
     read_proc,
     write_status,
 )
-from ebpfprofiler.shared import config as config_mod
+from shared import config as config_mod
 
 from tests.harness import PY, wait_for
 
@@ -115,7 +115,7 @@ def test_status_says_clearly_when_nothing_runs(tmp_path: Path) -> None:
     # given a run directory with no collector (and a ready file of a dead one)
     (tmp_path / "collector.ready").write_text("999999999\n")
     # when `ebpfprofiler status` is asked
-    out = subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "status", "--run-dir", str(tmp_path)],
+    out = subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=60)
     # then it exits 1 and says that no collector runs there, not a traceback
     assert out.returncode == 1

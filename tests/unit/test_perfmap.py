@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector import filebroker
-from ebpfprofiler.shared.wire import FileRequest
-from ebpfprofiler.symbolizer import perfmap
-from ebpfprofiler.symbolizer.files import ProcessGone
-from ebpfprofiler.symbolizer.perfmap import PerfMapCache, PerfMapRefused, read_perf_map
+from collector import filebroker
+from shared.wire import FileRequest
+from symbolizer import perfmap
+from symbolizer.files import ProcessGone
+from symbolizer.perfmap import PerfMapCache, PerfMapRefused, read_perf_map
 
 PID, NSPID, START_TICKS = 4242, 7, 123456
 UID = os.getuid()

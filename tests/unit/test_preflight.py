@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import platform
 
-from ebpfprofiler.collector import preflight
-from ebpfprofiler.collector.preflight import CAP_BPF, CAP_SYS_ADMIN, REQUIRED_CAPS
+from collector import preflight
+from collector.preflight import CAP_BPF, CAP_SYS_ADMIN, REQUIRED_CAPS
 
 
 def mask(*bits: int) -> int:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector import preflight
-from ebpfprofiler.collector.preflight import FAIL, OK, WARN, Host
-from ebpfprofiler.shared.privileges import CAP_SYS_ADMIN, CAP_SYS_RESOURCE
+from collector import preflight
+from collector.preflight import FAIL, OK, WARN, Host
+from shared.privileges import CAP_SYS_ADMIN, CAP_SYS_RESOURCE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kernels"
 SUITES = ("bullseye", "bookworm", "bookworm-backports", "trixie", "sid")

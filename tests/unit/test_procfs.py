@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector import procfs
+from collector import procfs
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "proc"
 
@@ -117,9 +117,9 @@ def test_an_exited_process_is_kept_for_one_more_drain_then_forgotten(tmp_path: P
 
 
 def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> None:
-    from ebpfprofiler.collector.regs import marked_by
-    from ebpfprofiler.shared import runtime_registry
-    from ebpfprofiler.shared.wire import Mapping, Process
+    from collector.regs import marked_by
+    from shared import runtime_registry
+    from shared.wire import Mapping, Process
 
     def process(*paths: str) -> Process:
         return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="java", executable="/usr/bin/java", service="s",
@@ -134,9 +134,9 @@ def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> No
 
 
 def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_soname() -> None:
-    from ebpfprofiler.collector.regs import marked_by
-    from ebpfprofiler.shared import runtime_registry
-    from ebpfprofiler.shared.wire import Mapping, Process
+    from collector.regs import marked_by
+    from shared import runtime_registry
+    from shared.wire import Mapping, Process
 
     def process(*paths: str) -> Process:
         return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="node", executable=paths[0], service="s",

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from ebpfprofiler.shared import procstat
+from shared import procstat
 
 
 def test_start_ticks_of_a_live_and_of_an_exited_process(started: list[subprocess.Popen]) -> None:

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.cli import run as run_mod
-from ebpfprofiler.shared import endpoints, ready
+from cli import run as run_mod
+from shared import endpoints, ready
 from tests.harness import wait_for
 
 # The children beat this often, so that staleness (STALE_BEATS beats) shows in a fraction of a second.
@@ -37,7 +37,7 @@ DOING = "compiling and loading BPF programs"
 # then ready; "fail": the step raises), then it stays until its stdin closes.
 STAGE = f"""
 import sys
-from ebpfprofiler.shared import ready
+from shared import ready
 run_dir, beat_s = sys.argv[1], float(sys.argv[2])
 with ready.progress(run_dir, "collector", {DOING!r}, beat_s=beat_s):
     print("working", flush=True)
@@ -223,7 +223,7 @@ def test_run_reports_a_stale_heartbeat_a_silent_stage_and_an_exit(tmp_path: Path
 
 def test_record_shows_the_step_and_calls_a_stale_heartbeat_stuck(tmp_path: Path,
                                                                  started: list[subprocess.Popen]) -> None:
-    from ebpfprofiler.cli.record import StartProgress
+    from cli.record import StartProgress
     p = start_stage(tmp_path, started)
     starting = StartProgress(str(tmp_path), ["collector"])
     # while the step works: its line says what and for how long, and the start is not stuck

@@ -14,9 +14,9 @@ from typing import Iterator
 import pytest
 import requests
 
-from ebpfprofiler.receiver.server import MAX_BODY_BYTES
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared.pprof import ProfileBuilder
+from receiver.server import MAX_BODY_BYTES
+from receiver.store import list_profiles
+from shared.pprof import ProfileBuilder
 from tests.harness import END_NS, START_NS, Receiver
 
 HTTP_TIMEOUT_S = 10
@@ -190,7 +190,7 @@ def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
 
 
 def test_fault_injection_options_are_documented_and_checked(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "ebpfprofiler.cli.main", "receiver"]
+    cmd = [sys.executable, "-m", "cli.main", "receiver"]
     help_text = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S).stdout
     for option in ("--fail-ratio R", "--hang-s S", "--reject-status N", "--reject-reason TEXT", "test aids"):
         assert option in help_text
@@ -255,7 +255,7 @@ def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
     import threading
-    from ebpfprofiler.receiver import server as srv
+    from receiver import server as srv
     monkeypatch.setattr(srv, "REQUEST_DEADLINE_S", 2)
     monkeypatch.setattr(srv, "MAX_CONCURRENT_REQUESTS", 2)
     s = srv.make_server("127.0.0.1:0", str(tmp_path / "store"))

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from ebpfprofiler.collector import regs
-from ebpfprofiler.shared.procstat import start_ticks
-from ebpfprofiler.shared.wire import Mapping, Process
+from collector import regs
+from shared.procstat import start_ticks
+from shared.wire import Mapping, Process
 
 SLOTS = 3
 

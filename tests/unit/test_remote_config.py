@@ -20,12 +20,12 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from ebpfprofiler.shared import remote_config as rc
-from ebpfprofiler.shared import stopping
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.symbolizer.window import Windows
-from ebpfprofiler.uploader.http import MAX_AGENT_CONFIG_BYTES, HttpClient
-from ebpfprofiler.uploader.remote import RemoteConfigFetcher
+from shared import remote_config as rc
+from shared import stopping
+from shared.config import ProfilerConfig
+from shared.window import Windows
+from uploader.http import MAX_AGENT_CONFIG_BYTES, HttpClient
+from uploader.remote import RemoteConfigFetcher
 from tests.harness import DEADLINE_S, ListHandler, Receiver, give, http_config, reserve_port, stage_ids, wait_for
 
 S = 1_000_000_000

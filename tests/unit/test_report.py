@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from ebpfprofiler.report import html, profiles
-from ebpfprofiler.shared import pprof
+from report import html, profiles
+from shared import pprof
 
 PERIOD = 10_000_000
 HOSTILE = "</script><img src=x onerror=alert(1)>"

@@ -23,9 +23,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ebpfprofiler.report import html, profiles
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.safestr import printable, process_string
+from report import html, profiles
+from shared import pprof
+from shared.safestr import printable, process_string
 
 PERIOD = 10_000_000
 TEMPLATE = (Path(html.__file__).parent / "template.html").read_text()

@@ -6,12 +6,12 @@ import os
 import subprocess
 from collections import Counter
 
-from ebpfprofiler.collector.batcher import UNKNOWN_PID, UNKNOWN_SERVICE, build_batches
-from ebpfprofiler.collector.bpfmaps import RawDrain
-from ebpfprofiler.collector.procfs import ProcessTable
-from ebpfprofiler.collector.routing import worker_for
-from ebpfprofiler.symbolizer import window as window_mod
-from ebpfprofiler.symbolizer.window import Windows
+from collector.batcher import UNKNOWN_PID, UNKNOWN_SERVICE, build_batches
+from collector.bpfmaps import RawDrain
+from collector.procfs import ProcessTable
+from collector.routing import worker_for
+from shared import window as window_mod
+from shared.window import Windows
 
 SERVICES = [f"/usr/bin/svc{i}" for i in range(400)]
 S = 1_000_000_000
@@ -58,7 +58,7 @@ def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
 
 
 def test_a_drain_is_stamped_into_the_window_holding_most_of_its_stretch() -> None:
-    from ebpfprofiler.collector.main import drain_stamp_ns
+    from collector.main import drain_stamp_ns
     s = 1_000_000_000
     # given 4 s windows: a drain with no boundary since the last one is stamped now
     assert drain_stamp_ns(9 * s, 10 * s + s // 2, 4 * s) == 10 * s + s // 2

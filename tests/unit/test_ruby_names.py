@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import struct
 
-from ebpfprofiler.runtimes.memory import MemoryReadError, ProcessMemory
-from ebpfprofiler.runtimes.ruby import layouts, reader
-from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS
-from ebpfprofiler.runtimes.ruby.reader import RubyProcess, _Iseq
+from runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.ruby import layouts, reader
+from runtimes.ruby.layouts import LAYOUTS
+from runtimes.ruby.reader import RubyProcess, _Iseq
 
 LAY = LAYOUTS[(3, 3)]
 IMEMO_MENT = layouts.T_IMEMO | layouts.IMEMO_MENT << layouts.FL_USHIFT

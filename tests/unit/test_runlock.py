@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared import runlock
+from shared import runlock
 
-HOLD = ("import sys; from ebpfprofiler.shared import runlock; runlock.hold(sys.argv[1], 'collector'); "
+HOLD = ("import sys; from shared import runlock; runlock.hold(sys.argv[1], 'collector'); "
         "print('held', flush=True); sys.stdin.read()")
 
 

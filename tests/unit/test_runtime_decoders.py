@@ -17,10 +17,10 @@ import platform
 import types
 from pathlib import Path
 
-from ebpfprofiler.runtimes.cpython import lines, version
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
-from ebpfprofiler.runtimes.php import _scan as php_scan
-from ebpfprofiler.runtimes.ruby import _version as ruby_version
+from runtimes.cpython import lines, version
+from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.php import _scan as php_scan
+from runtimes.ruby import _version as ruby_version
 
 # Bytes the whole-path detection may read from this process (its Py_Version and type objects).
 DETECT_READ_BYTES = 1 << 20
@@ -114,7 +114,7 @@ def test_cpython_detection_of_this_interpreter_reads_its_version_from_memory() -
 
 
 def test_php_version_and_build_are_found_across_scan_chunks() -> None:
-    from ebpfprofiler.runtimes import php
+    from runtimes import php
 
     pad = b"\0" * (php.SCAN_CHUNK - 10)     # the marker straddles the first chunk's end
     blob = pad + b"X-Powered-By: PHP/8.2.29\0" + b"\0" * 100 + b"API20220829,NTS\0"

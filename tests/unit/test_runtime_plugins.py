@@ -15,10 +15,10 @@ import importlib
 from pathlib import Path
 
 import pytest
-from ebpfprofiler.runtimes.ruby.layouts import LAYOUTS as RUBY_LAYOUTS
-from ebpfprofiler.runtimes.ruby.reader import RubyProcess
-from ebpfprofiler.runtimes.runtime import FileCache
-from ebpfprofiler.shared import config, runtime_registry, wire
+from runtimes.ruby.layouts import LAYOUTS as RUBY_LAYOUTS
+from runtimes.ruby.reader import RubyProcess
+from runtimes.runtime import FileCache
+from shared import config, runtime_registry, wire
 
 
 def write(tmp_path: Path, body: str) -> str:
@@ -111,8 +111,8 @@ class _Walked:
         return []
 
     def sample_regs(self, mem: object, samples: list) -> list:
-        from ebpfprofiler.runtimes.runtime import ThreadStack
-        from ebpfprofiler.runtimes.jvm.reader import JvmFrame
+        from runtimes.runtime import ThreadStack
+        from runtimes.jvm.reader import JvmFrame
         return [ThreadStack(r.tid, (JvmFrame(f"t{r.tid}", "", 0, "compiled"),)) for r in samples]
 
 
@@ -122,8 +122,8 @@ def test_on_cpu_samples_past_the_readers_cap_are_a_weighted_subsample(tmp_path: 
     when the reader takes it, then it walks at most MAX_REGS_PER_S of them and the jvm_cpu window still
     holds ~`arriving` samples (each worth the collector's period) at 3:1."""
     import os
-    from ebpfprofiler.runtimes import main as reader_main
-    from ebpfprofiler.runtimes.targets import Entry
+    from runtimes import main as reader_main
+    from runtimes.targets import Entry
 
     run = tmp_path / "run"
     run.mkdir()

@@ -20,9 +20,9 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.runtimes.cpython import version as cpython_version
-from ebpfprofiler.runtimes.elfsyms import READ_SECONDS, ElfSymbolError, read_symbols
-from ebpfprofiler.runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.cpython import version as cpython_version
+from runtimes.elfsyms import READ_SECONDS, ElfSymbolError, read_symbols
+from runtimes.memory import ProcessMemory, ReadBudget
 from tests.harness import WORKLOADS, stop_process, wait_for
 
 SYMBOLS = 1_000_000

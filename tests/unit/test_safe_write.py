@@ -24,10 +24,10 @@ from typing import Iterator
 
 import pytest
 
-from ebpfprofiler.cli import run as run_mod
-from ebpfprofiler.report import profiles
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import files, privileges
+from cli import run as run_mod
+from report import profiles
+from shared import config as config_mod
+from shared import files, privileges
 from tests.harness import PY, open_dir
 from tests.unit.test_report import cpu_profile, local_dir
 
@@ -69,7 +69,7 @@ def regular_private(p: Path, mode: int = 0o600) -> None:
 
 
 def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "ebpfprofiler.cli.main", "report", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([PY, "-m", "cli.main", "report", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=CLI_TIMEOUT_S)
 
 
@@ -253,7 +253,7 @@ def test_ensure_dir_refuses_a_file_in_the_path(reachable: Path) -> None:
 @with_agent_users
 def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_without_warning(
         reachable: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from ebpfprofiler.uploader.http import read_token
+    from uploader.http import read_token
     token = reachable / "token"
     token.write_text("s3cret\n")
     token.chmod(0o600)                      # root's: the uploader cannot read it
@@ -271,6 +271,6 @@ def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_w
              grp.getgrnam(group.group(1)).gr_gid if group else -1)
     token.chmod(int(mode.group(1), 8))
     run_mod.prepare_dirs(args, cfg)         # now readable by the uploader
-    with caplog.at_level(logging.WARNING, logger="ebpfprofiler.uploader.http"):
+    with caplog.at_level(logging.WARNING, logger="uploader.http"):
         assert read_token(str(token)) == "s3cret"
     assert not [r for r in caplog.records if "token file" in r.getMessage()], caplog.text

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from ebpfprofiler.collector.procfs import parse_maps, parse_stat
-from ebpfprofiler.shared import wire
-from ebpfprofiler.shared.safestr import CUT_MARKER, MAX_PROCESS_STRING, process_string, unescape
+from collector.procfs import parse_maps, parse_stat
+from shared import wire
+from shared.safestr import CUT_MARKER, MAX_PROCESS_STRING, process_string, unescape
 
 
 def test_escaping_is_lossless_valid_utf8_without_control_characters() -> None:
@@ -47,8 +47,8 @@ def test_comm_with_bytes_that_are_not_utf8() -> None:
 
 
 def test_quoted_values_are_cut_even_when_huge() -> None:
-    from ebpfprofiler.shared import config as config_mod
-    from ebpfprofiler.shared.safestr import quote
+    from shared import config as config_mod
+    from shared.safestr import quote
     for value in ("x" * 3_000_000, [[0] * 1_000_000], {"k" * 10_000: 1}, b"\xff" * 100_000, 10 ** 4000, 10 ** 5000):
         assert len(quote(value)) < 300
     with pytest.raises(config_mod.ConfigError) as e:
@@ -57,7 +57,7 @@ def test_quoted_values_are_cut_even_when_huge() -> None:
 
 
 def test_a_command_line_of_many_tiny_arguments_still_fits_the_wire(tmp_path) -> None:
-    from ebpfprofiler.collector.procfs import read_process
+    from collector.procfs import read_process
     pid = tmp_path / "4242"
     pid.mkdir()
     (pid / "stat").write_bytes(b"4242 (x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 999 20")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ebpfprofiler.shared import config as config_mod
-from ebpfprofiler.shared import counters
-from ebpfprofiler.shared.wire import Process, Sample, StackBatch
-from ebpfprofiler.symbolizer import window as window_mod
-from ebpfprofiler.symbolizer.main import Worker
-from ebpfprofiler.symbolizer.window import MAX_SERVICES_PER_WINDOW, OTHER_SERVICES, Windows
+from shared import config as config_mod
+from shared import counters
+from shared.wire import Process, Sample, StackBatch
+from shared import window as window_mod
+from symbolizer.main import Worker
+from shared.window import MAX_SERVICES_PER_WINDOW, OTHER_SERVICES, Windows
 
 T0 = 1_700_000_000_000_000_000
 EXTRA = 250   # services past the cap

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared.handoff import REFUSED, STORED
-from ebpfprofiler.uploader import spool as spool_mod
-from ebpfprofiler.uploader.spool import Spool, decode_file, encode_file
+from shared.handoff import REFUSED, STORED
+from uploader import spool as spool_mod
+from uploader.spool import Spool, decode_file, encode_file
 from tests.harness import END_NS, START_NS, make_upload
 
 LOGGER = "test.spool"

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ebpfprofiler.shared import endpoints, handoff
-from ebpfprofiler.shared.config import ProfilerConfig
-from ebpfprofiler.shared.wire import Process, Sample, StackBatch, encode
+from shared import endpoints, handoff
+from shared.config import ProfilerConfig
+from shared.wire import Process, Sample, StackBatch, encode
 from tests.harness import (DEADLINE_S, Receiver, TestWorker, give, http_config, launch_uploader, make_upload,
                            reserve_port, wait_for, write_config)
 
@@ -208,7 +208,7 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Pat
     give("symbolizer", run_dir)
     err = workdir / "worker.err"
     with open(err, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ebpfprofiler.symbolizer.main", "--config", str(config),
+        proc = subprocess.Popen([sys.executable, "-m", "symbolizer.main", "--config", str(config),
                                  "--worker", "0", "--run-dir", str(run_dir), "--state-dir", str(workdir / "state")],
                                 stderr=f)
     started.append(proc)

@@ -6,7 +6,7 @@ import configparser
 import os
 from pathlib import Path
 
-from ebpfprofiler.shared import stage_code
+from shared import stage_code
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

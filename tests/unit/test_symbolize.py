@@ -13,16 +13,16 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ebpfprofiler.collector.filebroker import FileBroker
-from ebpfprofiler.collector.procfs import read_maps, read_process
-from ebpfprofiler.shared import pprof
-from ebpfprofiler.shared.wire import Process
-from ebpfprofiler.symbolizer import elf
-from ebpfprofiler.symbolizer import profile as profile_mod
-from ebpfprofiler.symbolizer.elf import ElfCache
-from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.frames import JIT_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
-from ebpfprofiler.symbolizer.window import ClosedWindow, ServiceWindow
+from collector.filebroker import FileBroker
+from collector.procfs import read_maps, read_process
+from shared import pprof
+from shared.wire import Process
+from symbolizer import elf
+from symbolizer import profile as profile_mod
+from symbolizer.elf import ElfCache
+from symbolizer.files import FileClient
+from symbolizer.frames import JIT_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
+from shared.window import ClosedWindow, ServiceWindow
 from tests.harness import stop_process, vaddr_to_offset, wait_for
 
 LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.collector.alloc import BurstPlan, SampledTime, exp_quantiles, first_countdowns, survivors_to_forget
-from ebpfprofiler.shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
-from ebpfprofiler.collector.targets import TargetWatcher
+from collector.alloc import BurstPlan, SampledTime, exp_quantiles, first_countdowns, survivors_to_forget
+from shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
+from collector.targets import TargetWatcher
 
 CONTAINER = "3f5e0c1b2a4d6e8f" + "0" * 48
 CGROUP_V2 = f"0::/system.slice/docker-{CONTAINER}.scope\n"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ebpfprofiler.shared import privileges
-from ebpfprofiler.shared.privileges import AGENT_GROUP, STAGES
+from shared import privileges
+from shared.privileges import AGENT_GROUP, STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.symbolizer.unwind_cache import UnwindCache, file_identity
+from shared import unwind_table as ut
+from symbolizer.unwind_cache import UnwindCache, file_identity
 
 
 def table(rows: int = 3) -> bytes:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import zmq
-from ebpfprofiler.collector.filebroker import FileBroker
-from ebpfprofiler.collector.procfs import parse_stat, read_maps
-from ebpfprofiler.shared import endpoints
-from ebpfprofiler.shared import unwind_table as ut
-from ebpfprofiler.shared.wire import (
+from collector.filebroker import FileBroker
+from collector.procfs import parse_stat, read_maps
+from shared import endpoints
+from shared import unwind_table as ut
+from shared.wire import (
     Mapping,
     Process,
     StackBatch,
@@ -23,9 +23,9 @@ from ebpfprofiler.shared.wire import (
     UnwindTable,
     decode,
 )
-from ebpfprofiler.symbolizer import cfi
-from ebpfprofiler.symbolizer.files import FileClient
-from ebpfprofiler.symbolizer.unwind import UnwindServer
+from symbolizer import cfi
+from symbolizer.files import FileClient
+from symbolizer.unwind import UnwindServer
 
 from tests.harness import stop_process
 
@@ -226,7 +226,7 @@ def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(prog, broke
                                                                      build) -> None:
     # given a batch asking for the program, then libc, when the first build has used all but 1 ms of the
     # batch's budget (a clock that jumps once something was built)
-    from ebpfprofiler.symbolizer.unwind import BUILD_SECONDS_PER_BATCH
+    from symbolizer.unwind import BUILD_SECONDS_PER_BATCH
     proc = process(prog.pid)
     libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
     wanted = [text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"])), text_mapping(proc, libc)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from ebpfprofiler.shared import unwind_table as ut
+from shared import unwind_table as ut
 
 HEADER = ut.Header(arch=ut.ARCH_X86_64, span=0x1000, pc_base=0x26000, text_offset=0x26000, text_vaddr=0x26000,
                    text_size=0x1000)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ebpfprofiler.uploader import http
-from ebpfprofiler.uploader.http import HttpClient
+from uploader import http
+from uploader.http import HttpClient
 from tests.harness import make_upload
 
 # A byte (or a read) this often: under the 1-s read timeout, so that no single recv or send times out.

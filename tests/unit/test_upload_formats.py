@@ -22,15 +22,15 @@ import pytest
 import requests
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
 
-from ebpfprofiler.receiver import otlp as receiver_otlp
-from ebpfprofiler.receiver.pyroscope import parse_name
-from ebpfprofiler.receiver.server import Faults, make_server
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import pprof, remote_config
-from ebpfprofiler.shared.config import ConfigError, ProfilerConfig, from_mapping
-from ebpfprofiler.shared.pprof import ProfileBuilder
-from ebpfprofiler.shared.wire import ProfileUpload
-from ebpfprofiler.uploader import format_otlp, formats
+from receiver import otlp as receiver_otlp
+from receiver.pyroscope import parse_name
+from receiver.server import Faults, make_server
+from receiver.store import list_profiles
+from shared import pprof, remote_config
+from shared.config import ConfigError, ProfilerConfig, from_mapping
+from shared.pprof import ProfileBuilder
+from shared.wire import ProfileUpload
+from uploader import format_otlp, formats
 from tests.harness import DEADLINE_S, FAST_BACKOFF, START_NS, Receiver, TestWorker, http_config, wait_for
 from tests.otlp_check import otlp_samples, pprof_samples
 

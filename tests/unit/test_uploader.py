@@ -22,12 +22,12 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import zmq
 
-from ebpfprofiler.receiver.server import make_server
-from ebpfprofiler.receiver.store import list_profiles
-from ebpfprofiler.shared import endpoints, handoff
-from ebpfprofiler.shared.config import UPLOAD_FORMATS, ProfilerConfig
-from ebpfprofiler.shared.wire import StackBatch, encode
-from ebpfprofiler.uploader.local import MAX_SERVICE_DIR_CHARS, safe_name
+from receiver.server import make_server
+from receiver.store import list_profiles
+from shared import endpoints, handoff
+from shared.config import UPLOAD_FORMATS, ProfilerConfig
+from shared.wire import StackBatch, encode
+from uploader.local import MAX_SERVICE_DIR_CHARS, safe_name
 from tests.harness import (DEADLINE_S, END_NS, FAST_BACKOFF, START_NS, TestWorker, give, http_config, make_upload,
                            reserve_port, uploader_command, wait_for, write_config)
 
@@ -486,7 +486,7 @@ def test_a_bad_config_exits_2_naming_the_key(workdir: Path, block: str, key: str
 
 
 def test_help_says_what_it_does() -> None:
-    result = subprocess.run([sys.executable, "-m", "ebpfprofiler.cli.main", "uploader", "--help"],
+    result = subprocess.run([sys.executable, "-m", "cli.main", "uploader", "--help"],
                             capture_output=True, timeout=DEADLINE_S)
     assert result.returncode == 0
     out = result.stdout.decode()

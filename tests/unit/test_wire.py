@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ebpfprofiler.shared import wire
-from ebpfprofiler.shared.wire import FileRequest, Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
+from shared import wire
+from shared.wire import FileRequest, Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
 
 
 def batch() -> StackBatch:

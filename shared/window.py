@@ -1,4 +1,4 @@
-"""Per-service aggregation windows of one symbolizer worker.
+"""Per-service aggregation windows of one worker (a symbolizer or the runtime reader).
 
 Owns: which upload window a batch belongs to (wall-clock aligned windows of
 upload_interval_s), the per (profile type, window, service) sum of samples by
