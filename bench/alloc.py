@@ -52,17 +52,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from collector.alloc import BURST_PERIOD_S
-from shared import pprof
-from shared.config import DEFAULT_ALLOC_DUTY_PCT
-
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats, run_workload
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
+from collector.alloc import BURST_PERIOD_S
+from shared import pprof
+from shared.config import DEFAULT_ALLOC_DUTY_PCT
 
 WORKLOADS = Path(__file__).parent / "workloads"
-TEST_WORKLOADS = Path(__file__).parent.parent / "tests" / "workloads"   # the mixed workload the tests run
+TEST_WORKLOADS = Path(__file__).parent.parent / "tests" / "workloads"  # the mixed workload the tests run
 SAMPLE_HZ = 19
 # Iterations per run: ~3 s alone, and in bursts (three periods and more); ~1-3 s with a uprobe
 # trap on every call (always attached).
@@ -74,22 +73,40 @@ MIX_FUNCTIONS = ("mix_a", "mix_b", "leak_page")
 MUTEX_PAIRS = 3_000_000
 MUTEX_WARMUP_S = 3.0
 # configuration -> alloc_duty_pct (None: no profiler; -1: profiling another process); defaults otherwise
-ALLOC_CONFIGS = {"none": None, f"alloc, defaults (bursts, {DEFAULT_ALLOC_DUTY_PCT:g}% duty)": DEFAULT_ALLOC_DUTY_PCT,
-                 "alloc, 5% duty": 5.0, "alloc, 20% duty": 20.0, "alloc, always attached (100% duty)": 100.0,
-                 "alloc of another process (this one not a target)": -1}
+ALLOC_CONFIGS = {
+    "none": None,
+    f"alloc, defaults (bursts, {DEFAULT_ALLOC_DUTY_PCT:g}% duty)": DEFAULT_ALLOC_DUTY_PCT,
+    "alloc, 5% duty": 5.0,
+    "alloc, 20% duty": 20.0,
+    "alloc, always attached (100% duty)": 100.0,
+    "alloc of another process (this one not a target)": -1,
+}
 LOCK_CONFIGS = ("none", "pipeline, no lock targets", "pipeline, lock target")
-BPF_OBJ_NAME_CHARS = 15   # BPF_OBJ_NAME_LEN less its NUL
-PROBE_PROGRAMS = ("alloc_malloc_enter", "alloc_return_probe", "alloc_free_enter", "alloc_calloc_enter",
-                  "tracepoint__syscalls__sys_enter_futex", "tracepoint__syscalls__sys_exit_futex")
+BPF_OBJ_NAME_CHARS = 15  # BPF_OBJ_NAME_LEN less its NUL
+PROBE_PROGRAMS = (
+    "alloc_malloc_enter",
+    "alloc_return_probe",
+    "alloc_free_enter",
+    "alloc_calloc_enter",
+    "tracepoint__syscalls__sys_enter_futex",
+    "tracepoint__syscalls__sys_exit_futex",
+)
 
 
 def build(tmp: str) -> dict[str, str]:
     out = {}
-    for name, flags, src in (("malloc_loop", [], WORKLOADS), ("mutex_loop", ["-pthread"], WORKLOADS),
-                             ("alloc_mix", [], TEST_WORKLOADS)):
+    for name, flags, src in (
+        ("malloc_loop", [], WORKLOADS),
+        ("mutex_loop", ["-pthread"], WORKLOADS),
+        ("alloc_mix", [], TEST_WORKLOADS),
+    ):
         out[name] = os.path.join(tmp, name)
-        r = subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", *flags, "-o", out[name],
-                            str(src / f"{name}.c")], capture_output=True, text=True, check=False)
+        r = subprocess.run(
+            ["gcc", "-O2", "-fno-omit-frame-pointer", *flags, "-o", out[name], str(src / f"{name}.c")],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if r.returncode != 0:
             raise BenchError(f"cannot build {name}: {r.stderr.strip()}")
     return out
@@ -109,10 +126,11 @@ class AllocLockBench:
         self.log = log
         self.keep = keep
         self.our_prog_ids: set[int] = set()
-        self.rng = random.Random()    # each run's start in the bursts' cycle
+        self.rng = random.Random()  # each run's start in the bursts' cycle
 
-    def _profiled(self, d: Path, argv: list[str], iterations: int,
-                  **changes: object) -> tuple[tuple[float, float], dict[str, float]]:
+    def _profiled(
+        self, d: Path, argv: list[str], iterations: int, **changes: object
+    ) -> tuple[tuple[float, float], dict[str, float]]:
         """(rates of `argv` under the pipeline, BPF ns per run of each probe program that ran)."""
         p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=False, **changes)
         try:
@@ -157,18 +175,37 @@ class AllocLockBench:
                     d = Path(tmp) / f"r{r}-a{i}"
                     if duty is None:
                         fig, ns = rate([bins["malloc_loop"], str(MALLOC_LONG), "0"], MALLOC_LONG), {}
-                    elif duty < 0:   # allocation profiling on, for a name this process does not have
-                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(MALLOC_LONG), "0"], MALLOC_LONG,
-                                                 alloc_targets=("not_this_process",))
+                    elif duty < 0:  # allocation profiling on, for a name this process does not have
+                        fig, ns = self._profiled(
+                            d,
+                            [bins["malloc_loop"], str(MALLOC_LONG), "0"],
+                            MALLOC_LONG,
+                            alloc_targets=("not_this_process",),
+                        )
                     else:
                         n = MALLOC_ALWAYS if duty >= 100 else MALLOC_LONG
                         delay_us = 0 if duty >= 100 else int(1e6 * self.rng.uniform(0, BURST_PERIOD_S))
-                        fig, ns = self._profiled(d, [bins["malloc_loop"], str(n), "1", str(delay_us)], n,
-                                                 alloc_targets=("malloc_loop",), alloc_duty_pct=duty)
-                    runs.append({"round": r, "suite": "malloc", "config": config, "rate": fig[0], "cpu_rate": fig[1],
-                                 "bpf_ns": ns})
-                    self.log(f"alloc round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} malloc+free/s, "
-                             f"{fig[1]:,.0f} per CPU second")
+                        fig, ns = self._profiled(
+                            d,
+                            [bins["malloc_loop"], str(n), "1", str(delay_us)],
+                            n,
+                            alloc_targets=("malloc_loop",),
+                            alloc_duty_pct=duty,
+                        )
+                    runs.append(
+                        {
+                            "round": r,
+                            "suite": "malloc",
+                            "config": config,
+                            "rate": fig[0],
+                            "cpu_rate": fig[1],
+                            "bpf_ns": ns,
+                        }
+                    )
+                    self.log(
+                        f"alloc round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} malloc+free/s, "
+                        f"{fig[1]:,.0f} per CPU second"
+                    )
                 accuracy.append(self._accuracy(Path(tmp) / f"r{r}-mix", bins["alloc_mix"]))
                 self.log(f"alloc round {r + 1}/{self.rounds} mixed workload at the defaults: {accuracy[-1]}")
                 for i, config in enumerate(lock):
@@ -179,8 +216,16 @@ class AllocLockBench:
                     else:
                         targets = ("mutex_loop",) if config.endswith("lock target") else ()
                         fig, ns = self._profiled(d, argv, 2 * MUTEX_PAIRS, lock_targets=targets)
-                    runs.append({"round": r, "suite": "mutex", "config": config, "rate": fig[0], "cpu_rate": fig[1],
-                                 "bpf_ns": ns})
+                    runs.append(
+                        {
+                            "round": r,
+                            "suite": "mutex",
+                            "config": config,
+                            "rate": fig[0],
+                            "cpu_rate": fig[1],
+                            "bpf_ns": ns,
+                        }
+                    )
                     self.log(f"lock round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} lock/unlock pairs/s")
         finally:
             if not self.keep:
@@ -195,15 +240,25 @@ class AllocLockBench:
                 summary[f"{suite} | {config}"] = {
                     "rate": stats.summary([x["rate"] for x in mine]),
                     "ratio_to_none": stats.summary([x["rate"] / none[x["round"]] for x in mine]),
-                    "cpu_ratio_to_none": stats.summary([x["cpu_rate"] / none_cpu[x["round"]] for x in mine
-                                                        if none_cpu[x["round"]]]),
+                    "cpu_ratio_to_none": stats.summary(
+                        [x["cpu_rate"] / none_cpu[x["round"]] for x in mine if none_cpu[x["round"]]]
+                    ),
                     "bpf_ns_per_run": {p: stats.summary([x["bpf_ns"].get(p) for x in mine]) for p in programs},
                 }
-        acc = {k: stats.summary([a[k] for a in accuracy if a.get(k) is not None])
-               for k in ("share_a", "share_a_truth", "share_error", "total_ratio", "inuse_ratio")}
-        return {"method": __doc__, "rounds": self.rounds, "sample_hz": SAMPLE_HZ, "runs": runs,
-                "summary": summary, "accuracy_runs": accuracy, "accuracy": acc,
-                "seconds": round(time.monotonic() - t_start, 1)}
+        acc = {
+            k: stats.summary([a[k] for a in accuracy if a.get(k) is not None])
+            for k in ("share_a", "share_a_truth", "share_error", "total_ratio", "inuse_ratio")
+        }
+        return {
+            "method": __doc__,
+            "rounds": self.rounds,
+            "sample_hz": SAMPLE_HZ,
+            "runs": runs,
+            "summary": summary,
+            "accuracy_runs": accuracy,
+            "accuracy": acc,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
     def _accuracy(self, d: Path, exe: str) -> dict:
         """The mixed workload under the pipeline at the defaults: shares, totals and inuse against the truth."""
@@ -211,12 +266,13 @@ class AllocLockBench:
         try:
             p.start()
             self.our_prog_ids |= p.prog_ids
-            w = procs.start([exe, str(MIX_SECONDS), str(MIX_MB_PER_S)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+            w = procs.start(
+                [exe, str(MIX_SECONDS), str(MIX_MB_PER_S)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             try:
                 w.stdout.readline()
                 done = dict(f.split("=", 1) for f in w.stdout.readline().split()[1:])
-                time.sleep(12)   # two more windows of 5 s: the idle one shows the leak alone in use
+                time.sleep(12)  # two more windows of 5 s: the idle one shows the leak alone in use
                 w.stdin.close()
             finally:
                 procs.stop(w, timeout=10)
@@ -241,48 +297,88 @@ class AllocLockBench:
         a, b, leak = int(done["a_bytes"]), int(done["b_bytes"]), int(done["leak_bytes"])
         share = space["mix_a"] / (space["mix_a"] + space["mix_b"]) if space["mix_a"] + space["mix_b"] else None
         truth = a / (a + b)
-        return {"share_a": share, "share_a_truth": truth,
-                "share_error": None if share is None else share / truth - 1,
-                "ratio": None if not space["mix_b"] else space["mix_a"] / space["mix_b"], "ratio_truth": a / b,
-                "total_ratio": sum(space.values()) / (a + b + leak), "space": space,
-                "inuse_last": last_inuse, "inuse_ratio": last_inuse.get("leak_page", 0) / leak if leak else None,
-                "inuse_not_leak": last_inuse.get("mix_a", 0) + last_inuse.get("mix_b", 0)}
+        return {
+            "share_a": share,
+            "share_a_truth": truth,
+            "share_error": None if share is None else share / truth - 1,
+            "ratio": None if not space["mix_b"] else space["mix_a"] / space["mix_b"],
+            "ratio_truth": a / b,
+            "total_ratio": sum(space.values()) / (a + b + leak),
+            "space": space,
+            "inuse_last": last_inuse,
+            "inuse_ratio": last_inuse.get("leak_page", 0) / leak if leak else None,
+            "inuse_not_leak": last_inuse.get("mix_a", 0) + last_inuse.get("mix_b", 0),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) for RESULTS.md and the terminal."""
     from bench.report import _mmm
 
-    head = ["workload", "configuration", "operations/s", "ratio to none (same round)",
-            "ratio per CPU second of the workload", "BPF ns per probe run"]
+    head = [
+        "workload",
+        "configuration",
+        "operations/s",
+        "ratio to none (same round)",
+        "ratio per CPU second of the workload",
+        "BPF ns per probe run",
+    ]
     rows = []
     for key, f in result["summary"].items():
         suite, config = key.split(" | ")
         unit = "malloc+free" if suite == "malloc" else "lock/unlock pairs"
-        ns = ", ".join(f"{p.replace('tracepoint__syscalls__', '')} {s['median']:,.0f}"
-                       for p, s in f["bpf_ns_per_run"].items() if s["median"] is not None)
-        rows.append([f"{suite} ({unit})", config, _mmm(f["rate"], "{:,.0f}"),
-                     "1 (reference)" if config == "none" else _mmm(f["ratio_to_none"], "{:.4f}"),
-                     "1 (reference)" if config == "none" else _mmm(f.get("cpu_ratio_to_none", {}), "{:.4f}"),
-                     ns or "-"])
+        ns = ", ".join(
+            f"{p.replace('tracepoint__syscalls__', '')} {s['median']:,.0f}"
+            for p, s in f["bpf_ns_per_run"].items()
+            if s["median"] is not None
+        )
+        rows.append(
+            [
+                f"{suite} ({unit})",
+                config,
+                _mmm(f["rate"], "{:,.0f}"),
+                "1 (reference)" if config == "none" else _mmm(f["ratio_to_none"], "{:.4f}"),
+                "1 (reference)" if config == "none" else _mmm(f.get("cpu_ratio_to_none", {}), "{:.4f}"),
+                ns or "-",
+            ]
+        )
     acc = result.get("accuracy", {})
     if acc:
-        rows.append(["alloc_mix (3:1 in bytes, 15 MB/s)", "alloc, defaults: mix_a's share of alloc_space",
-                     _mmm(acc["share_a"], "{:.4f}"), f"truth {_mmm(acc['share_a_truth'], '{:.4f}')}",
-                     f"share error {_mmm(acc['share_error'], '{:+.2%}')}", "-"])
-        rows.append(["alloc_mix", "alloc, defaults: estimated total / true total", _mmm(acc["total_ratio"], "{:.3f}"),
-                     "-", f"leak in use / leaked {_mmm(acc['inuse_ratio'], '{:.3f}')}", "-"])
-    caption = (f"pipeline at {result['sample_hz']} Hz on-CPU, off-CPU off; {result['rounds']} rounds, "
-               "configurations in turn; median (min–max); ratio < 1: slower")
-    notes = [f"full run: {result['seconds']} s",
-             "ratio per CPU second: iterations per CPU second of the workload (user + system, where the traps "
-             "are), against the same alone: what the probes cost the target itself; the wall-clock ratio also "
-             "carries the pipeline's CPU and every other tenant's load on this shared 2-CPU host",
-             "while attached, a uprobe costs a trap into the kernel and back on every call, whatever the "
-             "sampling; bursts bound the time it is attached (alloc_duty_pct), so the slowdown of a program that "
-             "only allocates is about the duty cycle",
-             "peers, cited from their own reports, not rerun here: OpenTelemetry's eBPF profiler with kernel "
-             "uprobes on malloc/free, 295K against 160M iterations/s (0.0018); bpftime's daemon mode, the same "
-             "probes run in user space inside the target (code injected into it), 0.97",
-             "lock profiling costs only in futex syscalls: an uncontended mutex never makes one"]
+        rows.append(
+            [
+                "alloc_mix (3:1 in bytes, 15 MB/s)",
+                "alloc, defaults: mix_a's share of alloc_space",
+                _mmm(acc["share_a"], "{:.4f}"),
+                f"truth {_mmm(acc['share_a_truth'], '{:.4f}')}",
+                f"share error {_mmm(acc['share_error'], '{:+.2%}')}",
+                "-",
+            ]
+        )
+        rows.append(
+            [
+                "alloc_mix",
+                "alloc, defaults: estimated total / true total",
+                _mmm(acc["total_ratio"], "{:.3f}"),
+                "-",
+                f"leak in use / leaked {_mmm(acc['inuse_ratio'], '{:.3f}')}",
+                "-",
+            ]
+        )
+    caption = (
+        f"pipeline at {result['sample_hz']} Hz on-CPU, off-CPU off; {result['rounds']} rounds, "
+        "configurations in turn; median (min–max); ratio < 1: slower"
+    )
+    notes = [
+        f"full run: {result['seconds']} s",
+        "ratio per CPU second: iterations per CPU second of the workload (user + system, where the traps "
+        "are), against the same alone: what the probes cost the target itself; the wall-clock ratio also "
+        "carries the pipeline's CPU and every other tenant's load on this shared 2-CPU host",
+        "while attached, a uprobe costs a trap into the kernel and back on every call, whatever the "
+        "sampling; bursts bound the time it is attached (alloc_duty_pct), so the slowdown of a program that "
+        "only allocates is about the duty cycle",
+        "peers, cited from their own reports, not rerun here: OpenTelemetry's eBPF profiler with kernel "
+        "uprobes on malloc/free, 295K against 160M iterations/s (0.0018); bpftime's daemon mode, the same "
+        "probes run in user space inside the target (code injected into it), 0.97",
+        "lock profiling costs only in futex syscalls: an uncontended mutex never makes one",
+    ]
     return caption, head, rows, notes

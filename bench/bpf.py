@@ -22,8 +22,9 @@ PROFILER_PROGRAM_NAMES = ("on_cpu_sample", "do_perf_event")
 def programs() -> list[dict]:
     """Every loaded BPF program: dicts with at least id, type and name."""
     try:
-        out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["bpftool", "-j", "prog", "show"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BenchError(f"bpftool prog show failed: {e}") from None
     return json.loads(out or "[]")
@@ -75,8 +76,11 @@ def owners(prog_ids: set[int]) -> dict[int, list[str]]:
 
 def foreign_profilers(ours: set[int]) -> list[dict]:
     """Profiler programs (PROFILER_PROGRAM_NAMES or type perf_event) that bench did not load."""
-    return [p for p in programs() if p["id"] not in ours and
-            (p.get("name") in PROFILER_PROGRAM_NAMES or p.get("type") == "perf_event")]
+    return [
+        p
+        for p in programs()
+        if p["id"] not in ours and (p.get("name") in PROFILER_PROGRAM_NAMES or p.get("type") == "perf_event")
+    ]
 
 
 def wait_until_no_foreign_profiler(ours: set[int], timeout: float, log) -> float:
@@ -86,14 +90,19 @@ def wait_until_no_foreign_profiler(ours: set[int], timeout: float, log) -> float
     if not progs:
         return 0.0
     who = owners({p["id"] for p in progs})
-    log("waiting for another profiler to finish before measuring: " + ", ".join(
-        f"{p.get('name', '?')} (prog {p['id']}, held by {', '.join(who[p['id']]) or 'no process'})"
-        for p in progs))
+    log(
+        "waiting for another profiler to finish before measuring: "
+        + ", ".join(
+            f"{p.get('name', '?')} (prog {p['id']}, held by {', '.join(who[p['id']]) or 'no process'})" for p in progs
+        )
+    )
     deadline = t0 + timeout
     while progs:
         if time.monotonic() > deadline:
-            raise BenchError(f"another profiler kept BPF programs loaded for {timeout:.0f} s: "
-                             + ", ".join(f"{p.get('name')} (prog {p['id']})" for p in progs))
+            raise BenchError(
+                f"another profiler kept BPF programs loaded for {timeout:.0f} s: "
+                + ", ".join(f"{p.get('name')} (prog {p['id']})" for p in progs)
+            )
         time.sleep(1.0)
         progs = foreign_profilers(ours)
     waited = time.monotonic() - t0

@@ -135,8 +135,18 @@ class Agent:
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = procs.start([str(ROOT / ".venv" / "bin" / "ebpfprofiler"), "run", "--config",
-                                     str(self.config), "--run-dir", str(self.run_dir)], stdout=log, stderr=log)
+            self.proc = procs.start(
+                [
+                    str(ROOT / ".venv" / "bin" / "ebpfprofiler"),
+                    "run",
+                    "--config",
+                    str(self.config),
+                    "--run-dir",
+                    str(self.run_dir),
+                ],
+                stdout=log,
+                stderr=log,
+            )
 
     def stages(self) -> dict[str, int]:
         assert self.proc is not None
@@ -183,8 +193,11 @@ def judged_pcts(seen: dict[int, tuple[str, float]]) -> list[float]:
 
 def guard_text(d: dict[str, int]) -> str:
     """What the guard did over a run, in a few words: "3 window(s) judged, none halved"."""
-    did = ", ".join(f"{n} {what}" for what, n in (("halved", d["halve"]), ("doubled", d["double"]),
-                                                   ("over at 1 Hz", d["over at floor"])) if n)
+    did = ", ".join(
+        f"{n} {what}"
+        for what, n in (("halved", d["halve"]), ("doubled", d["double"]), ("over at 1 Hz", d["over at floor"]))
+        if n
+    )
     return f"{d['judged']} window(s) judged, " + (did or "none halved")
 
 
@@ -233,15 +246,27 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     for name, (t, c) in b1.items():
         t0_, c0_ = b0.get(name, (0, 0))
         runs = c - c0_
-        progs[name] = {"ms_per_s": (t - t0_) / 1e6 / wall, "runs_per_s": runs / wall,
-                       "ns_per_run": (t - t0_) / runs if runs else 0.0}
+        progs[name] = {
+            "ms_per_s": (t - t0_) / 1e6 / wall,
+            "runs_per_s": runs / wall,
+            "ns_per_run": (t - t0_) / runs if runs else 0.0,
+        }
     bpf_ms = sum(p["ms_per_s"] for p in progs.values())
     total_pct = (sum(stage_ms.values()) + bpf_ms) / 10
-    return {"total_pct": total_pct, "stage_ms_per_s": stage_ms, "bpf_ms_per_s": bpf_ms, "programs": progs,
-            "rss_mb": {s: now[s][1] / 1e6 for s in stages}, "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
-            "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(seen),
-            "judged_pct": judged_pcts(seen), "host_steal_pct": 100 * steal / wall / (os.cpu_count() or 1),
-            "seconds": wall}
+    return {
+        "total_pct": total_pct,
+        "stage_ms_per_s": stage_ms,
+        "bpf_ms_per_s": bpf_ms,
+        "programs": progs,
+        "rss_mb": {s: now[s][1] / 1e6 for s in stages},
+        "rss_total_mb": sum(v[1] for v in now.values()) / 1e6,
+        "sample_hz": status.get("rate_hz"),
+        "guard": status.get("decision"),
+        "decisions": decisions(seen),
+        "judged_pct": judged_pcts(seen),
+        "host_steal_pct": 100 * steal / wall / (os.cpu_count() or 1),
+        "seconds": wall,
+    }
 
 
 def measure_peer(work: Path, peer: str, load: list[list[str]], seconds: float) -> dict[str, Any]:
@@ -254,28 +279,41 @@ def measure_peer(work: Path, peer: str, load: list[list[str]], seconds: float) -
         prof.start()
         time.sleep(seconds)
         prof.stop()
-        if isinstance(prof, PerfProfiler):      # perf's symbolizing happens here, after the run
-            subprocess.run(["perf", "report", "--stdio", "-i", str(prof.data)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=600, check=False)
+        if isinstance(prof, PerfProfiler):  # perf's symbolizing happens here, after the run
+            subprocess.run(
+                ["perf", "report", "--stdio", "-i", str(prof.data)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=600,
+                check=False,
+            )
     finally:
         after_peer = resource.getrusage(resource.RUSAGE_CHILDREN)
         for p in loads:
             procs.stop(p, sig=signal.SIGKILL, timeout=10)
     cpu = (after_peer.ru_utime - before.ru_utime) + (after_peer.ru_stime - before.ru_stime)
-    return {"total_pct": 100 * cpu / seconds, "cpu_s": cpu, "seconds": seconds,
-            "note": "process CPU only (its BPF run time is not counted)"}
+    return {
+        "total_pct": 100 * cpu / seconds,
+        "cpu_s": cpu,
+        "seconds": seconds,
+        "note": "process CPU only (its BPF run time is not counted)",
+    }
 
 
 def pingpong_rate(binary: str) -> float:
-    out = subprocess.run(["taskset", "-c", "0", binary, str(PINGPONG_TRIPS), "1"], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    out = subprocess.run(
+        ["taskset", "-c", "0", binary, str(PINGPONG_TRIPS), "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     f = dict(kv.split("=") for kv in out.split())
     return int(f["round_trips"]) / float(f["seconds"])
 
 
 class BudgetBench:
-    def __init__(self, rounds: int, warm_s: float = WARM_S, measure_s: float = MEASURE_S,
-                 log=print) -> None:
+    def __init__(self, rounds: int, warm_s: float = WARM_S, measure_s: float = MEASURE_S, log=print) -> None:
         self.rounds, self.warm_s, self.measure_s, self.log = rounds, warm_s, measure_s, log
         self.our_prog_ids = OUR_PROG_IDS
 
@@ -284,10 +322,20 @@ class BudgetBench:
         tmp.chmod(0o755)
         try:
             pingpong = build_pingpong(str(tmp))
-            busy = [["sh", "-c", "while :; do :; done"], ["sh", "-c", "while :; do :; done"],
-                    ["python3", "-c", "while True: pass"], ["sh", "-c", SPAWNER]]
-            runs: dict[str, list[dict]] = {"idle": [], "busy": [], "spawner": [], "pingpong": [],
-                                           "profile-bpfcc": [], "perf -g": []}
+            busy = [
+                ["sh", "-c", "while :; do :; done"],
+                ["sh", "-c", "while :; do :; done"],
+                ["python3", "-c", "while True: pass"],
+                ["sh", "-c", SPAWNER],
+            ]
+            runs: dict[str, list[dict]] = {
+                "idle": [],
+                "busy": [],
+                "spawner": [],
+                "pingpong": [],
+                "profile-bpfcc": [],
+                "perf -g": [],
+            }
             for r in range(self.rounds):
                 for name, load in (("idle", []), ("busy", busy), ("spawner", [["sh", "-c", SPAWNER]])):
                     d = tmp / f"{name}-{r}"
@@ -299,11 +347,13 @@ class BudgetBench:
                     if name == "spawner":
                         res["processes_per_s"] = (_forks() - n0) / (self.warm_s + self.measure_s)
                     runs[name].append(res)
-                    self.log(f"budget round {r + 1}: {name}: {res['total_pct']:.3f}% of one CPU "
-                             f"(stages {sum(res['stage_ms_per_s'].values()):.2f} ms/s, BPF {res['bpf_ms_per_s']:.3f} ms/s), "
-                             f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard: {guard_text(res['decisions'])} "
-                             f"(judged {', '.join(f'{p:.3f}%' for p in res['judged_pct'])}), "
-                             f"host steal {res['host_steal_pct']:.2f}%")
+                    self.log(
+                        f"budget round {r + 1}: {name}: {res['total_pct']:.3f}% of one CPU "
+                        f"(stages {sum(res['stage_ms_per_s'].values()):.2f} ms/s, BPF {res['bpf_ms_per_s']:.3f} ms/s), "
+                        f"RSS {res['rss_total_mb']:.0f} MB, rate {res['sample_hz']} Hz, guard: {guard_text(res['decisions'])} "
+                        f"(judged {', '.join(f'{p:.3f}%' for p in res['judged_pct'])}), "
+                        f"host steal {res['host_steal_pct']:.2f}%"
+                    )
                 for peer in ("profile-bpfcc", "perf -g"):
                     d = tmp / f"{peer.replace(' ', '')}-{r}"
                     d.mkdir()
@@ -332,8 +382,11 @@ class BudgetBench:
         agent = Agent(d)
         try:
             agent.start()
-            procs.wait_for("the collector", lambda: "collector" in agent.stages() and
-                           (agent.run_dir / "collector.ready").exists() or None, 120)
+            procs.wait_for(
+                "the collector",
+                lambda: ("collector" in agent.stages() and (agent.run_dir / "collector.ready").exists()) or None,
+                120,
+            )
             time.sleep(5)
             col = agent.stages()["collector"]
             rates = [pingpong_rate(binary) for _ in range(PINGPONG_RUNS)]
@@ -365,9 +418,10 @@ def _median(xs: list[float]) -> float:
 
 def model(runs: dict[str, list[dict]]) -> dict[str, float]:
     """The cost-model terms, medians over rounds."""
-    idle = _median([r["total_pct"] for r in runs["idle"]]) * 10          # ms per s
-    spawn = [(r["total_pct"] * 10 - idle) / r["processes_per_s"] * 1000 for r in runs["spawner"]
-             if r.get("processes_per_s")]
+    idle = _median([r["total_pct"] for r in runs["idle"]]) * 10  # ms per s
+    spawn = [
+        (r["total_pct"] * 10 - idle) / r["processes_per_s"] * 1000 for r in runs["spawner"] if r.get("processes_per_s")
+    ]
     sample = _median([r["programs"].get("on_cpu_sample", {}).get("ns_per_run", 0.0) for r in runs["busy"]])
     short = []
     for r in runs["pingpong"]:
@@ -379,13 +433,23 @@ def model(runs: dict[str, list[dict]]) -> dict[str, float]:
     long_ = []
     for r in runs["idle"]:
         p = r["programs"]
-        ns = sum(p.get(n, {}).get("ms_per_s", 0) for n in ("offcpu_switch", "offcpu_wakeup", "offcpu_resume",
-                                                          "offcpu_unwind_s", "offcpu_unwind_f")) * 1e6
+        ns = (
+            sum(
+                p.get(n, {}).get("ms_per_s", 0)
+                for n in ("offcpu_switch", "offcpu_wakeup", "offcpu_resume", "offcpu_unwind_s", "offcpu_unwind_f")
+            )
+            * 1e6
+        )
         sw = p.get("offcpu_switch", {}).get("runs_per_s", 0)
         if sw:
             long_.append(ns / sw)
-    return {"fixed_ms_per_s": idle, "per_new_process_us": _median(spawn), "per_sample_ns": sample,
-            "per_switch_short_block_ns": _median(short), "per_switch_idle_host_ns": _median(long_)}
+    return {
+        "fixed_ms_per_s": idle,
+        "per_new_process_us": _median(spawn),
+        "per_sample_ns": sample,
+        "per_switch_short_block_ns": _median(short),
+        "per_switch_idle_host_ns": _median(long_),
+    }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
@@ -394,31 +458,67 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     rows = []
     for name in ("idle", "busy", "spawner"):
         rs = runs[name]
-        rows.append([name, f"{_median([r['total_pct'] for r in rs]):.3f}",
-                     f"{_median([sum(r['stage_ms_per_s'].values()) for r in rs]):.2f}",
-                     f"{_median([r['bpf_ms_per_s'] for r in rs]):.3f}",
-                     f"{_median([r['rss_total_mb'] for r in rs]):.0f}", str(rs[-1]["sample_hz"]),
-                     guard_text({k: sum(r["decisions"][k] for r in rs) for k in rs[0]["decisions"]})
-                     if all("decisions" in r for r in rs) else str(rs[-1]["guard"])])
+        rows.append(
+            [
+                name,
+                f"{_median([r['total_pct'] for r in rs]):.3f}",
+                f"{_median([sum(r['stage_ms_per_s'].values()) for r in rs]):.2f}",
+                f"{_median([r['bpf_ms_per_s'] for r in rs]):.3f}",
+                f"{_median([r['rss_total_mb'] for r in rs]):.0f}",
+                str(rs[-1]["sample_hz"]),
+                guard_text({k: sum(r["decisions"][k] for r in rs) for k in rs[0]["decisions"]})
+                if all("decisions" in r for r in rs)
+                else str(rs[-1]["guard"]),
+            ]
+        )
     for peer in ("profile-bpfcc", "perf -g"):
-        rows.append([f"{peer} (busy, CPU incl. symbolizing)", f"{_median([r['total_pct'] for r in runs[peer]]):.3f}",
-                     "", "", "", "19", ""])
-    rows.append(["pingpong (ratio of round trips)", f"{_median([r['ratio'] for r in runs['pingpong']]):.3f}",
-                 "", "", "", "", ""])
-    caption = (f"Median of {len(runs['idle'])} round(s), {result['measure_s']:.0f} s measured after "
-               f"{result['warm_s']:.0f} s at deploy/agent.yaml's defaults")
-    notes = [f"cost model: fixed {m['fixed_ms_per_s']:.2f} ms/s; per new process {m['per_new_process_us']:.0f} us; "
-             f"per sample {m['per_sample_ns']:.0f} ns; per context switch with a short block "
-             f"{m['per_switch_short_block_ns']:.0f} ns; per context switch on the idle host (mostly long blocks) "
-             f"{m['per_switch_idle_host_ns']:.0f} ns",
-             "by stage (idle): " + ", ".join(f"{s} {v:.2f} ms/s" for s, v in runs["idle"][-1]["stage_ms_per_s"].items()),
-             "by program (busy): " + ", ".join(f"{n} {p['ns_per_run']:.0f} ns x {p['runs_per_s']:.0f}/s"
-                                              for n, p in runs["busy"][-1]["programs"].items()),
-             "RSS by stage (busy): " + ", ".join(f"{s} {v:.0f} MB" for s, v in runs["busy"][-1]["rss_mb"].items())]
+        rows.append(
+            [
+                f"{peer} (busy, CPU incl. symbolizing)",
+                f"{_median([r['total_pct'] for r in runs[peer]]):.3f}",
+                "",
+                "",
+                "",
+                "19",
+                "",
+            ]
+        )
+    rows.append(
+        [
+            "pingpong (ratio of round trips)",
+            f"{_median([r['ratio'] for r in runs['pingpong']]):.3f}",
+            "",
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
+    caption = (
+        f"Median of {len(runs['idle'])} round(s), {result['measure_s']:.0f} s measured after "
+        f"{result['warm_s']:.0f} s at deploy/agent.yaml's defaults"
+    )
+    notes = [
+        f"cost model: fixed {m['fixed_ms_per_s']:.2f} ms/s; per new process {m['per_new_process_us']:.0f} us; "
+        f"per sample {m['per_sample_ns']:.0f} ns; per context switch with a short block "
+        f"{m['per_switch_short_block_ns']:.0f} ns; per context switch on the idle host (mostly long blocks) "
+        f"{m['per_switch_idle_host_ns']:.0f} ns",
+        "by stage (idle): " + ", ".join(f"{s} {v:.2f} ms/s" for s, v in runs["idle"][-1]["stage_ms_per_s"].items()),
+        "by program (busy): "
+        + ", ".join(
+            f"{n} {p['ns_per_run']:.0f} ns x {p['runs_per_s']:.0f}/s" for n, p in runs["busy"][-1]["programs"].items()
+        ),
+        "RSS by stage (busy): " + ", ".join(f"{s} {v:.0f} MB" for s, v in runs["busy"][-1]["rss_mb"].items()),
+    ]
     for name in ("idle", "busy", "spawner"):
         if all("judged_pct" in r for r in runs[name]):
-            notes.append(f"{name}, by round: % of one CPU measured from outside / the windows the guard judged "
-                         f"(its own counting) / the host's steal time: " + "; ".join(
-                             f"{r['total_pct']:.3f} / {', '.join(f'{p:.3f}' for p in r['judged_pct'])} / "
-                             f"{r['host_steal_pct']:.2f}%" for r in runs[name]))
+            notes.append(
+                f"{name}, by round: % of one CPU measured from outside / the windows the guard judged "
+                f"(its own counting) / the host's steal time: "
+                + "; ".join(
+                    f"{r['total_pct']:.3f} / {', '.join(f'{p:.3f}' for p in r['judged_pct'])} / "
+                    f"{r['host_steal_pct']:.2f}%"
+                    for r in runs[name]
+                )
+            )
     return caption, head, rows, notes

@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runtimes import dotnet
-from runtimes.runtime import FileCache, ProcessContext, Served
-
 from bench import procs, stats
 from bench.procs import BenchError
+from runtimes import dotnet
+from runtimes.runtime import FileCache, ProcessContext, Served
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "tests" / "workloads" / "dotnet_hot.py"
@@ -40,7 +39,7 @@ SETTLE_S = 2.0
 class DotNetBench:
     def __init__(self, rounds: int, log: Callable[[str], None], keep: bool) -> None:
         self.rounds, self.log, self.keep = rounds, log, keep
-        self.our_prog_ids: set[int] = set()        # none: no BPF here
+        self.our_prog_ids: set[int] = set()  # none: no BPF here
 
     def _one(self, plugin: dotnet.DotNet, argv: list[str]) -> dict:
         p = procs.start(argv, stdout=subprocess.PIPE, text=True)
@@ -67,10 +66,14 @@ class DotNetBench:
         finally:
             procs.stop(p, signal.SIGKILL)
             Path(f"/tmp/perf-{p.pid}.map").unlink(missing_ok=True)
-            for sock in Path("/tmp").glob(f"dotnet-diagnostic-{p.pid}-*-socket"):   # a killed runtime leaves it
+            for sock in Path("/tmp").glob(f"dotnet-diagnostic-{p.pid}-*-socket"):  # a killed runtime leaves it
                 sock.unlink(missing_ok=True)
-        return {"detect_ms": 1e3 * detect_s, "stop_ms": 1e3 * stop_s, "map_bytes": len(text),
-                "map_entries": text.count(b"\n") + text.count(b"\0")}
+        return {
+            "detect_ms": 1e3 * detect_s,
+            "stop_ms": 1e3 * stop_s,
+            "map_bytes": len(text),
+            "map_entries": text.count(b"\n") + text.count(b"\0"),
+        }
 
     def run(self) -> dict:
         from tests import dotnet_runtimes
@@ -81,25 +84,46 @@ class DotNetBench:
         script = tmp / WORKLOAD.name
         shutil.copy(WORKLOAD, script)
         t_start = time.monotonic()
-        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env",
-                "-u", "TMPDIR", "DOTNET_SYSTEM_GLOBALIZATION_INVARIANT=1", str(venv / "bin/python"), str(script),
-                str(dotnet_runtimes.dotnet8_root(venv)), "8.0.4", "hot", str(WORKLOAD_S)]
+        argv = [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "env",
+            "-u",
+            "TMPDIR",
+            "DOTNET_SYSTEM_GLOBALIZATION_INVARIANT=1",
+            str(venv / "bin/python"),
+            str(script),
+            str(dotnet_runtimes.dotnet8_root(venv)),
+            "8.0.4",
+            "hot",
+            str(WORKLOAD_S),
+        ]
         runs = []
         try:
             for r in range(self.rounds):
-                plugin = dotnet.DotNet()       # its connector: as root here, it becomes the process's user
+                plugin = dotnet.DotNet()  # its connector: as root here, it becomes the process's user
                 runs.append(self._one(plugin, argv))
-                self.log(f"dotnet round {r + 1}/{self.rounds}: detect {runs[-1]['detect_ms']:.1f} ms, stop "
-                         f"{runs[-1]['stop_ms']:.1f} ms, map {runs[-1]['map_bytes']} bytes, "
-                         f"{runs[-1]['map_entries']} entries")
+                self.log(
+                    f"dotnet round {r + 1}/{self.rounds}: detect {runs[-1]['detect_ms']:.1f} ms, stop "
+                    f"{runs[-1]['stop_ms']:.1f} ms, map {runs[-1]['map_bytes']} bytes, "
+                    f"{runs[-1]['map_entries']} entries"
+                )
         finally:
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
-        summary = {k: stats.summary([row[k] for row in runs]) for k in ("detect_ms", "stop_ms", "map_bytes",
-                                                                         "map_entries")}
-        return {"workload": ".NET 8.0.4 (pythonnet 3.0.3) running a DynamicMethod hot, as nobody",
-                "method": __doc__, "rounds": self.rounds, "runs": runs, "summary": summary,
-                "seconds": round(time.monotonic() - t_start, 1)}
+        summary = {
+            k: stats.summary([row[k] for row in runs]) for k in ("detect_ms", "stop_ms", "map_bytes", "map_entries")
+        }
+        return {
+            "workload": ".NET 8.0.4 (pythonnet 3.0.3) running a DynamicMethod hot, as nobody",
+            "method": __doc__,
+            "rounds": self.rounds,
+            "runs": runs,
+            "summary": summary,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
@@ -108,12 +132,16 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
 
     s = result["summary"]
     head = ["what", "median (min–max)"]
-    rows = [["detect(): environ, connect, EnablePerfMap answered (ms)", _mmm(s["detect_ms"], "{:.1f}")],
-            ["stop(): connect, DisablePerfMap answered (ms)", _mmm(s["stop_ms"], "{:.1f}")],
-            ["perf map right after the answer (bytes)", _mmm(s["map_bytes"], "{:.0f}")],
-            ["perf map right after the answer (entries)", _mmm(s["map_entries"], "{:.0f}")]]
+    rows = [
+        ["detect(): environ, connect, EnablePerfMap answered (ms)", _mmm(s["detect_ms"], "{:.1f}")],
+        ["stop(): connect, DisablePerfMap answered (ms)", _mmm(s["stop_ms"], "{:.1f}")],
+        ["perf map right after the answer (bytes)", _mmm(s["map_bytes"], "{:.0f}")],
+        ["perf map right after the answer (entries)", _mmm(s["map_entries"], "{:.0f}")],
+    ]
     caption = f"{result['workload']}; {result['rounds']} rounds"
-    notes = ["detect() is the reader's wait, once per .NET process: two forks of the connector, one as the "
-             "process's user each, and the runtime writing every method it compiled so far before it answers",
-             f"full run: {result['seconds']} s"]
+    notes = [
+        "detect() is the reader's wait, once per .NET process: two forks of the connector, one as the "
+        "process's user each, and the runtime writing every method it compiled so far before it answers",
+        f"full run: {result['seconds']} s",
+    ]
     return caption, head, rows, notes

@@ -33,8 +33,12 @@ WARM_S = 120.0
 SAMPLE_S = 15.0
 # The stretch at each end whose median RSS is compared.
 TAIL_S = 300.0
-BUSY = [["sh", "-c", "while :; do :; done"], ["sh", "-c", "while :; do :; done"],
-        ["python3", "-c", "while True: pass"], ["sh", "-c", SPAWNER]]
+BUSY = [
+    ["sh", "-c", "while :; do :; done"],
+    ["sh", "-c", "while :; do :; done"],
+    ["python3", "-c", "while True: pass"],
+    ["sh", "-c", SPAWNER],
+]
 
 
 class GrowthBench:
@@ -50,8 +54,12 @@ class GrowthBench:
                 work.chmod(0o755)
                 runs.append(self._one(work))
             g = runs[-1]["stages"]
-            self.log(f"growth round {r + 1}: " + ", ".join(
-                f"{s} {v['start_mb']:.0f}->{v['end_mb']:.0f} MB ({v['growth_mb']:+.1f})" for s, v in g.items()))
+            self.log(
+                f"growth round {r + 1}: "
+                + ", ".join(
+                    f"{s} {v['start_mb']:.0f}->{v['end_mb']:.0f} MB ({v['growth_mb']:+.1f})" for s, v in g.items()
+                )
+            )
         return {"runs": runs, "run_s": self.run_s, "warm_s": WARM_S, "sample_s": SAMPLE_S, "tail_s": TAIL_S}
 
     def _one(self, work: Path) -> dict[str, Any]:
@@ -64,7 +72,7 @@ class GrowthBench:
             t0 = time.monotonic()
             cpu0: dict[str, float] = {}
             stages: dict[str, int] = {}
-            windows: dict[int, tuple[str, float]] = {}   # the guard's windows seen: end time -> decision, %
+            windows: dict[int, tuple[str, float]] = {}  # the guard's windows seen: end time -> decision, %
             while (now := time.monotonic() - t0) < self.run_s:
                 time.sleep(SAMPLE_S)
                 now = time.monotonic() - t0
@@ -90,15 +98,25 @@ class GrowthBench:
         out: dict[str, Any] = {}
         for s, pts in series.items():
             growth = _median_mb(pts, self.run_s - TAIL_S) - _median_mb(pts, WARM_S, WARM_S + TAIL_S)
-            out[s] = {"start_mb": pts[0][1], "end_mb": pts[-1][1], "max_mb": max(m for _, m in pts),
-                      "growth_mb": growth, "growth_mb_per_h": growth / ((self.run_s - WARM_S - TAIL_S) / 3600),
-                      "late_growth_mb": late_growth_mb(pts, self.run_s),
-                      "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured}
-        return {"stages": out, "series": {s: pts for s, pts in series.items()},
-                "sample_hz": status.get("rate_hz"), "guard": status.get("decision"), "decisions": decisions(windows),
-                "judged_pct": judged_pcts(windows),
-                "total_start_mb": sum(v["start_mb"] for v in out.values()),
-                "total_end_mb": sum(v["end_mb"] for v in out.values())}
+            out[s] = {
+                "start_mb": pts[0][1],
+                "end_mb": pts[-1][1],
+                "max_mb": max(m for _, m in pts),
+                "growth_mb": growth,
+                "growth_mb_per_h": growth / ((self.run_s - WARM_S - TAIL_S) / 3600),
+                "late_growth_mb": late_growth_mb(pts, self.run_s),
+                "cpu_pct": 100 * (cpu1[s] - cpu0[s]) / measured,
+            }
+        return {
+            "stages": out,
+            "series": {s: pts for s, pts in series.items()},
+            "sample_hz": status.get("rate_hz"),
+            "guard": status.get("decision"),
+            "decisions": decisions(windows),
+            "judged_pct": judged_pcts(windows),
+            "total_start_mb": sum(v["start_mb"] for v in out.values()),
+            "total_end_mb": sum(v["end_mb"] for v in out.values()),
+        }
 
 
 def _median_mb(pts: list[tuple[float, float]], start: float, end: float = math.inf) -> float:
@@ -113,20 +131,45 @@ def late_growth_mb(pts: list[tuple[float, float]], run_s: float) -> float:
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    head = ["stage", "RSS after warm-up MB", "RSS at end MB", "highest MB", "growth MB", "MB per hour",
-            f"last {2 * result['tail_s'] / 60:.0f} min MB", "% of one CPU"]
+    head = [
+        "stage",
+        "RSS after warm-up MB",
+        "RSS at end MB",
+        "highest MB",
+        "growth MB",
+        "MB per hour",
+        f"last {2 * result['tail_s'] / 60:.0f} min MB",
+        "% of one CPU",
+    ]
     rows = []
     for i, run in enumerate(result["runs"]):
         for s, v in run["stages"].items():
-            rows.append([f"{s}" + (f" (run {i + 1})" if len(result["runs"]) > 1 else ""), f"{v['start_mb']:.1f}",
-                         f"{v['end_mb']:.1f}", f"{v['max_mb']:.1f}", f"{v['growth_mb']:+.1f}",
-                         f"{v['growth_mb_per_h']:+.1f}",
-                         f"{v['late_growth_mb']:+.1f}" if "late_growth_mb" in v else "", f"{v['cpu_pct']:.2f}"])
-    notes = [f"run {i + 1}: all stages {r['total_start_mb']:.0f} -> {r['total_end_mb']:.0f} MB; rate "
-             f"{r['sample_hz']} Hz at the end; guard: "
-             + (guard_text(r["decisions"]) if "decisions" in r else (r["guard"] or "its last window kept the rate")) for i, r in enumerate(result["runs"])]
-    notes.append("growth: median RSS of the last {0:.0f} s minus that of the first {0:.0f} s after the warm-up; "
-                 "last {1:.0f} min: that of the last {0:.0f} s minus that of the {0:.0f} s before them".format(result["tail_s"], 2 * result["tail_s"] / 60))
-    caption = (f"{result['run_s'] / 60:.0f} minutes under budget's busy load at deploy/agent.yaml's defaults, "
-               f"RSS read every {result['sample_s']:.0f} s after {result['warm_s']:.0f} s")
+            rows.append(
+                [
+                    f"{s}" + (f" (run {i + 1})" if len(result["runs"]) > 1 else ""),
+                    f"{v['start_mb']:.1f}",
+                    f"{v['end_mb']:.1f}",
+                    f"{v['max_mb']:.1f}",
+                    f"{v['growth_mb']:+.1f}",
+                    f"{v['growth_mb_per_h']:+.1f}",
+                    f"{v['late_growth_mb']:+.1f}" if "late_growth_mb" in v else "",
+                    f"{v['cpu_pct']:.2f}",
+                ]
+            )
+    notes = [
+        f"run {i + 1}: all stages {r['total_start_mb']:.0f} -> {r['total_end_mb']:.0f} MB; rate "
+        f"{r['sample_hz']} Hz at the end; guard: "
+        + (guard_text(r["decisions"]) if "decisions" in r else (r["guard"] or "its last window kept the rate"))
+        for i, r in enumerate(result["runs"])
+    ]
+    notes.append(
+        "growth: median RSS of the last {0:.0f} s minus that of the first {0:.0f} s after the warm-up; "
+        "last {1:.0f} min: that of the last {0:.0f} s minus that of the {0:.0f} s before them".format(
+            result["tail_s"], 2 * result["tail_s"] / 60
+        )
+    )
+    caption = (
+        f"{result['run_s'] / 60:.0f} minutes under budget's busy load at deploy/agent.yaml's defaults, "
+        f"RSS read every {result['sample_s']:.0f} s after {result['warm_s']:.0f} s"
+    )
     return caption, head, rows, notes

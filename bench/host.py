@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bench import bpf, procs
 from bench.procs import BenchError
@@ -40,7 +40,7 @@ def busy_over(window_s: float) -> tuple[float, str]:
     """(share of all CPUs busy over the next `window_s`, the busiest process that lived through it)."""
     ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
     p0, h0, t0 = _process_times(), procs.host_cpu(), time.monotonic()
-    time.sleep(window_s)        # the measurement window itself
+    time.sleep(window_s)  # the measurement window itself
     p1, h1, t1 = _process_times(), procs.host_cpu(), time.monotonic()
     share = (h1["busy_s"] - h0["busy_s"]) / (ncpu * (t1 - t0))
     deltas = [(p1[pid][1] - p0[pid][1], pid, p1[pid][0]) for pid in p1 if pid in p0]
@@ -60,11 +60,14 @@ def wait_until_quiet(ours: set[int], timeout: float, log: Callable[[str], None])
         if share <= QUIET_SHARE:
             break
         if time.monotonic() > deadline:
-            raise BenchError(f"the host stayed busy for {timeout:.0f} s ({share:.0%} of its CPUs; "
-                             f"busiest: {top}); nothing measured")
+            raise BenchError(
+                f"the host stayed busy for {timeout:.0f} s ({share:.0%} of its CPUs; busiest: {top}); nothing measured"
+            )
         if not said:
-            log(f"waiting for the host to quieten: {share:.0%} of its CPUs busy; busiest process that "
-                f"lived through the check: {top}")
+            log(
+                f"waiting for the host to quieten: {share:.0%} of its CPUs busy; busiest process that "
+                f"lived through the check: {top}"
+            )
             said = True
     waited = time.monotonic() - t0
     if said:

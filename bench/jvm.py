@@ -35,16 +35,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from collector.procfs import read_process
-from shared import pprof
-from runtimes.main import Reader
-from shared.config import ProfilerConfig
-from shared.wire import ProcessAnnouncement
-
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
+from collector.procfs import read_process
+from runtimes.main import Reader
+from shared import pprof
+from shared.config import ProfilerConfig
+from shared.wire import ProcessAnnouncement
 
 WORKLOAD = Path(__file__).parent / "workloads" / "JvmDeep.java"
 SAMPLE_HZ = 19
@@ -70,15 +69,25 @@ def _ops(out: Path) -> list[tuple[float, int]]:
 class JvmBench:
     def __init__(self, rounds: int, log: Callable[[str], None], keep: bool) -> None:
         self.rounds, self.log, self.keep = rounds, log, keep
-        self.our_prog_ids: set[int] = set()       # none: perf's are its own, gone when it exits
+        self.our_prog_ids: set[int] = set()  # none: perf's are its own, gone when it exits
 
-    def _start(self, java: Path, classes: Path, d: Path, name: str, extra: list[str], park_ns: int = PARK_NS,
-               seconds: int = WORKLOAD_S) -> tuple[subprocess.Popen, Path]:
+    def _start(
+        self,
+        java: Path,
+        classes: Path,
+        d: Path,
+        name: str,
+        extra: list[str],
+        park_ns: int = PARK_NS,
+        seconds: int = WORKLOAD_S,
+    ) -> tuple[subprocess.Popen, Path]:
         out = d / f"{name}.out"
         # Each "ops" line stamped with the monotonic time it was read (the workload's own clock is its own).
-        script = (f"exec {java} {' '.join(JAVA_FLAGS + extra)} -cp {classes} JvmDeep {seconds} {THREADS} "
-                  f"{DEPTH} {park_ns} | while read -r a b; do printf '%s %s %s\\n' \"$(cut -d' ' -f1 /proc/uptime)\" "
-                  f"\"$a\" \"$b\"; done > {out}")
+        script = (
+            f"exec {java} {' '.join(JAVA_FLAGS + extra)} -cp {classes} JvmDeep {seconds} {THREADS} "
+            f"{DEPTH} {park_ns} | while read -r a b; do printf '%s %s %s\\n' \"$(cut -d' ' -f1 /proc/uptime)\" "
+            f'"$a" "$b"; done > {out}'
+        )
         p = procs.start(["bash", "-c", script])
         return p, out
 
@@ -95,6 +104,7 @@ class JvmBench:
                 except OSError:
                     continue
             return None
+
         return procs.wait_for("the JVM", child, timeout=10)
 
     def _throughput(self, out: Path, t0: float, t1: float) -> float:
@@ -119,15 +129,19 @@ class JvmBench:
 
     def _read(self, java: Path, classes: Path, d: Path) -> dict:
         shell, out = self._start(java, classes, d, "read", [])
-        reader = Reader(ProfilerConfig(plain_pid=True, cpu_budget=100.0, python_stacks=False,
-                                       runtime_stacks=("jvm",)), str(d), str(d))
+        reader = Reader(
+            ProfilerConfig(plain_pid=True, cpu_budget=100.0, python_stacks=False, runtime_stacks=("jvm",)),
+            str(d),
+            str(d),
+        )
         try:
             pid = self._jvm_pid(shell)
             time.sleep(WARMUP_S)
             found = read_process(pid, False)
             assert found is not None
-            reader.targets.announce(ProcessAnnouncement(host="bench", time_ns=time.time_ns(), processes=(found,),
-                                                        exited=(), full=True))
+            reader.targets.announce(
+                ProcessAnnouncement(host="bench", time_ns=time.time_ns(), processes=(found,), exited=(), full=True)
+            )
             period = 1.0 / SAMPLE_HZ
             for _ in range(SAMPLE_HZ):
                 reader.tick(time.time_ns())
@@ -150,8 +164,14 @@ class JvmBench:
             procs.stop(shell)
         if not stacks:
             raise BenchError(f"the JVM reader read no stack: {reader.targets.stats} {reader.dropped()}")
-        return {"reader_us_per_stack": 1e6 * cpu / stacks, "reader_cpu_share": cpu / wall, "stacks": stacks,
-                "frames": depth, "ops_per_s": ops, "dropped": reader.dropped()}
+        return {
+            "reader_us_per_stack": 1e6 * cpu / stacks,
+            "reader_cpu_share": cpu / wall,
+            "stacks": stacks,
+            "frames": depth,
+            "ops_per_s": ops,
+            "dropped": reader.dropped(),
+        }
 
     def _perf(self, java: Path, classes: Path, d: Path) -> float | None:
         if not shutil.which("perf"):
@@ -161,8 +181,10 @@ class JvmBench:
         try:
             pid = self._jvm_pid(shell)
             time.sleep(WARMUP_S)
-            rec = procs.start(["perf", "record", "-q", "-F", str(SAMPLE_HZ), "-g", "-p", str(pid), "-o",
-                               str(d / "perf.data")], default_sigint=True)
+            rec = procs.start(
+                ["perf", "record", "-q", "-F", str(SAMPLE_HZ), "-g", "-p", str(pid), "-o", str(d / "perf.data")],
+                default_sigint=True,
+            )
             t0 = self._uptime()
             time.sleep(TIMED_S)
             return self._throughput(out, t0, self._uptime())
@@ -181,8 +203,9 @@ class JvmBench:
             jvm = self._jvm_pid(shell)
             jvm_started = procs.start_time(jvm)
             for name, runtime_stacks in (("plain", ()), ("regs", ("jvm",))):
-                p = Pipeline(d / f"pipeline-{name}", SAMPLE_HZ, CPU_WINDOW_S, 1, runtime_stacks=runtime_stacks,
-                             cpu_budget=100.0)
+                p = Pipeline(
+                    d / f"pipeline-{name}", SAMPLE_HZ, CPU_WINDOW_S, 1, runtime_stacks=runtime_stacks, cpu_budget=100.0
+                )
                 p.start()
                 try:
                     time.sleep(WARMUP_S)
@@ -212,12 +235,12 @@ class JvmBench:
         finally:
             stats_on.close()
             procs.stop(shell)
-            if jvm:    # its shell's pipeline does not pass the signal on: the JVM would run to its deadline
+            if jvm:  # its shell's pipeline does not pass the signal on: the JVM would run to its deadline
                 procs.kill_pid(jvm, jvm_started)
         return row
 
     def run(self) -> dict:
-        from tests import jdks    # the JDK the JVM tests install, cached
+        from tests import jdks  # the JDK the JVM tests install, cached
 
         t_start = time.monotonic()
         java = jdks.java_of("21")
@@ -225,8 +248,11 @@ class JvmBench:
         os.chmod(tmp, 0o755)
         runs = []
         try:
-            subprocess.run([str(jdks.DEBIAN_JDK17 / "bin/javac"), "--release", "11", "-d", str(tmp), str(WORKLOAD)],
-                           check=True, timeout=120)
+            subprocess.run(
+                [str(jdks.DEBIAN_JDK17 / "bin/javac"), "--release", "11", "-d", str(tmp), str(WORKLOAD)],
+                check=True,
+                timeout=120,
+            )
             for r in range(self.rounds):
                 d = tmp / f"r{r}"
                 d.mkdir()
@@ -235,23 +261,37 @@ class JvmBench:
                 row["perf_ops_per_s"] = self._perf(java, tmp, d)
                 row["cpu_path"] = self._cpu_path(java, tmp, d)
                 c = row["cpu_path"]
-                self.log(f"jvm round {r + 1}/{self.rounds}: reader {row['reader_us_per_stack']:.0f} us CPU per stack "
-                         f"({row['frames']} frames), throughput alone {row['alone_ops_per_s']:.0f}/s, read "
-                         f"{row['ops_per_s']:.0f}/s, perf {row['perf_ops_per_s'] or 0:.0f}/s; jvm_cpu: "
-                         f"{c['reader_us_per_cpu_sample']:.0f} us per sample, on_cpu_sample "
-                         f"{c['plain_bpf_ns_per_sample']:.0f} -> {c['regs_bpf_ns_per_sample']:.0f} ns")
+                self.log(
+                    f"jvm round {r + 1}/{self.rounds}: reader {row['reader_us_per_stack']:.0f} us CPU per stack "
+                    f"({row['frames']} frames), throughput alone {row['alone_ops_per_s']:.0f}/s, read "
+                    f"{row['ops_per_s']:.0f}/s, perf {row['perf_ops_per_s'] or 0:.0f}/s; jvm_cpu: "
+                    f"{c['reader_us_per_cpu_sample']:.0f} us per sample, on_cpu_sample "
+                    f"{c['plain_bpf_ns_per_sample']:.0f} -> {c['regs_bpf_ns_per_sample']:.0f} ns"
+                )
                 runs.append(row)
         finally:
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
         keys = ("reader_us_per_stack", "reader_cpu_share", "alone_ops_per_s", "ops_per_s", "perf_ops_per_s")
-        summary = {k: stats.summary([row[k] for row in runs if row[k] is not None]) for k in keys
-                   if any(row[k] is not None for row in runs)}
-        summary.update({f"cpu_path.{k}": stats.summary([row["cpu_path"][k] for row in runs])
-                        for k in runs[0]["cpu_path"]} if runs else {})
-        return {"workload": f"JDK 21, {THREADS} threads ~{DEPTH + 3} Java frames deep, parking {PARK_NS // 1000} µs",
-                "method": __doc__, "sample_hz": SAMPLE_HZ, "rounds": self.rounds, "runs": runs,
-                "summary": summary, "seconds": round(time.monotonic() - t_start, 1)}
+        summary = {
+            k: stats.summary([row[k] for row in runs if row[k] is not None])
+            for k in keys
+            if any(row[k] is not None for row in runs)
+        }
+        summary.update(
+            {f"cpu_path.{k}": stats.summary([row["cpu_path"][k] for row in runs]) for k in runs[0]["cpu_path"]}
+            if runs
+            else {}
+        )
+        return {
+            "workload": f"JDK 21, {THREADS} threads ~{DEPTH + 3} Java frames deep, parking {PARK_NS // 1000} µs",
+            "method": __doc__,
+            "sample_hz": SAMPLE_HZ,
+            "rounds": self.rounds,
+            "runs": runs,
+            "summary": summary,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
@@ -260,26 +300,43 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
 
     s = result["summary"]
     head = ["", "median (min–max)"]
-    rows = [["reader µs CPU per stack", _mmm(s["reader_us_per_stack"], "{:.0f}")],
-            ["reader share of a CPU", _mmm(s["reader_cpu_share"], "{:.4f}")],
-            ["workload loops/s alone", _mmm(s["alone_ops_per_s"], "{:.0f}")],
-            ["workload loops/s while read at 19 Hz", _mmm(s["ops_per_s"], "{:.0f}")]]
+    rows = [
+        ["reader µs CPU per stack", _mmm(s["reader_us_per_stack"], "{:.0f}")],
+        ["reader share of a CPU", _mmm(s["reader_cpu_share"], "{:.4f}")],
+        ["workload loops/s alone", _mmm(s["alone_ops_per_s"], "{:.0f}")],
+        ["workload loops/s while read at 19 Hz", _mmm(s["ops_per_s"], "{:.0f}")],
+    ]
     if "perf_ops_per_s" in s:
-        rows.append(["workload loops/s under perf -F 19 -g (PreserveFramePointer)", _mmm(s["perf_ops_per_s"], "{:.0f}")])
+        rows.append(
+            ["workload loops/s under perf -F 19 -g (PreserveFramePointer)", _mmm(s["perf_ops_per_s"], "{:.0f}")]
+        )
     if "cpu_path.reader_us_per_cpu_sample" in s:
-        rows += [["jvm_cpu (threads never parking): reader µs CPU per on-CPU sample",
-                  _mmm(s["cpu_path.reader_us_per_cpu_sample"], "{:.0f}")],
-                 ["jvm_cpu: on-CPU samples a second walked", _mmm(s["cpu_path.jvm_cpu_samples_per_s"], "{:.1f}")],
-                 ["jvm_cpu: reader share of a CPU", _mmm(s["cpu_path.reader_cpu_share"], "{:.4f}")],
-                 ["on_cpu_sample BPF ns per run, without / with registers",
-                  f"{_mmm(s['cpu_path.plain_bpf_ns_per_sample'], '{:.0f}')} / "
-                  f"{_mmm(s['cpu_path.regs_bpf_ns_per_sample'], '{:.0f}')}"],
-                 ["collector share of a CPU, without / with registers",
-                  f"{_mmm(s['cpu_path.plain_collector_cpu_share'], '{:.4f}')} / "
-                  f"{_mmm(s['cpu_path.regs_collector_cpu_share'], '{:.4f}')}"],
-                 ["workload loops/s (never parking), pipeline without / with runtime_stacks: [jvm]",
-                  f"{_mmm(s['cpu_path.plain_ops_per_s'], '{:.0f}')} / {_mmm(s['cpu_path.regs_ops_per_s'], '{:.0f}')}"]]
+        rows += [
+            [
+                "jvm_cpu (threads never parking): reader µs CPU per on-CPU sample",
+                _mmm(s["cpu_path.reader_us_per_cpu_sample"], "{:.0f}"),
+            ],
+            ["jvm_cpu: on-CPU samples a second walked", _mmm(s["cpu_path.jvm_cpu_samples_per_s"], "{:.1f}")],
+            ["jvm_cpu: reader share of a CPU", _mmm(s["cpu_path.reader_cpu_share"], "{:.4f}")],
+            [
+                "on_cpu_sample BPF ns per run, without / with registers",
+                f"{_mmm(s['cpu_path.plain_bpf_ns_per_sample'], '{:.0f}')} / "
+                f"{_mmm(s['cpu_path.regs_bpf_ns_per_sample'], '{:.0f}')}",
+            ],
+            [
+                "collector share of a CPU, without / with registers",
+                f"{_mmm(s['cpu_path.plain_collector_cpu_share'], '{:.4f}')} / "
+                f"{_mmm(s['cpu_path.regs_collector_cpu_share'], '{:.4f}')}",
+            ],
+            [
+                "workload loops/s (never parking), pipeline without / with runtime_stacks: [jvm]",
+                f"{_mmm(s['cpu_path.plain_ops_per_s'], '{:.0f}')} / {_mmm(s['cpu_path.regs_ops_per_s'], '{:.0f}')}",
+            ],
+        ]
     caption = f"{result['workload']}; {result['sample_hz']} Hz; {result['rounds']} rounds"
-    notes = ["a fresh JVM per run, figures after its warm-up; async-profiler is not installable from the "
-             "registries this host reaches", f"full run: {result['seconds']} s"]
+    notes = [
+        "a fresh JVM per run, figures after its warm-up; async-profiler is not installable from the "
+        "registries this host reaches",
+        f"full run: {result['seconds']} s",
+    ]
     return caption, head, rows, notes

@@ -18,8 +18,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import bpf, procs, stats
 from bench.pipeline import Pipeline
@@ -35,8 +35,13 @@ WARMUP_S = 3.0
 SAMPLE_HZ = 19
 RUN_TIMEOUT_S = 300.0
 PERF_ATTACH_TIMEOUT_S = 60.0
-CONFIGS = ("none", "pipeline on-CPU", "pipeline on+off-CPU", "pipeline on+off-CPU, offcpu_dwarf",
-           "perf sched_switch -g")
+CONFIGS = (
+    "none",
+    "pipeline on-CPU",
+    "pipeline on+off-CPU",
+    "pipeline on+off-CPU, offcpu_dwarf",
+    "perf sched_switch -g",
+)
 PEER_NOT_RUN = ("bcc offcputime", "needs kprobes; CONFIG_KPROBES is off on these machines, so it cannot run")
 
 
@@ -52,8 +57,12 @@ def run_workload(binary: str, round_trips: int) -> float:
     Pinned, every round trip is the same two context switches on one CPU; on
     two CPUs it is dominated by cross-CPU wakeup latency, which a profiler that
     keeps CPUs out of deep idle can even shorten."""
-    out = subprocess.run(["taskset", "-c", "0", binary, str(round_trips), str(WARMUP_S)], capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT_S)
+    out = subprocess.run(
+        ["taskset", "-c", "0", binary, str(round_trips), str(WARMUP_S)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     if out.returncode != 0:
         raise BenchError(f"pingpong failed: {out.stderr.strip()}")
     fields = dict(kv.split("=") for kv in out.stdout.split())
@@ -70,14 +79,19 @@ class PerfSchedSwitch:
 
     def start(self) -> None:
         with open(self.err, "w") as err:
-            self.proc = procs.start(["perf", "record", "-a", "-g", "-e", "sched:sched_switch", "-o", "-"],
-                                    stdout=subprocess.DEVNULL, stderr=err, default_sigint=True)
+            self.proc = procs.start(
+                ["perf", "record", "-a", "-g", "-e", "sched:sched_switch", "-o", "-"],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                default_sigint=True,
+            )
         ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
 
         def attached() -> bool:
             if self.proc.poll() is not None:
                 raise BenchError(f"perf exited with {self.proc.returncode}: {self.err.read_text().strip()}")
             return bpf.held_by(self.proc.pid)[1] >= ncpu
+
         procs.wait_for("perf's sched_switch events on every CPU", attached, PERF_ATTACH_TIMEOUT_S, 0.05)
 
     def stop(self) -> None:
@@ -98,8 +112,14 @@ class PingPongBench:
         if config == "none":
             return run_workload(binary, self.round_trips)
         if config.startswith("pipeline"):
-            p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu="off-CPU" in config,
-                         offcpu_dwarf=config.endswith("offcpu_dwarf"))
+            p = Pipeline(
+                d,
+                SAMPLE_HZ,
+                upload_interval_s=5,
+                workers=1,
+                offcpu="off-CPU" in config,
+                offcpu_dwarf=config.endswith("offcpu_dwarf"),
+            )
             try:
                 p.start()
                 self.our_prog_ids |= p.prog_ids
@@ -135,9 +155,14 @@ class PingPongBench:
                 "round_trips_per_s": stats.summary([row[config] for row in runs]),
                 "ratio_to_none": stats.summary([row[config] / row["none"] for row in runs]),
             }
-        return {"workload": f"pingpong: {self.round_trips} round trips of one byte over two pipes "
-                            f"between two processes pinned to CPU 0 (2 context switches each)",
-                "sample_hz": SAMPLE_HZ, "rounds": self.rounds, "configs": list(CONFIGS),
-                "runs": runs, "summary": summary,
-                "not_run": {PEER_NOT_RUN[0]: PEER_NOT_RUN[1]},
-                "seconds": round(time.monotonic() - t_start, 1)}
+        return {
+            "workload": f"pingpong: {self.round_trips} round trips of one byte over two pipes "
+            f"between two processes pinned to CPU 0 (2 context switches each)",
+            "sample_hz": SAMPLE_HZ,
+            "rounds": self.rounds,
+            "configs": list(CONFIGS),
+            "runs": runs,
+            "summary": summary,
+            "not_run": {PEER_NOT_RUN[0]: PEER_NOT_RUN[1]},
+            "seconds": round(time.monotonic() - t_start, 1),
+        }

@@ -48,13 +48,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from collector.bpfstats import RunTimeStats
-from shared import pprof
-
 from bench import bpf, peer, procs, stats
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
 from bench.unwind import LIBC, wait_for_tables
+from collector.bpfstats import RunTimeStats
+from shared import pprof
 
 WORKLOADS_DIR = Path(__file__).parent / "workloads"
 WORKLOADS = ("cpu_loop", "deep-nofp", "pingpong", "python")
@@ -70,7 +69,9 @@ WHOLE_STACK_FUNCTIONS = frozenset({"worker", "start_thread"})
 
 
 def whole(functions: list[str]) -> bool:
-    return WHOLE_STACK_FUNCTIONS <= {f.split("+")[0] for f in functions}
+    return {f.split("+")[0] for f in functions} >= WHOLE_STACK_FUNCTIONS
+
+
 RUN_TIMEOUT_S = 600.0
 ATTACH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 120.0
@@ -83,18 +84,22 @@ PERF_SAMPLES = re.compile(r"\((\d+) samples\)")
 
 # ------------------------------------------------------------------ workloads
 
+
 def build(tmp: str) -> dict[str, list[str]]:
     """Each workload's command line without its size argument(s)."""
+
     def cc(name: str, src: str, flags: list[str]) -> str:
         out = os.path.join(tmp, name)
-        r = subprocess.run(["gcc", "-O2", *flags, "-o", out, str(WORKLOADS_DIR / src)], capture_output=True,
-                           text=True, check=False)
+        r = subprocess.run(
+            ["gcc", "-O2", *flags, "-o", out, str(WORKLOADS_DIR / src)], capture_output=True, text=True, check=False
+        )
         if r.returncode != 0:
             raise BenchError(f"cannot build {src}: {r.stderr.strip()}")
         return out
+
     ncpu = str(os.sysconf("SC_NPROCESSORS_ONLN"))
     return {
-        "cpu_loop": [cc("cpu_loop", "cpu_loop.c", ["-fno-omit-frame-pointer", "-pthread"])],   # UNITS THREADS
+        "cpu_loop": [cc("cpu_loop", "cpu_loop.c", ["-fno-omit-frame-pointer", "-pthread"])],  # UNITS THREADS
         "deep-nofp": [cc("deep-nofp", "deep.c", ["-fomit-frame-pointer", "-pthread"]), str(DEEP_FRAMES)],
         "pingpong": ["taskset", "-c", "0", cc("pingpong", "pingpong.c", ["-fno-omit-frame-pointer"])],
         "python": ["/usr/bin/python3", "-S", str(WORKLOADS_DIR / "py_loop.py")],
@@ -134,8 +139,7 @@ def run_workload(argv: list[str], name: str) -> tuple[float, float, int]:
     t1 = os.times()
     if p.returncode != 0:
         raise BenchError(f"{name} exited with {p.returncode}: {err.strip()[-500:]}")
-    return elapsed_of(name, out), (t1.children_user + t1.children_system
-                                   - t0.children_user - t0.children_system), p.pid
+    return elapsed_of(name, out), (t1.children_user + t1.children_system - t0.children_user - t0.children_system), p.pid
 
 
 def size(cmds: dict[str, list[str]], name: str, seconds: float) -> int:
@@ -150,6 +154,7 @@ def size(cmds: dict[str, list[str]], name: str, seconds: float) -> int:
 
 
 # ------------------------------------------------------------------ profilers
+
 
 def rss_bytes(pid: int) -> int:
     try:
@@ -166,13 +171,18 @@ class Profiler:
     """One profiler's run: start (attached on every CPU), its processes, stop; figures after."""
 
     name = ""
-    wraps_workload = False     # py-spy: it starts the workload itself
+    wraps_workload = False  # py-spy: it starts the workload itself
 
     def start(self) -> None: ...
-    def pids(self) -> dict[str, int]: return {}
+    def pids(self) -> dict[str, int]:
+        return {}
+
     def stop(self) -> None: ...
-    def samples(self) -> int | None: return None      # when the BPF statistics cannot say
-    def completeness(self, binary: str, pid: int) -> float | None: return None
+    def samples(self) -> int | None:
+        return None  # when the BPF statistics cannot say
+
+    def completeness(self, binary: str, pid: int) -> float | None:
+        return None
 
     def wrap(self, argv: list[str]) -> list[str]:
         return argv
@@ -181,8 +191,17 @@ class Profiler:
 class PipelineProfiler(Profiler):
     def __init__(self, d: Path, hz: int, offcpu: bool, dwarf: bool) -> None:
         self.name = f"pipeline {'on+off-CPU' if offcpu else 'on-CPU'}{', DWARF' if dwarf else ''}"
-        self.p = Pipeline(d, hz, upload_interval_s=5, workers=1, offcpu=offcpu, dwarf_unwind=dwarf,
-                          offcpu_dwarf=False, overhead_budget_pct=BENCH_BUDGET_PCT, plain_pid=True)
+        self.p = Pipeline(
+            d,
+            hz,
+            upload_interval_s=5,
+            workers=1,
+            offcpu=offcpu,
+            dwarf_unwind=dwarf,
+            offcpu_dwarf=False,
+            overhead_budget_pct=BENCH_BUDGET_PCT,
+            plain_pid=True,
+        )
 
     def start(self) -> None:
         self.p.start()
@@ -226,6 +245,7 @@ class BpfccProfiler(Profiler):
             names = {p["id"]: p.get("name") for p in bpf.programs()} if held else {}
             seen.append(any(names.get(i) == peer.PROGRAM_NAME for i in held) and perf_fds >= ncpu)
             return len(seen) >= 2 and seen[-1] and seen[-2]
+
         procs.wait_for("profile-bpfcc attached on every CPU", attached, ATTACH_TIMEOUT_S, 0.05)
 
     def pids(self) -> dict[str, int]:
@@ -256,8 +276,16 @@ class PerfProfiler(Profiler):
         d.mkdir(parents=True)
         self.data = d / "perf.data"
         self.err = d / "stderr.txt"
-        self.argv = ["perf", "record", "-a", "-F", str(hz), *(["--call-graph", "dwarf"] if dwarf else ["-g"]),
-                     "-o", str(self.data)]
+        self.argv = [
+            "perf",
+            "record",
+            "-a",
+            "-F",
+            str(hz),
+            *(["--call-graph", "dwarf"] if dwarf else ["-g"]),
+            "-o",
+            str(self.data),
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -269,6 +297,7 @@ class PerfProfiler(Profiler):
             if self.proc.poll() is not None:
                 raise BenchError(f"perf exited with {self.proc.returncode}: {self.err.read_text()[-500:]}")
             return bpf.held_by(self.proc.pid)[1] >= ncpu
+
         procs.wait_for("perf's events on every CPU", attached, ATTACH_TIMEOUT_S, 0.05)
 
     def pids(self) -> dict[str, int]:
@@ -285,8 +314,13 @@ class PerfProfiler(Profiler):
 
     def completeness(self, binary: str, pid: int) -> float | None:
         """From `perf script` (its unwinding of the recorded stacks, after the run, not timed)."""
-        out = subprocess.run(["perf", "script", "-i", str(self.data), "--pid", str(pid), "-F", "comm,ip,sym"],
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False).stdout
+        out = subprocess.run(
+            ["perf", "script", "-i", str(self.data), "--pid", str(pid), "-F", "comm,ip,sym"],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        ).stdout
         total = complete = 0
         for block in out.split("\n\n"):
             lines = [ln for ln in block.splitlines() if ln.strip()]
@@ -337,9 +371,19 @@ def bpf_totals(pids: list[int]) -> dict[str, tuple[int, int]]:
 
 # ------------------------------------------------------------------ the suite
 
+
 class OverheadBench:
-    def __init__(self, rounds: int, seconds: float, rates: list[int], high_rates: list[int], quiet_wait: float,
-                 log: Callable[[str], None], keep: bool, workloads: tuple[str, ...] = WORKLOADS) -> None:
+    def __init__(
+        self,
+        rounds: int,
+        seconds: float,
+        rates: list[int],
+        high_rates: list[int],
+        quiet_wait: float,
+        log: Callable[[str], None],
+        keep: bool,
+        workloads: tuple[str, ...] = WORKLOADS,
+    ) -> None:
         self.rounds = rounds
         self.seconds = seconds
         self.rates = rates
@@ -355,8 +399,14 @@ class OverheadBench:
         """(profiler, rate, the workloads run under one start of it), in a round's order."""
         out = []
         for hz in self.rates:
-            for profiler in ("pipeline on-CPU", "pipeline on+off-CPU", "pipeline on+off-CPU, DWARF",
-                             "profile-bpfcc", "perf -g", "perf --call-graph dwarf"):
+            for profiler in (
+                "pipeline on-CPU",
+                "pipeline on+off-CPU",
+                "pipeline on+off-CPU, DWARF",
+                "profile-bpfcc",
+                "perf -g",
+                "perf --call-graph dwarf",
+            ):
                 out.append((profiler, hz, self.workloads))
             if "python" in self.workloads:
                 out.append(("py-spy", hz, ("python",)))
@@ -375,8 +425,14 @@ class OverheadBench:
             return PerfProfiler(d, hz, dwarf="dwarf" in profiler)
         return PySpyProfiler(d, hz)
 
-    def under(self, profiler: str, hz: int, d: Path, runs: list[tuple[str, list[str], float]],
-              warmup_argv: dict[str, list[str]]) -> list[dict]:
+    def under(
+        self,
+        profiler: str,
+        hz: int,
+        d: Path,
+        runs: list[tuple[str, list[str], float]],
+        warmup_argv: dict[str, list[str]],
+    ) -> list[dict]:
         """`runs` ((workload, argv, CPU seconds alone), in turn) under one start of `profiler` at `hz`:
         each one's figures. The CPU alone is for a profiler that starts the workload (py-spy: its CPU
         is the difference)."""
@@ -392,7 +448,7 @@ class OverheadBench:
                 self.our_prog_ids |= bpf.held_by(pid)[0]
             for workload, argv, alone_cpu_s in runs:
                 if workload == "deep-nofp" and not prof.wraps_workload:
-                    run_workload(warmup_argv[workload], workload)   # untimed: tables load for DWARF
+                    run_workload(warmup_argv[workload], workload)  # untimed: tables load for DWARF
                     if isinstance(prof, PipelineProfiler) and "DWARF" in prof.name:
                         wait_for_tables(prof.p, argv[0], LIBC)
                 cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
@@ -407,21 +463,32 @@ class OverheadBench:
                     profiler_cpu_s = sum(procs.cpu_seconds(p) - cpu0[n] for n, p in pids.items())
                 bpf1 = bpf_totals(list(pids.values()))
                 pids_of_runs.append(pid)
-                sampling = [(bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
-                            for n in bpf1 if n in SAMPLING_PROGRAMS]
+                sampling = [
+                    (bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
+                    for n in bpf1
+                    if n in SAMPLING_PROGRAMS
+                ]
                 sampled_ns, sampled = sum(t for t, _ in sampling), sum(c for _, c in sampling)
                 bpf_ns = sum(bpf1[n][0] - bpf0.get(n, (0, 0))[0] for n in bpf1)
-                out.append({"workload": workload, "elapsed_s": elapsed, "profiler_cpu_s": profiler_cpu_s,
-                            "profiler_cpu_pct": 100 * profiler_cpu_s / elapsed,
-                            "rss_bytes": rss, "bpf_ns": bpf_ns, "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
-                            "bpf_ns_per_sample": sampled_ns / sampled if sampled else None,
-                            "samples": sampled or None})
+                out.append(
+                    {
+                        "workload": workload,
+                        "elapsed_s": elapsed,
+                        "profiler_cpu_s": profiler_cpu_s,
+                        "profiler_cpu_pct": 100 * profiler_cpu_s / elapsed,
+                        "rss_bytes": rss,
+                        "bpf_ns": bpf_ns,
+                        "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
+                        "bpf_ns_per_sample": sampled_ns / sampled if sampled else None,
+                        "samples": sampled or None,
+                    }
+                )
         finally:
             prof.stop()
         if len(runs) == 1 and out[0]["samples"] is None:
-            out[0]["samples"] = prof.samples()    # perf counts its samples for the whole of its run
+            out[0]["samples"] = prof.samples()  # perf counts its samples for the whole of its run
         for fig, (workload, argv, _), pid in zip(out, runs, pids_of_runs):
-            if workload == "deep-nofp":   # from what the profiler wrote by its stop
+            if workload == "deep-nofp":  # from what the profiler wrote by its stop
                 fig["whole_stack_share"] = prof.completeness(argv[0], pid)
         if not self.keep:
             shutil.rmtree(d, ignore_errors=True)
@@ -437,8 +504,9 @@ class OverheadBench:
             cmds = build(tmp)
             units = {w: size(cmds, w, self.seconds) for w in self.workloads}
             argvs = {w: workload_argv(cmds, w, units[w]) for w in self.workloads}
-            warmup = {w: workload_argv(cmds, w, max(1, int(u * DEEP_WARMUP_S / self.seconds)))
-                      for w, u in units.items()}
+            warmup = {
+                w: workload_argv(cmds, w, max(1, int(u * DEEP_WARMUP_S / self.seconds))) for w, u in units.items()
+            }
             self.log(f"overhead: workloads sized to ~{self.seconds} s alone: {units}")
             n = 0
             for r in range(self.rounds):
@@ -448,27 +516,48 @@ class OverheadBench:
                     configs.reverse()
                 for profiler, hz, workloads in configs:
                     order = list(reversed(workloads)) if r % 2 else list(workloads)
-                    alone = {w: run_workload(argvs[w], w)[:2] for w in order}                  # A, each
+                    alone = {w: run_workload(argvs[w], w)[:2] for w in order}  # A, each
                     n += 1
-                    figs = self.under(profiler, hz, Path(tmp) / f"r{n}",                        # B, each
-                                      [(w, argvs[w], alone[w][1]) for w in order], warmup)
+                    figs = self.under(
+                        profiler,
+                        hz,
+                        Path(tmp) / f"r{n}",  # B, each
+                        [(w, argvs[w], alone[w][1]) for w in order],
+                        warmup,
+                    )
                     for fig in figs:
                         alone_s = alone[fig["workload"]][0]
-                        fig.update({"round": r, "profiler": profiler, "hz": hz, "alone_s": alone_s,
-                                    "ratio": alone_s / fig["elapsed_s"]})
+                        fig.update(
+                            {
+                                "round": r,
+                                "profiler": profiler,
+                                "hz": hz,
+                                "alone_s": alone_s,
+                                "ratio": alone_s / fig["elapsed_s"],
+                            }
+                        )
                         runs.append(fig)
-                        self.log(f"overhead round {r + 1}/{self.rounds} {fig['workload']} {profiler} {hz} Hz: "
-                                 f"ratio {fig['ratio']:.3f}, profiler CPU {fig['profiler_cpu_pct']:.2f}%"
-                                 + (f", BPF {fig['bpf_ns_per_sample']:.0f} ns/sample"
-                                    if fig["bpf_ns_per_sample"] else ""))
+                        self.log(
+                            f"overhead round {r + 1}/{self.rounds} {fig['workload']} {profiler} {hz} Hz: "
+                            f"ratio {fig['ratio']:.3f}, profiler CPU {fig['profiler_cpu_pct']:.2f}%"
+                            + (f", BPF {fig['bpf_ns_per_sample']:.0f} ns/sample" if fig["bpf_ns_per_sample"] else "")
+                        )
         finally:
             runtime_stats.close()
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
-        return {"method": __doc__, "rounds": self.rounds, "rates": self.rates, "high_rates": self.high_rates,
-                "units": units, "seconds_alone": self.seconds, "cpus": self.ncpu, "runs": runs,
-                "summary": summarize(runs, self.ncpu, self.rates),
-                "seconds": round(time.monotonic() - t_start, 1)}
+        return {
+            "method": __doc__,
+            "rounds": self.rounds,
+            "rates": self.rates,
+            "high_rates": self.high_rates,
+            "units": units,
+            "seconds_alone": self.seconds,
+            "cpus": self.ncpu,
+            "runs": runs,
+            "summary": summarize(runs, self.ncpu, self.rates),
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def summarize(runs: list[dict], ncpu: int, rates: list[int]) -> dict:
@@ -483,16 +572,21 @@ def summarize(runs: list[dict], ncpu: int, rates: list[int]) -> dict:
             "profiler_cpu_pct": stats.summary([r["profiler_cpu_pct"] for r in rs]),
             "bpf_pct": stats.summary([r["bpf_pct"] for r in rs]),
             "bpf_ns_per_sample": stats.summary([r["bpf_ns_per_sample"] for r in rs]),
-            "rss_mb": {p: stats.summary([r["rss_bytes"][p] / 2**20 for r in rs if p in r["rss_bytes"]])
-                       for p in procs_seen},
+            "rss_mb": {
+                p: stats.summary([r["rss_bytes"][p] / 2**20 for r in rs if p in r["rss_bytes"]]) for p in procs_seen
+            },
         }
         if workload == "deep-nofp":
             fig["whole_stack_share"] = stats.summary([r.get("whole_stack_share") for r in rs])
         if workload == HIGH_RATE_WORKLOAD and hz not in rates:
             # Lost victim CPU (all CPUs busy) beyond the profiler processes' own, per sample.
-            fig["implied_ns_per_sample"] = stats.summary([
-                ((r["elapsed_s"] - r["alone_s"]) * ncpu - (r["profiler_cpu_s"] or 0)) * 1e9 / r["samples"]
-                for r in rs if r["samples"]])
+            fig["implied_ns_per_sample"] = stats.summary(
+                [
+                    ((r["elapsed_s"] - r["alone_s"]) * ncpu - (r["profiler_cpu_s"] or 0)) * 1e9 / r["samples"]
+                    for r in rs
+                    if r["samples"]
+                ]
+            )
         out[f"{workload} | {profiler} | {hz}"] = fig
     return out
 
@@ -501,24 +595,52 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) for RESULTS.md and the terminal."""
     from bench.report import _mmm
 
-    head = ["workload", "profiler", "Hz", "throughput ratio", "profiler CPU % of one CPU", "BPF ns/sample",
-            "BPF % of one CPU", "RSS MB (each process, median)", "whole stacks", "implied ns/sample"]
+    head = [
+        "workload",
+        "profiler",
+        "Hz",
+        "throughput ratio",
+        "profiler CPU % of one CPU",
+        "BPF ns/sample",
+        "BPF % of one CPU",
+        "RSS MB (each process, median)",
+        "whole stacks",
+        "implied ns/sample",
+    ]
     rows = []
     for key, f in result["summary"].items():
         workload, profiler, hz = key.split(" | ")
         rss = ", ".join(f"{p} {s['median']:.0f}" for p, s in f["rss_mb"].items() if s["median"] is not None)
-        rows.append([workload, profiler, hz, _mmm(f["ratio"], "{:.3f}"), _mmm(f["profiler_cpu_pct"], "{:.2f}"),
-                     _mmm(f["bpf_ns_per_sample"], "{:,.0f}"), _mmm(f["bpf_pct"], "{:.3f}"), rss or "-",
-                     _mmm(f["whole_stack_share"], "{:.3f}") if "whole_stack_share" in f else "",
-                     _mmm(f["implied_ns_per_sample"], "{:,.0f}") if "implied_ns_per_sample" in f else ""])
-    caption = (f"each run paired with the same workload alone just before it; {result['rounds']} rounds; "
-               f"workloads ~{result['seconds_alone']} s alone on {result['cpus']} CPUs; median (min–max)")
-    notes = [f"full run: {result['seconds']} s",
-             "py-spy starts the workload: its CPU is (py-spy + workload) minus the workload alone; no RSS",
-             "perf: no BPF; its samples from perf's own count; whole stacks by `perf script` after the run",
-             ("profiler CPU is what its processes use while the workload runs: profile-bpfcc and perf symbolize "
-             "after it (at their stop, not counted); the pipeline symbolizes as it goes"),
-             ("whole stacks: samples of the timed deep-nofp process reaching worker() and start_thread; the "
-             "pipeline's DWARF unwinding covers a new process from the first drain after it is first sampled "
-             "(~1 s), so a run of a few seconds shows less than a long-running process gets")]
+        rows.append(
+            [
+                workload,
+                profiler,
+                hz,
+                _mmm(f["ratio"], "{:.3f}"),
+                _mmm(f["profiler_cpu_pct"], "{:.2f}"),
+                _mmm(f["bpf_ns_per_sample"], "{:,.0f}"),
+                _mmm(f["bpf_pct"], "{:.3f}"),
+                rss or "-",
+                _mmm(f["whole_stack_share"], "{:.3f}") if "whole_stack_share" in f else "",
+                _mmm(f["implied_ns_per_sample"], "{:,.0f}") if "implied_ns_per_sample" in f else "",
+            ]
+        )
+    caption = (
+        f"each run paired with the same workload alone just before it; {result['rounds']} rounds; "
+        f"workloads ~{result['seconds_alone']} s alone on {result['cpus']} CPUs; median (min–max)"
+    )
+    notes = [
+        f"full run: {result['seconds']} s",
+        "py-spy starts the workload: its CPU is (py-spy + workload) minus the workload alone; no RSS",
+        "perf: no BPF; its samples from perf's own count; whole stacks by `perf script` after the run",
+        (
+            "profiler CPU is what its processes use while the workload runs: profile-bpfcc and perf symbolize "
+            "after it (at their stop, not counted); the pipeline symbolizes as it goes"
+        ),
+        (
+            "whole stacks: samples of the timed deep-nofp process reaching worker() and start_thread; the "
+            "pipeline's DWARF unwinding covers a new process from the first drain after it is first sampled "
+            "(~1 s), so a run of a few seconds shows less than a long-running process gets"
+        ),
+    ]
     return caption, head, rows, notes

@@ -49,15 +49,17 @@ class ProfileBpfcc:
 
         def attached() -> bool:
             if self.proc.poll() is not None:
-                raise BenchError(f"profile-bpfcc exited with {self.proc.returncode} while starting: "
-                                 f"{self.log_path.read_text(errors='replace').strip()}")
+                raise BenchError(
+                    f"profile-bpfcc exited with {self.proc.returncode} while starting: "
+                    f"{self.log_path.read_text(errors='replace').strip()}"
+                )
             held, perf_fds = bpf.held_by(pid)
             names = {p["id"]: p.get("name") for p in bpf.programs()} if held else {}
             self.prog_ids |= held
             seen.append(any(names.get(i) == PROGRAM_NAME for i in held) and perf_fds >= ncpu)
-            return len(seen) >= 2 and seen[-1] and seen[-2]   # the same on two polls: attach finished
-        procs.wait_for(f"profile-bpfcc's {PROGRAM_NAME} program on {ncpu} CPUs", attached,
-                       ATTACH_TIMEOUT_S, 0.05)
+            return len(seen) >= 2 and seen[-1] and seen[-2]  # the same on two polls: attach finished
+
+        procs.wait_for(f"profile-bpfcc's {PROGRAM_NAME} program on {ncpu} CPUs", attached, ATTACH_TIMEOUT_S, 0.05)
         self.start_s = time.monotonic() - t0
 
     def cpu(self) -> float:
@@ -72,5 +74,6 @@ class ProfileBpfcc:
         self.stop_s = time.monotonic() - t0
         self.proc = None
         if code != 0:
-            raise BenchError(f"profile-bpfcc exited with {code}: "
-                             f"{self.log_path.read_text(errors='replace').strip()[-2000:]}")
+            raise BenchError(
+                f"profile-bpfcc exited with {code}: {self.log_path.read_text(errors='replace').strip()[-2000:]}"
+            )

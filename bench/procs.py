@@ -13,7 +13,8 @@ import os
 import signal
 import subprocess
 import time
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from shared import polling
 from shared.procstat import read_stat, start_ticks, stat_fields
@@ -53,15 +54,33 @@ def _child_setup(default_sigint: bool) -> Callable[[], None]:
         if default_sigint:
             # A background child may inherit SIGINT ignored; profile-bpfcc stops on SIGINT.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     return setup
 
 
-def start(argv: Sequence[str], *, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=None,
-          default_sigint: bool = False, text: bool = False, env: dict[str, str] | None = None,
-          cwd: str | None = None) -> subprocess.Popen:
+def start(
+    argv: Sequence[str],
+    *,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    stdin=None,
+    default_sigint: bool = False,
+    text: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.Popen:
     """Start a process in its own session (a Ctrl-C at the terminal reaches bench only)."""
-    p = subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, stdin=stdin, text=text, start_new_session=True,
-                         preexec_fn=_child_setup(default_sigint), env=env, cwd=cwd)
+    p = subprocess.Popen(
+        list(argv),
+        stdout=stdout,
+        stderr=stderr,
+        stdin=stdin,
+        text=text,
+        start_new_session=True,
+        preexec_fn=_child_setup(default_sigint),  # noqa: PLW1509
+        env=env,
+        cwd=cwd,
+    )
     _started.append(p)
     return p
 
@@ -164,8 +183,11 @@ def host_cpu() -> dict[str, float]:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return {"busy_s": (user + nice + system + irq + softirq) / CLK_TCK,
-            "idle_s": (idle + iowait) / CLK_TCK, "steal_s": steal / CLK_TCK}
+    return {
+        "busy_s": (user + nice + system + irq + softirq) / CLK_TCK,
+        "idle_s": (idle + iowait) / CLK_TCK,
+        "steal_s": steal / CLK_TCK,
+    }
 
 
 def host_cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

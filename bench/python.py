@@ -34,11 +34,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared import pprof
-
 from bench import procs, stats
 from bench.pipeline import Pipeline
 from bench.procs import BenchError
+from shared import pprof
 
 WORKLOAD = Path(__file__).parent / "workloads" / "py_cpu.py"
 PYTHON = "/usr/bin/python3.11"
@@ -66,11 +65,28 @@ class PySpy:
         self.procs: list[subprocess.Popen] = []
         self.errs: list[Path] = []
         for pid in pids:
-            err = workdir / f"py-spy-{pid}.log"    # it says "Sampling process" on stdout
+            err = workdir / f"py-spy-{pid}.log"  # it says "Sampling process" on stdout
             with open(err, "w") as e:
-                self.procs.append(procs.start(
-                    [PY_SPY, "record", "--nonblocking", "-r", str(SAMPLE_HZ), "--pid", str(pid), "--format", "raw",
-                     "-o", str(workdir / f"py-spy-{pid}.txt")], stdout=e, stderr=e, default_sigint=True))
+                self.procs.append(
+                    procs.start(
+                        [
+                            PY_SPY,
+                            "record",
+                            "--nonblocking",
+                            "-r",
+                            str(SAMPLE_HZ),
+                            "--pid",
+                            str(pid),
+                            "--format",
+                            "raw",
+                            "-o",
+                            str(workdir / f"py-spy-{pid}.txt"),
+                        ],
+                        stdout=e,
+                        stderr=e,
+                        default_sigint=True,
+                    )
+                )
             self.errs.append(err)
 
         def sampling() -> bool:
@@ -78,6 +94,7 @@ class PySpy:
                 if p.poll() is not None:
                     raise BenchError(f"py-spy exited with {p.returncode}: {err.read_text(errors='replace')[-2000:]}")
             return all("Sampling process" in err.read_text(errors="replace") for err in self.errs)
+
         procs.wait_for("py-spy sampling every copy", sampling, PY_SPY_START_TIMEOUT_S, 0.05)
 
     def cpu(self) -> float:
@@ -108,8 +125,10 @@ class PythonBench:
         self.copies = os.sysconf("SC_NPROCESSORS_ONLN")
 
     def _start_copies(self, units: int, warmup_s: float) -> list[subprocess.Popen]:
-        return [procs.start([PYTHON, str(WORKLOAD), str(units), str(warmup_s)], stdout=subprocess.PIPE, text=True)
-                for _ in range(self.copies)]
+        return [
+            procs.start([PYTHON, str(WORKLOAD), str(units), str(warmup_s)], stdout=subprocess.PIPE, text=True)
+            for _ in range(self.copies)
+        ]
 
     def _finish(self, copies: list[subprocess.Popen]) -> dict:
         total_units, per_s, seconds = 0, 0.0, []
@@ -132,8 +151,16 @@ class PythonBench:
             return self._finish(self._start_copies(units, WARMUP_S))
         if config.startswith("pipeline"):
             on = config.endswith("on")
-            p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=False, python_stacks=on,
-                         runtime_stacks=("python_legacy",) if on else (), plain_pid=True)
+            p = Pipeline(
+                d,
+                SAMPLE_HZ,
+                upload_interval_s=5,
+                workers=1,
+                offcpu=False,
+                python_stacks=on,
+                runtime_stacks=("python_legacy",) if on else (),
+                plain_pid=True,
+            )
             try:
                 p.start()
                 self.our_prog_ids |= p.prog_ids
@@ -156,10 +183,15 @@ class PythonBench:
             interval = t1 - t0
             # Per stack: its CPU from ready to the workload's end (idle ticks and detection
             # included) over every stack its profiles hold.
-            return {**row, "reader_cpu_s": reader_s, "interval_s": interval,
-                    "reader_cpu_share": reader_s / interval,
-                    "reader_us_per_stack": 1e6 * (c1["runtime"] - c_start["runtime"]) / total,
-                    "python_wall_stacks_of_workload": ours, "python_wall_stacks_all": total}
+            return {
+                **row,
+                "reader_cpu_s": reader_s,
+                "interval_s": interval,
+                "reader_cpu_share": reader_s / interval,
+                "reader_us_per_stack": 1e6 * (c1["runtime"] - c_start["runtime"]) / total,
+                "python_wall_stacks_of_workload": ours,
+                "python_wall_stacks_all": total,
+            }
         copies = self._start_copies(units, WARMUP_S)
         spy = PySpy(d, [c.pid for c in copies])
         try:
@@ -170,8 +202,13 @@ class PythonBench:
         finally:
             spy.stop()
         interval = t1 - t0
-        return {**row, "py_spy_cpu_s": s1 - s0, "interval_s": interval, "py_spy_cpu_share": (s1 - s0) / interval,
-                "py_spy_us_per_stack": 1e6 * (s1 - s0) / (SAMPLE_HZ * interval * self.copies * THREADS_PER_COPY)}
+        return {
+            **row,
+            "py_spy_cpu_s": s1 - s0,
+            "interval_s": interval,
+            "py_spy_cpu_share": (s1 - s0) / interval,
+            "py_spy_us_per_stack": 1e6 * (s1 - s0) / (SAMPLE_HZ * interval * self.copies * THREADS_PER_COPY),
+        }
 
     def run(self) -> dict:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-python-")
@@ -187,13 +224,18 @@ class PythonBench:
                     row[config] = self._one(config, units, Path(tmp) / f"r{r}-{i}")
                     extra = ""
                     if "reader_us_per_stack" in row[config]:
-                        extra = (f"; reader {row[config]['reader_us_per_stack']:.0f} us CPU per stack, "
-                                 f"{100 * row[config]['reader_cpu_share']:.2f}% of a CPU")
+                        extra = (
+                            f"; reader {row[config]['reader_us_per_stack']:.0f} us CPU per stack, "
+                            f"{100 * row[config]['reader_cpu_share']:.2f}% of a CPU"
+                        )
                     if "py_spy_us_per_stack" in row[config]:
-                        extra = (f"; py-spy {row[config]['py_spy_us_per_stack']:.0f} us CPU per stack, "
-                                 f"{100 * row[config]['py_spy_cpu_share']:.2f}% of a CPU")
-                    self.log(f"python round {r + 1}/{self.rounds} {config}: "
-                             f"{row[config]['units_per_s']:,.0f} units/s{extra}")
+                        extra = (
+                            f"; py-spy {row[config]['py_spy_us_per_stack']:.0f} us CPU per stack, "
+                            f"{100 * row[config]['py_spy_cpu_share']:.2f}% of a CPU"
+                        )
+                    self.log(
+                        f"python round {r + 1}/{self.rounds} {config}: {row[config]['units_per_s']:,.0f} units/s{extra}"
+                    )
                 runs.append(row)
         finally:
             if not self.keep:
@@ -202,37 +244,62 @@ class PythonBench:
         for config in CONFIGS:
             summary[config] = {
                 "units_per_s": stats.summary([row[config]["units_per_s"] for row in runs]),
-                "ratio_to_none": stats.summary([row[config]["units_per_s"] / row["none"]["units_per_s"]
-                                                for row in runs]),
+                "ratio_to_none": stats.summary(
+                    [row[config]["units_per_s"] / row["none"]["units_per_s"] for row in runs]
+                ),
             }
         on, spy = CONFIGS[2], CONFIGS[3]
         summary[on]["us_per_stack"] = stats.summary([row[on]["reader_us_per_stack"] for row in runs])
         summary[on]["cpu_share"] = stats.summary([row[on]["reader_cpu_share"] for row in runs])
         summary[spy]["us_per_stack"] = stats.summary([row[spy]["py_spy_us_per_stack"] for row in runs])
         summary[spy]["cpu_share"] = stats.summary([row[spy]["py_spy_cpu_share"] for row in runs])
-        return {"workload": f"bench/workloads/py_cpu.py under {PYTHON}: {self.copies} copies (one per CPU), "
-                            f"each a main thread computing {units} units 20 frames deep and a blocked thread",
-                "method": __doc__, "sample_hz": SAMPLE_HZ, "rounds": self.rounds, "units": units,
-                "configs": list(CONFIGS), "runs": runs, "summary": summary,
-                "seconds": round(time.monotonic() - t_start, 1)}
+        return {
+            "workload": f"bench/workloads/py_cpu.py under {PYTHON}: {self.copies} copies (one per CPU), "
+            f"each a main thread computing {units} units 20 frames deep and a blocked thread",
+            "method": __doc__,
+            "sample_hz": SAMPLE_HZ,
+            "rounds": self.rounds,
+            "units": units,
+            "configs": list(CONFIGS),
+            "runs": runs,
+            "summary": summary,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the python suite."""
     from bench.report import _mmm
 
-    head = ["configuration", "units/s", "ratio to none (same round)", "profiler µs CPU per stack",
-            "profiler share of a CPU"]
+    head = [
+        "configuration",
+        "units/s",
+        "ratio to none (same round)",
+        "profiler µs CPU per stack",
+        "profiler share of a CPU",
+    ]
     rows = []
     for c in result["configs"]:
         e = result["summary"][c]
-        rows.append([c, _mmm(e["units_per_s"], "{:,.0f}"), "1 (reference)" if c == "none" else _mmm(e["ratio_to_none"]),
-                     _mmm(e["us_per_stack"], "{:.0f}") if "us_per_stack" in e else "",
-                     _mmm(e["cpu_share"], "{:.4f}") if "cpu_share" in e else ""])
-    caption = (f"{result['workload']}; {result['sample_hz']} Hz; {result['rounds']} rounds, configurations in "
-               "turn; median (min–max); ratio < 1: slower")
-    notes = ["profiler share of a CPU: its CPU clock (the reader, or every py-spy) across the timed part",
-             ("µs per stack: the reader's CPU from ready to the workload's end over the stacks in its profiles "
-              "(idle ticks and detection included); py-spy's CPU over 19 stacks per second per thread"),
-             f"full run: {result['seconds']} s"]
+        rows.append(
+            [
+                c,
+                _mmm(e["units_per_s"], "{:,.0f}"),
+                "1 (reference)" if c == "none" else _mmm(e["ratio_to_none"]),
+                _mmm(e["us_per_stack"], "{:.0f}") if "us_per_stack" in e else "",
+                _mmm(e["cpu_share"], "{:.4f}") if "cpu_share" in e else "",
+            ]
+        )
+    caption = (
+        f"{result['workload']}; {result['sample_hz']} Hz; {result['rounds']} rounds, configurations in "
+        "turn; median (min–max); ratio < 1: slower"
+    )
+    notes = [
+        "profiler share of a CPU: its CPU clock (the reader, or every py-spy) across the timed part",
+        (
+            "µs per stack: the reader's CPU from ready to the workload's end over the stacks in its profiles "
+            "(idle ticks and detection included); py-spy's CPU over 19 stacks per second per thread"
+        ),
+        f"full run: {result['seconds']} s",
+    ]
     return caption, head, rows, notes

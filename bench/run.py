@@ -14,22 +14,22 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
-from typing import Sequence
+from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from bench import bpf, procs, report
-from bench.offcpu import ROUND_TRIPS, PingPongBench
-from bench.oncpu import OnCpuBench
 from bench.alloc import AllocLockBench
 from bench.alloc import section as alloc_section
 from bench.budget import BudgetBench
 from bench.budget import section as budget_section
+from bench.dotnet import DotNetBench
+from bench.dotnet import section as dotnet_section
 from bench.growth import GrowthBench
 from bench.growth import section as growth_section
 from bench.jvm import JvmBench
 from bench.jvm import section as jvm_section
-from bench.dotnet import DotNetBench
-from bench.dotnet import section as dotnet_section
+from bench.offcpu import ROUND_TRIPS, PingPongBench
+from bench.oncpu import OnCpuBench
 from bench.overhead import OverheadBench
 from bench.overhead import section as overhead_section
 from bench.procs import BenchError
@@ -45,8 +45,22 @@ from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
-SUITES = ("oncpu", "offcpu", "scaling", "tables", "unwind", "python", "runtimes", "jvm", "overhead", "alloc", "budget",
-          "dotnet", "growth", "startup")
+SUITES = (
+    "oncpu",
+    "offcpu",
+    "scaling",
+    "tables",
+    "unwind",
+    "python",
+    "runtimes",
+    "jvm",
+    "overhead",
+    "alloc",
+    "budget",
+    "dotnet",
+    "growth",
+    "startup",
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -54,44 +68,66 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="Benchmarks of ebpfprofiler, each against the same work with nothing running "
-                    "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
-                    "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
-                    "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
-                    "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
-                    "table build time and size for libc, libpython and node, pyelftools as the peer), python "
-                    "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
-                    "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
-                    "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
-                    "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
-                    "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
-                    "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
-                    "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
-                    "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
-                    "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
-                    "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
-                    "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
-                    "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run), startup "
-                    "(`run` at the defaults and `record --offcpu`, cold and warm: start to the collector's ready file "
-                    "and to its first sample drained, and where the time goes). Writes "
-                    "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds; each runs every configuration once, in turn (default: %(default)s)")
-    p.add_argument("--seconds", type=float, default=4.0,
-                   help="size of the workload: about this many wall seconds alone (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=ncpu,
-                   help="workload threads (default: the number of CPUs, %(default)s)")
+        "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
+        "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
+        "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
+        "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
+        "table build time and size for libc, libpython and node, pyelftools as the peer), python "
+        "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
+        "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
+        "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
+        "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
+        "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
+        "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
+        "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
+        "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
+        "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
+        "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
+        "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
+        "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run), startup "
+        "(`run` at the defaults and `record --offcpu`, cold and warm: start to the collector's ready file "
+        "and to its first sample drained, and where the time goes). Writes "
+        "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds; each runs every configuration once, in turn (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=4.0,
+        help="size of the workload: about this many wall seconds alone (default: %(default)s)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=ncpu, help="workload threads (default: the number of CPUs, %(default)s)"
+    )
     p.add_argument("--rates", default="19,99", help="sampling rates in Hz, comma separated (default: %(default)s)")
-    p.add_argument("--high-rates", default="999,4999",
-                   help="overhead: rates where a profiler's cost is above the noise, for the cost per sample; "
-                        "comma separated, \"\" for none (default: %(default)s)")
-    p.add_argument("--quiet-wait", type=float, default=900.0,
-                   help="longest wait, in seconds, before a run for the host to be quiet: no other "
-                        "profiler's BPF program loaded, little CPU in use (default: %(default)s)")
+    p.add_argument(
+        "--high-rates",
+        default="999,4999",
+        help="overhead: rates where a profiler's cost is above the noise, for the cost per sample; "
+        'comma separated, "" for none (default: %(default)s)',
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=900.0,
+        help="longest wait, in seconds, before a run for the host to be quiet: no other "
+        "profiler's BPF program loaded, little CPU in use (default: %(default)s)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, profiles)")
-    p.add_argument("--suites", default=",".join(SUITES),
-                   help="which benchmarks, comma separated (default: %(default)s)")
-    p.add_argument("--round-trips", type=int, default=ROUND_TRIPS,
-                   help="offcpu: ping-pong round trips per run (default: %(default)s)")
+    p.add_argument(
+        "--suites", default=",".join(SUITES), help="which benchmarks, comma separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--round-trips",
+        type=int,
+        default=ROUND_TRIPS,
+        help="offcpu: ping-pong round trips per run (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -127,11 +163,17 @@ def machine() -> dict:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"hostname": socket.gethostname(), "kernel": platform.release(), "arch": platform.machine(),
-            "cpus": os.sysconf("SC_NPROCESSORS_ONLN"), "cpu_model": model,
-            "memory_mb": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20),
-            "python": platform.python_version(), "bcc": _dpkg_version("python3-bpfcc"),
-            "gcc": _first_line(["gcc", "--version"])}
+    return {
+        "hostname": socket.gethostname(),
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+        "cpus": os.sysconf("SC_NPROCESSORS_ONLN"),
+        "cpu_model": model,
+        "memory_mb": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20),
+        "python": platform.python_version(),
+        "bcc": _dpkg_version("python3-bpfcc"),
+        "gcc": _first_line(["gcc", "--version"]),
+    }
 
 
 def source_version() -> dict:
@@ -165,9 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_term(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
-    signal.signal(signal.SIGTERM, on_term)   # clean up as on Ctrl-C
 
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    signal.signal(signal.SIGTERM, on_term)  # clean up as on Ctrl-C
+
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     benches = {
         "oncpu": OnCpuBench(args.rounds, args.seconds, args.threads, args.rates, args.quiet_wait, log, args.keep),
         "offcpu": PingPongBench(args.rounds, args.round_trips, log, args.keep),
@@ -177,8 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": PythonBench(args.rounds, log, args.keep),
         "runtimes": RuntimesBench(args.rounds, log, args.keep),
         "jvm": JvmBench(args.rounds, log, args.keep),
-        "overhead": OverheadBench(args.rounds, args.seconds, args.rates, args.high_rates, args.quiet_wait, log,
-                                  args.keep),
+        "overhead": OverheadBench(
+            args.rounds, args.seconds, args.rates, args.high_rates, args.quiet_wait, log, args.keep
+        ),
         "alloc": AllocLockBench(args.rounds, log, args.keep),
         "budget": BudgetBench(args.rounds, log=log),
         "dotnet": DotNetBench(args.rounds, log, args.keep),
@@ -199,35 +243,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         ours = set().union(*(b.our_prog_ids for b in benches.values()))
         check = bpf_left_behind(ours)
-    log("BPF programs left behind: " + ("none" if check["ok"] else ", ".join(check["left"]))
-        + " (checked with bpftool prog show)")
+    log(
+        "BPF programs left behind: "
+        + ("none" if check["ok"] else ", ".join(check["left"]))
+        + " (checked with bpftool prog show)"
+    )
     if failure:
         log(f"FAILED: {failure}")
         return 1
     head = {"date": date, "machine": machine(), "source": source_version(), "bpf_check": check}
     written = []
     for name, result in results.items():
-        results[name] = result = {"benchmark": name, **head, **result}
+        results[name] = result = {"benchmark": name, **head, **result}  # noqa: PLW2901
         written.append(report.write_json(name, result))
     # RESULTS.md shows every suite: those not run now from their last results file.
     for name in SUITES:
         if name not in results:
             results[name] = report.read_json(name)
     extra: list[str] = []
-    sections = {"offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
-                "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
-                "tables": (tables_section, "Unwind table build time and size"),
-                "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
-                "python": (python_section, "Python stacks: the runtime reader against py-spy"),
-                "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
-                "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
-                "overhead": (overhead_section, "Measured overhead against the peers"),
-                "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
-                "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
-                "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
-                "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults"),
-                "startup": (startup_section,
-                            "Start-up: to the collector's ready file and its first sample, cold and warm")}
+    sections = {
+        "offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
+        "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
+        "tables": (tables_section, "Unwind table build time and size"),
+        "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
+        "python": (python_section, "Python stacks: the runtime reader against py-spy"),
+        "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
+        "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
+        "overhead": (overhead_section, "Measured overhead against the peers"),
+        "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
+        "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
+        "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
+        "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults"),
+        "startup": (startup_section, "Start-up: to the collector's ready file and its first sample, cold and warm"),
+    }
     for name, (make_section, title) in sections.items():
         if results.get(name):
             section = make_section(results[name])
@@ -245,15 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def bpf_left_behind(ours: set[int]) -> dict:
     """Is any program that bench's profilers loaded still loaded? (ids are never reused soon)."""
     deadline = time.monotonic() + 10.0
-    while True:   # a program goes once the last fd on it closes: allow the kernel a moment
+    while True:  # a program goes once the last fd on it closes: allow the kernel a moment
         try:
             loaded = {p["id"]: p.get("name", "?") for p in bpf.programs()}
         except BenchError as e:
             return {"ok": False, "ours": sorted(ours), "left": [str(e)]}
         left = [f"{loaded[i]} (prog {i})" for i in sorted(ours) if i in loaded]
         if not left or time.monotonic() > deadline:
-            return {"ok": not left, "ours": sorted(ours), "left": left,
-                    "programs_loaded_at_end": len(loaded)}
+            return {"ok": not left, "ours": sorted(ours), "left": left, "programs_loaded_at_end": len(loaded)}
         time.sleep(0.2)
 
 

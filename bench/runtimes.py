@@ -27,13 +27,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import procs, stats
+from bench.procs import BenchError
 from collector.procfs import read_process
 from runtimes.main import Reader
 from shared.config import ProfilerConfig
 from shared.wire import ProcessAnnouncement
-
-from bench import procs, stats
-from bench.procs import BenchError
 
 ROOT = Path(__file__).resolve().parent.parent
 PY_WORKLOAD = Path(__file__).parent / "workloads" / "py_cpu.py"
@@ -63,25 +62,38 @@ def _cases(tmp: Path, trixie: Path) -> dict[str, tuple[list[str], dict, str]]:
     host_php = tmp / PHP_WORKLOAD.name
     shutil.copy(PHP_WORKLOAD, host_php)
     return {
-        "CPython 3.11": (["/usr/bin/python3.11", str(PY_WORKLOAD), "100000000", "0"],
-                         {"python_stacks": True, "runtime_stacks": ("python_legacy",)}, "python_wall"),
-        "PHP 8.2": (["/usr/bin/php8.2", str(host_php), "split", str(WORKLOAD_S)],
-                    {"python_stacks": False, "runtime_stacks": ("php",)}, "php_wall"),
-        "PHP 8.4 (chroot)": (["chroot", str(trixie), "/usr/bin/php8.4", str(inside / PHP_WORKLOAD.name), "split",
-                              str(WORKLOAD_S)], {"python_stacks": False, "runtime_stacks": ("php",)}, "php_wall"),
+        "CPython 3.11": (
+            ["/usr/bin/python3.11", str(PY_WORKLOAD), "100000000", "0"],
+            {"python_stacks": True, "runtime_stacks": ("python_legacy",)},
+            "python_wall",
+        ),
+        "PHP 8.2": (
+            ["/usr/bin/php8.2", str(host_php), "split", str(WORKLOAD_S)],
+            {"python_stacks": False, "runtime_stacks": ("php",)},
+            "php_wall",
+        ),
+        "PHP 8.4 (chroot)": (
+            ["chroot", str(trixie), "/usr/bin/php8.4", str(inside / PHP_WORKLOAD.name), "split", str(WORKLOAD_S)],
+            {"python_stacks": False, "runtime_stacks": ("php",)},
+            "php_wall",
+        ),
         "Ruby 3.3 (chroot, VM found by scan)": (
             ["chroot", str(trixie), "/usr/bin/ruby3.3", str(inside / RUBY_WORKLOAD.name), str(WORKLOAD_S)],
-            {"python_stacks": False, "runtime_stacks": ("ruby",)}, "ruby_wall"),
+            {"python_stacks": False, "runtime_stacks": ("ruby",)},
+            "ruby_wall",
+        ),
         "Node 20 (running JS: stack scanned)": (
             ["/usr/bin/node", "--max-inlined-bytecode-size=0", str(NODE_WORKLOAD), "split", str(WORKLOAD_S)],
-            {"python_stacks": False, "runtime_stacks": ("node",)}, "node_cpu"),
+            {"python_stacks": False, "runtime_stacks": ("node",)},
+            "node_cpu",
+        ),
     }
 
 
 class RuntimesBench:
     def __init__(self, rounds: int, log: Callable[[str], None], keep: bool) -> None:
         self.rounds, self.log, self.keep = rounds, log, keep
-        self.our_prog_ids: set[int] = set()        # none: no BPF here
+        self.our_prog_ids: set[int] = set()  # none: no BPF here
         self.copies = os.sysconf("SC_NPROCESSORS_ONLN")
 
     def _one(self, argv: list[str], cfg: dict, profile_type: str, d: Path) -> dict:
@@ -89,12 +101,13 @@ class RuntimesBench:
         copies = [procs.start(argv) for _ in range(self.copies)]
         reader = Reader(ProfilerConfig(plain_pid=True, cpu_budget=100.0, **cfg), str(d), str(d))
         try:
-            procs.sleep_until_wall(time.time() + WARMUP_S / 3)     # past the interpreters' start-up
+            procs.sleep_until_wall(time.time() + WARMUP_S / 3)  # past the interpreters' start-up
             found = [p for p in (read_process(c.pid, False) for c in copies) if p is not None]
-            reader.targets.announce(ProcessAnnouncement(host="bench", time_ns=time.time_ns(),
-                                                        processes=tuple(found), exited=(), full=True))
+            reader.targets.announce(
+                ProcessAnnouncement(host="bench", time_ns=time.time_ns(), processes=tuple(found), exited=(), full=True)
+            )
             period = 1.0 / SAMPLE_HZ
-            for _ in range(SAMPLE_HZ):                            # detection, then the caches warm
+            for _ in range(SAMPLE_HZ):  # detection, then the caches warm
                 reader.tick(time.time_ns())
                 time.sleep(period)
             before, c0, t0 = reader.stats["stacks"], time.process_time(), time.monotonic()
@@ -111,15 +124,19 @@ class RuntimesBench:
                 procs.stop(c)
         if not stacks:
             raise BenchError(f"the runtime reader read no {profile_type} stack of {argv[0]}: {reader.targets.stats}")
-        return {"reader_cpu_share": cpu / wall, "reader_us_per_stack": 1e6 * cpu / stacks, "stacks": stacks,
-                "dropped": reader.dropped()}
+        return {
+            "reader_cpu_share": cpu / wall,
+            "reader_us_per_stack": 1e6 * cpu / stacks,
+            "stacks": stacks,
+            "dropped": reader.dropped(),
+        }
 
     def run(self) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-runtimes-"))
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
         runs: list[dict[str, dict]] = []
-        from tests import runtime_roots   # the cached Debian root the PHP and Ruby tests use
+        from tests import runtime_roots  # the cached Debian root the PHP and Ruby tests use
 
         trixie = runtime_roots.trixie()
         try:
@@ -128,20 +145,34 @@ class RuntimesBench:
                 row = {}
                 for i, (name, (argv, cfg, ptype)) in enumerate(cases.items()):
                     row[name] = self._one(argv, cfg, ptype, tmp / f"r{r}-{i}")
-                    self.log(f"runtimes round {r + 1}/{self.rounds} {name}: reader "
-                             f"{row[name]['reader_us_per_stack']:.0f} us CPU per stack, "
-                             f"{100 * row[name]['reader_cpu_share']:.2f}% of a CPU, {row[name]['stacks']} stacks")
+                    self.log(
+                        f"runtimes round {r + 1}/{self.rounds} {name}: reader "
+                        f"{row[name]['reader_us_per_stack']:.0f} us CPU per stack, "
+                        f"{100 * row[name]['reader_cpu_share']:.2f}% of a CPU, {row[name]['stacks']} stacks"
+                    )
                 runs.append(row)
         finally:
             shutil.rmtree(_inside(trixie), ignore_errors=True)
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
         names = list(runs[0]) if runs else []
-        summary = {n: {"us_per_stack": stats.summary([row[n]["reader_us_per_stack"] for row in runs]),
-                       "cpu_share": stats.summary([row[n]["reader_cpu_share"] for row in runs])} for n in names}
-        return {"workload": f"{self.copies} copies (one per CPU) per runtime", "method": __doc__,
-                "sample_hz": SAMPLE_HZ, "rounds": self.rounds, "runtimes": names, "runs": runs,
-                "summary": summary, "seconds": round(time.monotonic() - t_start, 1)}
+        summary = {
+            n: {
+                "us_per_stack": stats.summary([row[n]["reader_us_per_stack"] for row in runs]),
+                "cpu_share": stats.summary([row[n]["reader_cpu_share"] for row in runs]),
+            }
+            for n in names
+        }
+        return {
+            "workload": f"{self.copies} copies (one per CPU) per runtime",
+            "method": __doc__,
+            "sample_hz": SAMPLE_HZ,
+            "rounds": self.rounds,
+            "runtimes": names,
+            "runs": runs,
+            "summary": summary,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
@@ -149,9 +180,14 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     from bench.report import _mmm
 
     head = ["runtime", "reader µs CPU per stack", "reader share of a CPU"]
-    rows = [[n, _mmm(result["summary"][n]["us_per_stack"], "{:.0f}"),
-             _mmm(result["summary"][n]["cpu_share"], "{:.4f}")] for n in result["runtimes"]]
-    caption = (f"{result['workload']}; {result['sample_hz']} Hz; {result['rounds']} rounds; median (min–max)")
-    notes = ["µs per stack: the Reader's CPU over its ticks (pid checks, reads, labels, window adds) divided by "
-             "the stacks it read; detection and the first second of ticks excluded", f"full run: {result['seconds']} s"]
+    rows = [
+        [n, _mmm(result["summary"][n]["us_per_stack"], "{:.0f}"), _mmm(result["summary"][n]["cpu_share"], "{:.4f}")]
+        for n in result["runtimes"]
+    ]
+    caption = f"{result['workload']}; {result['sample_hz']} Hz; {result['rounds']} rounds; median (min–max)"
+    notes = [
+        "µs per stack: the Reader's CPU over its ticks (pid checks, reads, labels, window adds) divided by "
+        "the stacks it read; detection and the first second of ticks excluded",
+        f"full run: {result['seconds']} s",
+    ]
     return caption, head, rows, notes

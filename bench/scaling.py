@@ -29,20 +29,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import zmq
 
+from bench import bpf, procs, stats
+from bench.procs import BenchError
 from collector.filebroker import FileBroker
 from collector.routing import worker_for
 from shared import config as config_mod
 from shared import endpoints, privileges
 from shared.wire import StackBatch, decode, encode
-
-from bench import bpf, procs, stats
-from bench.procs import BenchError
 
 RECORD_S = 8.0
 RECORD_HZ = 999
@@ -78,14 +77,16 @@ class ScalingBench:
 
     def _workloads(self, tmp: str) -> list[subprocess.Popen]:
         loop = os.path.join(tmp, "cpu_loop")
-        subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-pthread", "-o", loop,
-                        str(WORKLOADS / "cpu_loop.c")], check=True)
+        subprocess.run(
+            ["gcc", "-O2", "-fno-omit-frame-pointer", "-pthread", "-o", loop, str(WORKLOADS / "cpu_loop.c")], check=True
+        )
         # Four copies of the loop, the hot services, named so that two go to each of
         # two workers: the figure is then the workers' capacity, not the luck of
         # the hash (one worker per service: a skewed mix cannot scale).
         names = [f"{loop}_{i}" for i in range(64)]
-        picked = [n for n in names if worker_for(n, [0, 1]) == 0][:2] + \
-                 [n for n in names if worker_for(n, [0, 1]) == 1][:2]
+        picked = [n for n in names if worker_for(n, [0, 1]) == 0][:2] + [
+            n for n in names if worker_for(n, [0, 1]) == 1
+        ][:2]
         loops = []
         for copy in picked:
             shutil.copy(loop, copy)
@@ -103,14 +104,21 @@ class ScalingBench:
             pull.bind(endpoints.symbolizer(str(run_dir), 0))
         finally:
             os.umask(old)
-        collector = procs.start([sys.executable, "-m", "collector.main", "--config", str(cfg),
-                                 "--run-dir", str(run_dir)], stderr=open(tmp / "record-collector.log", "w"))
+        collector = procs.start(
+            [sys.executable, "-m", "collector.main", "--config", str(cfg), "--run-dir", str(run_dir)],
+            stderr=open(tmp / "record-collector.log", "w"),  # noqa: SIM115
+        )
         batches: list[StackBatch] = []
         try:
-            procs.wait_for("the recording collector", lambda: collector.poll() is not None or os.path.exists(
-                endpoints.ready_file(str(run_dir), "collector")), READY_TIMEOUT_S)
+            procs.wait_for(
+                "the recording collector",
+                lambda: collector.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
+                READY_TIMEOUT_S,
+            )
             if collector.poll() is not None:
-                raise BenchError(f"the recording collector exited: {(tmp / 'record-collector.log').read_text()[-2000:]}")
+                raise BenchError(
+                    f"the recording collector exited: {(tmp / 'record-collector.log').read_text()[-2000:]}"
+                )
             self.our_prog_ids |= bpf.held_by(collector.pid)[0]
             deadline = time.monotonic() + RECORD_S
             while time.monotonic() < deadline:
@@ -144,37 +152,72 @@ class ScalingBench:
             for w in live:
                 samples = tuple(s for s in b.samples if owner.get(s.pid) == w)
                 if samples:
-                    part = replace(b, samples=samples,
-                                   processes=tuple(p for p in b.processes if owner.get(p.pid) == w))
+                    part = replace(b, samples=samples, processes=tuple(p for p in b.processes if owner.get(p.pid) == w))
                     out.append((w, encode(part)))
         return out
 
     def _replay(self, tmp: Path, stream: list[tuple[int, list[bytes]]], workers: int, samples: int) -> dict:
         run_dir, state = tmp / "run", tmp / "state"
         _prepare_run_dir(run_dir)
-        for d, owner in ((state, None), (state / "symbolizer", "symbolizer"), (state / "uploader", "uploader"),
-                         (tmp / "profiles", "uploader")):
+        for d, owner in (
+            (state, None),
+            (state / "symbolizer", "symbolizer"),
+            (state / "uploader", "uploader"),
+            (tmp / "profiles", "uploader"),
+        ):
             d.mkdir(parents=True, exist_ok=True)
             os.chown(d, privileges.ids(owner)[0] if owner else 0, privileges.ids("uploader")[1])
             os.chmod(d, 0o750 if owner is None or owner == "uploader" else 0o700)
-        cfg = _config(tmp / "replay.yaml", symbolizer_workers=workers, upload_interval_s=3600,
-                      local_dir=str(tmp / "profiles"))
+        cfg = _config(
+            tmp / "replay.yaml", symbolizer_workers=workers, upload_interval_s=3600, local_dir=str(tmp / "profiles")
+        )
         old = os.umask(0o007)
         try:
             broker = FileBroker(str(run_dir), allowed_uids={privileges.ids("symbolizer")[0]})
         finally:
             os.umask(old)
-        stages = [procs.start([sys.executable, "-m", "uploader.main", "--config", str(cfg),
-                               "--run-dir", str(run_dir), "--state-dir", str(state / "uploader")])]
-        stages += [procs.start([sys.executable, "-m", "symbolizer.main", "--config", str(cfg),
-                                "--run-dir", str(run_dir), "--state-dir", str(state / "symbolizer"),
-                                "--worker", str(w)]) for w in range(workers)]
+        stages = [
+            procs.start(
+                [
+                    sys.executable,
+                    "-m",
+                    "uploader.main",
+                    "--config",
+                    str(cfg),
+                    "--run-dir",
+                    str(run_dir),
+                    "--state-dir",
+                    str(state / "uploader"),
+                ]
+            )
+        ]
+        stages += [
+            procs.start(
+                [
+                    sys.executable,
+                    "-m",
+                    "symbolizer.main",
+                    "--config",
+                    str(cfg),
+                    "--run-dir",
+                    str(run_dir),
+                    "--state-dir",
+                    str(state / "symbolizer"),
+                    "--worker",
+                    str(w),
+                ]
+            )
+            for w in range(workers)
+        ]
         ctx = zmq.Context()
         socks = []
         try:
             names = ["uploader"] + [f"symbolizer-{w}" for w in range(workers)]
-            procs.wait_for("the replay stages", lambda: all(
-                os.path.exists(endpoints.ready_file(str(run_dir), n)) for n in names), READY_TIMEOUT_S)
+            procs.wait_for(
+                "the replay stages",
+                lambda: all(os.path.exists(endpoints.ready_file(str(run_dir), n)) for n in names),
+                READY_TIMEOUT_S,
+            )
             for w in range(workers):
                 s = ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.SNDHWM, 16)
@@ -184,14 +227,14 @@ class ScalingBench:
             t0 = time.monotonic()
             for _ in range(REPEAT):
                 for w, frames in stream:
-                    socks[w].send_multipart(frames)    # blocks while the worker's queue is full
+                    socks[w].send_multipart(frames)  # blocks while the worker's queue is full
             for s in socks:
-                s.close(linger=-1)                     # every batch handed over
+                s.close(linger=-1)  # every batch handed over
             socks = []
             cpu1 = [procs.cpu_seconds(p.pid) for p in stages[1:]]
             for p in stages[1:]:
-                p.send_signal(signal.SIGTERM)          # all at once: each drains its queue,
-            for p in stages[1:]:                       # closes its windows and exits
+                p.send_signal(signal.SIGTERM)  # all at once: each drains its queue,
+            for p in stages[1:]:  # closes its windows and exits
                 procs.stop(p)
             elapsed = time.monotonic() - t0
         finally:
@@ -202,9 +245,13 @@ class ScalingBench:
                 procs.stop(p)
             broker.close()
         total = samples * REPEAT
-        return {"workers": workers, "samples": total, "seconds": round(elapsed, 3),
-                "samples_per_s": round(total / elapsed, 1),
-                "worker_cpu_s": [round(b - a, 3) for a, b in zip(cpu0, cpu1)]}
+        return {
+            "workers": workers,
+            "samples": total,
+            "seconds": round(elapsed, 3),
+            "samples_per_s": round(total / elapsed, 1),
+            "worker_cpu_s": [round(b - a, 3) for a, b in zip(cpu0, cpu1)],
+        }
 
     def run(self) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-scaling-"))
@@ -217,20 +264,27 @@ class ScalingBench:
             build_dir.chmod(0o755)
             loads = self._workloads(str(build_dir))
             batches = self._record(tmp)
-            for p in loads:   # alive, so their files can be opened, but not competing for CPU
+            for p in loads:  # alive, so their files can be opened, but not competing for CPU
                 os.kill(p.pid, signal.SIGSTOP)
             services = {os.path.realpath(p.args[0]) for p in loads}
-            samples = sum(s.count for b in batches for s in b.samples
-                          if next((p.service for p in b.processes if p.pid == s.pid), "") in services)
-            self.log(f"scaling: recorded {len(batches)} batches, {samples} samples, "
-                     f"{len({p.service for b in batches for p in b.processes})} services")
+            samples = sum(
+                s.count
+                for b in batches
+                for s in b.samples
+                if next((p.service for p in b.processes if p.pid == s.pid), "") in services
+            )
+            self.log(
+                f"scaling: recorded {len(batches)} batches, {samples} samples, "
+                f"{len({p.service for b in batches for p in b.processes})} services"
+            )
             streams = {n: self._split(batches, n, services) for n in (1, 2)}
             runs = []
             for r in range(self.rounds):
                 for n in (1, 2):
                     res = self._replay(tmp / f"r{r}-w{n}", streams[n], n, samples)
-                    self.log(f"scaling round {r + 1}/{self.rounds}, {n} worker(s): "
-                             f"{res['samples_per_s']:,.0f} samples/s")
+                    self.log(
+                        f"scaling round {r + 1}/{self.rounds}, {n} worker(s): {res['samples_per_s']:,.0f} samples/s"
+                    )
                     runs.append(res)
         finally:
             for p in loads:
@@ -239,9 +293,20 @@ class ScalingBench:
                 shutil.rmtree(tmp, ignore_errors=True)
         one = [r["samples_per_s"] for r in runs if r["workers"] == 1]
         two = [r["samples_per_s"] for r in runs if r["workers"] == 2]
-        return {"recorded": {"batches": len(batches), "samples": samples, "seconds": RECORD_S,
-                             "sample_hz": RECORD_HZ, "repeat": REPEAT},
-                "rounds": self.rounds, "runs": runs,
-                "summary": {"1 worker": stats.summary(one), "2 workers": stats.summary(two),
-                            "speedup": stats.summary([b / a for a, b in zip(one, two)])},
-                "seconds": round(time.monotonic() - t_start, 1)}
+        return {
+            "recorded": {
+                "batches": len(batches),
+                "samples": samples,
+                "seconds": RECORD_S,
+                "sample_hz": RECORD_HZ,
+                "repeat": REPEAT,
+            },
+            "rounds": self.rounds,
+            "runs": runs,
+            "summary": {
+                "1 worker": stats.summary(one),
+                "2 workers": stats.summary(two),
+                "speedup": stats.summary([b / a for a, b in zip(one, two)]),
+            },
+            "seconds": round(time.monotonic() - t_start, 1),
+        }

@@ -29,6 +29,7 @@ Writes bench/results/startup.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -36,9 +37,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -99,14 +101,13 @@ def drop_caches() -> None:
 
 
 class StartupBench:
-    def __init__(self, rounds: int, quiet_wait: float, log: Callable[[str], None] = print,
-                 keep: bool = False) -> None:
+    def __init__(self, rounds: int, quiet_wait: float, log: Callable[[str], None] = print, keep: bool = False) -> None:
         self.rounds, self.quiet_wait, self.log, self.keep = rounds, quiet_wait, log, keep
         self.our_prog_ids: set[int] = set()
 
     def run(self) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-startup-", dir="/tmp"))
-        tmp.chmod(0o755)      # the stages run as their own users and must enter it
+        tmp.chmod(0o755)  # the stages run as their own users and must enter it
         runs: list[dict[str, Any]] = []
         ended_early = ""
         try:
@@ -119,8 +120,9 @@ class StartupBench:
                             if r == 0:
                                 raise
                             # a shared host busy for good: the whole rounds measured so far stand
-                            ended_early = (f"ended after {r} of {self.rounds} rounds: "
-                                           f"{str(e).removesuffix('; nothing measured')}")
+                            ended_early = (
+                                f"ended after {r} of {self.rounds} rounds: {str(e).removesuffix('; nothing measured')}"
+                            )
                             runs = [x for x in runs if x["round"] <= r]
                             self.log(ended_early)
                             raise _EndedEarly() from None
@@ -132,9 +134,11 @@ class StartupBench:
                         got = (self._run if command == "run" else self._record)(work)
                         got.update({"round": r + 1, "command": command, "start": temp, "quiet_wait_s": waited})
                         runs.append(got)
-                        self.log(f"startup round {r + 1} {command} {temp}: collector ready {got['ready']:.1f} s, "
-                                 f"first sample {got.get('first_sample', float('nan')):.1f} s "
-                                 f"(compile and load {got.get('step_s', float('nan')):.1f} s)")
+                        self.log(
+                            f"startup round {r + 1} {command} {temp}: collector ready {got['ready']:.1f} s, "
+                            f"first sample {got.get('first_sample', float('nan')):.1f} s "
+                            f"(compile and load {got.get('step_s', float('nan')):.1f} s)"
+                        )
         except _EndedEarly:
             pass
         finally:
@@ -142,8 +146,13 @@ class StartupBench:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 self.log(f"kept {tmp}")
-        return {"runs": runs, "summary": summarize(runs), "record_s": RECORD_S, "ended_early": ended_early,
-                "config": "deploy/agent.yaml (run); record -d %g --offcpu" % RECORD_S}
+        return {
+            "runs": runs,
+            "summary": summarize(runs),
+            "record_s": RECORD_S,
+            "ended_early": ended_early,
+            "config": f"deploy/agent.yaml (run); record -d {RECORD_S:g} --offcpu",
+        }
 
     def _run(self, work: Path) -> dict[str, Any]:
         cfg = yaml.safe_load((ROOT / "deploy" / "agent.yaml").read_text())
@@ -156,8 +165,21 @@ class StartupBench:
         with open(log_path, "wb") as logf:
             t0 = time.time()
             m0 = time.monotonic()
-            p = procs.start([EBPFPROFILER, "run", "--config", str(config), "--run-dir", str(run_dir),
-                             "--state-dir", str(work / "state")], stdout=logf, stderr=logf, env=_debug_env())
+            p = procs.start(
+                [
+                    EBPFPROFILER,
+                    "run",
+                    "--config",
+                    str(config),
+                    "--run-dir",
+                    str(run_dir),
+                    "--state-dir",
+                    str(work / "state"),
+                ],
+                stdout=logf,
+                stderr=logf,
+                env=_debug_env(),
+            )
         try:
             return self._measure(p, t0, m0, run_dir, lambda: log_path)
         finally:
@@ -170,8 +192,13 @@ class StartupBench:
         with open(out_path, "wb") as out:
             t0 = time.time()
             m0 = time.monotonic()
-            p = procs.start([EBPFPROFILER, "record", "-d", f"{RECORD_S:g}", "--offcpu", "-o",
-                             str(work / "out.folded")], stdout=out, stderr=out, env=_debug_env(), cwd=str(work))
+            p = procs.start(
+                [EBPFPROFILER, "record", "-d", f"{RECORD_S:g}", "--offcpu", "-o", str(work / "out.folded")],
+                stdout=out,
+                stderr=out,
+                env=_debug_env(),
+                cwd=str(work),
+            )
         measured = False
         try:
             # record's agent runs in its workspace, /tmp/ebpfprofiler-record-*, whose owner file names record
@@ -179,12 +206,10 @@ class StartupBench:
             got = self._measure(p, t0, m0, str(ws / "run"), lambda: ws / "run.log", keep_log=work / "agent.log")
             measured = True
         finally:
-            if measured:      # it ends by itself, and writes -o
-                try:
+            if measured:  # it ends by itself, and writes -o
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(RECORD_S + STOP_DEADLINE_S)
-                except subprocess.TimeoutExpired:
-                    pass
-            code = procs.stop(p, sig=signal.SIGINT, timeout=STOP_DEADLINE_S)   # (as Ctrl-C does)
+            code = procs.stop(p, sig=signal.SIGINT, timeout=STOP_DEADLINE_S)  # (as Ctrl-C does)
         if code != 0:
             raise BenchError(f"`ebpfprofiler record` exited with {code}; see {out_path}")
         said = re.search(r"the profiler started in ([\d.]+) s", out_path.read_text(errors="replace"))
@@ -192,14 +217,22 @@ class StartupBench:
             got["record_says_started_s"] = float(said.group(1))
         return got
 
-    def _measure(self, p: subprocess.Popen, t0: float, m0: float, run_dir: Path | str,
-                 log_path: Callable[[], Path], keep_log: Path | None = None) -> dict[str, Any]:
+    def _measure(
+        self,
+        p: subprocess.Popen,
+        t0: float,
+        m0: float,
+        run_dir: Path | str,
+        log_path: Callable[[], Path],
+        keep_log: Path | None = None,
+    ) -> dict[str, Any]:
         ready_file = endpoints.ready_file(str(run_dir), "collector")
 
         def ready() -> bool:
             if p.poll() is not None:
                 raise BenchError(f"{p.args[1]} exited with {p.returncode} while starting")
             return os.path.exists(ready_file)
+
         procs.wait_for("the collector's ready file", ready, START_DEADLINE_S, POLL_S)
         got: dict[str, Any] = {"ready": time.monotonic() - m0}
         try:
@@ -209,14 +242,16 @@ class StartupBench:
             pass
         busy = procs.start(BUSY)
         try:
+
             def first_sample() -> dict[str, float] | None:
                 if p.poll() is not None:
                     raise BenchError(f"{p.args[1]} exited with {p.returncode} before its first sample")
                 text = log_path().read_text(errors="replace")
                 if keep_log is not None:
-                    keep_log.write_text(text)    # record removes its workspace, log and all, when it ends
+                    keep_log.write_text(text)  # record removes its workspace, log and all, when it ends
                 seen = parse_log(text, t0)
                 return seen if "first_sample" in seen and "step_done" in seen else None
+
             got.update(procs.wait_for("the first sample drained", first_sample, FIRST_SAMPLE_DEADLINE_S, 0.1))
         finally:
             procs.stop(busy, sig=signal.SIGKILL, timeout=10)
@@ -242,23 +277,32 @@ def _workspace_of(pid: int) -> Path | None:
 
 
 # The figures of a run, in the order of the table: (key, label).
-FIGURES = (("ready", "start → collector ready"), ("first_sample", "start → first sample drained"),
-           ("first_stage_started", "run's start and the collector's preflight"),
-           ("other_stages", "uploader, symbolizer, runtime reader"),
-           ("collector_before_step", "collector: imports, privilege drop, checks"),
-           ("step_s", "collector: compiling and loading BPF programs"),
-           ("after_step", "collector: after the step, until ready"))
+FIGURES = (
+    ("ready", "start → collector ready"),
+    ("first_sample", "start → first sample drained"),
+    ("first_stage_started", "run's start and the collector's preflight"),
+    ("other_stages", "uploader, symbolizer, runtime reader"),
+    ("collector_before_step", "collector: imports, privilege drop, checks"),
+    ("step_s", "collector: compiling and loading BPF programs"),
+    ("after_step", "collector: after the step, until ready"),
+)
 
 
 def figures(run: dict[str, Any]) -> dict[str, float | None]:
     """The table's figures of one run (the spans between the moments the log names)."""
+
     def span(a: str, b: str) -> float | None:
         return run[b] - run[a] if a in run and b in run else None
-    return {"ready": run["ready"], "first_sample": run.get("first_sample"),
-            "first_stage_started": run.get("first_stage_started"),
-            "other_stages": span("first_stage_started", "collector_started"),
-            "collector_before_step": span("collector_started", "step_started"),
-            "step_s": run.get("step_s"), "after_step": span("step_done", "ready")}
+
+    return {
+        "ready": run["ready"],
+        "first_sample": run.get("first_sample"),
+        "first_stage_started": run.get("first_stage_started"),
+        "other_stages": span("first_stage_started", "collector_started"),
+        "collector_before_step": span("collector_started", "step_started"),
+        "step_s": run.get("step_s"),
+        "after_step": span("step_done", "ready"),
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -273,14 +317,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the start-up table."""
     cols = [c for c in result["summary"] if result["summary"][c]["ready"]["n"]]
-    head = ["seconds"] + cols
+    head = ["seconds", *cols]
     rows = [[label] + [_mmm(result["summary"][c][key], "{:.1f}") for c in cols] for key, label in FIGURES]
     n = max((result["summary"][c]["ready"]["n"] for c in cols), default=0)
-    caption = (f"from the command's start, median (min–max) of {n} round(s); run: deploy/agent.yaml as shipped; "
-               f"record: -d {result['record_s']:g} --offcpu; cold: after dropping the page cache")
-    notes = ["first sample drained: the collector's first drain that took a sample (a CPU loop runs from ready)",
-             "the rows below the first two split the time to ready, from the agent's log; the compile-and-load "
-             "step is bcc's compile and the kernel's verifier (docs/architecture.md, Start-up)"]
+    caption = (
+        f"from the command's start, median (min–max) of {n} round(s); run: deploy/agent.yaml as shipped; "
+        f"record: -d {result['record_s']:g} --offcpu; cold: after dropping the page cache"
+    )
+    notes = [
+        "first sample drained: the collector's first drain that took a sample (a CPU loop runs from ready)",
+        "the rows below the first two split the time to ready, from the agent's log; the compile-and-load "
+        "step is bcc's compile and the kernel's verifier (docs/architecture.md, Start-up)",
+    ]
     if result.get("ended_early"):
         notes.append(result["ended_early"])
     return caption, head, rows, notes

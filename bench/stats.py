@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def summary(values: Sequence[float]) -> dict:
@@ -11,5 +11,9 @@ def summary(values: Sequence[float]) -> dict:
     vals = [float(v) for v in values if v is not None]
     if not vals:
         return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": round(statistics.median(vals), 6), "min": round(min(vals), 6),
-            "max": round(max(vals), 6), "n": len(vals)}
+    return {
+        "median": round(statistics.median(vals), 6),
+        "min": round(min(vals), 6),
+        "max": round(max(vals), 6),
+        "n": len(vals),
+    }

@@ -19,13 +19,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from symbolizer import cfi
 from elftools.dwarf.callframe import FDE
 from elftools.elf.elffile import ELFFile
 
 from bench import stats
 from bench.procs import BenchError
 from bench.report import _mmm
+from symbolizer import cfi
 
 MODULES = (
     ("libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", 1.0),
@@ -49,7 +49,7 @@ print(json.dumps({"rss_before_kb": before, "rss_after_kb": hwm()}))
 
 
 class TablesBench:
-    our_prog_ids: frozenset[int] = frozenset()   # loads no BPF
+    our_prog_ids: frozenset[int] = frozenset()  # loads no BPF
 
     def __init__(self, rounds: int, log: Callable[[str], None]) -> None:
         self.rounds = rounds
@@ -66,8 +66,12 @@ class TablesBench:
             modules.append(self._module(name, real, target))
         self.log("tables: pyelftools decoding libc's CFI (the peer)")
         peer = self._peer(os.path.realpath(PEER_MODULE))
-        return {"rounds": self.rounds, "modules": modules, "peer": peer,
-                "seconds": round(time.monotonic() - started, 1)}
+        return {
+            "rounds": self.rounds,
+            "modules": modules,
+            "peer": peer,
+            "seconds": round(time.monotonic() - started, 1),
+        }
 
     def _module(self, name: str, path: str, target: float | None) -> dict:
         cpu, wall = [], []
@@ -79,16 +83,24 @@ class TablesBench:
                 cpu.append(time.process_time() - c0)
                 wall.append(time.perf_counter() - w0)
         assert built is not None
-        probe = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, path], check=False, capture_output=True,
-                               text=True, timeout=300)
+        probe = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, path], check=False, capture_output=True, text=True, timeout=300
+        )
         if probe.returncode:
             raise BenchError(f"memory probe of {name} failed: {probe.stderr.strip()[-500:]}")
         mem = json.loads(probe.stdout)
         cpu_s = stats.summary(cpu)
-        return {"name": name, "path": path, "file_bytes": os.path.getsize(path), **cfi.describe(built),
-                "cpu_s": cpu_s, "wall_s": stats.summary(wall), "target_s": target,
-                "meets_target": None if target is None else cpu_s["median"] <= target,
-                "peak_rss_added_mb": round((mem["rss_after_kb"] - mem["rss_before_kb"]) / 1024, 1)}
+        return {
+            "name": name,
+            "path": path,
+            "file_bytes": os.path.getsize(path),
+            **cfi.describe(built),
+            "cpu_s": cpu_s,
+            "wall_s": stats.summary(wall),
+            "target_s": target,
+            "meets_target": None if target is None else cpu_s["median"] <= target,
+            "peak_rss_added_mb": round((mem["rss_after_kb"] - mem["rss_before_kb"]) / 1024, 1),
+        }
 
     def _peer(self, path: str) -> dict:
         cpu, wall = [], []
@@ -108,31 +120,74 @@ class TablesBench:
                             first_error = first_error or f"{type(e).__name__}: {e}"[:200]
                 cpu.append(time.process_time() - c0)
                 wall.append(time.perf_counter() - w0)
-        return {"name": "pyelftools CFI decode (libc)", "path": path, "fdes": fdes, "fdes_raising": errors,
-                "first_error": first_error, "cpu_s": stats.summary(cpu), "wall_s": stats.summary(wall)}
+        return {
+            "name": "pyelftools CFI decode (libc)",
+            "path": path,
+            "fdes": fdes,
+            "fdes_raising": errors,
+            "first_error": first_error,
+            "cpu_s": stats.summary(cpu),
+            "wall_s": stats.summary(wall),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the table build figures."""
-    head = ["module", "file MB", "FDEs", "rows", "table KB", "FALLBACK FDEs", "build CPU s", "build wall s",
-            "target", "peak RSS added MB"]
+    head = [
+        "module",
+        "file MB",
+        "FDEs",
+        "rows",
+        "table KB",
+        "FALLBACK FDEs",
+        "build CPU s",
+        "build wall s",
+        "target",
+        "peak RSS added MB",
+    ]
     rows = []
     for m in result["modules"]:
-        target = "" if m["target_s"] is None else f"≤ {m['target_s']:g} s " + ("met" if m["meets_target"] else
-                                                                              "MISSED")
-        rows.append([m["name"], f"{m['file_bytes'] / 1e6:.1f}", f"{m['fdes']:,}", f"{m['rows']:,}",
-                     f"{m['bytes'] / 1024:,.0f}", str(m["fallback_fdes"]), _mmm(m["cpu_s"]), _mmm(m["wall_s"]),
-                     target, f"{m['peak_rss_added_mb']:.1f}"])
+        target = "" if m["target_s"] is None else f"≤ {m['target_s']:g} s " + ("met" if m["meets_target"] else "MISSED")
+        rows.append(
+            [
+                m["name"],
+                f"{m['file_bytes'] / 1e6:.1f}",
+                f"{m['fdes']:,}",
+                f"{m['rows']:,}",
+                f"{m['bytes'] / 1024:,.0f}",
+                str(m["fallback_fdes"]),
+                _mmm(m["cpu_s"]),
+                _mmm(m["wall_s"]),
+                target,
+                f"{m['peak_rss_added_mb']:.1f}",
+            ]
+        )
     p = result["peer"]
-    rows.append([p["name"], "", f"{p['fdes']:,}", "", "", f"{p['fdes_raising']} raise", _mmm(p["cpu_s"]),
-                 _mmm(p["wall_s"]), "", ""])
+    rows.append(
+        [
+            p["name"],
+            "",
+            f"{p['fdes']:,}",
+            "",
+            "",
+            f"{p['fdes_raising']} raise",
+            _mmm(p["cpu_s"]),
+            _mmm(p["wall_s"]),
+            "",
+            "",
+        ]
+    )
     libc = next(m for m in result["modules"] if m["name"] == "libc.so.6")
-    caption = (f"unwind tables built by symbolizer/cfi.py, {result['rounds']} in-process builds per module, "
-               f"median (min–max); the peer decodes the same libc in the same run")
-    notes = [f"pyelftools / ours on libc, CPU: {p['cpu_s']['median'] / libc['cpu_s']['median']:.0f}x"
-             if libc["cpu_s"]["median"] else "",
-             f"pyelftools' first error on libc: {p['first_error'] or 'none'}",
-             "peak RSS added: VmHWM of a fresh Python process after one build minus before it (imports done)",
-             f"full run: {result['seconds']} s"]
+    caption = (
+        f"unwind tables built by symbolizer/cfi.py, {result['rounds']} in-process builds per module, "
+        f"median (min–max); the peer decodes the same libc in the same run"
+    )
+    notes = [
+        f"pyelftools / ours on libc, CPU: {p['cpu_s']['median'] / libc['cpu_s']['median']:.0f}x"
+        if libc["cpu_s"]["median"]
+        else "",
+        f"pyelftools' first error on libc: {p['first_error'] or 'none'}",
+        "peak RSS added: VmHWM of a fresh Python process after one build minus before it (imports done)",
+        f"full run: {result['seconds']} s",
+    ]
     return caption, head, rows, [n for n in notes if n]
-

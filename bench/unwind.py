@@ -26,11 +26,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared import pprof
-
 from bench import bpf, procs, stats
 from bench.pipeline import PROGRAM_NAME, Pipeline
 from bench.procs import BenchError
+from shared import pprof
 
 WORKLOAD = Path(__file__).parent / "workloads" / "deep.c"
 PINGPONG = Path(__file__).parent / "workloads" / "pingpong.c"
@@ -39,7 +38,7 @@ LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 DEPTHS = (20, 64)
 MEASURE_S = 4.0
 # Units of deep.c that run for hours: the BPF measurement stops it by pid.
-FOREVER_UNITS = 10 ** 9
+FOREVER_UNITS = 10**9
 STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
 TABLES_TIMEOUT_S = 60.0
 SLOWDOWN_DEPTH = 20
@@ -47,8 +46,10 @@ SLOWDOWN_DEPTH = 20
 
 def build(tmpdir: str) -> dict[str, str]:
     out = {}
-    for name, flags in (("fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]),
-                        ("dwarf", ["-fomit-frame-pointer"])):
+    for name, flags in (
+        ("fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]),
+        ("dwarf", ["-fomit-frame-pointer"]),
+    ):
         binary = os.path.join(tmpdir, f"deep-{name}")
         subprocess.run(["gcc", "-O2", *flags, "-o", binary, str(WORKLOAD), "-lpthread"], check=True)
         out[name] = binary
@@ -69,10 +70,13 @@ def prog_stats(prog_ids: set[int], name: str = PROGRAM_NAME) -> tuple[int, int]:
 def wait_for_tables(p: Pipeline, *paths: str) -> None:
     """Until the collector loaded the tables of `paths`, and one more drain wrote the process entries."""
     for path in paths:
-        procs.wait_for(f"the unwind table of {os.path.basename(path)} in the collector",
-                       lambda: f"unwind table loaded for {path}" in p.log_path.read_text(errors="replace"),
-                       TABLES_TIMEOUT_S, 0.1)
-    time.sleep(2.0)    # the next drains write the processes' unwind_procs entries
+        procs.wait_for(
+            f"the unwind table of {os.path.basename(path)} in the collector",
+            lambda: f"unwind table loaded for {path}" in p.log_path.read_text(errors="replace"),
+            TABLES_TIMEOUT_S,
+            0.1,
+        )
+    time.sleep(2.0)  # the next drains write the processes' unwind_procs entries
 
 
 def whole_share(p: Pipeline, binary: str, depth: int) -> float:
@@ -116,13 +120,17 @@ class UnwindBench:
             p.stop()
         if c1 <= c0:
             raise BenchError(f"{mode} {depth}: {PROGRAM_NAME} did not run")
-        return {"ns_per_sample": (t1 - t0) / (c1 - c0), "samples": c1 - c0,
-                "whole_share": whole_share(p, binary, depth)}
+        return {
+            "ns_per_sample": (t1 - t0) / (c1 - c0),
+            "samples": c1 - c0,
+            "whole_share": whole_share(p, binary, depth),
+        }
 
     def _switch_ns(self, mode: str, binary: str, d: Path) -> dict:
         """BPF ns per sched_switch with off-CPU stacks by frame pointers or by DWARF tables (offcpu_dwarf)."""
-        p = Pipeline(d, 19, upload_interval_s=5, workers=1, offcpu=True, dwarf_unwind=True,
-                     offcpu_dwarf=(mode == "dwarf"))
+        p = Pipeline(
+            d, 19, upload_interval_s=5, workers=1, offcpu=True, dwarf_unwind=True, offcpu_dwarf=(mode == "dwarf")
+        )
         w = None
         try:
             p.start()
@@ -140,8 +148,13 @@ class UnwindBench:
         return {"ns_per_switch": (t1 - t0) / max(c1 - c0, 1), "switches": c1 - c0}
 
     def _elapsed(self, binary: str, units: int) -> float:
-        out = subprocess.run([binary, str(SLOWDOWN_DEPTH), str(units), str(self.ncpu)], capture_output=True,
-                             text=True, timeout=600, check=True).stdout
+        out = subprocess.run(
+            [binary, str(SLOWDOWN_DEPTH), str(units), str(self.ncpu)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
         return float(out.split("=")[1])
 
     def run(self) -> dict:
@@ -158,14 +171,20 @@ class UnwindBench:
                 for depth in DEPTHS:
                     for mode in ("fp", "dwarf"):
                         key = f"{mode} {depth}"
-                        row[key] = self._bpf_ns(mode, binaries[mode], depth, Path(tmp) / f"b{r}-{key.replace(' ', '-')}")
-                        self.log(f"unwind round {r + 1}/{self.rounds} {key} frames: "
-                                 f"{row[key]['ns_per_sample']:.0f} ns per sample ({row[key]['samples']} samples)")
+                        row[key] = self._bpf_ns(
+                            mode, binaries[mode], depth, Path(tmp) / f"b{r}-{key.replace(' ', '-')}"
+                        )
+                        self.log(
+                            f"unwind round {r + 1}/{self.rounds} {key} frames: "
+                            f"{row[key]['ns_per_sample']:.0f} ns per sample ({row[key]['samples']} samples)"
+                        )
                 for mode in ("fp", "dwarf"):
                     key = f"offcpu {mode}"
                     row[key] = self._switch_ns(mode, binaries["pingpong"], Path(tmp) / f"o{r}-{mode}")
-                    self.log(f"unwind round {r + 1}/{self.rounds} {key}: {row[key]['ns_per_switch']:.0f} ns per "
-                             f"sched_switch ({row[key]['switches']} switches)")
+                    self.log(
+                        f"unwind round {r + 1}/{self.rounds} {key}: {row[key]['ns_per_switch']:.0f} ns per "
+                        f"sched_switch ({row[key]['switches']} switches)"
+                    )
                 bpf_runs.append(row)
             # Slowdown: a fixed amount of work, about 4 s alone.
             units = max(1000, int(4000 * 4.0 / max(self._elapsed(binaries["dwarf"], 4000), 1e-3)))
@@ -178,8 +197,9 @@ class UnwindBench:
                         row2[cfg] = self._elapsed(binaries["dwarf"], units)
                     else:
                         hz = int(cfg.split()[1])
-                        p = Pipeline(Path(tmp) / f"s{r}-{i}", hz, upload_interval_s=5, workers=1, offcpu=False,
-                                     dwarf_unwind=True)
+                        p = Pipeline(
+                            Path(tmp) / f"s{r}-{i}", hz, upload_interval_s=5, workers=1, offcpu=False, dwarf_unwind=True
+                        )
                         try:
                             p.start()
                             self.our_prog_ids |= p.prog_ids
@@ -195,15 +215,27 @@ class UnwindBench:
         on = [k for k in bpf_runs[0] if not k.startswith("offcpu")]
         summary = {key: stats.summary([row[key]["ns_per_sample"] for row in bpf_runs]) for key in on}
         whole = {key: stats.summary([row[key]["whole_share"] for row in bpf_runs]) for key in on}
-        switch = {key: stats.summary([row[key]["ns_per_switch"] for row in bpf_runs])
-                  for key in bpf_runs[0] if key.startswith("offcpu")}
-        slowdown = {cfg: stats.summary([row[cfg] / row["none"] for row in slow_runs])
-                    for cfg in slow_runs[0] if cfg != "none"}
-        return {"workload": f"bench/workloads/deep.c: one thread per CPU in a stack of {DEPTHS} frames",
-                "method": __doc__, "rounds": self.rounds, "bpf_runs": bpf_runs, "slow_runs": slow_runs,
-                "bpf_ns_per_sample": summary, "whole_stack_share": whole,
-                "bpf_ns_per_sched_switch": switch, "slowdown": slowdown, "units": units,
-                "seconds": round(time.monotonic() - t_start, 1)}
+        switch = {
+            key: stats.summary([row[key]["ns_per_switch"] for row in bpf_runs])
+            for key in bpf_runs[0]
+            if key.startswith("offcpu")
+        }
+        slowdown = {
+            cfg: stats.summary([row[cfg] / row["none"] for row in slow_runs]) for cfg in slow_runs[0] if cfg != "none"
+        }
+        return {
+            "workload": f"bench/workloads/deep.c: one thread per CPU in a stack of {DEPTHS} frames",
+            "method": __doc__,
+            "rounds": self.rounds,
+            "bpf_runs": bpf_runs,
+            "slow_runs": slow_runs,
+            "bpf_ns_per_sample": summary,
+            "whole_stack_share": whole,
+            "bpf_ns_per_sched_switch": switch,
+            "slowdown": slowdown,
+            "units": units,
+            "seconds": round(time.monotonic() - t_start, 1),
+        }
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
@@ -214,19 +246,34 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     rows = []
     for key, s in result["bpf_ns_per_sample"].items():
         mode, depth = key.split()
-        rows.append(["BPF ns per sample (on_cpu_sample and its tail calls)",
-                     f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames", _mmm(s, "{:,.0f}")])
+        rows.append(
+            [
+                "BPF ns per sample (on_cpu_sample and its tail calls)",
+                f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames",
+                _mmm(s, "{:,.0f}"),
+            ]
+        )
     for key, s in result.get("whole_stack_share", {}).items():
         mode, depth = key.split()
-        rows.append(["share of samples with all their frames (whole profile)",
-                     f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames", _mmm(s, "{:.3f}")])
+        rows.append(
+            [
+                "share of samples with all their frames (whole profile)",
+                f"{'frame pointers' if mode == 'fp' else 'DWARF tables'}, {depth} frames",
+                _mmm(s, "{:.3f}"),
+            ]
+        )
     for key, s in result.get("bpf_ns_per_sched_switch", {}).items():
-        rows.append(["BPF ns per sched_switch (pingpong without frame pointers, pinned to CPU 0)",
-                     "off-CPU stacks by frame pointers" if key.endswith("fp") else "offcpu_dwarf: DWARF tables",
-                     _mmm(s, "{:,.0f}")])
+        rows.append(
+            [
+                "BPF ns per sched_switch (pingpong without frame pointers, pinned to CPU 0)",
+                "off-CPU stacks by frame pointers" if key.endswith("fp") else "offcpu_dwarf: DWARF tables",
+                _mmm(s, "{:,.0f}"),
+            ]
+        )
     for cfg, s in result["slowdown"].items():
-        rows.append(["slowdown: elapsed / elapsed alone (> 1: slower)", cfg.replace("pipeline", "pipeline,"),
-                     _mmm(s)])
-    caption = (f"{result['workload']}; {result['rounds']} rounds, configurations in turn; kernel BPF "
-               "statistics (kernel.bpf_stats_enabled) over 4 s with one copy of the workload per CPU")
+        rows.append(["slowdown: elapsed / elapsed alone (> 1: slower)", cfg.replace("pipeline", "pipeline,"), _mmm(s)])
+    caption = (
+        f"{result['workload']}; {result['rounds']} rounds, configurations in turn; kernel BPF "
+        "statistics (kernel.bpf_stats_enabled) over 4 s with one copy of the workload per CPU"
+    )
     return caption, head, rows, [f"full run: {result['seconds']} s"]

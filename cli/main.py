@@ -18,7 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collector": ("collector.main", "the root stage: BPF programs, /proc discovery, stack batches"),
     "symbolizer": ("symbolizer.main", "a symbolizer worker: names frames, builds one pprof per service"),
     "uploader": ("uploader.main", "the uploader: posts profiles to the backend or writes them locally"),
-    "runtime": ("runtimes.main", "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)"),
+    "runtime": (
+        "runtimes.main",
+        "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)",
+    ),
     "receiver": ("receiver.server", "a reference backend implementing POST /v1/profiles"),
     "record": ("cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
     "report": ("cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
@@ -28,8 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
-    lines = ["usage: ebpfprofiler SUBCOMMAND [options]   (ebpfprofiler SUBCOMMAND --help for its options)", "",
-             "subcommands:"]
+    lines = [
+        "usage: ebpfprofiler SUBCOMMAND [options]   (ebpfprofiler SUBCOMMAND --help for its options)",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from cli import status
 from cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
@@ -60,25 +61,49 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Profile this host now, without a config file or a backend: runs the agent's stages "
-                    "in the foreground for -d seconds (Ctrl-C ends it early and still writes the result), "
-                    "then writes -o and prints the top functions. Run as root, like `ebpfprofiler run`.")
-    p.add_argument("-d", "--duration", type=float, default=30.0, metavar="SECONDS",
-                   help="how long to record (default: %(default)s)")
+        "in the foreground for -d seconds (Ctrl-C ends it early and still writes the result), "
+        "then writes -o and prints the top functions. Run as root, like `ebpfprofiler run`.",
+    )
+    p.add_argument(
+        "-d",
+        "--duration",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to record (default: %(default)s)",
+    )
     who = p.add_mutually_exclusive_group()
-    who.add_argument("-p", "--pid", type=int, nargs="+", action="extend", default=[], metavar="PID",
-                     help="keep only the samples of these processes (recording stops early when all have exited)")
+    who.add_argument(
+        "-p",
+        "--pid",
+        type=int,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PID",
+        help="keep only the samples of these processes (recording stops early when all have exited)",
+    )
     who.add_argument("--all", action="store_true", help="every process of the host (the default)")
     p.add_argument("--hz", type=int, default=99, help="samples per second per CPU (default: %(default)s)")
     p.add_argument("--offcpu", action="store_true", help="off-CPU profiles too (time blocked, with stacks)")
     p.add_argument("--python", action="store_true", help="python_wall profiles of CPython 3.13+ too")
-    p.add_argument("-o", "--output", default="profile.html",
-                   help="result by extension: .html (the report), .pb.gz (pprof: the cpu profile; other "
-                        "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise) "
-                        "(default: %(default)s); written beside its name, then renamed into place (a "
-                        "symlink there is replaced, never followed); its directory must exist")
-    p.add_argument("--mode", type=files.parse_mode, default=files.PRIVATE_MODE, metavar="OCTAL",
-                   help="permissions of the files written, such as 0644 (default: 0600, root's alone: the "
-                        "stacks recorded may be other users')")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="profile.html",
+        help="result by extension: .html (the report), .pb.gz (pprof: the cpu profile; other "
+        "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise) "
+        "(default: %(default)s); written beside its name, then renamed into place (a "
+        "symlink there is replaced, never followed); its directory must exist",
+    )
+    p.add_argument(
+        "--mode",
+        type=files.parse_mode,
+        default=files.PRIVATE_MODE,
+        metavar="OCTAL",
+        help="permissions of the files written, such as 0644 (default: 0600, root's alone: the "
+        "stacks recorded may be other users')",
+    )
     args = p.parse_args(argv)
     if args.duration <= 0:
         p.error("-d must be more than 0 seconds")
@@ -89,15 +114,21 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
 
 def make_config(args: argparse.Namespace, local_dir: str) -> config_mod.ProfilerConfig:
     return config_mod.ProfilerConfig(
-        sample_hz=args.hz, upload_interval_s=WINDOW_S, offcpu=args.offcpu, python_stacks=args.python,
-        plain_pid=True, endpoint="", local_dir=local_dir,
+        sample_hz=args.hz,
+        upload_interval_s=WINDOW_S,
+        offcpu=args.offcpu,
+        python_stacks=args.python,
+        plain_pid=True,
+        endpoint="",
+        local_dir=local_dir,
         # the rate asked for is the rate recorded: a short foreground recording is not held to the
         # agent's budget (which would halve the rate while start-up builds unwind tables)
-        overhead_budget_pct=100.0)
+        overhead_budget_pct=100.0,
+    )
 
 
 WORKSPACE_PREFIX = "ebpfprofiler-record-"
-OWNER_FILE = "owner"   # "PID START_TICKS" of the record that made the workspace
+OWNER_FILE = "owner"  # "PID START_TICKS" of the record that made the workspace
 
 
 def workspace() -> str:
@@ -147,24 +178,26 @@ class Progress:
     def update(self) -> None:
         new = [p for p in profiles_mod.profile_files([self.local_dir]) if p not in self.seen]
         loaded = profiles_mod.load(new, profiles_mod.Skipped())
-        self.seen.update(x.path for x in loaded)   # a file still being written is read again next time
+        self.seen.update(x.path for x in loaded)  # a file still being written is read again next time
         if self.pids:
             loaded = profiles_mod.keep_pids(loaded, self.pids)
         for item in loaded:
             if item.profile_type == "cpu":
                 self.samples += sum(s.values[0] for s in item.profile.samples)
             self.processes.update(str(s.labels.get("pid")) for s in item.profile.samples)
-        try:   # the collector's figures of its last window (`ebpfprofiler status` reads the same file)
+        try:  # the collector's figures of its last window (`ebpfprofiler status` reads the same file)
             doc = status.load(self.run_dir) or {}
             if doc.get("time_ns", 0) != self._status_time:
                 self._status_time = doc.get("time_ns", 0)
                 self.lost += sum(int(v) for v in doc.get("lost", {}).values())
         except (OSError, ValueError, TypeError, AttributeError):
-            pass   # being replaced, or not written yet
+            pass  # being replaced, or not written yet
 
     def line(self, left_s: float) -> str:
-        return (f"recording: {max(0.0, left_s):4.0f} s left, {self.samples} cpu samples, "
-                f"{len(self.processes)} processes, {self.lost} samples lost")
+        return (
+            f"recording: {max(0.0, left_s):4.0f} s left, {self.samples} cpu samples, "
+            f"{len(self.processes)} processes, {self.lost} samples lost"
+        )
 
 
 class StartProgress:
@@ -192,8 +225,11 @@ class StartProgress:
         return None
 
     def line(self) -> str:
-        working = [f"; {n} {s.doing} ({s.elapsed_s:.0f} s so far)" for n, s in self.looks.items()
-                   if s.state is ready.State.WORKING]
+        working = [
+            f"; {n} {s.doing} ({s.elapsed_s:.0f} s so far)"
+            for n, s in self.looks.items()
+            if s.state is ready.State.WORKING
+        ]
         done = sum(s.state is ready.State.READY for s in self.looks.values())
         return f"starting: {done} of {len(self.looks)} stages ready" + "".join(working)
 
@@ -206,15 +242,17 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -> int:  # noqa: PLR0912
     args = parse_args(argv, prog)
     log_mod.setup("record")
     if os.geteuid() != 0:
-        print(f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
-              file=sys.stderr)
+        print(
+            f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
+            file=sys.stderr,
+        )
         return 1
     problem = files.output_dir_problem(args.output)
-    if problem:   # before recording, not after: the recording would be lost
+    if problem:  # before recording, not after: the recording would be lost
         print(f"{prog}: -o {problem}; nothing was recorded", file=sys.stderr)
         return 2
     pids = set(args.pid)
@@ -238,18 +276,38 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         config = os.path.join(ws, "agent.yaml")
         with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(config_mod.dump(cfg))
-        stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)] + (
-            ["runtime"] if args.python else [])
+        stages = (
+            ["uploader", "collector"]
+            + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
+            + (["runtime"] if args.python else [])
+        )
         with open(run_log, "wb") as logf:
             # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in
             # order; and a SIGTERM to `run` if this process is killed outright (else the agent, its BPF
             # programs and its perf events would run on with nobody to stop them)
-            child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config,
-                                      "--run-dir", run_dir, "--state-dir", state_dir],
-                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
-        print(f"{prog}: starting the profiler (the collector compiles and loads its BPF programs) ...", file=out,
-              flush=True)
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cli.main",
+                    "run",
+                    "--config",
+                    config,
+                    "--run-dir",
+                    run_dir,
+                    "--state-dir",
+                    state_dir,
+                ],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509
+            )
+        print(
+            f"{prog}: starting the profiler (the collector compiles and loads its BPF programs) ...",
+            file=out,
+            flush=True,
+        )
         starting = StartProgress(run_dir, stages)
         last_plain = time.monotonic()
         while True:
@@ -275,8 +333,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         if tty:
             print("\r\033[K", end="", file=out, flush=True)
         target = f"processes {' '.join(map(str, sorted(pids)))}" if pids else "every process"
-        print(f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (the profiler started in "
-              f"{time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)", file=out, flush=True)
+        print(
+            f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (the profiler started in "
+            f"{time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)",
+            file=out,
+            flush=True,
+        )
         progress = Progress(local_dir, run_dir, pids)
         end = time.monotonic() + args.duration
         last_plain = time.monotonic()
@@ -294,23 +356,32 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         if tty:
             print(file=out)
         if child.poll() is not None:
-            print(f"{prog}: the profiler stopped early (exit {child.returncode}); its log:\n{tail(run_log)}",
-                  file=sys.stderr)
+            print(
+                f"{prog}: the profiler stopped early (exit {child.returncode}); its log:\n{tail(run_log)}",
+                file=sys.stderr,
+            )
         print(f"{prog}: stopping (the last windows are written) ...", file=out, flush=True)
         stop_child(child)
         loaded = profiles_mod.load([local_dir])
         if pids:
             loaded = profiles_mod.keep_pids(loaded, pids)
         if not loaded:
-            print(f"{prog}: no samples were recorded{' of ' + target if pids else ''}; the profiler's log:\n"
-                  f"{tail(run_log)}", file=sys.stderr)
+            print(
+                f"{prog}: no samples were recorded{' of ' + target if pids else ''}; the profiler's log:\n"
+                f"{tail(run_log)}",
+                file=sys.stderr,
+            )
             return 1
-        progress.update()   # the last windows, and the collector's last figures
-        print(f"recorded: {progress.samples} cpu samples, {len(progress.processes)} processes, "
-              f"{progress.lost} samples lost", file=out, flush=True)
+        progress.update()  # the last windows, and the collector's last figures
+        print(
+            f"recorded: {progress.samples} cpu samples, {len(progress.processes)} processes, "
+            f"{progress.lost} samples lost",
+            file=out,
+            flush=True,
+        )
         try:
             written = profiles_mod.write_outputs(loaded, args.output, args.mode)
-        except OSError as e:   # its directory was checked at the start; changed since
+        except OSError as e:  # its directory was checked at the start; changed since
             print(f"{prog}: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
             return 1
         groups = profiles_mod.by_type(loaded)
@@ -332,7 +403,7 @@ def stop_child(child: subprocess.Popen[bytes]) -> None:
     try:
         child.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)   # its session: run and every stage it started
+        os.killpg(child.pid, signal.SIGKILL)  # its session: run and every stage it started
         child.wait()
 
 

@@ -39,14 +39,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from shared.stage_code import default_bpf_dir
 from shared import config as config_mod
-from shared import endpoints, files, privileges, ready, runlock, stage_code
+from shared import endpoints, files, privileges, ready, runlock, stage_code, stopping
 from shared import log as log_mod
-from shared import stopping
+from shared.stage_code import default_bpf_dir
 from shared.stopping import stop_on_signals
 
 # A starting stage that says nothing for this long (no ready file, no fresh heartbeat) is reported: the
@@ -84,13 +83,14 @@ def die_with_parent() -> None:
     nothing it started (BPF programs, perf events) outlives its owner."""
     try:
         import prctl
+
         prctl.set_pdeathsig(signal.SIGTERM)
     except ImportError:
         pass
 
 
 def _child_setup() -> None:
-    os.setpgid(0, 0)   # Ctrl-C goes to the supervisor only
+    os.setpgid(0, 0)  # Ctrl-C goes to the supervisor only
     die_with_parent()
 
 
@@ -98,36 +98,54 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Profile this host now: starts the collector, symbolizer_workers symbolizer "
-                    "workers and the uploader in the foreground, prints where profiles go, "
-                    "restarts a stage that dies, and stops them all cleanly on Ctrl-C or SIGTERM. "
-                    "With endpoint \"\" in the config, profiles are written under local_dir "
-                    "(one directory per service); open one with `go tool pprof -http=:8080 FILE`. "
-                    "SIGHUP (kill -HUP PID) is passed to the collector, which reads overhead_budget_pct "
-                    "from --config again: edit the file, then send it to change the overhead budget "
-                    "without a restart. `ebpfprofiler status` prints what the profiler costs.")
+        "workers and the uploader in the foreground, prints where profiles go, "
+        "restarts a stage that dies, and stops them all cleanly on Ctrl-C or SIGTERM. "
+        'With endpoint "" in the config, profiles are written under local_dir '
+        "(one directory per service); open one with `go tool pprof -http=:8080 FILE`. "
+        "SIGHUP (kill -HUP PID) is passed to the collector, which reads overhead_budget_pct "
+        "from --config again: edit the file, then send it to change the overhead budget "
+        "without a restart. `ebpfprofiler status` prints what the profiler costs.",
+    )
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
-                   help="runtime directory for the stages' sockets (default: %(default)s)")
-    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
-                   help="state directory (default: %(default)s)")
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        help="runtime directory for the stages' sockets (default: %(default)s)",
+    )
+    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR, help="state directory (default: %(default)s)")
     p.add_argument("--bpf-dir", default=default_bpf_dir(), help="BPF programs (default: %(default)s)")
     return p.parse_args(argv)
 
 
-def stages(args: argparse.Namespace, cfg: config_mod.ProfilerConfig,
-           code: stage_code.StageCode | None = None) -> list[Stage]:
+def stages(
+    args: argparse.Namespace, cfg: config_mod.ProfilerConfig, code: stage_code.StageCode | None = None
+) -> list[Stage]:
     code = code or stage_code.StageCode(bpf_dir=args.bpf_dir)
     py = [sys.executable, "-m"]
     common = ["--config", stage_config(args.state_dir), "--run-dir", args.run_dir]
-    out = [Stage("uploader", py + ["uploader.main"] + common +
-                 ["--state-dir", stage_state_dir(args.state_dir, "uploader")])]
+    out = [
+        Stage("uploader", [*py, "uploader.main", *common, "--state-dir", stage_state_dir(args.state_dir, "uploader")])
+    ]
     for w in range(cfg.symbolizer_workers):
-        out.append(Stage(f"symbolizer-{w}", py + ["symbolizer.main"] + common +
-                         ["--worker", str(w), "--state-dir", stage_state_dir(args.state_dir, "symbolizer")]))
-    if runtime_reader_wanted(cfg):   # before the collector: subscribed before the first announcement
-        out.append(Stage("runtime", py + ["runtimes.main"] + common +
-                         ["--state-dir", stage_state_dir(args.state_dir, "runtime")]))
-    out.append(Stage("collector", py + ["collector.main"] + common + ["--bpf-dir", code.bpf_dir]))
+        out.append(
+            Stage(
+                f"symbolizer-{w}",
+                [
+                    *py,
+                    "symbolizer.main",
+                    *common,
+                    "--worker",
+                    str(w),
+                    "--state-dir",
+                    stage_state_dir(args.state_dir, "symbolizer"),
+                ],
+            )
+        )
+    if runtime_reader_wanted(cfg):  # before the collector: subscribed before the first announcement
+        out.append(
+            Stage("runtime", [*py, "runtimes.main", *common, "--state-dir", stage_state_dir(args.state_dir, "runtime")])
+        )
+    out.append(Stage("collector", [*py, "collector.main", *common, "--bpf-dir", code.bpf_dir]))
     env = code.env()
     for stage in out:
         stage.env = env
@@ -158,7 +176,7 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
     """The directories the stage users need, owned and moded as the systemd units have them; created
     and chowned without following a symlink. files.UnsafePath (nothing changed) for a symlink in one's
     path or one owned by someone other than root or its stage's user."""
-    gid = privileges.ids("uploader")[1]   # the agent's group
+    gid = privileges.ids("uploader")[1]  # the agent's group
 
     def ensure(path: str, owner: str | None, mode: int) -> None:
         # never through a symlink, and never someone else's directory (files.ensure_dir): root would
@@ -168,14 +186,17 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
     uploader = privileges.STAGES["uploader"].user
     # the token is a secret only the uploader reads (uploader/http.py warns when group or others may read
     # it); a CA certificate is not secret, and the agent's group may read it
-    advice = {"token_file": f"chown {uploader} it and chmod 600",
-              "ca_file": f"chgrp {privileges.AGENT_GROUP} it and chmod 640"}
+    advice = {
+        "token_file": f"chown {uploader} it and chmod 600",
+        "ca_file": f"chgrp {privileges.AGENT_GROUP} it and chmod 640",
+    }
     for key in ("token_file", "ca_file"):
         path = getattr(cfg, key)
         if path and stage_code.unreadable_by_agent([path]):
             raise privileges.PrivilegeError(
                 f"modules.ebpf_profiler.{key}: {path} is not readable by {uploader}: "
-                f"{advice[key]}, in a directory {uploader} can enter")
+                f"{advice[key]}, in a directory {uploader} can enter"
+            )
     # every stage binds its sockets here; sticky: a member of the group cannot unlink another's socket
     ensure(args.run_dir, None, 0o3770)
     ensure(args.state_dir, None, 0o750)
@@ -189,13 +210,14 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
         if stage_code.unreadable_by_agent([d]):
             raise privileges.PrivilegeError(
                 f"{d}: the agent's users cannot reach it (a directory above it is closed to group "
-                f"{privileges.AGENT_GROUP}, e.g. root's 0700 home); choose one they can reach")
+                f"{privileges.AGENT_GROUP}, e.g. root's 0700 home); choose one they can reach"
+            )
 
 
 def start(stage: Stage) -> None:
     ready.forget(run_dir_of(stage), stage.name)
     # cwd /: the directory `run` was started in may be one the stage's user cannot enter
-    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")
+    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")  # noqa: PLW1509
     stage.started = time.monotonic()
     stage.restart_at = None
     log.info("started %s (pid %d)", stage.name, stage.proc.pid)
@@ -221,8 +243,10 @@ def wait_ready(stage: Stage, stop: threading.Event, quiet_timeout_s: float = REA
         if stage.proc.poll() is not None:
             return f"exited with {stage.proc.returncode} before it was ready"
         if got.state is ready.State.STALE:
-            return (f"its heartbeat stopped {got.quiet_s:.0f} s ago, {got.elapsed_s:.0f} s into "
-                    f"{got.doing} (not renewed for {ready.STALE_BEATS} beats)")
+            return (
+                f"its heartbeat stopped {got.quiet_s:.0f} s ago, {got.elapsed_s:.0f} s into "
+                f"{got.doing} (not renewed for {ready.STALE_BEATS} beats)"
+            )
         if got.state is ready.State.QUIET and got.quiet_s > quiet_timeout_s:
             return f"said nothing for {quiet_timeout_s:g} s and is not ready"
         if got.state is ready.State.WORKING:
@@ -261,8 +285,13 @@ def preflight(collector: Stage, prog: str) -> bool:
     starts: a host that cannot run it is told each cause and what to do, and nothing is started. What the
     kernel lacks that the agent does without is logged."""
     try:
-        out = subprocess.run(collector.argv + ["--preflight"], env=collector.env, capture_output=True, text=True,
-                             timeout=PREFLIGHT_TIMEOUT_S)
+        out = subprocess.run(  # noqa: PLW1510
+            [*collector.argv, "--preflight"],
+            env=collector.env,
+            capture_output=True,
+            text=True,
+            timeout=PREFLIGHT_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         print(f"{prog}: the collector's preflight took over {PREFLIGHT_TIMEOUT_S:.0f} s", file=sys.stderr)
         return False
@@ -271,11 +300,11 @@ def preflight(collector: Stage, prog: str) -> bool:
         return False
     for line in out.stdout.splitlines():
         if line.startswith("warn "):
-            log.warning("preflight: %s", line[len("warn "):])
+            log.warning("preflight: %s", line[len("warn ") :])
     return True
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:  # noqa: PLR0912
     args = parse_args(argv, prog)
     log_mod.setup("run")
     try:
@@ -286,7 +315,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     args.config = os.path.abspath(args.config)
     try:
         prepare_dirs(args, cfg)
-        runlock.hold(args.run_dir, "run")   # a second `ebpfprofiler run` here refuses, naming this one's pid
+        runlock.hold(args.run_dir, "run")  # a second `ebpfprofiler run` here refuses, naming this one's pid
         hand_config(args.state_dir, cfg)
         code = stage_code.prepare(os.path.join(args.state_dir, "code"), args.bpf_dir)
     except (privileges.PrivilegeError, OSError, subprocess.SubprocessError, runlock.RunDirInUse) as e:
@@ -299,8 +328,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     signal.signal(signal.SIGCHLD, lambda _s, _f: wake.set())
 
     if cfg.uploads_locally:
-        where = (f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
-                 f"look at one with: go tool pprof -http=:8080 FILE")
+        where = (
+            f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
+            f"look at one with: go tool pprof -http=:8080 FILE"
+        )
     else:
         where = f"profiles go to {cfg.endpoint.rstrip('/')}/v1/profiles every {cfg.upload_interval_s} s"
     print(f"ebpfprofiler: {where}", flush=True)
@@ -310,7 +341,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         return 1
 
     def forward_hup(_signum: int, _frame: object) -> None:
-        try:   # the stages read the copy: validate the file again and replace the copy first
+        try:  # the stages read the copy: validate the file again and replace the copy first
             hand_config(args.state_dir, config_mod.load(args.config))
         except (config_mod.ConfigError, OSError) as e:
             log.error("SIGHUP: %s; the stages keep the config they have", e)
@@ -330,9 +361,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
             if why is not None:
                 if stop.is_set():
                     return 0
-                log.error("%s did not become ready: %s; see its log lines above%s", stage.name, why,
-                          "" if stage.proc is None or stage.proc.poll() is not None else
-                          "; stopping it (what it says as it stops is about this stop)")
+                log.error(
+                    "%s did not become ready: %s; see its log lines above%s",
+                    stage.name,
+                    why,
+                    ""
+                    if stage.proc is None or stage.proc.poll() is not None
+                    else "; stopping it (what it says as it stops is about this stop)",
+                )
                 return 1
         log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
         while not stop.is_set():
@@ -356,7 +392,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
                     stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
         return 0
     finally:
-        for stage in reversed(all_stages):   # collector, workers, uploader
+        for stage in reversed(all_stages):  # collector, workers, uploader
             stop_stage(stage)
         print(f"ebpfprofiler: stopped; {where}", flush=True)
 

@@ -24,8 +24,8 @@ from typing import Any
 from shared import counters, endpoints
 from shared.procstat import alive
 
-STATUS_FILE = "status.json"     # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
-KERNEL_FILE = "kernel.json"     # collector/features.py's STATUS_FILE
+STATUS_FILE = "status.json"  # collector/overhead.py's STATUS_FILE (not imported: that module is the collector's)
+KERNEL_FILE = "kernel.json"  # collector/features.py's STATUS_FILE
 # A status file is a few KiB; anything larger is not one.
 MAX_STATUS_BYTES = 1 << 20
 
@@ -34,18 +34,22 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Print the running kernel's features as the collector found them (each one missing, "
-                    "and what the agent does without it; what the config asked for and the kernel refused; "
-                    "whether the collector holds CAP_SYS_ADMIN), then what the running profiler cost in its "
-                    "last upload window: CPU time and RSS "
-                    "of every stage's process, the kernel's BPF run time of each of the collector's "
-                    "programs (run count and ns per run), samples and lost samples, the sampling rate "
-                    "the overhead guard allows against the configured one, and the budget "
-                    "(overhead_budget_pct; change it in the config file and send SIGHUP to `ebpfprofiler "
-                    "run` or the collector). Reads RUN_DIR/kernel.json, which the collector writes when it is "
-                    "ready, and RUN_DIR/status.json, which it writes at the end of each upload window. Exit 0 with the table, 1 when no collector runs, 2 when "
-                    "one runs but no window has ended yet.")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
-                   help="runtime directory of the running profiler (default: %(default)s)")
+        "and what the agent does without it; what the config asked for and the kernel refused; "
+        "whether the collector holds CAP_SYS_ADMIN), then what the running profiler cost in its "
+        "last upload window: CPU time and RSS "
+        "of every stage's process, the kernel's BPF run time of each of the collector's "
+        "programs (run count and ns per run), samples and lost samples, the sampling rate "
+        "the overhead guard allows against the configured one, and the budget "
+        "(overhead_budget_pct; change it in the config file and send SIGHUP to `ebpfprofiler "
+        "run` or the collector). Reads RUN_DIR/kernel.json, which the collector writes when it is "
+        "ready, and RUN_DIR/status.json, which it writes at the end of each upload window. Exit 0 with the table, 1 when no collector runs, 2 when "
+        "one runs but no window has ended yet.",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        help="runtime directory of the running profiler (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the status file as it is, not as a table")
     return p.parse_args(argv)
 
@@ -71,7 +75,7 @@ def load(run_dir: str, name: str = STATUS_FILE) -> dict[str, Any] | None:
         raise ValueError(f"{path} is larger than {MAX_STATUS_BYTES} bytes: not a status file")
     doc = json.loads(raw)
     if not isinstance(doc, dict):
-        raise ValueError(f"{path} is not a JSON object")   # ValueError, as for the others: a bad file, not a bad call
+        raise ValueError(f"{path} is not a JSON object")  # ValueError, as for the others: a bad file, not a bad call
     return doc
 
 
@@ -119,16 +123,25 @@ def table(doc: dict[str, Any]) -> str:
         f"sampling rate: {doc.get('next_rate_hz')} Hz (configured {doc.get('configured_hz')} Hz"
         + (f"; last decision: {doc['decision']} from {doc.get('rate_hz')} Hz" if doc.get("decision") else "")
         + ")",
-        (f"overhead: {float(doc.get('used_pct', 0)):.3f}% of one CPU (budget {doc.get('budget_pct')}%): "
-         f"stages {_ms(doc.get('stage_ns', 0))} + BPF {_ms(doc.get('bpf_ns', 0))}"),
+        (
+            f"overhead: {float(doc.get('used_pct', 0)):.3f}% of one CPU (budget {doc.get('budget_pct')}%): "
+            f"stages {_ms(doc.get('stage_ns', 0))} + BPF {_ms(doc.get('bpf_ns', 0))}"
+        ),
         f"BPF run times: {doc.get('bpf_stats') or 'not measured'}",
         "",
     ]
     rows = [("stage", "pid", "CPU", "% of one CPU", "RSS")]
     cpu, rss, pids = doc.get("stage_cpu_ns", {}), doc.get("stage_rss_bytes", {}), doc.get("stage_pids", {})
     for stage in sorted(cpu):
-        rows.append((stage, str(pids.get(stage, "")), _ms(cpu[stage]),
-                     f"{100 * int(cpu[stage]) / 1e9 / window_s:.3f}", _mb(rss.get(stage, 0))))
+        rows.append(
+            (
+                stage,
+                str(pids.get(stage, "")),
+                _ms(cpu[stage]),
+                f"{100 * int(cpu[stage]) / 1e9 / window_s:.3f}",
+                _mb(rss.get(stage, 0)),
+            )
+        )
     rows.append(("", "", "", "", ""))
     rows.append(("BPF program", "runs", "run time", "% of one CPU", "ns per run"))
     for name, p in sorted(doc.get("bpf", {}).items()):
@@ -157,10 +170,14 @@ def cost_terms(doc: dict[str, Any]) -> list[str]:
     switch_t, switches = prog("offcpu_switch")
     if switches:
         rest = sum(prog(name)[0] for name in bpf if name.startswith("offcpu_") and name != "offcpu_switch")
-        out.append(f"per context switch: {(switch_t + rest) // switches} ns of BPF, off-CPU programs together "
-                   f"({switches / window_s:.0f} switches a second)")
-    out.append(f"new processes: {int(doc.get('new_processes', 0))} in the window "
-               f"({int(doc.get('new_processes', 0)) / window_s:.1f} a second)")
+        out.append(
+            f"per context switch: {(switch_t + rest) // switches} ns of BPF, off-CPU programs together "
+            f"({switches / window_s:.0f} switches a second)"
+        )
+    out.append(
+        f"new processes: {int(doc.get('new_processes', 0))} in the window "
+        f"({int(doc.get('new_processes', 0)) / window_s:.1f} a second)"
+    )
     out.append(f"stages: {int(doc.get('stage_ns', 0)) / 1e6 / window_s:.2f} ms of CPU a second")
     return out
 
@@ -169,9 +186,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler status") -
     args = parse_args(argv, prog)
     pid = collector_pid(args.run_dir)
     if pid is None:
-        print(f"{prog}: no collector is running with run directory {args.run_dir} (no live "
-              f"collector.ready there); start the profiler with `ebpfprofiler run`, or pass --run-dir",
-              file=sys.stderr)
+        print(
+            f"{prog}: no collector is running with run directory {args.run_dir} (no live "
+            f"collector.ready there); start the profiler with `ebpfprofiler run`, or pass --run-dir",
+            file=sys.stderr,
+        )
         return 1
     try:
         doc = load(args.run_dir)
@@ -184,12 +203,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler status") -
     if kernel is not None and not args.json:
         print("\n".join(kernel_lines(kernel)) + "\n")
     if doc is None or doc.get("pid") != pid:
-        print(f"{prog}: the collector (pid {pid}) runs, but no upload window has ended since it started; "
-              f"the first figures come at the end of the first window (upload_interval_s)", file=sys.stderr)
+        print(
+            f"{prog}: the collector (pid {pid}) runs, but no upload window has ended since it started; "
+            f"the first figures come at the end of the first window (upload_interval_s)",
+            file=sys.stderr,
+        )
         return 2
     checks = counters.read_all(args.run_dir)
-    print(json.dumps({**doc, "kernel": kernel, "checks": checks}, indent=2, sort_keys=True) if args.json
-          else table(doc) + "\n\n" + "\n".join(check_lines(checks)))
+    print(
+        json.dumps({**doc, "kernel": kernel, "checks": checks}, indent=2, sort_keys=True)
+        if args.json
+        else table(doc) + "\n\n" + "\n".join(check_lines(checks))
+    )
     return 0
 
 

@@ -22,6 +22,7 @@ to other stages.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -31,14 +32,15 @@ import re
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from collector import syscalls
 from collector.bpfmaps import DoubleBuffer, LostCounters, RawDrain, delete_stacks, stale_ids, take_all
 from collector.procfs import read_maps
 from collector.sources import TargetedSource
-from collector import syscalls
 from collector.targets import Target
 from shared import privileges
 
@@ -85,18 +87,21 @@ PROG_LOG_BYTES = 1 << 20
 STACK_KEEP_DRAINS = 10
 STACK_SWEEP_EVERY = 5
 # (symbol, entry program, return program or None)
-PROBES = (("malloc", "alloc_malloc_enter", "alloc_return_probe"),
-          ("calloc", "alloc_calloc_enter", "alloc_return_probe"),
-          ("realloc", "alloc_realloc_enter", "alloc_return_probe"),
-          ("free", "alloc_free_enter", None))
-RETURN_PROGRAM = "alloc_return_probe"     # one link for the three returns
-PROGRAMS = tuple(entry for _, entry, _ in PROBES) + (RETURN_PROGRAM,)
+PROBES = (
+    ("malloc", "alloc_malloc_enter", "alloc_return_probe"),
+    ("calloc", "alloc_calloc_enter", "alloc_return_probe"),
+    ("realloc", "alloc_realloc_enter", "alloc_return_probe"),
+    ("free", "alloc_free_enter", None),
+)
+RETURN_PROGRAM = "alloc_return_probe"  # one link for the three returns
+PROGRAMS = (*tuple(entry for _, entry, _ in PROBES), RETURN_PROGRAM)
 _LIBC = re.compile(r"libc(?:\.so(?:\.\d+)*|-\d+\.\d+\.so)$")
 
 
 @dataclass(frozen=True)
 class BurstPlan:
     """When the uprobes are on: `duty_pct` of every BURST_PERIOD_S, the first SAMPLING_SHARE of it sampling."""
+
     duty_pct: float
     period_s: float = BURST_PERIOD_S
 
@@ -175,9 +180,12 @@ class SampledTime:
 
 
 def bpf_defines(sample_bytes: int, duty_pct: float = 100.0) -> dict[str, int]:
-    return {"ALLOC_SAMPLE_BYTES": BurstPlan(duty_pct).in_burst_sample_bytes(sample_bytes),
-            "ALLOC_COUNTS_ENTRIES": ALLOC_COUNTS_ENTRIES,
-            "ALLOC_STACK_ENTRIES": ALLOC_STACK_ENTRIES, "ALLOC_LIVE_ENTRIES": ALLOC_LIVE_ENTRIES}
+    return {
+        "ALLOC_SAMPLE_BYTES": BurstPlan(duty_pct).in_burst_sample_bytes(sample_bytes),
+        "ALLOC_COUNTS_ENTRIES": ALLOC_COUNTS_ENTRIES,
+        "ALLOC_STACK_ENTRIES": ALLOC_STACK_ENTRIES,
+        "ALLOC_LIVE_ENTRIES": ALLOC_LIVE_ENTRIES,
+    }
 
 
 def exp_quantiles(n: int = EXP_ENTRIES) -> list[int]:
@@ -199,7 +207,7 @@ def survivors_to_forget(debt: float, seen_freed: int, seen_share: float) -> tupl
     """(live entries of a stack to forget now, debt carried): each free of a survivor (an allocation
     that outlived its burst) the bursts saw stands for (1 - share) / share they could not see."""
     debt += seen_freed * (1 - seen_share) / seen_share
-    n = int(debt + 1e-9)     # 0.95 / 0.05 is 18.999...: not one short
+    n = int(debt + 1e-9)  # 0.95 / 0.05 is 18.999...: not one short
     return n, max(0.0, debt - n)
 
 
@@ -212,25 +220,45 @@ def libc_of(pid: int) -> str | None:
 
 
 class _ProgLoadAttr(ctypes.Structure):
-    _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32), ("insns", ctypes.c_uint64),
-                ("license", ctypes.c_uint64), ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
-                ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32), ("prog_flags", ctypes.c_uint32),
-                ("prog_name", ctypes.c_char * 16), ("prog_ifindex", ctypes.c_uint32),
-                ("expected_attach_type", ctypes.c_uint32), ("pad", ctypes.c_uint8 * 80)]
+    _fields_ = [
+        ("prog_type", ctypes.c_uint32),
+        ("insn_cnt", ctypes.c_uint32),
+        ("insns", ctypes.c_uint64),
+        ("license", ctypes.c_uint64),
+        ("log_level", ctypes.c_uint32),
+        ("log_size", ctypes.c_uint32),
+        ("log_buf", ctypes.c_uint64),
+        ("kern_version", ctypes.c_uint32),
+        ("prog_flags", ctypes.c_uint32),
+        ("prog_name", ctypes.c_char * 16),
+        ("prog_ifindex", ctypes.c_uint32),
+        ("expected_attach_type", ctypes.c_uint32),
+        ("pad", ctypes.c_uint8 * 80),
+    ]
 
 
 class _UprobeMultiAttr(ctypes.Structure):
-    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("path", ctypes.c_uint64), ("offsets", ctypes.c_uint64),
-                ("ref_ctr_offsets", ctypes.c_uint64), ("cookies", ctypes.c_uint64), ("cnt", ctypes.c_uint32),
-                ("multi_flags", ctypes.c_uint32), ("pid", ctypes.c_uint32), ("pad", ctypes.c_uint8 * 84)]
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("target_fd", ctypes.c_uint32),
+        ("attach_type", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("path", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),
+        ("ref_ctr_offsets", ctypes.c_uint64),
+        ("cookies", ctypes.c_uint64),
+        ("cnt", ctypes.c_uint32),
+        ("multi_flags", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("pad", ctypes.c_uint8 * 84),
+    ]
 
 
 def load_uprobe_multi(bpf: Any, name: str) -> int:
     """Load bcc's compiled `name` as a uprobe_multi program (bcc 0.26 loads kprobe programs with no
     expected attach type, which BPF_LINK_CREATE refuses); it joins bpf.funcs, so bcc unloads it and
     the collector's run-time statistics count it."""
-    from bcc import BPF   # only the collector imports bcc
+    from bcc import BPF  # only the collector imports bcc
     from bcc.libbcc import lib
 
     fn = name.encode()
@@ -239,11 +267,18 @@ def load_uprobe_multi(bpf: Any, name: str) -> int:
         raise ValueError(f"no BPF program {name} in the compiled module")
     license = ctypes.c_char_p(lib.bpf_module_license(bpf.module))
     log_buf = ctypes.create_string_buffer(PROG_LOG_BYTES)
-    attr = _ProgLoadAttr(prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=size // 8, insns=start,
-                         license=ctypes.cast(license, ctypes.c_void_p).value or 0, log_level=0,
-                         log_size=PROG_LOG_BYTES, log_buf=ctypes.addressof(log_buf),
-                         kern_version=lib.bpf_module_kern_version(bpf.module), prog_name=fn[:15],
-                         expected_attach_type=BPF_TRACE_UPROBE_MULTI)
+    attr = _ProgLoadAttr(
+        prog_type=BPF_PROG_TYPE_KPROBE,
+        insn_cnt=size // 8,
+        insns=start,
+        license=ctypes.cast(license, ctypes.c_void_p).value or 0,
+        log_level=0,
+        log_size=PROG_LOG_BYTES,
+        log_buf=ctypes.addressof(log_buf),
+        kern_version=lib.bpf_module_kern_version(bpf.module),
+        prog_name=fn[:15],
+        expected_attach_type=BPF_TRACE_UPROBE_MULTI,
+    )
     try:
         fd = syscalls.bpf(BPF_PROG_LOAD, attr)
     except OSError:
@@ -251,7 +286,9 @@ def load_uprobe_multi(bpf: Any, name: str) -> int:
         try:
             fd = syscalls.bpf(BPF_PROG_LOAD, attr)
         except OSError as e:
-            raise OSError(e.errno, f"loading {name}: {e.strerror}: {log_buf.value[-2000:].decode(errors='replace')}") from e
+            raise OSError(
+                e.errno, f"loading {name}: {e.strerror}: {log_buf.value[-2000:].decode(errors='replace')}"
+            ) from e
     bpf.funcs[fn] = BPF.Function(bpf, fn, fd)
     return fd
 
@@ -260,9 +297,15 @@ def open_link(prog_fd: int, path: bytes, offsets: list[int], pid: int, ret: bool
     """A uprobe_multi link: `prog_fd` on `offsets` of the file `path`, in process `pid` only."""
     offs = (ctypes.c_uint64 * len(offsets))(*offsets)
     cpath = ctypes.c_char_p(path)
-    attr = _UprobeMultiAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
-                            path=ctypes.cast(cpath, ctypes.c_void_p).value or 0, offsets=ctypes.addressof(offs),
-                            cnt=len(offsets), multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0, pid=pid)
+    attr = _UprobeMultiAttr(
+        prog_fd=prog_fd,
+        attach_type=BPF_TRACE_UPROBE_MULTI,
+        path=ctypes.cast(cpath, ctypes.c_void_p).value or 0,
+        offsets=ctypes.addressof(offs),
+        cnt=len(offsets),
+        multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0,
+        pid=pid,
+    )
     return syscalls.bpf(BPF_LINK_CREATE, attr)
 
 
@@ -271,13 +314,13 @@ class _Attached:
     target: Target
     libc: str
     path: bytes = b""
-    offsets: dict[str, int] = field(default_factory=dict)   # symbol -> file offset in libc, resolved once
-    links: list[int] = field(default_factory=list)          # open link descriptors, return link first
+    offsets: dict[str, int] = field(default_factory=dict)  # symbol -> file offset in libc, resolved once
+    links: list[int] = field(default_factory=list)  # open link descriptors, return link first
 
 
 class AllocTracer(TargetedSource):
     profile_type = PROFILE_TYPE
-    dwarf = False    # bpf/alloc.c has no DWARF path: its stacks are the stack map's frame-pointer walks
+    dwarf = False  # bpf/alloc.c has no DWARF path: its stacks are the stack map's frame-pointer walks
 
     def __init__(self, bpf: Any, sample_bytes: int, duty_pct: float = 100.0) -> None:
         self._bpf = bpf
@@ -289,8 +332,9 @@ class AllocTracer(TargetedSource):
         for i, v in enumerate(exp_quantiles()):
             table[ctypes.c_int(i)] = ctypes.c_uint32(v)
         left = bpf["alloc_left"]
-        left[ctypes.c_int(0)] = left.Leaf(*first_countdowns(
-            left.total_cpu, self.plan.in_burst_sample_bytes(sample_bytes), self._rng))
+        left[ctypes.c_int(0)] = left.Leaf(
+            *first_countdowns(left.total_cpu, self.plan.in_burst_sample_bytes(sample_bytes), self._rng)
+        )
         self._state = bpf["alloc_state"]
         self._burst = 0
         self._set_state(sampling=self.plan.always)
@@ -302,33 +346,47 @@ class AllocTracer(TargetedSource):
         self._survivors_freed = bpf["alloc_survivors_freed"]
         self._debt: dict[tuple[int, int, int], float] = defaultdict(float)
         self.attached: dict[int, _Attached] = {}  # targets (their probes on in bursts, or always)
-        self.waiting: dict[int, Target] = {}      # targets while paused
+        self.waiting: dict[int, Target] = {}  # targets while paused
         self.paused = False
         self._last_used: dict[int, int] = {}
         self._drains = 0
-        self._lock = threading.RLock()            # attached, the probes, alloc_state: the burst thread and the loop
+        self._lock = threading.RLock()  # attached, the probes, alloc_state: the burst thread and the loop
         self._stop = threading.Event()
-        self.stats = {"attached": 0, "attach_failed": 0, "no_libc": 0, "over_cap": 0, "detached": 0,
-                      "bursts": 0, "burst_attach_failed": 0, "survivors_forgotten": 0}
-        self.on_s = 0.0                           # probes attached, summed over bursts
+        self.stats = {
+            "attached": 0,
+            "attach_failed": 0,
+            "no_libc": 0,
+            "over_cap": 0,
+            "detached": 0,
+            "bursts": 0,
+            "burst_attach_failed": 0,
+            "survivors_forgotten": 0,
+        }
+        self.on_s = 0.0  # probes attached, summed over bursts
         # The clock of the estimate: what a sample stands for is the time profiled over the time
         # sampled, as they were, not as planned (a burst that starts late, a detach that waits out a
         # grace period, a loaded host: the plan's one burst a period is not what happens).
         self._time = SampledTime()
-        self._burst_scale: OrderedDict[int, float] = OrderedDict()   # burst -> the scale of the drain that took it
+        self._burst_scale: OrderedDict[int, float] = OrderedDict()  # burst -> the scale of the drain that took it
         self._scaled_through = 0
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(BURST_THREADS, thread_name_prefix="alloc-probes")
         if not self.plan.always:
             self._thread = threading.Thread(target=self._bursts, name="alloc-bursts", daemon=True)
             self._thread.start()
-        how = (f"one sample per {sample_bytes} bytes on average" if sample_bytes else "every allocation")
-        when = ("uprobes attached all the time" if self.plan.always else
-                f"uprobes attached {self.plan.attached_s * 1e3:.0f} ms of every {self.plan.period_s:g} s at a "
-                f"random phase ({self.plan.sampling_s * 1e3:.0f} ms sampling, one per "
-                f"{self.plan.in_burst_sample_bytes(sample_bytes)} bytes, scaled x{self.plan.scale})")
-        log.info("allocation profiling ready: uprobes on libc malloc, calloc, realloc, free of target processes; "
-                 "%s; %s", how, when)
+        how = f"one sample per {sample_bytes} bytes on average" if sample_bytes else "every allocation"
+        when = (
+            "uprobes attached all the time"
+            if self.plan.always
+            else f"uprobes attached {self.plan.attached_s * 1e3:.0f} ms of every {self.plan.period_s:g} s at a "
+            f"random phase ({self.plan.sampling_s * 1e3:.0f} ms sampling, one per "
+            f"{self.plan.in_burst_sample_bytes(sample_bytes)} bytes, scaled x{self.plan.scale})"
+        )
+        log.info(
+            "allocation profiling ready: uprobes on libc malloc, calloc, realloc, free of target processes; %s; %s",
+            how,
+            when,
+        )
 
     def _set_state(self, sampling: bool) -> None:
         st = self._state[ctypes.c_int(0)]
@@ -345,16 +403,23 @@ class AllocTracer(TargetedSource):
                 return
             if len(self.attached) >= MAX_ALLOC_PROCESSES:
                 self.stats["over_cap"] += 1
-                log.warning("allocation profiling: %d processes attached already (the cap); pid %d (%s) "
-                            "is not profiled", MAX_ALLOC_PROCESSES, t.pid, t.executable)
+                log.warning(
+                    "allocation profiling: %d processes attached already (the cap); pid %d (%s) is not profiled",
+                    MAX_ALLOC_PROCESSES,
+                    t.pid,
+                    t.executable,
+                )
                 return
             libc = libc_of(t.pid)
             if libc is None:
                 self.stats["no_libc"] += 1
-                log.warning("allocation profiling: pid %d (%s) maps no libc (static, or another allocator only); "
-                            "not profiled", t.pid, t.executable)
+                log.warning(
+                    "allocation profiling: pid %d (%s) maps no libc (static, or another allocator only); not profiled",
+                    t.pid,
+                    t.executable,
+                )
                 return
-            from bcc import BPF   # only the collector imports bcc
+            from bcc import BPF  # only the collector imports bcc
 
             path = f"/proc/{t.pid}/root{libc}".encode()
             a = _Attached(t, libc, path)
@@ -366,9 +431,14 @@ class AllocTracer(TargetedSource):
             except Exception as e:  # bcc raises bare Exception, the kernel OSError; the process may have exited
                 self._detach_at_once([a])
                 self.stats["attach_failed"] += 1
-                why = "" if privileges.held()["CapEff"] >> privileges.CAP_SYS_ADMIN & 1 else (
-                    " (the collector lacks CAP_SYS_ADMIN, which creating a uprobe takes on Linux 6.16+: under "
-                    "systemd add it with a drop-in, see README \"Allocation and lock profiles\")")
+                why = (
+                    ""
+                    if privileges.held()["CapEff"] >> privileges.CAP_SYS_ADMIN & 1
+                    else (
+                        " (the collector lacks CAP_SYS_ADMIN, which creating a uprobe takes on Linux 6.16+: under "
+                        'systemd add it with a drop-in, see README "Allocation and lock profiles")'
+                    )
+                )
                 log.warning("allocation profiling: cannot attach to pid %d (%s): %s%s", t.pid, t.executable, e, why)
                 return
             self.attached[t.pid] = a
@@ -376,12 +446,26 @@ class AllocTracer(TargetedSource):
             self.stats["attached"] += 1
             n = 2 * len(PROBES) - 1
             if self.plan.always:
-                log.info("allocation profiling: %d uprobes attached to pid %d (%s, target %r) in %s (%d links)", n,
-                         t.pid, t.executable, t.spec, libc, len(a.links))
+                log.info(
+                    "allocation profiling: %d uprobes attached to pid %d (%s, target %r) in %s (%d links)",
+                    n,
+                    t.pid,
+                    t.executable,
+                    t.spec,
+                    libc,
+                    len(a.links),
+                )
             else:
-                log.info("allocation profiling: %d uprobes resolved in pid %d (%s, target %r) in %s; attached in "
-                         "bursts of %.0f ms a second", n, t.pid, t.executable, t.spec, libc,
-                         self.plan.attached_s * 1e3)
+                log.info(
+                    "allocation profiling: %d uprobes resolved in pid %d (%s, target %r) in %s; attached in "
+                    "bursts of %.0f ms a second",
+                    n,
+                    t.pid,
+                    t.executable,
+                    t.spec,
+                    libc,
+                    self.plan.attached_s * 1e3,
+                )
 
     def target_pids(self) -> set[int]:
         return set(self.attached)
@@ -403,16 +487,18 @@ class AllocTracer(TargetedSource):
             self._detach_at_once([a])
             self.stats["detached"] += 1
             dropped = self._forget_live({t.pid})
-        log.info("allocation profiling: pid %d (%s) is gone: uprobes detached, %d live allocations forgotten",
-                 t.pid, t.executable, dropped)
+        log.info(
+            "allocation profiling: pid %d (%s) is gone: uprobes detached, %d live allocations forgotten",
+            t.pid,
+            t.executable,
+            dropped,
+        )
 
     def _forget_live(self, pids: set[int]) -> int:
-        keys = [k for k in self._live.keys() if k.pid in pids]
+        keys = [k for k in self._live if k.pid in pids]
         for k in keys:
-            try:
+            with contextlib.suppress(KeyError):
                 del self._live[k]
-            except KeyError:
-                pass
         return len(keys)
 
     # ------------------------------------------------------------ bursts
@@ -430,8 +516,7 @@ class AllocTracer(TargetedSource):
             except Exception:  # a burst that failed must not end profiling; its probes are off (burst's finally)
                 log.exception("allocation profiling: a burst failed")
             now = time.monotonic()
-            if period_start < now:   # late (a loaded host): the next period starts now, not in the past
-                period_start = now
+            period_start = max(period_start, now)
 
     def burst(self) -> None:
         """Probes on for the sampling phase, sampling off for the tail, probes off; then no thread's
@@ -442,7 +527,7 @@ class AllocTracer(TargetedSource):
             self._burst += 1
             self._set_state(sampling=True)
             self._attach_at_once(list(self.attached.values()))
-            on = time.monotonic()   # the entry probes went on last
+            on = time.monotonic()  # the entry probes went on last
             self._time.set("sampled", True)
         try:
             self._stop.wait(max(0.0, self.plan.sampling_s - (time.monotonic() - on)))
@@ -485,8 +570,10 @@ class AllocTracer(TargetedSource):
         costs that one sample, no more (bpf/alloc.c replaces such a record; a burst's end clears them)."""
         failed: dict[int, Exception] = {}
         rets = [sym for sym, _e, ret in PROBES if ret]
-        for group in ([(a, RETURN_PROGRAM, rets, True) for a in targets],
-                      [(a, entry, [sym], False) for a in targets for sym, entry, _r in PROBES]):
+        for group in (
+            [(a, RETURN_PROGRAM, rets, True) for a in targets],
+            [(a, entry, [sym], False) for a in targets for sym, entry, _r in PROBES],
+        ):
             for (a, *_), r in zip(group, self._pool.map(self._open, group)):
                 if isinstance(r, Exception):
                     failed.setdefault(a.target.pid, r)
@@ -494,7 +581,7 @@ class AllocTracer(TargetedSource):
                     a.links.append(r)
         bad = [a for a in targets if a.target.pid in failed]
         self._detach_at_once(bad)
-        for a in bad:   # the process exited since the last scan: remove() follows
+        for a in bad:  # the process exited since the last scan: remove() follows
             if raise_errors:
                 raise failed[a.target.pid]
             self.stats["burst_attach_failed"] += 1
@@ -556,8 +643,10 @@ class AllocTracer(TargetedSource):
             self._scaled_through = self._burst
             while len(self._burst_scale) > BURST_SCALES_KEPT:
                 self._burst_scale.popitem(last=False)
-        rows = [(k.pid, k.tid, k.user_stack, k.caller, round(v.objects_milli * x), round(v.bytes * x))
-                for k, v in take_all(counts)]
+        rows = [
+            (k.pid, k.tid, k.user_stack, k.caller, round(v.objects_milli * x), round(v.bytes * x))
+            for k, v in take_all(counts)
+        ]
         out = self._raw(rows, inuse=False)
         out.lost.update(self._lost.delta())
         if self._drains % STACK_SWEEP_EVERY == 0:
@@ -583,7 +672,7 @@ class AllocTracer(TargetedSource):
         forgotten = 0
         for key, entries in by_stack.items():
             entries.sort(key=lambda e: e[0])
-            for _, k in entries[:due[key]]:
+            for _, k in entries[: due[key]]:
                 try:
                     del self._live[k]
                     forgotten += 1
@@ -600,7 +689,7 @@ class AllocTracer(TargetedSource):
             overall = SampledTime.scale(self._time.total["profiled"], self._time.total["sampled"], self.plan.scale)
             scales = dict(self._burst_scale)
         sums: dict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        gone: list[Any] = []      # entries of processes no longer attached (exited while paused)
+        gone: list[Any] = []  # entries of processes no longer attached (exited while paused)
         for k, v in self._live.items():
             if k.pid not in self.attached:
                 gone.append(k)
@@ -610,10 +699,8 @@ class AllocTracer(TargetedSource):
             s[0] += v.objects_milli * x
             s[1] += v.bytes * x
         for k in gone:
-            try:
+            with contextlib.suppress(KeyError):
                 del self._live[k]
-            except KeyError:
-                pass
         return self._raw([(*key, round(o), round(b)) for key, (o, b) in sums.items()], inuse=True)
 
     def _raw(self, rows: list[tuple[int, int, int, int, int, int]], inuse: bool) -> RawDrain:
@@ -638,8 +725,8 @@ class AllocTracer(TargetedSource):
                     else:
                         frames = stack
                         self._last_used[sid] = self._drains
-                if caller:   # the frame the entry probe's walk skipped
-                    frames = frames[:1] + (caller,) + frames[1:]
+                if caller:  # the frame the entry probe's walk skipped
+                    frames = (*frames[:1], caller, *frames[1:])
                 uid = ids[key] = len(ids)
                 out.user_stacks[uid] = frames
             objects = (objects_milli + 500) // 1000
@@ -652,8 +739,8 @@ class AllocTracer(TargetedSource):
         return out
 
     def _sweep(self) -> None:
-        present = [k.value for k in self._stacks.keys()]
-        for sid in present:   # an id no drain has used yet may belong to a call still in progress: young
+        present = [k.value for k in self._stacks]
+        for sid in present:  # an id no drain has used yet may belong to a call still in progress: young
             self._last_used.setdefault(sid, self._drains)
         keep = {v.user_stack for v in self._live.values()} | {v.user_stack for v in self._pending.values()}
         delete_stacks(self._stacks, stale_ids(present, keep, self._last_used, self._drains - STACK_KEEP_DRAINS))

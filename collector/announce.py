@@ -55,7 +55,7 @@ class Announcer:
         self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoints.processes(run_dir))
-        self._known: OrderedDict[int, Process] = OrderedDict()    # pid → the process announced
+        self._known: OrderedDict[int, Process] = OrderedDict()  # pid → the process announced
         self._new: list[Process] = []
         self._next_exit_check = time.monotonic() + EXIT_CHECK_S
         self._next_full = time.monotonic() + FULL_EVERY_S
@@ -66,7 +66,7 @@ class Announcer:
     def observe(self, processes: Iterable[Process]) -> None:
         """Processes of a drain; the new ones (or a pid's new process) are announced at the next flush."""
         for p in processes:
-            if not p.executable:           # kernel threads and processes gone before we read them
+            if not p.executable:  # kernel threads and processes gone before we read them
                 continue
             known = self._known.get(p.pid)
             if known is not None and known.start_ticks == p.start_ticks:
@@ -103,17 +103,22 @@ class Announcer:
         if not processes and not exited:
             return
         for i in range(0, max(len(processes), len(exited)), MAX_ANNOUNCED_PROCESSES):
-            self._send(ProcessAnnouncement(
-                host=self.host, time_ns=time.time_ns(),
-                processes=tuple(processes[i:i + MAX_ANNOUNCED_PROCESSES]),
-                exited=tuple(exited[i:i + MAX_ANNOUNCED_PROCESSES]), full=full))
+            self._send(
+                ProcessAnnouncement(
+                    host=self.host,
+                    time_ns=time.time_ns(),
+                    processes=tuple(processes[i : i + MAX_ANNOUNCED_PROCESSES]),
+                    exited=tuple(exited[i : i + MAX_ANNOUNCED_PROCESSES]),
+                    full=full,
+                )
+            )
 
     def publish(self, msg: RegsBatch) -> None:
         """Another message for the runtime readers, sent like an announcement."""
         self._send(msg)
 
     def _send(self, msg: ProcessAnnouncement | RegsBatch) -> None:
-        if isinstance(msg, RegsBatch):   # bounded by regs.SAMPLES_PER_MESSAGE
+        if isinstance(msg, RegsBatch):  # bounded by regs.SAMPLES_PER_MESSAGE
             messages = [encode(msg)]
         else:
             parts, unfit = encode_within(msg)
@@ -121,9 +126,12 @@ class Announcer:
             if len(parts) + len(unfit) > 1:
                 self.stats["split"] += 1
                 if self.stats["split"] == 1:
-                    log.warning("an announcement of %d processes was over its byte cap: sent in %d parts "
-                                "(counted as announcements_split in status; logged once)",
-                                len(msg.processes), len(parts))
+                    log.warning(
+                        "an announcement of %d processes was over its byte cap: sent in %d parts "
+                        "(counted as announcements_split in status; logged once)",
+                        len(msg.processes),
+                        len(parts),
+                    )
             self.stats["unsendable"] += len(unfit)
         for frames in messages:
             try:

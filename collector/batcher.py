@@ -10,7 +10,7 @@ Must not: read BPF maps or sockets; it gets a RawDrain and returns messages.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from collector.bpfmaps import RawDrain
 from collector.procfs import ProcessTable
@@ -24,21 +24,29 @@ UNKNOWN_SERVICE = "[unknown]"
 # spent more on carrying each of them apart (a process record, labels, a pid hash) than on the rest
 # of the drain.
 UNKNOWN_PID = 0
-UNKNOWN_PROCESS = Process(pid=UNKNOWN_PID, start_ticks=0, uid=0, nspid=UNKNOWN_PID,
-                          comm=UNKNOWN_SERVICE.strip("[]"), executable="", service=UNKNOWN_SERVICE)
+UNKNOWN_PROCESS = Process(
+    pid=UNKNOWN_PID,
+    start_ticks=0,
+    uid=0,
+    nspid=UNKNOWN_PID,
+    comm=UNKNOWN_SERVICE.strip("[]"),
+    executable="",
+    service=UNKNOWN_SERVICE,
+)
 
 
 class _Builder:
     def __init__(self) -> None:
         self.processes: dict[int, Process] = {}
-        self.user: dict[int, int] = {}      # drain stack id → index in this batch
+        self.user: dict[int, int] = {}  # drain stack id → index in this batch
         self.kernel: dict[int, int] = {}
         self.user_stacks: list[tuple[int, ...]] = []
         self.kernel_stacks: list[tuple[int, ...]] = []
         self.samples: list[Sample] = []
 
-    def stack(self, sid: int, stacks: dict[int, tuple[int, ...]], index: dict[int, int],
-              out: list[tuple[int, ...]]) -> int:
+    def stack(
+        self, sid: int, stacks: dict[int, tuple[int, ...]], index: dict[int, int], out: list[tuple[int, ...]]
+    ) -> int:
         if sid < 0 or sid not in stacks:
             return -1
         i = index.get(sid)
@@ -65,7 +73,7 @@ def build_batches(
         by_pid[s[0]].append(s)
 
     builders: dict[int, _Builder] = defaultdict(_Builder)
-    unknown: dict[tuple, list[int]] = {}    # (user stack, kernel stack, extra) → [count, value]
+    unknown: dict[tuple, list[int]] = {}  # (user stack, kernel stack, extra) → [count, value]
     for pid, samples in by_pid.items():
         addresses = {a for s in samples if s[2] in drain.user_stacks for a in drain.user_stacks[s[2]]}
         proc = procs.get(pid, addresses)
@@ -82,22 +90,32 @@ def build_batches(
         b = builders[worker_for(proc.service, live_workers)]
         b.processes[pid] = proc
         for s in samples:
-            b.samples.append(Sample(
-                pid=s[0], tid=s[1],
-                user_stack=b.stack(s[2], drain.user_stacks, b.user, b.user_stacks),
-                kernel_stack=b.stack(s[3], drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                count=s[4], value=s[5], extra=tuple(s[6]) if len(s) > 6 else (),
-            ))
+            b.samples.append(
+                Sample(
+                    pid=s[0],
+                    tid=s[1],
+                    user_stack=b.stack(s[2], drain.user_stacks, b.user, b.user_stacks),
+                    kernel_stack=b.stack(s[3], drain.kernel_stacks, b.kernel, b.kernel_stacks),
+                    count=s[4],
+                    value=s[5],
+                    extra=tuple(s[6]) if len(s) > 6 else (),
+                )
+            )
     if unknown:
         b = builders[worker_for(UNKNOWN_SERVICE, live_workers)]
         b.processes[UNKNOWN_PID] = UNKNOWN_PROCESS
         for (user, kernel, extra), (count, value) in unknown.items():
-            b.samples.append(Sample(
-                pid=UNKNOWN_PID, tid=UNKNOWN_PID,
-                user_stack=b.stack(user, drain.user_stacks, b.user, b.user_stacks),
-                kernel_stack=b.stack(kernel, drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                count=count, value=value, extra=extra,
-            ))
+            b.samples.append(
+                Sample(
+                    pid=UNKNOWN_PID,
+                    tid=UNKNOWN_PID,
+                    user_stack=b.stack(user, drain.user_stacks, b.user, b.user_stacks),
+                    kernel_stack=b.stack(kernel, drain.kernel_stacks, b.kernel, b.kernel_stacks),
+                    count=count,
+                    value=value,
+                    extra=extra,
+                )
+            )
 
     # Host-wide loss counts travel once, with the lowest live worker's batch.
     if drain.lost:
@@ -107,9 +125,13 @@ def build_batches(
     for worker, b in builders.items():
         kaddrs = {a for st in b.kernel_stacks for a in st}
         out[worker] = StackBatch(
-            host=host, profile_type=profile_type, sample_hz=sample_hz, time_ns=time_ns,
+            host=host,
+            profile_type=profile_type,
+            sample_hz=sample_hz,
+            time_ns=time_ns,
             processes=tuple(b.processes.values()),
-            user_stacks=tuple(b.user_stacks), kernel_stacks=tuple(b.kernel_stacks),
+            user_stacks=tuple(b.user_stacks),
+            kernel_stacks=tuple(b.kernel_stacks),
             samples=tuple(b.samples),
             kernel_symbols={a: ksym(a) for a in kaddrs},
             lost=dict(drain.lost) if worker == min(live_workers) else {},

@@ -10,11 +10,13 @@ Must not: know what a count means (on-CPU samples or off-CPU intervals).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 # Ids of DWARF-unwound user stacks in a RawDrain: their 64-bit hash plus this,
 # so they never meet the small ids of bcc's stack maps.
@@ -28,12 +30,13 @@ FLIP_GRACE_S = 0.005
 # starting hundreds of processes a second was the collector's largest cost.
 BATCH_ENTRIES = 4096
 # errnos of a kernel or map type without batch operations: the map is then walked key by key.
-_NO_BATCH = (errno.EINVAL, errno.EOPNOTSUPP, 524)   # 524: the kernel's ENOTSUPP
+_NO_BATCH = (errno.EINVAL, errno.EOPNOTSUPP, 524)  # 524: the kernel's ENOTSUPP
 
 
 @dataclass
 class RawDrain:
     """One drain: counts by key, and the stacks the keys refer to (leaf first)."""
+
     samples: list[tuple] = field(default_factory=list)
     # (pid, tid, user stack id, kernel stack id, count, value[, extra values]): value in ns, or bytes (alloc)
     user_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -68,6 +71,7 @@ class DoubleBuffer:
 @dataclass
 class StackRefs:
     """The stacks the keys of one drain name: stack-map ids, and hashes of DWARF-unwound user stacks."""
+
     user: set[int] = field(default_factory=set)
     kernel: set[int] = field(default_factory=set)
     hashes: set[int] = field(default_factory=set)
@@ -86,7 +90,8 @@ def take_all(table: Any) -> list[tuple[Any, Any]]:
     By BPF_MAP_LOOKUP_AND_DELETE_BATCH through libbcc (bcc 0.26's own items_lookup_and_delete_batch
     passes one variable as both the batch cursor and the count, so it is not used); where the
     kernel has no batch operations for the map, key by key with bcc's items() and clear()."""
-    from bcc import libbcc   # the collector's bcc; imported here so that tests of the rest need none
+    from bcc import libbcc  # the collector's bcc; imported here so that tests of the rest need none
+
     lib = libbcc.lib
     out: list[tuple[Any, Any]] = []
     cursor, next_cursor, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
@@ -94,9 +99,14 @@ def take_all(table: Any) -> list[tuple[Any, Any]]:
     while True:
         keys, values = (table.Key * BATCH_ENTRIES)(), (table.Leaf * BATCH_ENTRIES)()
         count.value = BATCH_ENTRIES
-        res = lib.bpf_lookup_and_delete_batch(table.map_fd, None if first else ctypes.byref(cursor),
-                                              ctypes.byref(next_cursor), ctypes.byref(keys), ctypes.byref(values),
-                                              ctypes.byref(count))
+        res = lib.bpf_lookup_and_delete_batch(
+            table.map_fd,
+            None if first else ctypes.byref(cursor),
+            ctypes.byref(next_cursor),
+            ctypes.byref(keys),
+            ctypes.byref(values),
+            ctypes.byref(count),
+        )
         err = ctypes.get_errno() if res != 0 else 0
         out.extend(zip(_objects(keys, count.value, table.Key), _objects(values, count.value, table.Leaf)))
         if res == 0:
@@ -174,16 +184,14 @@ def take_dwarf_stacks(table: Any, wanted: Sequence[tuple[Iterable[int], dict[int
                 missing += 1
                 continue
             pcs = list(stack.pcs)
-            out[DWARF_STACK_ID_BASE + h] = tuple(pcs[:pcs.index(0)] if 0 in pcs else pcs)
+            out[DWARF_STACK_ID_BASE + h] = tuple(pcs[: pcs.index(0)] if 0 in pcs else pcs)
     return missing
 
 
 def delete_dwarf_stacks(table: Any, hashes: Iterable[int]) -> None:
     for h in hashes:
-        try:
+        with contextlib.suppress(KeyError):
             del table[ctypes.c_uint64(h)]
-        except KeyError:
-            pass
 
 
 def stale_ids(present: Iterable[int], keep: set[int], last_used: dict[int, int], horizon: int) -> list[int]:
@@ -198,10 +206,8 @@ def stale_ids(present: Iterable[int], keep: set[int], last_used: dict[int, int],
 
 def delete_stacks(table: Any, ids: Iterable[int]) -> None:
     for sid in ids:
-        try:
+        with contextlib.suppress(KeyError):
             del table[ctypes.c_int(sid)]
-        except KeyError:
-            pass
 
 
 class LostCounters:

@@ -33,20 +33,25 @@ PROG_INFO_RUN_CNT = 200
 PROG_INFO_SIZE = 256
 STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
 
+
 class _EnableStatsAttr(ctypes.Structure):
     _fields_ = [("type", ctypes.c_uint32), ("pad", ctypes.c_uint8 * 116)]
 
 
 class _InfoByFdAttr(ctypes.Structure):
-    _fields_ = [("bpf_fd", ctypes.c_uint32), ("info_len", ctypes.c_uint32), ("info", ctypes.c_uint64),
-                ("pad", ctypes.c_uint8 * 104)]
+    _fields_ = [
+        ("bpf_fd", ctypes.c_uint32),
+        ("info_len", ctypes.c_uint32),
+        ("info", ctypes.c_uint64),
+        ("pad", ctypes.c_uint8 * 104),
+    ]
 
 
 @dataclass(frozen=True)
 class ProgStats:
     run_time_ns: int
     run_cnt: int
-    prog_id: int = 0     # the id `bpftool prog show` lists it by
+    prog_id: int = 0  # the id `bpftool prog show` lists it by
 
 
 def prog_stats(fd: int) -> ProgStats:
@@ -55,9 +60,11 @@ def prog_stats(fd: int) -> ProgStats:
     attr = _InfoByFdAttr(bpf_fd=fd, info_len=PROG_INFO_SIZE, info=ctypes.addressof(buf))
     syscalls.bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
     raw = buf.raw
-    return ProgStats(int.from_bytes(raw[PROG_INFO_RUN_TIME_NS:PROG_INFO_RUN_TIME_NS + 8], "little"),
-                     int.from_bytes(raw[PROG_INFO_RUN_CNT:PROG_INFO_RUN_CNT + 8], "little"),
-                     int.from_bytes(raw[PROG_INFO_ID:PROG_INFO_ID + 4], "little"))
+    return ProgStats(
+        int.from_bytes(raw[PROG_INFO_RUN_TIME_NS : PROG_INFO_RUN_TIME_NS + 8], "little"),
+        int.from_bytes(raw[PROG_INFO_RUN_CNT : PROG_INFO_RUN_CNT + 8], "little"),
+        int.from_bytes(raw[PROG_INFO_ID : PROG_INFO_ID + 4], "little"),
+    )
 
 
 class RunTimeStats:
@@ -73,7 +80,7 @@ class RunTimeStats:
         """`allow_sysctl`: fall back to writing the sysctl; only for a process that keeps the
         privilege to write it back at close."""
         self.how = ""
-        self.problem = ""      # why the statistics are off, for the caller's log
+        self.problem = ""  # why the statistics are off, for the caller's log
         self._fd = -1
         self._sysctl_before: str | None = None
         try:

@@ -19,14 +19,26 @@ from typing import Any
 # Every timed program, by the name the guard reports (bcc's function name), in slot order. A program
 # of a family that is not compiled keeps its slot and counts nothing.
 TIMED_PROGRAMS = (
-    "on_cpu_sample", "oncpu_unwind_step",
-    "offcpu_switch", "offcpu_resume", "offcpu_unwind_step", "offcpu_unwind_finish",
-    "tracepoint__syscalls__sys_enter_futex", "tracepoint__syscalls__sys_exit_futex", "lock_unwind_step",
-    "alloc_malloc_enter", "alloc_calloc_enter", "alloc_realloc_enter", "alloc_return_probe", "alloc_free_enter",
+    "on_cpu_sample",
+    "oncpu_unwind_step",
+    "offcpu_switch",
+    "offcpu_resume",
+    "offcpu_unwind_step",
+    "offcpu_unwind_finish",
+    "tracepoint__syscalls__sys_enter_futex",
+    "tracepoint__syscalls__sys_exit_futex",
+    "lock_unwind_step",
+    "alloc_malloc_enter",
+    "alloc_calloc_enter",
+    "alloc_realloc_enter",
+    "alloc_return_probe",
+    "alloc_free_enter",
 )
 # The C name of a slot's -D flag: TIMED_<function>, shortened for the futex tracepoints' bodies.
-_C_NAMES = {"tracepoint__syscalls__sys_enter_futex": "sys_enter_futex",
-            "tracepoint__syscalls__sys_exit_futex": "sys_exit_futex"}
+_C_NAMES = {
+    "tracepoint__syscalls__sys_enter_futex": "sys_enter_futex",
+    "tracepoint__syscalls__sys_exit_futex": "sys_exit_futex",
+}
 # One run in this many is timed (on average): two clock reads (~50 ns here) spread over 16 runs, and
 # ~1 in 16 of a window's runs timed (a busy host's 3,500 switches a second: 13,000 a window).
 TIMING_PERIOD = 16
@@ -43,13 +55,15 @@ def bpf_defines() -> dict[str, int]:
 @dataclass(frozen=True)
 class ProgTime:
     """A program's counts since it was loaded: every run, the timed ones, and their nanoseconds."""
+
     runs: int = 0
     timed: int = 0
     timed_ns: int = 0
 
     def since(self, before: ProgTime) -> ProgTime:
-        return ProgTime(max(0, self.runs - before.runs), max(0, self.timed - before.timed),
-                        max(0, self.timed_ns - before.timed_ns))
+        return ProgTime(
+            max(0, self.runs - before.runs), max(0, self.timed - before.timed), max(0, self.timed_ns - before.timed_ns)
+        )
 
     @property
     def run_time_ns(self) -> int:

@@ -27,7 +27,8 @@ import ctypes
 import ctypes.util
 import os
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from collector import syscalls
 
@@ -36,7 +37,7 @@ _BPF_PROG_LOAD = 5
 _BPF_RAW_TRACEPOINT_OPEN = 17
 _BPF_PROG_TYPE_TRACING = 26
 _BPF_TRACE_RAW_TP = 23
-_ATTR_BYTES = 128                   # of union bpf_attr: more than PROG_LOAD's fields up to attach_btf_id
+_ATTR_BYTES = 128  # of union bpf_attr: more than PROG_LOAD's fields up to attach_btf_id
 # The verifier's log when a load fails: enough for the last instructions and the reason.
 _LOG_BYTES = 1 << 20
 # How much of that log an error message quotes.
@@ -44,7 +45,7 @@ _LOG_QUOTED = 2000
 # BTF kinds (include/uapi/linux/btf.h) member_offset looks through.
 _BTF_KIND_PTR, _BTF_KIND_STRUCT, _BTF_KIND_UNION, _BTF_KIND_ENUM, _BTF_KIND_TYPEDEF = 2, 4, 5, 6, 8
 _BTF_KIND_FUNC_PROTO = 13
-_BTF_MODIFIERS = {8, 9, 10, 11, 18}   # typedef, volatile, const, restrict, type_tag
+_BTF_MODIFIERS = {8, 9, 10, 11, 18}  # typedef, volatile, const, restrict, type_tag
 # A kernel type nests far less; bounds the walk through anonymous members and modifiers.
 _BTF_MAX_DEPTH = 16
 
@@ -57,7 +58,7 @@ _libbpf: Any = None
 
 
 def _lib() -> Any:
-    global _libbpf
+    global _libbpf  # noqa: PLW0603
     if _libbpf is None:
         lib = ctypes.CDLL(ctypes.util.find_library("bpf") or "libbpf.so.1", use_errno=True)
         lib.libbpf_find_vmlinux_btf_id.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -106,9 +107,11 @@ def enum_has(enum_name: str, member: str) -> bool | None:
         ptr = lib.btf__type_by_id(btf, type_id)
         _name_off, info, _size = struct.unpack("III", ctypes.string_at(ptr, 12))
         vlen = info & 0xFFFF
-        values = ctypes.string_at(ptr + 12, 8 * vlen)    # struct btf_enum: name_off, val
-        return any(lib.btf__name_by_offset(btf, struct.unpack_from("I", values, 8 * i)[0]) == member.encode()
-                   for i in range(vlen))
+        values = ctypes.string_at(ptr + 12, 8 * vlen)  # struct btf_enum: name_off, val
+        return any(
+            lib.btf__name_by_offset(btf, struct.unpack_from("I", values, 8 * i)[0]) == member.encode()
+            for i in range(vlen)
+        )
     finally:
         lib.btf__free(btf)
 
@@ -236,20 +239,30 @@ class BtfProgram:
         for level in (0, 1):
             attr = ctypes.create_string_buffer(_ATTR_BYTES)
             # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf
-            struct.pack_into("IIQQIIQ", attr, 0, _BPF_PROG_TYPE_TRACING, len(insns) // 8, ctypes.addressof(code),
-                             ctypes.addressof(license_), level, _LOG_BYTES if level else 0,
-                             ctypes.addressof(log) if level else 0)
-            struct.pack_into("15s", attr, 48, fn_name.encode()[:15])          # prog_name (16 with its NUL)
-            struct.pack_into("I", attr, 68, _BPF_TRACE_RAW_TP)                  # expected_attach_type
-            struct.pack_into("I", attr, 108, tracepoint_btf_id(tracepoint))     # attach_btf_id
+            struct.pack_into(
+                "IIQQIIQ",
+                attr,
+                0,
+                _BPF_PROG_TYPE_TRACING,
+                len(insns) // 8,
+                ctypes.addressof(code),
+                ctypes.addressof(license_),
+                level,
+                _LOG_BYTES if level else 0,
+                ctypes.addressof(log) if level else 0,
+            )
+            struct.pack_into("15s", attr, 48, fn_name.encode()[:15])  # prog_name (16 with its NUL)
+            struct.pack_into("I", attr, 68, _BPF_TRACE_RAW_TP)  # expected_attach_type
+            struct.pack_into("I", attr, 108, tracepoint_btf_id(tracepoint))  # attach_btf_id
             try:
                 self.fd = syscalls.bpf(_BPF_PROG_LOAD, attr)
                 return
             except OSError as e:
                 if level:
                     text = log.value.decode("utf-8", "replace")
-                    raise BtfProgramError(f"loading {fn_name} on {tracepoint}: {e.strerror}; verifier: "
-                                          f"{text[-_LOG_QUOTED:]}") from None
+                    raise BtfProgramError(
+                        f"loading {fn_name} on {tracepoint}: {e.strerror}; verifier: {text[-_LOG_QUOTED:]}"
+                    ) from None
 
     @property
     def attached(self) -> bool:
@@ -259,7 +272,7 @@ class BtfProgram:
         if self._link >= 0:
             return
         attr = ctypes.create_string_buffer(_ATTR_BYTES)
-        struct.pack_into("QI", attr, 0, 0, self.fd)     # name: none (the program's BTF id names it)
+        struct.pack_into("QI", attr, 0, 0, self.fd)  # name: none (the program's BTF id names it)
         try:
             self._link = syscalls.bpf(_BPF_RAW_TRACEPOINT_OPEN, attr)
         except OSError as e:

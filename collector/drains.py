@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 # An early drain is at least this long after the last drain (at most five a second).
 EARLY_DRAIN_S = 0.2
@@ -57,8 +57,16 @@ PID_MAX_FLOOR = 32768
 PROC_STAT_CAP = 1 << 20
 
 
-def regular_delay(*, keys: int, pids_made: int, stretch_s: float, pid_max: int, until_boundary_s: float,
-                  shortest_s: float, longest_s: float) -> float:
+def regular_delay(
+    *,
+    keys: int,
+    pids_made: int,
+    stretch_s: float,
+    pid_max: int,
+    until_boundary_s: float,
+    shortest_s: float,
+    longest_s: float,
+) -> float:
     """Seconds to the next regular drain, after one that took `keys` keys (all families) over the
     last `stretch_s` seconds, during which the host made `pids_made` pids: longest_s on a quiet
     host, shorter while the keys or the pid churn need it, never under shortest_s, and never past
@@ -83,7 +91,7 @@ def forks(proc: str = "/proc") -> int | None:
     if at < 0:
         return None
     try:
-        return int(data[at + len(b"\nprocesses "):].split(b"\n", 1)[0])
+        return int(data[at + len(b"\nprocesses ") :].split(b"\n", 1)[0])
     except ValueError:
         return None
 
@@ -104,13 +112,12 @@ def _alive(pid: int) -> bool:
 class EarlyDrains:
     """The new processes an early drain may be for, and when it is due."""
 
-    def __init__(self, alive: Callable[[int], bool] = _alive,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, alive: Callable[[int], bool] = _alive, clock: Callable[[], float] = time.monotonic) -> None:
         self._alive = alive
         self._clock = clock
-        self._pending: dict[int, float] = {}   # pid → when its event was taken
+        self._pending: dict[int, float] = {}  # pid → when its event was taken
         self._last_look = float("-inf")
-        self.gone = 0                          # early drains not made: their processes had exited
+        self.gone = 0  # early drains not made: their processes had exited
 
     def notified(self, pids: Iterable[int]) -> None:
         now = self._clock()

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
 from shared import files
 
@@ -46,34 +46,61 @@ _FUNC_TASK_PT_REGS = 175
 @dataclass(frozen=True)
 class FeatureSpec:
     name: str
-    since: str       # where it came from: "Linux 5.11"
-    what: str        # what it is
-    without: str     # what the agent does on a kernel without it
-    requires: tuple[str, ...] = ()   # features it cannot be used without
+    since: str  # where it came from: "Linux 5.11"
+    what: str  # what it is
+    without: str  # what the agent does on a kernel without it
+    requires: tuple[str, ...] = ()  # features it cannot be used without
 
 
 FEATURES: tuple[FeatureSpec, ...] = (
-    FeatureSpec("btf", "CONFIG_DEBUG_INFO_BTF=y", "the kernel's type information (/sys/kernel/btf/vmlinux)",
-                "no off-CPU profiles (their programs are BTF-typed tracepoints), and user stacks of samples "
-                "taken in the kernel use frame pointers"),
-    FeatureSpec("ringbuf", "Linux 5.8", "BPF ring buffers",
-                "a new process is read at the next regular drain (up to 60 s later) rather than soon after "
-                "it starts, and JVM register samples (jvm_cpu) are off"),
-    FeatureSpec("get_task_stack", "Linux 5.9", "bpf_get_task_stack",
-                "off-CPU stacks have no kernel frames"),
-    FeatureSpec("task_storage", "Linux 5.11", "BPF task local storage and bpf_get_current_task_btf",
-                "off-CPU keeps its per-thread records in an LRU hash map by thread id instead", ("btf",)),
-    FeatureSpec("memcg_accounting", "Linux 5.11", "BPF maps charged to the memory cgroup",
-                "BPF maps are charged to RLIMIT_MEMLOCK: the collector raises its limit at start (as root, "
-                "or under a systemd unit with LimitMEMLOCK=infinity)"),
-    FeatureSpec("task_pt_regs", "Linux 5.15", "bpf_task_pt_regs (user registers of a task in the kernel)",
-                "user stacks of on-CPU samples taken in the kernel, and every off-CPU user stack, are walked "
-                "with frame pointers only (DWARF unwinding needs the user registers)", ("btf", "task_storage")),
-    FeatureSpec("switch_prev_state", "Linux 5.18", "sched_switch's prev_state argument",
-                "off-CPU reads the blocking task's state from its task_struct (the field BTF names), as the "
-                "classic tracepoint did", ("btf",)),
-    FeatureSpec("uprobe_multi", "Linux 6.6", "uprobe_multi links",
-                "no allocation profiles (alloc_targets is refused)", ("btf",)),
+    FeatureSpec(
+        "btf",
+        "CONFIG_DEBUG_INFO_BTF=y",
+        "the kernel's type information (/sys/kernel/btf/vmlinux)",
+        "no off-CPU profiles (their programs are BTF-typed tracepoints), and user stacks of samples "
+        "taken in the kernel use frame pointers",
+    ),
+    FeatureSpec(
+        "ringbuf",
+        "Linux 5.8",
+        "BPF ring buffers",
+        "a new process is read at the next regular drain (up to 60 s later) rather than soon after "
+        "it starts, and JVM register samples (jvm_cpu) are off",
+    ),
+    FeatureSpec("get_task_stack", "Linux 5.9", "bpf_get_task_stack", "off-CPU stacks have no kernel frames"),
+    FeatureSpec(
+        "task_storage",
+        "Linux 5.11",
+        "BPF task local storage and bpf_get_current_task_btf",
+        "off-CPU keeps its per-thread records in an LRU hash map by thread id instead",
+        ("btf",),
+    ),
+    FeatureSpec(
+        "memcg_accounting",
+        "Linux 5.11",
+        "BPF maps charged to the memory cgroup",
+        "BPF maps are charged to RLIMIT_MEMLOCK: the collector raises its limit at start (as root, "
+        "or under a systemd unit with LimitMEMLOCK=infinity)",
+    ),
+    FeatureSpec(
+        "task_pt_regs",
+        "Linux 5.15",
+        "bpf_task_pt_regs (user registers of a task in the kernel)",
+        "user stacks of on-CPU samples taken in the kernel, and every off-CPU user stack, are walked "
+        "with frame pointers only (DWARF unwinding needs the user registers)",
+        ("btf", "task_storage"),
+    ),
+    FeatureSpec(
+        "switch_prev_state",
+        "Linux 5.18",
+        "sched_switch's prev_state argument",
+        "off-CPU reads the blocking task's state from its task_struct (the field BTF names), as the "
+        "classic tracepoint did",
+        ("btf",),
+    ),
+    FeatureSpec(
+        "uprobe_multi", "Linux 6.6", "uprobe_multi links", "no allocation profiles (alloc_targets is refused)", ("btf",)
+    ),
 )
 SPECS: dict[str, FeatureSpec] = {f.name: f for f in FEATURES}
 
@@ -82,7 +109,7 @@ SPECS: dict[str, FeatureSpec] = {f.name: f for f in FEATURES}
 class Feature:
     spec: FeatureSpec
     available: bool
-    why: str = ""    # when not available: "the kernel lacks it", "turned off by ...", "not probed: ..."
+    why: str = ""  # when not available: "the kernel lacks it", "turned off by ...", "not probed: ..."
 
     def describe(self) -> str:
         if self.available:
@@ -93,8 +120,8 @@ class Feature:
 @dataclass(frozen=True)
 class KernelFeatures:
     release: str
-    probes: Mapping[str, bool | None]           # as probed: True, False, or None (could not tell)
-    disabled: frozenset[str] = frozenset()     # turned off by DISABLE_ENV
+    probes: Mapping[str, bool | None]  # as probed: True, False, or None (could not tell)
+    disabled: frozenset[str] = frozenset()  # turned off by DISABLE_ENV
     features: Mapping[str, Feature] = field(default_factory=dict)
 
     def has(self, name: str) -> bool:
@@ -104,9 +131,15 @@ class KernelFeatures:
         return [f for f in self.features.values() if not f.available]
 
     def to_json(self) -> dict[str, object]:
-        return {"release": self.release, "probes": dict(self.probes), "disabled": sorted(self.disabled),
-                "features": {n: {"available": f.available, "why": f.why, "since": f.spec.since,
-                                 "without": f.spec.without} for n, f in self.features.items()}}
+        return {
+            "release": self.release,
+            "probes": dict(self.probes),
+            "disabled": sorted(self.disabled),
+            "features": {
+                n: {"available": f.available, "why": f.why, "since": f.spec.since, "without": f.spec.without}
+                for n, f in self.features.items()
+            },
+        }
 
 
 def resolve(release: str, probes: Mapping[str, bool | None], disabled: frozenset[str] = frozenset()) -> KernelFeatures:
@@ -114,7 +147,7 @@ def resolve(release: str, probes: Mapping[str, bool | None], disabled: frozenset
     requires are available, and it was not turned off. A probe that could not tell (None: no privilege to load a program) counts as missing,
     with that reason, so that nothing is used on a guess."""
     out: dict[str, Feature] = {}
-    for spec in FEATURES:   # in an order where every feature comes after those it requires
+    for spec in FEATURES:  # in an order where every feature comes after those it requires
         found = probes.get(spec.name)
         lacking = [r for r in spec.requires if not out[r].available]
         if spec.name in disabled:
@@ -146,12 +179,12 @@ def status_path(run_dir: str) -> str:
     return os.path.join(run_dir, STATUS_FILE)
 
 
-def write_status(run_dir: str, kernel: KernelFeatures, refused: list[tuple[str, str]],
-                 extra: Mapping[str, object]) -> None:
+def write_status(
+    run_dir: str, kernel: KernelFeatures, refused: list[tuple[str, str]], extra: Mapping[str, object]
+) -> None:
     """RUN_DIR/kernel.json, which `ebpfprofiler status` prints: the features, what the config asked for and
     the kernel refused, and `extra` (how the collector holds its privileges, the CPUs it samples)."""
-    doc = {"pid": os.getpid(), **kernel.to_json(), "refused": [{"what": w, "why": y} for w, y in refused],
-           **extra}
+    doc = {"pid": os.getpid(), **kernel.to_json(), "refused": [{"what": w, "why": y} for w, y in refused], **extra}
     files.write_atomic(status_path(run_dir), json.dumps(doc, sort_keys=True).encode() + b"\n", mode=0o644)
 
 
@@ -164,8 +197,7 @@ def disabled_by_env(env: Mapping[str, str] = os.environ) -> frozenset[str]:
     names = frozenset(n.strip() for n in env.get(DISABLE_ENV, "").split(",") if n.strip())
     unknown = names - set(SPECS)
     if unknown:
-        raise ValueError(f"{DISABLE_ENV}: unknown feature(s) {', '.join(sorted(unknown))}; "
-                         f"known: {', '.join(SPECS)}")
+        raise ValueError(f"{DISABLE_ENV}: unknown feature(s) {', '.join(sorted(unknown))}; known: {', '.join(SPECS)}")
     return names
 
 
@@ -188,11 +220,15 @@ def probe(sys_dir: str = "/sys", env: Mapping[str, str] = os.environ) -> KernelF
         "btf": lambda: btf,
         "ringbuf": lambda: btfprog.probe_map_type(_MAP_TYPE_RINGBUF),
         "get_task_stack": helper(_FUNC_GET_TASK_STACK),
-        "task_storage": lambda: _both(btfprog.probe_map_type(_MAP_TYPE_TASK_STORAGE),
-                                      btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_GET_CURRENT_TASK_BTF)),
+        "task_storage": lambda: _both(
+            btfprog.probe_map_type(_MAP_TYPE_TASK_STORAGE),
+            btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_GET_CURRENT_TASK_BTF),
+        ),
         # bpf_get_current_task_btf, which the programs call for the task's registers, came in 5.11
-        "task_pt_regs": lambda: _both(btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_TASK_PT_REGS),
-                                      btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_GET_CURRENT_TASK_BTF)),
+        "task_pt_regs": lambda: _both(
+            btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_TASK_PT_REGS),
+            btfprog.probe_helper(_PROG_TYPE_PERF_EVENT, _FUNC_GET_CURRENT_TASK_BTF),
+        ),
         # as libbpf tells (its FEAT_MEMCG_ACCOUNT): bpf_ktime_get_coarse_ns came in the same release, and
         # a socket filter may call it (6.1's tracing programs may not)
         "memcg_accounting": lambda: btfprog.probe_helper(_PROG_TYPE_SOCKET_FILTER, _FUNC_KTIME_GET_COARSE_NS),
@@ -203,6 +239,6 @@ def probe(sys_dir: str = "/sys", env: Mapping[str, str] = os.environ) -> KernelF
     for name, call in calls.items():
         try:
             probes[name] = call()
-        except OSError:   # libbpf missing or unloadable: nothing can be told
+        except OSError:  # libbpf missing or unloadable: nothing can be told
             probes[name] = None
     return resolve(os.uname().release, probes, disabled_by_env(env))

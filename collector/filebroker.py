@@ -35,6 +35,7 @@ or block the collector's drain loop: it serves in its own threads.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import logging
 import os
@@ -42,13 +43,13 @@ import socket
 import stat
 import struct
 import threading
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_status
-from shared.procstat import start_ticks
 from shared import endpoints
 from shared.files import open_in_root
 from shared.log import LogOnce
+from shared.procstat import start_ticks
 from shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ _PATH_ONLY = os.O_PATH | os.O_CLOEXEC
 DEBUG_DIR = "usr/lib/debug/.build-id"
 # symbolizer/elf.py reads no file larger than 2 GiB (its MAX_FILE_BYTES): a larger one is not passed for nothing.
 MAX_DEBUG_FILE_BYTES = 2 << 30
+
 
 class Refused(Exception):
     def __init__(self, error: str, reason: str) -> None:
@@ -80,8 +82,7 @@ def _start_ticks(proc: str, pid: int) -> int:
 def open_module(proc: str, req: FileRequest) -> int:
     with open(f"{proc}/{req.pid}/maps", "rb") as f:
         maps = parse_maps(f.read(MAX_MAPS_BYTES).decode("utf-8", "replace"))
-    if not any(m.start == req.start and m.end == req.end and m.inode and not m.path.startswith("[")
-               for m in maps):
+    if not any(m.start == req.start and m.end == req.end and m.inode and not m.path.startswith("[") for m in maps):
         raise Refused("refused", f"process {req.pid} has no executable file mapping {req.start:x}-{req.end:x}")
     fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", _PATH_ONLY)
     return _reopen_regular(fd, f"mapping {req.start:x}-{req.end:x}")
@@ -103,7 +104,7 @@ def open_perf_map(proc: str, req: FileRequest) -> int:
         fd = os.open(name, _PATH_ONLY | os.O_NOFOLLOW, dir_fd=tmp)
     finally:
         os.close(tmp)
-    if stat.S_ISLNK(os.fstat(fd).st_mode):   # O_PATH|O_NOFOLLOW opens the symlink itself
+    if stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH|O_NOFOLLOW opens the symlink itself
         os.close(fd)
         raise Refused("refused", f"{name} is a symlink")
     return _reopen_regular(fd, name)
@@ -116,17 +117,17 @@ def open_debug(roots: Sequence[str], build_id: str) -> int:
     none could be served, the first reason (Refused, or the OSError of a root or file we
     could not open)."""
     path = f"{DEBUG_DIR}/{build_id[:2]}/{build_id[2:]}.debug"
-    failed: Exception | None = None   # the first reason a root had none to give, other than "not there"
+    failed: Exception | None = None  # the first reason a root had none to give, other than "not there"
     seen: set[tuple[int, int]] = set()
     for root in roots:
         try:
             dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:   # the process is gone, or its root is not ours to see: the host may have it
+        except OSError as e:  # the process is gone, or its root is not ours to see: the host may have it
             failed = failed or (None if isinstance(e, FileNotFoundError) else e)
             continue
         try:
             st = os.fstat(dirfd)
-            if (st.st_dev, st.st_ino) in seen:   # the process's root is the host's
+            if (st.st_dev, st.st_ino) in seen:  # the process's root is the host's
                 continue
             seen.add((st.st_dev, st.st_ino))
             fd = _open_in_root(dirfd, path)
@@ -210,12 +211,10 @@ class FileBroker:
         self.path = endpoints.file_broker(run_dir)
         self._proc = proc
         self._allowed = set(allowed_uids)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o007)   # the agent's group may connect; nobody else
+        old = os.umask(0o007)  # the agent's group may connect; nobody else
         try:
             self._sock.bind(self.path)
         finally:
@@ -233,7 +232,7 @@ class FileBroker:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
-                return   # closed
+                return  # closed
             uid = _peer_uid(conn)
             if uid not in self._allowed:
                 self.stats["peers_refused"] += 1
@@ -242,8 +241,12 @@ class FileBroker:
                 continue
             if not self._slots.acquire(blocking=False):
                 self.stats["peers_refused"] += 1
-                self._log_once("busy", logging.WARNING, "file broker: %d connections are being served; "
-                               "further ones are closed (counted in peers_refused)", MAX_CONNECTIONS)
+                self._log_once(
+                    "busy",
+                    logging.WARNING,
+                    "file broker: %d connections are being served; further ones are closed (counted in peers_refused)",
+                    MAX_CONNECTIONS,
+                )
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="file-broker-conn", daemon=True).start()
@@ -275,8 +278,9 @@ class FileBroker:
                 self.stats["served" if reply.ok else "refused"] += 1
                 try:
                     fds = [fd] if fd is not None else []
-                    conn.sendmsg(encode(reply), [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                                 if fds else [])
+                    conn.sendmsg(
+                        encode(reply), [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+                    )
                 except OSError:
                     return
                 finally:
@@ -285,15 +289,11 @@ class FileBroker:
 
     def close(self) -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def _peer_uid(conn: socket.socket) -> int:

@@ -21,15 +21,29 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_dwarf_stacks,
-                                            delete_stacks, read_dwarf_stacks, read_stacks, stale_ids, take_counts)
+from collector.bpfmaps import (
+    DoubleBuffer,
+    LostCounters,
+    RawDrain,
+    delete_dwarf_stacks,
+    delete_stacks,
+    read_dwarf_stacks,
+    read_stacks,
+    stale_ids,
+    take_counts,
+)
 from collector.sources import EventSource
 
 log = logging.getLogger(__name__)
 
 # Names of the <prefix>_lost slots in bpf/offcpu.c and bpf/lock.c, in order.
-LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded",
-                "start_map_full", "stack_gone")
+LOST_REASONS = (
+    "counts_map_full",
+    "user_stack_not_recorded",
+    "kernel_stack_not_recorded",
+    "start_map_full",
+    "stack_gone",
+)
 # Threads blocked at once that can be tracked; a host with more is rare, and
 # the map is an LRU: the oldest sleepers are forgotten first (and counted).
 START_ENTRIES = 65536
@@ -42,13 +56,14 @@ STACK_SWEEP_EVERY = 5
 class IntervalTracer(EventSource):
     """One interval family: `prefix` names its maps, `tracepoints` its TRACEPOINT_PROBEs (for the log)."""
 
-    def __init__(self, bpf: Any, prefix: str, profile_type: str, tracepoints: tuple[bytes, ...],
-                 label: str, dwarf: bool = False) -> None:
+    def __init__(
+        self, bpf: Any, prefix: str, profile_type: str, tracepoints: tuple[bytes, ...], label: str, dwarf: bool = False
+    ) -> None:
         self.profile_type = profile_type
-        self.label = label     # how the log names it
+        self.label = label  # how the log names it
         self.prefix = prefix
         self.tracepoints = tracepoints
-        self.dwarf = dwarf     # compiled with its DWARF path: <prefix>_dwarf_stacks exists
+        self.dwarf = dwarf  # compiled with its DWARF path: <prefix>_dwarf_stacks exists
         self._dwarf_stacks = bpf[f"{prefix}_dwarf_stacks"] if dwarf else None
         self._hash_used: dict[int, int] = {}
         self._bpf = bpf
@@ -63,8 +78,9 @@ class IntervalTracer(EventSource):
         _, counts = self._buffers.retire()
         out = RawDrain()
         refs = take_counts(counts, out, lambda v: (v.count, v.ns))
-        gone = read_stacks(self._stacks, refs.user, out.user_stacks) + \
-            read_stacks(self._stacks, refs.kernel, out.kernel_stacks)
+        gone = read_stacks(self._stacks, refs.user, out.user_stacks) + read_stacks(
+            self._stacks, refs.kernel, out.kernel_stacks
+        )
         if self._dwarf_stacks is not None:
             gone += read_dwarf_stacks(self._dwarf_stacks, refs.hashes, out.user_stacks)
             for h in refs.hashes:
@@ -79,7 +95,7 @@ class IntervalTracer(EventSource):
         return out
 
     def _sweep(self) -> None:
-        present = [k.value for k in self._stacks.keys()]   # before the pending scan: see the module doc
+        present = [k.value for k in self._stacks]  # before the pending scan: see the module doc
         pending: set[int] = set()
         for v in self._bpf[f"{self.prefix}_start"].values():
             pending.add(v.user_stack)
@@ -89,6 +105,6 @@ class IntervalTracer(EventSource):
         delete_stacks(self._stacks, stale)
         log.debug("%s stack sweep: %d ids, %d pending, %d deleted", self.prefix, len(present), len(pending), len(stale))
         if self._dwarf_stacks is not None:
-            present = [k.value for k in self._dwarf_stacks.keys()]
+            present = [k.value for k in self._dwarf_stacks]
             pending_hashes = {v.user_hash for v in self._bpf[f"{self.prefix}_start"].values()}
             delete_dwarf_stacks(self._dwarf_stacks, stale_ids(present, pending_hashes, self._hash_used, horizon))

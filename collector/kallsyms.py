@@ -44,8 +44,9 @@ class KernelSymbols:
         self._offsets.append(len(blob))
         self._names = bytes(blob)
         if not rows:
-            log.warning("%s shows no kernel addresses (kptr_restrict, or no CAP_SYSLOG): "
-                        "kernel frames will have no names", path)
+            log.warning(
+                "%s shows no kernel addresses (kptr_restrict, or no CAP_SYSLOG): kernel frames will have no names", path
+            )
 
     def __len__(self) -> int:
         return len(self._addrs)
@@ -55,4 +56,4 @@ class KernelSymbols:
         i = bisect.bisect_right(self._addrs, address) - 1
         if i < 0:
             return ""
-        return self._names[self._offsets[i]:self._offsets[i + 1]].decode("utf-8", "replace")
+        return self._names[self._offsets[i] : self._offsets[i + 1]].decode("utf-8", "replace")

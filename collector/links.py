@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import zmq
 
@@ -66,8 +66,11 @@ class WorkerLinks:
                     log.info("symbolizer worker %d is connected: it takes its services", w)
                 elif event == _DOWN and w in self._live:
                     self._live.discard(w)
-                    log.warning("symbolizer worker %d disconnected: its services move to workers %s",
-                                w, sorted(self._live) or "none (batches wait)")
+                    log.warning(
+                        "symbolizer worker %d disconnected: its services move to workers %s",
+                        w,
+                        sorted(self._live) or "none (batches wait)",
+                    )
         return sorted(self._live) or self.workers
 
     def wait_connected(self, timeout_ms: int) -> None:

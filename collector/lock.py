@@ -14,6 +14,7 @@ other stages.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from typing import Any
@@ -36,14 +37,18 @@ class LockTracer(IntervalTracer, TargetedSource):
         self._pids = bpf["lock_pids"]
         self.pids: set[int] = set()
         self.refused = 0
-        self._attached = True    # bcc attached the tracepoints when it loaded the module
+        self._attached = True  # bcc attached the tracepoints when it loaded the module
         log.info("lock profiling attached to %s for target processes", " and ".join(t.decode() for t in TRACEPOINTS))
 
     def add(self, t: Target) -> None:
         if len(self.pids) >= LOCK_PIDS:
             self.refused += 1
-            log.warning("lock profiling: %d target processes already; pid %d (%s) is not profiled",
-                        LOCK_PIDS, t.pid, t.executable)
+            log.warning(
+                "lock profiling: %d target processes already; pid %d (%s) is not profiled",
+                LOCK_PIDS,
+                t.pid,
+                t.executable,
+            )
             return
         if self._attached:
             self._pids[ctypes.c_uint32(t.pid)] = ctypes.c_uint8(1)
@@ -78,8 +83,6 @@ class LockTracer(IntervalTracer, TargetedSource):
         if t.pid not in self.pids:
             return
         self.pids.discard(t.pid)
-        try:
+        with contextlib.suppress(KeyError):
             del self._pids[ctypes.c_uint32(t.pid)]
-        except KeyError:
-            pass
         log.info("lock profiling: pid %d (%s) is gone; no longer recorded", t.pid, t.executable)

@@ -20,6 +20,7 @@ Must not: parse ELF files or process memory, or talk to the network.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -31,19 +32,19 @@ import socket
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import zmq
 
 from collector import alloc, bpftime, drains, features, overhead, plan, preflight, regs, unwind
-from collector.bpfmaps import RawDrain
 from collector.announce import Announcer
+from collector.bpfmaps import RawDrain
 from collector.drains import EarlyDrains
 from collector.filebroker import FileBroker
 from collector.kallsyms import KernelSymbols
 from collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
-from collector.programs import capture_stderr, explain
 from collector.lock import LockTracer
+from collector.programs import capture_stderr, explain
 from collector.routing import worker_for
 from collector.sources import EventSource, TargetedSource
 from collector.targets import TargetWatcher
@@ -82,34 +83,45 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Root stage of ebpfprofiler: samples on-CPU stacks of every process with BPF "
-                    "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
-                    "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
-                    "the in-kernel counts (1 to 60 s apart: closer for many stacks or many new processes, and "
-                    "just after each window boundary) and sends them, with process metadata and "
-                    "mappings, to the symbolizer workers over ZeroMQ. With alloc_targets or lock_targets it also "
-                    "records, for those processes only, allocations (uprobes on libc malloc/calloc/realloc/free, "
-                    "sampled one per alloc_sample_bytes) and futex waits (lock contention). Each upload window "
-                    "it counts what "
-                    "the profiler cost (every stage's CPU plus the kernel's BPF run time of its programs) "
-                    "and halves sample_hz while that is over overhead_budget_pct of one CPU (doubling it "
-                    "back after three windows under half the budget); the figures go to the log and to "
-                    "RUN_DIR/status.json (`ebpfprofiler status`). SIGHUP reads overhead_budget_pct from "
-                    "--config again. Stops cleanly on SIGTERM/SIGINT, detaching every BPF program and "
-                    "perf event.")
+        "(cpu-clock perf event at sample_hz on every CPU) and, with offcpu: true, where "
+        "threads block (sched:sched_switch, intervals of offcpu_min_ms and more); drains "
+        "the in-kernel counts (1 to 60 s apart: closer for many stacks or many new processes, and "
+        "just after each window boundary) and sends them, with process metadata and "
+        "mappings, to the symbolizer workers over ZeroMQ. With alloc_targets or lock_targets it also "
+        "records, for those processes only, allocations (uprobes on libc malloc/calloc/realloc/free, "
+        "sampled one per alloc_sample_bytes) and futex waits (lock contention). Each upload window "
+        "it counts what "
+        "the profiler cost (every stage's CPU plus the kernel's BPF run time of its programs) "
+        "and halves sample_hz while that is over overhead_budget_pct of one CPU (doubling it "
+        "back after three windows under half the budget); the figures go to the log and to "
+        "RUN_DIR/status.json (`ebpfprofiler status`). SIGHUP reads overhead_budget_pct from "
+        "--config again. Stops cleanly on SIGTERM/SIGINT, detaching every BPF program and "
+        "perf event.",
+    )
     p.add_argument("--config", help="agent YAML file (modules.ebpf_profiler block); required unless --preflight")
-    p.add_argument("--preflight", action="store_true",
-                   help="check that this host can run the collector (kernel >= 5.8, capabilities, "
-                        "kernel.perf_event_paranoid against them, the memlock limit, BTF, tracefs, kernel "
-                        "headers, bcc) and which kernel features it will do without; name what is missing and "
-                        "how to fix it, and exit 0 if ready, 1 if not; the collector also runs these checks at "
-                        "every start, and `ebpfprofiler run` before it starts any stage")
-    p.add_argument("--record", metavar="DIR",
-                   help="with --preflight: also write into DIR the files the checks read and the kernel features "
-                        "probed, so that the same checks can be replayed elsewhere (a bug report, a test)")
-    p.add_argument("--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs "
-                   "(default: %(default)s)")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
-                   help="runtime directory holding the stages' sockets (default: %(default)s)")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check that this host can run the collector (kernel >= 5.8, capabilities, "
+        "kernel.perf_event_paranoid against them, the memlock limit, BTF, tracefs, kernel "
+        "headers, bcc) and which kernel features it will do without; name what is missing and "
+        "how to fix it, and exit 0 if ready, 1 if not; the collector also runs these checks at "
+        "every start, and `ebpfprofiler run` before it starts any stage",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="with --preflight: also write into DIR the files the checks read and the kernel features "
+        "probed, so that the same checks can be replayed elsewhere (a bug report, a test)",
+    )
+    p.add_argument(
+        "--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        help="runtime directory holding the stages' sockets (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     if not args.preflight and not args.config:
         p.error("--config is required")
@@ -128,8 +140,9 @@ def drain_stamp_ns(last_ns: int, now_ns: int, interval_ns: int) -> int:
 
 
 class Collector:
-    def __init__(self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str,
-                 kernel: features.KernelFeatures) -> None:
+    def __init__(
+        self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str, kernel: features.KernelFeatures
+    ) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from collector.offcpu import OffCpuTracer
         from collector.oncpu import OnCpuSampler
@@ -163,8 +176,12 @@ class Collector:
         if cfg.lock_targets:
             self.watchers.append((TargetWatcher(cfg.lock_targets), LockTracer(self.programs.bpf, dwarf=lock_dwarf)))
         if p.alloc:
-            self.watchers.append((TargetWatcher(cfg.alloc_targets),
-                                  alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct)))
+            self.watchers.append(
+                (
+                    TargetWatcher(cfg.alloc_targets),
+                    alloc.AllocTracer(self.programs.bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct),
+                )
+            )
         self.sources += [source for _, source in self.watchers]
         self._snapshot_window: int | None = None
         # (profile type, target pid) → modules with tables, as last logged
@@ -173,46 +190,57 @@ class Collector:
         self.unwind = None
         if dwarf:
             # (off-CPU's step program is a tp_btf program: OffCpuTracer loads it)
-            self.unwind = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["lock"] if lock_dwarf else []),
-                                              run_dir, ctx)
-            log.info("DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from "
-                     "the symbolizers at %s", " and off-CPU" if offcpu_dwarf else "", endpoints.unwind(run_dir))
+            self.unwind = unwind.UnwindTables(
+                self.programs.bpf, ["oncpu"] + (["lock"] if lock_dwarf else []), run_dir, ctx
+            )
+            log.info(
+                "DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from "
+                "the symbolizers at %s",
+                " and off-CPU" if offcpu_dwarf else "",
+                endpoints.unwind(run_dir),
+            )
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
-        self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)   # to runtime readers
-        self.regs = (regs.RegsForwarder(self.programs.bpf, regs_names, self.announcer.publish, self.host)
-                     if regs_names else None)
+        self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)  # to runtime readers
+        self.regs = (
+            regs.RegsForwarder(self.programs.bpf, regs_names, self.announcer.publish, self.host) if regs_names else None
+        )
         # batches_split: batches over MAX_BATCH_BYTES, sent in parts; parts_unsendable: a part that could
         # not be made to fit (its samples counted lost as <type>.oversize).
         self.totals = {"batches": 0, "batches_dropped": 0, "batches_split": 0, "parts_unsendable": 0}
-        self.counters = counters.CounterFile(run_dir, "collector")   # the checks that fired, for status
+        self.counters = counters.CounterFile(run_dir, "collector")  # the checks that fired, for status
         self._log_once = log_mod.LogOnce(log)
         self.early = EarlyDrains()
-        self._dropped_since_ok: dict[int, int] = {}    # worker → samples dropped in this episode
+        self._dropped_since_ok: dict[int, int] = {}  # worker → samples dropped in this episode
         self._drop_logged: dict[int, float] = {}
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
-        self.sampling = False    # perf events and tracepoints attached
-        self._drain_keys = 0            # keys the last drain took, all families
-        self._drain_new_processes = 0   # processes it read from /proc for the first time (for the log)
-        self._drain_pids = 0            # pids the host made between the last two drains
-        self._drain_stretch_s = 0.0     # seconds between them
+        self.sampling = False  # perf events and tracepoints attached
+        self._drain_keys = 0  # keys the last drain took, all families
+        self._drain_new_processes = 0  # processes it read from /proc for the first time (for the log)
+        self._drain_pids = 0  # pids the host made between the last two drains
+        self._drain_stretch_s = 0.0  # seconds between them
         self._pid_max = drains.pid_max()
         self._forks = drains.forks()
-        self._last_drain_ns = time.time_ns()   # wall clock: the samples of a drain were taken since then
-        self.interval_s = cfg.upload_interval_s   # the window length in force (remote config may change it)
+        self._last_drain_ns = time.time_ns()  # wall clock: the samples of a drain were taken since then
+        self.interval_s = cfg.upload_interval_s  # the window length in force (remote config may change it)
         self.unwind_counters: dict[str, int] = {}
         self._trimmed_at = time.monotonic()
-        self.guard = overhead.OverheadGuard(run_dir, cfg.sample_hz, cfg.overhead_budget_pct,
-                                            bpftime.describe_method(), lambda: bpftime.read(self.programs.bpf))
+        self.guard = overhead.OverheadGuard(
+            run_dir,
+            cfg.sample_hz,
+            cfg.overhead_budget_pct,
+            bpftime.describe_method(),
+            lambda: bpftime.read(self.programs.bpf),
+        )
 
     def start(self) -> None:
         """Open the perf events and start sampling: after this the collector opens no perf event again
         (collector/perfevents.py), so a capability it held only to open them may go."""
         self.links.wait_connected(CONNECT_WAIT_MS)
         self.oncpu.attach()
-        self.sampling = True     # (bcc attached the off-CPU tracepoints when it loaded them)
-        _malloc_trim()   # give back what LLVM left behind after compiling
+        self.sampling = True  # (bcc attached the off-CPU tracepoints when it loaded them)
+        _malloc_trim()  # give back what LLVM left behind after compiling
         _page_out_compiler()
 
     def pause(self) -> None:
@@ -263,9 +291,14 @@ class Collector:
         if self.watchers:
             return DRAIN_INTERVAL_S
         return drains.regular_delay(
-            keys=self._drain_keys, pids_made=self._drain_pids, stretch_s=self._drain_stretch_s,
-            pid_max=self._pid_max, until_boundary_s=interval_s - now_wall % interval_s + BOUNDARY_LAG_S,
-            shortest_s=DRAIN_INTERVAL_S, longest_s=IDLE_DRAIN_INTERVAL_S)
+            keys=self._drain_keys,
+            pids_made=self._drain_pids,
+            stretch_s=self._drain_stretch_s,
+            pid_max=self._pid_max,
+            until_boundary_s=interval_s - now_wall % interval_s + BOUNDARY_LAG_S,
+            shortest_s=DRAIN_INTERVAL_S,
+            longest_s=IDLE_DRAIN_INTERVAL_S,
+        )
 
     def drain_once(self) -> None:
         now_ns = time.time_ns()
@@ -310,7 +343,7 @@ class Collector:
                 self.unwind_counters[name] = self.unwind_counters.get(name, 0) + n
         self.counters.update(self.checks())
         if time.monotonic() - self._trimmed_at >= MALLOC_TRIM_GAP_S:
-            _malloc_trim()   # the drain's buffers, freed, would otherwise stay resident (growth suite)
+            _malloc_trim()  # the drain's buffers, freed, would otherwise stay resident (growth suite)
             self._trimmed_at = time.monotonic()
 
     def ship(self, raw: RawDrain, profile_type: str, time_ns: int, live: Sequence[int]) -> None:
@@ -318,8 +351,15 @@ class Collector:
         from collector.batcher import build_batches
 
         batches = build_batches(
-            raw, self.procs, self.ksyms.name, host=self.host, profile_type=profile_type,
-            sample_hz=self.oncpu.sample_hz, time_ns=time_ns, live_workers=live)
+            raw,
+            self.procs,
+            self.ksyms.name,
+            host=self.host,
+            profile_type=profile_type,
+            sample_hz=self.oncpu.sample_hz,
+            time_ns=time_ns,
+            live_workers=live,
+        )
         self.samples[profile_type] += sum(s[4] for s in raw.samples)
         for reason, n in raw.lost.items():
             key = f"{profile_type}.{reason}"
@@ -328,7 +368,7 @@ class Collector:
             log.warning("%s: lost in kernel this drain: %s (totals %s)", profile_type, raw.lost, self.lost)
         for worker, batch in batches.items():
             if self.unwind is not None:
-                batch = self.unwind.annotate(batch)
+                batch = self.unwind.annotate(batch)  # noqa: PLW2901
             self.send(worker, batch)
             self.announcer.observe(batch.processes)
             if self.regs is not None:
@@ -348,16 +388,31 @@ class Collector:
             key = (source.profile_type, pid)
             if len(covered) > self._target_tables.get(key, 0):
                 self._target_tables[key] = len(covered)
-                log.info("%s profiling: pid %d unwound with the tables of %s", source.profile_type, pid,
-                         ", ".join(os.path.basename(c) for c in covered))
+                log.info(
+                    "%s profiling: pid %d unwound with the tables of %s",
+                    source.profile_type,
+                    pid,
+                    ", ".join(os.path.basename(c) for c in covered),
+                )
             if requests:
                 procs, reqs = by_worker.setdefault(worker_for(proc.service, live), ([], []))
                 procs.append(proc)
                 reqs.extend(requests)
         for worker, (procs, reqs) in by_worker.items():
-            self.send(worker, StackBatch(host=self.host, profile_type=source.profile_type,
-                                         sample_hz=self.oncpu.sample_hz, time_ns=time.time_ns(), processes=tuple(procs),
-                                         user_stacks=(), kernel_stacks=(), samples=(), unwind_requests=tuple(reqs)))
+            self.send(
+                worker,
+                StackBatch(
+                    host=self.host,
+                    profile_type=source.profile_type,
+                    sample_hz=self.oncpu.sample_hz,
+                    time_ns=time.time_ns(),
+                    processes=tuple(procs),
+                    user_stacks=(),
+                    kernel_stacks=(),
+                    samples=(),
+                    unwind_requests=tuple(reqs),
+                ),
+            )
 
     def snapshots_if_due(self, interval_s: int, final: bool = False) -> None:
         """Once an upload window has ended (or on stop): each source's snapshot (alloc: the live
@@ -381,7 +436,7 @@ class Collector:
         """Sample at `sample_hz`: detach, drain what was taken at the old period, attach at the new one."""
         from collector.oncpu import NSEC_PER_SEC
 
-        attached = self.sampling      # the on-CPU perf events are attached exactly while sampling
+        attached = self.sampling  # the on-CPU perf events are attached exactly while sampling
         if attached:
             self.oncpu.detach()
             self.drain_once()
@@ -398,20 +453,40 @@ class Collector:
         w = self.guard.end_window(self.samples, self.lost, self.procs.stats["read"])
         budget_ms = w.budget_pct / 100 * w.window_s * 1e3
         if w.decision == "halve":
-            log.warning("overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
-                        "sample_hz %d -> %d Hz. Window: %s", w.used_pct / 100 * w.window_s * 1e3, budget_ms,
-                        w.budget_pct, w.rate_hz, w.next_rate_hz, overhead.describe(w))
+            log.warning(
+                "overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
+                "sample_hz %d -> %d Hz. Window: %s",
+                w.used_pct / 100 * w.window_s * 1e3,
+                budget_ms,
+                w.budget_pct,
+                w.rate_hz,
+                w.next_rate_hz,
+                overhead.describe(w),
+            )
         elif w.decision == "over at floor":
-            log.warning("overhead over budget at %d Hz already: %.1f ms used > %.1f ms allowed; the rest is not the "
-                        "sampling rate's (stage CPU, off-CPU tracepoints): raise overhead_budget_pct, or turn off "
-                        "what costs. Window: %s", w.rate_hz, w.used_pct / 100 * w.window_s * 1e3, budget_ms,
-                        overhead.describe(w))
+            log.warning(
+                "overhead over budget at %d Hz already: %.1f ms used > %.1f ms allowed; the rest is not the "
+                "sampling rate's (stage CPU, off-CPU tracepoints): raise overhead_budget_pct, or turn off "
+                "what costs. Window: %s",
+                w.rate_hz,
+                w.used_pct / 100 * w.window_s * 1e3,
+                budget_ms,
+                overhead.describe(w),
+            )
         elif w.decision == overhead.START_UP:
-            log.info("overhead of the start-up window (one-off costs: compiling BPF, building unwind tables; "
-                     "reported, not judged against the budget): %s", overhead.describe(w))
+            log.info(
+                "overhead of the start-up window (one-off costs: compiling BPF, building unwind tables; "
+                "reported, not judged against the budget): %s",
+                overhead.describe(w),
+            )
         elif w.decision == "double":
-            log.info("overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
-                     overhead.RECOVER_AFTER_WINDOWS, w.rate_hz, w.next_rate_hz, overhead.describe(w))
+            log.info(
+                "overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
+                overhead.RECOVER_AFTER_WINDOWS,
+                w.rate_hz,
+                w.next_rate_hz,
+                overhead.describe(w),
+            )
         else:
             log.info("overhead: %s", overhead.describe(w))
         if w.next_rate_hz != self.oncpu.sample_hz:
@@ -424,10 +499,15 @@ class Collector:
     def checks(self) -> dict[str, int]:
         """The checks on hostile input that fired since start, by reason (RUN_DIR/collector.counters.json)."""
         a = self.announcer.stats
-        return {"mappings_cut": self.procs.stats["mappings_cut"], "mapping_tables_cut": self.procs.stats["tables_cut"],
-                "batches_split": self.totals["batches_split"], "batch_parts_unsendable": self.totals["parts_unsendable"],
-                "announcements_split": a["split"], "announcement_parts_unsendable": a["unsendable"],
-                **(self.regs.checks() if self.regs is not None else {})}
+        return {
+            "mappings_cut": self.procs.stats["mappings_cut"],
+            "mapping_tables_cut": self.procs.stats["tables_cut"],
+            "batches_split": self.totals["batches_split"],
+            "batch_parts_unsendable": self.totals["parts_unsendable"],
+            "announcements_split": a["split"],
+            "announcement_parts_unsendable": a["unsendable"],
+            **(self.regs.checks() if self.regs is not None else {}),
+        }
 
     def send(self, worker: int, batch: StackBatch) -> None:
         """`batch` to `worker`: in parts of at most MAX_BATCH_BYTES when it is larger, never dropped whole."""
@@ -436,20 +516,35 @@ class Collector:
             self.totals["batches_split"] += 1
             big = max(batch.processes, key=lambda p: len(p.mappings), default=None)
             if big is not None:
-                self._log_once(("batch_split", big.pid, big.start_ticks), logging.WARNING,
-                               "a %s batch for symbolizer worker %d was over %d bytes: sent in %d parts (its "
-                               "largest mapping table: pid %d (%s), %d mappings); counted as batches_split in "
-                               "status; logged once for that process", batch.profile_type, worker,
-                               MAX_BATCH_BYTES, len(parts), big.pid, big.comm, len(big.mappings))
+                self._log_once(
+                    ("batch_split", big.pid, big.start_ticks),
+                    logging.WARNING,
+                    "a %s batch for symbolizer worker %d was over %d bytes: sent in %d parts (its "
+                    "largest mapping table: pid %d (%s), %d mappings); counted as batches_split in "
+                    "status; logged once for that process",
+                    batch.profile_type,
+                    worker,
+                    MAX_BATCH_BYTES,
+                    len(parts),
+                    big.pid,
+                    big.comm,
+                    len(big.mappings),
+                )
         for part in unfit:
             self.totals["parts_unsendable"] += 1
             key = f"{batch.profile_type}.oversize"
             self.lost[key] = self.lost.get(key, 0) + sum(s.count for s in part.samples)
             for p in part.processes:
-                self._log_once(("batch_part_unsendable", p.pid, p.start_ticks), logging.WARNING,
-                               "pid %d (%s): a sample of it with its process does not fit %d bytes; its samples "
-                               "in that part are lost (counted as %s); logged once for this process", p.pid, p.comm,
-                               MAX_BATCH_BYTES, key)
+                self._log_once(
+                    ("batch_part_unsendable", p.pid, p.start_ticks),
+                    logging.WARNING,
+                    "pid %d (%s): a sample of it with its process does not fit %d bytes; its samples "
+                    "in that part are lost (counted as %s); logged once for this process",
+                    p.pid,
+                    p.comm,
+                    MAX_BATCH_BYTES,
+                    key,
+                )
         for part, frames in parts:
             self._send_frames(worker, part, frames)
 
@@ -462,14 +557,22 @@ class Collector:
             now = time.monotonic()
             if now - self._drop_logged.get(worker, -DROP_LOG_EVERY_S) >= DROP_LOG_EVERY_S:
                 self._drop_logged[worker] = now
-                log.warning("symbolizer worker %d is not taking batches (down, or its queue of %d "
-                            "is full): dropped %d samples so far in this episode; next report in %d s",
-                            worker, BATCH_QUEUE_PER_WORKER, dropped[worker], DROP_LOG_EVERY_S)
+                log.warning(
+                    "symbolizer worker %d is not taking batches (down, or its queue of %d "
+                    "is full): dropped %d samples so far in this episode; next report in %d s",
+                    worker,
+                    BATCH_QUEUE_PER_WORKER,
+                    dropped[worker],
+                    DROP_LOG_EVERY_S,
+                )
             return
         self.totals["batches"] += 1
         if dropped.get(worker):
-            log.warning("symbolizer worker %d takes batches again; %d samples were dropped meanwhile",
-                        worker, dropped.pop(worker))
+            log.warning(
+                "symbolizer worker %d takes batches again; %d samples were dropped meanwhile",
+                worker,
+                dropped.pop(worker),
+            )
             self._drop_logged.pop(worker, None)
 
     def close(self) -> None:
@@ -494,41 +597,51 @@ class Collector:
         self.broker.close()
         self.announcer.close()
         self.counters.update(self.checks(), force=True)
-        log.info("collector stopped: samples %s, lost %s, %s, files %s", self.samples, self.lost or "none",
-                 {**self.totals, "early_drains_not_made": self.early.gone}, self.broker.stats)
+        log.info(
+            "collector stopped: samples %s, lost %s, %s, files %s",
+            self.samples,
+            self.lost or "none",
+            {**self.totals, "early_drains_not_made": self.early.gone},
+            self.broker.stats,
+        )
 
 
-def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig,
-                         watcher: remote_config.Watcher) -> None:
+def follow_remote_config(collector: Collector, cfg: config_mod.ProfilerConfig, watcher: remote_config.Watcher) -> None:
     """Pause or resume sampling when the overrides file changed `enabled`."""
     if not watcher.check():
         return
     enabled = remote_config.effective(cfg, watcher.overrides).enabled
     if enabled and not collector.sampling:
         collector.resume()
-        log.info("remote config: profiling enabled again: on-CPU%s sampling attached",
-                 " and off-CPU" if cfg.offcpu else "")
+        log.info(
+            "remote config: profiling enabled again: on-CPU%s sampling attached", " and off-CPU" if cfg.offcpu else ""
+        )
     elif not enabled and collector.sampling:
         collector.pause()
-        log.info("remote config: profiling disabled (enabled: false): sampling detached, BPF programs stay "
-                 "loaded; nothing is sampled until remote config enables it again")
+        log.info(
+            "remote config: profiling disabled (enabled: false): sampling detached, BPF programs stay "
+            "loaded; nothing is sampled until remote config enables it again"
+        )
 
 
-def reload_budget(collector: Collector, cfg: config_mod.ProfilerConfig,
-                  path: str) -> config_mod.ProfilerConfig:
+def reload_budget(collector: Collector, cfg: config_mod.ProfilerConfig, path: str) -> config_mod.ProfilerConfig:
     """SIGHUP: take overhead_budget_pct from the config file again; other keys need a restart."""
     try:
         new = config_mod.load(path)
     except config_mod.ConfigError as e:
         log.error("SIGHUP: config not reloaded, the old one stays: %s", e)
         return cfg
-    others = sorted(k for k, v in dataclasses.asdict(new).items()
-                    if k != "overhead_budget_pct" and getattr(cfg, k) != v)
+    others = sorted(
+        k for k, v in dataclasses.asdict(new).items() if k != "overhead_budget_pct" and getattr(cfg, k) != v
+    )
     if others:
         log.warning("SIGHUP: only overhead_budget_pct is reloaded; restart the collector for %s", ", ".join(others))
     if new.overhead_budget_pct != cfg.overhead_budget_pct:
-        log.info("SIGHUP: overhead_budget_pct %g -> %g (the window in progress is judged by it)",
-                 cfg.overhead_budget_pct, new.overhead_budget_pct)
+        log.info(
+            "SIGHUP: overhead_budget_pct %g -> %g (the window in progress is judged by it)",
+            cfg.overhead_budget_pct,
+            new.overhead_budget_pct,
+        )
         collector.guard.set_budget(new.overhead_budget_pct)
     else:
         log.info("SIGHUP: overhead_budget_pct stays %g", cfg.overhead_budget_pct)
@@ -575,10 +688,8 @@ def _malloc_trim() -> None:
     /proc reads, freed, leave free chunks whose pages stay resident. Without this, on the growth suite's busy load, glibc's bytes in
     use stayed at ~14 MB (mallinfo2) while the collector's RSS grew from 70 to 75 MB in 10 minutes,
     and one trim then gave back 14 MB. A call costs 0.6-0.8 ms of CPU."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         _libc().malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 @functools.cache
@@ -629,11 +740,11 @@ def raise_memlock(kernel: features.KernelFeatures) -> str:
         return f"RLIMIT_MEMLOCK is {soft} bytes and cannot be raised (hard limit {hard})"
 
 
-def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
+def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:  # noqa: PLR0912
     # The kernel's features, probed before the privilege drop (each probe loads a tiny program).
     try:
         kernel = features.probe()
-    except ValueError as e:     # EBPFPROFILER_DISABLE_FEATURES names a feature that does not exist
+    except ValueError as e:  # EBPFPROFILER_DISABLE_FEATURES names a feature that does not exist
         lifecycle.refuse(prog, str(e), lifecycle.EXIT_BAD_CONFIG)
     memlock = raise_memlock(kernel)
     keep, for_start = start_caps(args.config if not args.preflight else None, preflight.Host().paranoid())
@@ -663,8 +774,10 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         # Nothing is loaded until profiling is enabled: remote config can do that
         # unless the local config turned it off (shared/remote_config.effective).
         if cfg.enabled:
-            log.info("profiling is disabled by remote config (enabled: false); idle until remote config "
-                     "enables it, or until stopped")
+            log.info(
+                "profiling is disabled by remote config (enabled: false); idle until remote config "
+                "enables it, or until stopped"
+            )
         else:
             log.info("profiling is disabled by config (enabled: false); idle until stopped")
         ready.announce(args.run_dir, "collector", f"disabled by {'remote ' if cfg.enabled else ''}config")
@@ -677,8 +790,10 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         log.info("remote config: profiling enabled: loading the BPF programs")
 
     try:
-        with (ready.progress(args.run_dir, "collector", "compiling and loading BPF programs"),   # heartbeat
-              capture_stderr() as said):    # the compiler's and the verifier's words, quoted if refused
+        with (
+            ready.progress(args.run_dir, "collector", "compiling and loading BPF programs"),  # heartbeat
+            capture_stderr() as said,
+        ):  # the compiler's and the verifier's words, quoted if refused
             collector = Collector(cfg, args.bpf_dir, args.run_dir, kernel)
     except Exception as e:  # bcc raises bare Exception for compile and load failures
         log.error("cannot load the BPF programs from %s: %s", args.bpf_dir, explain(e, said))
@@ -687,28 +802,55 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         collector.start()
         if for_start:
             privileges.keep_only(privileges.STAGES["collector"].caps | keep)
-            log.info("kernel.perf_event_paranoid > %d: CAP_SYS_ADMIN was held to open the perf events at "
-                     "start, and is dropped now", preflight.PARANOID_MAX_WITHOUT_SYS_ADMIN)
-        features.write_status(args.run_dir, kernel, collector.refused, {
-            "cap_sys_admin": ("kept (alloc_targets)" if keep else "held at start only, to open perf events "
-                              "(kernel.perf_event_paranoid > 2)" if for_start else "not held"),
-            "perf_event_cpus": collector.oncpu.events.cpus if collector.oncpu.events else [],
-            "cpus_not_sampled": collector.oncpu.events.uncovered if collector.oncpu.events else []})
+            log.info(
+                "kernel.perf_event_paranoid > %d: CAP_SYS_ADMIN was held to open the perf events at "
+                "start, and is dropped now",
+                preflight.PARANOID_MAX_WITHOUT_SYS_ADMIN,
+            )
+        features.write_status(
+            args.run_dir,
+            kernel,
+            collector.refused,
+            {
+                "cap_sys_admin": (
+                    "kept (alloc_targets)"
+                    if keep
+                    else "held at start only, to open perf events (kernel.perf_event_paranoid > 2)"
+                    if for_start
+                    else "not held"
+                ),
+                "perf_event_cpus": collector.oncpu.events.cpus if collector.oncpu.events else [],
+                "cpus_not_sampled": collector.oncpu.events.uncovered if collector.oncpu.events else [],
+            },
+        )
         ready.announce(args.run_dir, "collector")
-        offcpu = "off" if not cfg.offcpu else f"from {cfg.offcpu_min_ms} ms" + (
-            f", sampled below {cfg.offcpu_sample_ms} ms" if cfg.offcpu_sample_ms > cfg.offcpu_min_ms else "")
-        log.info("collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), "
-                 "drains %.0f to %.0f s apart", cfg.sample_hz, offcpu, cfg.symbolizer_workers, DRAIN_INTERVAL_S,
-                 IDLE_DRAIN_INTERVAL_S)
-        log.info("overhead budget %g%% of one CPU per upload window; BPF run time %s (the kernel's "
-                 "statistics are left as they are)", cfg.overhead_budget_pct, bpftime.describe_method())
+        offcpu = (
+            "off"
+            if not cfg.offcpu
+            else f"from {cfg.offcpu_min_ms} ms"
+            + (f", sampled below {cfg.offcpu_sample_ms} ms" if cfg.offcpu_sample_ms > cfg.offcpu_min_ms else "")
+        )
+        log.info(
+            "collector ready: %d Hz on-CPU sampling, off-CPU %s, %d symbolizer worker(s), drains %.0f to %.0f s apart",
+            cfg.sample_hz,
+            offcpu,
+            cfg.symbolizer_workers,
+            DRAIN_INTERVAL_S,
+            IDLE_DRAIN_INTERVAL_S,
+        )
+        log.info(
+            "overhead budget %g%% of one CPU per upload window; BPF run time %s (the kernel's "
+            "statistics are left as they are)",
+            cfg.overhead_budget_pct,
+            bpftime.describe_method(),
+        )
         poller = zmq.Poller()
         wakeup = stopping.wakeup_fd()
         poller.register(wakeup, zmq.POLLIN)
-        if collector.unwind is not None:      # tables are loaded as they arrive, not at the next drain
+        if collector.unwind is not None:  # tables are loaded as they arrive, not at the next drain
             poller.register(collector.unwind.sock, zmq.POLLIN)
         regs_fd = collector.regs.fd() if collector.regs is not None else None
-        if regs_fd is not None:               # woken every ONCPU_REGS_WAKE_EVERY-th record, not at each
+        if regs_fd is not None:  # woken every ONCPU_REGS_WAKE_EVERY-th record, not at each
             poller.register(regs_fd, zmq.POLLIN)
         new_processes = collector.new_process_fd()
         # The new-process events wake the loop only while no process waits for its early-drain look
@@ -719,13 +861,14 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
 
         def listen(on: bool) -> None:
             nonlocal listening
-            if new_processes is None:   # no ring buffers: new processes wait for the regular drains
+            if new_processes is None:  # no ring buffers: new processes wait for the regular drains
                 return
             if on and not listening:
                 poller.register(new_processes, zmq.POLLIN)
             elif listening and not on:
                 poller.unregister(new_processes)
             listening = on
+
         listen(True)
         last_drain = time.monotonic()
         regular_drain = last_drain + DRAIN_INTERVAL_S
@@ -733,6 +876,7 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
         def next_drain() -> float:
             early = collector.early.due_at(last_drain)
             return regular_drain if early is None else min(regular_drain, early)
+
         while not stop.is_set():
             # with remote config on, at least every IDLE_WAKE_S for the overrides file (drains may
             # be a window apart); without it, only for its own deadlines
@@ -756,26 +900,30 @@ def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
                 listen(due >= regular_drain)
                 continue
             if due < regular_drain:
-                collector.take_new_processes()   # the events that came while it was not listening
+                collector.take_new_processes()  # the events that came while it was not listening
                 if not collector.early.drain_now():
                     listen(collector.early.due_at(last_drain) is None)
-                    continue   # the processes it was for are gone: the regular drain stands
+                    continue  # the processes it was for are gone: the regular drain stands
             collector.drain_once()
             collector.early.drained()
             listen(True)
             last_drain = time.monotonic()
-            log.debug("drained (%s): %d keys, %d new processes, %d pids made in %.1f s",
-                      "early" if due < regular_drain else "regular", collector._drain_keys,
-                      collector._drain_new_processes, collector._drain_pids, collector._drain_stretch_s)
+            log.debug(
+                "drained (%s): %d keys, %d new processes, %d pids made in %.1f s",
+                "early" if due < regular_drain else "regular",
+                collector._drain_keys,
+                collector._drain_new_processes,
+                collector._drain_pids,
+                collector._drain_stretch_s,
+            )
             interval_s = collector.interval_s = remote_config.effective(cfg, watcher.overrides).upload_interval_s
             collector.snapshots_if_due(interval_s)
             collector.end_window_if_due(interval_s)
             regular_drain = last_drain + collector.next_drain_delay(time.time(), interval_s)
-        collector.drain_once()   # what was sampled since the last drain
+        collector.drain_once()  # what was sampled since the last drain
         collector.snapshots_if_due(remote_config.effective(cfg, watcher.overrides).upload_interval_s, final=True)
     finally:
-        lifecycle.shut_down(args.run_dir, "collector", collector.close,
-                            lambda: features.remove_status(args.run_dir))
+        lifecycle.shut_down(args.run_dir, "collector", collector.close, lambda: features.remove_status(args.run_dir))
     return 0
 
 

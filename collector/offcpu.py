@@ -15,12 +15,11 @@ import ctypes
 import logging
 from typing import Any
 
-from collector.bpfmaps import (DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all,
-                                            take_dwarf_stacks)
+from collector.bpfmaps import DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all, take_dwarf_stacks
 from collector.btfprog import BtfProgram, BtfProgramError, member_offsets
 from collector.sources import EventSource
 
-__all__ = ["OffCpuTracer", "PROFILE_TYPE", "TRACEPOINTS", "LOST_REASONS", "bpf_defines"]
+__all__ = ["LOST_REASONS", "PROFILE_TYPE", "TRACEPOINTS", "OffCpuTracer", "bpf_defines"]
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +42,16 @@ USER_STACK_RECORDS = 16384
 # -D flag of bpf/offcpu.c → task_struct member it reads, and what is lost without it (no BTF).
 TASK_FIELDS = {
     # the code addresses above a sleeping task's saved stack pointer: whether it blocks where it did
-    "OFFCPU_TASK_SP_OFFSET": (("thread", "sp"), "the kernel stack of every blocking interval over "
-                              "offcpu_min_ms is read, also where a thread blocks as it did before"),
+    "OFFCPU_TASK_SP_OFFSET": (
+        ("thread", "sp"),
+        "the kernel stack of every blocking interval over "
+        "offcpu_min_ms is read, also where a thread blocks as it did before",
+    ),
     # whether a thread will pass rseq_update: registered now, not once before an exec
-    "OFFCPU_TASK_RSEQ_OFFSET": (("rseq",), "the main thread of a program without rseq (Go, static, "
-                                "musl) exec'd by one with it is not charged"),
+    "OFFCPU_TASK_RSEQ_OFFSET": (
+        ("rseq",),
+        "the main thread of a program without rseq (Go, static, musl) exec'd by one with it is not charged",
+    ),
 }
 # -D flag → (struct, member path) of the run-queue wait a woken thread spends before it runs, which
 # is not blocked time (bpf/offcpu.c offcpu_waited); all of them or none.
@@ -87,8 +91,11 @@ def bpf_defines(task_storage: bool = True, prev_state: bool = True) -> dict[str,
         pid_offset = member_offsets("task_struct", [("pid",)])[0]
         if pid_offset is None:
             raise BtfProgramError("off-CPU records by thread id need task_struct.pid, which the kernel's BTF lacks")
-        out.update(OFFCPU_TASK_PID_OFFSET=pid_offset, OFFCPU_THREADS=THREAD_RECORDS,
-                   OFFCPU_USER_STACK_THREADS=USER_STACK_RECORDS)
+        out.update(
+            OFFCPU_TASK_PID_OFFSET=pid_offset,
+            OFFCPU_THREADS=THREAD_RECORDS,
+            OFFCPU_USER_STACK_THREADS=USER_STACK_RECORDS,
+        )
     offsets = member_offsets("task_struct", [path for path, _ in TASK_FIELDS.values()])
     for (define, (path, loss)), offset in zip(TASK_FIELDS.items(), offsets):
         if offset is None:
@@ -96,13 +103,15 @@ def bpf_defines(task_storage: bool = True, prev_state: bool = True) -> dict[str,
         else:
             out[define] = offset
     waits: dict[str, int | None] = {}
-    for struct in dict.fromkeys(st for st, _ in WAIT_FIELDS.values()):   # one BTF load per struct
+    for struct in dict.fromkeys(st for st, _ in WAIT_FIELDS.values()):  # one BTF load per struct
         defines = [d for d, (st, _) in WAIT_FIELDS.items() if st == struct]
         waits.update(zip(defines, member_offsets(struct, [WAIT_FIELDS[d][1] for d in defines])))
     missing = [".".join((WAIT_FIELDS[d][0], *WAIT_FIELDS[d][1])) for d, off in waits.items() if off is None]
     if missing:
-        log.warning("off-CPU: %s not in the kernel's BTF; a woken thread's wait for a CPU counts as "
-                    "blocked time", ", ".join(missing))
+        log.warning(
+            "off-CPU: %s not in the kernel's BTF; a woken thread's wait for a CPU counts as blocked time",
+            ", ".join(missing),
+        )
     else:
         out.update({d: off for d, off in waits.items() if off is not None})
     return out
@@ -144,9 +153,13 @@ class OffCpuTracer(EventSource):
         for slot, step in enumerate(self._steps):
             bpf["offcpu_unwind_progs"][ctypes.c_int(slot)] = ctypes.c_int(step.fd)
         self.attach()
-        log.info("off-CPU profiling attached to %s: blocked intervals of %d ms and more; stacks read only "
-                 "for those, when the thread returns to user space%s", ", ".join(TRACEPOINTS), min_ms,
-                 " (DWARF tables where loaded)" if dwarf else "")
+        log.info(
+            "off-CPU profiling attached to %s: blocked intervals of %d ms and more; stacks read only "
+            "for those, when the thread returns to user space%s",
+            ", ".join(TRACEPOINTS),
+            min_ms,
+            " (DWARF tables where loaded)" if dwarf else "",
+        )
 
     def attach(self) -> None:
         """Attach (again): records written before are stale from now on (their switch-ins went unseen)."""

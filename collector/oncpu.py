@@ -15,8 +15,15 @@ from typing import Any
 
 from bcc import BPF
 
-from collector.bpfmaps import (DoubleBuffer, LostCounters, RawDrain, delete_stacks, read_stacks,
-                                            take_counts, take_dwarf_stacks)
+from collector.bpfmaps import (
+    DoubleBuffer,
+    LostCounters,
+    RawDrain,
+    delete_stacks,
+    read_stacks,
+    take_counts,
+    take_dwarf_stacks,
+)
 from collector.perfevents import CpuClockEvents
 from collector.sources import EventSource
 
@@ -25,8 +32,13 @@ log = logging.getLogger(__name__)
 PROFILE_TYPE = "cpu"
 PROGRAM_NAME = "on_cpu_sample"
 # Names of the oncpu_lost slots in bpf/oncpu.c, in order.
-LOST_REASONS = ("counts_map_full", "user_stack_not_recorded", "kernel_stack_not_recorded", "regs_ring_full",
-                "stack_gone")
+LOST_REASONS = (
+    "counts_map_full",
+    "user_stack_not_recorded",
+    "kernel_stack_not_recorded",
+    "regs_ring_full",
+    "stack_gone",
+)
 NSEC_PER_SEC = 1_000_000_000
 
 
@@ -35,7 +47,7 @@ class OnCpuSampler(EventSource):
 
     def __init__(self, bpf: Any, sample_hz: int, dwarf: bool = False) -> None:
         self.sample_hz = sample_hz
-        self.dwarf = dwarf     # bpf/oncpu.c compiled with DWARF_UNWIND: oncpu_dwarf_stacks_<buf> exist
+        self.dwarf = dwarf  # bpf/oncpu.c compiled with DWARF_UNWIND: oncpu_dwarf_stacks_<buf> exist
         self.period_ns = NSEC_PER_SEC // sample_hz
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
@@ -48,9 +60,11 @@ class OnCpuSampler(EventSource):
         if self.events is None:
             self.events = CpuClockEvents(self._prog_fd, self.period_ns)
             if self.events.uncovered:
-                log.warning("on-CPU sampling: CPUs %s are offline now and get no perf event: they are not "
-                            "sampled if they come online, until the collector restarts",
-                            ",".join(map(str, self.events.uncovered)))
+                log.warning(
+                    "on-CPU sampling: CPUs %s are offline now and get no perf event: they are not "
+                    "sampled if they come online, until the collector restarts",
+                    ",".join(map(str, self.events.uncovered)),
+                )
 
     def attach(self) -> None:
         """Start sampling every CPU at sample_hz (a fixed period of cpu-clock)."""
@@ -61,8 +75,12 @@ class OnCpuSampler(EventSource):
         if self.events.period_ns != self.period_ns:
             self.events.set_period(self.period_ns)
         self.events.enable()
-        log.info("on-CPU sampling attached: cpu-clock every %d ns (%d Hz) on %d CPUs",
-                 self.period_ns, self.sample_hz, len(self.events.cpus))
+        log.info(
+            "on-CPU sampling attached: cpu-clock every %d ns (%d Hz) on %d CPUs",
+            self.period_ns,
+            self.sample_hz,
+            len(self.events.cpus),
+        )
 
     def drain(self) -> RawDrain:
         old, counts = self._buffers.retire()

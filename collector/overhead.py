@@ -55,8 +55,8 @@ def status_path(run_dir: str) -> str:
 @dataclass(frozen=True)
 class ProcSample:
     pid: int
-    start_ticks: int     # field 22 of /proc/<pid>/stat: tells a reused pid from the stage's
-    cpu_ns: int          # utime + stime of every thread, since the process started
+    start_ticks: int  # field 22 of /proc/<pid>/stat: tells a reused pid from the stage's
+    cpu_ns: int  # utime + stime of every thread, since the process started
     rss_bytes: int
 
 
@@ -76,7 +76,7 @@ def read_proc(pid: int) -> ProcSample | None:
     text = read_stat(pid)
     if text is None:
         return None
-    fields = stat_fields(text)   # field N is fields[N - 3]
+    fields = stat_fields(text)  # field N is fields[N - 3]
     utime, stime, start, rss = int(fields[11]), int(fields[12]), int(fields[19]), int(fields[21])
     cpu_ns = _cpu_clock_ns(pid)
     if cpu_ns is None:
@@ -108,15 +108,15 @@ class Budget:
     def __init__(self, configured_hz: int, budget_pct: float) -> None:
         self.configured_hz = configured_hz
         self.budget_pct = budget_pct
-        self.level = 0          # the rate is configured_hz // 2**level
-        self.under = 0          # windows in a row under half the budget
+        self.level = 0  # the rate is configured_hz // 2**level
+        self.under = 0  # windows in a row under half the budget
 
     @property
     def rate_hz(self) -> int:
         return max(FLOOR_HZ, self.configured_hz >> self.level)
 
     def judge(self, used_ns: int, wall_ns: int) -> str:
-        """"halve", "double", "over at floor" (over budget at 1 Hz already) or "" for a window that
+        """ "halve", "double", "over at floor" (over budget at 1 Hz already) or "" for a window that
         cost `used_ns` in `wall_ns`; updates the rate."""
         budget_ns = self.budget_pct / 100 * wall_ns
         if used_ns > budget_ns:
@@ -143,14 +143,14 @@ class WindowFigures:
     rate_hz: int
     configured_hz: int
     budget_pct: float
-    used_pct: float                     # (stage CPU + BPF run time) / wall time, percent of one CPU
-    stage_cpu_ns: dict[str, int]        # stage → CPU time in the window
+    used_pct: float  # (stage CPU + BPF run time) / wall time, percent of one CPU
+    stage_cpu_ns: dict[str, int]  # stage → CPU time in the window
     stage_rss_bytes: dict[str, int]
     stage_pids: dict[str, int]
-    bpf: dict[str, dict[str, int]]      # program → {"run_time_ns", "run_cnt"} in the window
-    samples: dict[str, int]             # profile type → samples in the window
-    lost: dict[str, int]                # reason → lost in the window
-    bpf_stats: str                      # how the BPF figures are measured (collector/bpftime.py)
+    bpf: dict[str, dict[str, int]]  # program → {"run_time_ns", "run_cnt"} in the window
+    samples: dict[str, int]  # profile type → samples in the window
+    lost: dict[str, int]  # reason → lost in the window
+    bpf_stats: str  # how the BPF figures are measured (collector/bpftime.py)
     # The programs' own counters as read at the window's end ({"run_cnt", "timed", "timed_ns"} per
     # program, since it was loaded), and the wall-clock interval of that read: the kernel's run count
     # of a program (`bpftool prog show`, while its statistics are on) before that interval is <=
@@ -159,7 +159,7 @@ class WindowFigures:
     bpf_read_ns: tuple[int, int] = (0, 0)
     decision: str = ""
     next_rate_hz: int = 0
-    new_processes: int = 0              # processes the collector read from /proc for the first time
+    new_processes: int = 0  # processes the collector read from /proc for the first time
     pid: int = field(default_factory=os.getpid)
 
     @property
@@ -181,20 +181,29 @@ def describe(w: WindowFigures) -> str:
     progs = ", ".join(
         f"{name} {_ms(p['run_time_ns'])}/{p['run_cnt']} runs"
         + (f" = {p['run_time_ns'] // p['run_cnt']} ns each" if p["run_cnt"] else "")
-        for name, p in sorted(w.bpf.items()))
+        for name, p in sorted(w.bpf.items())
+    )
     lost = sum(w.lost.values())
-    return (f"{w.used_pct:.3f}% of one CPU in {w.window_s:.1f} s (budget {w.budget_pct:g}%): "
-            f"stages {_ms(w.stage_ns)} ({stages or 'none'}), BPF {_ms(w.bpf_ns)} ({progs or 'no statistics'}); "
-            f"samples {dict(sorted(w.samples.items()))}, lost {lost}{' ' + str(w.lost) if lost else ''}; "
-            f"rate {w.rate_hz} Hz (configured {w.configured_hz} Hz)")
+    return (
+        f"{w.used_pct:.3f}% of one CPU in {w.window_s:.1f} s (budget {w.budget_pct:g}%): "
+        f"stages {_ms(w.stage_ns)} ({stages or 'none'}), BPF {_ms(w.bpf_ns)} ({progs or 'no statistics'}); "
+        f"samples {dict(sorted(w.samples.items()))}, lost {lost}{' ' + str(w.lost) if lost else ''}; "
+        f"rate {w.rate_hz} Hz (configured {w.configured_hz} Hz)"
+    )
 
 
 class OverheadGuard:
     """Measures each window and keeps the rate within the budget; the collector applies the rate."""
 
-    def __init__(self, run_dir: str, configured_hz: int, budget_pct: float, bpf_stats: str,
-                 read_bpf: Callable[[], Mapping[str, ProgTime]],
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        configured_hz: int,
+        budget_pct: float,
+        bpf_stats: str,
+        read_bpf: Callable[[], Mapping[str, ProgTime]],
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         self.run_dir = run_dir
         self.budget = Budget(configured_hz, budget_pct)
         self.bpf_stats = bpf_stats
@@ -212,13 +221,13 @@ class OverheadGuard:
     def _read_bpf(self) -> dict[str, ProgTime]:
         try:
             return dict(self._read_bpf_now())
-        except (OSError, KeyError) as e:   # bcc raises KeyError for a lookup that failed
+        except (OSError, KeyError) as e:  # bcc raises KeyError for a lookup that failed
             log.warning("BPF run times: cannot read them (%s)", e)
             return {}
 
     def _read_stages(self) -> dict[str, ProcSample]:
         pids = stage_pids(self.run_dir)
-        pids["collector"] = os.getpid()    # before its ready file exists, too
+        pids["collector"] = os.getpid()  # before its ready file exists, too
         return {s: got for s, pid in pids.items() if (got := read_proc(pid)) is not None}
 
     def _baseline(self, samples: Mapping[str, int], lost: Mapping[str, int]) -> None:
@@ -258,17 +267,23 @@ class OverheadGuard:
         used = sum(stage_cpu.values()) + sum(p["run_time_ns"] for p in bpf.values())
         rate = self.budget.rate_hz
         w = WindowFigures(
-            time_ns=time.time_ns(), window_s=wall_ns / 1e9, rate_hz=rate,
-            configured_hz=self.budget.configured_hz, budget_pct=self.budget.budget_pct,
-            used_pct=100.0 * used / wall_ns, stage_cpu_ns=stage_cpu,
+            time_ns=time.time_ns(),
+            window_s=wall_ns / 1e9,
+            rate_hz=rate,
+            configured_hz=self.budget.configured_hz,
+            budget_pct=self.budget.budget_pct,
+            used_pct=100.0 * used / wall_ns,
+            stage_cpu_ns=stage_cpu,
             stage_rss_bytes={s: p.rss_bytes for s, p in cpu.items()},
-            stage_pids={s: p.pid for s, p in cpu.items()}, bpf=bpf,
+            stage_pids={s: p.pid for s, p in cpu.items()},
+            bpf=bpf,
             samples={k: v - self._samples.get(k, 0) for k, v in samples.items()},
             lost={k: d for k, v in lost.items() if (d := v - self._lost.get(k, 0))},
-            bpf_stats=self.bpf_stats, bpf_read_ns=(read_start, read_end),
+            bpf_stats=self.bpf_stats,
+            bpf_read_ns=(read_start, read_end),
             new_processes=new_processes - self._new_processes,
-            bpf_totals={n: {"run_cnt": p.runs, "timed": p.timed, "timed_ns": p.timed_ns}
-                        for n, p in bpf_now.items()})
+            bpf_totals={n: {"run_cnt": p.runs, "timed": p.timed, "timed_ns": p.timed_ns} for n, p in bpf_now.items()},
+        )
         # The first window since start holds one-off costs (compiling BPF, building the unwind
         # tables of every running process's modules) that no sampling rate would lower: it is
         # measured and reported, not judged.

@@ -37,14 +37,14 @@ SEEN_PIDS = 65536
 class ProgramPlan:
     families: tuple[str, ...]
     defines: dict[str, int]
-    offcpu: bool                   # off-CPU profiles: the config asks and the kernel can
-    alloc: bool                    # likewise allocation profiles
-    dwarf: bool                    # on-CPU user stacks walked with unwind tables
+    offcpu: bool  # off-CPU profiles: the config asks and the kernel can
+    alloc: bool  # likewise allocation profiles
+    dwarf: bool  # on-CPU user stacks walked with unwind tables
     offcpu_dwarf: bool
     lock_dwarf: bool
-    regs_names: frozenset[str]     # mappings whose processes' samples carry registers (collector/regs.py)
-    refused: tuple[tuple[str, str], ...] = field(default=())   # (what the config asked for, why not)
-    notes: tuple[str, ...] = field(default=())                 # what else was turned off, and why
+    regs_names: frozenset[str]  # mappings whose processes' samples carry registers (collector/regs.py)
+    refused: tuple[tuple[str, str], ...] = field(default=())  # (what the config asked for, why not)
+    notes: tuple[str, ...] = field(default=())  # what else was turned off, and why
 
 
 def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> ProgramPlan:
@@ -60,25 +60,41 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
 
     offcpu_on = cfg.offcpu and can("off-CPU profiles (offcpu)", "btf")
     alloc_on = bool(cfg.alloc_targets) and can("allocation profiles (alloc_targets)", "uprobe_multi")
-    families = (["oncpu"] + (["offcpu"] if offcpu_on else []) + (["lock"] if cfg.lock_targets else [])
-                + (["alloc"] if alloc_on else []))
-    defines = {"COUNTS_ENTRIES": COUNTS_ENTRIES, "STACK_ENTRIES": STACK_ENTRIES,
-               "START_ENTRIES": START_ENTRIES, "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
-               "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
-               "LOCK_PIDS": LOCK_PIDS, "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS, "SEEN_PIDS": SEEN_PIDS,
-               "NEW_PID_ALIVE_NS": round(drains.EARLY_ALIVE_S * 1e9),
-               "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
-               **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct), **features.bpf_defines(kernel)}
+    families = (
+        ["oncpu"]
+        + (["offcpu"] if offcpu_on else [])
+        + (["lock"] if cfg.lock_targets else [])
+        + (["alloc"] if alloc_on else [])
+    )
+    defines = {
+        "COUNTS_ENTRIES": COUNTS_ENTRIES,
+        "STACK_ENTRIES": STACK_ENTRIES,
+        "START_ENTRIES": START_ENTRIES,
+        "OFFCPU_MIN_NS": cfg.offcpu_min_ms * 1_000_000,
+        "OFFCPU_SAMPLE_NS": offcpu_sample_ns(cfg.offcpu_min_ms, cfg.offcpu_sample_ms),
+        "LOCK_PIDS": LOCK_PIDS,
+        "NEW_PID_NOTIFY_NS": NEW_PID_NOTIFY_NS,
+        "SEEN_PIDS": SEEN_PIDS,
+        "NEW_PID_ALIVE_NS": round(drains.EARLY_ALIVE_S * 1e9),
+        "NEW_PID_STALE_NS": round(drains.EARLY_STALE_S * 1e9),
+        **alloc.bpf_defines(cfg.alloc_sample_bytes, cfg.alloc_duty_pct),
+        **features.bpf_defines(kernel),
+    }
     if offcpu_on:
-        defines.update(offcpu_defines(task_storage=kernel.has("task_storage"),
-                                      prev_state=kernel.has("switch_prev_state")))
+        defines.update(
+            offcpu_defines(task_storage=kernel.has("task_storage"), prev_state=kernel.has("switch_prev_state"))
+        )
     dwarf = cfg.dwarf_unwind
     if dwarf and unwind.supported():
         notes.append(f"dwarf_unwind: {unwind.supported()}; user stacks use frame pointers")
         dwarf = False
     # the off-CPU walk starts from the blocked thread's saved user registers (bpf_task_pt_regs)
-    offcpu_dwarf = (dwarf and offcpu_on and cfg.offcpu_dwarf
-                    and can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs"))
+    offcpu_dwarf = (
+        dwarf
+        and offcpu_on
+        and cfg.offcpu_dwarf
+        and can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs")
+    )
     lock_dwarf = dwarf and bool(cfg.lock_targets)
     if dwarf:
         defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
@@ -89,5 +105,15 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         regs_names = frozenset()
     if regs_names:
         defines.update(regs.bpf_defines())
-    return ProgramPlan(tuple(families), defines, offcpu_on, alloc_on, dwarf, offcpu_dwarf, lock_dwarf,
-                       regs_names, tuple(refused), tuple(notes))
+    return ProgramPlan(
+        tuple(families),
+        defines,
+        offcpu_on,
+        alloc_on,
+        dwarf,
+        offcpu_dwarf,
+        lock_dwarf,
+        regs_names,
+        tuple(refused),
+        tuple(notes),
+    )

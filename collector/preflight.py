@@ -25,14 +25,21 @@ import re
 from dataclasses import dataclass
 
 from collector.features import KernelFeatures
-from shared.privileges import (CAP_BPF, CAP_CHECKPOINT_RESTORE, CAPABILITY_NAMES, CAP_PERFMON,
-                                            CAP_SYS_ADMIN, CAP_SYS_RESOURCE, COLLECTOR_CAPS)
+from shared.privileges import (
+    CAP_BPF,
+    CAP_CHECKPOINT_RESTORE,
+    CAP_PERFMON,
+    CAP_SYS_ADMIN,
+    CAP_SYS_RESOURCE,
+    CAPABILITY_NAMES,
+    COLLECTOR_CAPS,
+)
 
 MIN_KERNEL = (5, 8)
 # kernel.perf_event_paranoid above this (Debian's and Ubuntu's kernels ship 3 and 4) refuses perf_event_open(2)
 # to a process without CAP_SYS_ADMIN: their patch, not upstream's levels (-1 to 2).
 PARANOID_MAX_WITHOUT_SYS_ADMIN = 2
-RLIM_INFINITY = "unlimited"      # as /proc/PID/limits writes it
+RLIM_INFINITY = "unlimited"  # as /proc/PID/limits writes it
 
 # What the collector needs each capability for: shared/privileges.py's table, which the stage's
 # privilege drop keeps.
@@ -44,7 +51,7 @@ OK, WARN, FAIL = "ok", "warn", "fail"
 @dataclass(frozen=True)
 class Check:
     name: str
-    level: str        # OK, WARN (the agent runs without something), FAIL (it cannot start)
+    level: str  # OK, WARN (the agent runs without something), FAIL (it cannot start)
     detail: str
     fix: str = ""
 
@@ -56,6 +63,7 @@ class Check:
 @dataclass(frozen=True)
 class Host:
     """Where the checks read: a root directory holding proc/, sys/ and lib/modules/ (the host's is "/")."""
+
     root: str = "/"
 
     def path(self, rel: str) -> str:
@@ -93,7 +101,7 @@ class Host:
         """(soft, hard) of "Max locked memory" in proc/self/limits: bytes, or "unlimited"."""
         for line in (self.read("proc/self/limits") or "").splitlines():
             if line.startswith("Max locked memory"):
-                soft, hard = line[len("Max locked memory"):].split()[:2]
+                soft, hard = line[len("Max locked memory") :].split()[:2]
                 return soft, hard
         return RLIM_INFINITY, RLIM_INFINITY
 
@@ -103,6 +111,7 @@ class Host:
         if text is None:
             return None
         from collector.features import resolve
+
         doc = json.loads(text)
         return resolve(doc["release"], doc["probes"], frozenset(doc.get("disabled", ())))
 
@@ -128,9 +137,14 @@ def check_caps(caps: int) -> list[Check]:
         # before 5.9 for CAP_CHECKPOINT_RESTORE.
         if not held and bit in (CAP_BPF, CAP_PERFMON, CAP_CHECKPOINT_RESTORE) and caps >> CAP_SYS_ADMIN & 1:
             held = True
-        out.append(Check(f"capability {name}", OK if held else FAIL, f"needed to {why}",
-                         "" if held else f"run the collector as root, or grant {name} "
-                                         f"(systemd: AmbientCapabilities={name})"))
+        out.append(
+            Check(
+                f"capability {name}",
+                OK if held else FAIL,
+                f"needed to {why}",
+                "" if held else f"run the collector as root, or grant {name} (systemd: AmbientCapabilities={name})",
+            )
+        )
     return out
 
 
@@ -143,15 +157,22 @@ def check_paranoid(paranoid: int | None, caps: int) -> Check:
     if paranoid <= PARANOID_MAX_WITHOUT_SYS_ADMIN:
         return Check("perf_event_paranoid", OK, f"{paranoid}: CAP_PERFMON opens the perf events")
     if caps >> CAP_SYS_ADMIN & 1:
-        return Check("perf_event_paranoid", OK, f"{paranoid}: opening perf events takes CAP_SYS_ADMIN; the collector "
-                     "holds it while it opens them at start, then drops it")
-    return Check("perf_event_paranoid", FAIL,
-                 f"{paranoid} (Debian's and Ubuntu's default): perf_event_open(2) needs CAP_SYS_ADMIN, and the "
-                 f"collector does not hold it",
-                 "run the collector as root (`ebpfprofiler run` does), or grant CAP_SYS_ADMIN to its unit "
-                 "(AmbientCapabilities= and CapabilityBoundingSet=, as deploy/systemd's unit does): it holds it "
-                 "only while it opens its perf events at start. Lowering the sysctl to 2 also works, for the "
-                 "whole host")
+        return Check(
+            "perf_event_paranoid",
+            OK,
+            f"{paranoid}: opening perf events takes CAP_SYS_ADMIN; the collector "
+            "holds it while it opens them at start, then drops it",
+        )
+    return Check(
+        "perf_event_paranoid",
+        FAIL,
+        f"{paranoid} (Debian's and Ubuntu's default): perf_event_open(2) needs CAP_SYS_ADMIN, and the "
+        f"collector does not hold it",
+        "run the collector as root (`ebpfprofiler run` does), or grant CAP_SYS_ADMIN to its unit "
+        "(AmbientCapabilities= and CapabilityBoundingSet=, as deploy/systemd's unit does): it holds it "
+        "only while it opens its perf events at start. Lowering the sysctl to 2 also works, for the "
+        "whole host",
+    )
 
 
 def check_memlock(kernel: KernelFeatures | None, soft: str, hard: str, caps: int) -> Check:
@@ -162,13 +183,19 @@ def check_memlock(kernel: KernelFeatures | None, soft: str, hard: str, caps: int
     if soft == RLIM_INFINITY:
         return Check("memlock limit", OK, "unlimited (this kernel charges BPF maps to RLIMIT_MEMLOCK)")
     if hard == RLIM_INFINITY or caps >> CAP_SYS_RESOURCE & 1:
-        return Check("memlock limit", OK, f"{soft} bytes; this kernel charges BPF maps to it, and the collector "
-                     "raises it to unlimited at start")
-    return Check("memlock limit", FAIL,
-                 f"{soft} bytes (hard limit {hard}): this kernel charges BPF maps to RLIMIT_MEMLOCK (before Linux "
-                 "5.11), and the collector cannot raise it",
-                 "run the collector as root, or with LimitMEMLOCK=infinity (systemd; deploy/systemd's unit sets "
-                 "it), or `ulimit -l unlimited` before starting it")
+        return Check(
+            "memlock limit",
+            OK,
+            f"{soft} bytes; this kernel charges BPF maps to it, and the collector raises it to unlimited at start",
+        )
+    return Check(
+        "memlock limit",
+        FAIL,
+        f"{soft} bytes (hard limit {hard}): this kernel charges BPF maps to RLIMIT_MEMLOCK (before Linux "
+        "5.11), and the collector cannot raise it",
+        "run the collector as root, or with LimitMEMLOCK=infinity (systemd; deploy/systemd's unit sets "
+        "it), or `ulimit -l unlimited` before starting it",
+    )
 
 
 def check_headers(host: Host, release: str) -> Check:
@@ -177,19 +204,34 @@ def check_headers(host: Host, release: str) -> Check:
     build = f"/lib/modules/{release}/build"
     trees = [d for d in (build, f"/lib/modules/{release}/source") if host.exists(f"{d}/include/linux/kconfig.h")]
     if not trees:
-        return Check("kernel headers", FAIL, f"{build} has no header tree",
-                     f"apt-get install linux-headers-{release}, or run `deploy/setup.sh` (it installs them, or "
-                     "links Debian's newest header tree in their place)")
+        return Check(
+            "kernel headers",
+            FAIL,
+            f"{build} has no header tree",
+            f"apt-get install linux-headers-{release}, or run `deploy/setup.sh` (it installs them, or "
+            "links Debian's newest header tree in their place)",
+        )
     # Debian splits a tree in two: build (generated files, utsrelease.h) and source (kconfig.h and the rest)
-    uts = next((t for t in (host.read(f"{d}/include/generated/utsrelease.h") for d in (build, f"/lib/modules/{release}/source"))
-                if t), "")
+    uts = next(
+        (
+            t
+            for t in (
+                host.read(f"{d}/include/generated/utsrelease.h") for d in (build, f"/lib/modules/{release}/source")
+            )
+            if t
+        ),
+        "",
+    )
     m = re.search(r'UTS_RELEASE\s+"([^"]+)"', uts)
     if m and m.group(1) != release:
-        return Check("kernel headers", WARN,
-                     f"{build} is the header tree of {m.group(1)}, not of {release}: bcc compiles against it; the "
-                     "programs read kernel structures through the running kernel's BTF, but a struct whose "
-                     "layout changed between the two is read wrong",
-                     f"install linux-headers-{release} if your distribution has it")
+        return Check(
+            "kernel headers",
+            WARN,
+            f"{build} is the header tree of {m.group(1)}, not of {release}: bcc compiles against it; the "
+            "programs read kernel structures through the running kernel's BTF, but a struct whose "
+            "layout changed between the two is read wrong",
+            f"install linux-headers-{release} if your distribution has it",
+        )
     return Check("kernel headers", OK, f"{build} has {release}'s header tree" if m else f"{build} has a header tree")
 
 
@@ -197,8 +239,10 @@ def check_features(kernel: KernelFeatures | None) -> list[Check]:
     """One line per kernel feature the agent will do without (it runs, without that one)."""
     if kernel is None:
         return []
-    return [Check(f"kernel feature {f.spec.name}", WARN, f"missing ({f.why}; {f.spec.since}): {f.spec.without}")
-            for f in kernel.missing()]
+    return [
+        Check(f"kernel feature {f.spec.name}", WARN, f"missing ({f.why}; {f.spec.since}): {f.spec.without}")
+        for f in kernel.missing()
+    ]
 
 
 def run_checks(host: Host | None = None, kernel: KernelFeatures | None = None) -> list[Check]:
@@ -212,32 +256,61 @@ def run_checks(host: Host | None = None, kernel: KernelFeatures | None = None) -
     release = host.release()
     version = _kernel_version(release)
     new_enough = version >= MIN_KERNEL
-    checks = [Check("kernel version", OK if new_enough else FAIL, f"{release} (need {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or newer)",
-                    "" if new_enough else "upgrade the kernel to 5.8 or newer")]
+    checks = [
+        Check(
+            "kernel version",
+            OK if new_enough else FAIL,
+            f"{release} (need {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or newer)",
+            "" if new_enough else "upgrade the kernel to 5.8 or newer",
+        )
+    ]
     btf = host.exists("sys/kernel/btf/vmlinux")
-    checks.append(Check("BTF", OK if btf else WARN, "/sys/kernel/btf/vmlinux " + ("present" if btf else
-                        "missing: no off-CPU profiles (their programs need BTF)"),
-                        "" if btf else "use a kernel built with CONFIG_DEBUG_INFO_BTF=y"))
+    checks.append(
+        Check(
+            "BTF",
+            OK if btf else WARN,
+            "/sys/kernel/btf/vmlinux "
+            + ("present" if btf else "missing: no off-CPU profiles (their programs need BTF)"),
+            "" if btf else "use a kernel built with CONFIG_DEBUG_INFO_BTF=y",
+        )
+    )
     caps = host.status_field("CapEff")
     checks += check_caps(caps)
     checks.append(check_paranoid(host.paranoid(), caps))
     checks.append(check_memlock(kernel, *host.memlock(), caps))
     tracefs = next((p for p in ("sys/kernel/tracing", "sys/kernel/debug/tracing") if host.exists(f"{p}/events")), None)
-    checks.append(Check("tracefs", OK if tracefs else FAIL, f"mounted at /{tracefs}" if tracefs else "not mounted",
-                        "" if tracefs else "mount -t tracefs tracefs /sys/kernel/tracing (deploy/setup.sh does)"))
+    checks.append(
+        Check(
+            "tracefs",
+            OK if tracefs else FAIL,
+            f"mounted at /{tracefs}" if tracefs else "not mounted",
+            "" if tracefs else "mount -t tracefs tracefs /sys/kernel/tracing (deploy/setup.sh does)",
+        )
+    )
     checks.append(check_headers(host, release))
     bcc = importlib.util.find_spec("bcc") is not None
-    checks.append(Check("bcc", OK if bcc else FAIL, "python module bcc " + ("found" if bcc else "not found"),
-                        "" if bcc else "apt-get install python3-bpfcc and use a venv with "
-                                       "--system-site-packages (deploy/setup.sh does)"))
+    checks.append(
+        Check(
+            "bcc",
+            OK if bcc else FAIL,
+            "python module bcc " + ("found" if bcc else "not found"),
+            ""
+            if bcc
+            else "apt-get install python3-bpfcc and use a venv with --system-site-packages (deploy/setup.sh does)",
+        )
+    )
     checks += check_features(kernel)
     return checks
 
 
 # What record() copies of a host: every file the checks read, as it is (the capability sets and limits are
 # the reading process's: the collector's, after its privilege drop).
-RECORDED_FILES = ("proc/sys/kernel/osrelease", "proc/sys/kernel/perf_event_paranoid", "proc/self/status",
-                  "proc/self/limits")
+RECORDED_FILES = (
+    "proc/sys/kernel/osrelease",
+    "proc/sys/kernel/perf_event_paranoid",
+    "proc/self/status",
+    "proc/self/limits",
+)
 
 
 def record(dest: str, kernel: KernelFeatures | None, host: Host | None = None) -> None:
@@ -265,7 +338,7 @@ def record(dest: str, kernel: KernelFeatures | None, host: Host | None = None) -
 
 def _write(dest: str, rel: str, text: str) -> None:
     path = os.path.join(dest, rel)
-    if rel.endswith("/events"):       # a directory on the host: kept with a file in it (git keeps no empty one)
+    if rel.endswith("/events"):  # a directory on the host: kept with a file in it (git keeps no empty one)
         os.makedirs(path, exist_ok=True)
         open(os.path.join(path, ".present"), "w").close()
         return

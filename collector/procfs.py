@@ -20,8 +20,8 @@ import logging
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
 
 from shared import procstat
 from shared.log import LogOnce
@@ -135,7 +135,7 @@ def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process |
         try:
             exe = os.readlink(f"{base}/exe")
         except OSError:
-            exe = ""   # kernel threads; or the process is exiting
+            exe = ""  # kernel threads; or the process is exiting
         if exe.endswith(" (deleted)"):
             exe = exe[: -len(" (deleted)")]
         exe = process_string(exe)
@@ -147,9 +147,16 @@ def read_process(pid: int, with_cmdline: bool, proc: str = "/proc") -> Process |
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return Process(
-        pid=pid, start_ticks=start, uid=max(uid, 0), nspid=nspid if nspid > 0 else pid,
-        comm=comm, executable=exe, service=service_of(ident.container_id, exe),
-        container_id=ident.container_id, pod_uid=ident.pod_uid, cmdline=cmdline,
+        pid=pid,
+        start_ticks=start,
+        uid=max(uid, 0),
+        nspid=nspid if nspid > 0 else pid,
+        comm=comm,
+        executable=exe,
+        service=service_of(ident.container_id, exe),
+        container_id=ident.container_id,
+        pod_uid=ident.pod_uid,
+        cmdline=cmdline,
     )
 
 
@@ -200,7 +207,7 @@ class ProcessTable:
         self._proc = proc
         self._capacity = capacity
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._exited: dict[int, Process] = {}   # found exited by the last forget_exited()
+        self._exited: dict[int, Process] = {}  # found exited by the last forget_exited()
         # mappings_cut: mappings left out of tables read (MAX_MAPPING_TABLE_BYTES);
         # tables_cut: tables read that were cut.
         self.stats = {"read": 0, "maps_read": 0, "gone": 0, "forgotten": 0, "mappings_cut": 0, "tables_cut": 0}
@@ -243,7 +250,7 @@ class ProcessTable:
         forgotten = 0
         for pid, p in self._exited.items():
             entry = self._entries.get(pid)
-            if entry is not None and entry[0] is p:   # not read again since (a reused pid)
+            if entry is not None and entry[0] is p:  # not read again since (a reused pid)
                 del self._entries[pid]
                 forgotten += 1
         self._exited = {pid: entry[0] for pid, entry in self._entries.items() if not alive(pid)}
@@ -260,9 +267,16 @@ class ProcessTable:
         if cut:
             self.stats["mappings_cut"] += cut
             self.stats["tables_cut"] += 1
-            self._log_once(("mappings_cut", p.pid, p.start_ticks), logging.WARNING,
-                           "pid %d (%s): its %d executable mappings take more than %d bytes on the wire; %d "
-                           "left out (those with the longest names; their samples have no module), counted as "
-                           "mappings_cut in status; logged once for this process", p.pid, p.comm, len(maps),
-                           MAX_MAPPING_TABLE_BYTES, cut)
+            self._log_once(
+                ("mappings_cut", p.pid, p.start_ticks),
+                logging.WARNING,
+                "pid %d (%s): its %d executable mappings take more than %d bytes on the wire; %d "
+                "left out (those with the longest names; their samples have no module), counted as "
+                "mappings_cut in status; logged once for this process",
+                p.pid,
+                p.comm,
+                len(maps),
+                MAX_MAPPING_TABLE_BYTES,
+                cut,
+            )
         return replace(p, mappings=kept), [m.start for m in maps], [m.end for m in maps]

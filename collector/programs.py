@@ -18,7 +18,7 @@ import contextlib
 import os
 import re
 import tempfile
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from bcc import BPF
 
@@ -93,8 +93,10 @@ def kernel_cflags(release: str | None = None, modules: str = "/lib/modules") -> 
 
 
 def _config_has(tree: str, symbol: str, makefile_text: str) -> bool:
-    for path, pattern in ((os.path.join(tree, "include/config/auto.conf"), rf"^{symbol}=(?!n$)"),
-                          (os.path.join(tree, "Makefile"), re.escape(makefile_text))):
+    for path, pattern in (
+        (os.path.join(tree, "include/config/auto.conf"), rf"^{symbol}=(?!n$)"),
+        (os.path.join(tree, "Makefile"), re.escape(makefile_text)),
+    ):
         try:
             with open(path, errors="replace") as f:
                 if re.search(pattern, f.read(), re.MULTILINE):
@@ -148,7 +150,7 @@ def explain(error: BaseException, captured: Captured) -> str:
         head = "the BPF programs did not compile against this kernel's headers"
     else:
         head = text
-    if "verifier:" in text:       # a program we load ourselves (collector/btfprog.py): its log is in the error
+    if "verifier:" in text:  # a program we load ourselves (collector/btfprog.py): its log is in the error
         return head
     tail = captured.tail()
     return head + (f"\nlast lines of the compiler's and verifier's output:\n{tail}" if tail else "")

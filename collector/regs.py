@@ -20,6 +20,7 @@ change the BPF program (slots are given and taken back in its map, from here).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import struct
@@ -62,9 +63,14 @@ log = logging.getLogger(__name__)
 
 def bpf_defines() -> dict[str, int]:
     """The -D flags of bpf/oncpu.c's register path."""
-    d = {"ONCPU_REGS": 1, "ONCPU_REGS_PIDS": ONCPU_REGS_PIDS, "ONCPU_REGS_STACK_BYTES": ONCPU_REGS_STACK_BYTES,
-         "ONCPU_REGS_SHORT_STACK_BYTES": ONCPU_REGS_SHORT_STACK_BYTES,
-         "ONCPU_REGS_RING_PAGES": ONCPU_REGS_RING_PAGES, "ONCPU_REGS_WAKE_EVERY": ONCPU_REGS_WAKE_EVERY}
+    d = {
+        "ONCPU_REGS": 1,
+        "ONCPU_REGS_PIDS": ONCPU_REGS_PIDS,
+        "ONCPU_REGS_STACK_BYTES": ONCPU_REGS_STACK_BYTES,
+        "ONCPU_REGS_SHORT_STACK_BYTES": ONCPU_REGS_SHORT_STACK_BYTES,
+        "ONCPU_REGS_RING_PAGES": ONCPU_REGS_RING_PAGES,
+        "ONCPU_REGS_WAKE_EVERY": ONCPU_REGS_WAKE_EVERY,
+    }
     return d
 
 
@@ -86,17 +92,26 @@ class RegsForwarder:
         self._publish = publish
         self.host = host
         self._pids = bpf["oncpu_regs_pids"]
-        self._marked: dict[int, int] = {}           # pid → start_ticks of the process marked
-        self._used: dict[int, float] = {}           # marked pid → time.monotonic() of its last on-CPU sample
-        self._paths: dict[int, str] = {}            # marked pid → the mapping it was marked for (the log)
+        self._marked: dict[int, int] = {}  # pid → start_ticks of the process marked
+        self._used: dict[int, float] = {}  # marked pid → time.monotonic() of its last on-CPU sample
+        self._paths: dict[int, str] = {}  # marked pid → the mapping it was marked for (the log)
         # pid → (start_ticks, mapping, time.monotonic() of its last on-CPU sample): processes waiting for a slot
         self._waiting: dict[int, tuple[int, str, float]] = {}
         self._log_once = LogOnce(log)
         self._seen: dict[int, tuple[int, int]] = {}  # pid → (start_ticks, mappings) last looked at, unmarked
         self._pending: list[RegsSample] = []
         self._next_exit_check = time.monotonic() + EXIT_CHECK_S
-        self.stats = {"marked": 0, "unmarked": 0, "not_marked_full": 0, "evicted_idle": 0, "records": 0,
-                      "sent": 0, "dropped_unmarked": 0, "dropped_pending": 0, "malformed": 0}
+        self.stats = {
+            "marked": 0,
+            "unmarked": 0,
+            "not_marked_full": 0,
+            "evicted_idle": 0,
+            "records": 0,
+            "sent": 0,
+            "dropped_unmarked": 0,
+            "dropped_pending": 0,
+            "malformed": 0,
+        }
         bpf["oncpu_regs"].open_ring_buffer(self._on_record)
 
     def fd(self) -> int:
@@ -120,7 +135,7 @@ class RegsForwarder:
             path = marked_by(p, self._names)
             if path is None:
                 self._seen[p.pid] = (p.start_ticks, len(p.mappings))
-                if len(self._seen) > 4 * ONCPU_REGS_PIDS:   # only a memo: forgotten whole
+                if len(self._seen) > 4 * ONCPU_REGS_PIDS:  # only a memo: forgotten whole
                     self._seen.clear()
                 continue
             self._seen.pop(p.pid, None)
@@ -129,9 +144,15 @@ class RegsForwarder:
                 if on_cpu and (p.pid in self._waiting or len(self._waiting) < ONCPU_REGS_PIDS):
                     self._waiting[p.pid] = (p.start_ticks, path, now)
                 if self.stats["not_marked_full"] == 1:
-                    log.warning("registers with on-CPU samples: %d processes marked already; pid %d (%s) waits "
-                                "for the slot of one with no on-CPU sample for %.0f s (its JIT frames stay "
-                                "unnamed in the cpu profile until then)", ONCPU_REGS_PIDS, p.pid, path, IDLE_EVICT_S)
+                    log.warning(
+                        "registers with on-CPU samples: %d processes marked already; pid %d (%s) waits "
+                        "for the slot of one with no on-CPU sample for %.0f s (its JIT frames stay "
+                        "unnamed in the cpu profile until then)",
+                        ONCPU_REGS_PIDS,
+                        p.pid,
+                        path,
+                        IDLE_EVICT_S,
+                    )
                 continue
             self._mark(p.pid, p.start_ticks, path, now)
         self._give_slots(now)
@@ -140,7 +161,7 @@ class RegsForwarder:
         self._waiting.pop(pid, None)
         self._pids[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
         self._marked[pid] = ticks
-        self._used[pid] = now              # IDLE_EVICT_S from now to show that it runs
+        self._used[pid] = now  # IDLE_EVICT_S from now to show that it runs
         self._paths[pid] = path
         self.stats["marked"] += 1
         log.info("registers with on-CPU samples: pid %d (maps %s)", pid, path)
@@ -152,18 +173,26 @@ class RegsForwarder:
             del self._waiting[pid]
         for pid, (ticks, path, _) in sorted(self._waiting.items(), key=lambda kv: -kv[1][2]):
             if self._marked.get(pid) == ticks or start_ticks(pid) != ticks:
-                del self._waiting[pid]     # marked already, or exited meanwhile
+                del self._waiting[pid]  # marked already, or exited meanwhile
                 continue
             if len(self._marked) >= ONCPU_REGS_PIDS:
                 idle = min(self._used, key=self._used.__getitem__)
                 if now - self._used[idle] < IDLE_EVICT_S:
-                    return                 # every holder ran within IDLE_EVICT_S: the others wait on
+                    return  # every holder ran within IDLE_EVICT_S: the others wait on
                 self.stats["evicted_idle"] += 1
-                self._log_once(("evicted", idle, self._marked[idle]), logging.WARNING,
-                               "registers with on-CPU samples: pid %d (maps %s) had no on-CPU sample for %.0f s: "
-                               "its slot goes to pid %d (maps %s), which runs (%d slots taken back so far, "
-                               "regs_evicted_idle in status)", idle, self._paths.get(idle, "?"),
-                               now - self._used[idle], pid, path, self.stats["evicted_idle"])
+                self._log_once(
+                    ("evicted", idle, self._marked[idle]),
+                    logging.WARNING,
+                    "registers with on-CPU samples: pid %d (maps %s) had no on-CPU sample for %.0f s: "
+                    "its slot goes to pid %d (maps %s), which runs (%d slots taken back so far, "
+                    "regs_evicted_idle in status)",
+                    idle,
+                    self._paths.get(idle, "?"),
+                    now - self._used[idle],
+                    pid,
+                    path,
+                    self.stats["evicted_idle"],
+                )
                 self._unmark(idle)
             self._mark(pid, ticks, path, now)
 
@@ -189,8 +218,18 @@ class RegsForwarder:
         if len(self._pending) >= MAX_PENDING:
             self.stats["dropped_pending"] += 1
             return
-        self._pending.append(RegsSample(pid=pid, start_ticks=ticks, tid=tid, time_ns=t_ns, ip=ip, sp=sp, fp=fp,
-                                        stack=raw[RECORD.size:RECORD.size + n]))
+        self._pending.append(
+            RegsSample(
+                pid=pid,
+                start_ticks=ticks,
+                tid=tid,
+                time_ns=t_ns,
+                ip=ip,
+                sp=sp,
+                fp=fp,
+                stack=raw[RECORD.size : RECORD.size + n],
+            )
+        )
 
     def flush(self, period_ns: int) -> None:
         """Take the ring's records and send them; unmark the processes that exited."""
@@ -206,15 +245,19 @@ class RegsForwarder:
             return
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), SAMPLES_PER_MESSAGE):
-            self._publish(RegsBatch(host=self.host, time_ns=time.time_ns(), period_ns=period_ns,
-                                    samples=tuple(pending[i:i + SAMPLES_PER_MESSAGE])))
+            self._publish(
+                RegsBatch(
+                    host=self.host,
+                    time_ns=time.time_ns(),
+                    period_ns=period_ns,
+                    samples=tuple(pending[i : i + SAMPLES_PER_MESSAGE]),
+                )
+            )
         self.stats["sent"] += len(pending)
 
     def _unmark(self, pid: int) -> None:
-        try:
+        with contextlib.suppress(KeyError):
             del self._pids[ctypes.c_uint32(pid)]
-        except KeyError:
-            pass
         del self._marked[pid]
         self._used.pop(pid, None)
         self._paths.pop(pid, None)
@@ -226,4 +269,3 @@ class RegsForwarder:
             self._unmark(pid)
         if self.stats["records"]:
             log.info("registers with on-CPU samples: %s", self.stats)
-

@@ -12,7 +12,7 @@ Must not: know about sockets or liveness; the caller says which workers are live
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _weight(service: str, worker: int) -> int:

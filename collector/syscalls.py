@@ -30,7 +30,7 @@ PERF_TYPE_SOFTWARE = 1
 PERF_TYPE_TRACEPOINT = 2
 PERF_COUNT_SW_CPU_CLOCK = 0
 PERF_FLAG_FD_CLOEXEC = 8
-_ATTR_DISABLED = 1 << 0          # the flags word's first bit: created stopped
+_ATTR_DISABLED = 1 << 0  # the flags word's first bit: created stopped
 # ioctls: _IO('$', n) and _IOW('$', n, u64 / u32); the same encoding on x86-64 and arm64.
 PERF_EVENT_IOC_ENABLE = 0x2400
 PERF_EVENT_IOC_DISABLE = 0x2401
@@ -50,14 +50,20 @@ def _numbers() -> tuple[int, int]:
     try:
         return SYSCALL_NUMBERS[machine]
     except KeyError:
-        raise UnsupportedMachine(f"bpf(2) and perf_event_open(2) numbers are not known for {machine}; "
-                                 f"supported: {', '.join(SYSCALL_NUMBERS)}") from None
+        raise UnsupportedMachine(
+            f"bpf(2) and perf_event_open(2) numbers are not known for {machine}; "
+            f"supported: {', '.join(SYSCALL_NUMBERS)}"
+        ) from None
 
 
 def bpf(cmd: int, attr: ctypes.Array | ctypes.Structure, size: int | None = None) -> int:
     """bpf(cmd, attr, size): its non-negative result, or OSError with the kernel's errno."""
-    ret = _libc.syscall(ctypes.c_long(_numbers()[0]), ctypes.c_long(cmd), ctypes.byref(attr),
-                        ctypes.c_uint(ctypes.sizeof(attr) if size is None else size))
+    ret = _libc.syscall(
+        ctypes.c_long(_numbers()[0]),
+        ctypes.c_long(cmd),
+        ctypes.byref(attr),
+        ctypes.c_uint(ctypes.sizeof(attr) if size is None else size),
+    )
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -68,15 +74,22 @@ def perf_attr(type_: int, config: int, sample_period: int, disabled: bool = True
     """A perf_event_attr of `type_` and `config`, sampling every `sample_period` (a period, not a frequency)."""
     attr = ctypes.create_string_buffer(PERF_ATTR_SIZE)
     # type, size, config, sample_period, sample_type, read_format, flags, wakeup_events
-    struct.pack_into("IIQQQQQI", attr, 0, type_, PERF_ATTR_SIZE, config, sample_period, 0, 0,
-                     _ATTR_DISABLED if disabled else 0, 1)
+    struct.pack_into(
+        "IIQQQQQI", attr, 0, type_, PERF_ATTR_SIZE, config, sample_period, 0, 0, _ATTR_DISABLED if disabled else 0, 1
+    )
     return attr
 
 
 def perf_event_open(attr: ctypes.Array, pid: int, cpu: int, group_fd: int = -1) -> int:
     """A perf event descriptor (close-on-exec), or OSError with the kernel's errno."""
-    ret = _libc.syscall(ctypes.c_long(_numbers()[1]), attr, ctypes.c_int(pid), ctypes.c_int(cpu),
-                        ctypes.c_int(group_fd), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC))
+    ret = _libc.syscall(
+        ctypes.c_long(_numbers()[1]),
+        attr,
+        ctypes.c_int(pid),
+        ctypes.c_int(cpu),
+        ctypes.c_int(group_fd),
+        ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC),
+    )
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

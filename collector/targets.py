@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from collector.procfs import parse_cgroup, parse_stat, read_capped
 from shared.procstat import start_ticks
@@ -35,7 +35,7 @@ class Target:
     pid: int
     start_ticks: int
     executable: str
-    spec: str          # the spec it matched (for the log)
+    spec: str  # the spec it matched (for the log)
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ class _Proc:
     executable: str
     comm: str
     container_id: str
-    cgroup: str        # the cgroup v2 path ("0::/path"), "" without one
+    cgroup: str  # the cgroup v2 path ("0::/path"), "" without one
 
 
 def matches(spec: str, p: _Proc) -> bool:
     """Does `spec` (validated by shared/config) name this process?"""
     if spec.startswith("cgroup:"):
-        path = spec[len("cgroup:"):].rstrip("/") or "/"
-        return bool(p.cgroup) and (path == "/" or p.cgroup == path or p.cgroup.startswith(path + "/"))
+        path = spec[len("cgroup:") :].rstrip("/") or "/"
+        return bool(p.cgroup) and (path == "/" or p.cgroup == path or p.cgroup.startswith(path + "/"))  # noqa: PLR1714
     if _CONTAINER_ID.fullmatch(spec) and p.container_id.startswith(spec):
         return True
     if spec.startswith("/"):
@@ -72,7 +72,7 @@ class TargetWatcher:
         self.specs = tuple(specs)
         self.proc = proc
         self._self = os.getpid() if self_pid is None else self_pid
-        self._seen: dict[int, tuple[str, int]] = {}     # pid → (exe link, start ticks) as last read
+        self._seen: dict[int, tuple[str, int]] = {}  # pid → (exe link, start ticks) as last read
         self.targets: dict[int, Target] = {}
 
     def _read(self, pid: int, exe: str) -> tuple[int, Target | None]:
@@ -108,13 +108,13 @@ class TargetWatcher:
             try:
                 exe = os.readlink(f"{self.proc}/{pid}/exe")
             except OSError:
-                continue     # a kernel thread, or gone
+                continue  # a kernel thread, or gone
             alive.add(pid)
             seen = self._seen.get(pid)
             if seen is not None and seen[0] == exe and (pid not in self.targets or self._same_start(pid, seen[1])):
                 continue
             if budget <= 0:
-                alive.discard(pid)   # not read yet: next scan
+                alive.discard(pid)  # not read yet: next scan
                 continue
             budget -= 1
             try:
@@ -125,7 +125,7 @@ class TargetWatcher:
             self._seen[pid] = (exe, start)
             old = self.targets.get(pid)
             if old is not None and (target is None or old.start_ticks != start):
-                gone.append(self.targets.pop(pid))      # exec'd into a non-target, or the pid was reused
+                gone.append(self.targets.pop(pid))  # exec'd into a non-target, or the pid was reused
             if target is not None and pid not in self.targets:
                 self.targets[pid] = target
                 appeared.append(target)

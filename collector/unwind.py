@@ -18,6 +18,7 @@ trusted), or attach anything.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import logging
 import os
@@ -77,11 +78,13 @@ PROC_IDLE_S = 120.0
 # Names of the unwind_counters slots in bpf/unwind.h, in order.
 COUNTERS = ("tail_call_failed", "stack_map_full", "truncated", "fp_steps", "dwarf_steps")
 # The step program of each family, and the program array it goes in.
-STEP_PROGRAMS = {"oncpu": ("oncpu_unwind_step", "oncpu_unwind_progs"),
-                 "offcpu": ("offcpu_unwind_step", "offcpu_unwind_progs"),
-                 "lock": ("lock_unwind_step", "lock_unwind_progs")}
+STEP_PROGRAMS = {
+    "oncpu": ("oncpu_unwind_step", "oncpu_unwind_progs"),
+    "offcpu": ("offcpu_unwind_step", "offcpu_unwind_progs"),
+    "lock": ("lock_unwind_step", "lock_unwind_progs"),
+}
 
-ModuleKey = tuple[str, int]    # (dev, inode) as /proc/<pid>/maps gives them
+ModuleKey = tuple[str, int]  # (dev, inode) as /proc/<pid>/maps gives them
 
 
 @dataclass
@@ -100,7 +103,7 @@ class RowAllocator:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._free: list[tuple[int, int]] = [(0, capacity)]    # (start, length), sorted by start
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # (start, length), sorted by start
 
     @property
     def free_rows(self) -> int:
@@ -130,8 +133,13 @@ class RowAllocator:
 
 def bpf_defines(offcpu_dwarf: bool, lock_dwarf: bool = False) -> dict[str, int]:
     """The -D flags of bpf/unwind.h and the families' DWARF paths."""
-    d = {"DWARF_UNWIND": 1, "UNWIND_ROWS": UNWIND_ROWS, "UNWIND_MODULES": UNWIND_MODULES,
-         "UNWIND_PROCS": UNWIND_PROCS, "DWARF_STACK_ENTRIES": DWARF_STACK_ENTRIES}
+    d = {
+        "DWARF_UNWIND": 1,
+        "UNWIND_ROWS": UNWIND_ROWS,
+        "UNWIND_MODULES": UNWIND_MODULES,
+        "UNWIND_PROCS": UNWIND_PROCS,
+        "DWARF_STACK_ENTRIES": DWARF_STACK_ENTRIES,
+    }
     if offcpu_dwarf:
         d["OFFCPU_DWARF"] = 1
     if lock_dwarf:
@@ -140,7 +148,7 @@ def bpf_defines(offcpu_dwarf: bool, lock_dwarf: bool = False) -> dict[str, int]:
 
 
 def supported() -> str:
-    """"" when this machine's BPF unwinder can run, else why not."""
+    """ "" when this machine's BPF unwinder can run, else why not."""
     machine = os.uname().machine
     if machine != "x86_64":
         return f"the BPF unwinder walks x86-64 stacks; this machine is {machine}"
@@ -148,10 +156,17 @@ def supported() -> str:
 
 
 class UnwindTables:
-    def __init__(self, bpf: Any, families: Sequence[str], run_dir: str, ctx: zmq.Context,
-                 rows: int = UNWIND_ROWS, max_table_rows: int = MAX_TABLE_ROWS) -> None:
+    def __init__(
+        self,
+        bpf: Any,
+        families: Sequence[str],
+        run_dir: str,
+        ctx: zmq.Context,
+        rows: int = UNWIND_ROWS,
+        max_table_rows: int = MAX_TABLE_ROWS,
+    ) -> None:
         """`rows` must be the UNWIND_ROWS the programs were compiled with (bpf_defines)."""
-        from bcc import BPF   # only the collector imports bcc
+        from bcc import BPF  # only the collector imports bcc
 
         self._bpf = bpf
         self._rows = bpf["unwind_rows"]
@@ -176,11 +191,23 @@ class UnwindTables:
         self.modules: dict[ModuleKey, _Module] = {}
         self.unavailable: dict[ModuleKey, str] = {}
         self._requested: dict[ModuleKey, float] = {}
-        self._waiting: dict[ModuleKey, dict[int, Process]] = {}    # asked-for module → pid → process
+        self._waiting: dict[ModuleKey, dict[int, Process]] = {}  # asked-for module → pid → process
         self._written: dict[int, tuple[int, tuple[tuple[int, int, int, int, int], ...], float]] = {}
         self._counters_seen = [0] * len(COUNTERS)
-        self.stats = {"requested": 0, "loaded": 0, "rows": 0, "none": 0, "failed": 0, "rejected": 0, "unasked": 0,
-                      "evicted": 0, "too_large": 0, "procs": 0, "procs_evicted": 0, "mappings_over_cap": 0}
+        self.stats = {
+            "requested": 0,
+            "loaded": 0,
+            "rows": 0,
+            "none": 0,
+            "failed": 0,
+            "rejected": 0,
+            "unasked": 0,
+            "evicted": 0,
+            "too_large": 0,
+            "procs": 0,
+            "procs_evicted": 0,
+            "mappings_over_cap": 0,
+        }
 
     # ------------------------------------------------------------ answers
 
@@ -209,14 +236,25 @@ class UnwindTables:
             # second answer: a table is loaded only for a module the collector asked about.
             self.stats["unasked"] += 1
             if self.stats["unasked"] == 1:
-                log.warning("unwind.sock: dropped an answer for %s (%s %d) that was not asked for; "
-                            "further ones are only counted", cut(msg.path), cut(msg.dev), msg.inode)
+                log.warning(
+                    "unwind.sock: dropped an answer for %s (%s %d) that was not asked for; "
+                    "further ones are only counted",
+                    cut(msg.path),
+                    cut(msg.dev),
+                    msg.inode,
+                )
             return
         if msg.status != "ok":
             self.stats[msg.status] += 1
             self._mark_unavailable(key, f"{msg.status}: {msg.reason}")
-            log.info("no unwind table for %s (%s %d): %s: %s; its frames use frame pointers",
-                     msg.path, msg.dev, msg.inode, msg.status, msg.reason)
+            log.info(
+                "no unwind table for %s (%s %d): %s: %s; its frames use frame pointers",
+                msg.path,
+                msg.dev,
+                msg.inode,
+                msg.status,
+                msg.reason,
+            )
             return
         try:
             table = unwind_table.decode(msg.table, unwind_table.ARCH_X86_64)
@@ -226,7 +264,7 @@ class UnwindTables:
             log.warning("unwind table for %s rejected by the bounds check: %s", msg.path, e)
             return
         self._load(key, msg.path, msg.build_id, table)
-        if key in self.modules:       # the processes that asked unwind through it from now on
+        if key in self.modules:  # the processes that asked unwind through it from now on
             now = time.monotonic()
             for proc in waiting.values():
                 self._update_process(proc, now)
@@ -241,8 +279,13 @@ class UnwindTables:
         if n > self.max_table_rows:
             self.stats["too_large"] += 1
             self._mark_unavailable(key, f"{n} rows, more than the {self.max_table_rows} one table may take")
-            log.warning("unwind table for %s has %d rows, more than the %d one module may take (a quarter "
-                        "of the map); its frames use frame pointers", path, n, self.max_table_rows)
+            log.warning(
+                "unwind table for %s has %d rows, more than the %d one module may take (a quarter "
+                "of the map); its frames use frame pointers",
+                path,
+                n,
+                self.max_table_rows,
+            )
             return
         start = self._alloc.alloc(n)
         while (start is None or not self._free_slots) and self.modules:
@@ -261,23 +304,31 @@ class UnwindTables:
         self.modules[key] = _Module(key, path, build_id, table, slot, start, time.monotonic())
         self.stats["loaded"] += 1
         self.stats["rows"] += n
-        log.info("unwind table loaded for %s: %d rows (%d of %d rows in use)", path, n,
-                 self.rows - self._alloc.free_rows, self.rows)
+        log.info(
+            "unwind table loaded for %s: %d rows (%d of %d rows in use)",
+            path,
+            n,
+            self.rows - self._alloc.free_rows,
+            self.rows,
+        )
 
     def _evict(self, m: _Module) -> None:
         """Unload the least recently sampled module; processes mapping it walk it with frame pointers."""
         empty = self._modules_map.Leaf()
-        self._modules_map[ctypes.c_int(m.slot)] = empty      # first: no program reads its rows from here on
+        self._modules_map[ctypes.c_int(m.slot)] = empty  # first: no program reads its rows from here on
         del self.modules[m.key]
         for pid, (ticks, entries, sampled) in list(self._written.items()):
             if any(e[4] == m.slot for e in entries):
                 self._write(pid, ticks, tuple(e for e in entries if e[4] != m.slot), sampled)
         self._alloc.free(m.row_start, m.table.row_count)
         self._free_slots.append(m.slot)
-        self._requested[m.key] = time.monotonic()     # not asked for again at once: see REQUEST_RETRY_S
+        self._requested[m.key] = time.monotonic()  # not asked for again at once: see REQUEST_RETRY_S
         self.stats["evicted"] += 1
-        log.info("unwind table of %s evicted (least recently sampled) to make room; evictions so far: %d",
-                 m.path, self.stats["evicted"])
+        log.info(
+            "unwind table of %s evicted (least recently sampled) to make room; evictions so far: %d",
+            m.path,
+            self.stats["evicted"],
+        )
 
     # ------------------------------------------------------------ per drain
 
@@ -293,7 +344,7 @@ class UnwindTables:
         requests: list[UnwindRequest] = []
         # The most sampled processes ask first: their stacks matter most.
         for proc in sorted(batch.processes, key=lambda p: -weight.get(p.pid, 0)):
-            if proc.start_ticks == 0 or not proc.mappings:    # exited before it was read
+            if proc.start_ticks == 0 or not proc.mappings:  # exited before it was read
                 continue
             # Only the modules sampled stacks went through (asking for every module of a process at
             # first sight made start-up a burst of table builds that delayed the symbolizers' windows:
@@ -341,16 +392,19 @@ class UnwindTables:
             if asked is not None and now - asked < REQUEST_RETRY_S:
                 continue
             self._requested[key] = now
-            requests.append(UnwindRequest(pid=proc.pid, start_ticks=proc.start_ticks, start=m.start,
-                                          end=m.end, dev=m.dev, inode=m.inode))
+            requests.append(
+                UnwindRequest(
+                    pid=proc.pid, start_ticks=proc.start_ticks, start=m.start, end=m.end, dev=m.dev, inode=m.inode
+                )
+            )
             self.stats["requested"] += 1
 
     def _forget_old_requests(self, now: float) -> None:
-        if len(self._requested) > MAX_UNAVAILABLE:   # answers that never came, for modules long gone
+        if len(self._requested) > MAX_UNAVAILABLE:  # answers that never came, for modules long gone
             for key in [k for k, t in self._requested.items() if now - t >= REQUEST_RETRY_S]:
                 del self._requested[key]
                 self._waiting.pop(key, None)
-        for key in [k for k in self._waiting if k not in self._requested]:   # answered, evicted, retried
+        for key in [k for k in self._waiting if k not in self._requested]:  # answered, evicted, retried
             del self._waiting[key]
 
     def _sampled_mappings(self, proc: Process, addresses: Iterable[int], now: float) -> list[Mapping]:
@@ -381,7 +435,7 @@ class UnwindTables:
             h = mod.table.header
             size = m.end - m.start
             if m.offset >= h.text_offset + h.text_size or m.offset + size <= h.text_offset:
-                continue     # this mapping is not the part of the file the rows cover
+                continue  # this mapping is not the part of the file the rows cover
             bias = unwind_table.bias(mod.table, m.start, m.offset) & ((1 << 64) - 1)
             out.append((m.start, m.end, bias, h.span, mod.slot))
         out.sort()
@@ -402,8 +456,7 @@ class UnwindTables:
             return
         self._write(proc.pid, proc.start_ticks, entries, now)
 
-    def _write(self, pid: int, ticks: int, entries: tuple[tuple[int, int, int, int, int], ...],
-               sampled: float) -> None:
+    def _write(self, pid: int, ticks: int, entries: tuple[tuple[int, int, int, int, int], ...], sampled: float) -> None:
         if not entries:
             self._remove(pid)
             return
@@ -422,10 +475,8 @@ class UnwindTables:
 
     def _remove(self, pid: int) -> None:
         self._written.pop(pid, None)
-        try:
+        with contextlib.suppress(KeyError):
             del self._procs[ctypes.c_uint32(pid)]
-        except KeyError:
-            pass
         self.stats["procs"] = len(self._written)
 
     def sweep(self) -> None:

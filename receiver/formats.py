@@ -16,8 +16,9 @@ store anything itself.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 
 class BadRequest(Exception):
@@ -31,11 +32,12 @@ class BadRequest(Exception):
 @dataclass(frozen=True)
 class Parsed:
     """A valid upload: what to store, under which id."""
-    profile_id: str                # the format's idempotency key, as a file-name-safe id
-    meta: dict[str, Any]           # type, service, host, start, end, samples and the format's own keys
-    body: bytes                    # stored as DIR/<id><suffix>
+
+    profile_id: str  # the format's idempotency key, as a file-name-safe id
+    meta: dict[str, Any]  # type, service, host, start, end, samples and the format's own keys
+    body: bytes  # stored as DIR/<id><suffix>
     suffix: str
-    profiles: int = 1              # profiles in the request (OTLP: one per resource and sample type)
+    profiles: int = 1  # profiles in the request (OTLP: one per resource and sample type)
 
 
 class IngestFormat(Protocol):
@@ -54,5 +56,6 @@ class IngestFormat(Protocol):
 def by_path() -> dict[str, IngestFormat]:
     from receiver.otlp import OtlpIngest
     from receiver.pyroscope import PyroscopeIngest
+
     formats: list[IngestFormat] = [OtlpIngest(), PyroscopeIngest()]
     return {f.path: f for f in formats}

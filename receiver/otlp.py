@@ -14,7 +14,8 @@ indices point outside the dictionary.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
@@ -51,7 +52,7 @@ def _in(i: int, table: Any, what: str) -> None:
         raise BadRequest(400, f"{what} index {i} outside its table of {len(table)}")
 
 
-def check(req: Any) -> None:
+def check(req: Any) -> None:  # noqa: PLR0912
     """Every reference into the dictionary is in range, and every profile has an id."""
     d = req.dictionary
     if not d.string_table or d.string_table[0] != "":
@@ -83,8 +84,12 @@ def check(req: Any) -> None:
                 n += 1
                 if len(p.profile_id) != 16 or not any(p.profile_id):
                     raise BadRequest(400, "a profile's profile_id is not 16 bytes, not all zero")
-                for i in (p.sample_type.type_strindex, p.sample_type.unit_strindex,
-                          p.period_type.type_strindex, p.period_type.unit_strindex):
+                for i in (
+                    p.sample_type.type_strindex,
+                    p.sample_type.unit_strindex,
+                    p.period_type.type_strindex,
+                    p.period_type.unit_strindex,
+                ):
                     _in(i, strings, "value type string")
                 for i in p.attribute_indices:
                     _in(i, d.attribute_table, "profile attribute")
@@ -109,8 +114,9 @@ def profile_attributes(req: Any, p: Any) -> dict[str, Any]:
     out = {}
     for i in p.attribute_indices:
         a = d.attribute_table[i]
-        out[d.string_table[a.key_strindex]] = (a.value.int_value if a.value.WhichOneof("value") == "int_value"
-                                                else a.value.string_value)
+        out[d.string_table[a.key_strindex]] = (
+            a.value.int_value if a.value.WhichOneof("value") == "int_value" else a.value.string_value
+        )
     return out
 
 
@@ -133,12 +139,17 @@ class OtlpIngest:
             profiles = [p for sp in rp.scope_profiles for p in sp.profiles]
             n_profiles += len(profiles)
             samples += len(profiles[0].samples) if profiles else 0
-        meta = {"format": self.name, "service": str(resource.get("service.name", "")),
-                "host": str(resource.get("host.name", "")), "type": str(types.get(PROFILE_TYPE_ATTR, sample_type)),
-                "start": first.time_unix_nano, "end": first.time_unix_nano + first.duration_nano,
-                "samples": samples, "profiles": n_profiles}
-        return Parsed(first.profile_id.hex(), meta, req.SerializeToString(deterministic=True), ".otlp.pb",
-                      n_profiles)
+        meta = {
+            "format": self.name,
+            "service": str(resource.get("service.name", "")),
+            "host": str(resource.get("host.name", "")),
+            "type": str(types.get(PROFILE_TYPE_ATTR, sample_type)),
+            "start": first.time_unix_nano,
+            "end": first.time_unix_nano + first.duration_nano,
+            "samples": samples,
+            "profiles": n_profiles,
+        }
+        return Parsed(first.profile_id.hex(), meta, req.SerializeToString(deterministic=True), ".otlp.pb", n_profiles)
 
     def reply(self, parsed: Parsed, stored: bool, rejected_message: str = "") -> tuple[bytes, str]:
         resp = service_pb.ExportProfilesServiceResponse()

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Mapping
+from collections.abc import Mapping
 from urllib.parse import parse_qs
 
 from receiver.formats import BadRequest, Parsed
-from shared.pprof import PprofError, read as read_pprof
+from shared.pprof import PprofError
+from shared.pprof import read as read_pprof
 from shared.wire import MAX_STRING
 
 PATH = "/ingest"
@@ -30,7 +31,7 @@ MAX_LABELS = 64
 
 
 def parse_name(name: str) -> tuple[str, dict[str, str]]:
-    """"app{k=v,k2=v2}" → ("app", {"k": "v", "k2": "v2"}); BadRequest if it is not of that form."""
+    """ "app{k=v,k2=v2}" → ("app", {"k": "v", "k2": "v2"}); BadRequest if it is not of that form."""
     m = _NAME.fullmatch(name)
     if not m:
         raise BadRequest(400, f"name {name[:200]!r} is not APP or APP{{key=value,...}}")
@@ -76,10 +77,18 @@ class PyroscopeIngest:
         except PprofError as e:
             raise BadRequest(400, str(e)) from None
         key = hashlib.sha256(f"{values['name']}|{start}|{end}".encode()).hexdigest()[:32]
-        meta = {"format": self.name, "name": values["name"], "labels": labels, "service": app,
-                "type": labels.get("profile_type", ""), "host": labels.get("host", ""),
-                "start": start * 10**9, "end": end * 10**9, "samples": len(profile.samples),
-                "x_profile_id": (headers.get("X-Profile-Id") or "")[:128]}
+        meta = {
+            "format": self.name,
+            "name": values["name"],
+            "labels": labels,
+            "service": app,
+            "type": labels.get("profile_type", ""),
+            "host": labels.get("host", ""),
+            "start": start * 10**9,
+            "end": end * 10**9,
+            "samples": len(profile.samples),
+            "x_profile_id": (headers.get("X-Profile-Id") or "")[:128],
+        }
         return Parsed(key, meta, body, ".pb.gz")
 
     def reply(self, parsed: Parsed, stored: bool, rejected_message: str = "") -> tuple[bytes, str]:

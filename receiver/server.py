@@ -20,6 +20,7 @@ or store a body that shared.pprof.read() rejects.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,15 +31,17 @@ import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from receiver import formats, otlp, pyroscope, store
 from shared import log as shared_log
-from shared.pprof import PprofError, read as read_pprof
+from shared.pprof import PprofError
+from shared.pprof import read as read_pprof
 from shared.wire import MAX_PROFILE_BYTES, MAX_STRING
 
 STAGE = "receiver"
@@ -92,11 +95,12 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class Faults:
     """Test aids: how the receiver misbehaves on purpose (all off by default)."""
-    fail_ratio: float = 0.0        # answer 500 to this share of posts, at random, before storing
-    hang_s: float = 0.0            # wait this long before handling each post
-    reject_status: int = 0         # answer this status to every post (0: off)
+
+    fail_ratio: float = 0.0  # answer 500 to this share of posts, at random, before storing
+    hang_s: float = 0.0  # wait this long before handling each post
+    reject_status: int = 0  # answer this status to every post (0: off)
     reject_reason: str = "rejected by --reject-status"
-    partial_reject: str = ""       # OTLP: answer 200 with partial_success rejecting every profile, storing nothing
+    partial_reject: str = ""  # OTLP: answer 200 with partial_success rejecting every profile, storing nothing
 
     def describe(self) -> str:
         parts = []
@@ -117,26 +121,27 @@ class ReceiverServer(ThreadingHTTPServer):
     daemon_threads = False
     block_on_close = True
 
-    def __init__(self, address: tuple[str, int], directory: str, faults: Faults = Faults(),
-                 agent_config: str | None = None) -> None:
+    def __init__(
+        self, address: tuple[str, int], directory: str, faults: Faults = Faults(), agent_config: str | None = None
+    ) -> None:
         self.directory = directory
         self.faults = faults
-        self.agent_config = agent_config    # file served at GET /v1/agent-config; None: 404
-        self.stopping = threading.Event()   # set before shutdown(): cuts a --hang-s wait short
+        self.agent_config = agent_config  # file served at GET /v1/agent-config; None: 404
+        self.stopping = threading.Event()  # set before shutdown(): cuts a --hang-s wait short
         self._random = random.Random()
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_REQUESTS)
-        self.parsing = threading.Lock()     # one profile parsed at a time: bounds the memory parsing takes
+        self.parsing = threading.Lock()  # one profile parsed at a time: bounds the memory parsing takes
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """A thread per request, at most MAX_CONCURRENT_REQUESTS of them; past that, 503 at once."""
         if not self._slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                    b"Retry-After: 1\r\nConnection: close\r\n\r\n"
+                )
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -177,12 +182,13 @@ class Handler(BaseHTTPRequestHandler):
             timer.cancel()
 
     def _cut(self) -> None:
-        log.info("client %s: request not done within %g s; connection closed", self.address_string(),
-                 REQUEST_DEADLINE_S + self.server.faults.hang_s)
-        try:
+        log.info(
+            "client %s: request not done within %g s; connection closed",
+            self.address_string(),
+            REQUEST_DEADLINE_S + self.server.faults.hang_s,
+        )
+        with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
@@ -280,11 +286,22 @@ class Handler(BaseHTTPRequestHandler):
             "samples": len(profile.samples),
         }
         if not store.save(self.server.directory, profile_id, body, meta):
-            log.info("duplicate profile %s (service=%r type=%s): already stored", profile_id,
-                     params["service"], params["type"])
+            log.info(
+                "duplicate profile %s (service=%r type=%s): already stored",
+                profile_id,
+                params["service"],
+                params["type"],
+            )
             return 200, {"id": profile_id, "stored": False, "duplicate": True}
-        log.info("stored profile %s service=%r type=%s host=%r samples=%d bytes=%d", profile_id,
-                 params["service"], params["type"], params["host"], meta["samples"], meta["bytes"])
+        log.info(
+            "stored profile %s service=%r type=%s host=%r samples=%d bytes=%d",
+            profile_id,
+            params["service"],
+            params["type"],
+            params["host"],
+            meta["samples"],
+            meta["bytes"],
+        )
         return 200, {"id": profile_id, "stored": True}
 
     def _upload_format(self, fmt: formats.IngestFormat, query: str) -> None:
@@ -299,18 +316,34 @@ class Handler(BaseHTTPRequestHandler):
             rejected = self.server.faults.partial_reject if fmt.name == "otlp" else ""
             stored = False
             if rejected:
-                log.info("rejected the %d profile(s) of %s upload %s as a partial success (--partial-reject)",
-                         parsed.profiles, fmt.name, parsed.profile_id)
+                log.info(
+                    "rejected the %d profile(s) of %s upload %s as a partial success (--partial-reject)",
+                    parsed.profiles,
+                    fmt.name,
+                    parsed.profile_id,
+                )
             else:
                 meta = {"id": parsed.profile_id, **parsed.meta, "received_at": time.time_ns(), "bytes": len(body)}
                 stored = store.save(self.server.directory, parsed.profile_id, parsed.body, meta, parsed.suffix)
                 if stored:
-                    log.info("stored %s profile %s service=%r type=%s host=%r samples=%d bytes=%d", fmt.name,
-                             parsed.profile_id, meta["service"], meta["type"], meta["host"], meta["samples"],
-                             len(body))
+                    log.info(
+                        "stored %s profile %s service=%r type=%s host=%r samples=%d bytes=%d",
+                        fmt.name,
+                        parsed.profile_id,
+                        meta["service"],
+                        meta["type"],
+                        meta["host"],
+                        meta["samples"],
+                        len(body),
+                    )
                 else:
-                    log.info("duplicate %s profile %s (service=%r type=%s): already stored", fmt.name,
-                             parsed.profile_id, meta["service"], meta["type"])
+                    log.info(
+                        "duplicate %s profile %s (service=%r type=%s): already stored",
+                        fmt.name,
+                        parsed.profile_id,
+                        meta["service"],
+                        meta["type"],
+                    )
             reply, content_type = fmt.reply(parsed, stored, rejected)
         except RequestError as e:
             self._error(e.status, str(e))
@@ -390,8 +423,7 @@ def content_length(raw: str) -> int:
 def query_params(query: str) -> dict[str, Any]:
     """The validated query parameters: strings, except start and end (unix ns ints)."""
     try:
-        parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False,
-                          max_num_fields=100, errors="strict")
+        parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False, max_num_fields=100, errors="strict")
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(400, f"bad query string: {e}") from None
     out: dict[str, Any] = {}
@@ -427,8 +459,9 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_server(listen: str, directory: str, faults: Faults = Faults(),
-                agent_config: str | None = None) -> ReceiverServer:
+def make_server(
+    listen: str, directory: str, faults: Faults = Faults(), agent_config: str | None = None
+) -> ReceiverServer:
     """A bound (not yet serving) receiver; call serve_forever(), then shutdown() and server_close()."""
     os.makedirs(directory, exist_ok=True)
     return ReceiverServer(parse_listen(listen), directory, faults, agent_config)
@@ -463,39 +496,72 @@ def _status(value: str) -> int:
 def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> int:
     p = argparse.ArgumentParser(
         prog=prog,
-        description=("A reference profile backend for tests and local demos: accepts "
-                     "POST /v1/profiles (see docs/upload-api.md), OTLP/HTTP profiles at POST "
-                     f"{otlp.PATH} and Pyroscope pushes at POST {pyroscope.PATH} (docs/backends.md), checks "
-                     "each body (a valid gzip pprof; OTLP: an ExportProfilesServiceRequest that "
-                     "opentelemetry-proto decodes) and stores it as DIR/<id>.pb.gz (OTLP: DIR/<id>.otlp.pb) "
-                     "with DIR/<id>.json metadata. "
-                     "GET /healthz answers ok. GET /v1/agent-config serves --agent-config FILE. "
-                     "No auth, no TLS."),
+        description=(
+            "A reference profile backend for tests and local demos: accepts "
+            "POST /v1/profiles (see docs/upload-api.md), OTLP/HTTP profiles at POST "
+            f"{otlp.PATH} and Pyroscope pushes at POST {pyroscope.PATH} (docs/backends.md), checks "
+            "each body (a valid gzip pprof; OTLP: an ExportProfilesServiceRequest that "
+            "opentelemetry-proto decodes) and stores it as DIR/<id>.pb.gz (OTLP: DIR/<id>.otlp.pb) "
+            "with DIR/<id>.json metadata. "
+            "GET /healthz answers ok. GET /v1/agent-config serves --agent-config FILE. "
+            "No auth, no TLS."
+        ),
     )
-    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", type=str,
-                   help="address to listen on; port 0 picks a free one (default: %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        type=str,
+        help="address to listen on; port 0 picks a free one (default: %(default)s)",
+    )
     p.add_argument("--dir", required=True, metavar="DIR", help="directory where profiles are stored")
-    p.add_argument("--agent-config", metavar="FILE",
-                   help="JSON agent config document served at GET /v1/agent-config, e.g. "
-                        '{"modules": {"ebpf_profiler": {"enabled": false}}}; read again on every request '
-                        "(so it can be changed while the receiver runs) and served as it is; a missing "
-                        "file, or no --agent-config, answers 404 (no remote settings)")
+    p.add_argument(
+        "--agent-config",
+        metavar="FILE",
+        help="JSON agent config document served at GET /v1/agent-config, e.g. "
+        '{"modules": {"ebpf_profiler": {"enabled": false}}}; read again on every request '
+        "(so it can be changed while the receiver runs) and served as it is; a missing "
+        "file, or no --agent-config, answers 404 (no remote settings)",
+    )
     faults = p.add_argument_group(
         "fault injection (test aids: make the receiver misbehave on purpose; applied after the body is "
-        "read and before anything is stored)")
-    faults.add_argument("--fail-ratio", type=_ratio, default=0.0, metavar="R",
-                        help="answer 500 to this share of posts (0 to 1), chosen at random (default: 0)")
-    faults.add_argument("--hang-s", type=_hang, default=0.0, metavar="S",
-                        help="wait S seconds before handling each post, e.g. longer than the client's read "
-                             "timeout; the post is then handled normally (default: 0)")
-    faults.add_argument("--reject-status", type=_status, default=0, metavar="N",
-                        help="answer every post with HTTP status N (400 to 599) and a JSON reason, "
-                             "storing nothing")
-    faults.add_argument("--reject-reason", default="rejected by --reject-status", metavar="TEXT",
-                        help="the reason sent with --reject-status (default: %(default)r)")
-    faults.add_argument("--partial-reject", default="", metavar="TEXT",
-                        help="OTLP posts: answer 200 with partial_success rejecting every profile of the "
-                             "request, with TEXT as error_message, storing nothing")
+        "read and before anything is stored)"
+    )
+    faults.add_argument(
+        "--fail-ratio",
+        type=_ratio,
+        default=0.0,
+        metavar="R",
+        help="answer 500 to this share of posts (0 to 1), chosen at random (default: 0)",
+    )
+    faults.add_argument(
+        "--hang-s",
+        type=_hang,
+        default=0.0,
+        metavar="S",
+        help="wait S seconds before handling each post, e.g. longer than the client's read "
+        "timeout; the post is then handled normally (default: 0)",
+    )
+    faults.add_argument(
+        "--reject-status",
+        type=_status,
+        default=0,
+        metavar="N",
+        help="answer every post with HTTP status N (400 to 599) and a JSON reason, storing nothing",
+    )
+    faults.add_argument(
+        "--reject-reason",
+        default="rejected by --reject-status",
+        metavar="TEXT",
+        help="the reason sent with --reject-status (default: %(default)r)",
+    )
+    faults.add_argument(
+        "--partial-reject",
+        default="",
+        metavar="TEXT",
+        help="OTLP posts: answer 200 with partial_success rejecting every profile of the "
+        "request, with TEXT as error_message, storing nothing",
+    )
     args = p.parse_args(argv)
     try:
         parse_listen(args.listen)
@@ -503,10 +569,18 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
         p.error(f"--listen: {e}")
     shared_log.setup(STAGE)
     try:
-        server = make_server(args.listen, args.dir, Faults(args.fail_ratio, args.hang_s, args.reject_status,
-                                                          args.reject_reason[:MAX_PARAM_CHARS],
-                                                          args.partial_reject[:MAX_PARAM_CHARS]),
-                             os.path.abspath(args.agent_config) if args.agent_config else None)
+        server = make_server(
+            args.listen,
+            args.dir,
+            Faults(
+                args.fail_ratio,
+                args.hang_s,
+                args.reject_status,
+                args.reject_reason[:MAX_PARAM_CHARS],
+                args.partial_reject[:MAX_PARAM_CHARS],
+            ),
+            os.path.abspath(args.agent_config) if args.agent_config else None,
+        )
     except OSError as e:
         log.error("cannot listen on %s or use %s: %s", args.listen, args.dir, e)
         return 1

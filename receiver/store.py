@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from shared.files import write_atomic
+
 # Profile ids become file names: the hand-off's safe alphabet and bounded length, no "/".
 from shared.handoff import is_valid_profile_id as is_valid_id
 
@@ -50,4 +51,3 @@ def list_profiles(directory: str) -> list[dict[str, Any]]:
         out.append(meta)
     out.sort(key=lambda m: (m.get("received_at", 0), m.get("id", "")))
     return out
-

@@ -27,9 +27,10 @@ import heapq
 import html as html_mod
 import json
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from report import profiles as profiles_mod
 
@@ -54,18 +55,22 @@ _MARKER = re.compile(r"@([A-Z0-9_]+)@")
 
 def _json(value: Any) -> str:
     """JSON that is safe inside <script>: ASCII only, and no <, > or & (so no "</script>" or "<!--")."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=True) \
-        .replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+    return (
+        json.dumps(value, separators=(",", ":"), ensure_ascii=True)
+        .replace("&", "\\u0026")
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+    )
 
 
 class _Node:
-    __slots__ = ("name", "value", "children", "other")
+    __slots__ = ("children", "name", "other", "value")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.value = 0
         self.children: dict[str, _Node] | None = None
-        self.other = 0         # value merged under this frame by the byte cap, drawn as a child OTHER
+        self.other = 0  # value merged under this frame by the byte cap, drawn as a child OTHER
 
 
 _OTHER_BYTES = _NODE_BYTES + len(_json(OTHER))
@@ -89,9 +94,14 @@ class _Graph:
 
     def header(self) -> str:
         """Its JSON object up to its tree: `{…,"tree":`."""
-        fields = {"type": self.type[:MAX_NAME_CHARS], "service": self.service[:MAX_NAME_CHARS],
-                  "unit": self.unit[:MAX_NAME_CHARS], "total": self.total, "samples": self.samples,
-                  "merged_frames": self.merged_frames}
+        fields = {
+            "type": self.type[:MAX_NAME_CHARS],
+            "service": self.service[:MAX_NAME_CHARS],
+            "unit": self.unit[:MAX_NAME_CHARS],
+            "total": self.total,
+            "samples": self.samples,
+            "merged_frames": self.merged_frames,
+        }
         return _json(fields)[:-1] + ',"tree":'
 
 
@@ -107,7 +117,7 @@ def _tree(stacks: dict[tuple[str, ...], int], root: str, budget: int) -> tuple[_
         node.value += v
         cur = node
         for depth, name in enumerate(stack):
-            name = name[:MAX_NAME_CHARS]
+            name = name[:MAX_NAME_CHARS]  # noqa: PLW2901
             nxt = cur.children.get(name) if cur.children is not None else None
             if nxt is None:
                 cost = _node_bytes(name)
@@ -158,12 +168,12 @@ def _graphs(loaded: Sequence[profiles_mod.Loaded]) -> list[_Graph]:
         for item in items:
             by_service.setdefault(item.service, []).append(item)
         per_service = {svc: profiles_mod.stacks(group) for svc, group in sorted(by_service.items())}
-        counts = {svc: sum(s.values[0] for g in group for s in g.profile.samples)
-                  for svc, group in by_service.items()}
-        graphs = [_Graph(ptype, svc, unit, sum(stacks.values()), counts[svc], stacks)
-                  for svc, stacks in per_service.items()]
+        counts = {svc: sum(s.values[0] for g in group for s in g.profile.samples) for svc, group in by_service.items()}
+        graphs = [
+            _Graph(ptype, svc, unit, sum(stacks.values()), counts[svc], stacks) for svc, stacks in per_service.items()
+        ]
         if len(per_service) > 1:
-            merged = {(svc,) + stack: v for svc, stacks in per_service.items() for stack, v in stacks.items()}
+            merged = {(svc, *stack): v for svc, stacks in per_service.items() for stack, v in stacks.items()}
             graphs.insert(0, _Graph(ptype, ALL_SERVICES, unit, sum(merged.values()), sum(counts.values()), merged))
         out += graphs
     return out
@@ -184,22 +194,25 @@ def _build(graphs: list[_Graph], budget: int) -> tuple[list[_Graph], str]:
     kept = [g for g in graphs if id(g) in keep]
     free = budget - headers
     for i, g in enumerate(kept):
-        share = free // (len(kept) - i)      # what an earlier graph did not use goes to the later ones
+        share = free // (len(kept) - i)  # what an earlier graph did not use goes to the later ones
         root = "all" if g.service == ALL_SERVICES else g.service[:MAX_NAME_CHARS]
         g.tree, g.merged_frames, used = _tree(g.stacks, root, share)
         free -= used
     merged = sum(g.merged_frames for g in kept)
     note = ""
     if merged or left_out:
-        note = (f"This report is cut to stay under {MAX_HTML_BYTES >> 20} MiB: "
-                + (f"{merged:,} frames of the lightest stacks are merged into “{OTHER}”" if merged else "")
-                + ("; " if merged and left_out else "")
-                + (f"{left_out:,} of the smallest graphs are left out" if left_out else "") + ".")
+        note = (
+            f"This report is cut to stay under {MAX_HTML_BYTES >> 20} MiB: "
+            + (f"{merged:,} frames of the lightest stacks are merged into “{OTHER}”" if merged else "")
+            + ("; " if merged and left_out else "")
+            + (f"{left_out:,} of the smallest graphs are left out" if left_out else "")
+            + "."
+        )
     return kept, note
 
 
 def _data_json(graphs: list[_Graph], note: str) -> Iterator[str]:
-    generated = datetime.datetime.now(datetime.timezone.utc).strftime("made %Y-%m-%d %H:%M UTC")
+    generated = datetime.datetime.now(datetime.UTC).strftime("made %Y-%m-%d %H:%M UTC")
     yield f'{{"generated":{_json(generated)},"note":{_json(note)},"profiles":['
     for i, g in enumerate(graphs):
         assert g.tree is not None
@@ -217,20 +230,24 @@ def _script(text: str) -> str:
     return text.replace("</script", "<\\/script")
 
 
-def chunks(loaded: Sequence[profiles_mod.Loaded], title: str = "ebpfprofiler flame graph",
-           max_bytes: int = MAX_HTML_BYTES) -> Iterator[str]:
+def chunks(
+    loaded: Sequence[profiles_mod.Loaded], title: str = "ebpfprofiler flame graph", max_bytes: int = MAX_HTML_BYTES
+) -> Iterator[str]:
     """The page, in pieces (at most `max_bytes` in all, UTF-8)."""
     template = resources.files("report").joinpath("template.html").read_text(encoding="utf-8")
-    pieces = _MARKER.split(template)       # literal text, marker name, literal text, …
-    fixed = {"TITLE": html_mod.escape(title), "FLAMEGRAPH_CSS": _vendor("d3-flamegraph.css"),
-             "D3_JS": _script(_vendor("d3.min.js")), "FLAMEGRAPH_JS": _script(_vendor("d3-flamegraph.min.js"))}
+    pieces = _MARKER.split(template)  # literal text, marker name, literal text, …
+    fixed = {
+        "TITLE": html_mod.escape(title),
+        "FLAMEGRAPH_CSS": _vendor("d3-flamegraph.css"),
+        "D3_JS": _script(_vendor("d3.min.js")),
+        "FLAMEGRAPH_JS": _script(_vendor("d3-flamegraph.min.js")),
+    }
     markers = pieces[1::2]
     unknown = set(markers) - set(fixed) - {"DATA", "NOTE"}
     if unknown:
         raise ValueError(f"template.html has markers this writer does not fill: {sorted(unknown)}")
     used = sum(len(p.encode()) for p in pieces[0::2]) + sum(len(fixed[m].encode()) for m in markers if m in fixed)
-    graphs, note = _build(_graphs(loaded), max_bytes - used - markers.count("NOTE") * _NOTE_RESERVE
-                          - _NOTE_RESERVE)
+    graphs, note = _build(_graphs(loaded), max_bytes - used - markers.count("NOTE") * _NOTE_RESERVE - _NOTE_RESERVE)
     for i, piece in enumerate(pieces):
         if i % 2 == 0:
             yield piece

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from shared import files, pprof
 from shared.safestr import printable
@@ -116,8 +116,14 @@ def keep_pids(loaded: Iterable[Loaded], pids: set[int]) -> list[Loaded]:
     for item in loaded:
         samples = tuple(s for s in item.profile.samples if str(s.labels.get("pid")) in want)
         if samples:
-            prof = pprof.ReadProfile(item.profile.sample_types, item.profile.period_type, item.profile.period,
-                                     item.profile.time_ns, item.profile.duration_ns, samples)
+            prof = pprof.ReadProfile(
+                item.profile.sample_types,
+                item.profile.period_type,
+                item.profile.period,
+                item.profile.time_ns,
+                item.profile.duration_ns,
+                samples,
+            )
             out.append(Loaded(item.path, item.profile_type, item.service, prof))
     return out
 
@@ -195,16 +201,21 @@ def merge(loaded: Sequence[Loaded]) -> bytes:
     b = pprof.ProfileBuilder(first.sample_types, first.period_type, first.period, start, end - start)
     for item in loaded:
         if item.profile.sample_types != first.sample_types:
-            log.warning("%s: sample types %s differ from %s; left out of the merge", item.path,
-                        item.profile.sample_types, first.sample_types)
+            log.warning(
+                "%s: sample types %s differ from %s; left out of the merge",
+                item.path,
+                item.profile.sample_types,
+                first.sample_types,
+            )
             continue
         for s in item.profile.samples:
             ids = []
-            for f in reversed(s.frames):   # pprof wants leaf first
+            for f in reversed(s.frames):  # pprof wants leaf first
                 m = b.mapping((f.module, f.build_id), f.module, f.build_id, has_functions=bool(f.function))
                 fids = [b.function(f.function, f.filename)] if f.function else []
-                ids.append(b.location((f.module, f.build_id, f.address, f.function, f.line), m, f.address,
-                                      fids, f.line))
+                ids.append(
+                    b.location((f.module, f.build_id, f.address, f.function, f.line), m, f.address, fids, f.line)
+                )
             b.sample(ids, s.values, s.labels)
     return b.gzipped()
 
@@ -227,9 +238,11 @@ def top_table(loaded: Sequence[Loaded], n: int = 15) -> str:
     grand = grand or 1
     lines = [f"{'self':>10} {'self%':>6} {'total':>10} {'total%':>6}  function"]
     for r in rows:
-        lines.append(f"{format_value(r.self_value, unit):>10} {100 * r.self_value / grand:5.1f}% "
-                     f"{format_value(r.total_value, unit):>10} {100 * r.total_value / grand:5.1f}%  "
-                     f"{printable(r.function)}")
+        lines.append(
+            f"{format_value(r.self_value, unit):>10} {100 * r.self_value / grand:5.1f}% "
+            f"{format_value(r.total_value, unit):>10} {100 * r.total_value / grand:5.1f}%  "
+            f"{printable(r.function)}"
+        )
     return "\n".join(lines)
 
 
@@ -248,6 +261,7 @@ def write_outputs(loaded: Sequence[Loaded], out: str, mode: int = files.PRIVATE_
         raise ValueError(f"{out}: the output's extension must be .pb.gz, .folded or .html")
     if ext == ".html":
         from report import html
+
         files.write_atomic(out, html.render(loaded).encode(), mode=mode)
         return [out]
     stem = out[: -len(ext)]

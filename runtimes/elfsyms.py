@@ -69,11 +69,11 @@ class ElfSymbolError(Exception):
 
 @dataclass(frozen=True)
 class ElfInfo:
-    is_pie: bool                       # ET_DYN: addresses are relative to the load bias
-    first_load_vaddr: int              # p_vaddr of the PT_LOAD with the lowest file offset
+    is_pie: bool  # ET_DYN: addresses are relative to the load bias
+    first_load_vaddr: int  # p_vaddr of the PT_LOAD with the lowest file offset
     first_load_offset: int
-    symbols: dict[str, int]            # name → st_value, only the names asked for
-    loads: tuple[tuple[int, int, int], ...] = ()   # (p_offset, p_vaddr, p_filesz) of each PT_LOAD
+    symbols: dict[str, int]  # name → st_value, only the names asked for
+    loads: tuple[tuple[int, int, int], ...] = ()  # (p_offset, p_vaddr, p_filesz) of each PT_LOAD
 
     def load_bias(self, map_start: int, map_offset: int) -> int:
         """What to add to a link-time address of this file mapped at `map_start` from file offset
@@ -122,14 +122,15 @@ def _starts(strtab: bytes, needles: list[bytes]) -> set[int]:
         i = strtab.find(needle)
         while i >= 0:
             if len(out) >= MAX_PREFIX_SYMBOLS * 4:
-                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS * 4} names starting like the ones asked for",
-                                     "prefix_over_cap")
+                raise ElfSymbolError(
+                    f"more than {MAX_PREFIX_SYMBOLS * 4} names starting like the ones asked for", "prefix_over_cap"
+                )
             out.add(i)
             i = strtab.find(needle, i + 1)
     return out
 
 
-def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_only: bool = False) -> ElfInfo:
+def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_only: bool = False) -> ElfInfo:  # noqa: PLR0912
     """The addresses of `names` (those present), and of every symbol starting with `prefix` when one
     is given, and the load layout of the ELF file `f`. With dynsym_only, .symtab is never read (node
     exports its v8dbg_ symbols in .dynsym; its .symtab's string table is past MAX_STRTAB_BYTES)."""
@@ -141,8 +142,22 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
     size = os.fstat(f.fileno()).st_size
     if size > MAX_FILE_BYTES:
         raise ElfSymbolError(f"{size} bytes, more than {MAX_FILE_BYTES}", "file_over_cap")
-    ident, e_type, _machine, _v, _entry, phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, \
-        _shstrndx = _EHDR.unpack(_read(f, size, 0, _EHDR.size, "ELF header"))
+    (
+        ident,
+        e_type,
+        _machine,
+        _v,
+        _entry,
+        phoff,
+        shoff,
+        _flags,
+        _ehsize,
+        phentsize,
+        phnum,
+        shentsize,
+        shnum,
+        _shstrndx,
+    ) = _EHDR.unpack(_read(f, size, 0, _EHDR.size, "ELF header"))
     if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
         raise ElfSymbolError("not a 64-bit little-endian ELF file")
     if e_type not in (2, 3):
@@ -164,7 +179,7 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
     raw_shdrs = _read(f, size, shoff, shnum * _SHDR.size, "section headers") if shoff else b""
     shdrs = [_SHDR.unpack_from(raw_shdrs, i * _SHDR.size) for i in range(shnum)] if shoff else []
     found: dict[str, int] = {}
-    spent = 0                          # bytes of symbol and string tables read
+    spent = 0  # bytes of symbol and string tables read
     for sh_type in (_SHT_DYNSYM,) if dynsym_only else (_SHT_DYNSYM, _SHT_SYMTAB):
         # An ELF file has at most one section of each type (the gABI): a crafted one's others are not read.
         for sh in [sh for sh in shdrs if sh[1] == sh_type][:1]:
@@ -178,12 +193,14 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
                 raise ElfSymbolError(f"{count} symbols, more than {MAX_SYMBOLS}", "symbols_over_cap")
             str_offset, str_size = shdrs[link][4], shdrs[link][5]
             if str_size > MAX_STRTAB_BYTES:
-                raise ElfSymbolError(f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}",
-                                     "strtab_over_cap")
+                raise ElfSymbolError(
+                    f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}", "strtab_over_cap"
+                )
             spent += str_size + count * entsize
             if spent > MAX_SYMBOL_BYTES:
-                raise ElfSymbolError(f"symbol and string tables of more than {MAX_SYMBOL_BYTES} bytes",
-                                     "bytes_over_cap")
+                raise ElfSymbolError(
+                    f"symbol and string tables of more than {MAX_SYMBOL_BYTES} bytes", "bytes_over_cap"
+                )
             strtab = _read(f, size, str_offset, str_size, "string table")
             # With a prefix, only symbols whose name starts where a wanted name or the prefix occurs in
             # the string table are looked at (found by bytes.find, not per symbol: node's 90K .dynsym
@@ -212,8 +229,9 @@ def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_onl
                         if text not in found:
                             prefixed += 1
                             if prefixed > MAX_PREFIX_SYMBOLS:
-                                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols",
-                                                     "prefix_over_cap")
+                                raise ElfSymbolError(
+                                    f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols", "prefix_over_cap"
+                                )
                             found[text] = value
                 if len(found) == len(wanted) and not pre:
                     break

@@ -44,6 +44,7 @@ from dataclasses import replace
 from functools import partial
 
 import zmq
+
 from runtimes import profile as profile_mod
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
 from runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
@@ -58,13 +59,14 @@ from shared import (
     privileges,
     ready,
     remote_config,
+    runtime_registry,
+    stopping,
 )
 from shared import log as log_mod
-from shared import runtime_registry
 from shared.labels import process_labels
 from shared.log import LogOnce
-from shared import stopping
 from shared.stopping import stop_on_signals
+from shared.window import ClosedWindow, Windows
 from shared.wire import (
     MAX_BATCH_BYTES,
     ProcessAnnouncement,
@@ -74,7 +76,6 @@ from shared.wire import (
     WireError,
     decode,
 )
-from shared.window import ClosedWindow, Windows
 
 # Processes read per tick at most; the others wait for the next tick (round robin).
 MAX_PROCESSES_PER_TICK = 64
@@ -107,16 +108,24 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Runtime reader of ebpfprofiler: reads the thread stacks of the runtime processes the "
-                    "collector announces (CPython 3.13+ with python_stacks; with runtime_stacks: "
-                    f"{runtime_registry.opt_in_help()}) with process_vm_readv at {SAMPLE_HZ} Hz, never "
-                    "stopping or writing them, and hands one pprof per runtime (" +
-                    ", ".join(runtime_registry.PROFILE_TYPES) + ") per service per window to the uploader. "
-                    "Needs CAP_SYS_PTRACE only.")
+        "collector announces (CPython 3.13+ with python_stacks; with runtime_stacks: "
+        f"{runtime_registry.opt_in_help()}) with process_vm_readv at {SAMPLE_HZ} Hz, never "
+        "stopping or writing them, and hands one pprof per runtime ("
+        + ", ".join(runtime_registry.PROFILE_TYPES)
+        + ") per service per window to the uploader. "
+        "Needs CAP_SYS_PTRACE only.",
+    )
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
-                   help="runtime directory holding the stages' sockets (default: %(default)s)")
-    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
-                   help="state directory: the per-host secret for pid labels (default: %(default)s)")
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        help="runtime directory holding the stages' sockets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=endpoints.DEFAULT_STATE_DIR,
+        help="state directory: the per-host secret for pid labels (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -131,8 +140,13 @@ def load_runtimes(cfg: config_mod.ProfilerConfig) -> list[Runtime]:
 
 
 class Reader:
-    def __init__(self, cfg: config_mod.ProfilerConfig, run_dir: str, state_dir: str,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        cfg: config_mod.ProfilerConfig,
+        run_dir: str,
+        state_dir: str,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.cfg = cfg
         self.host = socket.gethostname()
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
@@ -159,12 +173,23 @@ class Reader:
         self._rr = 0
         self._window_cpu = time.process_time()
         self._window_wall = time.monotonic()
-        self.stats = {"ticks": 0, "stacks": 0, "bad_messages": 0, "profiles": 0, "capped_processes": 0,
-                      "budget_spent": 0, "tick_time_spent": 0, "process_over_bytes": 0, "process_over_time": 0,
-                      "regs_samples": 0, "regs_not_read": 0, "regs_subsampled": 0}
+        self.stats = {
+            "ticks": 0,
+            "stacks": 0,
+            "bad_messages": 0,
+            "profiles": 0,
+            "capped_processes": 0,
+            "budget_spent": 0,
+            "tick_time_spent": 0,
+            "process_over_bytes": 0,
+            "process_over_time": 0,
+            "regs_samples": 0,
+            "regs_not_read": 0,
+            "regs_subsampled": 0,
+        }
         self._log_once = LogOnce(log)
-        self.counters = counters.CounterFile(run_dir, "runtime")   # the checks that fired, for status
-        self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz   # the collector's, as its last RegsBatch says
+        self.counters = counters.CounterFile(run_dir, "runtime")  # the checks that fired, for status
+        self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz  # the collector's, as its last RegsBatch says
         self._window_stacks = 0
 
     # ------------------------------------------------------------ input
@@ -175,8 +200,10 @@ class Reader:
             try:
                 msg = decode(frames)
                 if not isinstance(msg, (ProcessAnnouncement, RegsBatch)):
-                    raise WireError("a runtime reader takes process announcements and on-CPU samples with "
-                                    f"registers, not {type(msg).__name__}")
+                    raise WireError(
+                        "a runtime reader takes process announcements and on-CPU samples with "
+                        f"registers, not {type(msg).__name__}"
+                    )
             except WireError as e:
                 self.stats["bad_messages"] += 1
                 log.warning("dropped a malformed message (%d so far): %s", self.stats["bad_messages"], e)
@@ -191,8 +218,9 @@ class Reader:
         the runtime's cpu profile (jvm_cpu) with the collector's period; a sample of a process not read
         (not announced yet, refused, another runtime's, its pid reused) is counted and dropped."""
         now = time.monotonic()
-        self._regs_tokens = min(float(self.max_regs_per_s),
-                                self._regs_tokens + (now - self._regs_refilled) * self.max_regs_per_s)
+        self._regs_tokens = min(
+            float(self.max_regs_per_s), self._regs_tokens + (now - self._regs_refilled) * self.max_regs_per_s
+        )
         self._regs_refilled = now
         chosen: Sequence[RegsSample] = msg.samples
         weight = 1.0
@@ -210,12 +238,22 @@ class Reader:
         for pid, samples in by_pid.items():
             e = self.targets.entries.get(pid)
             reader = e.reader if e is not None else None
-            if (e is None or e.runtime is None or not isinstance(reader, RegsStackReader)
-                    or not e.runtime.spec.cpu_profile_type or e.process.start_ticks != samples[0].start_ticks):
+            if (
+                e is None
+                or e.runtime is None
+                or not isinstance(reader, RegsStackReader)
+                or not e.runtime.spec.cpu_profile_type
+                or e.process.start_ticks != samples[0].start_ticks
+            ):
                 self.stats["regs_not_read"] += len(samples)
                 continue
-            own = samples if e.process.nspid == e.process.pid else [   # in a pid namespace: the runtime's tids
-                replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples]
+            own = (
+                samples
+                if e.process.nspid == e.process.pid
+                else [  # in a pid namespace: the runtime's tids
+                    replace(r, tid=self.targets.native_tid(e, r.tid)) for r in samples
+                ]
+            )
             stacks, spent = self._read(e, budget, partial(_sample_regs, reader, own))
             if spent:
                 return
@@ -231,7 +269,7 @@ class Reader:
         budget = ReadBudget(self.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         self.targets.detect_some(budget)
         self.targets.poll_pending()
-        self.counters.update(self.checks())        # written at most every counters.WRITE_GAP_S
+        self.counters.update(self.checks())  # written at most every counters.WRITE_GAP_S
         entries = self.targets.readable()
         if not entries:
             return
@@ -245,7 +283,7 @@ class Reader:
         tried = 0
         for e in chosen:
             tried += 1
-            if not self.targets.current(e):        # exited, or its pid names another process now
+            if not self.targets.current(e):  # exited, or its pid names another process now
                 continue
             assert e.reader is not None and e.runtime is not None
             stacks, spent = self._read(e, budget, e.reader.sample)
@@ -253,7 +291,7 @@ class Reader:
                 break
             if stacks is None:
                 continue
-            if not self.targets.current(e):        # reused while we read: what we read is not e's
+            if not self.targets.current(e):  # reused while we read: what we read is not e's
                 continue
             self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
         self._rr = start + tried
@@ -261,12 +299,16 @@ class Reader:
     def checks(self) -> dict[str, int]:
         """The checks on hostile input that fired since start, by reason (RUN_DIR/runtime.counters.json): the
         reader's caps, the targets' (detection, refusals by the cap that fired) and each plug-in's own."""
-        out = {"bad_messages": self.stats["bad_messages"], "tick_bytes_spent": self.stats["budget_spent"],
-               "tick_time_spent": self.stats["tick_time_spent"],
-               "process_over_bytes": self.stats["process_over_bytes"],
-               "process_over_time": self.stats["process_over_time"],
-               "detect_slow": self.targets.stats["detect_slow"], "read_errors": self.targets.stats["read_errors"],
-               "samples_over_service_cap": self.windows.samples_over_service_cap}
+        out = {
+            "bad_messages": self.stats["bad_messages"],
+            "tick_bytes_spent": self.stats["budget_spent"],
+            "tick_time_spent": self.stats["tick_time_spent"],
+            "process_over_bytes": self.stats["process_over_bytes"],
+            "process_over_time": self.stats["process_over_time"],
+            "detect_slow": self.targets.stats["detect_slow"],
+            "read_errors": self.targets.stats["read_errors"],
+            "samples_over_service_cap": self.windows.samples_over_service_cap,
+        }
         out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
         for r in self.runtimes:
             own = getattr(r, "checks", None)
@@ -274,14 +316,16 @@ class Reader:
                 out.update(own())
         return out
 
-    def _read(self, e: Entry, tick: ReadBudget,
-              read: Callable[[ProcessMemory], list[ThreadStack]]) -> tuple[list[ThreadStack] | None, bool]:
+    def _read(
+        self, e: Entry, tick: ReadBudget, read: Callable[[ProcessMemory], list[ThreadStack]]
+    ) -> tuple[list[ThreadStack] | None, bool]:
         """(what read() gave with e's share of the tick's budget, or None: e could not be read; whether
         this tick's budget is spent). A process gone meanwhile is forgotten; one whose memory is not what
         its plug-in expects is given up (logged once); one over its share of the tick is skipped this
         tick (counted by reason, logged once)."""
-        share = ReadBudget(max(1, self.max_bytes // PROCESS_SHARE_DIVISOR), time.monotonic() + MAX_SECONDS_PER_PROCESS,
-                           parent=tick)
+        share = ReadBudget(
+            max(1, self.max_bytes // PROCESS_SHARE_DIVISOR), time.monotonic() + MAX_SECONDS_PER_PROCESS, parent=tick
+        )
         try:
             return read(ProcessMemory(e.process.pid, share)), False
         except MemoryReadError as err:
@@ -291,34 +335,47 @@ class Reader:
                     return None, True
                 reason = f"process_over_{share.spent or 'bytes'}"
                 self.stats[reason] += 1
-                self._log_once((e.process.pid, e.process.start_ticks, reason), logging.INFO,
-                               "pid %d (%s): reading its stacks takes more than its share of a tick (%d bytes, "
-                               "%.0f ms): over in %s; at such ticks it is skipped and the next tick starts after "
-                               "it", e.process.pid, e.process.executable, share.max_bytes,
-                               1e3 * MAX_SECONDS_PER_PROCESS, share.spent or "bytes")
+                self._log_once(
+                    (e.process.pid, e.process.start_ticks, reason),
+                    logging.INFO,
+                    "pid %d (%s): reading its stacks takes more than its share of a tick (%d bytes, "
+                    "%.0f ms): over in %s; at such ticks it is skipped and the next tick starts after "
+                    "it",
+                    e.process.pid,
+                    e.process.executable,
+                    share.max_bytes,
+                    1e3 * MAX_SECONDS_PER_PROCESS,
+                    share.spent or "bytes",
+                )
                 return None, False
             self.targets.stats["gone_while_reading"] += 1
             self.targets.forget(e)
-        except Exception as err:   # what a target's memory holds must never end the reader
+        except Exception as err:  # what a target's memory holds must never end the reader
             self.targets.give_up(e, err)
         return None, False
 
-    def _add(self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int,
-             weight: float = 1.0) -> None:
+    def _add(
+        self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int, weight: float = 1.0
+    ) -> None:
         """A process's stacks into its service's window of profile_type, each worth `value` ns (and
         `weight` samples: a subsample's stand for more)."""
-        base = process_labels(self.host, e.process, self.secret, plain_pid=self.cfg.plain_pid,
-                              strip_process_args=self.cfg.strip_process_args)
+        base = process_labels(
+            self.host,
+            e.process,
+            self.secret,
+            plain_pid=self.cfg.plain_pid,
+            strip_process_args=self.cfg.strip_process_args,
+        )
         by_service = self.windows.services(profile_type, now_ns)
         window = self.windows.service_in(by_service, e.process.service)
         for st in stacks:
             if not st.frames:
                 continue
             tid, name = self.targets.thread(e, st.native_tid)
-            labels = base + (("thread.name", name), ("thread.id", str(tid)))
+            labels = (*base, ("thread.name", name), ("thread.id", str(tid)))
             if weight == 1.0:
                 window.add(labels, st.frames, 1, value)
-            else:   # a subsample: whole samples on average, the nanoseconds exact in expectation
+            else:  # a subsample: whole samples on average, the nanoseconds exact in expectation
                 n = int(weight) + (self._rng.random() < weight - int(weight))
                 if n:
                     window.add(labels, st.frames, n, n * value)
@@ -345,14 +402,25 @@ class Reader:
         per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
         regs = ""
         if self.stats["regs_samples"] or self.stats["regs_not_read"]:
-            regs = (f"; on-CPU samples with registers: {self.stats['regs_samples']} walked, "
-                    f"{self.stats['regs_subsampled']} left out of a subsample, {self.stats['regs_not_read']} of "
-                    f"processes not read (totals), at most {self.max_regs_per_s} a second")
-        log.info("window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
-                 "%d processes, %d bytes%s; targets %s; frames dropped %s%s", pct, self.cfg.cpu_budget,
-                 self._window_stacks, per_stack, self.max_processes, self.max_bytes,
-                 "" if before == (self.max_processes, self.max_bytes) else
-                 f" (were {before[0]}, {before[1]})", self.targets.stats, self.dropped() or "none", regs)
+            regs = (
+                f"; on-CPU samples with registers: {self.stats['regs_samples']} walked, "
+                f"{self.stats['regs_subsampled']} left out of a subsample, {self.stats['regs_not_read']} of "
+                f"processes not read (totals), at most {self.max_regs_per_s} a second"
+            )
+        log.info(
+            "window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
+            "%d processes, %d bytes%s; targets %s; frames dropped %s%s",
+            pct,
+            self.cfg.cpu_budget,
+            self._window_stacks,
+            per_stack,
+            self.max_processes,
+            self.max_bytes,
+            "" if before == (self.max_processes, self.max_bytes) else f" (were {before[0]}, {before[1]})",
+            self.targets.stats,
+            self.dropped() or "none",
+            regs,
+        )
         self._window_stacks = 0
 
     # ------------------------------------------------------------ output
@@ -363,13 +431,26 @@ class Reader:
             cpu = w.profile_type in runtime_registry.CPU_PROFILE_TYPES
             gz, n = profile_mod.build(w, self.cpu_period_ns if cpu else self.period_ns)
             upload = ProfileUpload(
-                profile_id=str(uuid.uuid4()), host=self.host, service=w.service, profile_type=w.profile_type,
-                window_start_ns=w.start_ns, window_end_ns=w.end_ns, samples=n, pprof_gz=gz)
+                profile_id=str(uuid.uuid4()),
+                host=self.host,
+                service=w.service,
+                profile_type=w.profile_type,
+                window_start_ns=w.start_ns,
+                window_end_ns=w.end_ns,
+                samples=n,
+                pprof_gz=gz,
+            )
             self.sender.send(upload)
             self.stats["profiles"] += 1
-            log.info("profile %s %s of service %s, window %s: %d stacks, %d bytes", upload.profile_id,
-                     w.profile_type, w.service, handoff.window_text(upload),
-                     sum(r[0] for r in w.data.rows.values()), len(gz))
+            log.info(
+                "profile %s %s of service %s, window %s: %d stacks, %d bytes",
+                upload.profile_id,
+                w.profile_type,
+                w.service,
+                handoff.window_text(upload),
+                sum(r[0] for r in w.data.rows.values()),
+                len(gz),
+            )
 
     def dropped(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -386,8 +467,12 @@ class Reader:
         self.sender.close(handoff.CLOSE_TIMEOUT_S)
         self.inbox.close()
         self.outbox.close()
-        log.info("runtime reader stopped: %s, targets %s, frames dropped %s", self.stats, self.targets.stats,
-                 self.dropped() or "none")
+        log.info(
+            "runtime reader stopped: %s, targets %s, frames dropped %s",
+            self.stats,
+            self.targets.stats,
+            self.dropped() or "none",
+        )
 
     def stop_runtimes(self) -> None:
         """Each plug-in's stop(): undo what it asked of processes (its lines logged)."""
@@ -397,7 +482,7 @@ class Reader:
                 try:
                     for line in stop():
                         log.info("%s", line)
-                except Exception as e:   # any error: one plug-in's undoing must not stop the others'
+                except Exception as e:  # any error: one plug-in's undoing must not stop the others'
                     log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
 
 
@@ -407,8 +492,10 @@ def _sample_regs(reader: RegsStackReader, samples: Sequence[RegsSample], mem: Pr
 
 def wants_helper_caps(cfg: config_mod.ProfilerConfig) -> bool:
     """Whether a plug-in the config asks for forks a helper that needs the stage's OPTIONAL_CAPS."""
-    return any(spec.helper_caps and any(name in cfg.runtime_stacks for name, _ in spec.opt_ins)
-               for spec in runtime_registry.RUNTIMES)
+    return any(
+        spec.helper_caps and any(name in cfg.runtime_stacks for name, _ in spec.opt_ins)
+        for spec in runtime_registry.RUNTIMES
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") -> int:
@@ -428,14 +515,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
     lifecycle.hold_run_dir(prog, args.run_dir, "runtime")
     stop = stop_on_signals(log)
     reader = Reader(cfg, args.run_dir, args.state_dir, should_stop=stop.is_set)
-    if extra:   # the plug-ins' helpers are forked: the reader itself goes on with CAP_SYS_PTRACE only
+    if extra:  # the plug-ins' helpers are forked: the reader itself goes on with CAP_SYS_PTRACE only
         privileges.keep_only(privileges.STAGES["runtime"].caps)
     watcher = remote_config.Watcher.for_config(args.run_dir, cfg, log)
     watcher.check()
     ready.announce(args.run_dir, "runtime")
-    log.info("runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, runtime_stacks %s, runtimes %s, "
-             "cpu_budget %.2f%%", SAMPLE_HZ, reader.windows.interval_s, "on" if cfg.python_stacks else "off",
-             list(cfg.runtime_stacks) or "none", [r.spec.title for r in reader.runtimes] or "none", cfg.cpu_budget)
+    log.info(
+        "runtime reader ready: %d Hz, windows of %d s, CPython 3.13+ %s, runtime_stacks %s, runtimes %s, "
+        "cpu_budget %.2f%%",
+        SAMPLE_HZ,
+        reader.windows.interval_s,
+        "on" if cfg.python_stacks else "off",
+        list(cfg.runtime_stacks) or "none",
+        [r.spec.title for r in reader.runtimes] or "none",
+        cfg.cpu_budget,
+    )
     period = 1.0 / SAMPLE_HZ
     grace_ns = int(WINDOW_GRACE_S * 1e9)
     next_tick = time.monotonic()
@@ -460,7 +554,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
             if time.monotonic() < next_tick:
                 continue
             next_tick += period
-            if next_tick < time.monotonic():       # fell behind: skip, do not burst
+            if next_tick < time.monotonic():  # fell behind: skip, do not burst
                 next_tick = time.monotonic() + period
             if watcher.check():
                 eff = remote_config.effective(cfg, watcher.overrides)

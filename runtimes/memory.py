@@ -45,7 +45,7 @@ class ReadBudget:
 
     def __init__(self, max_bytes: int, deadline: float | None = None, parent: ReadBudget | None = None) -> None:
         self.max_bytes = max_bytes
-        self.deadline = deadline          # time.monotonic() past which no read is made
+        self.deadline = deadline  # time.monotonic() past which no read is made
         self.parent = parent
         self.used = 0
         self.spent = ""
@@ -69,8 +69,14 @@ class _IoVec(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _readv = _libc.process_vm_readv
 _readv.restype = ctypes.c_ssize_t
-_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
@@ -122,9 +128,12 @@ class ProcessMemory:
         MAX_READ_BYTES in all); None for each that could not be read (unmapped, a bad address or
         size). MemoryReadError only if the process is gone, may not be read, or the budget is spent."""
         out: list[bytes | None] = [None] * len(requests)
-        todo = [i for i, (address, size) in enumerate(requests)
-                if 0 < size <= MAX_READ_BYTES and 0 < address <= MAX_USER_ADDRESS - size]
-        self.budget.charge(sum(requests[i][1] for i in todo))   # once, however many calls it takes
+        todo = [
+            i
+            for i, (address, size) in enumerate(requests)
+            if 0 < size <= MAX_READ_BYTES and 0 < address <= MAX_USER_ADDRESS - size
+        ]
+        self.budget.charge(sum(requests[i][1] for i in todo))  # once, however many calls it takes
         while todo:
             batch: list[int] = []
             total = 0
@@ -148,7 +157,7 @@ class ProcessMemory:
                 reason = _REASONS.get(err, "failed")
                 if reason != "unmapped":
                     raise MemoryReadError(reason, f"{os.strerror(err)} reading {k} ranges")
-                n = 0                      # the first range is not mapped
+                n = 0  # the first range is not mapped
             # The kernel copies whole elements, in order, and stops at the first it cannot read.
             got = ctypes.string_at(self._buf_address, n) if n else b""
             at = done = 0
@@ -156,10 +165,10 @@ class ProcessMemory:
                 size = requests[i][1]
                 if at + size > n:
                     break
-                out[i] = got[at:at + size]
+                out[i] = got[at : at + size]
                 at += size
                 done += 1
-            todo = todo[done + 1:] if done < k else todo[k:]   # past the one that failed
+            todo = todo[done + 1 :] if done < k else todo[k:]  # past the one that failed
         return out
 
     def u64(self, address: int) -> int:

@@ -28,7 +28,13 @@ def build(window: ClosedWindow, period_ns: int) -> tuple[bytes, int]:
     from shared.pprof import ProfileBuilder
 
     cpu = window.profile_type in CPU_PROFILE_TYPES
-    b = ProfileBuilder(CPU_SAMPLE_TYPES if cpu else SAMPLE_TYPES, CPU_PERIOD_TYPE if cpu else PERIOD_TYPE, period_ns, window.start_ns, window.end_ns - window.start_ns)
+    b = ProfileBuilder(
+        CPU_SAMPLE_TYPES if cpu else SAMPLE_TYPES,
+        CPU_PERIOD_TYPE if cpu else PERIOD_TYPE,
+        period_ns,
+        window.start_ns,
+        window.end_ns - window.start_ns,
+    )
     name = BY_PROFILE_TYPE[window.profile_type].name
     mapping = b.mapping(name, f"[{name}]", has_functions=True)
     for (labels, frames), (count, value) in window.data.rows.items():

@@ -107,7 +107,7 @@ SAMPLE_HZ = 19
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str
-    kind: str = ""        # a cap or time limit that fired ("elf_time", "dotnet_stalled"): counted by it
+    kind: str = ""  # a cap or time limit that fired ("elf_time", "dotnet_stalled"): counted by it
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,24 +117,24 @@ class Served:
 
 @dataclass(frozen=True, slots=True)
 class Pending:
-    message: str                                   # what was asked, for the log
-    poll: Callable[[], Served | Refusal | None]    # never blocks; None: no outcome yet
+    message: str  # what was asked, for the log
+    poll: Callable[[], Served | Refusal | None]  # never blocks; None: no outcome yet
 
 
 @dataclass(frozen=True, slots=True)
 class ThreadStack:
-    native_tid: int                   # the thread id the runtime recorded (its pid namespace's); 0: unknown
-    frames: tuple[Any, ...]           # leaf first; each has function, filename, line
+    native_tid: int  # the thread id the runtime recorded (its pid namespace's); 0: unknown
+    frames: tuple[Any, ...]  # leaf first; each has function, filename, line
 
 
 @dataclass(frozen=True, slots=True)
 class Mapping:
     start: int
     end: int
-    perms: str                        # "r-xp"
+    perms: str  # "r-xp"
     offset: int
     inode: int
-    path: str                         # as this host sees it ("" for anonymous memory)
+    path: str  # as this host sees it ("" for anonymous memory)
 
 
 @runtime_checkable
@@ -155,11 +155,12 @@ class RegsStackReader(StackReader, Protocol):
 @dataclass
 class ProcessContext:
     """What detect() is given about one process."""
+
     pid: int
     proc: str
     mem: ProcessMemory
     files: FileCache
-    start_ticks: int = 0              # its start time (/proc/PID/stat field 22), as announced
+    start_ticks: int = 0  # its start time (/proc/PID/stat field 22), as announced
     _maps: list[Mapping] | None = field(default=None, repr=False)
 
     @property
@@ -185,8 +186,7 @@ def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
             continue
         try:
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]),
-                               parts[5] if len(parts) > 5 else ""))
+            out.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]), parts[5] if len(parts) > 5 else ""))
         except ValueError:
             continue
     return out
@@ -219,8 +219,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def _open_in_root(root: str, path: str) -> int:
     dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        how = _OpenHow(os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0,
-                       _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+        how = _OpenHow(
+            os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS
+        )
         fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
         if fd < 0:
             err = ctypes.get_errno()
@@ -256,19 +257,22 @@ def file_key(f: BinaryIO) -> tuple[int, int, int, int]:
 _Facts = TypeVar("_Facts")
 
 
-def mapped_file_facts(process: "ProcessContext", mod: Mapping, tag: str, compute: Callable[[BinaryIO], _Facts],
-                      where: str = "") -> _Facts | Refusal:
+def mapped_file_facts(
+    process: ProcessContext, mod: Mapping, tag: str, compute: Callable[[BinaryIO], _Facts], where: str = ""
+) -> _Facts | Refusal:
     """compute(the file `mod` maps), cached in process.files by `tag` and the file's identity, or the
     Refusal every runtime gives (its text starting with `where`, by default the mapped path) when the
     file is not reachable as the process maps it or its ELF is unreadable (an ElfSymbolError)."""
     where = where or mod.path
     f = open_mapped(process.pid, mod, process.proc)
     if f is None:
-        return Refusal(f"{where}: the file is not reachable as the process maps it "
-                       f"(through /proc/{process.pid}/root, nor on this host)")
+        return Refusal(
+            f"{where}: the file is not reachable as the process maps it "
+            f"(through /proc/{process.pid}/root, nor on this host)"
+        )
     with f:
         try:
-            got: _Facts = process.files.get((tag,) + file_key(f), lambda: compute(f))
+            got: _Facts = process.files.get((tag, *file_key(f)), lambda: compute(f))
         except ElfSymbolError as e:
             return Refusal(f"{where}: unreadable ELF file: {e}", f"elf_{e.kind}")
     return got
@@ -293,7 +297,7 @@ class FileCache:
             self.misses += 1
             try:
                 got = compute()
-            except Exception as e:   # re-raised below, and at every later get
+            except Exception as e:  # re-raised below, and at every later get
                 got = _Failed(e)
             self._data[key] = got
             if len(self._data) > self._capacity:

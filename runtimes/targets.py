@@ -58,12 +58,12 @@ log = logging.getLogger("ebpfprofiler.runtime")
 @dataclass
 class Entry:
     process: Process
-    state: str = "new"                         # new, pending, reading, refused, served, other
+    state: str = "new"  # new, pending, reading, refused, served, other
     reader: StackReader | None = None
     pending: Pending | None = None
     runtime: Runtime | None = None
     thread_names: dict[int, str] = field(default_factory=dict)
-    host_tids: dict[int, int] = field(default_factory=dict)   # the runtime's thread id → this host's tid
+    host_tids: dict[int, int] = field(default_factory=dict)  # the runtime's thread id → this host's tid
 
 
 class Targets:
@@ -72,10 +72,20 @@ class Targets:
         self.files = FileCache()
         self.entries: dict[int, Entry] = {}
         self._log_once = LogOnce(log)
-        self.stats = {"announced": 0, "exited": 0, "refused": 0, "served": 0, "reading": 0, "pending": 0,
-                      "reused_pid": 0, "gone_while_reading": 0, "detect_failed": 0, "detect_slow": 0,
-                      "read_errors": 0}
-        self._detect_after = 0.0          # time.monotonic() before which no detection starts (after a slow one)
+        self.stats = {
+            "announced": 0,
+            "exited": 0,
+            "refused": 0,
+            "served": 0,
+            "reading": 0,
+            "pending": 0,
+            "reused_pid": 0,
+            "gone_while_reading": 0,
+            "detect_failed": 0,
+            "detect_slow": 0,
+            "read_errors": 0,
+        }
+        self._detect_after = 0.0  # time.monotonic() before which no detection starts (after a slow one)
 
     def announce(self, msg: ProcessAnnouncement) -> None:
         for pid, ticks in msg.exited:
@@ -123,10 +133,16 @@ class Targets:
             if took > SLOW_DETECT_S:
                 self.stats["detect_slow"] += 1
                 self._detect_after = time.monotonic() + took * (1 / DETECT_SHARE - 1)
-                self._log_once((e.process.pid, e.process.start_ticks, "slow"), logging.INFO,
-                               "pid %d (%s): detecting its runtime took %.2f s; detection pauses %.1f s so that "
-                               "the processes being read keep their ticks", e.process.pid, e.process.executable,
-                               took, took * (1 / DETECT_SHARE - 1))
+                self._log_once(
+                    (e.process.pid, e.process.start_ticks, "slow"),
+                    logging.INFO,
+                    "pid %d (%s): detecting its runtime took %.2f s; detection pauses %.1f s so that "
+                    "the processes being read keep their ticks",
+                    e.process.pid,
+                    e.process.executable,
+                    took,
+                    took * (1 / DETECT_SHARE - 1),
+                )
                 break
 
     def _detect(self, e: Entry, budget: ReadBudget) -> None:
@@ -144,7 +160,7 @@ class Targets:
             log.debug("pid %d: detection failed: %s", pid, err)
             e.state = "other"
             return
-        except Exception as err:   # what a process maps or holds must never end the reader
+        except Exception as err:  # what a process maps or holds must never end the reader
             e.runtime = runtime
             self.give_up(e, err)
             return
@@ -165,16 +181,30 @@ class Targets:
         elif isinstance(got, Refusal):
             e.state, e.pending = "refused", None
             self.stats["refused"] += 1
-            if got.kind:                           # a check that fired: counted by its name
+            if got.kind:  # a check that fired: counted by its name
                 key = f"refused_{got.kind}"
                 self.stats[key] = self.stats.get(key, 0) + 1
-            self._log_once((pid, e.process.start_ticks), logging.INFO,
-                           "pid %d (%s) refused: %s: %s", pid, e.process.executable, title, got.reason)
+            self._log_once(
+                (pid, e.process.start_ticks),
+                logging.INFO,
+                "pid %d (%s) refused: %s: %s",
+                pid,
+                e.process.executable,
+                title,
+                got.reason,
+            )
         elif isinstance(got, Served):
             e.state, e.pending = "served", None
             self.stats["served"] += 1
-            self._log_once((pid, e.process.start_ticks), logging.INFO,
-                           "pid %d (%s): %s: %s", pid, e.process.executable, title, got.message)
+            self._log_once(
+                (pid, e.process.start_ticks),
+                logging.INFO,
+                "pid %d (%s): %s: %s",
+                pid,
+                e.process.executable,
+                title,
+                got.message,
+            )
         else:
             e.state, e.reader, e.pending = "reading", got, None
             self.stats["reading"] += 1
@@ -190,7 +220,7 @@ class Targets:
                 continue
             try:
                 got = e.pending.poll()
-            except Exception as err:   # what a process answers must never end the reader
+            except Exception as err:  # what a process answers must never end the reader
                 e.pending = None
                 self.give_up(e, err)
                 continue
@@ -215,18 +245,24 @@ class Targets:
         are not what they should be): log it once, read it no more (until a new process has its pid)."""
         e.state, e.reader = "refused", None
         self.stats["read_errors"] += 1
-        self._log_once((e.process.pid, e.process.start_ticks), logging.WARNING,
-                       "pid %d (%s): detecting or reading its %s stacks failed (%s: %s); it is left alone",
-                       e.process.pid, e.process.executable, e.runtime.spec.title if e.runtime else "runtime",
-                       type(err).__name__, err)
+        self._log_once(
+            (e.process.pid, e.process.start_ticks),
+            logging.WARNING,
+            "pid %d (%s): detecting or reading its %s stacks failed (%s: %s); it is left alone",
+            e.process.pid,
+            e.process.executable,
+            e.runtime.spec.title if e.runtime else "runtime",
+            type(err).__name__,
+            err,
+        )
 
     def thread(self, e: Entry, native_tid: int) -> tuple[int, str]:
         """(this host's tid, thread name) of a thread id the runtime recorded."""
         pid = e.process.pid
-        if not native_tid:                     # a runtime without threads of its own: the main thread
+        if not native_tid:  # a runtime without threads of its own: the main thread
             native_tid = e.process.nspid
         tid = native_tid
-        if e.process.nspid != pid:             # in a pid namespace: the runtime saw its own tids
+        if e.process.nspid != pid:  # in a pid namespace: the runtime saw its own tids
             tid = e.host_tids.get(native_tid, 0)
             if not tid:
                 e.host_tids = self._host_tids(pid)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
 import yaml
 
-from shared.safestr import quote
 from shared import runtime_registry
+from shared.safestr import quote
 
 # Where the block lives in the agent's YAML file.
 MODULE_PATH = ("modules", "ebpf_profiler")
@@ -77,7 +78,7 @@ class ProfilerConfig:
     upload_interval_s: int = 60
     offcpu: bool = True
     offcpu_min_ms: int = 1
-    offcpu_sample_ms: int = 50   # one charge per 50 ms blocked: the resolution 19 Hz gives CPU time
+    offcpu_sample_ms: int = 50  # one charge per 50 ms blocked: the resolution 19 Hz gives CPU time
     strip_process_args: bool = True
     plain_pid: bool = False
     endpoint: str = ""
@@ -101,7 +102,7 @@ class ProfilerConfig:
     remote_config_url: str = ""
     alloc_duty_pct: float = DEFAULT_ALLOC_DUTY_PCT
 
-    def replace(self, **changes: Any) -> "ProfilerConfig":
+    def replace(self, **changes: Any) -> ProfilerConfig:
         """A copy with `changes` applied, validated like a loaded file."""
         return from_mapping({**dataclasses.asdict(self), **changes}, source="<override>")
 
@@ -133,9 +134,11 @@ class _Rule:
     high: float | None = None
 
 
-_TARGETS = (f"a list of at most {MAX_TARGETS} targets, each an executable name (matched against the "
-            "executable's file name and the process name) or absolute path, a container id (12 to 64 hex "
-            "digits, a prefix of the full id) or cgroup:/path (the process's cgroup v2 path or one under it)")
+_TARGETS = (
+    f"a list of at most {MAX_TARGETS} targets, each an executable name (matched against the "
+    "executable's file name and the process name) or absolute path, a container id (12 to 64 hex "
+    "digits, a prefix of the full id) or cgroup:/path (the process's cgroup v2 path or one under it)"
+)
 
 # One rule per key: the type it must have and, for numbers, the range.
 _RULES: dict[str, _Rule] = {
@@ -151,36 +154,55 @@ _RULES: dict[str, _Rule] = {
     "endpoint": _Rule(str, '"" (write profiles to local_dir) or an http:// or https:// base URL'),
     "local_dir": _Rule(str, "an absolute directory path"),
     "symbolizer_workers": _Rule(int, "an integer from 1 to 64", 1, 64),
-    "spool_max_mb": _Rule(int, "an integer from 1 to 102400 (MiB of profiles kept on disk for the backend)",
-                          1, 102400),
+    "spool_max_mb": _Rule(int, "an integer from 1 to 102400 (MiB of profiles kept on disk for the backend)", 1, 102400),
     "upload_timeout_s": _Rule(int, "an integer from 1 to 600 (seconds to wait for the backend's reply)", 1, 600),
     "ca_file": _Rule(str, '"" (the system CA certificates) or an absolute path to a PEM file of CA certificates'),
     "token_file": _Rule(str, '"" (no Authorization header) or an absolute path to a file holding a bearer token'),
     # At least 5 s: a fleet of agents polling faster would load the backend for nothing.
-    "remote_config_interval_s": _Rule(int, "an integer from 5 to 3600 (seconds between fetches of remote config)",
-                                      5, 3600),
-    "dwarf_unwind": _Rule(bool, "true (unwind user stacks with .eh_frame tables in BPF, x86-64) or false "
-                                "(frame pointers only)"),
+    "remote_config_interval_s": _Rule(
+        int, "an integer from 5 to 3600 (seconds between fetches of remote config)", 5, 3600
+    ),
+    "dwarf_unwind": _Rule(
+        bool, "true (unwind user stacks with .eh_frame tables in BPF, x86-64) or false (frame pointers only)"
+    ),
     "offcpu_dwarf": _Rule(bool, "true (off-CPU stacks unwound with the same tables; needs dwarf_unwind) or false"),
     "python_stacks": _Rule(bool, "true (python_wall profiles of CPython 3.13 and newer) or false"),
-    "runtime_stacks": _Rule(tuple, f"a list of names from {list(RUNTIME_STACKS)} "
-                                   f"({runtime_registry.opt_in_help()})"),
-    "cpu_budget": _Rule(float, "a number from 0.1 to 100 (percent of one CPU the runtime reader may use)",
-                        0.1, 100),
+    "runtime_stacks": _Rule(tuple, f"a list of names from {list(RUNTIME_STACKS)} ({runtime_registry.opt_in_help()})"),
+    "cpu_budget": _Rule(float, "a number from 0.1 to 100 (percent of one CPU the runtime reader may use)", 0.1, 100),
     # From 0.001: a budget a test can exceed on purpose; 100: all of one CPU.
-    "overhead_budget_pct": _Rule(float, "a number from 0.001 to 100 (percent of one CPU the whole profiler, "
-                                        "its BPF programs included, may use per upload window)", 0.001, 100),
+    "overhead_budget_pct": _Rule(
+        float,
+        "a number from 0.001 to 100 (percent of one CPU the whole profiler, "
+        "its BPF programs included, may use per upload window)",
+        0.001,
+        100,
+    ),
     "alloc_targets": _Rule(list, _TARGETS),
     "lock_targets": _Rule(list, _TARGETS),
-    "alloc_sample_bytes": _Rule(int, "an integer from 0 (every allocation) to 1073741824 (bytes between sampled "
-                                     "allocations, on average)", 0, 1 << 30),
-    "upload_format": _Rule(str, f"one of {list(UPLOAD_FORMATS)} (pprof: our POST /v1/profiles; otlp: OTLP/HTTP "
-                                "profiles to an OpenTelemetry Collector; pyroscope: Pyroscope's POST /ingest)"),
-    "remote_config_url": _Rule(str, '"" (pprof: {endpoint}/v1/agent-config; otlp and pyroscope: no remote config) '
-                                    "or the http:// or https:// URL of an agent config document"),
+    "alloc_sample_bytes": _Rule(
+        int,
+        "an integer from 0 (every allocation) to 1073741824 (bytes between sampled allocations, on average)",
+        0,
+        1 << 30,
+    ),
+    "upload_format": _Rule(
+        str,
+        f"one of {list(UPLOAD_FORMATS)} (pprof: our POST /v1/profiles; otlp: OTLP/HTTP "
+        "profiles to an OpenTelemetry Collector; pyroscope: Pyroscope's POST /ingest)",
+    ),
+    "remote_config_url": _Rule(
+        str,
+        '"" (pprof: {endpoint}/v1/agent-config; otlp and pyroscope: no remote config) '
+        "or the http:// or https:// URL of an agent config document",
+    ),
     # From 1: a 10-ms burst a second (shorter bursts are mostly attach and detach); 100: always attached.
-    "alloc_duty_pct": _Rule(float, "a number from 1 to 100 (percent of the time allocation uprobes are attached to "
-                                   "a target; the worst-case slowdown of a target that only allocates)", 1, 100),
+    "alloc_duty_pct": _Rule(
+        float,
+        "a number from 1 to 100 (percent of the time allocation uprobes are attached to "
+        "a target; the worst-case slowdown of a target that only allocates)",
+        1,
+        100,
+    ),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(ProfilerConfig)}
 
@@ -189,13 +211,16 @@ def _check(key: str, value: Any, source: str) -> Any:
     rule = _RULES[key]
     where = f"{source}: modules.ebpf_profiler.{key}"
     bad = ConfigError(f"{where} = {quote(value)} is not allowed; expected {rule.allowed}")
-    if rule.kind is tuple:   # a YAML list of known names, kept as a tuple (the config is frozen)
+    if rule.kind is tuple:  # a YAML list of known names, kept as a tuple (the config is frozen)
         if not isinstance(value, (list, tuple)) or any(v not in RUNTIME_STACKS for v in value):
             raise bad
         return tuple(dict.fromkeys(value))
-    if rule.kind is list:    # target specs (collector/targets.py matches them)
-        if not isinstance(value, (list, tuple)) or len(value) > MAX_TARGETS or not all(
-                isinstance(v, str) and _valid_target(v) for v in value):
+    if rule.kind is list:  # target specs (collector/targets.py matches them)
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) > MAX_TARGETS
+            or not all(isinstance(v, str) and _valid_target(v) for v in value)
+        ):
             raise bad
         return tuple(dict.fromkeys(value))
     if rule.kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -226,7 +251,7 @@ def _valid_target(spec: str) -> bool:
     if not spec or len(spec) > MAX_TARGET_CHARS or any(c.isspace() or c == "\0" for c in spec):
         return False
     if spec.startswith("cgroup:"):
-        return spec[len("cgroup:"):].startswith("/")
+        return spec[len("cgroup:") :].startswith("/")
     return not spec.startswith("/") or os.path.isabs(spec)
 
 
@@ -251,8 +276,7 @@ def from_mapping(block: Mapping[str, Any] | None, source: str = "<config>") -> P
     unknown = sorted(str(k) for k in block if k not in _RULES)
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key modules.ebpf_profiler.{unknown[0]}; "
-            f"allowed keys: {', '.join(_RULES)}"
+            f"{source}: unknown key modules.ebpf_profiler.{unknown[0]}; allowed keys: {', '.join(_RULES)}"
         )
     values = {key: _check(key, value, source) for key, value in block.items()}
     return ProfilerConfig(**values)

@@ -71,8 +71,13 @@ class CounterFile:
             current = dict(self._counts)
             if current == self._written or (not force and now - self._at < WRITE_GAP_S):
                 return
-            doc = {"version": VERSION, "stage": self.stage, "pid": os.getpid(), "time_ns": time.time_ns(),
-                   "counters": dict(sorted(current.items()))}
+            doc = {
+                "version": VERSION,
+                "stage": self.stage,
+                "pid": os.getpid(),
+                "time_ns": time.time_ns(),
+                "counters": dict(sorted(current.items())),
+            }
             try:
                 files.write_atomic(self.path, json.dumps(doc).encode() + b"\n", mode=0o644)
             except OSError as e:
@@ -105,6 +110,5 @@ def read_all(run_dir: str) -> dict[str, dict[str, int]]:
         pid, counters = doc.get("pid"), doc.get("counters")
         if type(pid) is not int or pid <= 0 or not alive(pid) or not isinstance(counters, dict):
             continue
-        out[name[: -len(SUFFIX)]] = {str(k)[:100]: v for k, v in list(counters.items())[:MAX_REASONS]
-                                     if type(v) is int}
+        out[name[: -len(SUFFIX)]] = {str(k)[:100]: v for k, v in list(counters.items())[:MAX_REASONS] if type(v) is int}
     return out

@@ -23,6 +23,7 @@ Must not: choose paths or names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import os
@@ -30,7 +31,7 @@ import pwd
 import secrets
 import stat
 
-_SYS_OPENAT2 = 437            # one number on every architecture (added after the syscall tables were unified)
+_SYS_OPENAT2 = 437  # one number on every architecture (added after the syscall tables were unified)
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_IN_ROOT = 0x10
 
@@ -47,8 +48,13 @@ def open_in_root(dirfd: int, path: str) -> int:
     """An O_PATH descriptor of `path` resolved with `dirfd` as its root (symlinks and .. stay inside,
     magic links are refused); OSError otherwise (ENOSYS on kernels before 5.6)."""
     how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd), os.fsencode(path), ctypes.byref(how),
-                  ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = _syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_long(dirfd),
+        os.fsencode(path),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
@@ -97,19 +103,17 @@ def write_atomic(path: str, data: bytes, mode: int | None = None, gid: int | Non
             try:
                 if gid is not None:
                     os.fchown(fd, -1, gid)
-                os.fchmod(fd, PRIVATE_MODE if mode is None else mode)   # exactly, whatever the umask
+                os.fchmod(fd, PRIVATE_MODE if mode is None else mode)  # exactly, whatever the umask
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
             raise
         os.fsync(dfd)
     finally:
@@ -121,8 +125,9 @@ def _create_temp(dfd: int, name: str, path: str) -> tuple[int, str]:
     for _ in range(TEMP_NAME_TRIES):
         tmp = f".{name[:64]}.{secrets.token_hex(8)}.tmp"
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           PRIVATE_MODE, dir_fd=dfd), tmp
+            return os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE, dir_fd=dfd
+            ), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, f"no free temporary name after {TEMP_NAME_TRIES} tries", path)
@@ -154,8 +159,9 @@ def parse_mode(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0600 or 0644") from None
     if not 0 <= mode <= MODE_BITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: only permission bits (0000 to 0777), no set-uid, "
-                                         f"set-gid or sticky bit")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: only permission bits (0000 to 0777), no set-uid, set-gid or sticky bit"
+        )
     return mode
 
 
@@ -175,10 +181,10 @@ def ensure_dir(path: str, uid: int, gid: int, mode: int) -> None:
             last = i == len(parts) - 1
             child = _open_dir(fd, part, where, path)
             if child is None:
-                try:
+                try:  # noqa: SIM105
                     os.mkdir(part, 0o700 if last else PARENT_DIR_MODE, dir_fd=fd)
                 except FileExistsError:
-                    pass                        # made meanwhile: opened (and checked) below like any other
+                    pass  # made meanwhile: opened (and checked) below like any other
                 child = _open_dir(fd, part, where, path)
                 if child is None:
                     raise FileNotFoundError(errno.ENOENT, "removed as it was made", where)
@@ -186,8 +192,10 @@ def ensure_dir(path: str, uid: int, gid: int, mode: int) -> None:
             fd = child
         st = os.fstat(fd)
         if st.st_uid not in (0, uid):
-            raise UnsafePath(f"{path} is owned by uid {st.st_uid} ({_user(st.st_uid)}): only root or "
-                             f"{_user(uid)} may own a directory the agent uses; chown it, or choose another")
+            raise UnsafePath(
+                f"{path} is owned by uid {st.st_uid} ({_user(st.st_uid)}): only root or "
+                f"{_user(uid)} may own a directory the agent uses; chown it, or choose another"
+            )
         os.fchown(fd, uid, gid)
         os.fchmod(fd, mode)
     finally:
@@ -218,8 +226,10 @@ def _unsafe(dfd: int, part: str, where: str, path: str) -> UnsafePath | None:
             target = os.readlink(part, dir_fd=dfd)
         except OSError:
             target = "?"
-        return UnsafePath(f"{path}: {where} is a symbolic link (to {target}, owned by {_user(st.st_uid)}); "
-                          f"the agent does not create or chown directories through one: give the real path")
+        return UnsafePath(
+            f"{path}: {where} is a symbolic link (to {target}, owned by {_user(st.st_uid)}); "
+            f"the agent does not create or chown directories through one: give the real path"
+        )
     if not stat.S_ISDIR(st.st_mode):
         return UnsafePath(f"{path}: {where} is not a directory")
     return None

@@ -37,9 +37,9 @@ import logging
 import re
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable, Sequence
+from datetime import UTC, datetime
 
 import zmq
 
@@ -95,7 +95,7 @@ class HandoffError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Ack:
     profile_id: str
-    status: str       # STORED, RETRY or REFUSED
+    status: str  # STORED, RETRY or REFUSED
     reason: str = ""
 
 
@@ -109,6 +109,7 @@ def cut(reason: str, limit: int = MAX_REASON_CHARS) -> str:
 
 
 # ---------------------------------------------------------------- profile messages
+
 
 def encode_profile(upload: ProfileUpload) -> list[bytes]:
     """The frames a worker sends for one profile: envelope, then the wire message."""
@@ -130,8 +131,9 @@ def decode_profile(frames: Sequence[bytes]) -> ProfileUpload:
     if not isinstance(msg, ProfileUpload):
         raise HandoffError(f"a {type(msg).__name__} message was sent to the uploader", profile_id)
     if msg.profile_id != profile_id:
-        raise HandoffError(f"envelope id {quote(profile_id)} differs from the profile's {quote(msg.profile_id)}",
-                           profile_id)
+        raise HandoffError(
+            f"envelope id {quote(profile_id)} differs from the profile's {quote(msg.profile_id)}", profile_id
+        )
     return msg
 
 
@@ -141,19 +143,22 @@ def _envelope_id(frame: bytes) -> str:
     if not isinstance(profile_id, str) or not is_valid_profile_id(profile_id):
         raise HandoffError("envelope has no valid profile id")
     if doc.get("handoff") != HANDOFF_VERSION:
-        raise HandoffError(f"hand-off version {quote(doc.get('handoff'))}, this build speaks {HANDOFF_VERSION}",
-                           profile_id)
+        raise HandoffError(
+            f"hand-off version {quote(doc.get('handoff'))}, this build speaks {HANDOFF_VERSION}", profile_id
+        )
     return profile_id
 
 
 # ---------------------------------------------------------------- acks
 
+
 def encode_ack(profile_id: str, status: str, reason: str = "") -> bytes:
     """The one ack frame the uploader sends back for a profile."""
     if status not in STATUSES:
         raise ValueError(f"ack status {quote(status)} is not one of {sorted(STATUSES)}")
-    return json.dumps({"handoff": HANDOFF_VERSION, "id": profile_id, "status": status,
-                       "reason": cut(reason)}, separators=(",", ":")).encode()
+    return json.dumps(
+        {"handoff": HANDOFF_VERSION, "id": profile_id, "status": status, "reason": cut(reason)}, separators=(",", ":")
+    ).encode()
 
 
 def decode_ack(frame: bytes) -> Ack:
@@ -171,9 +176,10 @@ def decode_ack(frame: bytes) -> Ack:
 
 # ---------------------------------------------------------------- the worker's side
 
+
 def window_text(upload: ProfileUpload) -> str:
     """A profile's window for log lines: UTC start and length."""
-    start = datetime.fromtimestamp(upload.window_start_ns / 1e9, tz=timezone.utc)
+    start = datetime.fromtimestamp(upload.window_start_ns / 1e9, tz=UTC)
     return f"{start:%Y-%m-%dT%H:%M:%S}Z+{(upload.window_end_ns - upload.window_start_ns) / 1e9:g}s"
 
 
@@ -183,7 +189,7 @@ class _Pending:
     frames: list[bytes]
     size: int
     queued_at: float
-    on_socket: bool = False       # False: the socket refused it (no uploader connected); try again
+    on_socket: bool = False  # False: the socket refused it (no uploader connected); try again
     resend_at: float = 0.0
     sends: int = 0
 
@@ -196,10 +202,17 @@ class ProfileSender:
     a send HWM of max_profiles.
     """
 
-    def __init__(self, sock: zmq.Socket, log: logging.Logger, *,
-                 max_profiles: int = MAX_UNACKED_PROFILES, max_bytes: int = MAX_UNACKED_BYTES,
-                 ack_timeout_s: float = ACK_TIMEOUT_S, should_stop: Callable[[], bool] = lambda: False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        log: logging.Logger,
+        *,
+        max_profiles: int = MAX_UNACKED_PROFILES,
+        max_bytes: int = MAX_UNACKED_BYTES,
+        ack_timeout_s: float = ACK_TIMEOUT_S,
+        should_stop: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sock = sock
         self.log = log
         self.max_profiles = max_profiles
@@ -263,12 +276,16 @@ class ProfileSender:
                 if p.on_socket:
                     resent += 1
                 if not self._put(p):
-                    break   # no uploader connected: the rest would be refused too
+                    break  # no uploader connected: the rest would be refused too
         if resent:
             self.counts["resent"] += resent
-            self.log.warning("no acknowledgement from the uploader: offered %d profile(s) again "
-                             "(%d unacknowledged, %.1f MB); an uploader that restarted stores each once",
-                             resent, len(self._pending), self._bytes / 1e6)
+            self.log.warning(
+                "no acknowledgement from the uploader: offered %d profile(s) again "
+                "(%d unacknowledged, %.1f MB); an uploader that restarted stores each once",
+                resent,
+                len(self._pending),
+                self._bytes / 1e6,
+            )
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> list[ProfileUpload]:
         """Wait up to timeout_s for every profile to be acked; log and return those that were not."""
@@ -279,10 +296,15 @@ class ProfileSender:
         if left:
             services = sorted({u.service for u in left})
             windows = sorted({window_text(u) for u in left})
-            self.log.error("could not hand %d profile(s) (%.1f MB) to the uploader within %.0f s; they are lost: "
-                           "services %s; windows %s", len(left), self._bytes / 1e6, timeout_s,
-                           ", ".join(repr(s) for s in services[:20]) + (" …" if len(services) > 20 else ""),
-                           ", ".join(windows[:20]) + (" …" if len(windows) > 20 else ""))
+            self.log.error(
+                "could not hand %d profile(s) (%.1f MB) to the uploader within %.0f s; they are lost: "
+                "services %s; windows %s",
+                len(left),
+                self._bytes / 1e6,
+                timeout_s,
+                ", ".join(repr(s) for s in services[:20]) + (" …" if len(services) > 20 else ""),
+                ", ".join(windows[:20]) + (" …" if len(windows) > 20 else ""),
+            )
             self.counts["lost_at_close"] += len(left)
         return left
 
@@ -300,16 +322,28 @@ class ProfileSender:
         self.log.warning(
             "waiting on the uploader: %d profiles (%.1f MB) not acknowledged, caps %d profiles / %.1f MB; "
             "oldest waiting %.0f s (service %r, window %s); not reading new batches until it catches up",
-            len(self._pending), self._bytes / 1e6, self.max_profiles, self.max_bytes / 1e6,
-            started - oldest.queued_at, oldest.upload.service, window_text(oldest.upload))
+            len(self._pending),
+            self._bytes / 1e6,
+            self.max_profiles,
+            self.max_bytes / 1e6,
+            started - oldest.queued_at,
+            oldest.upload.service,
+            window_text(oldest.upload),
+        )
         while self._full(size):
             if self.should_stop():
-                self.log.warning("stop requested while waiting on the uploader: keeping this profile over the cap "
-                                 "for the final hand-off")
+                self.log.warning(
+                    "stop requested while waiting on the uploader: keeping this profile over the cap "
+                    "for the final hand-off"
+                )
                 return
             self.poll(WAIT_POLL_MS)
-        self.log.info("the uploader caught up after %.1f s; %d profiles (%.1f MB) still unacknowledged",
-                      self.clock() - started, len(self._pending), self._bytes / 1e6)
+        self.log.info(
+            "the uploader caught up after %.1f s; %d profiles (%.1f MB) still unacknowledged",
+            self.clock() - started,
+            len(self._pending),
+            self._bytes / 1e6,
+        )
 
     def _put(self, p: _Pending) -> bool:
         """Offer one profile to the socket; False if no uploader is connected (try again later)."""
@@ -334,15 +368,20 @@ class ProfileSender:
             return
         p = self._pending.get(ack.profile_id)
         if p is None:
-            return   # an ack for a resent duplicate, already settled
+            return  # an ack for a resent duplicate, already settled
         if ack.status == RETRY:
             self.counts["nacked"] += 1
             p.resend_at = self.clock() + RETRY_AFTER_NACK_S
             if self._nacked_since is None:
                 self._nacked_since = self.clock()
-                self.log.warning("the uploader cannot take profiles now (%s); keeping %d profiles (%.1f MB) here "
-                                 "and offering them again every %.0f s", ack.reason, len(self._pending),
-                                 self._bytes / 1e6, RETRY_AFTER_NACK_S)
+                self.log.warning(
+                    "the uploader cannot take profiles now (%s); keeping %d profiles (%.1f MB) here "
+                    "and offering them again every %.0f s",
+                    ack.reason,
+                    len(self._pending),
+                    self._bytes / 1e6,
+                    RETRY_AFTER_NACK_S,
+                )
             return
         del self._pending[ack.profile_id]
         self._bytes -= p.size
@@ -353,8 +392,12 @@ class ProfileSender:
                 self._nacked_since = None
         else:
             self.counts["refused"] += 1
-            self.log.error("the uploader refused profile %s (service %r, type %s, window %s): %s; dropped "
-                           "(%d refused so far)", ack.profile_id, p.upload.service, p.upload.profile_type,
-                           window_text(p.upload), ack.reason, self.counts["refused"])
-
-
+            self.log.error(
+                "the uploader refused profile %s (service %r, type %s, window %s): %s; dropped (%d refused so far)",
+                ack.profile_id,
+                p.upload.service,
+                p.upload.profile_type,
+                window_text(p.upload),
+                ack.reason,
+                self.counts["refused"],
+            )

@@ -13,8 +13,9 @@ from shared import identity
 from shared.wire import Process
 
 
-def process_labels(host: str, p: Process, secret: bytes, *, plain_pid: bool,
-                   strip_process_args: bool) -> tuple[tuple[str, str], ...]:
+def process_labels(
+    host: str, p: Process, secret: bytes, *, plain_pid: bool, strip_process_args: bool
+) -> tuple[tuple[str, str], ...]:
     pid = str(p.pid) if plain_pid else identity.pid_label(secret, p.pid, p.start_ticks)
     pairs = [("host", host)]
     if p.container_id:

@@ -14,7 +14,8 @@ Owns: those steps and their messages. Must not: know what a stage does between t
 from __future__ import annotations
 
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from shared import config as config_mod
 from shared import privileges, ready, runlock

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections import OrderedDict
-from typing import Hashable
+from collections.abc import Hashable
 
 # Remember this many already-logged keys; older ones may be logged again.
 LOG_ONCE_KEYS = 4096
@@ -23,8 +23,7 @@ def setup(stage: str, level: str | int | None = None) -> logging.Logger:
     """Configure the root logger for `stage` and return the stage's logger."""
     level = level or os.environ.get("EBPFPROFILER_LOG_LEVEL", "INFO")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s {stage}[%(process)d] %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {stage}[%(process)d] %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -10,13 +10,19 @@ Owns: the one polling loop. Must not: be used as a stage's main loop.
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def wait_for(what: str, check: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
-             error: type[Exception] = AssertionError) -> T:
+def wait_for(
+    what: str,
+    check: Callable[[], T],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    error: type[Exception] = AssertionError,
+) -> T:
     """Poll `check` until it returns something truthy; raise `error` naming `what` at the deadline."""
     deadline = time.monotonic() + timeout
     while True:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Iterable, Sequence
+from collections.abc import Mapping as TMapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping as TMapping, Sequence
+from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
@@ -145,15 +147,29 @@ class ProfileBuilder:
             self._p.string_table.append(s)
         return i
 
-    def mapping(self, key: Any, filename: str, build_id: str = "", *, memory_start: int = 0,
-                memory_limit: int = 0, file_offset: int = 0, has_functions: bool = False) -> int:
+    def mapping(
+        self,
+        key: Any,
+        filename: str,
+        build_id: str = "",
+        *,
+        memory_start: int = 0,
+        memory_limit: int = 0,
+        file_offset: int = 0,
+        has_functions: bool = False,
+    ) -> int:
         """The id of the mapping known by `key`, added on first use."""
         mid = self._mappings.get(key)
         if mid is None:
             mid = self._mappings[key] = len(self._mappings) + 1
             self._p.mapping.add(
-                id=mid, memory_start=memory_start, memory_limit=memory_limit, file_offset=file_offset,
-                filename=self.string(filename), build_id=self.string(build_id), has_functions=has_functions,
+                id=mid,
+                memory_start=memory_start,
+                memory_limit=memory_limit,
+                file_offset=file_offset,
+                filename=self.string(filename),
+                build_id=self.string(build_id),
+                has_functions=has_functions,
             )
         return mid
 
@@ -161,12 +177,12 @@ class ProfileBuilder:
         fid = self._functions.get((name, filename))
         if fid is None:
             fid = self._functions[(name, filename)] = len(self._functions) + 1
-            self._p.function.add(id=fid, name=self.string(name), system_name=self.string(name),
-                                 filename=self.string(filename))
+            self._p.function.add(
+                id=fid, name=self.string(name), system_name=self.string(name), filename=self.string(filename)
+            )
         return fid
 
-    def location(self, key: Any, mapping_id: int, address: int, function_ids: Iterable[int] = (),
-                 line: int = 0) -> int:
+    def location(self, key: Any, mapping_id: int, address: int, function_ids: Iterable[int] = (), line: int = 0) -> int:
         """The id of the location known by `key`; function_ids innermost first (inlining)."""
         lid = self._locations.get(key)
         if lid is None:
@@ -176,8 +192,7 @@ class ProfileBuilder:
                 loc.line.add(function_id=fid, line=line)
         return lid
 
-    def sample(self, location_ids: Sequence[int], values: Sequence[int],
-               labels: TMapping[str, str | int]) -> None:
+    def sample(self, location_ids: Sequence[int], values: Sequence[int], labels: TMapping[str, str | int]) -> None:
         """One sample; location_ids leaf first, as pprof wants them."""
         if len(values) != self.n_values:
             raise ValueError(f"{len(values)} values for {self.n_values} sample types")
@@ -185,7 +200,7 @@ class ProfileBuilder:
         for k, v in labels.items():
             if isinstance(v, int):
                 s.label.add(key=self.string(k), num=v)
-            elif v:                   # an empty string is index 0, which pprof reads as the number 0
+            elif v:  # an empty string is index 0, which pprof reads as the number 0
                 s.label.add(key=self.string(k), str=self.string(v))
 
     @property
@@ -215,7 +230,7 @@ class Frame:
 
 @dataclass(frozen=True)
 class ReadSample:
-    frames: tuple[Frame, ...]          # root first (main … leaf), unlike pprof
+    frames: tuple[Frame, ...]  # root first (main … leaf), unlike pprof
     values: tuple[int, ...]
     labels: dict[str, str | int] = field(default_factory=dict)
 
@@ -292,7 +307,7 @@ def read(gz: bytes, max_inflated: int = MAX_DECOMPRESSED_BYTES) -> ReadProfile:
             frames.append(Frame(name, filename, module, build_id, loc.address, ln.line))
         if not frames:
             frames.append(Frame("", "", module, build_id, loc.address))
-        locations[loc.id] = tuple(reversed(frames))   # outermost inline frame first
+        locations[loc.id] = tuple(reversed(frames))  # outermost inline frame first
     samples = []
     for smp in p.sample:
         if len(smp.value) != len(types):
@@ -308,4 +323,3 @@ def read(gz: bytes, max_inflated: int = MAX_DECOMPRESSED_BYTES) -> ReadProfile:
         samples.append(ReadSample(tuple(frames), tuple(smp.value), labels))
     period_type = (s(p.period_type.type, "period_type"), s(p.period_type.unit, "period_type"))
     return ReadProfile(types, period_type, p.period, p.time_nanos, p.duration_nanos, tuple(samples))
-

@@ -13,6 +13,7 @@ Must not: create users (deploy/ and make setup do), or grant anything.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -35,8 +36,13 @@ CAP_PERFMON = 38
 CAP_BPF = 39
 CAP_CHECKPOINT_RESTORE = 40
 CAPABILITY_NAMES: dict[int, str] = {
-    CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SYS_PTRACE: "CAP_SYS_PTRACE", CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_SYS_RESOURCE: "CAP_SYS_RESOURCE",
-    CAP_SYSLOG: "CAP_SYSLOG", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF",
+    CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
+    CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+    CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+    CAP_SYS_RESOURCE: "CAP_SYS_RESOURCE",
+    CAP_SYSLOG: "CAP_SYSLOG",
+    CAP_PERFMON: "CAP_PERFMON",
+    CAP_BPF: "CAP_BPF",
     CAP_CHECKPOINT_RESTORE: "CAP_CHECKPOINT_RESTORE",
 }
 
@@ -100,8 +106,10 @@ def ids(stage: str) -> tuple[int, int]:
         uid = pwd.getpwnam(priv.user).pw_uid
         gid = grp.getgrnam(AGENT_GROUP).gr_gid
     except KeyError as e:
-        raise PrivilegeError(f"{e.args[0]} does not exist: create the agent's users with `make setup` "
-                             f"(or `make install`, or systemd-sysusers deploy/sysusers.conf)") from None
+        raise PrivilegeError(
+            f"{e.args[0]} does not exist: create the agent's users with `make setup` "
+            f"(or `make install`, or systemd-sysusers deploy/sysusers.conf)"
+        ) from None
     return uid, gid
 
 
@@ -119,7 +127,7 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
         # the uids change: without it again, a stage whose `run` was killed (SIGKILL, the OOM
         # killer) would run on, its BPF programs attached, with nobody to stop it.
         death_signal, parent = prctl.get_pdeathsig(), os.getppid()
-        for cap in range(_last_cap() + 1):   # needs CAP_SETPCAP: before the uid change
+        for cap in range(_last_cap() + 1):  # needs CAP_SETPCAP: before the uid change
             if cap not in keep:
                 prctl.capbset.drop(cap)
         prctl.set_keepcaps(True)
@@ -129,7 +137,7 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
         prctl.set_keepcaps(False)
         if death_signal:
             prctl.set_pdeathsig(death_signal)
-            if os.getppid() != parent:   # it died while the signal was off: as if it had come
+            if os.getppid() != parent:  # it died while the signal was off: as if it had come
                 os.kill(os.getpid(), death_signal)
     # One capset: effective = permitted = the stage's caps it holds (one it
     # lacks cannot be had; preflight names it), inheritable empty.
@@ -137,7 +145,7 @@ def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
     # know CAP_CHECKPOINT_RESTORE, and its limit() can only clear.)
     keep_only(frozenset(caps))
     prctl.set_no_new_privs(1)
-    os.umask(0o007)   # sockets and files: the agent's group, nobody else
+    os.umask(0o007)  # sockets and files: the agent's group, nobody else
     if os.geteuid() == 0 or os.getuid() == 0:
         raise PrivilegeError(f"{stage} is still root after dropping privileges")
 
@@ -158,10 +166,8 @@ def keep_only(caps: frozenset[int]) -> None:
 def uids_with(stage: str) -> set[int]:
     """root, this process's own user, and `stage`'s user if it exists: the peers a stage trusts as `stage`."""
     uids = {0, os.geteuid()}
-    try:
+    with contextlib.suppress(PrivilegeError):
         uids.add(ids(stage)[0])
-    except PrivilegeError:
-        pass
     return uids
 
 

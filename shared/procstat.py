@@ -22,13 +22,13 @@ MAX_STAT_BYTES = 4096
 
 def stat_fields(text: str) -> list[str]:
     """The fields after the command name: field N of the line (man 5 proc) is [N - 3]."""
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def parse_stat(text: str) -> tuple[str, int]:
     """(comm, start time in clock ticks) from /proc/<pid>/stat."""
     lpar, rpar = text.index("("), text.rindex(")")
-    comm = process_string(text[lpar + 1:rpar])
+    comm = process_string(text[lpar + 1 : rpar])
     return comm, int(stat_fields(text)[19])
 
 

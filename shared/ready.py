@@ -28,8 +28,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from shared import endpoints, files
 
@@ -50,7 +50,7 @@ def _notify(message: str) -> None:
     if not path:
         return
     if path.startswith("@"):
-        path = "\0" + path[1:]   # abstract socket
+        path = "\0" + path[1:]  # abstract socket
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         s.connect(path)
         s.sendall(message.encode())
@@ -77,10 +77,8 @@ def forget(run_dir: str, stage: str) -> None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 @contextlib.contextmanager
@@ -96,7 +94,7 @@ def progress(run_dir: str, stage: str, doing: str, beat_s: float = BEAT_S) -> It
     path = endpoints.progress_file(run_dir, stage)
     start = time.monotonic()
     stop = threading.Event()
-    lock = threading.Lock()      # no beat is written once the block has ended and removed the file
+    lock = threading.Lock()  # no beat is written once the block has ended and removed the file
     state = {"beat": 0, "closed": False, "warned": False}
 
     def beat() -> None:
@@ -104,13 +102,19 @@ def progress(run_dir: str, stage: str, doing: str, beat_s: float = BEAT_S) -> It
             if state["closed"]:
                 return
             elapsed = time.monotonic() - start
-            doc = {"pid": os.getpid(), "doing": doing, "elapsed_s": round(elapsed, 1), "beat": state["beat"],
-                   "beat_s": beat_s}
+            doc = {
+                "pid": os.getpid(),
+                "doing": doing,
+                "elapsed_s": round(elapsed, 1),
+                "beat": state["beat"],
+                "beat_s": beat_s,
+            }
             state["beat"] += 1
             try:
                 files.write_atomic(path, json.dumps(doc).encode() + b"\n", mode=0o644)
-                _notify(f"STATUS={doing} ({elapsed:.0f} s so far)\n"
-                        f"EXTEND_TIMEOUT_USEC={round(STALE_BEATS * beat_s * 1e6)}")
+                _notify(
+                    f"STATUS={doing} ({elapsed:.0f} s so far)\nEXTEND_TIMEOUT_USEC={round(STALE_BEATS * beat_s * 1e6)}"
+                )
             except OSError as e:
                 if not state["warned"]:
                     state["warned"] = True
@@ -120,7 +124,7 @@ def progress(run_dir: str, stage: str, doing: str, beat_s: float = BEAT_S) -> It
         while not stop.wait(beat_s):
             beat()
 
-    beat()   # before the step begins: a supervisor polling sees it at once
+    beat()  # before the step begins: a supervisor polling sees it at once
     thread = threading.Thread(target=heartbeat, name=f"{stage}-heartbeat", daemon=True)
     thread.start()
     outcome = "failed after"
@@ -132,7 +136,7 @@ def progress(run_dir: str, stage: str, doing: str, beat_s: float = BEAT_S) -> It
         with lock:
             state["closed"] = True
             _unlink(path)
-        thread.join()   # at most one beat was in flight, and it has finished (it held the lock)
+        thread.join()  # at most one beat was in flight, and it has finished (it held the lock)
         took = time.monotonic() - start
         log.info("%s: %s %.1f s", doing, outcome, took)
         with contextlib.suppress(OSError):
@@ -142,6 +146,7 @@ def progress(run_dir: str, stage: str, doing: str, beat_s: float = BEAT_S) -> It
 @dataclass(frozen=True)
 class Progress:
     """A progress file as read."""
+
     pid: int
     doing: str
     elapsed_s: float
@@ -155,27 +160,29 @@ def read_progress(run_dir: str, stage: str) -> Progress | None:
     try:
         with open(endpoints.progress_file(run_dir, stage), "rb") as f:
             doc = json.loads(f.read(MAX_PROGRESS_BYTES + 1)[:MAX_PROGRESS_BYTES])
-        got = Progress(int(doc["pid"]), str(doc["doing"])[:200], float(doc["elapsed_s"]), int(doc["beat"]),
-                       float(doc["beat_s"]))
+        got = Progress(
+            int(doc["pid"]), str(doc["doing"])[:200], float(doc["elapsed_s"]), int(doc["beat"]), float(doc["beat_s"])
+        )
     except (OSError, ValueError, TypeError, KeyError):
         return None
     return got if got.beat_s > 0 else None
 
 
 class State(enum.Enum):
-    READY = "ready"        # its ready file is there
-    WORKING = "working"    # a step says what it does, and its heartbeat is fresh
-    QUIET = "quiet"        # nothing said (yet, or since its last step ended)
-    STALE = "stale"        # a step's heartbeat was not renewed for STALE_BEATS beats
+    READY = "ready"  # its ready file is there
+    WORKING = "working"  # a step says what it does, and its heartbeat is fresh
+    QUIET = "quiet"  # nothing said (yet, or since its last step ended)
+    STALE = "stale"  # a step's heartbeat was not renewed for STALE_BEATS beats
 
 
 @dataclass(frozen=True)
 class Start:
     """One look at a starting stage."""
+
     state: State
-    quiet_s: float = 0.0     # QUIET: seconds since its last sign of life; STALE: since its last beat
-    doing: str = ""          # WORKING, STALE: what its step says it does
-    elapsed_s: float = 0.0   # WORKING, STALE: how long the step has run, as far as is known
+    quiet_s: float = 0.0  # QUIET: seconds since its last sign of life; STALE: since its last beat
+    doing: str = ""  # WORKING, STALE: what its step says it does
+    elapsed_s: float = 0.0  # WORKING, STALE: how long the step has run, as far as is known
 
 
 class StartWatch:
@@ -189,7 +196,7 @@ class StartWatch:
     def __init__(self, run_dir: str, stage: str, pid: int | None = None) -> None:
         self.run_dir, self.stage, self.pid = run_dir, stage, pid
         self.last_sign = time.monotonic()
-        self._beat: tuple[int, int] | None = None     # (pid, beat) last seen
+        self._beat: tuple[int, int] | None = None  # (pid, beat) last seen
         self._ready = False
 
     def check(self) -> Start:

@@ -25,13 +25,15 @@ REMOTE_KEYS reach a config.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from shared import config as config_mod
 from shared import privileges, stopping
@@ -66,6 +68,7 @@ class AgentConfigError(ValueError):
 @dataclass(frozen=True)
 class Refusal:
     """One key of the backend's block that was not applied, and why."""
+
     key: str
     value: Any
     reason: str
@@ -92,6 +95,7 @@ def path(run_dir: str) -> str:
 
 
 # ------------------------------------------------------------ the backend's document
+
 
 def block_of(doc: Any) -> Mapping[str, Any]:
     """The modules.ebpf_profiler block of an agent config document ({} when absent or null).
@@ -156,18 +160,22 @@ def effective(local: config_mod.ProfilerConfig, overrides: Mapping[str, Any]) ->
 def without_effect(local: config_mod.ProfilerConfig, overrides: Mapping[str, Any]) -> list[str]:
     """Why accepted overrides change nothing (for the log): remote enabled over a local enabled: false."""
     if not local.enabled and overrides.get("enabled") is True:
-        return [("remote config: enabled = True has no effect: the local config says enabled: false, which "
-                 "remote config cannot turn on; profiling stays off")]
+        return [
+            (
+                "remote config: enabled = True has no effect: the local config says enabled: false, which "
+                "remote config cannot turn on; profiling stays off"
+            )
+        ]
     return []
 
 
 def changes(before: config_mod.ProfilerConfig, after: config_mod.ProfilerConfig) -> list[tuple[str, Any, Any]]:
     """(key, old, new) for each remote key whose effective value differs."""
-    return [(k, getattr(before, k), getattr(after, k)) for k in REMOTE_KEYS
-            if getattr(before, k) != getattr(after, k)]
+    return [(k, getattr(before, k), getattr(after, k)) for k in REMOTE_KEYS if getattr(before, k) != getattr(after, k)]
 
 
 # ------------------------------------------------------------ the overrides file
+
 
 def encode(overrides: Mapping[str, Any]) -> bytes:
     return json.dumps({k: overrides[k] for k in REMOTE_KEYS if k in overrides}, sort_keys=True).encode() + b"\n"
@@ -177,10 +185,8 @@ def write_overrides(run_dir: str, overrides: Mapping[str, Any]) -> None:
     """Make the overrides file say `overrides` ({}: remove it). Atomic: readers see old or new, whole."""
     target = path(run_dir)
     if not overrides:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(target)
-        except FileNotFoundError:
-            pass
         return
     write_atomic(target, encode(overrides), mode=FILE_MODE)
 
@@ -228,8 +234,9 @@ def load_overrides(run_dir: str, writers: set[int] | None = None) -> dict[str, A
     return overrides
 
 
-def read_overrides(run_dir: str, logger: logging.Logger | None = None,
-                   writers: set[int] | None = None) -> dict[str, Any]:
+def read_overrides(
+    run_dir: str, logger: logging.Logger | None = None, writers: set[int] | None = None
+) -> dict[str, Any]:
     """The overrides in force: the file's, or {} (the local config) if there is none or it is bad (logged)."""
     try:
         return load_overrides(run_dir, writers)
@@ -261,8 +268,7 @@ class Watcher:
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode)
 
     @classmethod
-    def for_config(cls, run_dir: str, cfg: config_mod.ProfilerConfig,
-                   logger: logging.Logger | None = None) -> "Watcher":
+    def for_config(cls, run_dir: str, cfg: config_mod.ProfilerConfig, logger: logging.Logger | None = None) -> Watcher:
         """A stage's watcher: it follows the file only where the uploader fetches remote config."""
         return cls(run_dir, logger, follows=bool(cfg.agent_config_url))
 

@@ -20,7 +20,7 @@ import os
 # The pid a lock file holds: a few digits and a newline.
 MAX_LOCK_FILE_BYTES = 64
 
-_held: dict[str, int] = {}   # path → descriptor, kept open (and locked) until the process exits
+_held: dict[str, int] = {}  # path → descriptor, kept open (and locked) until the process exits
 
 
 class RunDirInUse(Exception):
@@ -28,8 +28,10 @@ class RunDirInUse(Exception):
 
     def __init__(self, stage: str, run_dir: str, pid: int | None) -> None:
         self.pid = pid
-        super().__init__(f"{stage} is already running on {run_dir} (pid {pid if pid else 'unknown'}); "
-                         f"stop it first, or use another --run-dir")
+        super().__init__(
+            f"{stage} is already running on {run_dir} (pid {pid if pid else 'unknown'}); "
+            f"stop it first, or use another --run-dir"
+        )
 
 
 def lock_path(run_dir: str, stage: str) -> str:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    name: str                          # the folder under runtimes/ and the pprof mapping's name
-    title: str                         # as log lines name it: "CPython", "PHP"
-    opt_ins: tuple[tuple[str, str], ...]   # (runtime_stacks name, what it turns on)
-    profile_type: str                  # one pprof of this type per service per window; "": none of its own
-    frame_fields: tuple[str, ...]      # what each frame of a stack says
-    default_on: bool = False           # read without any opt-in (CPython 3.13+, under python_stacks)
+    name: str  # the folder under runtimes/ and the pprof mapping's name
+    title: str  # as log lines name it: "CPython", "PHP"
+    opt_ins: tuple[tuple[str, str], ...]  # (runtime_stacks name, what it turns on)
+    profile_type: str  # one pprof of this type per service per window; "": none of its own
+    frame_fields: tuple[str, ...]  # what each frame of a stack says
+    default_on: bool = False  # read without any opt-in (CPython 3.13+, under python_stacks)
     # Its plug-in forks a helper at load that keeps the runtime stage's OPTIONAL_CAPS (shared/privileges.py);
     # the reader drops them once the plug-ins are loaded.
     helper_caps: bool = False
@@ -41,28 +41,65 @@ class RuntimeSpec:
 
 
 RUNTIMES: tuple[RuntimeSpec, ...] = (
-    RuntimeSpec("cpython", "CPython", (("python_legacy", "CPython 3.11 and 3.12 too"),), "python_wall",
-                ("function", "filename", "line"), default_on=True),
-    RuntimeSpec("php", "PHP", (("php", "PHP 8.2 to 8.5, NTS builds"),), "php_wall",
-                ("function", "class_name", "filename", "line")),
-    RuntimeSpec("ruby", "Ruby", (("ruby", "Ruby 3.3 and 3.4"),), "ruby_wall",
-                ("function", "class_name", "filename", "line")),
-    RuntimeSpec("jvm", "JVM", (("jvm", "HotSpot JDK 11 and newer"),), "jvm_wall",
-                ("function", "filename", "line", "kind"), cpu_profile_type="jvm_cpu", regs_mappings=("libjvm.so",)),
+    RuntimeSpec(
+        "cpython",
+        "CPython",
+        (("python_legacy", "CPython 3.11 and 3.12 too"),),
+        "python_wall",
+        ("function", "filename", "line"),
+        default_on=True,
+    ),
+    RuntimeSpec(
+        "php",
+        "PHP",
+        (("php", "PHP 8.2 to 8.5, NTS builds"),),
+        "php_wall",
+        ("function", "class_name", "filename", "line"),
+    ),
+    RuntimeSpec(
+        "ruby", "Ruby", (("ruby", "Ruby 3.3 and 3.4"),), "ruby_wall", ("function", "class_name", "filename", "line")
+    ),
+    RuntimeSpec(
+        "jvm",
+        "JVM",
+        (("jvm", "HotSpot JDK 11 and newer"),),
+        "jvm_wall",
+        ("function", "filename", "line", "kind"),
+        cpu_profile_type="jvm_cpu",
+        regs_mappings=("libjvm.so",),
+    ),
     # No stacks of its own: it asks each .NET process for a perf map, whose names the cpu profiles then show.
-    RuntimeSpec("dotnet", ".NET", (("dotnet", ".NET 8 and newer: JIT frame names in cpu profiles, from perf "
-                                              "maps asked for over each process's diagnostics socket"),), "",
-                (), helper_caps=True),
-    RuntimeSpec("node", "Node.js", (("node", "Node.js 20 to 26 (V8 11.3 to 14), builds without pointer compression"),),
-                "node_cpu", ("function", "filename", "line", "kind"), cpu_profile_type="node_cpu",
-                regs_mappings=("node", "libnode.so.*")),   # node_cpu: the timer's samples and these (runtimes/node)
+    RuntimeSpec(
+        "dotnet",
+        ".NET",
+        (
+            (
+                "dotnet",
+                ".NET 8 and newer: JIT frame names in cpu profiles, from perf "
+                "maps asked for over each process's diagnostics socket",
+            ),
+        ),
+        "",
+        (),
+        helper_caps=True,
+    ),
+    RuntimeSpec(
+        "node",
+        "Node.js",
+        (("node", "Node.js 20 to 26 (V8 11.3 to 14), builds without pointer compression"),),
+        "node_cpu",
+        ("function", "filename", "line", "kind"),
+        cpu_profile_type="node_cpu",
+        regs_mappings=("node", "libnode.so.*"),
+    ),  # node_cpu: the timer's samples and these (runtimes/node)
 )
 
 # Every runtime_stacks name the config accepts.
 OPT_INS: tuple[str, ...] = tuple(name for spec in RUNTIMES for name, _ in spec.opt_ins)
 # (a runtime whose timer and register samples make one profile, Node's node_cpu, names it twice: once here)
-PROFILE_TYPES: tuple[str, ...] = tuple(dict.fromkeys(
-    t for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t))
+PROFILE_TYPES: tuple[str, ...] = tuple(
+    dict.fromkeys(t for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t)
+)
 BY_PROFILE_TYPE = {t: spec for spec in RUNTIMES for t in (spec.profile_type, spec.cpu_profile_type) if t}
 # The runtimes' on-CPU profile types: cpu time (the collector's samples), not wall time.
 CPU_PROFILE_TYPES = frozenset(spec.cpu_profile_type for spec in RUNTIMES if spec.cpu_profile_type)
@@ -71,8 +108,9 @@ CPU_PROFILE_TYPES = frozenset(spec.cpu_profile_type for spec in RUNTIMES if spec
 def regs_mappings(runtime_stacks: tuple[str, ...]) -> frozenset[str]:
     """The mapping names that mark a process for registers with its cpu samples, for the runtimes
     runtime_stacks turns on."""
-    return frozenset(name for spec in RUNTIMES if any(o in runtime_stacks for o, _ in spec.opt_ins)
-                     for name in spec.regs_mappings)
+    return frozenset(
+        name for spec in RUNTIMES if any(o in runtime_stacks for o, _ in spec.opt_ins) for name in spec.regs_mappings
+    )
 
 
 def opt_in_help() -> str:

@@ -49,7 +49,7 @@ _PLAIN = re.compile(rb"[\x20-\x5b\x5d-\x7e]*").fullmatch
 def process_string(raw: bytes | str, cap: int = MAX_PROCESS_STRING) -> str:
     """`raw` (bytes, or a str from os.fsdecode/surrogateescape) as valid, escaped, capped UTF-8."""
     if isinstance(raw, bytes) and len(raw) <= cap and _PLAIN(raw):
-        return raw.decode("ascii")     # most names: the same result, 3x faster (a library has 100,000s)
+        return raw.decode("ascii")  # most names: the same result, 3x faster (a library has 100,000s)
     data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else bytes(raw)
     # backslashreplace writes \xNN for each byte that is not valid UTF-8; the literal backslashes
     # and control characters are escaped first, so the result reads back to exactly `data`.
@@ -67,11 +67,11 @@ def unescape(text: str) -> bytes:
     i = 0
     while i < len(text):
         c = text[i]
-        if c == "\\" and text[i + 1:i + 2] == "\\":
+        if c == "\\" and text[i + 1 : i + 2] == "\\":
             out += b"\\"
             i += 2
-        elif c == "\\" and text[i + 1:i + 2] == "x":
-            out.append(int(text[i + 2:i + 4], 16))
+        elif c == "\\" and text[i + 1 : i + 2] == "x":
+            out.append(int(text[i + 2 : i + 4], 16))
             i += 4
         else:
             out += c.encode()
@@ -106,7 +106,7 @@ def quote(value: object, cap: int = MAX_QUOTED) -> str:
     repr'd whole first."""
     try:
         return cut(_QUOTER.repr(value), cap)
-    except ValueError:   # an int of more digits than repr() writes (sys.get_int_max_str_digits)
+    except ValueError:  # an int of more digits than repr() writes (sys.get_int_max_str_digits)
         return f"<{type(value).__name__} too large to write>"
 
 

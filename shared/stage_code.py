@@ -35,7 +35,9 @@ def default_bpf_dir() -> str:
     copy. Here, not in the collector, so that the launchers need not import the collector."""
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
     return os.environ.get("EBPFPROFILER_BPF_DIR") or (
-        here if os.path.isfile(os.path.join(here, "oncpu.c")) else "/usr/lib/ebpfprofiler/bpf")
+        here if os.path.isfile(os.path.join(here, "oncpu.c")) else "/usr/lib/ebpfprofiler/bpf"
+    )
+
 
 # The top-level packages of setup.cfg ([options] packages).
 PACKAGES = ("cli", "collector", "symbolizer", "uploader", "receiver", "runtimes", "shared", "report")
@@ -48,8 +50,9 @@ ACCESS_CHECK_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class StageCode:
     """How to start a stage so that it can import its code after dropping privileges."""
+
     bpf_dir: str
-    pythonpath: tuple[str, ...] = field(default=())   # empty: the launcher's own sys.path is readable
+    pythonpath: tuple[str, ...] = field(default=())  # empty: the launcher's own sys.path is readable
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
@@ -65,14 +68,18 @@ def package_dirs() -> dict[str, str]:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
             raise RuntimeError(f"package {name} is not importable: run `make setup`")
-        out[name] = os.path.realpath(list(spec.submodule_search_locations)[0])
+        out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
     return out
 
 
 def import_path_entries() -> list[str]:
     """The sys.path directories beyond the standard library (a venv's site-packages, dist-packages)."""
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
-            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+    base = {
+        "base": sys.base_prefix,
+        "platbase": sys.base_exec_prefix,
+        "installed_base": sys.base_prefix,
+        "installed_platbase": sys.base_exec_prefix,
+    }
     # The interpreter's own library (not a venv's lib/, which holds its site-packages).
     stdlib = {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("stdlib", "platstdlib")}
     out = []
@@ -96,8 +103,15 @@ def unreadable_by_agent(paths: list[str], stage: str = "uploader") -> list[str]:
         return []
     uid, gid = privileges.ids(stage)
     script = 'for p do [ -r "$p" ] && { [ ! -d "$p" ] || [ -x "$p" ]; } || printf "%s\\0" "$p"; done'
-    r = subprocess.run(["/bin/sh", "-c", script, "sh", *paths], user=uid, group=gid, extra_groups=[gid],
-                       capture_output=True, timeout=ACCESS_CHECK_TIMEOUT_S, cwd="/")
+    r = subprocess.run(  # noqa: PLW1510
+        ["/bin/sh", "-c", script, "sh", *paths],
+        user=uid,
+        group=gid,
+        extra_groups=[gid],
+        capture_output=True,
+        timeout=ACCESS_CHECK_TIMEOUT_S,
+        cwd="/",
+    )
     return [p for p in r.stdout.decode(errors="replace").split("\0") if p]
 
 
@@ -130,21 +144,28 @@ def prepare(view_dir: str, bpf_dir: str) -> StageCode:
     for i, entry in enumerate(e for e in entries if e in blocked):
         dst = os.path.join(new, f"path{i}")
         # The editable install's finder would send imports back to the checkout.
-        shutil.copytree(entry, dst, copy_function=_link_or_copy, symlinks=True,
-                        ignore=shutil.ignore_patterns("__editable__*", "__pycache__"))
+        shutil.copytree(
+            entry,
+            dst,
+            copy_function=_link_or_copy,
+            symlinks=True,
+            ignore=shutil.ignore_patterns("__editable__*", "__pycache__"),
+        )
         path.append(dst)
     for root, _dirs, files in os.walk(new):
         os.chown(root, 0, gid)
         os.chmod(root, 0o750)
-        if not root.startswith(os.path.join(new, "path")):   # copies, not links: theirs to set
+        if not root.startswith(os.path.join(new, "path")):  # copies, not links: theirs to set
             for f in files:
                 os.chown(os.path.join(root, f), 0, gid)
                 os.chmod(os.path.join(root, f), 0o640)
     shutil.rmtree(view_dir, ignore_errors=True)
     os.rename(new, view_dir)
-    renamed = [view_dir + p[len(new):] for p in path]
+    renamed = [view_dir + p[len(new) :] for p in path]
     still = unreadable_by_agent(renamed)
     if still:
-        raise privileges.PrivilegeError(f"the stages' users cannot read {still[0]} even in the code view; "
-                                        f"is {os.path.dirname(view_dir)} readable by group {privileges.AGENT_GROUP}?")
+        raise privileges.PrivilegeError(
+            f"the stages' users cannot read {still[0]} even in the code view; "
+            f"is {os.path.dirname(view_dir)} readable by group {privileges.AGENT_GROUP}?"
+        )
     return StageCode(bpf_dir=os.path.join(view_dir, "bpf"), pythonpath=tuple(renamed))

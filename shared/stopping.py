@@ -29,8 +29,9 @@ QUIET_WAKE_S = 60.0
 _wakeup: tuple[int, int] | None = None
 
 
-def stop_on_signals(log: logging.Logger, what: str = "stopping",
-                    also: threading.Event | None = None) -> threading.Event:
+def stop_on_signals(
+    log: logging.Logger, what: str = "stopping", also: threading.Event | None = None
+) -> threading.Event:
     """An Event set by SIGTERM or SIGINT; call from the main thread. `also` is set too (a loop's wake-up)."""
     stop = threading.Event()
 
@@ -48,7 +49,7 @@ def stop_on_signals(log: logging.Logger, what: str = "stopping",
 def wakeup_fd() -> int:
     """A descriptor that becomes readable whenever a signal arrives (call from the main thread, once
     the handlers are installed); poll it beside the sockets and `drain_wakeups()` when it is."""
-    global _wakeup
+    global _wakeup  # noqa: PLW0603
     if _wakeup is None:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)

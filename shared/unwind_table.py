@@ -32,20 +32,20 @@ ARCHES = (ARCH_X86_64, ARCH_AARCH64)
 ARCH_NAMES = {ARCH_X86_64: "x86_64", ARCH_AARCH64: "aarch64"}
 
 # cfa_kind
-CFA_SP = 0        # CFA = SP + cfa_off
-CFA_FP = 1        # CFA = FP + cfa_off
-CFA_PLT = 2       # x86-64 PLT entries: CFA = SP + cfa_off + (((pc & 15) >= 11) ? 8 : 0)
+CFA_SP = 0  # CFA = SP + cfa_off
+CFA_FP = 1  # CFA = FP + cfa_off
+CFA_PLT = 2  # x86-64 PLT entries: CFA = SP + cfa_off + (((pc & 15) >= 11) ? 8 : 0)
 CFA_FALLBACK = 3  # no usable rule: take a frame-pointer step
-CFA_END = 4       # outermost frame: the return address is undefined; stop
+CFA_END = 4  # outermost frame: the return address is undefined; stop
 # fp_kind
-FP_SAME = 0       # the caller's frame pointer is the current one
-FP_SAVED = 1      # saved at CFA + fp_off
+FP_SAME = 0  # the caller's frame pointer is the current one
+FP_SAVED = 1  # saved at CFA + fp_off
 # ra_kind
-RA_SAVED = 0      # saved at CFA + ra_off
-RA_LR = 1         # aarch64: still in the link register x30
+RA_SAVED = 0  # saved at CFA + ra_off
+RA_LR = 1  # aarch64: still in the link register x30
 
-HEADER = struct.Struct("<4sHHIIQQQQ")   # magic, version, arch, rows, span, pc_base, text_offset/vaddr/size
-ROW = struct.Struct("<IihhBBBB")        # pc, cfa_off, fp_off, ra_off, cfa_kind, fp_kind, ra_kind, 0
+HEADER = struct.Struct("<4sHHIIQQQQ")  # magic, version, arch, rows, span, pc_base, text_offset/vaddr/size
+ROW = struct.Struct("<IihhBBBB")  # pc, cfa_off, fp_off, ra_off, cfa_kind, fp_kind, ra_kind, 0
 assert HEADER.size == 48 and ROW.size == 16
 
 # node, the largest module on a typical host, has ~400K rows; 2M (32 MiB) leaves room and bounds
@@ -61,7 +61,7 @@ class UnwindTableError(ValueError):
 
 
 class Row(NamedTuple):
-    pc: int           # row address: ELF virtual address - pc_base
+    pc: int  # row address: ELF virtual address - pc_base
     cfa_off: int
     fp_off: int
     ra_off: int
@@ -70,22 +70,23 @@ class Row(NamedTuple):
     ra_kind: int
 
 
-FALLBACK_ROW_FIELDS = (0, 0, 0, CFA_FALLBACK, FP_SAME, RA_SAVED)   # Row minus pc: the canonical FALLBACK row
+FALLBACK_ROW_FIELDS = (0, 0, 0, CFA_FALLBACK, FP_SAME, RA_SAVED)  # Row minus pc: the canonical FALLBACK row
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    arch: int          # ARCH_X86_64 or ARCH_AARCH64
-    span: int          # every row.pc is < span
-    pc_base: int       # ELF virtual address of row.pc 0
-    text_offset: int   # file offset of the executable PT_LOAD segment the rows cover
-    text_vaddr: int    # its p_vaddr
-    text_size: int     # its p_filesz
+    arch: int  # ARCH_X86_64 or ARCH_AARCH64
+    span: int  # every row.pc is < span
+    pc_base: int  # ELF virtual address of row.pc 0
+    text_offset: int  # file offset of the executable PT_LOAD segment the rows cover
+    text_vaddr: int  # its p_vaddr
+    text_size: int  # its p_filesz
 
 
 @dataclass(frozen=True, slots=True)
 class Table:
     """A validated table: its header and its rows as raw bytes (ROW.size each, sorted by pc)."""
+
     header: Header
     rows: bytes
 
@@ -120,8 +121,11 @@ def encode(header: Header, rows: Iterable[Row] | bytes) -> bytes:
     """The table of `header` and `rows` (Row tuples, or rows already packed with ROW).
 
     The result is checked with decode(): UnwindTableError if it would not be a valid table."""
-    body = rows if isinstance(rows, (bytes, bytearray, memoryview)) else b"".join(
-        ROW.pack(r.pc, r.cfa_off, r.fp_off, r.ra_off, r.cfa_kind, r.fp_kind, r.ra_kind, 0) for r in rows)
+    body = (
+        rows
+        if isinstance(rows, (bytes, bytearray, memoryview))
+        else b"".join(ROW.pack(r.pc, r.cfa_off, r.fp_off, r.ra_off, r.cfa_kind, r.fp_kind, r.ra_kind, 0) for r in rows)
+    )
     if len(body) % ROW.size:
         raise UnwindTableError(f"rows of {len(body)} bytes are not a whole number of {ROW.size}-byte rows")
     n = len(body) // ROW.size
@@ -131,13 +135,27 @@ def encode(header: Header, rows: Iterable[Row] | bytes) -> bytes:
             raise UnwindTableError(f"{name} {value} does not fit its field")
     if not 0 <= n <= MAX_ROWS or header.arch not in ARCHES:
         raise UnwindTableError(f"{n} rows of arch {header.arch}: not encodable")
-    data = b"".join((HEADER.pack(MAGIC, VERSION, header.arch, n, header.span, header.pc_base, header.text_offset,
-                                 header.text_vaddr, header.text_size), body))
+    data = b"".join(
+        (
+            HEADER.pack(
+                MAGIC,
+                VERSION,
+                header.arch,
+                n,
+                header.span,
+                header.pc_base,
+                header.text_offset,
+                header.text_vaddr,
+                header.text_size,
+            ),
+            body,
+        )
+    )
     decode(data)
     return data
 
 
-def decode(data: bytes, arch: int | None = None) -> Table:
+def decode(data: bytes, arch: int | None = None) -> Table:  # noqa: PLR0912
     """The table in `data`, every field checked; UnwindTableError otherwise.
 
     `arch`: the architecture the caller can use (None: either). Checked: magic, version, arch,
@@ -161,7 +179,7 @@ def decode(data: bytes, arch: int | None = None) -> Table:
         raise UnwindTableError(f"{len(data)} bytes, expected {HEADER.size} + {n} rows of {ROW.size}")
     if pc_base + span > _U64 or text_offset + text_size > _U64 or text_vaddr + text_size > _U64:
         raise UnwindTableError("pc_base + span or the text segment does not fit in 64 bits")
-    rows = bytes(data[HEADER.size:])
+    rows = bytes(data[HEADER.size :])
     prev = -1
     for i, (pc, _cfa, _fp, _ra, ck, fk, rk, pad) in enumerate(ROW.iter_unpack(rows)):
         if pc <= prev:
@@ -181,7 +199,7 @@ def decode(data: bytes, arch: int | None = None) -> Table:
     return Table(Header(table_arch, span, pc_base, text_offset, text_vaddr, text_size), rows)
 
 
-validate = decode   # the name docs/unwinding.md uses for the collector's check
+validate = decode  # the name docs/unwinding.md uses for the collector's check
 
 
 def bias(table: Table, start: int, offset: int) -> int:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any
 
 # Distinct (labels, stack) rows per service per window. A service with more is
 # pathological (or hostile); further rows are summed into one truncated row.
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServiceWindow:
-    rows: dict[tuple[Any, Any], list[int]] = field(default_factory=dict)   # (labels, frames) → [count, value, *extra]
+    rows: dict[tuple[Any, Any], list[int]] = field(default_factory=dict)  # (labels, frames) → [count, value, *extra]
     truncated: int = 0
-    period: int = 0      # the pprof period: of the last batch added (the collector's rate may change)
+    period: int = 0  # the pprof period: of the last batch added (the collector's rate may change)
 
     def add(self, labels: Hashable, frames: Hashable, count: int, value: int, extra: tuple[int, ...] = ()) -> None:
         """Sum one sample's values into its row; `extra`: values after (count, value) (alloc's inuse)."""
@@ -80,10 +81,10 @@ class Windows:
         self.interval_s = interval_s
         self.interval_ns = interval_s * 1_000_000_000
         self._open: dict[tuple[str, int], dict[str, ServiceWindow]] = defaultdict(dict)
-        self._closed_before = 0      # times before this belong to windows that were handed out
-        self._since = 0              # the last change of length: no window starts before it
+        self._closed_before = 0  # times before this belong to windows that were handed out
+        self._since = 0  # the last change of length: no window starts before it
         self.late_batches = 0
-        self.samples_over_service_cap = 0   # summed into OTHER_SERVICES, counted as their windows close
+        self.samples_over_service_cap = 0  # summed into OTHER_SERVICES, counted as their windows close
         self._cap_logged = False
 
     def window_start(self, time_ns: int) -> int:
@@ -111,9 +112,12 @@ class Windows:
             if len(by_service) >= MAX_SERVICES_PER_WINDOW:
                 if not self._cap_logged:
                     self._cap_logged = True
-                    log.warning("more than %d services in one window: the samples of the rest are summed "
-                                "into %s (counted as samples_over_service_cap; logged once)",
-                                MAX_SERVICES_PER_WINDOW, OTHER_SERVICES)
+                    log.warning(
+                        "more than %d services in one window: the samples of the rest are summed "
+                        "into %s (counted as samples_over_service_cap; logged once)",
+                        MAX_SERVICES_PER_WINDOW,
+                        OTHER_SERVICES,
+                    )
                 service = OTHER_SERVICES
                 w = by_service.get(service)
             if w is None:

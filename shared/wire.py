@@ -22,11 +22,12 @@ Must not: open sockets, or know what a stage does with a message.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence, TypeVar, Union
+from typing import Any, TypeVar, Union
 
-from shared.safestr import cut, quote
 from shared import runtime_registry
+from shared.safestr import cut, quote
 
 WIRE_VERSION = 1
 
@@ -41,14 +42,14 @@ RECEIVE_LIMIT_BYTES = MAX_BATCH_BYTES + (64 << 10)
 # A gzip pprof of one service and window; larger ones are a bug or an attack.
 MAX_PROFILE_BYTES = 32 << 20
 # Bounds on counts inside one message, so a small message cannot claim a huge one.
-MAX_STACK_DEPTH = 512          # kernel limit is 127 frames per stack, DWARF walks 64
-MAX_MAPPINGS_PER_PROCESS = 65536   # vm.max_map_count default is 65530
-MAX_ITEMS = 10_000_000         # samples, stacks, processes in one batch
-MAX_STRING = 4096              # paths, names, labels
+MAX_STACK_DEPTH = 512  # kernel limit is 127 frames per stack, DWARF walks 64
+MAX_MAPPINGS_PER_PROCESS = 65536  # vm.max_map_count default is 65530
+MAX_ITEMS = 10_000_000  # samples, stacks, processes in one batch
+MAX_STRING = 4096  # paths, names, labels
 U64 = (1 << 64) - 1
 
 # The runtime readers' types follow from the registry.
-PROFILE_TYPES = ("cpu", "offcpu", "alloc", "lock") + runtime_registry.PROFILE_TYPES
+PROFILE_TYPES = ("cpu", "offcpu", "alloc", "lock", *runtime_registry.PROFILE_TYPES)
 # Values a sample carries beyond (count, value): alloc's inuse objects and bytes.
 MAX_EXTRA_VALUES = 2
 # An unwind table of one module: /usr/bin/node's is ~400K rows (6.4 MB); 64 MiB
@@ -73,84 +74,91 @@ class WireError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Mapping:
     """One executable mapping of a process, as /proc/<pid>/maps gives it."""
+
     start: int
     end: int
     offset: int
-    path: str        # "" for anonymous memory; "[vdso]" and the like for special ones
-    dev: str = ""    # "fd:01"
+    path: str  # "" for anonymous memory; "[vdso]" and the like for special ones
+    dev: str = ""  # "fd:01"
     inode: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Process:
     """What the collector knows of a process; (pid, start_ticks) is its identity."""
+
     pid: int
-    start_ticks: int           # field 22 of /proc/<pid>/stat: a reused pid is a new process
+    start_ticks: int  # field 22 of /proc/<pid>/stat: a reused pid is a new process
     uid: int
-    nspid: int                 # pid inside its pid namespace (names /tmp/perf-<nspid>.map)
+    nspid: int  # pid inside its pid namespace (names /tmp/perf-<nspid>.map)
     comm: str
-    executable: str            # "" for kernel threads
-    service: str               # container id, else executable, else "[kernel]"
+    executable: str  # "" for kernel threads
+    service: str  # container id, else executable, else "[kernel]"
     container_id: str = ""
     pod_uid: str = ""
-    cmdline: tuple[str, ...] | None = None   # None unless strip_process_args is false
+    cmdline: tuple[str, ...] | None = None  # None unless strip_process_args is false
     mappings: tuple[Mapping, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
     """Aggregated samples of one (pid, tid, user stack, kernel stack)."""
+
     pid: int
     tid: int
-    user_stack: int            # index into StackBatch.user_stacks, -1 if none
-    kernel_stack: int          # index into StackBatch.kernel_stacks, -1 if none
-    count: int                 # samples (cpu), blocking intervals (offcpu), waits (lock), allocations (alloc)
-    value: int                 # nanoseconds: on-CPU, blocked or waiting time; bytes (alloc)
-    extra: tuple[int, ...] = ()   # alloc: (inuse objects, inuse bytes); at most MAX_EXTRA_VALUES
+    user_stack: int  # index into StackBatch.user_stacks, -1 if none
+    kernel_stack: int  # index into StackBatch.kernel_stacks, -1 if none
+    count: int  # samples (cpu), blocking intervals (offcpu), waits (lock), allocations (alloc)
+    value: int  # nanoseconds: on-CPU, blocked or waiting time; bytes (alloc)
+    extra: tuple[int, ...] = ()  # alloc: (inuse objects, inuse bytes); at most MAX_EXTRA_VALUES
 
 
 @dataclass(frozen=True, slots=True)
 class UnwindRequest:
     """The collector asks for the unwind table of the module pid maps at [start, end)."""
+
     pid: int
-    start_ticks: int           # the process it means (a reused pid is refused by the file broker)
+    start_ticks: int  # the process it means (a reused pid is refused by the file broker)
     start: int
     end: int
-    dev: str                   # the module's identity, as /proc/<pid>/maps gives it
+    dev: str  # the module's identity, as /proc/<pid>/maps gives it
     inode: int
 
 
 @dataclass(frozen=True, slots=True)
 class UnwindTable:
     """A symbolizer's answer to an UnwindRequest: the module's table, or why there is none."""
+
     dev: str
     inode: int
     path: str
-    build_id: str              # "" when the module has none
-    status: str                # one of UNWIND_STATUSES: ok (table attached), none (no CFI), failed
+    build_id: str  # "" when the module has none
+    status: str  # one of UNWIND_STATUSES: ok (table attached), none (no CFI), failed
     reason: str = ""
-    table: bytes = b""         # shared/unwind_table.py format when status is ok
+    table: bytes = b""  # shared/unwind_table.py format when status is ok
 
 
 @dataclass(frozen=True, slots=True)
 class StackBatch:
     """One drain of one profile type's BPF maps, for the services routed to one worker."""
+
     host: str
     profile_type: str
     sample_hz: int
-    time_ns: int               # wall clock of the drain (unix ns)
+    time_ns: int  # wall clock of the drain (unix ns)
     processes: tuple[Process, ...]
-    user_stacks: tuple[tuple[int, ...], ...]      # addresses, leaf first
+    user_stacks: tuple[tuple[int, ...], ...]  # addresses, leaf first
     kernel_stacks: tuple[tuple[int, ...], ...]
     samples: tuple[Sample, ...]
-    kernel_symbols: dict[int, str] = field(default_factory=dict)   # address → name
-    lost: dict[str, int] = field(default_factory=dict)             # reason → samples
+    kernel_symbols: dict[int, str] = field(default_factory=dict)  # address → name
+    lost: dict[str, int] = field(default_factory=dict)  # reason → samples
     unwind_requests: tuple[UnwindRequest, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ProfileUpload:
     """One gzip pprof of one service, window and profile type."""
+
     profile_id: str
     host: str
     service: str
@@ -167,10 +175,11 @@ class ProcessAnnouncement:
 
     `full` marks a periodic re-announcement of every live process the collector
     has announced, so a reader that started (or restarted) late catches up."""
+
     host: str
     time_ns: int
     processes: tuple[Process, ...]
-    exited: tuple[tuple[int, int], ...] = ()     # (pid, start_ticks)
+    exited: tuple[tuple[int, int], ...] = ()  # (pid, start_ticks)
     full: bool = False
 
 
@@ -178,10 +187,11 @@ class ProcessAnnouncement:
 class RegsSample:
     """One on-CPU sample of a thread of a process the collector marked (collector/regs.py): its user
     registers when it was taken, and a copy of its stack from sp up (len(stack) bytes; may be empty)."""
+
     pid: int
     start_ticks: int
     tid: int
-    time_ns: int          # CLOCK_MONOTONIC of the sample
+    time_ns: int  # CLOCK_MONOTONIC of the sample
     ip: int
     sp: int
     fp: int
@@ -192,6 +202,7 @@ class RegsSample:
 class RegsBatch:
     """The collector tells runtime readers the on-CPU samples of marked processes, with their registers;
     each sample stands for period_ns of CPU time."""
+
     host: str
     time_ns: int
     period_ns: int
@@ -211,24 +222,25 @@ _LOWER_HEX = frozenset("0123456789abcdef")
 @dataclass(frozen=True, slots=True)
 class FileRequest:
     """A symbolizer asks the collector to open a file of a profiled process."""
+
     pid: int
-    start_ticks: int           # the process it means: a reused pid is refused
-    kind: str                  # "module": the executable mapping [start, end); "perf_map": /tmp/perf-<nspid>.map;
-    start: int = 0             # "debug": the separate debug file of build_id (process's root, else host's)
+    start_ticks: int  # the process it means: a reused pid is refused
+    kind: str  # "module": the executable mapping [start, end); "perf_map": /tmp/perf-<nspid>.map;
+    start: int = 0  # "debug": the separate debug file of build_id (process's root, else host's)
     end: int = 0
-    build_id: str = ""         # lowercase hex, in "debug" requests only
+    build_id: str = ""  # lowercase hex, in "debug" requests only
 
 
 @dataclass(frozen=True, slots=True)
 class FileReply:
     """The answer: ok (the descriptor comes with it), or why not."""
+
     ok: bool
-    error: str = ""            # one of FILE_ERRORS when not ok
+    error: str = ""  # one of FILE_ERRORS when not ok
     reason: str = ""
 
 
-Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, ProcessAnnouncement,
-                RegsBatch]
+Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, ProcessAnnouncement, RegsBatch]  # noqa: UP007
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -242,18 +254,27 @@ def encode(msg: Message) -> list[bytes]:
             "processes": [_process_json(p) for p in msg.processes],
             "user_stacks": msg.user_stacks,
             "kernel_stacks": msg.kernel_stacks,
-            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value, *s.extra]
-                        for s in msg.samples],
+            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value, *s.extra] for s in msg.samples],
             "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
             "lost": msg.lost,
-            "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode]
-                                for r in msg.unwind_requests],
+            "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode] for r in msg.unwind_requests],
         }
         return [_header("stack_batch", body)]
     if isinstance(msg, UnwindTable):
-        return [_header("unwind_table", {"dev": msg.dev, "inode": msg.inode, "path": msg.path,
-                                         "build_id": msg.build_id, "status": msg.status,
-                                         "reason": msg.reason}), msg.table]
+        return [
+            _header(
+                "unwind_table",
+                {
+                    "dev": msg.dev,
+                    "inode": msg.inode,
+                    "path": msg.path,
+                    "build_id": msg.build_id,
+                    "status": msg.status,
+                    "reason": msg.reason,
+                },
+            ),
+            msg.table,
+        ]
     if isinstance(msg, ProfileUpload):
         body = {
             "profile_id": msg.profile_id,
@@ -266,25 +287,53 @@ def encode(msg: Message) -> list[bytes]:
         }
         return [_header("profile", body), msg.pprof_gz]
     if isinstance(msg, ProcessAnnouncement):
-        return [_header("process_announcement", {
-            "host": msg.host, "time_ns": msg.time_ns, "full": msg.full,
-            "processes": [_process_json(p) for p in msg.processes],
-            "exited": [[pid, ticks] for pid, ticks in msg.exited]})]
+        return [
+            _header(
+                "process_announcement",
+                {
+                    "host": msg.host,
+                    "time_ns": msg.time_ns,
+                    "full": msg.full,
+                    "processes": [_process_json(p) for p in msg.processes],
+                    "exited": [[pid, ticks] for pid, ticks in msg.exited],
+                },
+            )
+        ]
     if isinstance(msg, RegsBatch):
-        return [_header("regs_batch", {
-            "host": msg.host, "time_ns": msg.time_ns, "period_ns": msg.period_ns,
-            "samples": [[r.pid, r.start_ticks, r.tid, r.time_ns, r.ip, r.sp, r.fp, len(r.stack)]
-                        for r in msg.samples]}),
-                b"".join(r.stack for r in msg.samples)]
+        return [
+            _header(
+                "regs_batch",
+                {
+                    "host": msg.host,
+                    "time_ns": msg.time_ns,
+                    "period_ns": msg.period_ns,
+                    "samples": [
+                        [r.pid, r.start_ticks, r.tid, r.time_ns, r.ip, r.sp, r.fp, len(r.stack)] for r in msg.samples
+                    ],
+                },
+            ),
+            b"".join(r.stack for r in msg.samples),
+        ]
     if isinstance(msg, FileRequest):
-        return [_header("file_request", {"pid": msg.pid, "start_ticks": msg.start_ticks, "kind": msg.kind,
-                                         "start": msg.start, "end": msg.end, "build_id": msg.build_id})]
+        return [
+            _header(
+                "file_request",
+                {
+                    "pid": msg.pid,
+                    "start_ticks": msg.start_ticks,
+                    "kind": msg.kind,
+                    "start": msg.start,
+                    "end": msg.end,
+                    "build_id": msg.build_id,
+                },
+            )
+        ]
     if isinstance(msg, FileReply):
         return [_header("file_reply", {"ok": msg.ok, "error": msg.error, "reason": msg.reason})]
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
-def decode(frames: Sequence[bytes]) -> Message:
+def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912
     """The message in `frames`; WireError if it is not a valid one."""
     if not frames or len(frames) > 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
@@ -349,8 +398,9 @@ def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = Wire
 Splittable = TypeVar("Splittable", StackBatch, ProcessAnnouncement)
 
 
-def encode_within(msg: Splittable, max_bytes: int = MAX_BATCH_BYTES
-                  ) -> tuple[list[tuple[Splittable, list[bytes]]], list[Splittable]]:
+def encode_within(
+    msg: Splittable, max_bytes: int = MAX_BATCH_BYTES
+) -> tuple[list[tuple[Splittable, list[bytes]]], list[Splittable]]:
     """`msg` as messages of at most `max_bytes` each, with their frames: the message itself when it fits,
     else parts of it (a batch split by process, then one process's samples in halves; an announcement
     by its lists), each a valid message; and the parts that cannot be made to fit (one sample with its
@@ -372,7 +422,7 @@ def encode_within(msg: Splittable, max_bytes: int = MAX_BATCH_BYTES
 
 def mapping_bytes(m: Mapping) -> int:
     """Bytes `m` takes in an encoded message: its row and the comma after it."""
-    return len(json.dumps(_mapping_json(m), separators=(",", ":"))) + 1   # ASCII: characters are bytes
+    return len(json.dumps(_mapping_json(m), separators=(",", ":"))) + 1  # ASCII: characters are bytes
 
 
 def _batch_halves(b: StackBatch) -> tuple[StackBatch, StackBatch] | None:
@@ -381,19 +431,32 @@ def _batch_halves(b: StackBatch) -> tuple[StackBatch, StackBatch] | None:
         groups.setdefault(s.pid, []).append(s)
     if len(groups) > 1:
         pids = list(groups)
-        firsts, seconds = set(pids[: len(pids) // 2]), set(pids[len(pids) // 2:])
-        return (_batch_part(b, firsts, [s for p in firsts for s in groups[p]], True),
-                _batch_part(b, seconds, [s for p in seconds for s in groups[p]], False))
+        firsts, seconds = set(pids[: len(pids) // 2]), set(pids[len(pids) // 2 :])
+        return (
+            _batch_part(b, firsts, [s for p in firsts for s in groups[p]], True),
+            _batch_part(b, seconds, [s for p in seconds for s in groups[p]], False),
+        )
     if len(b.samples) > 1:
         every = set(groups)
         half = len(b.samples) // 2
-        return (_batch_part(b, every, list(b.samples[:half]), True),
-                _batch_part(b, every, list(b.samples[half:]), False))
+        return (
+            _batch_part(b, every, list(b.samples[:half]), True),
+            _batch_part(b, every, list(b.samples[half:]), False),
+        )
     if len(b.unwind_requests) > 1:
         half = len(b.unwind_requests) // 2
-        return (replace(b, unwind_requests=b.unwind_requests[:half]),
-                replace(b, samples=(), user_stacks=(), kernel_stacks=(), kernel_symbols={}, lost={},
-                        unwind_requests=b.unwind_requests[half:]))
+        return (
+            replace(b, unwind_requests=b.unwind_requests[:half]),
+            replace(
+                b,
+                samples=(),
+                user_stacks=(),
+                kernel_stacks=(),
+                kernel_symbols={},
+                lost={},
+                unwind_requests=b.unwind_requests[half:],
+            ),
+        )
     return None
 
 
@@ -405,8 +468,7 @@ def _batch_part(b: StackBatch, pids: set[int], samples: list[Sample], first: boo
     user_stacks: list[tuple[int, ...]] = []
     kernel_stacks: list[tuple[int, ...]] = []
 
-    def renumber(i: int, stacks: tuple[tuple[int, ...], ...], index: dict[int, int],
-                 out: list[tuple[int, ...]]) -> int:
+    def renumber(i: int, stacks: tuple[tuple[int, ...], ...], index: dict[int, int], out: list[tuple[int, ...]]) -> int:
         if i < 0:
             return -1
         j = index.get(i)
@@ -415,25 +477,32 @@ def _batch_part(b: StackBatch, pids: set[int], samples: list[Sample], first: boo
             out.append(stacks[i])
         return j
 
-    part = [replace(s, user_stack=renumber(s.user_stack, b.user_stacks, user, user_stacks),
-                    kernel_stack=renumber(s.kernel_stack, b.kernel_stacks, kernel, kernel_stacks))
-            for s in samples]
+    part = [
+        replace(
+            s,
+            user_stack=renumber(s.user_stack, b.user_stacks, user, user_stacks),
+            kernel_stack=renumber(s.kernel_stack, b.kernel_stacks, kernel, kernel_stacks),
+        )
+        for s in samples
+    ]
     kaddrs = {a for st in kernel_stacks for a in st}
     known = {p.pid for p in b.processes}
     return replace(
-        b, processes=tuple(p for p in b.processes if p.pid in pids), user_stacks=tuple(user_stacks),
-        kernel_stacks=tuple(kernel_stacks), samples=tuple(part),
+        b,
+        processes=tuple(p for p in b.processes if p.pid in pids),
+        user_stacks=tuple(user_stacks),
+        kernel_stacks=tuple(kernel_stacks),
+        samples=tuple(part),
         kernel_symbols={a: n for a, n in b.kernel_symbols.items() if a in kaddrs},
         lost=b.lost if first else {},
-        unwind_requests=tuple(r for r in b.unwind_requests
-                              if r.pid in pids or (first and r.pid not in known)))
+        unwind_requests=tuple(r for r in b.unwind_requests if r.pid in pids or (first and r.pid not in known)),
+    )
 
 
 def _announcement_halves(a: ProcessAnnouncement) -> tuple[ProcessAnnouncement, ProcessAnnouncement] | None:
     if len(a.processes) > 1:
         half = len(a.processes) // 2
-        return (replace(a, processes=a.processes[:half]),
-                replace(a, processes=a.processes[half:], exited=()))
+        return (replace(a, processes=a.processes[:half]), replace(a, processes=a.processes[half:], exited=()))
     if len(a.exited) > 1:
         half = len(a.exited) // 2
         return replace(a, exited=a.exited[:half]), replace(a, processes=(), exited=a.exited[half:])
@@ -442,15 +511,22 @@ def _announcement_halves(a: ProcessAnnouncement) -> tuple[ProcessAnnouncement, P
 
 # ---------------------------------------------------------------- encoding
 
+
 def _header(kind: str, body: dict[str, Any]) -> bytes:
     return json.dumps({"v": WIRE_VERSION, "kind": kind, "body": body}, separators=(",", ":")).encode()
 
 
 def _process_json(p: Process) -> dict[str, Any]:
     return {
-        "pid": p.pid, "start_ticks": p.start_ticks, "uid": p.uid, "nspid": p.nspid,
-        "comm": p.comm, "executable": p.executable, "service": p.service,
-        "container_id": p.container_id, "pod_uid": p.pod_uid,
+        "pid": p.pid,
+        "start_ticks": p.start_ticks,
+        "uid": p.uid,
+        "nspid": p.nspid,
+        "comm": p.comm,
+        "executable": p.executable,
+        "service": p.service,
+        "container_id": p.container_id,
+        "pod_uid": p.pod_uid,
         "cmdline": list(p.cmdline) if p.cmdline is not None else None,
         "mappings": [_mapping_json(m) for m in p.mappings],
     }
@@ -533,10 +609,12 @@ def _batch(b: dict[str, Any]) -> StackBatch:
         if not 6 <= len(s) <= 6 + MAX_EXTRA_VALUES:
             raise WireError(f"{what}: a sample has 6 to {6 + MAX_EXTRA_VALUES} fields")
         return Sample(
-            pid=_int(s[0], "sample pid", 0, 1 << 32), tid=_int(s[1], "sample tid", 0, 1 << 32),
+            pid=_int(s[0], "sample pid", 0, 1 << 32),
+            tid=_int(s[1], "sample tid", 0, 1 << 32),
             user_stack=_int(s[2], "user_stack index", -1, nu - 1),
             kernel_stack=_int(s[3], "kernel_stack index", -1, nk - 1),
-            count=_int(s[4], "count"), value=_int(s[5], "value"),
+            count=_int(s[4], "count"),
+            value=_int(s[5], "value"),
             extra=tuple(_int(x, "extra value") for x in s[6:]),
         )
 
@@ -557,8 +635,7 @@ def _batch(b: dict[str, Any]) -> StackBatch:
         samples=_each(b["samples"], "samples", sample),
         kernel_symbols=dict(_each(b["kernel_symbols"], "kernel_symbols", ksym)),
         lost={_str(k, "lost reason"): _int(n, "lost count") for k, n in _dict(b["lost"], "lost").items()},
-        unwind_requests=_each(b.get("unwind_requests", []), "unwind_requests", _unwind_request,
-                              MAX_UNWIND_REQUESTS),
+        unwind_requests=_each(b.get("unwind_requests", []), "unwind_requests", _unwind_request, MAX_UNWIND_REQUESTS),
     )
 
 
@@ -573,9 +650,12 @@ def _announcement(b: dict[str, Any]) -> ProcessAnnouncement:
     if type(full) is not bool:
         raise WireError("full is not a boolean")
     return ProcessAnnouncement(
-        host=_str(b["host"], "host"), time_ns=_int(b["time_ns"], "time_ns"),
+        host=_str(b["host"], "host"),
+        time_ns=_int(b["time_ns"], "time_ns"),
         processes=_each(b["processes"], "processes", _process, MAX_ANNOUNCED_PROCESSES),
-        exited=_each(b["exited"], "exited", exited, MAX_ANNOUNCED_PROCESSES), full=full)
+        exited=_each(b["exited"], "exited", exited, MAX_ANNOUNCED_PROCESSES),
+        full=full,
+    )
 
 
 def _regs_batch(b: dict[str, Any], stacks: bytes) -> RegsBatch:
@@ -591,15 +671,27 @@ def _regs_batch(b: dict[str, Any], stacks: bytes) -> RegsBatch:
         n = _int(r[7], "regs sample stack bytes", 0, MAX_REGS_STACK_BYTES)
         if at + n > len(stacks):
             raise WireError("regs samples name more stack bytes than the message carries")
-        out.append(RegsSample(pid=_int(r[0], "pid", 1, 1 << 32), start_ticks=_int(r[1], "start_ticks"),
-                              tid=_int(r[2], "tid", 1, 1 << 32), time_ns=_int(r[3], "time_ns"),
-                              ip=_int(r[4], "ip"), sp=_int(r[5], "sp"), fp=_int(r[6], "fp"),
-                              stack=stacks[at:at + n]))
+        out.append(
+            RegsSample(
+                pid=_int(r[0], "pid", 1, 1 << 32),
+                start_ticks=_int(r[1], "start_ticks"),
+                tid=_int(r[2], "tid", 1, 1 << 32),
+                time_ns=_int(r[3], "time_ns"),
+                ip=_int(r[4], "ip"),
+                sp=_int(r[5], "sp"),
+                fp=_int(r[6], "fp"),
+                stack=stacks[at : at + n],
+            )
+        )
         at += n
     if at != len(stacks):
         raise WireError(f"{len(stacks) - at} stack bytes no regs sample names")
-    return RegsBatch(host=_str(b["host"], "host"), time_ns=_int(b["time_ns"], "time_ns"),
-                     period_ns=_int(b["period_ns"], "period_ns", 1, 1 << 40), samples=tuple(out))
+    return RegsBatch(
+        host=_str(b["host"], "host"),
+        time_ns=_int(b["time_ns"], "time_ns"),
+        period_ns=_int(b["period_ns"], "period_ns", 1, 1 << 40),
+        samples=tuple(out),
+    )
 
 
 def _unwind_request(v: Any, what: str) -> UnwindRequest:
@@ -609,8 +701,14 @@ def _unwind_request(v: Any, what: str) -> UnwindRequest:
     start, end = _int(r[2], what), _int(r[3], what)
     if not start < end:
         raise WireError(f"{what}: needs start < end")
-    return UnwindRequest(pid=_int(r[0], what, 1, 1 << 32), start_ticks=_int(r[1], what), start=start, end=end,
-                         dev=_str(r[4], what), inode=_int(r[5], what))
+    return UnwindRequest(
+        pid=_int(r[0], what, 1, 1 << 32),
+        start_ticks=_int(r[1], what),
+        start=start,
+        end=end,
+        dev=_str(r[4], what),
+        inode=_int(r[5], what),
+    )
 
 
 def _unwind_table(b: dict[str, Any], table: bytes) -> UnwindTable:
@@ -619,9 +717,15 @@ def _unwind_table(b: dict[str, Any], table: bytes) -> UnwindTable:
         raise WireError(f"unwind status {quote(status)} is not one of {UNWIND_STATUSES}")
     if (status == "ok") != bool(table):
         raise WireError("an unwind table comes with status ok, and only then")
-    return UnwindTable(dev=_str(b["dev"], "dev"), inode=_int(b["inode"], "inode"), path=_str(b["path"], "path"),
-                       build_id=_str(b["build_id"], "build_id"), status=status,
-                       reason=_str(b["reason"], "reason"), table=table)
+    return UnwindTable(
+        dev=_str(b["dev"], "dev"),
+        inode=_int(b["inode"], "inode"),
+        path=_str(b["path"], "path"),
+        build_id=_str(b["build_id"], "build_id"),
+        status=status,
+        reason=_str(b["reason"], "reason"),
+        table=table,
+    )
 
 
 def _dict(v: Any, what: str) -> dict[str, Any]:
@@ -661,8 +765,14 @@ def _file_request(b: dict[str, Any]) -> FileRequest:
         raise WireError("a debug request, and only a debug request, names a build id")
     if build_id and not (2 <= len(build_id) <= MAX_BUILD_ID_HEX and _LOWER_HEX.issuperset(build_id)):
         raise WireError(f"build_id is not 2 to {MAX_BUILD_ID_HEX} lowercase hex digits")
-    return FileRequest(pid=_int(b["pid"], "pid", 1, 1 << 32), start_ticks=_int(b["start_ticks"], "start_ticks"),
-                       kind=kind, start=start, end=end, build_id=build_id)
+    return FileRequest(
+        pid=_int(b["pid"], "pid", 1, 1 << 32),
+        start_ticks=_int(b["start_ticks"], "start_ticks"),
+        kind=kind,
+        start=start,
+        end=end,
+        build_id=build_id,
+    )
 
 
 def _file_reply(b: dict[str, Any]) -> FileReply:

@@ -37,6 +37,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from elftools.elf.elffile import ELFFile
+
 from shared import unwind_table as ut
 from symbolizer.elf import (
     ELF_PARSE_SECONDS,
@@ -50,7 +52,6 @@ from symbolizer.elf import (
     _table,
 )
 from symbolizer.limits import time_budget
-from elftools.elf.elffile import ELFFile
 
 # node's .eh_frame is 2.7 MB and libc's 150 KB; the section is read whole, so this bounds memory
 # (and time: a crafted 63 MiB one took 14 s and 615 MB; 16 MiB is six times node's).
@@ -82,7 +83,7 @@ _MACHINES = {"EM_X86_64": ut.ARCH_X86_64, "EM_AARCH64": ut.ARCH_AARCH64}
 _PLT_TAIL = bytes((0x80, 0x00, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x24, 0x22))
 
 # Row contents (the ROW fields after pc) and their rule encodings.
-_FALLBACK = ut.FALLBACK_ROW_FIELDS + (0,)
+_FALLBACK = (*ut.FALLBACK_ROW_FIELDS, 0)
 _END = (0, 0, 0, ut.CFA_END, ut.FP_SAME, ut.RA_SAVED, 0)
 # CFA expression: none (register + offset), the PLT expression, anything else
 _EXPR_NONE, _EXPR_PLT, _EXPR_OTHER = 0, 1, 2
@@ -129,26 +130,27 @@ class Section:
 @dataclass(frozen=True, slots=True)
 class Module:
     """What a build needs of an ELF file besides its CFI bytes."""
+
     arch: int
-    build_id: str                   # lowercase hex, "" if none
-    text_offset: int                # the largest executable PT_LOAD: p_offset, p_vaddr, p_filesz
+    build_id: str  # lowercase hex, "" if none
+    text_offset: int  # the largest executable PT_LOAD: p_offset, p_vaddr, p_filesz
     text_vaddr: int
     text_size: int
     eh_frame: Section | None
     debug_frame: Section | None
-    text_addr: int | None           # .text sh_addr: the base of textrel pointers
-    got_addr: int | None            # .got sh_addr: the base of datarel pointers
+    text_addr: int | None  # .text sh_addr: the base of textrel pointers
+    got_addr: int | None  # .got sh_addr: the base of datarel pointers
 
 
 @dataclass(frozen=True, slots=True)
 class Built:
-    table: bytes                    # shared/unwind_table.py format, checked with decode()
-    source: str                     # ".eh_frame" or ".debug_frame"
-    fdes: int                       # FDEs in the table
+    table: bytes  # shared/unwind_table.py format, checked with decode()
+    source: str  # ".eh_frame" or ".debug_frame"
+    fdes: int  # FDEs in the table
     rows: int
-    fallback_fdes: int              # FDEs with an unknown opcode or a rule the table lacks: FALLBACK
-    skipped_fdes: int               # outside the segment, overlapping another, or of an unsupported CIE
-    signed_ra_fdes: int             # aarch64 FDEs that toggle return address signing (recorded, not applied)
+    fallback_fdes: int  # FDEs with an unknown opcode or a rule the table lacks: FALLBACK
+    skipped_fdes: int  # outside the segment, overlapping another, or of an unsupported CIE
+    signed_ra_fdes: int  # aarch64 FDEs that toggle return address signing (recorded, not applied)
 
 
 def read_module(f: BinaryIO) -> Module:
@@ -194,11 +196,12 @@ def _as_cfi_error(e: Exception) -> CfiError:
 
 # ---------------------------------------------------------------- ELF
 
+
 def _read_module(f: BinaryIO) -> Module:
     r = _Reader(f)
     if r.read(0, min(r.size, 4), "ELF header") != b"\x7fELF":
         raise CfiError("elf", "not an ELF file")
-    elffile = ELFFile(f)   # reads e_ident and the fixed-size header only
+    elffile = ELFFile(f)  # reads e_ident and the fixed-size header only
     if elffile.elfclass != 64 or not elffile.little_endian:
         raise CfiError("unsupported", "not a 64-bit little-endian ELF file")
     h, structs = elffile.header, elffile.structs
@@ -210,10 +213,8 @@ def _read_module(f: BinaryIO) -> Module:
     shnum = h.e_shnum if h.e_shoff else 0
     if shnum > MAX_SECTION_HEADERS:
         raise CfiError("over_cap", f"{shnum} section headers, more than {MAX_SECTION_HEADERS}")
-    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS,
-                   "program headers")
-    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS,
-                   "section headers")
+    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS, "program headers")
+    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS, "section headers")
 
     texts = [p for p in phdrs if p.p_type == "PT_LOAD" and p.p_flags & PF_X and p.p_filesz]
     if not texts:
@@ -224,8 +225,9 @@ def _read_module(f: BinaryIO) -> Module:
     build_id = ""
     for p in phdrs:
         if p.p_type == "PT_NOTE" and 0 < p.p_filesz <= MAX_NOTE_BYTES:
-            build_id = _build_id(structs.Elf_Nhdr, r.read(p.p_offset, p.p_filesz, "note segment"),
-                                 8 if p.p_align == 8 else 4)
+            build_id = _build_id(
+                structs.Elf_Nhdr, r.read(p.p_offset, p.p_filesz, "note segment"), 8 if p.p_align == 8 else 4
+            )
             if build_id:
                 break
 
@@ -237,14 +239,22 @@ def _read_module(f: BinaryIO) -> Module:
         names = r.read(names_sh.sh_offset, names_sh.sh_size, "section names")
         wanted = (b".eh_frame", b".debug_frame", b".text", b".got")
         for sh in shdrs:
-            name = names[sh.sh_name:names.find(b"\0", sh.sh_name)] if sh.sh_name < len(names) else b""
+            name = names[sh.sh_name : names.find(b"\0", sh.sh_name)] if sh.sh_name < len(names) else b""
             if name in wanted and sh.sh_type != "SHT_NOBITS" and name.decode() not in found:
-                found[name.decode()] = Section(name.decode(), sh.sh_offset, sh.sh_size, sh.sh_addr,
-                                               bool(sh.sh_flags & SHF_COMPRESSED))
-    return Module(arch, build_id, text.p_offset, text.p_vaddr, text.p_filesz,
-                  found.get(".eh_frame"), found.get(".debug_frame"),
-                  found[".text"].addr if ".text" in found else None,
-                  found[".got"].addr if ".got" in found else None)
+                found[name.decode()] = Section(
+                    name.decode(), sh.sh_offset, sh.sh_size, sh.sh_addr, bool(sh.sh_flags & SHF_COMPRESSED)
+                )
+    return Module(
+        arch,
+        build_id,
+        text.p_offset,
+        text.p_vaddr,
+        text.p_filesz,
+        found.get(".eh_frame"),
+        found.get(".debug_frame"),
+        found[".text"].addr if ".text" in found else None,
+        found[".got"].addr if ".got" in found else None,
+    )
 
 
 def _build(f: BinaryIO, m: Module) -> Built:
@@ -263,6 +273,7 @@ def _build(f: BinaryIO, m: Module) -> Built:
 
 # ---------------------------------------------------------------- CIE and FDE
 
+
 class _Cie:
     __slots__ = ("addr_size", "caf", "daf", "fde_enc", "has_z", "initial", "ra_reg", "unsupported")
 
@@ -271,8 +282,8 @@ class _Cie:
         self.fde_enc = 0
         self.addr_size = 8
         self.has_z = False
-        self.initial: tuple[int, ...] | None = None   # the state after its initial instructions; None: bad
-        self.unsupported = ""                          # why its FDEs cannot even be located
+        self.initial: tuple[int, ...] | None = None  # the state after its initial instructions; None: bad
+        self.unsupported = ""  # why its FDEs cannot even be located
 
 
 def _uleb(d: bytes, p: int) -> tuple[int, int]:
@@ -304,8 +315,7 @@ def _sleb(d: bytes, p: int) -> tuple[int, int]:
             raise _BadFde("LEB128 longer than 10 bytes")
 
 
-_FIXED = {0x02: (_u16, 2), 0x03: (_u32, 4), 0x04: (_u64, 8), 0x0A: (_s16, 2), 0x0B: (_s32, 4),
-          0x0C: (_s64, 8)}
+_FIXED = {0x02: (_u16, 2), 0x03: (_u32, 4), 0x04: (_u64, 8), 0x0A: (_s16, 2), 0x0B: (_s32, 4), 0x0C: (_s64, 8)}
 
 
 class _Parser:
@@ -359,8 +369,8 @@ class _Parser:
         while pos < n:
             if pos + 4 <= n and _u32(d, pos)[0] == 0:
                 if self.eh:
-                    break          # the terminator
-                pos += 4           # .debug_frame: padding
+                    break  # the terminator
+                pos += 4  # .debug_frame: padding
                 continue
             id_pos, id_size, end, ident = self._entry(pos)
             if not self._is_cie(ident, id_size):
@@ -375,12 +385,12 @@ class _Parser:
                 if fde is not None:
                     out.append(fde)
                     rows += len(fde[2]) // ut.ROW.size
-                    if rows > ut.MAX_ROWS:   # as the rows are made, not once every FDE has been interpreted
+                    if rows > ut.MAX_ROWS:  # as the rows are made, not once every FDE has been interpreted
                         raise CfiError("over_cap", f"more than {ut.MAX_ROWS} rows")
             pos = end
         return out
 
-    def _cie(self, off: int) -> _Cie:
+    def _cie(self, off: int) -> _Cie:  # noqa: PLR0912
         if not 0 <= off < len(self.data):
             raise CfiError("malformed", f"{self.sec.name}: CIE pointer {off:#x} outside the section")
         id_pos, id_size, end, ident = self._entry(off)
@@ -408,7 +418,7 @@ class _Parser:
                     cie.unsupported = f"address size {cie.addr_size}, segment selector size {segment_size}"
                     return cie
             if aug.startswith(b"eh"):
-                p += 8   # gcc 2.x: a pointer to exception data
+                p += 8  # gcc 2.x: a pointer to exception data
                 aug = aug[2:]
             cie.caf, p = _uleb(d, p)
             cie.daf, p = _sleb(d, p)
@@ -417,7 +427,7 @@ class _Parser:
                 p += 1
             else:
                 cie.ra_reg, p = _uleb(d, p)
-            cie.fde_enc = 0x00   # absptr
+            cie.fde_enc = 0x00  # absptr
             if aug[:1] == b"z":
                 cie.has_z = True
                 aug_len, p = _uleb(d, p)
@@ -425,18 +435,18 @@ class _Parser:
                 if aug_end > end:
                     raise _BadFde("augmentation data past the end of the CIE")
                 for c in aug[1:]:
-                    if c == 0x52:        # R: FDE pointer encoding
+                    if c == 0x52:  # R: FDE pointer encoding
                         cie.fde_enc = d[p]
                         p += 1
-                    elif c == 0x4C:      # L: LSDA encoding; the pointer is in each FDE's augmentation data
+                    elif c == 0x4C:  # L: LSDA encoding; the pointer is in each FDE's augmentation data
                         p += 1
-                    elif c == 0x50:      # P: personality routine encoding and pointer
+                    elif c == 0x50:  # P: personality routine encoding and pointer
                         enc = d[p]
                         p = self._skip_pointer(enc, p + 1)
-                    elif c in (0x53, 0x42, 0x47):   # S: signal frame; B: arm64 B key; G: MTE tagged frames
+                    elif c in (0x53, 0x42, 0x47):  # S: signal frame; B: arm64 B key; G: MTE tagged frames
                         pass
                     else:
-                        break            # unknown: the rest is skipped by length ("z" says how long)
+                        break  # unknown: the rest is skipped by length ("z" says how long)
                 if p > aug_end:
                     raise _BadFde("augmentation data longer than declared")
                 p = aug_end
@@ -444,8 +454,11 @@ class _Parser:
                 cie.unsupported = f"augmentation {aug!r}"
                 return cie
             enc = cie.fde_enc
-            if enc & 0x80 or (enc & 0x70) not in (0x00, 0x10, 0x20, 0x30) or (enc & 0x0F) not in (
-                    0x00, 0x01, 0x02, 0x03, 0x04, 0x09, 0x0A, 0x0B, 0x0C):
+            if (
+                enc & 0x80
+                or (enc & 0x70) not in (0x00, 0x10, 0x20, 0x30)
+                or (enc & 0x0F) not in (0x00, 0x01, 0x02, 0x03, 0x04, 0x09, 0x0A, 0x0B, 0x0C)
+            ):
                 cie.unsupported = f"FDE pointer encoding {enc:#x}"
                 return cie
             if p > end:
@@ -454,9 +467,9 @@ class _Parser:
             cie.unsupported = f"CIE at {off:#x}: {e or 'truncated'}"
             return cie
         if cie.ra_reg != self.ra_col:
-            cie.initial = None   # a return address column the table does not know: FALLBACK rows
+            cie.initial = None  # a return address column the table does not know: FALLBACK rows
             return cie
-        base = (0, 0, _EXPR_OTHER, _SAME, 0, _SAME, 0)   # CFA unknown until defined
+        base = (0, 0, _EXPR_OTHER, _SAME, 0, _SAME, 0)  # CFA unknown until defined
         try:
             cie.initial = self._run(d[p:end], base, base, 0, 0, cie, None, 0)[0]
         except (IndexError, struct.error, _BadFde, ValueError):
@@ -524,7 +537,7 @@ class _Parser:
             size -= 1 << 64
         stop = begin + size
         if size <= 0 or begin < self.lo or stop > self.hi:
-            st["skipped_fdes"] += 1   # empty, or outside the executable segment
+            st["skipped_fdes"] += 1  # empty, or outside the executable segment
             return None
         st["fdes"] += 1
         init = cie.initial
@@ -542,8 +555,17 @@ class _Parser:
 
     # ------------------------------------------------ CFA programs
 
-    def _run(self, prog: bytes, state: tuple, initial: tuple, loc: int, stop: int, cie: _Cie,
-             parts: list[bytes] | None, prog_addr: int) -> tuple[tuple, list[bytes]]:
+    def _run(  # noqa: PLR0912
+        self,
+        prog: bytes,
+        state: tuple,
+        initial: tuple,
+        loc: int,
+        stop: int,
+        cie: _Cie,
+        parts: list[bytes] | None,
+        prog_addr: int,
+    ) -> tuple[tuple, list[bytes]]:
         """Interpret `prog` from `state`; with `parts`, append the packed rows of [loc, stop) to it.
 
         Returns (final state, parts). Raises _BadFde (or
@@ -555,7 +577,7 @@ class _Parser:
         pack = ut.ROW.pack
         base = self.lo
         last: tuple = ()
-        last_loc = -1           # the pc of the row last appended by this run
+        last_loc = -1  # the pc of the row last appended by this run
         dirty = True
         stack: list[tuple[int, ...]] = []
         n = len(prog)
@@ -565,9 +587,9 @@ class _Parser:
             p += 1
             hi = op & 0xC0
             if hi:
-                if hi == 0x40:          # DW_CFA_advance_loc
+                if hi == 0x40:  # DW_CFA_advance_loc
                     new = loc + (op & 0x3F) * caf
-                elif hi == 0x80:        # DW_CFA_offset
+                elif hi == 0x80:  # DW_CFA_offset
                     reg = op & 0x3F
                     v = prog[p]
                     p += 1
@@ -578,14 +600,14 @@ class _Parser:
                     elif reg == ra_reg:
                         ra_rule, ra_off, dirty = _OFFSET, v * daf, True
                     continue
-                else:                   # DW_CFA_restore
+                else:  # DW_CFA_restore
                     reg = op & 0x3F
                     if reg == fp_reg:
                         fp_rule, fp_off, dirty = initial[3], initial[4], True
                     elif reg == ra_reg:
                         ra_rule, ra_off, dirty = initial[5], initial[6], True
                     continue
-            elif op == 0x0E:            # DW_CFA_def_cfa_offset
+            elif op == 0x0E:  # DW_CFA_def_cfa_offset
                 v = prog[p]
                 p += 1
                 if v >= 0x80:
@@ -594,34 +616,34 @@ class _Parser:
                 if cfa_expr:
                     cfa_expr = _EXPR_OTHER
                 continue
-            elif op == 0x0A:            # DW_CFA_remember_state
+            elif op == 0x0A:  # DW_CFA_remember_state
                 if len(stack) >= MAX_REMEMBER_DEPTH:
                     raise _BadFde("remember_state nested too deep")
                 stack.append((cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off))
                 continue
-            elif op == 0x0B:            # DW_CFA_restore_state
+            elif op == 0x0B:  # DW_CFA_restore_state
                 if not stack:
                     raise _BadFde("restore_state without remember_state")
                 cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = stack.pop()
                 dirty = True
                 continue
-            elif op == 0x02:            # DW_CFA_advance_loc1
+            elif op == 0x02:  # DW_CFA_advance_loc1
                 new = loc + prog[p] * caf
                 p += 1
-            elif op == 0x03:            # DW_CFA_advance_loc2
+            elif op == 0x03:  # DW_CFA_advance_loc2
                 new = loc + _u16(prog, p)[0] * caf
                 p += 2
-            elif op == 0x04:            # DW_CFA_advance_loc4
+            elif op == 0x04:  # DW_CFA_advance_loc4
                 new = loc + _u32(prog, p)[0] * caf
                 p += 4
-            elif op == 0x01:            # DW_CFA_set_loc
+            elif op == 0x01:  # DW_CFA_set_loc
                 new, p = self._pointer(prog, p, cie.fde_enc, cie.addr_size, prog_addr + p)
                 if new < loc:
                     raise _BadFde("set_loc backwards")
-            elif op == 0x00:            # DW_CFA_nop
+            elif op == 0x00:  # DW_CFA_nop
                 continue
             else:
-                if op == 0x0C or op == 0x12:     # DW_CFA_def_cfa, DW_CFA_def_cfa_sf
+                if op == 0x0C or op == 0x12:  # DW_CFA_def_cfa, DW_CFA_def_cfa_sf  # noqa: PLR1714
                     cfa_reg, p = _uleb(prog, p)
                     if op == 0x0C:
                         cfa_off, p = _uleb(prog, p)
@@ -629,18 +651,18 @@ class _Parser:
                         cfa_off, p = _sleb(prog, p)
                         cfa_off *= daf
                     cfa_expr = _EXPR_NONE
-                elif op == 0x0D:                 # DW_CFA_def_cfa_register
+                elif op == 0x0D:  # DW_CFA_def_cfa_register
                     cfa_reg, p = _uleb(prog, p)
                     if cfa_expr:
                         cfa_expr = _EXPR_OTHER
-                elif op == 0x13:                 # DW_CFA_def_cfa_offset_sf
+                elif op == 0x13:  # DW_CFA_def_cfa_offset_sf
                     cfa_off, p = _sleb(prog, p)
                     cfa_off *= daf
                     if cfa_expr:
                         cfa_expr = _EXPR_OTHER
-                elif op == 0x0F:                 # DW_CFA_def_cfa_expression
+                elif op == 0x0F:  # DW_CFA_def_cfa_expression
                     size, p = _uleb(prog, p)
-                    block = prog[p:p + size]
+                    block = prog[p : p + size]
                     p += size
                     if p > n:
                         raise _BadFde("expression past the end of the program")
@@ -649,8 +671,8 @@ class _Parser:
                         off, q = _sleb(block, 1)
                         if q == len(block) - len(_PLT_TAIL):
                             cfa_expr, cfa_off = _EXPR_PLT, off
-                elif op in (0x05, 0x11, 0x2F, 0x14, 0x15):   # offset_extended(_sf), GNU_negative_offset_extended,
-                    reg, p = _uleb(prog, p)                   # val_offset(_sf)
+                elif op in (0x05, 0x11, 0x2F, 0x14, 0x15):  # offset_extended(_sf), GNU_negative_offset_extended,
+                    reg, p = _uleb(prog, p)  # val_offset(_sf)
                     if op in (0x11, 0x15):
                         v, p = _sleb(prog, p)
                     else:
@@ -661,17 +683,21 @@ class _Parser:
                         fp_rule, fp_off = rule, v
                     elif reg == ra_reg:
                         ra_rule, ra_off = rule, v
-                elif op in (0x06, 0x07, 0x08, 0x09):   # restore_extended, undefined, same_value, register
+                elif op in (0x06, 0x07, 0x08, 0x09):  # restore_extended, undefined, same_value, register
                     reg, p = _uleb(prog, p)
                     if op == 0x09:
                         _, p = _uleb(prog, p)
                     if reg == fp_reg:
-                        fp_rule, fp_off = (initial[3], initial[4]) if op == 0x06 else (
-                            (_OTHER if op == 0x09 else _SAME), 0)
+                        fp_rule, fp_off = (
+                            (initial[3], initial[4]) if op == 0x06 else ((_OTHER if op == 0x09 else _SAME), 0)
+                        )
                     elif reg == ra_reg:
-                        ra_rule, ra_off = (initial[5], initial[6]) if op == 0x06 else (
-                            {0x07: _UNDEFINED, 0x08: _SAME, 0x09: _OTHER}[op], 0)
-                elif op in (0x10, 0x16):         # DW_CFA_expression, DW_CFA_val_expression
+                        ra_rule, ra_off = (
+                            (initial[5], initial[6])
+                            if op == 0x06
+                            else ({0x07: _UNDEFINED, 0x08: _SAME, 0x09: _OTHER}[op], 0)
+                        )
+                elif op in (0x10, 0x16):  # DW_CFA_expression, DW_CFA_val_expression
                     reg, p = _uleb(prog, p)
                     size, p = _uleb(prog, p)
                     p += size
@@ -681,10 +707,10 @@ class _Parser:
                         fp_rule, fp_off = _OTHER, 0
                     elif reg == ra_reg:
                         ra_rule, ra_off = _OTHER, 0
-                elif op == 0x2E:                 # DW_CFA_GNU_args_size
+                elif op == 0x2E:  # DW_CFA_GNU_args_size
                     _, p = _uleb(prog, p)
                     continue
-                elif op == 0x2D:                 # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
+                elif op == 0x2D:  # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
                     self._signed = True
                     continue
                 else:
@@ -723,8 +749,9 @@ def _fits16(v: int) -> bool:
     return -0x8000 <= v <= 0x7FFF
 
 
-def _x86_row(cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: int, ra_rule: int,
-             ra_off: int) -> tuple[int, ...]:
+def _x86_row(
+    cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: int, ra_rule: int, ra_off: int
+) -> tuple[int, ...]:
     """Row contents for x86-64: CFA from rsp (7) or rbp (6); RA at CFA-8; rbp same or saved."""
     if ra_rule == _UNDEFINED:
         return _END
@@ -743,8 +770,9 @@ def _x86_row(cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: in
     return _FALLBACK
 
 
-def _arm_row(cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: int, ra_rule: int,
-             ra_off: int) -> tuple[int, ...]:
+def _arm_row(
+    cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: int, ra_rule: int, ra_off: int
+) -> tuple[int, ...]:
     """Row contents for aarch64: CFA from sp (31) or x29 (29); RA (x30) in the link register or saved."""
     if ra_rule == _UNDEFINED:
         return _END
@@ -766,12 +794,12 @@ def _arm_row(cfa_reg: int, cfa_off: int, cfa_expr: int, fp_rule: int, fp_off: in
 
 # ---------------------------------------------------------------- the table
 
-def _assemble(fdes: list[tuple[int, int, bytes]], parser: _Parser, source: str,
-              m: Module) -> Built:
+
+def _assemble(fdes: list[tuple[int, int, bytes]], parser: _Parser, source: str, m: Module) -> Built:
     fdes.sort(key=lambda t: t[0])
     pack = ut.ROW.pack
     size = ut.ROW.size
-    fallback = pack(0, *_FALLBACK)[4:]   # a row's contents: every field after its pc
+    fallback = pack(0, *_FALLBACK)[4:]  # a row's contents: every field after its pc
     base = m.text_vaddr
     parts: list[bytes] = []
     rows = 0
@@ -780,18 +808,18 @@ def _assemble(fdes: list[tuple[int, int, bytes]], parser: _Parser, source: str,
     overlapping = 0
     for begin, stop, body in fdes:
         if begin < prev_end:
-            overlapping += 1     # two FDEs claim one pc: keep the first
+            overlapping += 1  # two FDEs claim one pc: keep the first
             continue
         if begin > prev_end and last != fallback:
-            parts.append(pack(prev_end - base, *_FALLBACK))   # a gap (or the start before the first FDE)
+            parts.append(pack(prev_end - base, *_FALLBACK))  # a gap (or the start before the first FDE)
             rows += 1
             last = fallback
         if body[4:size] == last:
-            body = body[size:]   # the same rules carry on across the boundary
+            body = body[size:]  # the same rules carry on across the boundary  # noqa: PLW2901
         if body:
             parts.append(body)
             rows += len(body) // size
-            last = body[-size + 4:]
+            last = body[-size + 4 :]
         prev_end = stop
         if rows > ut.MAX_ROWS:
             raise CfiError("over_cap", f"more than {ut.MAX_ROWS} rows")
@@ -801,21 +829,38 @@ def _assemble(fdes: list[tuple[int, int, bytes]], parser: _Parser, source: str,
         parts.append(pack(prev_end - base, *_FALLBACK))
         rows += 1
     end_pc = prev_end - base
-    header = ut.Header(arch=m.arch, span=max(m.text_size, end_pc + 1), pc_base=base, text_offset=m.text_offset,
-                       text_vaddr=m.text_vaddr, text_size=m.text_size)
+    header = ut.Header(
+        arch=m.arch,
+        span=max(m.text_size, end_pc + 1),
+        pc_base=base,
+        text_offset=m.text_offset,
+        text_vaddr=m.text_vaddr,
+        text_size=m.text_size,
+    )
     try:
         table = ut.encode(header, b"".join(parts))
     except ut.UnwindTableError as e:
         raise CfiError("internal", f"table does not validate: {e}") from None
     st = parser.stats
-    return Built(table=table, source=source, fdes=st["fdes"] - overlapping, rows=rows,
-                 fallback_fdes=st["fallback_fdes"], skipped_fdes=st["skipped_fdes"] + overlapping,
-                 signed_ra_fdes=st["signed_ra_fdes"])
+    return Built(
+        table=table,
+        source=source,
+        fdes=st["fdes"] - overlapping,
+        rows=rows,
+        fallback_fdes=st["fallback_fdes"],
+        skipped_fdes=st["skipped_fdes"] + overlapping,
+        signed_ra_fdes=st["signed_ra_fdes"],
+    )
 
 
 def describe(built: Built) -> dict[str, Any]:
     """The figures of a build, for logs and benchmarks."""
-    return {"source": built.source, "fdes": built.fdes, "rows": built.rows, "bytes": len(built.table),
-            "fallback_fdes": built.fallback_fdes, "skipped_fdes": built.skipped_fdes,
-            "signed_ra_fdes": built.signed_ra_fdes}
-
+    return {
+        "source": built.source,
+        "fdes": built.fdes,
+        "rows": built.rows,
+        "bytes": len(built.table),
+        "fallback_fdes": built.fallback_fdes,
+        "skipped_fdes": built.skipped_fdes,
+        "signed_ra_fdes": built.signed_ra_fdes,
+    }

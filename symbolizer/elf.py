@@ -56,9 +56,10 @@ import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, BinaryIO, Callable, Hashable
+from typing import Any, BinaryIO
 
 from elftools.construct.core import Construct, FormatField, Struct
 from elftools.elf.elffile import ELFFile
@@ -93,7 +94,7 @@ ELF_CACHE_ENTRIES = 256
 # A file that could not be opened (process exited, fd raced) may be tried again after this.
 UNREADABLE_RETRY_S = 60.0
 
-_SYM_CHUNK = 4096        # symbol entries per read
+_SYM_CHUNK = 4096  # symbol entries per read
 _STRTAB_WINDOW = 64 << 10  # string table bytes per read; must be >= MAX_SYMBOL_NAME_BYTES
 
 # Names as pyelftools decodes them. It names type 10, STT_GNU_IFUNC, by its range: STT_LOOS.
@@ -115,7 +116,7 @@ class ElfSymbols:
     _loads: tuple[tuple[int, int, int], ...] = field(repr=False)  # (p_offset, p_filesz, p_vaddr) by offset
     _segments: tuple[tuple[int, int], ...] = field(repr=False, compare=False)  # (p_vaddr, p_memsz), sorted
     _starts: array = field(repr=False, compare=False)  # sorted function start addresses ("Q")
-    _ends: array = field(repr=False, compare=False)    # exclusive end of each ("Q")
+    _ends: array = field(repr=False, compare=False)  # exclusive end of each ("Q")
     _names: tuple[str, ...] = field(repr=False, compare=False)
 
     def function_at(self, file_offset: int) -> str | None:
@@ -188,11 +189,17 @@ class ElfCache:
         self._max_entries = max_entries
         self._entries: OrderedDict[Hashable, tuple[ElfSymbols | None, float]] = OrderedDict()  # value, expiry
         self._log_once = LogOnce(log)
-        self.stats: dict[str, int] = dict.fromkeys(("parsed", "skipped", "unreadable", "rejected", "hits",
-                                                          "evicted"), 0)
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("parsed", "skipped", "unreadable", "rejected", "hits", "evicted"), 0
+        )
 
-    def get(self, key: Hashable, opener: Callable[[], BinaryIO], now: float | None = None,
-            check: Callable[[ElfSymbols], str] | None = None) -> ElfSymbols | None:
+    def get(
+        self,
+        key: Hashable,
+        opener: Callable[[], BinaryIO],
+        now: float | None = None,
+        check: Callable[[ElfSymbols], str] | None = None,
+    ) -> ElfSymbols | None:
         """Symbols of the file `key` names; `opener` is called only on a miss. None: unusable.
 
         `check`, if given, sees a freshly parsed file and returns why it must not be
@@ -209,7 +216,7 @@ class ElfCache:
         except OSError as e:
             self.stats["unreadable"] += 1
             log.debug("cannot open ELF file %r: %s", key, e)
-            if isinstance(e, ProcessGone):   # the next process that maps the file opens it
+            if isinstance(e, ProcessGone):  # the next process that maps the file opens it
                 return None
             return self._put(key, None, now + UNREADABLE_RETRY_S)
         with f:
@@ -273,7 +280,7 @@ class _StringTable:
         if at < self._at or end > self._at + len(self._window):
             self._at = at
             self._window = self._r.read(self._offset + at, min(_STRTAB_WINDOW, self._size - at), "string table")
-        return self._window[at - self._at:end - self._at].split(b"\0", 1)[0]
+        return self._window[at - self._at : end - self._at].split(b"\0", 1)[0]
 
 
 class _Decoded(dict):
@@ -303,7 +310,7 @@ class _SymbolLayout:
         self.index: dict[str, int] = {}
         self._subcons: dict[str, Construct] = {}
         for i, sub in enumerate(con.subcons):
-            if sub.name is None:   # every field of Elf_Sym is named
+            if sub.name is None:  # every field of Elf_Sym is named
                 raise ElfError("symbol entry field without a name")
             if isinstance(sub, FormatField):
                 if sub.packer.format[0] != byte_order:
@@ -321,8 +328,7 @@ class _SymbolLayout:
         return _Decoded(self._subcons[name], then)
 
 
-def _table(r: _Reader, con: Construct, offset: int, count: int, entsize: int, cap: int,
-           what: str) -> list[Any]:
+def _table(r: _Reader, con: Construct, offset: int, count: int, entsize: int, cap: int, what: str) -> list[Any]:
     """Parse `count` entries of `con` at `offset`, after checking count, entry size and bounds."""
     if count > cap:
         raise ElfError(f"{count} {what}, more than {cap}")
@@ -332,7 +338,7 @@ def _table(r: _Reader, con: Construct, offset: int, count: int, entsize: int, ca
     if entsize != size:
         raise ElfError(f"{what}: entries of {entsize} bytes, expected {size}")
     data = r.read(offset, count * size, what)
-    return [con.parse(data[i:i + size]) for i in range(0, len(data), size)]
+    return [con.parse(data[i : i + size]) for i in range(0, len(data), size)]
 
 
 def _parse(f: BinaryIO) -> ElfSymbols:
@@ -352,10 +358,8 @@ def _parse(f: BinaryIO) -> ElfSymbols:
     shnum = h.e_shnum if h.e_shoff else 0
     if shnum > MAX_SECTION_HEADERS:
         raise ElfError(f"{shnum} section headers, more than {MAX_SECTION_HEADERS}")
-    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS,
-                   "program headers")
-    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS,
-                   "section headers")
+    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS, "program headers")
+    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS, "section headers")
 
     segments = [p for p in phdrs if p.p_type == "PT_LOAD"]
     loads = tuple(sorted((p.p_offset, p.p_filesz, p.p_vaddr) for p in segments if p.p_filesz))
@@ -377,8 +381,7 @@ def _parse(f: BinaryIO) -> ElfSymbols:
             known = {s[0] for s in symbols}  # .dynsym repeats the global symbols of .symtab
             for sh in tables:
                 if sh.sh_type == sh_type:
-                    name_room -= _read_symbol_table(r, layout, shdrs, sh, table_rank * 3, known, symbols,
-                                                    name_room)
+                    name_room -= _read_symbol_table(r, layout, shdrs, sh, table_rank * 3, known, symbols, name_room)
             if sh_type == "SHT_SYMTAB":
                 has_symtab = bool(symbols)
     return _build(build_id, has_symtab, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
@@ -389,8 +392,8 @@ def _build_id(nhdr: Construct, notes: bytes, align: int) -> str:
     header = nhdr.sizeof()
     pos = 0
     while pos + header <= len(notes):
-        note = nhdr.parse(notes[pos:pos + header])
-        name = notes[pos + header:pos + header + note.n_namesz]
+        note = nhdr.parse(notes[pos : pos + header])
+        name = notes[pos + header : pos + header + note.n_namesz]
         desc = _align_up(pos + header + note.n_namesz, align)
         end = desc + note.n_descsz
         if end > len(notes):
@@ -405,8 +408,16 @@ def _align_up(n: int, align: int) -> int:
     return (n + align - 1) & -align
 
 
-def _read_symbol_table(r: _Reader, layout: _SymbolLayout, shdrs: list[Any], sh: Any, rank: int,
-                       known: set[int], out: list[tuple[int, int, int, bytes]], name_room: int) -> int:
+def _read_symbol_table(
+    r: _Reader,
+    layout: _SymbolLayout,
+    shdrs: list[Any],
+    sh: Any,
+    rank: int,
+    known: set[int],
+    out: list[tuple[int, int, int, bytes]],
+    name_room: int,
+) -> int:
     """Append the function symbols of one table to `out`, except at `known` addresses;
     return the name bytes used."""
     entsize = layout.struct.size
@@ -419,8 +430,9 @@ def _read_symbol_table(r: _Reader, layout: _SymbolLayout, shdrs: list[Any], sh: 
 
     fields = itemgetter(*(layout.index[k] for k in ("st_name", "st_info", "st_shndx", "st_value", "st_size")))
     # st_info -> preference among aliases if a function symbol, else None; st_shndx -> defined here
-    preferences = layout.decoded("st_info", lambda info: rank + _BIND_RANK.get(info.bind, 2)
-                                 if info.type in _FUNCTION_TYPES else None)
+    preferences = layout.decoded(
+        "st_info", lambda info: rank + _BIND_RANK.get(info.bind, 2) if info.type in _FUNCTION_TYPES else None
+    )
     defined = layout.decoded("st_shndx", lambda shndx: shndx != "SHN_UNDEF")
     found: list[tuple[int, int, int, int]] = []  # (name offset, value, size, preference)
     count, room = sh.sh_size // entsize, MAX_SYMBOLS - len(out)
@@ -446,8 +458,13 @@ def _read_symbol_table(r: _Reader, layout: _SymbolLayout, shdrs: list[Any], sh: 
     return used
 
 
-def _build(build_id: str, has_symtab: bool, loads: tuple[tuple[int, int, int], ...],
-           segments: list[tuple[int, int]], symbols: list[tuple[int, int, int, bytes]]) -> ElfSymbols:
+def _build(
+    build_id: str,
+    has_symtab: bool,
+    loads: tuple[tuple[int, int, int], ...],
+    segments: list[tuple[int, int]],
+    symbols: list[tuple[int, int, int, bytes]],
+) -> ElfSymbols:
     """`segments`: (p_vaddr, p_memsz) of each PT_LOAD."""
     symbols.sort()
     starts, ends, names = array("Q"), array("Q"), []
@@ -463,6 +480,8 @@ def _build(build_id: str, has_symtab: bool, loads: tuple[tuple[int, int, int], .
             if i + 1 < len(starts):
                 ends[i] = starts[i + 1]
             else:
-                ends[i] = next((min(vaddr + memsz, _U64_MAX) for vaddr, memsz in segments
-                                if vaddr <= starts[i] < vaddr + memsz), starts[i])
+                ends[i] = next(
+                    (min(vaddr + memsz, _U64_MAX) for vaddr, memsz in segments if vaddr <= starts[i] < vaddr + memsz),
+                    starts[i],
+                )
     return ElfSymbols(build_id, has_symtab, loads, tuple(sorted(segments)), starts, ends, tuple(names))

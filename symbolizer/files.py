@@ -18,8 +18,7 @@ import socket
 from typing import BinaryIO
 
 from shared import endpoints
-from shared.wire import (MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, Mapping, Process, WireError,
-                                      decode, encode)
+from shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, Mapping, Process, WireError, decode, encode
 
 # The broker opens one file per request; anything slower is a stuck collector.
 REQUEST_TIMEOUT_S = 5.0

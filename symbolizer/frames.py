@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from shared.wire import Mapping, Process
 from symbolizer.elf import ElfCache, ElfSymbols
@@ -46,8 +46,8 @@ REMEMBERED_FRAMES = 4096
 class Frame:
     module: str
     build_id: str
-    address: int          # module-relative for user frames; absolute for kernel and JIT
-    function: str         # "" when unknown
+    address: int  # module-relative for user frames; absolute for kernel and JIT
+    function: str  # "" when unknown
 
 
 def _start(m: Mapping) -> int:
@@ -59,21 +59,30 @@ def _is_anonymous(path: str) -> bool:
 
 
 class FrameResolver:
-    def __init__(self, files: FileClient, elf_cache: ElfCache | None = None,
-                 perf_maps: PerfMapCache | None = None) -> None:
+    def __init__(
+        self, files: FileClient, elf_cache: ElfCache | None = None, perf_maps: PerfMapCache | None = None
+    ) -> None:
         elf = elf_cache or ElfCache()
-        self.stats = {"user_frames": 0, "named": 0, "debug_named": 0, "no_mapping": 0, "jit_named": 0,
-                      "perf_map_skipped_gone": 0}
+        self.stats = {
+            "user_frames": 0,
+            "named": 0,
+            "debug_named": 0,
+            "no_mapping": 0,
+            "jit_named": 0,
+            "perf_map_skipped_gone": 0,
+        }
         self._modules = ModuleNames(files, elf)
         # The name sources of a frame in a mapped file, and of one in anonymous memory (or none), in order.
         self._file_names: tuple[NameSource, ...] = (DebugFileNames(files, elf), self._modules)
         self._anonymous_names: tuple[NameSource, ...] = (
-            PerfMapNames(perf_maps or PerfMapCache(files.perf_map), self.stats),)
+            PerfMapNames(perf_maps or PerfMapCache(files.perf_map), self.stats),
+        )
         self._user_names = self._file_names + self._anonymous_names
         # (pid, start ticks) → (the mappings its frames were resolved with, {(address, leaf): (frame,
         # the stats counters resolving it added one to)}).
-        self._remembered: OrderedDict[tuple[int, int], tuple[tuple[Mapping, ...],
-                                                             dict[tuple[int, bool], tuple[Frame, tuple[str, ...]]]]]
+        self._remembered: OrderedDict[
+            tuple[int, int], tuple[tuple[Mapping, ...], dict[tuple[int, bool], tuple[Frame, tuple[str, ...]]]]
+        ]
         self._remembered = OrderedDict()
 
     def kernel(self, stack: Sequence[int], symbols: dict[int, str]) -> list[Frame]:
@@ -142,8 +151,13 @@ class FrameResolver:
         return name
 
     @staticmethod
-    def _name(sources: tuple[NameSource, ...], proc: Process | None, m: Mapping | None, address: int,
-              module: ElfSymbols | None) -> tuple[str, tuple[str, ...]]:
+    def _name(
+        sources: tuple[NameSource, ...],
+        proc: Process | None,
+        m: Mapping | None,
+        address: int,
+        module: ElfSymbols | None,
+    ) -> tuple[str, tuple[str, ...]]:
         """The first name one of `sources` gives for the frame ("" if none), and the stats counters of
         the source that gave it."""
         for source in sources:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Iterator
 
 
 class BudgetExceeded(Exception):

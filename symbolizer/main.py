@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -32,12 +32,12 @@ from shared import counters, endpoints, handoff, identity, lifecycle, ready, rem
 from shared import log as log_mod
 from shared.labels import process_labels
 from shared.stopping import stop_on_signals
+from shared.window import ClosedWindow, ServiceWindow, Windows
 from shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
 from symbolizer import profile as profile_mod
-from symbolizer.frames import Frame, FrameResolver
 from symbolizer.files import FileClient
+from symbolizer.frames import Frame, FrameResolver
 from symbolizer.unwind import UnwindServer
-from shared.window import ClosedWindow, ServiceWindow, Windows
 
 # Batches from the collector's last drain of a window arrive within about a
 # drain interval after it ends; windows close this long after their end.
@@ -60,21 +60,34 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Symbolizer worker of ebpfprofiler: receives stack batches from the collector, "
-                    "names frames (ELF symbols and build ids, /proc/kallsyms names, "
-                    "/tmp/perf-<pid>.map for JIT code), and builds one gzip pprof per service per "
-                    "upload window, which it hands to the uploader. Needs no privileges.")
+        "names frames (ELF symbols and build ids, /proc/kallsyms names, "
+        "/tmp/perf-<pid>.map for JIT code), and builds one gzip pprof per service per "
+        "upload window, which it hands to the uploader. Needs no privileges.",
+    )
     p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
     p.add_argument("--worker", type=int, default=0, help="this worker's index, 0-based (default: 0)")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR,
-                   help="runtime directory holding the stages' sockets (default: %(default)s)")
-    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR,
-                   help="state directory: the per-host secret for pid labels (default: %(default)s)")
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        help="runtime directory holding the stages' sockets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=endpoints.DEFAULT_STATE_DIR,
+        help="state directory: the per-host secret for pid labels (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 
 class Worker:
-    def __init__(self, cfg: config_mod.ProfilerConfig, worker: int, run_dir: str, state_dir: str,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        cfg: config_mod.ProfilerConfig,
+        worker: int,
+        run_dir: str,
+        state_dir: str,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.cfg = cfg
         self.worker = worker
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
@@ -85,8 +98,12 @@ class Worker:
         self.windows = Windows(cfg.upload_interval_s)
         # The period of a profile type whose batches do not set it (cpu takes the batch's
         # sample_hz: the collector's overhead guard changes the rate while it runs).
-        self.period = {"cpu": 1_000_000_000 // cfg.sample_hz, "offcpu": 1, "lock": 1,
-                       "alloc": max(1, cfg.alloc_sample_bytes)}
+        self.period = {
+            "cpu": 1_000_000_000 // cfg.sample_hz,
+            "offcpu": 1,
+            "lock": 1,
+            "alloc": max(1, cfg.alloc_sample_bytes),
+        }
         ctx: zmq.Context = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, RECEIVE_LIMIT_BYTES)
@@ -95,15 +112,22 @@ class Worker:
         # Profiles go to the uploader over a DEALER; the uploader acks each one once it is
         # on disk, and the sender keeps it until then (bounded; flush blocks when full).
         self.outbox = ctx.socket(zmq.DEALER)
-        self.outbox.setsockopt(zmq.IMMEDIATE, 1)      # nothing queued towards an absent uploader
+        self.outbox.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards an absent uploader
         self.outbox.setsockopt(zmq.SNDHWM, handoff.MAX_UNACKED_PROFILES)
-        self.outbox.setsockopt(zmq.LINGER, 0)         # unacked profiles are the sender's, not the socket's
+        self.outbox.setsockopt(zmq.LINGER, 0)  # unacked profiles are the sender's, not the socket's
         self.outbox.setsockopt(zmq.MAXMSGSIZE, handoff.MAX_ACK_BYTES)
         self.outbox.connect(endpoints.uploader(run_dir))
         # A flush blocked on the uploader must still notice a stop.
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
-        self.stats = {"batches": 0, "bad_messages": 0, "samples": 0, "profiles": 0, "lost_in_kernel": 0,
-                      "unwind_batches_dropped": 0, "samples_over_row_cap": 0}
+        self.stats = {
+            "batches": 0,
+            "bad_messages": 0,
+            "samples": 0,
+            "profiles": 0,
+            "lost_in_kernel": 0,
+            "unwind_batches_dropped": 0,
+            "samples_over_row_cap": 0,
+        }
         # the checks that fired, for status (RUN_DIR/symbolizer-N.counters.json)
         self.counters = counters.CounterFile(run_dir, f"symbolizer-{worker}")
         self._unwind_queue: deque[StackBatch] = deque()
@@ -161,7 +185,8 @@ class Worker:
                 kf = kernel_frames.get(s.kernel_stack)
                 if kf is None:
                     kf = kernel_frames[s.kernel_stack] = tuple(
-                        self.resolver.kernel(batch.kernel_stacks[s.kernel_stack], batch.kernel_symbols))
+                        self.resolver.kernel(batch.kernel_stacks[s.kernel_stack], batch.kernel_symbols)
+                    )
                 frames += kf
             if s.user_stack >= 0:
                 key = (s.pid, s.user_stack)
@@ -178,9 +203,10 @@ class Worker:
         key = (p.pid, p.start_ticks)
         got = self._labels.get(key)
         if got is None:
-            got = process_labels(host, p, self.secret, plain_pid=self.cfg.plain_pid,
-                                 strip_process_args=self.cfg.strip_process_args)
-            if len(self._labels) >= 65536:   # bounded: labels are cheap to rebuild
+            got = process_labels(
+                host, p, self.secret, plain_pid=self.cfg.plain_pid, strip_process_args=self.cfg.strip_process_args
+            )
+            if len(self._labels) >= 65536:  # bounded: labels are cheap to rebuild
                 self._labels.clear()
             self._labels[key] = got
         return got
@@ -188,31 +214,49 @@ class Worker:
     # ------------------------------------------------------------ output
 
     def flush(self, closed: list[ClosedWindow]) -> None:
-        self.sender.poll()   # acks in, overdue resends out; never blocks
+        self.sender.poll()  # acks in, overdue resends out; never blocks
         for w in closed:
             gz, n = profile_mod.build(w, w.data.period or self.period[w.profile_type])
             upload = ProfileUpload(
-                profile_id=str(uuid.uuid4()), host=os.uname().nodename, service=w.service,
-                profile_type=w.profile_type, window_start_ns=w.start_ns, window_end_ns=w.end_ns,
-                samples=n, pprof_gz=gz)
+                profile_id=str(uuid.uuid4()),
+                host=os.uname().nodename,
+                service=w.service,
+                profile_type=w.profile_type,
+                window_start_ns=w.start_ns,
+                window_end_ns=w.end_ns,
+                samples=n,
+                pprof_gz=gz,
+            )
             # Blocks while the uploader has not acked MAX_UNACKED_*: backpressure, not growth.
             self.sender.send(upload)
             self.stats["profiles"] += 1
             if w.data.truncated:
                 self.stats["samples_over_row_cap"] += w.data.truncated
-                log.warning("service %s window %d: %d samples summed into [truncated] (row cap)",
-                            w.service, w.start_ns, w.data.truncated)
-            log.info("profile %s %s of service %s, window %s: %d samples, %d bytes", upload.profile_id,
-                     w.profile_type, w.service, handoff.window_text(upload),
-                     sum(r[0] for r in w.data.rows.values()), len(gz))
+                log.warning(
+                    "service %s window %d: %d samples summed into [truncated] (row cap)",
+                    w.service,
+                    w.start_ns,
+                    w.data.truncated,
+                )
+            log.info(
+                "profile %s %s of service %s, window %s: %d samples, %d bytes",
+                upload.profile_id,
+                w.profile_type,
+                w.service,
+                handoff.window_text(upload),
+                sum(r[0] for r in w.data.rows.values()),
+                len(gz),
+            )
         self.counters.update(self.checks())
 
     def checks(self) -> dict[str, int]:
         """The checks on hostile input that fired since start, by reason."""
-        return {"bad_messages": self.stats["bad_messages"],
-                "unwind_batches_dropped": self.stats["unwind_batches_dropped"],
-                "samples_over_row_cap": self.stats["samples_over_row_cap"],
-                "samples_over_service_cap": self.windows.samples_over_service_cap}
+        return {
+            "bad_messages": self.stats["bad_messages"],
+            "unwind_batches_dropped": self.stats["unwind_batches_dropped"],
+            "samples_over_row_cap": self.stats["samples_over_row_cap"],
+            "samples_over_service_cap": self.windows.samples_over_service_cap,
+        }
 
     def set_interval(self, interval_s: int, why: str) -> None:
         """Windows of interval_s from now on; the windows in progress are handed out now."""
@@ -220,14 +264,19 @@ class Worker:
         if interval_s == old:
             return
         closed = self.windows.set_interval(interval_s, time.time_ns())
-        log.info("%s: windows of %d s instead of %d s from now on; handing out the windows in progress now "
-                 "(%d profile(s))", why, interval_s, old, len(closed))
+        log.info(
+            "%s: windows of %d s instead of %d s from now on; handing out the windows in progress now (%d profile(s))",
+            why,
+            interval_s,
+            old,
+            len(closed),
+        )
         self.flush(closed)
 
     def close(self) -> None:
         self.flush(list(self.windows.close_all()))
         self.counters.update(self.checks(), force=True)
-        self.sender.close(handoff.CLOSE_TIMEOUT_S)   # waits for the last acks; logs what it could not hand off
+        self.sender.close(handoff.CLOSE_TIMEOUT_S)  # waits for the last acks; logs what it could not hand off
         if self.unwind is not None:
             self.unwind.close()
         self.inbox.close()
@@ -238,14 +287,17 @@ class Worker:
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer") -> int:
     args = parse_args(argv, prog)
     log_mod.setup(f"symbolizer-{args.worker}")
-    lifecycle.become(prog, "symbolizer", "the symbolizer's")   # first: nothing below runs with privileges
+    lifecycle.become(prog, "symbolizer", "the symbolizer's")  # first: nothing below runs with privileges
     # A hostile ELF may make the parser allocate; past this it gets MemoryError,
     # which elf.py turns into a counted skip, instead of the host's memory.
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
     cfg = lifecycle.load_config(prog, args.config)
     if not 0 <= args.worker < cfg.symbolizer_workers:
-        print(f"{prog}: --worker {args.worker} is outside 0..{cfg.symbolizer_workers - 1} "
-              f"(symbolizer_workers: {cfg.symbolizer_workers})", file=sys.stderr)
+        print(
+            f"{prog}: --worker {args.worker} is outside 0..{cfg.symbolizer_workers - 1} "
+            f"(symbolizer_workers: {cfg.symbolizer_workers})",
+            file=sys.stderr,
+        )
         return 2
 
     lifecycle.hold_run_dir(prog, args.run_dir, f"symbolizer-{args.worker}")
@@ -278,13 +330,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
             elif busy:
                 worker.serve_unwind()
             if watcher.check():
-                worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s,
-                                    "remote config")
+                worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
             worker.flush(list(worker.windows.close_due(time.time_ns(), grace_ns)))
         # The collector drains once more when it stops; take what is queued.
         while worker.inbox.poll(0):
             worker.handle(worker.inbox.recv_multipart())
-        worker._unwind_queue.clear()   # not built on stop: the collector is going
+        worker._unwind_queue.clear()  # not built on stop: the collector is going
     finally:
         lifecycle.shut_down(args.run_dir, stage, worker.close)
     return 0

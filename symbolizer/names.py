@@ -32,7 +32,7 @@ from symbolizer.elf import ElfCache, ElfSymbols
 from symbolizer.files import FileClient, ProcessGone
 from symbolizer.perfmap import PerfMap, PerfMapCache
 
-__all__ = ["NameSource", "DebugFileNames", "ModuleNames", "PerfMapNames", "KernelNames", "MAX_MODULE_BYTES"]
+__all__ = ["MAX_MODULE_BYTES", "DebugFileNames", "KernelNames", "ModuleNames", "NameSource", "PerfMapNames"]
 
 # Module files (and their debug files) larger than this are not opened for symbols (the
 # backend can still symbolize them by build id): bounds what one frame can cost.
@@ -47,8 +47,9 @@ class NameSource(Protocol):
     # The FrameResolver.stats counters that a frame this source named adds one to.
     counters: tuple[str, ...]
 
-    def name(self, proc: Process | None, mapping: Mapping | None, address: int,
-             module: ElfSymbols | None) -> str | None:
+    def name(
+        self, proc: Process | None, mapping: Mapping | None, address: int, module: ElfSymbols | None
+    ) -> str | None:
         """The function at `address` (absolute; of a return address, its call) in `mapping` (None:
         in none the collector read) of `proc` (None: the kernel's), where `module` is the symbols of
         the mapped file (None: no file, or one that cannot be read); None (or "") if this source has
@@ -73,13 +74,14 @@ class ModuleNames(NameSource):
     def symbols(self, proc: Process, m: Mapping) -> ElfSymbols | None:
         """The symbols of the file mapped at `m` in `proc`, cached by the file's identity; None if it
         has no file ([vdso], [vsyscall]) or cannot be read."""
-        if m.path.startswith("["):   # [vdso], [vsyscall]: no file to read
+        if m.path.startswith("["):  # [vdso], [vsyscall]: no file to read
             return None
         key = (m.dev, m.inode, m.path) if m.inode else (proc.pid, proc.start_ticks, m.path)
         return self._elf.get(key, lambda: capped(self._files.module(proc, m), m.path))
 
-    def name(self, proc: Process | None, mapping: Mapping | None, address: int,
-             module: ElfSymbols | None) -> str | None:
+    def name(
+        self, proc: Process | None, mapping: Mapping | None, address: int, module: ElfSymbols | None
+    ) -> str | None:
         if module is None or mapping is None:
             return None
         return module.function_at(address - mapping.start + mapping.offset)
@@ -96,8 +98,9 @@ class DebugFileNames(NameSource):
         # (pid, start ticks, build id) → the identity key of the debug file the broker gave for it (None: none).
         self._debug_files: OrderedDict[tuple[int, int, str], tuple | None] = OrderedDict()
 
-    def name(self, proc: Process | None, mapping: Mapping | None, address: int,
-             module: ElfSymbols | None) -> str | None:
+    def name(
+        self, proc: Process | None, mapping: Mapping | None, address: int, module: ElfSymbols | None
+    ) -> str | None:
         if proc is None or mapping is None or module is None:
             return None
         if not module.build_id or module.has_symtab or len(module.build_id) > MAX_BUILD_ID_HEX:
@@ -118,6 +121,7 @@ class DebugFileNames(NameSource):
         file claiming the host libc's build id, and its names must not reach other processes."""
         build_id = module.build_id
         memo = (proc.pid, proc.start_ticks, build_id)
+
         def check(debug: ElfSymbols) -> str:
             if debug.build_id != build_id:
                 return f"debug file for build id {build_id} has build id {debug.build_id or '(none)'}"
@@ -171,7 +175,7 @@ class PerfMapNames(NameSource):
 
     def __init__(self, perf_maps: PerfMapCache, stats: dict[str, int]) -> None:
         self._perf_maps = perf_maps
-        self._stats = stats        # FrameResolver.stats: perf_map_skipped_gone is counted here
+        self._stats = stats  # FrameResolver.stats: perf_map_skipped_gone is counted here
         self._checked = False
         self._map: PerfMap | None = None
 
@@ -179,8 +183,9 @@ class PerfMapNames(NameSource):
         self._checked = False
         self._map = None
 
-    def name(self, proc: Process | None, mapping: Mapping | None, address: int,
-             module: ElfSymbols | None) -> str | None:
+    def name(
+        self, proc: Process | None, mapping: Mapping | None, address: int, module: ElfSymbols | None
+    ) -> str | None:
         if proc is None:
             return None
         if not self._checked:
@@ -203,8 +208,9 @@ class KernelNames(NameSource):
     def __init__(self, symbols: dict[int, str]) -> None:
         self._symbols = symbols
 
-    def name(self, proc: Process | None, mapping: Mapping | None, address: int,
-             module: ElfSymbols | None) -> str | None:
+    def name(
+        self, proc: Process | None, mapping: Mapping | None, address: int, module: ElfSymbols | None
+    ) -> str | None:
         return self._symbols.get(address)
 
 

@@ -29,8 +29,9 @@ import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from shared.log import LogOnce
 from shared.safestr import process_string
@@ -69,7 +70,7 @@ class PerfMap:
     """
 
     bad_lines: int  # malformed lines skipped (also zero-size entries, which cover nothing)
-    mtime_ns: int   # identity of the file as read
+    mtime_ns: int  # identity of the file as read
     size: int
     _starts: array = field(repr=False, compare=False)
     _ends: array = field(repr=False, compare=False)
@@ -108,8 +109,8 @@ Opener = Callable[[int, int], int]
 class _Entry:
     perf_map: PerfMap | None
     stamp: tuple[int, int] | None  # (mtime_ns, size) of the file when last opened; None: there was none
-    checked: float                 # when the stamp was last taken or compared
-    interval: float = PERF_MAP_RECHECK_S   # until the next check: longer after a costly read
+    checked: float  # when the stamp was last taken or compared
+    interval: float = PERF_MAP_RECHECK_S  # until the next check: longer after a costly read
 
 
 class PerfMapCache:
@@ -131,7 +132,8 @@ class PerfMapCache:
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # by (pid, start_ticks)
         self._log_once = LogOnce(log)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("hits", "loaded", "missing", "gone", "refused", "unreadable", "evicted"), 0)
+            ("hits", "loaded", "missing", "gone", "refused", "unreadable", "evicted"), 0
+        )
 
     def get(self, pid: int, start_ticks: int, nspid: int, uid: int, now: float | None = None) -> PerfMap | None:
         now = time.monotonic() if now is None else now
@@ -151,7 +153,9 @@ class PerfMapCache:
         cost = time.monotonic() - started
         # The back-off is for the cost of reading a map; a missing one (a process that has not written it
         # yet, a slow broker) is looked for again after PERF_MAP_RECHECK_S.
-        interval = max(PERF_MAP_RECHECK_S, cost * PERF_MAP_REREAD_FACTOR) if perf_map is not None else PERF_MAP_RECHECK_S
+        interval = (
+            max(PERF_MAP_RECHECK_S, cost * PERF_MAP_REREAD_FACTOR) if perf_map is not None else PERF_MAP_RECHECK_S
+        )
         self._entries[key] = _Entry(perf_map, stamp, now, interval)
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
@@ -159,8 +163,9 @@ class PerfMapCache:
             self.stats["evicted"] += 1
         return perf_map
 
-    def _load(self, pid: int, start_ticks: int, nspid: int, uid: int,
-              entry: _Entry | None) -> tuple[PerfMap | None, tuple[int, int] | None]:
+    def _load(
+        self, pid: int, start_ticks: int, nspid: int, uid: int, entry: _Entry | None
+    ) -> tuple[PerfMap | None, tuple[int, int] | None]:
         """The map (re-read only if its stamp changed since `entry`) and its stamp."""
         try:
             fd = self._open(pid, start_ticks)
@@ -229,5 +234,9 @@ def _parse(f: BinaryIO) -> tuple[array, array, tuple[str, ...], int]:
     # Stable sort: of entries with the same start, the last line is last and kept.
     order = sorted(range(len(starts)), key=starts.__getitem__)
     kept = [i for k, i in enumerate(order) if k + 1 == len(order) or starts[order[k + 1]] != starts[i]]
-    return (array("Q", (starts[i] for i in kept)), array("Q", (ends[i] for i in kept)),
-            tuple(names[i] for i in kept), bad_lines)
+    return (
+        array("Q", (starts[i] for i in kept)),
+        array("Q", (ends[i] for i in kept)),
+        tuple(names[i] for i in kept),
+        bad_lines,
+    )

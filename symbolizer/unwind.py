@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
+
 from shared import endpoints
 from shared.log import LogOnce
 from shared.wire import (
@@ -55,8 +56,14 @@ BUILD_SECONDS_PER_BATCH = 5.0
 
 
 class UnwindServer:
-    def __init__(self, files: FileClient, run_dir: str, state_dir: str, ctx: zmq.Context | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        files: FileClient,
+        run_dir: str,
+        state_dir: str,
+        ctx: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._files = files
         self._cache = UnwindCache(state_dir)
         self._clock = clock
@@ -65,12 +72,25 @@ class UnwindServer:
         ctx = ctx or zmq.Context.instance()
         self._out = ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        self._out.setsockopt(zmq.IMMEDIATE, 1)   # nothing queued towards an absent collector
-        self._out.setsockopt(zmq.LINGER, 0)      # an unsent answer is asked for again
+        self._out.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards an absent collector
+        self._out.setsockopt(zmq.LINGER, 0)  # an unsent answer is asked for again
         self._out.connect(endpoints.unwind(run_dir))
         self.stats: dict[str, int | float] = dict.fromkeys(
-            ("requests", "built", "from_cache", "none", "failed", "unreadable", "recently_answered", "deferred",
-             "sent", "send_failed", "fallback_fdes"), 0)
+            (
+                "requests",
+                "built",
+                "from_cache",
+                "none",
+                "failed",
+                "unreadable",
+                "recently_answered",
+                "deferred",
+                "sent",
+                "send_failed",
+                "fallback_fdes",
+            ),
+            0,
+        )
         self.stats["build_seconds"] = 0.0
         self.failed_by_reason: dict[str, int] = {}
         self._logged: tuple = ()
@@ -95,8 +115,11 @@ class UnwindServer:
                 continue
             # The first module built in a batch may take its whole budget (a big one is built at all);
             # the others only what is left of the batch's, and are deferred if that runs out.
-            left = cfi.CFI_BUILD_SECONDS if self.stats["built"] == built_before else \
-                BUILD_SECONDS_PER_BATCH - (now - started)
+            left = (
+                cfi.CFI_BUILD_SECONDS
+                if self.stats["built"] == built_before
+                else BUILD_SECONDS_PER_BATCH - (now - started)
+            )
             answer = self._answer(req, procs.get(req.pid), left)
             if answer is not None and self._send(answer):
                 self._answered[key] = self._clock()
@@ -105,15 +128,22 @@ class UnwindServer:
                     self._answered.popitem(last=False)
         self._log_stats()
 
-    def _answer(self, req: UnwindRequest, proc: Process | None,
-                seconds: float = cfi.CFI_BUILD_SECONDS) -> UnwindTable | None:
+    def _answer(
+        self, req: UnwindRequest, proc: Process | None, seconds: float = cfi.CFI_BUILD_SECONDS
+    ) -> UnwindTable | None:
         proc, mapping = self._target(req, proc)
         try:
             f = self._files.module(proc, mapping)
         except OSError as e:
             self.stats["unreadable"] += 1
-            log.debug("cannot open %s (pid %d, %#x-%#x) for its unwind table: %s", mapping.path or "module",
-                      req.pid, req.start, req.end, e)
+            log.debug(
+                "cannot open %s (pid %d, %#x-%#x) for its unwind table: %s",
+                mapping.path or "module",
+                req.pid,
+                req.start,
+                req.end,
+                e,
+            )
             return None
         build_id = ""
         with f:
@@ -141,14 +171,21 @@ class UnwindServer:
                 return UnwindTable(req.dev, req.inode, mapping.path, build_id, "none", str(e)[:200])
             except cfi.CfiError as e:
                 if e.kind == "too_slow" and seconds < cfi.CFI_BUILD_SECONDS:
-                    self.stats["deferred"] += 1   # cut by the batch's budget, not its own: asked again later
+                    self.stats["deferred"] += 1  # cut by the batch's budget, not its own: asked again later
                     return None
                 self.stats["failed"] += 1
                 self.failed_by_reason[e.kind] = self.failed_by_reason.get(e.kind, 0) + 1
-                self._log_once((req.dev, req.inode), logging.WARNING, "no unwind table for %s (%s %d): %s: %s",
-                               mapping.path, req.dev, req.inode, e.kind, e)
-                return UnwindTable(req.dev, req.inode, mapping.path, build_id, "failed",
-                                   f"{e.kind}: {e}"[:200])
+                self._log_once(
+                    (req.dev, req.inode),
+                    logging.WARNING,
+                    "no unwind table for %s (%s %d): %s: %s",
+                    mapping.path,
+                    req.dev,
+                    req.inode,
+                    e.kind,
+                    e,
+                )
+                return UnwindTable(req.dev, req.inode, mapping.path, build_id, "failed", f"{e.kind}: {e}"[:200])
         return UnwindTable(req.dev, req.inode, mapping.path, build_id, "ok", "", table)
 
     @staticmethod
@@ -167,8 +204,12 @@ class UnwindServer:
             self._out.send_multipart(encode(answer), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
             self.stats["send_failed"] += 1
-            self._log_once("send", logging.WARNING, "cannot send unwind tables to the collector (%s); "
-                           "it will ask again (counted in send_failed)", e)
+            self._log_once(
+                "send",
+                logging.WARNING,
+                "cannot send unwind tables to the collector (%s); it will ask again (counted in send_failed)",
+                e,
+            )
             return False
         self.stats["sent"] += 1
         return True
@@ -181,10 +222,12 @@ class UnwindServer:
 
     def describe(self) -> str:
         s = self.stats
-        return (f"{s['requests']} requests: {s['built']} built ({s['build_seconds']:.2f} s), {s['from_cache']} "
-                f"from cache, {s['none']} none, {s['failed']} failed {self.failed_by_reason or ''}, "
-                f"{s['unreadable']} unreadable, {s['recently_answered']} answered recently, {s['deferred']} "
-                f"deferred; sent {s['sent']}, send failed {s['send_failed']}; cache {self._cache.stats}")
+        return (
+            f"{s['requests']} requests: {s['built']} built ({s['build_seconds']:.2f} s), {s['from_cache']} "
+            f"from cache, {s['none']} none, {s['failed']} failed {self.failed_by_reason or ''}, "
+            f"{s['unreadable']} unreadable, {s['recently_answered']} answered recently, {s['deferred']} "
+            f"deferred; sent {s['sent']}, send failed {s['send_failed']}; cache {self._cache.stats}"
+        )
 
     def close(self) -> None:
         self._log_stats(force=True)

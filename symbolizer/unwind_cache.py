@@ -47,8 +47,9 @@ def file_identity(fd: int) -> str:
     """What binds a cached table to the file it was built from: (dev, inode, size, mtime, ctime) in hex.
     ctime cannot be set by a file's owner, so a new file that reuses an inode does not match."""
     st = os.fstat(fd)
-    return "-".join(f"{v & (1 << 64) - 1:x}" for v in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-                                                       st.st_ctime_ns))
+    return "-".join(
+        f"{v & (1 << 64) - 1:x}" for v in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    )
 
 
 class UnwindCache:
@@ -57,7 +58,7 @@ class UnwindCache:
         self.max_bytes = max_bytes
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        except OSError as e:   # tables are still built and sent, just not kept
+        except OSError as e:  # tables are still built and sent, just not kept
             log.warning("cannot create the unwind table cache %s: %s", self.dir, e)
         self.stats = dict.fromkeys(("hits", "misses", "written", "corrupt", "evicted", "write_errors"), 0)
 
@@ -91,8 +92,8 @@ class UnwindCache:
             log.warning("deleting corrupt cached unwind table %s (%d so far): %s", path, self.stats["corrupt"], e)
             self._unlink(path)
             return None
-        try:
-            os.utime(path)   # recently used: evicted last
+        try:  # noqa: SIM105
+            os.utime(path)  # recently used: evicted last
         except OSError:
             pass
         self.stats["hits"] += 1

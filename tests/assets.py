@@ -30,11 +30,13 @@ MAX_CONCURRENT = 6
 
 def _sid_python() -> object:
     from tests.integration import test_python_stacks
+
     return test_python_stacks.sid_root()
 
 
 def _systemd_root() -> object:
     from tests.integration import test_systemd
+
     return test_systemd.cached_root()[0]
 
 
@@ -70,11 +72,12 @@ def main() -> int:
             try:
                 f.result()
                 print(f"tests.assets: {name} ready at {time.monotonic() - started:.0f} s", flush=True)
-            except Exception as e:   # each failure is reported; the rest still finish
+            except Exception as e:  # each failure is reported; the rest still finish
                 failed.append(name)
                 print(f"tests.assets: {name} FAILED: {e}", flush=True)
-    print(f"tests.assets: {len(todo) - len(failed)}/{len(todo)} ready in {time.monotonic() - started:.0f} s",
-          flush=True)
+    print(
+        f"tests.assets: {len(todo) - len(failed)}/{len(todo)} ready in {time.monotonic() - started:.0f} s", flush=True
+    )
     if failed:
         print(f"tests.assets: failed: {', '.join(failed)} (the tests that use them will say why)", flush=True)
     return 1 if failed else 0

@@ -7,17 +7,26 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
 
-from shared.stage_code import default_bpf_dir
 from shared import privileges, stage_code
 from shared.config import ProfilerConfig
-from tests.harness import (FRAME_POINTER_FLAGS, WORKLOADS, Pipeline, Receiver, UploaderProcess, kill_and_reap,
-                           launch_uploader, open_dir)
+from shared.stage_code import default_bpf_dir
+from tests.harness import (
+    FRAME_POINTER_FLAGS,
+    WORKLOADS,
+    Pipeline,
+    Receiver,
+    UploaderProcess,
+    kill_and_reap,
+    launch_uploader,
+    open_dir,
+)
 
 _code_view: list[str] = []
 
@@ -30,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         gid = privileges.ids("uploader")[1]
     except privileges.PrivilegeError:
-        return   # no agent users: the tests that need them say so
+        return  # no agent users: the tests that need them say so
     parent = tempfile.mkdtemp(prefix="ebpfprofiler-test-code-", dir="/tmp")
     os.chown(parent, 0, gid)
     os.chmod(parent, 0o750)
@@ -65,8 +74,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         key = (name, tuple(flags))
         if key not in built:
             exe = out / f"{name}-{len(built)}"
-            subprocess.run(["gcc", *flags, "-o", str(exe), str(WORKLOADS / f"{name}.c"), "-lpthread"],
-                           check=True)
+            subprocess.run(["gcc", *flags, "-o", str(exe), str(WORKLOADS / f"{name}.c"), "-lpthread"], check=True)
             built[key] = exe
         return built[key]
 

@@ -68,13 +68,22 @@ def _install_extra(root: Path, mirror: str, suite: str, packages: list[str], log
     (root / "etc/apt/sources.list.d").mkdir(parents=True, exist_ok=True)
     (root / f"etc/apt/sources.list.d/{suite}.list").write_text(f"deb {mirror} {suite} main\n")
     apt = ["chroot", str(root), "apt-get", "-o", "Acquire::Check-Valid-Until=false", "-o", "Acquire::Retries=3", "-y"]
-    run_killing_group(apt + ["update"], DEBOOTSTRAP_TIMEOUT_S, log_path)
-    run_killing_group(apt + ["--no-install-recommends", "-t", suite, "install"] + packages, DEBOOTSTRAP_TIMEOUT_S,
-                      log_path.with_suffix(".install.log"))
+    run_killing_group([*apt, "update"], DEBOOTSTRAP_TIMEOUT_S, log_path)
+    run_killing_group(
+        [*apt, "--no-install-recommends", "-t", suite, "install", *packages],
+        DEBOOTSTRAP_TIMEOUT_S,
+        log_path.with_suffix(".install.log"),
+    )
 
 
-def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root",
-                log: Callable[[str], None] = print, extra: tuple[str, list[str]] | None = None) -> tuple[Path, bool]:
+def cached_root(
+    suite: str,
+    packages: list[str],
+    recipe: int,
+    name: str = "root",
+    log: Callable[[str], None] = print,
+    extra: tuple[str, list[str]] | None = None,
+) -> tuple[Path, bool]:
     """(the root directory, whether it was built now). Built once per suite, package list and mirror.
     `extra` (suite, packages): then installed with apt inside the root from that suite (experimental is
     not a suite debootstrap can build; its Release file may be past Valid-Until, which apt is told
@@ -95,9 +104,18 @@ def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root"
     try:
         for attempt in range(1, DEBOOTSTRAP_ATTEMPTS + 1):
             try:
-                run_killing_group(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
-                                   str(partial), mirror], DEBOOTSTRAP_TIMEOUT_S,
-                                  CACHE / f"debootstrap-{name}-{key}.log")
+                run_killing_group(
+                    [
+                        "debootstrap",
+                        "--variant=minbase",
+                        f"--include={','.join(packages)}",
+                        suite,
+                        str(partial),
+                        mirror,
+                    ],
+                    DEBOOTSTRAP_TIMEOUT_S,
+                    CACHE / f"debootstrap-{name}-{key}.log",
+                )
                 if extra is not None:
                     _install_extra(partial, mirror, extra[0], sorted(set(extra[1])), CACHE / f"apt-{name}-{key}.log")
                 break
@@ -112,7 +130,7 @@ def cached_root(suite: str, packages: list[str], recipe: int, name: str = "root"
         (partial / ".complete").write_text(json.dumps({"suite": suite, "mirror": mirror, "packages": packages}))
         try:
             partial.rename(root)
-        except OSError:   # another run finished the same root first
+        except OSError:  # another run finished the same root first
             if not (root / ".complete").exists():
                 raise
     finally:

@@ -36,13 +36,16 @@ def venv() -> Path:
     print(f"dotnet runtimes: installing {', '.join(PACKAGES)} into {root}", flush=True)
     try:
         run_killing_group([BASE_PYTHON, "-m", "venv", str(partial)], INSTALL_TIMEOUT_S, CACHE / "dotnet-venv.log")
-        run_killing_group([str(partial / "bin/pip"), "install", "-q", "--disable-pip-version-check", *PACKAGES],
-                          INSTALL_TIMEOUT_S, CACHE / "dotnet-pip.log")
+        run_killing_group(
+            [str(partial / "bin/pip"), "install", "-q", "--disable-pip-version-check", *PACKAGES],
+            INSTALL_TIMEOUT_S,
+            CACHE / "dotnet-pip.log",
+        )
         (partial / ".complete").write_text("\n".join(PACKAGES) + "\n")
         run_killing_group(["chmod", "-R", "a+rX", str(partial)], INSTALL_TIMEOUT_S, CACHE / "dotnet-chmod.log")
         try:
             partial.rename(root)
-        except OSError:   # another run finished it first
+        except OSError:  # another run finished it first
             if not (root / ".complete").exists():
                 raise
     finally:

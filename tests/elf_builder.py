@@ -16,7 +16,9 @@ _SYM = struct.Struct("<IBBHQQ")
 SHT_SYMTAB, SHT_STRTAB = 2, 3
 
 
-def symbol_table_elf(symbols: int, *, tables: int = 1, claimed_bytes: int | None = None, name: bytes = b"spam") -> bytes:
+def symbol_table_elf(
+    symbols: int, *, tables: int = 1, claimed_bytes: int | None = None, name: bytes = b"spam"
+) -> bytes:
     """An ELF file whose .symtab holds `symbols` entries (a function `name` at 0x1000 each), listed
     `tables` times in its section headers, each claiming `claimed_bytes` (default: its true size)."""
     strtab = b"\0" + name + b"\0"
@@ -30,14 +32,18 @@ def symbol_table_elf(symbols: int, *, tables: int = 1, claimed_bytes: int | None
 
     def section(name_at: int, kind: int, offset: int, size: int, link: int, entsize: int) -> bytes:
         return _SHDR.pack(name_at, kind, 0, 0, offset, size, link, 0, 8, entsize)
+
     headers = section(0, 0, 0, 0, 0, 0)
-    headers += section(1, SHT_SYMTAB, at_sym, len(symtab) if claimed_bytes is None else claimed_bytes,
-                       strtab_index, _SYM.size) * tables
+    headers += (
+        section(1, SHT_SYMTAB, at_sym, len(symtab) if claimed_bytes is None else claimed_bytes, strtab_index, _SYM.size)
+        * tables
+    )
     headers += section(9, SHT_STRTAB, at_str, len(strtab), 0, 0) + section(17, SHT_STRTAB, at_shstr, len(shstr), 0, 0)
     n_sections = tables + 3
     ident = b"\x7fELF\x02\x01\x01" + bytes(9)
-    ehdr = _EHDR.pack(ident, 3, 62, 1, 0, _EHDR.size, at_sh, 0, _EHDR.size, _PHDR.size, 1, _SHDR.size,
-                      n_sections, n_sections - 1)
+    ehdr = _EHDR.pack(
+        ident, 3, 62, 1, 0, _EHDR.size, at_sh, 0, _EHDR.size, _PHDR.size, 1, _SHDR.size, n_sections, n_sections - 1
+    )
     phdr = _PHDR.pack(1, 5, 0, 0, 0, at_sh, at_sh, 0x1000)
     body = ehdr + phdr + symtab + strtab + shstr
     return body + bytes(at_sh - len(body)) + headers

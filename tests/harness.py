@@ -29,9 +29,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -54,7 +55,7 @@ FRAME_POINTER_FLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-f
 
 # The deadline of a lone stage's start, stop and acknowledgements.
 DEADLINE_S = 15
-START_NS = 1_700_000_000_000_000_000      # 2023-11-14T22:13:20Z
+START_NS = 1_700_000_000_000_000_000  # 2023-11-14T22:13:20Z
 END_NS = START_NS + 60_000_000_000
 # Retries in tests wait milliseconds, not seconds.
 FAST_BACKOFF = {"EBPFPROFILER_UPLOAD_BACKOFF_S": "0.01"}
@@ -66,7 +67,9 @@ TEST_ACK_TIMEOUT_S = 1.0
 
 def marked_lines(source: Path, tag: str, comment: str = "//") -> set[int]:
     """The 1-based lines of a workload's source that end in the comment `tag` ("// CALL_A", "# PARK")."""
-    return {i for i, line in enumerate(source.read_text().splitlines(), 1) if line.rstrip().endswith(f"{comment} {tag}")}
+    return {
+        i for i, line in enumerate(source.read_text().splitlines(), 1) if line.rstrip().endswith(f"{comment} {tag}")
+    }
 
 
 def children(pid: int) -> list[int]:
@@ -142,15 +145,25 @@ def namespace_host_gaps(mountinfo: str = "/proc/self/mountinfo") -> str:
     points = {m[4]: m[m.index("-") + 1] for m in mounts if "-" in m}
     read_only = {m[4] for m in mounts if "ro" in m[5].split(",")}
     if "/" not in points:
-        gaps.append("/ is not a mount point (a chroot?): its mount propagation cannot be changed, which "
-                    "unshare --mount-proc and systemd-nspawn do; bind-mount the root onto itself "
-                    "(mount --bind DIR DIR) before entering it")
+        gaps.append(
+            "/ is not a mount point (a chroot?): its mount propagation cannot be changed, which "
+            "unshare --mount-proc and systemd-nspawn do; bind-mount the root onto itself "
+            "(mount --bind DIR DIR) before entering it"
+        )
     # systemd-nspawn boots systemd in the unified hierarchy, or in the named systemd one of a legacy layout
-    hierarchy = next((d for d in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
-                      if points.get(d) in ("cgroup2", "cgroup")), None)
+    hierarchy = next(
+        (
+            d
+            for d in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+            if points.get(d) in ("cgroup2", "cgroup")
+        ),
+        None,
+    )
     if hierarchy is None:
-        gaps.append(f"no cgroup hierarchy for systemd: /sys/fs/cgroup is {points.get('/sys/fs/cgroup', 'not mounted')} "
-                    "with neither cgroup2 nor a name=systemd hierarchy (mount -t cgroup2 none /sys/fs/cgroup)")
+        gaps.append(
+            f"no cgroup hierarchy for systemd: /sys/fs/cgroup is {points.get('/sys/fs/cgroup', 'not mounted')} "
+            "with neither cgroup2 nor a name=systemd hierarchy (mount -t cgroup2 none /sys/fs/cgroup)"
+        )
     elif hierarchy in read_only:
         gaps.append(f"{hierarchy} is read-only: systemd-nspawn creates the container's cgroup there")
     return ("host lacks: " + "; ".join(gaps)) if gaps else ""
@@ -218,8 +231,10 @@ class Receiver:
         self.stderr = stderr
         with open(stderr, "wb") if stderr else contextlib.nullcontext() as err:
             self.proc = subprocess.Popen(
-                [PY, "-m", "cli.main", "receiver", "--listen", f"127.0.0.1:{port}",
-                 "--dir", str(directory), *options], stdout=subprocess.PIPE, stderr=err)
+                [PY, "-m", "cli.main", "receiver", "--listen", f"127.0.0.1:{port}", "--dir", str(directory), *options],
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
         self.announcement = first_line(self.proc, DEADLINE_S)
         m = re.search(r"listening on (http://\S+)", self.announcement)
         if not m:
@@ -227,8 +242,9 @@ class Receiver:
             self.proc.wait()
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
-            raise AssertionError(f"receiver did not start: {self.announcement!r}"
-                                 + (f"; {self.log()}" if stderr else ""))
+            raise AssertionError(
+                f"receiver did not start: {self.announcement!r}" + (f"; {self.log()}" if stderr else "")
+            )
         self.url = m.group(1)
 
     @classmethod
@@ -279,7 +295,7 @@ def reserve_port() -> int:
 
 def write_config(path: Path, cfg: config_mod.ProfilerConfig) -> Path:
     path.write_text(config_mod.dump(cfg))
-    path.chmod(0o644)    # the stages read it as their own users
+    path.chmod(0o644)  # the stages read it as their own users
     return path
 
 
@@ -293,20 +309,38 @@ def give(stage: str, *paths: Path) -> None:
         os.chown(p, uid, gid)
 
 
-def make_upload(service: str = "/usr/bin/python3.11", n_samples: int = 2, *, start_ns: int = START_NS,
-                length_ns: int = END_NS - START_NS, padding: bytes = b"") -> ProfileUpload:
+def make_upload(
+    service: str = "/usr/bin/python3.11",
+    n_samples: int = 2,
+    *,
+    start_ns: int = START_NS,
+    length_ns: int = END_NS - START_NS,
+    padding: bytes = b"",
+) -> ProfileUpload:
     """A valid gzip pprof; `padding` (incompressible, if random) goes into a function name to size it."""
-    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                       period=52_631_578, time_ns=start_ns, duration_ns=length_ns)
+    b = ProfileBuilder(
+        [("samples", "count"), ("cpu", "nanoseconds")],
+        ("cpu", "nanoseconds"),
+        period=52_631_578,
+        time_ns=start_ns,
+        duration_ns=length_ns,
+    )
     m = b.mapping("main", service, "abcdef")
     for i in range(n_samples):
         b.sample([b.location(i, m, 0x1000 + i, [b.function(f"fn{i}")])], [1, 52_631_578], {"pid": 7})
     if padding:
         b.sample([b.location("pad", m, 0x9000, [b.function("pad_" + padding.hex())])], [1, 1], {"pid": 7})
         n_samples += 1
-    return ProfileUpload(profile_id=uuid.uuid4().hex, host="web-1", service=service, profile_type="cpu",
-                         window_start_ns=start_ns, window_end_ns=start_ns + length_ns, samples=n_samples,
-                         pprof_gz=b.gzipped())
+    return ProfileUpload(
+        profile_id=uuid.uuid4().hex,
+        host="web-1",
+        service=service,
+        profile_type="cpu",
+        window_start_ns=start_ns,
+        window_end_ns=start_ns + length_ns,
+        samples=n_samples,
+        pprof_gz=b.gzipped(),
+    )
 
 
 def http_config(tmp_path: Path, url: str, **changes: Any) -> config_mod.ProfilerConfig:
@@ -354,6 +388,7 @@ class TestWorker:
         def done() -> bool:
             self.sender.poll(20)
             return self.sender.pending_profiles == 0
+
         wait_for(f"acknowledgements ({self.sender.pending_profiles} pending; {self.sender.counts})", done, timeout)
 
     def close(self) -> None:
@@ -363,6 +398,7 @@ class TestWorker:
 @dataclass
 class UploaderProcess:
     """`ebpfprofiler uploader` with its stderr in a file; ended by pid by whoever started it."""
+
     proc: subprocess.Popen[bytes]
     run_dir: Path
     state_dir: Path
@@ -401,12 +437,28 @@ class UploaderProcess:
 
 
 def uploader_command(config: Path, run_dir: Path, state_dir: Path) -> list[str]:
-    return [PY, "-m", "cli.main", "uploader", "--config", str(config),
-            "--run-dir", str(run_dir), "--state-dir", str(state_dir)]
+    return [
+        PY,
+        "-m",
+        "cli.main",
+        "uploader",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--state-dir",
+        str(state_dir),
+    ]
 
 
-def launch_uploader(workdir: Path, cfg: config_mod.ProfilerConfig, *, state_dir: Path | None = None,
-                    env: dict[str, str] | None = None, name: str = "uploader") -> UploaderProcess:
+def launch_uploader(
+    workdir: Path,
+    cfg: config_mod.ProfilerConfig,
+    *,
+    state_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    name: str = "uploader",
+) -> UploaderProcess:
     """Start an uploader and wait for its ready file; the caller ends it (kill() or stop())."""
     run_dir = workdir / "run"
     state_dir = state_dir or workdir / "state"
@@ -416,12 +468,16 @@ def launch_uploader(workdir: Path, cfg: config_mod.ProfilerConfig, *, state_dir:
             give("uploader", d)
     ready = Path(endpoints.ready_file(str(run_dir), "uploader"))
     if ready.exists():
-        ready.unlink()   # left by a killed predecessor
+        ready.unlink()  # left by a killed predecessor
     stderr = stderr_file(workdir, name)
     config = write_config(workdir / f"{name}.yaml", cfg)
     with open(stderr, "wb") as err:
-        proc = subprocess.Popen(uploader_command(config, run_dir, state_dir), stdout=subprocess.DEVNULL,
-                                stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            uploader_command(config, run_dir, state_dir),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, **(env or {})},
+        )
     u = UploaderProcess(proc, run_dir, state_dir, stderr)
     try:
         wait_for("the uploader's ready file", lambda: ready.exists() or proc.poll() is not None, DEADLINE_S)
@@ -441,8 +497,13 @@ class Pipeline:
     local_dir puts it under such a directory too (open_dir). `env` is added to
     the stages' environment (EBPFPROFILER_DISABLE_FEATURES: a kernel without them)."""
 
-    def __init__(self, workdir: Path, cfg: config_mod.ProfilerConfig, shipped_budget: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        cfg: config_mod.ProfilerConfig,
+        shipped_budget: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if cfg.overhead_budget_pct == config_mod.DEFAULT_OVERHEAD_BUDGET_PCT and not shipped_budget:
             # A test's pipeline samples at the rate the test asked for: the overhead guard would
             # halve it on this 2-CPU machine (start-up windows build unwind tables). A test of the
@@ -454,11 +515,24 @@ class Pipeline:
         self.state_dir = self.root / "state"
         self.config_path = write_config(self.root / "agent.yaml", cfg)
         self.log_path = workdir / "pipeline.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [PY, "-m", "cli.main", "run", "--config", str(self.config_path),
-             "--run-dir", str(self.run_dir), "--state-dir", str(self.state_dir)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            [
+                PY,
+                "-m",
+                "cli.main",
+                "run",
+                "--config",
+                str(self.config_path),
+                "--run-dir",
+                str(self.run_dir),
+                "--state-dir",
+                str(self.state_dir),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
         try:
             wait_for("every stage to be ready", lambda: self._ready(stages), timeout=90)

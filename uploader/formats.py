@@ -30,24 +30,26 @@ class FormatError(ValueError):
 @dataclass(frozen=True)
 class Request:
     """What one attempt sends: query parameters, headers and the body."""
+
     params: dict[str, str]
     headers: dict[str, str]
     body: bytes
-    key: str                    # the backend's idempotency key for this profile, for logs and docs
+    key: str  # the backend's idempotency key for this profile, for logs and docs
 
 
 @dataclass(frozen=True)
 class Accepted:
     """What a 2xx reply says about the profiles in the request."""
-    rejected: int = 0           # profiles the backend refused for good (OTLP partial_success)
-    message: str = ""           # its reason, or a note on a reply that could not be read
+
+    rejected: int = 0  # profiles the backend refused for good (OTLP partial_success)
+    message: str = ""  # its reason, or a note on a reply that could not be read
 
 
 class UploadFormat(Protocol):
     """One kind of backend's upload protocol."""
 
-    name: str                   # the upload_format value
-    path: str                   # appended to the endpoint
+    name: str  # the upload_format value
+    path: str  # appended to the endpoint
 
     def request(self, upload: ProfileUpload) -> Request:
         """The request that delivers `upload`; FormatError if it cannot be expressed."""
@@ -62,9 +64,12 @@ def for_config(cfg: ProfilerConfig) -> UploadFormat:
     """The format the config names (validated by shared.config)."""
     if cfg.upload_format == "otlp":
         from uploader.format_otlp import OtlpFormat
+
         return OtlpFormat(plain_pid=cfg.plain_pid)
     if cfg.upload_format == "pyroscope":
         from uploader.format_pyroscope import PyroscopeFormat
+
         return PyroscopeFormat()
     from uploader.format_pprof import PprofFormat
+
     return PprofFormat()

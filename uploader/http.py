@@ -76,7 +76,7 @@ MAX_TOKEN_BYTES = 16 << 10
 # An agent config document is a few hundred bytes; a larger reply is not one, and is not read.
 MAX_AGENT_CONFIG_BYTES = 64 << 10
 
-RETRY_STATUSES = frozenset({408, 429})   # and every 5xx
+RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
 
 
 def request_deadline_s(read_timeout_s: float) -> float:
@@ -106,8 +106,13 @@ def backoff_base_s() -> float:
     except ValueError:
         value = -1.0
     if not 0 <= value <= MAX_BACKOFF_S:
-        log.warning("ignoring %s=%r: expected seconds from 0 to %g; using %g",
-                    BACKOFF_ENV, raw, MAX_BACKOFF_S, DEFAULT_BACKOFF_BASE_S)
+        log.warning(
+            "ignoring %s=%r: expected seconds from 0 to %g; using %g",
+            BACKOFF_ENV,
+            raw,
+            MAX_BACKOFF_S,
+            DEFAULT_BACKOFF_BASE_S,
+        )
         return DEFAULT_BACKOFF_BASE_S
     return value
 
@@ -141,22 +146,27 @@ def read_token(path: str) -> str:
     if not all(0x21 <= b <= 0x7E for b in token):
         raise TokenError(f"token file {path} holds characters other than visible ASCII inside the token")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("token file %s is accessible by group or others (mode %04o): make it the uploader's user's "
-                    "alone (chown it to that user, chmod 600)", path, stat.S_IMODE(st.st_mode))
+        log.warning(
+            "token file %s is accessible by group or others (mode %04o): make it the uploader's user's "
+            "alone (chown it to that user, chmod 600)",
+            path,
+            stat.S_IMODE(st.st_mode),
+        )
     return token.decode("ascii")
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What one attempt came to."""
-    ok: bool                          # a 2xx: the backend has it
-    retry: bool                       # worth another attempt later
-    reason: str                       # for logs and the dead-letter record
-    status: int | None = None         # HTTP status, None when there was no answer
+
+    ok: bool  # a 2xx: the backend has it
+    retry: bool  # worth another attempt later
+    reason: str  # for logs and the dead-letter record
+    status: int | None = None  # HTTP status, None when there was no answer
     retry_after_s: float | None = None
-    reached: bool = True              # False: no connection (nothing about this profile was learnt)
-    rejected: int = 0                 # a 2xx whose reply says this many profiles were refused for good (OTLP)
-    note: str = ""                    # what the 2xx reply said beyond "stored"
+    reached: bool = True  # False: no connection (nothing about this profile was learnt)
+    rejected: int = 0  # a 2xx whose reply says this many profiles were refused for good (OTLP)
+    note: str = ""  # what the 2xx reply said beyond "stored"
     # Why it failed, as a status counter: deadline, connect_timeout, read_timeout, unreachable,
     # http_retry (a 408, 429 or 5xx), refused (another status), unsendable, bad_request.
     cause: str = ""
@@ -165,9 +175,10 @@ class Outcome:
 @dataclass(frozen=True)
 class ConfigReply:
     """What one GET of the agent config came to."""
-    ok: bool                          # an answer to use: 200 with JSON, or 404 (no remote settings)
-    doc: object = None                # the parsed JSON of a 200; None for a 404
-    reason: str = ""                  # why not ok, for logs
+
+    ok: bool  # an answer to use: 200 with JSON, or 404 (no remote settings)
+    doc: object = None  # the parsed JSON of a 200; None for a 404
+    reason: str = ""  # why not ok, for logs
     status: int | None = None
 
 
@@ -203,10 +214,10 @@ class _Sockets:
         with self._lock:
             socks = list(self._socks)
         for sock in socks:
-            try:
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)   # the descriptor's, under TLS too
+            try:  # noqa: SIM105
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the descriptor's, under TLS too
             except OSError:
-                pass     # closed already
+                pass  # closed already
 
 
 def _adapter(sockets: _Sockets) -> requests.adapters.HTTPAdapter:
@@ -269,14 +280,23 @@ class HttpClient:
     remote config fetcher each have a client of their own. Every request ends
     within deadline_s (request_deadline_s of the read timeout unless given)."""
 
-    def __init__(self, endpoint: str, *, read_timeout_s: float, ca_file: str = "", token: str = "",
-                 upload_format: UploadFormat | None = None, agent_config_url: str | None = None,
-                 deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        read_timeout_s: float,
+        ca_file: str = "",
+        token: str = "",
+        upload_format: UploadFormat | None = None,
+        agent_config_url: str | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         self.format: UploadFormat = upload_format or PprofFormat()
         self.url = endpoint.rstrip("/") + self.format.path
         # None: our backend's document under the endpoint (shared.config.agent_config_url decides for a stage).
-        self.agent_config_url = (endpoint.rstrip("/") + AGENT_CONFIG_PATH if agent_config_url is None
-                                 else agent_config_url)
+        self.agent_config_url = (
+            endpoint.rstrip("/") + AGENT_CONFIG_PATH if agent_config_url is None else agent_config_url
+        )
         self.read_timeout_s = read_timeout_s
         self.deadline_s = request_deadline_s(read_timeout_s) if deadline_s is None else deadline_s
         self._session = requests.Session()
@@ -302,27 +322,39 @@ class HttpClient:
         """One attempt at delivering `upload`."""
         try:
             req = self.format.request(upload)
-        except FormatError as e:   # the same profile gives the same error on every attempt
+        except FormatError as e:  # the same profile gives the same error on every attempt
             return Outcome(False, False, f"cannot be sent as {self.format.name}: {_cut(str(e))}", cause="unsendable")
         with _Deadline(self.deadline_s, self._sockets) as deadline:
             try:
                 resp = self._session.post(
-                    self.url, params=req.params, headers=req.headers, data=req.body,
-                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
-                    verify=self._verify, auth=self._auth,
+                    self.url,
+                    params=req.params,
+                    headers=req.headers,
+                    data=req.body,
+                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s),
+                    stream=True,
+                    allow_redirects=False,
+                    verify=self._verify,
+                    auth=self._auth,
                 )
             except requests.Timeout as e:
                 if deadline.over():
                     return self._over(deadline)
                 what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
                 limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
-                return Outcome(False, True, f"no {what} within {limit:g}s ({type(e).__name__})",
-                               reached=what == "read", cause=f"{what}_timeout")
-            except requests.ConnectionError as e:   # refused, reset, DNS, TLS verification
+                return Outcome(
+                    False,
+                    True,
+                    f"no {what} within {limit:g}s ({type(e).__name__})",
+                    reached=what == "read",
+                    cause=f"{what}_timeout",
+                )
+            except requests.ConnectionError as e:  # refused, reset, DNS, TLS verification
                 if deadline.over():
                     return self._over(deadline)
-                return Outcome(False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False,
-                               cause="unreachable")
+                return Outcome(
+                    False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False, cause="unreachable"
+                )
             except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
                 if deadline.over():
                     return self._over(deadline)
@@ -335,7 +367,7 @@ class HttpClient:
                     if len(head) >= MAX_RESPONSE_BYTES or deadline.over():
                         break
             except (requests.RequestException, OSError):
-                pass   # a broken reply body does not change its status
+                pass  # a broken reply body does not change its status
             finally:
                 resp.close()
             if deadline.over():
@@ -362,9 +394,14 @@ class HttpClient:
         with _Deadline(self.deadline_s, self._sockets) as deadline:
             try:
                 resp = self._session.get(
-                    self.agent_config_url, params={"host": host}, headers={"Accept": "application/json"},
-                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s), stream=True, allow_redirects=False,
-                    verify=self._verify, auth=self._auth,
+                    self.agent_config_url,
+                    params={"host": host},
+                    headers={"Accept": "application/json"},
+                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s),
+                    stream=True,
+                    allow_redirects=False,
+                    verify=self._verify,
+                    auth=self._auth,
                 )
             except requests.Timeout as e:
                 if deadline.over():
@@ -398,11 +435,12 @@ class HttpClient:
                 reason += f" (redirect to {resp.headers.get('Location', '?')!r}; set endpoint to the final URL)"
             return ConfigReply(False, reason=reason, status=status)
         if len(body) > MAX_AGENT_CONFIG_BYTES:
-            return ConfigReply(False, reason=f"reply larger than {MAX_AGENT_CONFIG_BYTES} bytes; not an agent "
-                                             f"config", status=status)
+            return ConfigReply(
+                False, reason=f"reply larger than {MAX_AGENT_CONFIG_BYTES} bytes; not an agent config", status=status
+            )
         try:
             doc = json.loads(bytes(body))
-        except (ValueError, RecursionError) as e:   # RecursionError: nested deeper than the interpreter goes
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the interpreter goes
             return ConfigReply(False, reason=f"reply is not JSON: {_cut(str(e))}", status=status)
         return ConfigReply(True, doc, "HTTP 200", status)
 

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from shared.files import write_atomic
 from shared.handoff import RETRY, STORED, window_text
@@ -54,9 +54,10 @@ def safe_name(name: str, cap: int, empty: str = "unknown") -> str:
 
 def profile_path(local_dir: str, upload: ProfileUpload) -> str:
     """Where `upload` is written under `local_dir`."""
-    start = datetime.fromtimestamp(upload.window_start_ns // 1_000_000_000, tz=timezone.utc)
-    name = (f"{upload.profile_type}-{start:%Y%m%dT%H%M%SZ}-"
-            f"{safe_name(upload.profile_id, MAX_ID_CHARS, empty='noid')}.pb.gz")
+    start = datetime.fromtimestamp(upload.window_start_ns // 1_000_000_000, tz=UTC)
+    name = (
+        f"{upload.profile_type}-{start:%Y%m%dT%H%M%SZ}-{safe_name(upload.profile_id, MAX_ID_CHARS, empty='noid')}.pb.gz"
+    )
     return os.path.join(local_dir, safe_name(upload.service, MAX_SERVICE_DIR_CHARS), name)
 
 
@@ -77,11 +78,24 @@ class LocalWriter:
             os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
             write_atomic(path, upload.pprof_gz)
         except OSError as e:
-            log.error("cannot write profile service=%r type=%s window=%s to %s: %s; the worker keeps it "
-                      "and offers it again", upload.service, upload.profile_type, window, path, e)
+            log.error(
+                "cannot write profile service=%r type=%s window=%s to %s: %s; the worker keeps it and offers it again",
+                upload.service,
+                upload.profile_type,
+                window,
+                path,
+                e,
+            )
             return RETRY, f"cannot write under local_dir: {e}"
-        log.info("wrote profile service=%r type=%s window=%s samples=%d bytes=%d to %s",
-                 upload.service, upload.profile_type, window, upload.samples, len(upload.pprof_gz), path)
+        log.info(
+            "wrote profile service=%r type=%s window=%s samples=%d bytes=%d to %s",
+            upload.service,
+            upload.profile_type,
+            window,
+            upload.samples,
+            len(upload.pprof_gz),
+            path,
+        )
         return STORED, ""
 
     def close(self) -> None:

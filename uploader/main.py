@@ -98,14 +98,27 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
             "final delivery attempt and exits 0. It also fetches remote config (with upload_format "
             "pprof GET ENDPOINT/v1/agent-config, else only from remote_config_url; every "
             "remote_config_interval_s), keeps only enabled and upload_interval_s, and writes them "
-            "to RUN_DIR/remote-config.json for the other stages."),
+            "to RUN_DIR/remote-config.json for the other stages."
+        ),
     )
-    p.add_argument("--config", required=True, metavar="FILE",
-                   help="agent YAML config file (the modules.ebpf_profiler block is used)")
-    p.add_argument("--run-dir", default=endpoints.DEFAULT_RUN_DIR, metavar="DIR",
-                   help="runtime directory holding the stage sockets and ready files (default: %(default)s)")
-    p.add_argument("--state-dir", default=endpoints.DEFAULT_STATE_DIR, metavar="DIR",
-                   help="state directory holding the spool and dead-letter directories (default: %(default)s)")
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="agent YAML config file (the modules.ebpf_profiler block is used)",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        metavar="DIR",
+        help="runtime directory holding the stage sockets and ready files (default: %(default)s)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=endpoints.DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help="state directory holding the spool and dead-letter directories (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -148,9 +161,13 @@ class Uploader:
         except HandoffError as e:
             self.counts["refused"] += 1
             reason = str(e)
-            self.log_once(("refused", reason), logging.WARNING,
-                          "refused a message: %s (%d refused so far; this reason is logged once)",
-                          reason, self.counts["refused"])
+            self.log_once(
+                ("refused", reason),
+                logging.WARNING,
+                "refused a message: %s (%d refused so far; this reason is logged once)",
+                reason,
+                self.counts["refused"],
+            )
             if e.profile_id is not None:
                 self._reply(identity, e.profile_id, REFUSED, reason)
             return
@@ -159,21 +176,22 @@ class Uploader:
         self._reply(identity, upload.profile_id, status, reason)
 
     def _reply(self, identity: bytes, profile_id: str, status: str, reason: str) -> None:
-        try:
+        try:  # noqa: SIM105
             self.sock.send_multipart([identity, encode_ack(profile_id, status, reason)], zmq.NOBLOCK)
         except zmq.Again:
-            pass   # that worker is gone or not reading; it offers the profile again and we ack it then
+            pass  # that worker is gone or not reading; it offers the profile again and we ack it then
 
 
-def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:
+def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:  # noqa: PLR0912
     args = parse_args(argv, prog)
-    lifecycle.become(prog, STAGE, "the uploader's")   # first: nothing below runs with privileges
+    lifecycle.become(prog, STAGE, "the uploader's")  # first: nothing below runs with privileges
     cfg = lifecycle.load_config(prog, args.config)
     token = ""
     if not cfg.uploads_locally:
         from uploader.http import HttpClient, TokenError, backoff_base_s, read_token
         from uploader.remote import RemoteConfigFetcher
         from uploader.sender import Sender
+
         try:
             token = read_token(cfg.token_file) if cfg.token_file else ""
         except TokenError as e:
@@ -192,10 +210,19 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         store: Store = writer
         where = f"the {writer.describe()}"
     else:
-        client = HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token,
-                            upload_format=formats.for_config(cfg))
-        spool = Spool(os.path.join(args.state_dir, SPOOL_DIR), os.path.join(args.state_dir, DEAD_LETTER_DIR),
-                      cfg.spool_max_mb << 20, log)
+        client = HttpClient(
+            cfg.endpoint,
+            read_timeout_s=cfg.upload_timeout_s,
+            ca_file=cfg.ca_file,
+            token=token,
+            upload_format=formats.for_config(cfg),
+        )
+        spool = Spool(
+            os.path.join(args.state_dir, SPOOL_DIR),
+            os.path.join(args.state_dir, DEAD_LETTER_DIR),
+            cfg.spool_max_mb << 20,
+            log,
+        )
         try:
             spool.open()
         except OSError as e:
@@ -203,8 +230,10 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
             return 1
         store = spool
         sender = Sender(spool, client, log, backoff_base_s(), counters.CounterFile(args.run_dir, STAGE))
-        where = (f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
-                 f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)")
+        where = (
+            f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
+            f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)"
+        )
         if token and cfg.endpoint.startswith("http://"):
             log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
 
@@ -238,17 +267,29 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
                 log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
     elif cfg.agent_config_url:
         fetcher = RemoteConfigFetcher(
-            HttpClient(cfg.endpoint, read_timeout_s=cfg.upload_timeout_s, ca_file=cfg.ca_file, token=token,
-                       agent_config_url=cfg.agent_config_url),
-            cfg, args.run_dir, socket.gethostname(), log)
+            HttpClient(
+                cfg.endpoint,
+                read_timeout_s=cfg.upload_timeout_s,
+                ca_file=cfg.ca_file,
+                token=token,
+                agent_config_url=cfg.agent_config_url,
+            ),
+            cfg,
+            args.run_dir,
+            socket.gethostname(),
+            log,
+        )
     else:
         if os.path.lexists(remote_config.path(args.run_dir)):
             try:
                 remote_config.write_overrides(args.run_dir, {})
             except OSError as e:
                 log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
-        log.info("remote config: off (upload_format %s sends to a backend that serves no agent config of ours; "
-                 "set remote_config_url to fetch one); no overrides file", cfg.upload_format)
+        log.info(
+            "remote config: off (upload_format %s sends to a backend that serves no agent config of ours; "
+            "set remote_config_url to fetch one); no overrides file",
+            cfg.upload_format,
+        )
     if sender is not None:
         sender.start()
     if fetcher is not None:
@@ -271,14 +312,22 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
                 sender.checks.flush(force=True)
             client.close()
             s = spool.counts
-            log.info("exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
-                     "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
-                     "the backend in a 2xx reply (partial success)",
-                     c["stored"], c["refused"], c["retry"], s["delivered"], s["dead_lettered"],
-                     s["dropped"], len(spool), spool.bytes / 1e6, sender.counts["rejected"])
+            log.info(
+                "exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
+                "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
+                "the backend in a 2xx reply (partial success)",
+                c["stored"],
+                c["refused"],
+                c["retry"],
+                s["delivered"],
+                s["dead_lettered"],
+                s["dropped"],
+                len(spool),
+                spool.bytes / 1e6,
+                sender.counts["rejected"],
+            )
         else:
-            log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"],
-                     c["retry"])
+            log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"], c["retry"])
     return 0
 
 

@@ -36,8 +36,9 @@ def describe(overrides: dict[str, Any]) -> str:
 class RemoteConfigFetcher:
     """Fetches the agent config from its own thread until stop()."""
 
-    def __init__(self, client: HttpClient, local: config_mod.ProfilerConfig, run_dir: str, host: str,
-                 log: logging.Logger) -> None:
+    def __init__(
+        self, client: HttpClient, local: config_mod.ProfilerConfig, run_dir: str, host: str, log: logging.Logger
+    ) -> None:
         self.client = client
         self.local = local
         self.run_dir = run_dir
@@ -48,15 +49,19 @@ class RemoteConfigFetcher:
         # The last accepted overrides: what the file says, from an earlier run or an earlier uploader.
         self.overrides = remote_config.read_overrides(run_dir, log)
         self.fetches = 0
-        self.answered = False         # a fetch has succeeded in this run
-        self.failures = 0             # failed fetches in a row (an episode)
+        self.answered = False  # a fetch has succeeded in this run
+        self.failures = 0  # failed fetches in a row (an episode)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="remote-config", daemon=True)
 
     def start(self) -> None:
         if self.overrides:
-            self.log.info("remote config: in force from before: %s; asking %s every %d s", describe(self.overrides),
-                          self.client.agent_config_url, self.interval_s)
+            self.log.info(
+                "remote config: in force from before: %s; asking %s every %d s",
+                describe(self.overrides),
+                self.client.agent_config_url,
+                self.interval_s,
+            )
         else:
             self.log.info("remote config: asking %s every %d s", self.client.agent_config_url, self.interval_s)
         self._thread.start()
@@ -71,7 +76,7 @@ class RemoteConfigFetcher:
         while True:
             try:
                 self.fetch_once()
-            except Exception:   # a bug: say so, keep what is in force, try again next time
+            except Exception:  # a bug: say so, keep what is in force, try again next time
                 self.log.exception("remote config: unexpected error; the overrides in force stay")
             if self._stopping.wait(self.interval_s):
                 return
@@ -106,20 +111,30 @@ class RemoteConfigFetcher:
             remote_config.write_overrides(self.run_dir, overrides)
         except OSError as e:
             # Nothing changed for the stages; the next fetch tries again.
-            self.log_once(("write", str(e)), logging.ERROR, "remote config: cannot write %s: %s; the stages "
-                          "keep %s", remote_config.path(self.run_dir), e, describe(self.overrides))
+            self.log_once(
+                ("write", str(e)),
+                logging.ERROR,
+                "remote config: cannot write %s: %s; the stages keep %s",
+                remote_config.path(self.run_dir),
+                e,
+                describe(self.overrides),
+            )
             return
         before = remote_config.effective(self.local, self.overrides)
         after = remote_config.effective(self.local, overrides)
         for key, old, new in remote_config.changes(before, after):
             note = "" if key in overrides else " (the local value: the backend no longer sets it)"
-            self.log.info("remote config: %s %s -> %s%s", key, remote_config.show(old), remote_config.show(new),
-                          note)
+            self.log.info("remote config: %s %s -> %s%s", key, remote_config.show(old), remote_config.show(new), note)
         self.overrides = overrides
 
     def _failed(self, reason: str) -> None:
         self.failures += 1
         if self.failures == 1:
-            self.log.warning("remote config: cannot fetch %s: %s; in force: %s; trying again every %d s (logged "
-                             "once until a fetch succeeds)", self.client.agent_config_url, reason,
-                             describe(self.overrides), self.interval_s)
+            self.log.warning(
+                "remote config: cannot fetch %s: %s; in force: %s; trying again every %d s (logged "
+                "once until a fetch succeeds)",
+                self.client.agent_config_url,
+                reason,
+                describe(self.overrides),
+                self.interval_s,
+            )

@@ -44,14 +44,20 @@ ERROR_PAUSE_S = 5.0
 class Sender:
     """Posts what is in the spool from its own thread."""
 
-    def __init__(self, spool: Spool, client: HttpClient, log: logging.Logger, backoff_base_s: float,
-                 checks: CounterFile | None = None) -> None:
+    def __init__(
+        self,
+        spool: Spool,
+        client: HttpClient,
+        log: logging.Logger,
+        backoff_base_s: float,
+        checks: CounterFile | None = None,
+    ) -> None:
         self.spool = spool
         self.client = client
         self.log = log
         self.backoff_base_s = backoff_base_s
         self.counts: Counter[str] = Counter()
-        self.checks = checks     # failed attempts by cause, for status
+        self.checks = checks  # failed attempts by cause, for status
         self._stopping = threading.Event()
         self._final_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
@@ -77,7 +83,7 @@ class Sender:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        failures = 0            # consecutive retryable failures, any profile
+        failures = 0  # consecutive retryable failures, any profile
         pause_until = 0.0
         while True:
             if self.checks is not None:
@@ -88,7 +94,7 @@ class Sender:
                 return
             if now < pause_until:
                 if stopping and pause_until >= self._final_deadline:
-                    return      # the backend is failing: no point holding the stop
+                    return  # the backend is failing: no point holding the stop
                 self.spool.wait(min(pause_until - now, IDLE_WAKE_S))
                 continue
             item = self.spool.take(now)
@@ -114,17 +120,33 @@ class Sender:
             self.counts["delivered"] += 1
             if outcome.rejected:
                 self.counts["rejected"] += outcome.rejected
-                self.log.warning("the backend accepted the upload of profile %s service=%r type=%s window=%s but "
-                                 "rejected %d profile(s) of it: %r (not retried; %d rejected so far)",
-                                 upload.profile_id, upload.service, upload.profile_type, window_text(upload),
-                                 outcome.rejected, outcome.note, self.counts["rejected"])
+                self.log.warning(
+                    "the backend accepted the upload of profile %s service=%r type=%s window=%s but "
+                    "rejected %d profile(s) of it: %r (not retried; %d rejected so far)",
+                    upload.profile_id,
+                    upload.service,
+                    upload.profile_type,
+                    window_text(upload),
+                    outcome.rejected,
+                    outcome.note,
+                    self.counts["rejected"],
+                )
             elif outcome.note:
                 self.log.debug("profile %s: %s", upload.profile_id, outcome.note)
             if failures:
-                self.log.info("the backend accepts profiles again after %d failed attempt(s); %d profile(s) "
-                              "left in the spool", failures, len(self.spool))
-            self.log.debug("uploaded profile %s service=%r type=%s window=%s on attempt %d", upload.profile_id,
-                           upload.service, upload.profile_type, window_text(upload), entry.attempts)
+                self.log.info(
+                    "the backend accepts profiles again after %d failed attempt(s); %d profile(s) left in the spool",
+                    failures,
+                    len(self.spool),
+                )
+            self.log.debug(
+                "uploaded profile %s service=%r type=%s window=%s on attempt %d",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                entry.attempts,
+            )
             return 0, pause_until
         if outcome.cause:
             self.counts[outcome.cause] += 1
@@ -144,10 +166,18 @@ class Sender:
                 again = pause
             now = time.monotonic()
             self.spool.retry_later(entry, now + again)
-            self.log.warning("upload of profile %s service=%r type=%s window=%s failed (attempt %d): %s; next "
-                             "attempt in %.2f s; %d profile(s) waiting in the spool", upload.profile_id,
-                             upload.service, upload.profile_type, window_text(upload), entry.attempts,
-                             outcome.reason, again, len(self.spool))
+            self.log.warning(
+                "upload of profile %s service=%r type=%s window=%s failed (attempt %d): %s; next "
+                "attempt in %.2f s; %d profile(s) waiting in the spool",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                entry.attempts,
+                outcome.reason,
+                again,
+                len(self.spool),
+            )
             return failures, now + pause
         self.counts["dead_lettered"] += 1
         self.spool.dead_letter(entry, upload, outcome.status, outcome.reason)

@@ -26,6 +26,7 @@ does), or hold profile bytes beyond one call.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -71,13 +72,14 @@ class SpoolFormatError(ValueError):
 @dataclass(slots=True)
 class Entry:
     """One spooled profile as the index knows it."""
+
     name: str
     profile_id: str
     size: int
     attempts: int = 0
-    failures: int = 0              # retryable failures of this profile the backend answered
-    next_attempt: float = 0.0      # time.monotonic(); 0: due now
-    in_flight: bool = False        # taken by the sender: not dropped under it
+    failures: int = 0  # retryable failures of this profile the backend answered
+    next_attempt: float = 0.0  # time.monotonic(); 0: due now
+    in_flight: bool = False  # taken by the sender: not dropped under it
 
 
 def encode_file(upload: ProfileUpload) -> bytes:
@@ -93,7 +95,7 @@ def decode_file(data: bytes, header_only: bool = False) -> ProfileUpload:
     start = len(MAGIC) + 4
     if n > MAX_HEADER_BYTES or start + n > len(data):
         raise SpoolFormatError(f"header length {n} does not fit the file")
-    header, body = data[start:start + n], b"" if header_only else data[start + n:]
+    header, body = data[start : start + n], b"" if header_only else data[start + n :]
     try:
         msg = decode([header, body])
     except WireError as e:
@@ -106,16 +108,22 @@ def decode_file(data: bytes, header_only: bool = False) -> ProfileUpload:
 class Spool:
     """The spool directory and its index; safe to use from the receive loop and the sender thread."""
 
-    def __init__(self, directory: str, dead_letter_dir: str, max_bytes: int, log: logging.Logger,
-                 max_files: int = MAX_SPOOL_FILES) -> None:
+    def __init__(
+        self,
+        directory: str,
+        dead_letter_dir: str,
+        max_bytes: int,
+        log: logging.Logger,
+        max_files: int = MAX_SPOOL_FILES,
+    ) -> None:
         self.directory = directory
         self.dead_letter_dir = dead_letter_dir
         self.max_bytes = max_bytes
         self.max_files = max_files
         self.log = log
-        self._entries: OrderedDict[str, Entry] = OrderedDict()   # name → entry, oldest first
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # name → entry, oldest first
         self._by_id: dict[str, str] = {}
-        self._settled: OrderedDict[str, None] = OrderedDict()   # ids that left the spool, newest last
+        self._settled: OrderedDict[str, None] = OrderedDict()  # ids that left the spool, newest last
         self._bytes = 0
         self._last_seq = 0
         self._cond = threading.Condition()
@@ -168,11 +176,19 @@ class Spool:
             if stale:
                 self.log.info("removed %d partial spool file(s) left by a crash (never acknowledged)", stale)
             if unknown:
-                self.log.warning("ignoring %d file(s) in %s that are not spooled profiles, e.g. %r",
-                                 len(unknown), self.directory, unknown[0])
+                self.log.warning(
+                    "ignoring %d file(s) in %s that are not spooled profiles, e.g. %r",
+                    len(unknown),
+                    self.directory,
+                    unknown[0],
+                )
             if self._entries:
-                self.log.info("spool %s holds %d profile(s), %.1f MB, from an earlier run: sending them first, "
-                              "oldest first", self.directory, len(self._entries), self._bytes / 1e6)
+                self.log.info(
+                    "spool %s holds %d profile(s), %.1f MB, from an earlier run: sending them first, oldest first",
+                    self.directory,
+                    len(self._entries),
+                    self._bytes / 1e6,
+                )
             self._make_room(0, f"over spool_max_mb ({self.max_bytes >> 20} MB)", adding=False)
 
     # ------------------------------------------------------------ the receive loop's side
@@ -187,11 +203,16 @@ class Spool:
                 return STORED, "already spooled"
             if size > self.max_bytes:
                 self.counts["refused_too_large"] += 1
-                reason = (f"profile of {size} bytes is larger than the whole spool "
-                          f"(spool_max_mb {self.max_bytes >> 20})")
-                self.log.error("dropped profile %s service=%r type=%s window=%s: %s (%d dropped so far)",
-                               upload.profile_id, upload.service, upload.profile_type, window_text(upload),
-                               reason, self.counts["refused_too_large"])
+                reason = f"profile of {size} bytes is larger than the whole spool (spool_max_mb {self.max_bytes >> 20})"
+                self.log.error(
+                    "dropped profile %s service=%r type=%s window=%s: %s (%d dropped so far)",
+                    upload.profile_id,
+                    upload.service,
+                    upload.profile_type,
+                    window_text(upload),
+                    reason,
+                    self.counts["refused_too_large"],
+                )
                 return REFUSED, reason
             self._make_room(size, f"spool full (spool_max_mb {self.max_bytes >> 20})")
             name = self._next_name(upload.profile_id)
@@ -203,17 +224,26 @@ class Spool:
                 except OSError as e:
                     if e.errno not in NO_SPACE:
                         self.counts["write_errors"] += 1
-                        self.log.error("cannot write profile %s (service=%r window=%s) to the spool %s: %s; "
-                                       "the worker keeps it and offers it again", upload.profile_id,
-                                       upload.service, window_text(upload), self.directory, e)
+                        self.log.error(
+                            "cannot write profile %s (service=%r window=%s) to the spool %s: %s; "
+                            "the worker keeps it and offers it again",
+                            upload.profile_id,
+                            upload.service,
+                            window_text(upload),
+                            self.directory,
+                            e,
+                        )
                         return RETRY, f"cannot write to the spool: {e}"
                     if not self._on_no_space(upload, size, e):
                         return RETRY, "no space left on the spool's filesystem"
             self._index(Entry(name, upload.profile_id, size))
             self.counts["spooled"] += 1
             if self._no_space_since is not None:
-                self.log.info("the spool has room again after %.0f s (%d profile(s) refused for lack of space "
-                              "so far)", time.monotonic() - self._no_space_since, self.counts["refused_no_space"])
+                self.log.info(
+                    "the spool has room again after %.0f s (%d profile(s) refused for lack of space so far)",
+                    time.monotonic() - self._no_space_since,
+                    self.counts["refused_no_space"],
+                )
                 self._no_space_since = None
             self._cond.notify_all()
         return STORED, ""
@@ -227,16 +257,30 @@ class Spool:
             if first:
                 self._no_space_since = time.monotonic()
             # One clear line per episode; the worker offers the profile again every few seconds.
-            self.log.log(logging.ERROR if first else logging.DEBUG,
-                         "no space left for the spool in %s (%s) and nothing left to drop (%d profile(s) in the "
-                         "spool, being sent): refused profile %s (service=%r window=%s) for now; the worker keeps "
-                         "it and offers it again (%d refused so far)", self.directory, error.strerror,
-                         len(self._entries), upload.profile_id, upload.service, window_text(upload),
-                         self.counts["refused_no_space"])
+            self.log.log(
+                logging.ERROR if first else logging.DEBUG,
+                "no space left for the spool in %s (%s) and nothing left to drop (%d profile(s) in the "
+                "spool, being sent): refused profile %s (service=%r window=%s) for now; the worker keeps "
+                "it and offers it again (%d refused so far)",
+                self.directory,
+                error.strerror,
+                len(self._entries),
+                upload.profile_id,
+                upload.service,
+                window_text(upload),
+                self.counts["refused_no_space"],
+            )
             return False
-        self.log.error("no space left for the spool in %s (%s) writing profile %s (service=%r window=%s, %d "
-                       "bytes): dropping the oldest spooled profiles to make room", self.directory,
-                       error.strerror, upload.profile_id, upload.service, window_text(upload), size)
+        self.log.error(
+            "no space left for the spool in %s (%s) writing profile %s (service=%r window=%s, %d "
+            "bytes): dropping the oldest spooled profiles to make room",
+            self.directory,
+            error.strerror,
+            upload.profile_id,
+            upload.service,
+            window_text(upload),
+            size,
+        )
         freed = 0
         while freed < size and (victim := self._oldest_droppable()) is not None:
             freed += victim.size
@@ -261,8 +305,9 @@ class Spool:
                     raise SpoolFormatError(f"larger than {MAX_FILE_BYTES} bytes")
                 return entry, decode_file(data)
             except FileNotFoundError:
-                self.log.warning("spooled profile %s vanished from %s (removed by hand?)", entry.profile_id,
-                                 self.directory)
+                self.log.warning(
+                    "spooled profile %s vanished from %s (removed by hand?)", entry.profile_id, self.directory
+                )
                 with self._cond:
                     self._unindex(entry)
             except (OSError, SpoolFormatError) as e:
@@ -308,39 +353,65 @@ class Spool:
         except FileNotFoundError:
             pass
         except OSError as e:
-            self.log.warning("cannot remove delivered profile %s from the spool: %s (it may be sent again; the "
-                             "backend stores it once)", entry.profile_id, e)
+            self.log.warning(
+                "cannot remove delivered profile %s from the spool: %s (it may be sent again; the "
+                "backend stores it once)",
+                entry.profile_id,
+                e,
+            )
         self.counts["delivered"] += 1
 
     def dead_letter(self, entry: Entry, upload: ProfileUpload, status: int | None, reason: str) -> None:
         """The backend refused it for good: move it to the dead-letter directory with status and reason."""
         base = os.path.join(self.dead_letter_dir, entry.name[: -len(SUFFIX)])
         record = {
-            "id": upload.profile_id, "service": upload.service, "type": upload.profile_type,
-            "host": upload.host, "window_start_ns": upload.window_start_ns, "window_end_ns": upload.window_end_ns,
-            "samples": upload.samples, "bytes": len(upload.pprof_gz), "status": status, "reason": reason,
-            "attempts": entry.attempts, "dead_lettered_at_ns": time.time_ns(),
+            "id": upload.profile_id,
+            "service": upload.service,
+            "type": upload.profile_type,
+            "host": upload.host,
+            "window_start_ns": upload.window_start_ns,
+            "window_end_ns": upload.window_end_ns,
+            "samples": upload.samples,
+            "bytes": len(upload.pprof_gz),
+            "status": status,
+            "reason": reason,
+            "attempts": entry.attempts,
+            "dead_lettered_at_ns": time.time_ns(),
         }
         try:
             write_atomic(base + ".pb.gz", upload.pprof_gz)
             write_atomic(base + ".json", json.dumps(record, indent=1, sort_keys=True).encode() + b"\n")
         except OSError as e:
             self.counts["dropped"] += 1
-            self.log.error("profile %s service=%r type=%s window=%s was refused by the backend (%s) and cannot be "
-                           "written to %s (%s): dropped (%d dropped so far)", upload.profile_id, upload.service,
-                           upload.profile_type, window_text(upload), reason, self.dead_letter_dir, e,
-                           self.counts["dropped"])
+            self.log.error(
+                "profile %s service=%r type=%s window=%s was refused by the backend (%s) and cannot be "
+                "written to %s (%s): dropped (%d dropped so far)",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                reason,
+                self.dead_letter_dir,
+                e,
+                self.counts["dropped"],
+            )
         else:
             self.counts["dead_lettered"] += 1
-            self.log.error("profile %s service=%r type=%s window=%s refused by the backend: %s; not retried, moved "
-                           "to %s.pb.gz with the reason in %s.json", upload.profile_id, upload.service,
-                           upload.profile_type, window_text(upload), reason, base, base)
+            self.log.error(
+                "profile %s service=%r type=%s window=%s refused by the backend: %s; not retried, moved "
+                "to %s.pb.gz with the reason in %s.json",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                reason,
+                base,
+                base,
+            )
         with self._cond:
             self._unindex(entry)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, entry.name))
-        except OSError:
-            pass
         self._trim_dead_letters()
 
     # ------------------------------------------------------------ internals (callers hold the lock)
@@ -369,11 +440,10 @@ class Spool:
 
     def _make_room(self, size: int, why: str, adding: bool = True) -> None:
         """Drop the oldest until `size` more bytes (and, when adding, one more file) fit the caps."""
-        while self._entries and (self._bytes + size > self.max_bytes
-                                 or len(self._entries) + adding > self.max_files):
+        while self._entries and (self._bytes + size > self.max_bytes or len(self._entries) + adding > self.max_files):
             victim = self._oldest_droppable()
             if victim is None:
-                return   # only the profile being sent is left; it leaves soon
+                return  # only the profile being sent is left; it leaves soon
             self._drop(victim, why)
 
     def _drop(self, entry: Entry, why: str) -> None:
@@ -393,8 +463,9 @@ class Spool:
             self.log.warning("cannot remove %s: %s", path, e)
         self._unindex(entry)
         self.counts["dropped"] += 1
-        self.log.warning("dropped the oldest spooled profile %s: %s (%d dropped so far)", what, why,
-                         self.counts["dropped"])
+        self.log.warning(
+            "dropped the oldest spooled profile %s: %s (%d dropped so far)", what, why, self.counts["dropped"]
+        )
 
     def _quarantine(self, entry: Entry, reason: str) -> None:
         """A spool file that cannot be read back goes to the dead letters as it is, with the reason."""
@@ -402,18 +473,26 @@ class Spool:
         dst = os.path.join(self.dead_letter_dir, entry.name)
         try:
             os.replace(src, dst)
-            write_atomic(dst + ".json", json.dumps({"id": entry.profile_id, "status": None, "reason": reason,
-                                                    "dead_lettered_at_ns": time.time_ns()}).encode() + b"\n")
+            write_atomic(
+                dst + ".json",
+                json.dumps(
+                    {"id": entry.profile_id, "status": None, "reason": reason, "dead_lettered_at_ns": time.time_ns()}
+                ).encode()
+                + b"\n",
+            )
             self.counts["dead_lettered"] += 1
             self.log.error("spooled profile %s cannot be read back (%s): moved to %s", entry.profile_id, reason, dst)
         except OSError as e:
             self.counts["dropped"] += 1
-            self.log.error("spooled profile %s cannot be read back (%s) nor moved to %s (%s): dropped",
-                           entry.profile_id, reason, self.dead_letter_dir, e)
-            try:
+            self.log.error(
+                "spooled profile %s cannot be read back (%s) nor moved to %s (%s): dropped",
+                entry.profile_id,
+                reason,
+                self.dead_letter_dir,
+                e,
+            )
+            with contextlib.suppress(OSError):
                 os.unlink(src)
-            except OSError:
-                pass
         with self._cond:
             self._unindex(entry)
 
@@ -426,10 +505,7 @@ class Spool:
         for name in extra:
             stem = name[: -len(".json")]
             for victim in (name, stem + ".pb.gz", stem):
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.dead_letter_dir, victim))
-                except OSError:
-                    pass
         if extra:
-            self.log.warning("removed the %d oldest dead letter(s): at most %d are kept", len(extra),
-                             MAX_DEAD_LETTERS)
+            self.log.warning("removed the %d oldest dead letter(s): at most %d are kept", len(extra), MAX_DEAD_LETTERS)

@@ -51,7 +51,7 @@ def addr2line(table: bytes, firstlineno: int, byte_offset: int) -> int | None:
                 return None
             first = table[i]
             if not first & 0x80:
-                return None       # every entry starts with its high bit set
+                return None  # every entry starts with its high bit set
             code, length = (first >> 3) & 15, (first & 7) + 1
             i += 1
             delta = 0
@@ -59,7 +59,7 @@ def addr2line(table: bytes, firstlineno: int, byte_offset: int) -> int | None:
                 pass
             elif code == 14:
                 delta, i = _svarint(table, i)
-                for _k in range(3):   # end line delta, column + 1, end column + 1
+                for _k in range(3):  # end line delta, column + 1, end column + 1
                     _, i = _varint(table, i)
             elif code == 13:
                 delta, i = _svarint(table, i)

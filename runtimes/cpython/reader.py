@@ -53,15 +53,15 @@ _I = struct.Struct("<i")
 
 @dataclass(frozen=True, slots=True)
 class PyFrame:
-    function: str      # co_qualname
-    filename: str      # co_filename
-    line: int          # 0 when the instruction has no location
+    function: str  # co_qualname
+    filename: str  # co_filename
+    line: int  # 0 when the instruction has no location
 
 
 @dataclass(frozen=True, slots=True)
 class ThreadStack:
     native_tid: int
-    frames: tuple[PyFrame, ...]       # leaf first
+    frames: tuple[PyFrame, ...]  # leaf first
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ class _Code:
     filename: str
     firstlineno: int
     linetable: bytes
-    lines: dict[int, int | None]      # byte offset → addr2line's answer, at most MAX_CACHED_LINES
+    lines: dict[int, int | None]  # byte offset → addr2line's answer, at most MAX_CACHED_LINES
 
     def line(self, byte_offset: int) -> int | None:
         if byte_offset in self.lines:
@@ -89,8 +89,7 @@ class CPythonProcess:
         lay = target.layout
         self._frame_bytes = max(lay.frame_previous, lay.frame_executable, lay.frame_instr_ptr) + 8
         self._frame_bytes = max(self._frame_bytes, lay.frame_owner + 1)
-        self._code_bytes = max(lay.code_filename, lay.code_qualname, lay.code_linetable,
-                               lay.code_firstlineno) + 8
+        self._code_bytes = max(lay.code_filename, lay.code_qualname, lay.code_linetable, lay.code_firstlineno) + 8
         self._tstate_bytes = max(lay.tstate_next, lay.tstate_native_thread_id, lay.tstate_current_frame) + 8
         # A str's header up to its data, and at least its state and length (whatever the offsets say).
         self._unicode_head = max(lay.unicode_ascii_size, lay.unicode_state + 4, lay.unicode_length + 8)
@@ -169,7 +168,7 @@ class CPythonProcess:
         """A frame whose code object's header `head` was read (None: it could not be)."""
         lay = self.target.layout
         instr = _Q.unpack_from(raw, lay.frame_instr_ptr)[0]
-        if head is None:              # a null, misaligned or unreadable code pointer
+        if head is None:  # a null, misaligned or unreadable code pointer
             self._drop("bad_pointer")
             return None
         try:
@@ -182,7 +181,7 @@ class CPythonProcess:
         if info is None:
             return None
         units = (instr - (code + lay.code_adaptive)) // 2 if instr else -1
-        if units == -1:       # not started yet (3.11/3.12 point before the first instruction)
+        if units == -1:  # not started yet (3.11/3.12 point before the first instruction)
             return PyFrame(info.qualname, info.filename, info.firstlineno)
         if not 0 <= units < MAX_CODE_UNITS:
             self._drop("bad_instruction_pointer")

@@ -41,18 +41,18 @@ SYMBOLS = ("_PyRuntime", "Py_Version", "PyCode_Type", "PyType_Type")
 @dataclass(frozen=True)
 class Target:
     pid: int
-    version: str                      # "3.13.5"
+    version: str  # "3.13.5"
     layout: layouts.Layout
-    runtime: int                      # address of _PyRuntime in the process
-    code_type: int                    # address of PyCode_Type
-    module: str                       # the interpreter's path as the process maps it
+    runtime: int  # address of _PyRuntime in the process
+    code_type: int  # address of PyCode_Type
+    module: str  # the interpreter's path as the process maps it
 
 
 @dataclass(frozen=True)
 class Refusal:
     pid: int
     reason: str
-    kind: str = ""          # a cap that fired (runtime.Refusal's kind)
+    kind: str = ""  # a cap that fired (runtime.Refusal's kind)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class _Module:
     inode: int
     major: int
     minor: int
-    flags: str                        # "t": free-threaded, "d": debug build
+    flags: str  # "t": free-threaded, "d": debug build
 
 
 def _modules(pid: int, proc: str) -> list[_Module]:
@@ -77,7 +77,7 @@ def _modules(pid: int, proc: str) -> list[_Module]:
         parts = line.split(maxsplit=5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
-        path = parts[5].replace("\\012", "\n")   # the kernel writes a newline in a maps path as \012
+        path = parts[5].replace("\\012", "\n")  # the kernel writes a newline in a maps path as \012
         m = _NAME.match(os.path.basename(path))
         if not m:
             continue
@@ -90,8 +90,10 @@ def _modules(pid: int, proc: str) -> list[_Module]:
             out[path] = _Module(path, start, offset, int(parts[4]), int(m.group(2)), int(m.group(3)), m.group(4))
     # Only a file the process runs code from is its interpreter (a file merely mapped under the
     # name is not); the library holds the runtime when there is one, the executable is then a stub.
-    return sorted((mod for path, mod in out.items() if path in executable),
-                  key=lambda mod: not os.path.basename(mod.path).startswith("lib"))
+    return sorted(
+        (mod for path, mod in out.items() if path in executable),
+        key=lambda mod: not os.path.basename(mod.path).startswith("lib"),
+    )
 
 
 def parse_hexversion(v: int) -> tuple[int, int, int]:
@@ -112,14 +114,17 @@ def _symbols_of(pid: int, mod: _Module, proc: str) -> ElfInfo | None:
     the host's path); only a file with the mapped inode is used."""
     for where in ("root", "host"):
         try:
-            path_fd = _open_path(f"{proc}/{pid}/root", mod.path) if where == "root" else \
-                os.open(mod.path, os.O_PATH | os.O_CLOEXEC)
+            path_fd = (
+                _open_path(f"{proc}/{pid}/root", mod.path)
+                if where == "root"
+                else os.open(mod.path, os.O_PATH | os.O_CLOEXEC)
+            )
         except OSError:
             continue
         try:
             if os.fstat(path_fd).st_ino != mod.inode:
                 continue
-            fd = open_regular(path_fd, mod.path)   # nothing but a regular file is opened: a FIFO would hang
+            fd = open_regular(path_fd, mod.path)  # nothing but a regular file is opened: a FIFO would hang
         except OSError:
             continue
         finally:
@@ -138,7 +143,7 @@ def _open_path(root: str, path: str) -> int:
         os.close(dirfd)
 
 
-def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: str = "/proc") -> Target | Refusal | None:
+def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: str = "/proc") -> Target | Refusal | None:  # noqa: PLR0912
     """What to do with process `pid`; MemoryReadError/OSError only if it vanished meanwhile."""
     mods = _modules(pid, proc)
     if not mods:
@@ -148,8 +153,11 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
     if mod.major != 3:
         return Refusal(pid, f"{where}: only CPython 3 is read")
     if "t" in mod.flags:
-        return Refusal(pid, f"{where}: a free-threaded build (no GIL): its objects and frames are laid out "
-                            f"differently and this reader does not support it")
+        return Refusal(
+            pid,
+            f"{where}: a free-threaded build (no GIL): its objects and frames are laid out "
+            f"differently and this reader does not support it",
+        )
     if mod.minor <= 10:
         return Refusal(pid, f"{where}: CPython 3.10 and older are not supported (3.11 and newer are)")
     try:
@@ -157,8 +165,10 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
     except ElfSymbolError as e:
         return Refusal(pid, f"{where}: unreadable ELF file: {e}", f"elf_{e.kind}")
     if info is None:
-        return Refusal(pid, f"{where}: the file is not reachable as the process maps it "
-                            f"(through /proc/{pid}/root, nor on this host)")
+        return Refusal(
+            pid,
+            f"{where}: the file is not reachable as the process maps it (through /proc/{pid}/root, nor on this host)",
+        )
     missing = [s for s in SYMBOLS if s not in info.symbols]
     if "Py_Version" in missing:
         return Refusal(pid, f"{where}: no Py_Version symbol: CPython 3.10 or older, or a stripped build")
@@ -173,8 +183,7 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
         return Refusal(pid, f"{where}: self-check failed: Py_Version in memory says {version}")
     if (major, minor) in layouts.LEGACY:
         if not legacy:
-            return Refusal(pid, f"{where}: CPython {major}.{minor} is read only with runtime_stacks: "
-                                f"[python_legacy]")
+            return Refusal(pid, f"{where}: CPython {major}.{minor} is read only with runtime_stacks: [python_legacy]")
         layout = layouts.LEGACY[(major, minor)]
     elif (major, minor) in layouts.DEBUG:
         if not modern:
@@ -183,15 +192,19 @@ def detect(pid: int, mem: ProcessMemory, *, modern: bool, legacy: bool, proc: st
         raw = mem.read(sym["_PyRuntime"], layouts.DEBUG_OFFSETS_BYTES)
         if raw[:8] != layouts.COOKIE:
             return Refusal(pid, f"{where}: self-check failed: no {layouts.COOKIE.decode()} cookie at _PyRuntime")
-        values = {name: struct.unpack_from("<Q", raw, at)[0]
-                  for name, at in layouts.debug_field_offsets(extras).items()}
+        values = {
+            name: struct.unpack_from("<Q", raw, at)[0] for name, at in layouts.debug_field_offsets(extras).items()
+        }
         if struct.unpack_from("<Q", raw, 8)[0] != hexversion:
             return Refusal(pid, f"{where}: self-check failed: the debug offsets are of another version")
         if values["free_threaded"]:
             return Refusal(pid, f"{where}: a free-threaded build (no GIL): not supported")
         layout = layouts.layout_from_debug(values, extras)
-        if (layout.ob_type != 8 or not 0 < layout.unicode_ascii_size <= 128
-                or max(layout.unicode_state + 4, layout.unicode_length + 8) > layout.unicode_ascii_size):
+        if (
+            layout.ob_type != 8
+            or not 0 < layout.unicode_ascii_size <= 128
+            or max(layout.unicode_state + 4, layout.unicode_length + 8) > layout.unicode_ascii_size
+        ):
             return Refusal(pid, f"{where}: self-check failed: implausible debug offsets")
     else:
         return Refusal(pid, f"{where}: no layout for CPython {major}.{minor} in this version of the profiler")

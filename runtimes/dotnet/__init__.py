@@ -56,7 +56,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from runtimes.dotnet import ipc
-from runtimes.dotnet.connect import ConnectRefused, Connector
+from runtimes.dotnet.connect import Connector, ConnectRefused
 from runtimes.runtime import Pending, ProcessContext, Refusal, Served, first_mappings
 from runtimes.targets import start_ticks as current_start_ticks
 from shared.runtime_registry import RuntimeSpec, spec_of
@@ -77,8 +77,12 @@ RETRY_AFTER_S = 10.0
 _CORECLR = "libcoreclr.so"
 # .../shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so: the framework's version is its directory's name.
 _VERSION = re.compile(r"/(\d+)\.(\d+)\.(\d+)[^/]*/libcoreclr\.so$")
-_DIAGNOSTICS_OFF = ("DOTNET_EnableDiagnostics", "COMPlus_EnableDiagnostics",
-                    "DOTNET_EnableDiagnostics_IPC", "COMPlus_EnableDiagnostics_IPC")
+_DIAGNOSTICS_OFF = (
+    "DOTNET_EnableDiagnostics",
+    "COMPlus_EnableDiagnostics",
+    "DOTNET_EnableDiagnostics_IPC",
+    "COMPlus_EnableDiagnostics_IPC",
+)
 _PERF_MAP_ON = ("DOTNET_PerfMapEnabled", "COMPlus_PerfMapEnabled")
 _PERF_MAP_PATH = ("DOTNET_PerfMapJitDumpPath", "COMPlus_PerfMapJitDumpPath")
 TMP = "/tmp"
@@ -97,7 +101,7 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     out: dict[bytes, bytes] = {}
     for item in data.split(b"\0"):
         name, eq, value = item.partition(b"=")
-        if eq and name not in out:       # the first of a repeated name is the one getenv finds
+        if eq and name not in out:  # the first of a repeated name is the one getenv finds
             out[name] = value
     return out
 
@@ -106,17 +110,23 @@ def environment_refusal(env: dict[bytes, bytes]) -> Refusal | Served | None:
     """What the environment alone decides, or None: ask the runtime."""
     for name in _DIAGNOSTICS_OFF:
         if env.get(name.encode()) == b"0":
-            return Refusal(f"{name}=0: the runtime opened no diagnostics socket to ask for a perf map; "
-                           f"start it with DOTNET_PerfMapEnabled=1 to name its JIT frames")
+            return Refusal(
+                f"{name}=0: the runtime opened no diagnostics socket to ask for a perf map; "
+                f"start it with DOTNET_PerfMapEnabled=1 to name its JIT frames"
+            )
     tmpdir = env.get(b"TMPDIR", b"")
     if tmpdir and os.path.normpath(tmpdir.decode("utf-8", "surrogateescape")) != TMP:
-        return Refusal(f"TMPDIR is {quote(process_string(tmpdir))}: its diagnostics socket is there, and only {TMP} is looked "
-                       f"in; start it with DOTNET_PerfMapEnabled=1 (the map goes to {TMP}) to name its JIT frames")
+        return Refusal(
+            f"TMPDIR is {quote(process_string(tmpdir))}: its diagnostics socket is there, and only {TMP} is looked "
+            f"in; start it with DOTNET_PerfMapEnabled=1 (the map goes to {TMP}) to name its JIT frames"
+        )
     for name in _PERF_MAP_PATH:
         path = env.get(name.encode(), b"")
         if path and os.path.normpath(path.decode("utf-8", "surrogateescape")) != TMP:
-            return Refusal(f"{name} is {quote(process_string(path))}: its perf map would be written there, and only "
-                           f"{TMP}/perf-<pid>.map is read")
+            return Refusal(
+                f"{name} is {quote(process_string(path))}: its perf map would be written there, and only "
+                f"{TMP}/perf-<pid>.map is read"
+            )
     for name in _PERF_MAP_ON:
         value = env.get(name.encode())
         if value is not None and value not in (b"", b"0"):
@@ -130,9 +140,10 @@ _Outcome = TypeVar("_Outcome", Served, Refusal)
 @dataclass
 class _Request:
     """EnablePerfMap asked of one process: its answer read as it arrives (reader ticks), retried when late."""
+
     enabled: _Enabled
     where: str
-    answer: ipc.PendingAnswer | None = None      # None: waiting to retry (or not sent yet)
+    answer: ipc.PendingAnswer | None = None  # None: waiting to retry (or not sent yet)
     attempts: int = 0
     retry_at: float = 0.0
 
@@ -147,8 +158,17 @@ class DotNet:
         # may have turned its map on without a well-formed answer).
         self._enabled: dict[tuple[int, int], tuple[_Enabled, bool]] = {}
         self._requests: dict[tuple[int, int], _Request] = {}
-        self.stats = {"enabled": 0, "already_on": 0, "refused": 0, "no_socket": 0, "not_answered": 0,
-                      "stalled": 0, "malformed": 0, "disabled": 0, "disable_failed": 0}
+        self.stats = {
+            "enabled": 0,
+            "already_on": 0,
+            "refused": 0,
+            "no_socket": 0,
+            "not_answered": 0,
+            "stalled": 0,
+            "malformed": 0,
+            "disabled": 0,
+            "disable_failed": 0,
+        }
 
     def detect(self, process: ProcessContext) -> Served | Refusal | Pending | None:
         mods = first_mappings(process.mappings, lambda base: base == _CORECLR)
@@ -157,7 +177,7 @@ class DotNet:
         path = next(iter(mods))
         m = _VERSION.search(path)
         version = ".".join(m.groups()) if m else "(version unknown)"
-        where = f"{process_string(path)} (.NET {version})"     # a path is the process's: escaped for the log
+        where = f"{process_string(path)} (.NET {version})"  # a path is the process's: escaped for the log
         try:
             env = parse_environ(self._connector.environ(process.pid, process.start_ticks))
         except ConnectRefused as e:
@@ -187,14 +207,18 @@ class DotNet:
             return self._done(req, Refusal(f"{req.where}: EnablePerfMap not sent or not answered: {err}"))
         req.attempts += 1
         if (e.pid, e.start_ticks) not in self._enabled:
-            self._remember(e, False)       # it may turn its map on whatever comes back: told to stop at stop()
+            self._remember(e, False)  # it may turn its map on whatever comes back: told to stop at stop()
         try:
             ipc.send_now(sock, ipc.enable_perf_map())
         except OSError as err:
             sock.close()
             self.stats["not_answered"] += 1
-            return self._done(req, Refusal(f"{req.where}: EnablePerfMap not sent or not answered: the connection "
-                                           f"failed: {err.strerror or err}"))
+            return self._done(
+                req,
+                Refusal(
+                    f"{req.where}: EnablePerfMap not sent or not answered: the connection failed: {err.strerror or err}"
+                ),
+            )
         req.answer = ipc.PendingAnswer(sock, ipc.ENABLE_ANSWER_TIMEOUT_S)
         return None
 
@@ -213,21 +237,36 @@ class DotNet:
             req.answer = None
             self.stats["stalled"] += 1
             if req.attempts >= ENABLE_ATTEMPTS:
-                return self._done(req, Refusal(
-                    f"{where}: EnablePerfMap not sent or not answered: no answer within "
-                    f"{ipc.ENABLE_ANSWER_TIMEOUT_S} s, {req.attempts} times; left alone", "dotnet_stalled"))
+                return self._done(
+                    req,
+                    Refusal(
+                        f"{where}: EnablePerfMap not sent or not answered: no answer within "
+                        f"{ipc.ENABLE_ANSWER_TIMEOUT_S} s, {req.attempts} times; left alone",
+                        "dotnet_stalled",
+                    ),
+                )
             req.retry_at = time.monotonic() + RETRY_AFTER_S * 2 ** (req.attempts - 1)
             return None
         except ipc.MalformedAnswer as err:
             req.answer.sock.close()
             self.stats["malformed"] += 1
-            return self._done(req, Refusal(f"{where}: EnablePerfMap not sent or not answered: a malformed answer "
-                                           f"({self.stats['malformed']} so far): {err}", "dotnet_malformed"))
+            return self._done(
+                req,
+                Refusal(
+                    f"{where}: EnablePerfMap not sent or not answered: a malformed answer "
+                    f"({self.stats['malformed']} so far): {err}",
+                    "dotnet_malformed",
+                ),
+            )
         except OSError as err:
             req.answer.sock.close()
             self.stats["not_answered"] += 1
-            return self._done(req, Refusal(f"{where}: EnablePerfMap not sent or not answered: the connection "
-                                           f"failed: {err.strerror or err}"))
+            return self._done(
+                req,
+                Refusal(
+                    f"{where}: EnablePerfMap not sent or not answered: the connection failed: {err.strerror or err}"
+                ),
+            )
         if got is None:
             return None
         req.answer.sock.close()
@@ -235,14 +274,23 @@ class DotNet:
         if got.ok and got.hresult == 0:
             self._remember(e, True)
             self.stats["enabled"] += 1
-            return self._done(req, Served(f"{where}: EnablePerfMap answered {got.text()}: it writes "
-                                          f"/tmp/perf-{e.nspid}.map; its JIT frames are named from the next window on"))
-        self._enabled.pop((e.pid, e.start_ticks), None)      # it answered an error: no map was turned on
+            return self._done(
+                req,
+                Served(
+                    f"{where}: EnablePerfMap answered {got.text()}: it writes "
+                    f"/tmp/perf-{e.nspid}.map; its JIT frames are named from the next window on"
+                ),
+            )
+        self._enabled.pop((e.pid, e.start_ticks), None)  # it answered an error: no map was turned on
         self.stats["refused"] += 1
         if got.hresult == ipc.UNKNOWN_COMMAND:
-            return self._done(req, Refusal(
-                f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
-                f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames"))
+            return self._done(
+                req,
+                Refusal(
+                    f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
+                    f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames"
+                ),
+            )
         return self._done(req, Refusal(f"{where}: EnablePerfMap answered {got.text()}"))
 
     def _done(self, req: _Request, outcome: _Outcome) -> _Outcome:
@@ -271,11 +319,13 @@ class DotNet:
         asking: list[tuple[_Enabled, ipc.PendingAnswer]] = []
         for i, (e, _) in enumerate(left):
             if time.monotonic() > deadline:
-                lines.append(f".NET: {len(left) - i} processes were not asked to stop their perf maps within "
-                             f"{STOP_BUDGET_S} s; they keep writing them")
+                lines.append(
+                    f".NET: {len(left) - i} processes were not asked to stop their perf maps within "
+                    f"{STOP_BUDGET_S} s; they keep writing them"
+                )
                 break
             if current_start_ticks(e.pid) != e.start_ticks:
-                continue                 # exited: its runtime closed the map
+                continue  # exited: its runtime closed the map
             try:
                 sock = self._connector.connect(e.pid, e.start_ticks)
             except ConnectRefused as err:
@@ -305,13 +355,15 @@ class DotNet:
                 pending.sock.close()
                 if got.ok and got.hresult == 0:
                     self.stats["disabled"] += 1
-                    lines.append(f"pid {e.pid} (.NET {e.version}): DisablePerfMap answered {got.text()}: it stopped "
-                                 f"writing /tmp/perf-{e.nspid}.map (the file stays, as the runtime leaves it)")
+                    lines.append(
+                        f"pid {e.pid} (.NET {e.version}): DisablePerfMap answered {got.text()}: it stopped "
+                        f"writing /tmp/perf-{e.nspid}.map (the file stays, as the runtime leaves it)"
+                    )
                 else:
                     self._stop_failed(lines, e, f"answered {got.text()}")
             asking = waiting
             if asking:
-                soonest = min(min(p.deadline for _, p in asking), deadline)
+                soonest = min(min(p.deadline for _, p in asking), deadline)  # noqa: PLW3301
                 select.select([p.sock for _, p in asking], [], [], max(0.0, soonest - time.monotonic()) + 0.001)
         self._connector.close()
         lines.append(f".NET: perf maps {self.stats}")
@@ -319,8 +371,11 @@ class DotNet:
 
     def checks(self) -> dict[str, int]:
         """The checks on what processes answered that fired, for the reader's status counters."""
-        return {"dotnet_stalled": self.stats["stalled"], "dotnet_malformed": self.stats["malformed"],
-                "dotnet_not_answered": self.stats["not_answered"]}
+        return {
+            "dotnet_stalled": self.stats["stalled"],
+            "dotnet_malformed": self.stats["malformed"],
+            "dotnet_not_answered": self.stats["not_answered"],
+        }
 
     def _stop_failed(self, lines: list[str], e: _Enabled, why: str) -> None:
         self.stats["disable_failed"] += 1

@@ -30,6 +30,7 @@ as a process's user but the connect.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -40,6 +41,7 @@ import struct
 import time
 
 import prctl
+
 from shared import privileges, procstat
 
 # Seconds the child has to take the ids, find the socket and connect (a runtime's backlog is short).
@@ -54,9 +56,9 @@ MAX_STATUS_BYTES = 16384
 # (and a reply is one datagram).
 MAX_ENVIRON_BYTES = 64 << 10
 
-_REQUEST = struct.Struct("<QQIB")       # pid, start ticks, request number, kind
+_REQUEST = struct.Struct("<QQIB")  # pid, start ticks, request number, kind
 ENVIRON, CONNECT = 1, 2
-_REPLY = struct.Struct("<IB")           # request number, status
+_REPLY = struct.Struct("<IB")  # request number, status
 OK, REFUSED, FAILED = 0, 1, 2
 
 
@@ -102,8 +104,10 @@ def _become_owner(pid: int, start_ticks: int) -> tuple[int, int]:
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
     except PermissionError:
-        raise ConnectRefused(f"the connector cannot take the process's uid {uid} and gid {gid}: it lacks "
-                             f"CAP_SETUID and CAP_SETGID (under systemd, give them to the runtime unit)") from None
+        raise ConnectRefused(
+            f"the connector cannot take the process's uid {uid} and gid {gid}: it lacks "
+            f"CAP_SETUID and CAP_SETGID (under systemd, give them to the runtime unit)"
+        ) from None
     privileges.keep_only(frozenset({privileges.CAP_SYS_PTRACE}))
     return uid, nspid
 
@@ -116,7 +120,7 @@ def _environ_as_owner(pid: int, start_ticks: int) -> bytes:
             data = f.read(MAX_ENVIRON_BYTES)
     except OSError as e:
         raise ConnectRefused(f"its environment cannot be read as its user: {e.strerror or e}") from None
-    _owner(pid, start_ticks)             # still the process whose environment this is (raises if not)
+    _owner(pid, start_ticks)  # still the process whose environment this is (raises if not)
     return data
 
 
@@ -131,7 +135,7 @@ def _connect_as_owner(pid: int, start_ticks: int) -> socket.socket:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ConnectRefused("its /tmp is a symlink or not a directory") from None
         raise ConnectRefused(f"its /tmp cannot be opened as its user: {e.strerror}") from None
-    privileges.keep_only(frozenset())    # the socket is opened and connected to as the user, nothing more
+    privileges.keep_only(frozenset())  # the socket is opened and connected to as the user, nothing more
     try:
         try:
             fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=tmp)
@@ -157,8 +161,9 @@ def _connect_as_owner(pid: int, start_ticks: int) -> socket.socket:
         os.close(fd)
 
 
-def _reply(sock: socket.socket, seq: int, status: int, reason: str, fds: list[int] | None = None,
-           data: bytes = b"") -> None:
+def _reply(
+    sock: socket.socket, seq: int, status: int, reason: str, fds: list[int] | None = None, data: bytes = b""
+) -> None:
     body = data[:MAX_ENVIRON_BYTES] if status == OK else reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
     socket.send_fds(sock, [_REPLY.pack(seq, status) + body], fds or [])
 
@@ -173,7 +178,7 @@ def _serve(sock: socket.socket) -> None:
         except OSError:
             return
         if len(data) != _REQUEST.size:
-            return                       # the reader closed its end (or sent what it never sends)
+            return  # the reader closed its end (or sent what it never sends)
         pid, start_ticks, seq, kind = _REQUEST.unpack(data)
         child = os.fork()
         if child == 0:
@@ -191,7 +196,7 @@ def _serve(sock: socket.socket) -> None:
                         _reply(sock, seq, OK, "", data=env)
                     else:
                         _reply(sock, seq, OK, "", [s.fileno()])
-            except BaseException:   # anything: the child ends here whatever happened
+            except BaseException:  # anything: the child ends here whatever happened
                 code = 1
             os._exit(code)
         status = _wait(child, CONNECT_TIMEOUT_S)
@@ -227,7 +232,7 @@ class Connector:
                 self._sock.close()
                 prctl.set_pdeathsig(signal.SIGKILL)
                 privileges.keep_only(privileges.OPTIONAL_CAPS["runtime"] | privileges.STAGES["runtime"].caps)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)    # the reader stops it, when it is done
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the reader stops it, when it is done
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 _serve(theirs)
             finally:
@@ -238,7 +243,7 @@ class Connector:
         """A socket connected to (pid, start_ticks)'s diagnostics socket, as its user.
 
         Raises ConnectRefused with the reason."""
-        data, fds = self._ask(pid, start_ticks, CONNECT)
+        data, fds = self._ask(pid, start_ticks, CONNECT)  # noqa: RUF059
         if len(fds) == 1:
             return socket.socket(fileno=fds[0])
         for fd in fds:
@@ -271,19 +276,17 @@ class Connector:
                     os.close(fd)
                 raise ConnectRefused("the connector is gone")
             seq, status = _REPLY.unpack_from(data)
-            if seq != self._seq:                 # the late reply of a request given up on
+            if seq != self._seq:  # the late reply of a request given up on
                 for fd in fds:
                     os.close(fd)
                 continue
             if status == OK:
-                return data[_REPLY.size:], fds
+                return data[_REPLY.size :], fds
             for fd in fds:
                 os.close(fd)
-            raise ConnectRefused(data[_REPLY.size:].decode("utf-8", "replace") or "the connector failed")
+            raise ConnectRefused(data[_REPLY.size :].decode("utf-8", "replace") or "the connector failed")
 
     def close(self) -> None:
         self._sock.close()
-        try:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError, OSError):
             _wait(self.pid, REPLY_TIMEOUT_S)
-        except (ChildProcessError, ProcessLookupError, OSError):
-            pass

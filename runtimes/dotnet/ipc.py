@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 MAGIC = b"DOTNET_IPC_V1\0"
 _HEADER = struct.Struct("<14sHBBH")
-HEADER_BYTES = _HEADER.size            # 20
+HEADER_BYTES = _HEADER.size  # 20
 COMMAND_SET_PROCESS = 0x04
 COMMAND_SET_SERVER = 0xFF
 ENABLE_PERF_MAP = 0x05
@@ -74,7 +74,7 @@ class AnswerTimeout(Exception):
 @dataclass(frozen=True)
 class Answer:
     ok: bool
-    hresult: int                        # as unsigned 32 bits; 0 is success
+    hresult: int  # as unsigned 32 bits; 0 is success
 
     def text(self) -> str:
         if self.ok and self.hresult == 0:
@@ -103,8 +103,10 @@ def parse_answer(data: bytes) -> Answer:
     if magic != MAGIC:
         raise MalformedAnswer(f"magic {magic[:16]!r} is not {MAGIC!r}")
     if size != len(data):
-        raise MalformedAnswer(f"the header says {size} bytes, the peer sent {len(data)}"
-                              f"{' or more' if len(data) > MAX_ANSWER_BYTES else ''}")
+        raise MalformedAnswer(
+            f"the header says {size} bytes, the peer sent {len(data)}"
+            f"{' or more' if len(data) > MAX_ANSWER_BYTES else ''}"
+        )
     if command_set != COMMAND_SET_SERVER or command_id not in (RESPONSE_OK, RESPONSE_ERROR):
         raise MalformedAnswer(f"command {command_set:#04x}/{command_id:#04x} is not a server OK or error")
     if reserved:
@@ -148,7 +150,7 @@ class PendingAnswer:
                 break
             self.data += chunk
             if len(self.data) >= HEADER_BYTES and _HEADER.unpack_from(self.data)[1] == len(self.data):
-                break                   # a whole message: the runtime closes after it, a peer may not
+                break  # a whole message: the runtime closes after it, a peer may not
         return parse_answer(self.data)
 
 

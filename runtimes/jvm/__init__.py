@@ -60,9 +60,11 @@ def version_of(mem: Any, vs: vmstructs.VMStructs) -> tuple[int, str]:
 def decide(vs: vmstructs.VMStructs, major: int, release: str, where: str) -> layouts.Layout | Refusal:
     """The layout for these tables, or why not (no memory reads: unit tests replay recorded tables)."""
     if not layouts.is_jep223(vs):
-        return Refusal(f"{where}: HotSpot {release or major} is JDK 8's or older (no Abstract_VM_Version::"
-                       f"_vm_security_version; one code heap, CodeCache::_heap, not _heaps): not supported, "
-                       f"JDK {layouts.MIN_MAJOR} and newer are")
+        return Refusal(
+            f"{where}: HotSpot {release or major} is JDK 8's or older (no Abstract_VM_Version::"
+            f"_vm_security_version; one code heap, CodeCache::_heap, not _heaps): not supported, "
+            f"JDK {layouts.MIN_MAJOR} and newer are"
+        )
     if major < layouts.MIN_MAJOR:
         return Refusal(f"{where}: JDK {major} ({release}) is not supported: JDK {layouts.MIN_MAJOR} and newer are")
     try:
@@ -80,8 +82,7 @@ class Jvm:
             return None
         mod = next(iter(mods.values()))
         if platform.machine() != "x86_64":
-            return Refusal(f"{mod.path}: the reader knows x86-64's interpreter frames only, not "
-                           f"{platform.machine()}'s")
+            return Refusal(f"{mod.path}: the reader knows x86-64's interpreter frames only, not {platform.machine()}'s")
         facts = mapped_file_facts(process, mod, "jvm", lambda f: FileFacts(elfsyms.read_symbols(f, vmstructs.SYMBOLS)))
         if isinstance(facts, Refusal):
             return facts

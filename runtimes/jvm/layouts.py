@@ -42,13 +42,13 @@ class MissingField(Exception):
 @dataclass(frozen=True)
 class Layout:
     major: int
-    stream_x: int                     # the excluded-bytes bias of CompressedReadStream (0 or 1)
+    stream_x: int  # the excluded-bytes bias of CompressedReadStream (0 or 1)
     # threads
-    java_thread_list: int             # address of ThreadsSMRSupport::_java_thread_list (JDK 12+), else -1
-    threads_head: int                 # address of Threads::_thread_list (JDK 11: a list by JavaThread::_next)
+    java_thread_list: int  # address of ThreadsSMRSupport::_java_thread_list (JDK 12+), else -1
+    threads_head: int  # address of Threads::_thread_list (JDK 11: a list by JavaThread::_next)
     jt_next: int
     jt_thread_state: int
-    state_in_java: int                # JavaThreadState's _thread_in_Java
+    state_in_java: int  # JavaThreadState's _thread_in_Java
     state_in_java_trans: int
     tl_length: int
     tl_threads: int
@@ -61,12 +61,12 @@ class Layout:
     anchor_fp: int
     os_thread_id: int
     # frames
-    call_stub_return: int             # address of StubRoutines::_call_stub_return_address
-    call_wrapper_slot: int            # frame::entry_frame_call_wrapper_offset (words from fp)
-    wrapper_anchor: int               # JavaCallWrapper::_anchor
-    sender_sp_slot: int               # frame::interpreter_frame_sender_sp_offset
+    call_stub_return: int  # address of StubRoutines::_call_stub_return_address
+    call_wrapper_slot: int  # frame::entry_frame_call_wrapper_offset (words from fp)
+    wrapper_anchor: int  # JavaCallWrapper::_anchor
+    sender_sp_slot: int  # frame::interpreter_frame_sender_sp_offset
     # code cache
-    code_heaps: int                   # address of CodeCache::_heaps
+    code_heaps: int  # address of CodeCache::_heaps
     ga_len: int
     ga_data: int
     heap_memory: int
@@ -81,21 +81,21 @@ class Layout:
     cb_name: int
     cb_size: int
     cb_frame_size: int
-    cb_frame_complete: int            # CodeBlob::_frame_complete_offset (int to JDK 22, int16_t since), else -1
-    cb_code_begin: int                # pointer field (JDK 11-21), else -1
-    cb_code_offset: int               # int field from the blob (JDK 23+), else -1
-    cb_kind: int                      # u1 kind (JDK 23+), else -1
+    cb_frame_complete: int  # CodeBlob::_frame_complete_offset (int to JDK 22, int16_t since), else -1
+    cb_code_begin: int  # pointer field (JDK 11-21), else -1
+    cb_code_offset: int  # int field from the blob (JDK 23+), else -1
+    cb_kind: int  # u1 kind (JDK 23+), else -1
     kind_nmethod: int
-    cb_mutable_data: int              # JDK 25: metadata lives after the relocations there
+    cb_mutable_data: int  # JDK 25: metadata lives after the relocations there
     cb_relocation_size: int
     nm_method: int
-    nm_scopes_data_begin: int         # pointer (JDK 11-21), else -1
-    nm_immutable_data: int            # pointer (JDK 25), else -1
+    nm_scopes_data_begin: int  # pointer (JDK 11-21), else -1
+    nm_immutable_data: int  # pointer (JDK 25), else -1
     nm_scopes_data_offset: int
     nm_immutable_size: int
     nm_scopes_pcs_offset: int
-    nm_pcs_end_offset: int            # _dependencies_offset (JDK 11-21): the pcs end there
-    nm_metadata_offset: int           # JDK 11-21, else -1
+    nm_pcs_end_offset: int  # _dependencies_offset (JDK 11-21): the pcs end there
+    nm_metadata_offset: int  # JDK 11-21, else -1
     nm_compile_id: int
     pc_desc_size: int
     pc_offset: int
@@ -107,12 +107,12 @@ class Layout:
     cm_code_size: int
     cm_name_index: int
     cm_flags: int
-    cm_size: int                      # sizeof(ConstMethod): the bytecodes follow it
+    cm_size: int  # sizeof(ConstMethod): the bytecodes follow it
     has_linenumber_table: int
     cp_pool_holder: int
-    cp_size: int                      # sizeof(ConstantPool): the entries follow it
-    cp_source_file_index: int         # ConstantPool's (JDK 17+), else -1
-    ik_source_file_index: int         # InstanceKlass's (JDK 11), else -1
+    cp_size: int  # sizeof(ConstantPool): the entries follow it
+    cp_source_file_index: int  # ConstantPool's (JDK 17+), else -1
+    ik_source_file_index: int  # InstanceKlass's (JDK 11), else -1
     klass_name: int
     sym_length: int
     sym_body: int
@@ -149,10 +149,10 @@ def layout(vs: VMStructs, major: int) -> Layout:
         return sz[t]
 
     def const(n: str, *alts: str) -> int:
-        for name in (n,) + alts:
+        for name in (n, *alts):
             if name in ints:
                 return ints[name]
-        raise MissingField(" / ".join((n,) + alts))
+        raise MissingField(" / ".join((n, *alts)))
 
     smr = s.get(("ThreadsSMRSupport", "_java_thread_list"), -1)
     if smr < 0:
@@ -172,20 +172,24 @@ def layout(vs: VMStructs, major: int) -> Layout:
     if metadata < 0 and immutable >= 0:
         field(("CodeBlob", "_mutable_data"))
     return Layout(
-        major=major, stream_x=1 if major >= UNSIGNED5_X1_SINCE else 0,
+        major=major,
+        stream_x=1 if major >= UNSIGNED5_X1_SINCE else 0,
         java_thread_list=s.get(("ThreadsSMRSupport", "_java_thread_list"), -1),
         threads_head=s.get(("Threads", "_thread_list"), -1) if smr < 0 else -1,
         jt_next=field(("JavaThread", "_next")) if smr < 0 else -1,
         jt_thread_state=field(("JavaThread", "_thread_state")),
-        state_in_java=const("_thread_in_Java"), state_in_java_trans=const("_thread_in_Java_trans"),
+        state_in_java=const("_thread_in_Java"),
+        state_in_java_trans=const("_thread_in_Java_trans"),
         tl_length=field(("ThreadsList", "_length")) if smr >= 0 else -1,
         tl_threads=field(("ThreadsList", "_threads")) if smr >= 0 else -1,
         jt_anchor=field(("JavaThread", "_anchor")),
         jt_osthread=field(("JavaThread", "_osthread"), ("Thread", "_osthread")),
         jt_stack_base=field(("JavaThread", "_stack_base"), ("Thread", "_stack_base")),
         jt_stack_size=field(("JavaThread", "_stack_size"), ("Thread", "_stack_size")),
-        anchor_sp=field(("JavaFrameAnchor", "_last_Java_sp")), anchor_pc=field(("JavaFrameAnchor", "_last_Java_pc")),
-        anchor_fp=field(("JavaFrameAnchor", "_last_Java_fp")), os_thread_id=field(("OSThread", "_thread_id")),
+        anchor_sp=field(("JavaFrameAnchor", "_last_Java_sp")),
+        anchor_pc=field(("JavaFrameAnchor", "_last_Java_pc")),
+        anchor_fp=field(("JavaFrameAnchor", "_last_Java_fp")),
+        os_thread_id=field(("OSThread", "_thread_id")),
         call_stub_return=static("StubRoutines", "_call_stub_return_address"),
         call_wrapper_slot=const("frame::entry_frame_call_wrapper_offset"),
         wrapper_anchor=field(("JavaCallWrapper", "_anchor")),
@@ -193,34 +197,51 @@ def layout(vs: VMStructs, major: int) -> Layout:
         code_heaps=static("CodeCache", "_heaps"),
         ga_len=field(("GrowableArrayBase", "_len"), ("GenericGrowableArray", "_len")),
         ga_data=field(("GrowableArray<int>", "_data")),
-        heap_memory=field(("CodeHeap", "_memory")), heap_segmap=field(("CodeHeap", "_segmap")),
+        heap_memory=field(("CodeHeap", "_memory")),
+        heap_segmap=field(("CodeHeap", "_segmap")),
         heap_log2_segment=field(("CodeHeap", "_log2_segment_size")),
-        vs_low_boundary=field(("VirtualSpace", "_low_boundary")), vs_high=field(("VirtualSpace", "_high")),
-        vs_low=field(("VirtualSpace", "_low")), heap_block_size=size("HeapBlock"),
+        vs_low_boundary=field(("VirtualSpace", "_low_boundary")),
+        vs_high=field(("VirtualSpace", "_high")),
+        vs_low=field(("VirtualSpace", "_low")),
+        heap_block_size=size("HeapBlock"),
         hb_used=field(("HeapBlock::Header", "_used")),
-        cb_name=field(("CodeBlob", "_name")), cb_size=field(("CodeBlob", "_size")),
+        cb_name=field(("CodeBlob", "_name")),
+        cb_size=field(("CodeBlob", "_size")),
         cb_frame_size=field(("CodeBlob", "_frame_size")),
-        cb_frame_complete=opt(("CodeBlob", "_frame_complete_offset")), cb_code_begin=cb_code_begin,
+        cb_frame_complete=opt(("CodeBlob", "_frame_complete_offset")),
+        cb_code_begin=cb_code_begin,
         cb_code_offset=cb_code_offset,
-        cb_kind=cb_kind, kind_nmethod=const("CodeBlobKind::Nmethod") if cb_kind >= 0 else -1,
-        cb_mutable_data=opt(("CodeBlob", "_mutable_data")), cb_relocation_size=opt(("CodeBlob", "_relocation_size")),
+        cb_kind=cb_kind,
+        kind_nmethod=const("CodeBlobKind::Nmethod") if cb_kind >= 0 else -1,
+        cb_mutable_data=opt(("CodeBlob", "_mutable_data")),
+        cb_relocation_size=opt(("CodeBlob", "_relocation_size")),
         nm_method=field(("CompiledMethod", "_method"), ("nmethod", "_method")),
-        nm_scopes_data_begin=scopes_begin, nm_immutable_data=immutable,
+        nm_scopes_data_begin=scopes_begin,
+        nm_immutable_data=immutable,
         nm_scopes_data_offset=field(("nmethod", "_scopes_data_offset")) if immutable >= 0 else -1,
         nm_immutable_size=field(("nmethod", "_immutable_data_size")) if immutable >= 0 else -1,
         nm_scopes_pcs_offset=field(("nmethod", "_scopes_pcs_offset")),
         nm_pcs_end_offset=field(("nmethod", "_dependencies_offset")) if immutable < 0 else -1,
-        nm_metadata_offset=metadata, nm_compile_id=field(("nmethod", "_compile_id")),
-        pc_desc_size=size("PcDesc"), pc_offset=field(("PcDesc", "_pc_offset")),
-        pc_scope_decode=field(("PcDesc", "_scope_decode_offset")), invocation_entry_bci=const("InvocationEntryBci"),
-        m_const_method=field(("Method", "_constMethod")), cm_constants=field(("ConstMethod", "_constants")),
-        cm_code_size=field(("ConstMethod", "_code_size")), cm_name_index=field(("ConstMethod", "_name_index")),
-        cm_flags=field(("ConstMethod", "_flags"), ("ConstMethod", "_flags._flags")), cm_size=size("ConstMethod"),
-        has_linenumber_table=const("ConstMethod::_has_linenumber_table",
-                                   "ConstMethodFlags::_misc_has_linenumber_table"),
-        cp_pool_holder=field(("ConstantPool", "_pool_holder")), cp_size=size("ConstantPool"),
+        nm_metadata_offset=metadata,
+        nm_compile_id=field(("nmethod", "_compile_id")),
+        pc_desc_size=size("PcDesc"),
+        pc_offset=field(("PcDesc", "_pc_offset")),
+        pc_scope_decode=field(("PcDesc", "_scope_decode_offset")),
+        invocation_entry_bci=const("InvocationEntryBci"),
+        m_const_method=field(("Method", "_constMethod")),
+        cm_constants=field(("ConstMethod", "_constants")),
+        cm_code_size=field(("ConstMethod", "_code_size")),
+        cm_name_index=field(("ConstMethod", "_name_index")),
+        cm_flags=field(("ConstMethod", "_flags"), ("ConstMethod", "_flags._flags")),
+        cm_size=size("ConstMethod"),
+        has_linenumber_table=const(
+            "ConstMethod::_has_linenumber_table", "ConstMethodFlags::_misc_has_linenumber_table"
+        ),
+        cp_pool_holder=field(("ConstantPool", "_pool_holder")),
+        cp_size=size("ConstantPool"),
         cp_source_file_index=opt(("ConstantPool", "_source_file_name_index")),
         ik_source_file_index=opt(("InstanceKlass", "_source_file_name_index")),
-        klass_name=field(("Klass", "_name")), sym_length=field(("Symbol", "_length")),
+        klass_name=field(("Klass", "_name")),
+        sym_length=field(("Symbol", "_length")),
         sym_body=field(("Symbol", "_body")),
     )

@@ -48,8 +48,8 @@ from runtimes.jvm import layouts, x86edge
 from runtimes.jvm.layouts import Layout
 from runtimes.memory import MAX_USER_ADDRESS, MemoryReadError, ProcessMemory
 from runtimes.runtime import ThreadStack
-from shared.wire import RegsSample
 from shared.safestr import process_string as safe_text
+from shared.wire import RegsSample
 
 # Java threads read per process (a busy server has a few hundred).
 MAX_THREADS = 2048
@@ -112,10 +112,10 @@ _QQQ = struct.Struct("<QQQ")
 
 @dataclass(frozen=True, slots=True)
 class JvmFrame:
-    function: str          # "pkg.Class.method", or "[stub: name]"
-    filename: str          # the class's source file ("Foo.java"); "" for stubs
+    function: str  # "pkg.Class.method", or "[stub: name]"
+    filename: str  # the class's source file ("Foo.java"); "" for stubs
     line: int
-    kind: str              # interpreted, compiled, inlined, native, stub, running
+    kind: str  # interpreted, compiled, inlined, native, stub, running
 
 
 # The frame between Java code and the native code that called it (its entry frame, the call stub).
@@ -129,8 +129,8 @@ class _Method:
     function: str
     filename: str
     native: bool
-    code_base: int                        # the address of bytecode 0 (ConstMethod's end)
-    lines: tuple[tuple[int, int], ...]    # (start bci, line), in bci order
+    code_base: int  # the address of bytecode 0 (ConstMethod's end)
+    lines: tuple[tuple[int, int], ...]  # (start bci, line), in bci order
 
     def line_at(self, bci: int) -> int:
         line = 0
@@ -147,7 +147,7 @@ class _Blob:
     end: int
     name: str
     frame_words: int
-    frame_complete: int                   # bytes from code_begin where the frame is whole; -1 unknown
+    frame_complete: int  # bytes from code_begin where the frame is whole; -1 unknown
     nmethod: bool
     code_begin: int
     compile_id: int
@@ -159,7 +159,7 @@ class _Blob:
 class _Nmethod:
     method: int
     compile_id: int
-    pcs: list[tuple[int, int]]            # (pc offset, scope decode offset), sorted by pc offset
+    pcs: list[tuple[int, int]]  # (pc offset, scope decode offset), sorted by pc offset
     scopes: bytes
     metadata: int
     chains: dict[int, list[tuple[int, int]] | None]
@@ -219,9 +219,9 @@ class _Stack:
 
     def __init__(self, mem: ProcessMemory, lo: int, hi: int) -> None:
         self.mem, self.lo, self.hi = mem, lo, hi
-        self.start, self.data = hi, b""   # the chunk looked in first
+        self.start, self.data = hi, b""  # the chunk looked in first
         self.chunks: list[tuple[int, bytes]] = []
-        self.lowest = hi                  # the lowest slot read
+        self.lowest = hi  # the lowest slot read
 
     def add(self, start: int, data: bytes) -> None:
         self.chunks.append((start, data))
@@ -230,8 +230,7 @@ class _Stack:
     def word(self, address: int) -> int:
         start = self.start
         if start <= address <= start + len(self.data) - 8 and not address & 7:
-            if address < self.lowest:
-                self.lowest = address
+            self.lowest = min(self.lowest, address)
             return _Q.unpack_from(self.data, address - start)[0]
         return self.words(address, 1)[0]
 
@@ -240,8 +239,7 @@ class _Stack:
         end = address + 8 * n
         if address & 7 or not self.lo <= address or end > self.hi:
             raise _Bad("stack_slot")
-        if address < self.lowest:
-            self.lowest = address
+        self.lowest = min(self.lowest, address)
         for start, data in self.chunks:
             if start <= address and end <= start + len(data):
                 self.start, self.data = start, data
@@ -262,16 +260,16 @@ class JvmProcess:
     def __init__(self, version: str, layout: Layout) -> None:
         self.version, self.lay = version, layout
         self.dropped: dict[str, int] = {}
-        self.frames: dict[str, int] = dict.fromkeys(FRAME_KINDS, 0)   # frames read, by kind
-        self._interp_frames: dict[tuple[int, int], JvmFrame] = {}   # (Method*, bcp) → its frame
-        self._heaps: list[tuple[int, int, int, int]] | None = None   # (low, high, segmap, log2 segment)
+        self.frames: dict[str, int] = dict.fromkeys(FRAME_KINDS, 0)  # frames read, by kind
+        self._interp_frames: dict[tuple[int, int], JvmFrame] = {}  # (Method*, bcp) → its frame
+        self._heaps: list[tuple[int, int, int, int]] | None = None  # (low, high, segmap, log2 segment)
         self._blobs: OrderedDict[int, _Blob | None] = OrderedDict()
         self._methods: OrderedDict[int, _Method | None] = OrderedDict()
         self._nmethods: OrderedDict[int, _Nmethod] = OrderedDict()
         # (blob start, compile id, pc) → where a running frame at pc stands (None: whole), x86edge
         self._edges: OrderedDict[tuple[int, int, int], tuple[x86edge.Edge, str] | None] = OrderedDict()
-        self._depths: dict[int, int] = {}         # JavaThread → bytes of its stack read with its anchor
-        self._checked: set[int] = set()           # code blobs (by start) checked again this sample
+        self._depths: dict[int, int] = {}  # JavaThread → bytes of its stack read with its anchor
+        self._checked: set[int] = set()  # code blobs (by start) checked again this sample
         # OS thread id → (JavaThread*, stack base, stack size), read again when a sample names another
         self._regs_threads: dict[int, tuple[int, int, int]] = {}
 
@@ -286,7 +284,7 @@ class JvmProcess:
     # ------------------------------------------------------------ threads
     def _threads(self, mem: ProcessMemory) -> list[int]:
         lay = self.lay
-        if lay.java_thread_list < 0:          # JDK 11: the list linked by JavaThread::_next
+        if lay.java_thread_list < 0:  # JDK 11: the list linked by JavaThread::_next
             out: list[int] = []
             t = mem.u64(lay.threads_head)
             while t and not t & 7 and len(out) < MAX_THREADS:
@@ -321,8 +319,13 @@ class JvmProcess:
         lo = min(lay.jt_anchor, lay.jt_osthread, lay.jt_stack_base, lay.jt_stack_size, lay.jt_thread_state)
         if not ptrs:
             return lo, []
-        hi = max(lay.jt_anchor + 24, lay.jt_osthread + 8, lay.jt_stack_base + 8, lay.jt_stack_size + 8,
-                 lay.jt_thread_state + 4)
+        hi = max(
+            lay.jt_anchor + 24,
+            lay.jt_osthread + 8,
+            lay.jt_stack_base + 8,
+            lay.jt_stack_size + 8,
+            lay.jt_thread_state + 4,
+        )
         got = mem.read_many([(p + lo, hi - lo) if p and not p & 7 else (0, 0) for p in ptrs])
         osreads = []
         for raw_t in got:
@@ -332,8 +335,9 @@ class JvmProcess:
             os_t = _Q.unpack_from(raw_t, lay.jt_osthread - lo)[0]
             osreads.append((os_t + lay.os_thread_id, 4) if os_t and not os_t & 7 else (0, 0))
         tids = mem.read_many(osreads)
-        return lo, [(t, raw_t, struct.unpack("<i", raw_tid)[0] if raw_tid else 0)
-                    for t, raw_t, raw_tid in zip(ptrs, got, tids)]
+        return lo, [
+            (t, raw_t, struct.unpack("<i", raw_tid)[0] if raw_tid else 0) for t, raw_t, raw_tid in zip(ptrs, got, tids)
+        ]
 
     def sample(self, mem: ProcessMemory) -> list[ThreadStack]:
         lay = self.lay
@@ -369,7 +373,7 @@ class JvmProcess:
                 continue
             sp, pc, fp = (_Q.unpack_from(anchor, o)[0] for o in (lay.anchor_sp, lay.anchor_pc, lay.anchor_fp))
             if not sp:
-                out.append(ThreadStack(tid, (RUNNING_JAVA,)))   # it went back into Java meanwhile
+                out.append(ThreadStack(tid, (RUNNING_JAVA,)))  # it went back into Java meanwhile
                 self._count("running")
                 continue
             stack = _Stack(mem, base - size, base)
@@ -392,8 +396,9 @@ class JvmProcess:
             return 0, 0
         return base, size
 
-    def _walk_or_drop(self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int,
-                      running: bool = False) -> list[JvmFrame] | None:
+    def _walk_or_drop(
+        self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int, running: bool = False
+    ) -> list[JvmFrame] | None:
         """walk(), with a stack that fails its checks counted in `dropped` (None) rather than raised."""
         try:
             return self.walk(mem, stack, sp, fp, pc, running)
@@ -402,7 +407,7 @@ class JvmProcess:
         except MemoryReadError as e:
             if e.reason in ("gone", "budget", "denied"):
                 raise
-            self._drop(f"read_{e.reason}")      # a pointer into memory the JVM freed or never had
+            self._drop(f"read_{e.reason}")  # a pointer into memory the JVM freed or never had
         except (struct.error, IndexError, ValueError, OverflowError):
             self._drop("malformed")
         return None
@@ -420,22 +425,23 @@ class JvmProcess:
             t = self._regs_threads.get(r.tid)
             if t is None:
                 lo, records = self._thread_records(mem)
-                self._regs_threads = {tid: (p, *self._bounds(raw, lo)) for p, raw, tid in records
-                                      if raw is not None and tid}
+                self._regs_threads = {
+                    tid: (p, *self._bounds(raw, lo)) for p, raw, tid in records if raw is not None and tid
+                }
                 t = self._regs_threads.get(r.tid)
                 if t is None:
-                    self._drop("regs_no_thread")     # a VM thread (GC, compiler), or one gone since
+                    self._drop("regs_no_thread")  # a VM thread (GC, compiler), or one gone since
                     continue
             ptr, base, size = t
             if not size or not base - size <= r.sp < base:
                 self._drop("stack_bounds")
-                del self._regs_threads[r.tid]      # a new thread with the old one's id: read again next time
+                del self._regs_threads[r.tid]  # a new thread with the old one's id: read again next time
                 continue
             stack = _Stack(mem, base - size, base)
             if r.stack:
-                stack.add(r.sp, r.stack[:max(0, min(len(r.stack), base - r.sp)) & ~7])
+                stack.add(r.sp, r.stack[: max(0, min(len(r.stack), base - r.sp)) & ~7])
             sp, fp, pc, running = r.sp, r.fp, r.ip, True
-            if self._blob(mem, pc) is None:        # in the VM or native code: from its last Java frame
+            if self._blob(mem, pc) is None:  # in the VM or native code: from its last Java frame
                 running = False
                 try:
                     sp, pc, fp = self._anchor(mem, ptr + lay.jt_anchor)
@@ -452,8 +458,9 @@ class JvmProcess:
                 out.append(ThreadStack(r.tid, tuple(frames)))
         return out
 
-    def walk(self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int,
-             running: bool = False) -> list[JvmFrame]:
+    def walk(  # noqa: PLR0912
+        self, mem: ProcessMemory, stack: _Stack, sp: int, fp: int, pc: int, running: bool = False
+    ) -> list[JvmFrame]:
         """Frames leaf first from a last Java frame (sp, fp, pc; pc 0: the word below sp), or, `running`,
         from the registers of a thread sampled while it ran (its pc is not a return address)."""
         lay = self.lay
@@ -465,13 +472,13 @@ class JvmProcess:
             below = sp
             blob = self._blob(mem, pc)
             if blob is None:
-                break                      # native code: the end of this Java stack
+                break  # native code: the end of this Java stack
             if blob.interpreter:
                 if not stack_lo < fp < stack_hi:
                     raise _Bad("interpreter_fp")
                 # The slots from the bcp's up to the return address, in one unpack.
                 slots = stack.words(fp + 8 * layouts.INTERP_BCP_SLOT, 2 - layouts.INTERP_BCP_SLOT)
-                top = -layouts.INTERP_BCP_SLOT           # index of the slot at fp
+                top = -layouts.INTERP_BCP_SLOT  # index of the slot at fp
                 frames.append(self._interpreted(mem, slots[top + layouts.INTERP_METHOD_SLOT], slots[0]))
                 pc, fp, sp = slots[top + 1], slots[top], slots[top + lay.sender_sp_slot]
             elif blob.call_stub:
@@ -480,7 +487,7 @@ class JvmProcess:
                     raise _Bad("call_wrapper")
                 sp, pc, fp = self._anchor(mem, wrapper + lay.wrapper_anchor)
                 if not sp:
-                    break                  # the thread's first Java call: nothing below but native code
+                    break  # the thread's first Java call: nothing below but native code
                 # Java called from native code (JNI, the VM's own calls such as reflection's before JDK 18):
                 # the Java frames that called that native code continue at the wrapper's saved anchor.
                 frames.append(CALL_STUB)
@@ -488,24 +495,24 @@ class JvmProcess:
                 if not pc:
                     pc = stack.word(sp - 8)
             else:
-                top = running and not frames      # pc is where it ran, not a return address
+                top = running and not frames  # pc is where it ran, not a return address
                 if blob.nmethod:
                     frames.extend(self._compiled(mem, blob, pc, top))
                 else:
                     frames.append(JvmFrame(f"[stub: {blob.name}]", "", 0, "stub"))
                     self._count("stub")
                 if blob.frame_words <= 0:
-                    break                  # no frame size: not walkable from here
+                    break  # no frame size: not walkable from here
                 edge = self._edge(mem, blob, pc) if top and blob.nmethod else None
                 if edge is None:
                     sender_sp = sp + 8 * blob.frame_words
                     pc, fp, sp = stack.word(sender_sp - 8), stack.word(sender_sp - 16), sender_sp
-                else:                      # entering or returning: less than the whole frame on the stack
+                else:  # entering or returning: less than the whole frame on the stack
                     ret = sp + edge.ret_at
                     fp = fp if edge.caller_rbp_at is None else stack.word(sp + edge.caller_rbp_at)
                     pc, sp = stack.word(ret), ret + 8
             if not below < sp <= stack_hi:
-                raise _Bad("sender_sp")       # every caller's frame lies above its callee's
+                raise _Bad("sender_sp")  # every caller's frame lies above its callee's
         else:
             self._drop("frames_capped")
         return frames[:MAX_FRAMES]
@@ -542,8 +549,11 @@ class JvmProcess:
     def _anchor(self, mem: ProcessMemory, at: int) -> tuple[int, int, int]:
         raw = mem.read(at, 24)
         lay = self.lay
-        return (_Q.unpack_from(raw, lay.anchor_sp)[0], _Q.unpack_from(raw, lay.anchor_pc)[0],
-                _Q.unpack_from(raw, lay.anchor_fp)[0])
+        return (
+            _Q.unpack_from(raw, lay.anchor_sp)[0],
+            _Q.unpack_from(raw, lay.anchor_pc)[0],
+            _Q.unpack_from(raw, lay.anchor_fp)[0],
+        )
 
     # ------------------------------------------------------------ frames
     def _interpreted(self, mem: ProcessMemory, method: int, bcp: int) -> JvmFrame:
@@ -563,8 +573,12 @@ class JvmProcess:
             raise _Bad("interpreted_method")
         bci = bcp - m.code_base if bcp else -1
         self._count("interpreted")
-        return JvmFrame(m.function, m.filename, m.line_at(bci) if 0 <= bci <= MAX_CODE_SIZE else 0,
-                        "native" if m.native else "interpreted")
+        return JvmFrame(
+            m.function,
+            m.filename,
+            m.line_at(bci) if 0 <= bci <= MAX_CODE_SIZE else 0,
+            "native" if m.native else "interpreted",
+        )
 
     def _compiled(self, mem: ProcessMemory, blob: _Blob, pc: int, running: bool = False) -> list[JvmFrame]:
         """The frames of an nmethod at pc: a return address (a caller's frame), or, `running`, where a
@@ -573,7 +587,7 @@ class JvmProcess:
         call in it has no PcDesc of its own)."""
         nm = self._nmethod(mem, blob)
         chain: list[tuple[int, int]] | None = None
-        near: tuple[int, ...] = (1,)   # the scopes of the PcDescs around a running pc (0: none)
+        near: tuple[int, ...] = (1,)  # the scopes of the PcDescs around a running pc (0: none)
         if nm.pcs:
             i = self._pc_desc(nm, pc - blob.code_begin)
             chain = self._chain(mem, nm, i)
@@ -642,7 +656,7 @@ class JvmProcess:
             bci, pos = read_uint(nm.scopes, pos, x)
             indices.append((index, bci + lay.invocation_entry_bci))
             if sender >= decode:
-                raise _Bad("scope_order")   # senders are written before the scopes that name them
+                raise _Bad("scope_order")  # senders are written before the scopes that name them
             decode = sender
         if not indices:
             return None
@@ -690,8 +704,11 @@ class JvmProcess:
         cp = _Q.unpack_from(raw, lay.cm_constants)[0]
         code_size = _H.unpack_from(raw, lay.cm_code_size)[0]
         name_index = _H.unpack_from(raw, lay.cm_name_index)[0]
-        flags = struct.unpack_from("<I", raw, lay.cm_flags)[0] if lay.cm_flags + 4 <= lay.cm_size \
+        flags = (
+            struct.unpack_from("<I", raw, lay.cm_flags)[0]
+            if lay.cm_flags + 4 <= lay.cm_size
             else _H.unpack_from(raw, lay.cm_flags)[0]
+        )
         if not cp or cp & 7:
             raise _Bad("constant_pool")
         craw = mem.read(cp, lay.cp_size)
@@ -772,13 +789,18 @@ class JvmProcess:
                 again = self._header(mem, blob.start, pc)
             except _Bad:
                 again = None
-            if again is not None and (again.end, again.code_begin, again.compile_id, again.name) == \
-                    (blob.end, blob.code_begin, blob.compile_id, blob.name):
+            if again is not None and (again.end, again.code_begin, again.compile_id, again.name) == (
+                blob.end,
+                blob.code_begin,
+                blob.compile_id,
+                blob.name,
+            ):
                 self._checked.add(blob.start)
                 return blob
             # Freed or replaced since: forget what was read of that space, and look again.
-            self._blobs = OrderedDict((k, b) for k, b in self._blobs.items()
-                                      if b is None or not (b.start < blob.end and blob.start < b.end))
+            self._blobs = OrderedDict(
+                (k, b) for k, b in self._blobs.items() if b is None or not (b.start < blob.end and blob.start < b.end)
+            )
             self._nmethods.pop(blob.start, None)
         blob = None
         for low, high, segmap, log2 in self._heap_list(mem):
@@ -802,7 +824,7 @@ class JvmProcess:
             first = max(0, seg - SEGMAP_CHUNK + 1)
             raw = mem.read(segmap + first, seg - first + 1)
             if raw[-1] == 0xFF:
-                return None                 # a free segment
+                return None  # a free segment
             while seg >= first and raw[seg - first] > 0:
                 seg -= raw[seg - first]
             if seg < 0:
@@ -818,20 +840,31 @@ class JvmProcess:
 
     def _header(self, mem: ProcessMemory, start: int, pc: int) -> _Blob:
         lay = self.lay
-        need = max(lay.cb_name, lay.cb_size, lay.cb_frame_size, lay.cb_frame_complete, lay.cb_code_begin,
-                   lay.cb_code_offset, lay.cb_kind, lay.nm_compile_id) + 8
+        need = (
+            max(
+                lay.cb_name,
+                lay.cb_size,
+                lay.cb_frame_size,
+                lay.cb_frame_complete,
+                lay.cb_code_begin,
+                lay.cb_code_offset,
+                lay.cb_kind,
+                lay.nm_compile_id,
+            )
+            + 8
+        )
         raw = mem.read(start, need)
         size = _I.unpack_from(raw, lay.cb_size)[0]
         if not 0 < size < MAX_BLOB_BYTES or not start <= pc < start + size:
             raise _Bad("blob_size")
         name_ptr = _Q.unpack_from(raw, lay.cb_name)[0]
         name = safe_text(mem.read(name_ptr, MAX_BLOB_NAME).split(b"\0", 1)[0]) if name_ptr else ""
-        if lay.cb_kind >= 0:
-            nmethod = raw[lay.cb_kind] == lay.kind_nmethod
-        else:
-            nmethod = name in ("nmethod", "native nmethod")
-        code_begin = _Q.unpack_from(raw, lay.cb_code_begin)[0] if lay.cb_code_begin >= 0 \
+        nmethod = raw[lay.cb_kind] == lay.kind_nmethod if lay.cb_kind >= 0 else name in ("nmethod", "native nmethod")
+        code_begin = (
+            _Q.unpack_from(raw, lay.cb_code_begin)[0]
+            if lay.cb_code_begin >= 0
             else start + _I.unpack_from(raw, lay.cb_code_offset)[0]
+        )
         frame_words = _I.unpack_from(raw, lay.cb_frame_size)[0]
         if not 0 <= frame_words <= MAX_FRAME_WORDS:
             raise _Bad("frame_size")
@@ -841,8 +874,18 @@ class JvmProcess:
         call_stub = False
         if not nmethod and name.startswith("StubRoutines"):
             call_stub = pc == mem.u64(lay.call_stub_return)
-        return _Blob(start, start + size, name, frame_words, frame_complete, nmethod, code_begin, compile_id,
-                     name == "Interpreter", call_stub)
+        return _Blob(
+            start,
+            start + size,
+            name,
+            frame_words,
+            frame_complete,
+            nmethod,
+            code_begin,
+            compile_id,
+            name == "Interpreter",
+            call_stub,
+        )
 
     def _nmethod(self, mem: ProcessMemory, blob: _Blob) -> _Nmethod:
         lay = self.lay
@@ -876,8 +919,9 @@ class JvmProcess:
             if ordered and 0 < pcs_hi - pcs_lo <= MAX_DEBUG_BYTES and (pcs_hi - pcs_lo) % lay.pc_desc_size == 0:
                 raw = _read_big(mem, pcs_lo, pcs_hi - pcs_lo)
                 for k in range(0, len(raw), lay.pc_desc_size):
-                    pcs.append((_I.unpack_from(raw, k + lay.pc_offset)[0],
-                                _I.unpack_from(raw, k + lay.pc_scope_decode)[0]))
+                    pcs.append(
+                        (_I.unpack_from(raw, k + lay.pc_offset)[0], _I.unpack_from(raw, k + lay.pc_scope_decode)[0])
+                    )
                 pcs.sort()
                 scopes = _read_big(mem, scopes_lo, min(scopes_hi - scopes_lo, MAX_DEBUG_BYTES))
             elif pcs_hi != pcs_lo:

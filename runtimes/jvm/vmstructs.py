@@ -40,17 +40,38 @@ _I = struct.Struct("<i")
 _q = struct.Struct("<q")
 
 # The exported variables that describe each table, in the order read.
-STRUCT_VARS = ("gHotSpotVMStructs", "gHotSpotVMStructEntryTypeNameOffset", "gHotSpotVMStructEntryFieldNameOffset",
-               "gHotSpotVMStructEntryTypeStringOffset", "gHotSpotVMStructEntryIsStaticOffset",
-               "gHotSpotVMStructEntryOffsetOffset", "gHotSpotVMStructEntryAddressOffset",
-               "gHotSpotVMStructEntryArrayStride")
-TYPE_VARS = ("gHotSpotVMTypes", "gHotSpotVMTypeEntryTypeNameOffset", "gHotSpotVMTypeEntrySuperclassNameOffset",
-             "gHotSpotVMTypeEntryIsOopTypeOffset", "gHotSpotVMTypeEntryIsIntegerTypeOffset",
-             "gHotSpotVMTypeEntryIsUnsignedOffset", "gHotSpotVMTypeEntrySizeOffset", "gHotSpotVMTypeEntryArrayStride")
-INT_VARS = ("gHotSpotVMIntConstants", "gHotSpotVMIntConstantEntryNameOffset",
-            "gHotSpotVMIntConstantEntryValueOffset", "gHotSpotVMIntConstantEntryArrayStride")
-LONG_VARS = ("gHotSpotVMLongConstants", "gHotSpotVMLongConstantEntryNameOffset",
-             "gHotSpotVMLongConstantEntryValueOffset", "gHotSpotVMLongConstantEntryArrayStride")
+STRUCT_VARS = (
+    "gHotSpotVMStructs",
+    "gHotSpotVMStructEntryTypeNameOffset",
+    "gHotSpotVMStructEntryFieldNameOffset",
+    "gHotSpotVMStructEntryTypeStringOffset",
+    "gHotSpotVMStructEntryIsStaticOffset",
+    "gHotSpotVMStructEntryOffsetOffset",
+    "gHotSpotVMStructEntryAddressOffset",
+    "gHotSpotVMStructEntryArrayStride",
+)
+TYPE_VARS = (
+    "gHotSpotVMTypes",
+    "gHotSpotVMTypeEntryTypeNameOffset",
+    "gHotSpotVMTypeEntrySuperclassNameOffset",
+    "gHotSpotVMTypeEntryIsOopTypeOffset",
+    "gHotSpotVMTypeEntryIsIntegerTypeOffset",
+    "gHotSpotVMTypeEntryIsUnsignedOffset",
+    "gHotSpotVMTypeEntrySizeOffset",
+    "gHotSpotVMTypeEntryArrayStride",
+)
+INT_VARS = (
+    "gHotSpotVMIntConstants",
+    "gHotSpotVMIntConstantEntryNameOffset",
+    "gHotSpotVMIntConstantEntryValueOffset",
+    "gHotSpotVMIntConstantEntryArrayStride",
+)
+LONG_VARS = (
+    "gHotSpotVMLongConstants",
+    "gHotSpotVMLongConstantEntryNameOffset",
+    "gHotSpotVMLongConstantEntryValueOffset",
+    "gHotSpotVMLongConstantEntryArrayStride",
+)
 SYMBOLS: tuple[str, ...] = STRUCT_VARS + TYPE_VARS + INT_VARS + LONG_VARS
 
 
@@ -62,6 +83,7 @@ class VMStructsError(Exception):
 class VMStructs:
     """What the tables say. fields: (type, field) → offset in the type; statics: (type, field) → the
     static's address in the process; sizes: type → sizeof; ints / longs: constant → value."""
+
     fields: dict[tuple[str, str], int] = field(default_factory=dict)
     statics: dict[tuple[str, str], int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
@@ -70,14 +92,23 @@ class VMStructs:
     skipped: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"fields": [[t, f, v] for (t, f), v in sorted(self.fields.items())],
-                "statics": [[t, f, v] for (t, f), v in sorted(self.statics.items())],
-                "sizes": self.sizes, "ints": self.ints, "longs": self.longs}
+        return {
+            "fields": [[t, f, v] for (t, f), v in sorted(self.fields.items())],
+            "statics": [[t, f, v] for (t, f), v in sorted(self.statics.items())],
+            "sizes": self.sizes,
+            "ints": self.ints,
+            "longs": self.longs,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> VMStructs:
-        return cls({(t, f): v for t, f, v in data["fields"]}, {(t, f): v for t, f, v in data["statics"]},
-                   dict(data["sizes"]), dict(data["ints"]), dict(data["longs"]))
+        return cls(
+            {(t, f): v for t, f, v in data["fields"]},
+            {(t, f): v for t, f, v in data["statics"]},
+            dict(data["sizes"]),
+            dict(data["ints"]),
+            dict(data["longs"]),
+        )
 
 
 def _names(mem: ProcessMemory, pointers: set[int]) -> dict[int, str]:
@@ -95,7 +126,7 @@ def _names(mem: ProcessMemory, pointers: set[int]) -> dict[int, str]:
             if end < 0:
                 continue
             text = raw[:end]
-            if text and all(0x20 < c < 0x7f or c == 0x20 for c in text):
+            if text and all(0x20 < c < 0x7F or c == 0x20 for c in text):
                 out[p] = text.decode("ascii")
         order = retry
     return out
@@ -130,7 +161,7 @@ def _entries(mem: ProcessMemory, first: int, stride: int, name_offset: int, what
             if not n:
                 raise VMStructsError(f"{what}: entry {len(out)} is not readable") from None
         for k in range(n):
-            entry = raw[k * stride:(k + 1) * stride]
+            entry = raw[k * stride : (k + 1) * stride]
             if _Q.unpack_from(entry, name_offset)[0] == 0:
                 return out
             out.append(entry)
@@ -142,8 +173,7 @@ def read(mem: ProcessMemory, addresses: dict[str, int]) -> VMStructs:
     missing = [s for s in SYMBOLS if s not in addresses]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise VMStructsError(f"libjvm does not export {', '.join(missing[:3])}{more} (HotSpot's serviceability "
-                             f"tables)")
+        raise VMStructsError(f"libjvm does not export {', '.join(missing[:3])}{more} (HotSpot's serviceability tables)")
     v = {s: mem.u64(addresses[s]) for s in SYMBOLS}
     out = VMStructs()
 
@@ -166,16 +196,31 @@ def read(mem: ProcessMemory, addresses: dict[str, int]) -> VMStructs:
     tso = off("gHotSpotVMTypeEntrySizeOffset", tstride)
     consts = []
     for table, name_var, value_var, stride_var, fmt in (
-            ("gHotSpotVMIntConstants", "gHotSpotVMIntConstantEntryNameOffset",
-             "gHotSpotVMIntConstantEntryValueOffset", "gHotSpotVMIntConstantEntryArrayStride", _I),
-            ("gHotSpotVMLongConstants", "gHotSpotVMLongConstantEntryNameOffset",
-             "gHotSpotVMLongConstantEntryValueOffset", "gHotSpotVMLongConstantEntryArrayStride", _q)):
+        (
+            "gHotSpotVMIntConstants",
+            "gHotSpotVMIntConstantEntryNameOffset",
+            "gHotSpotVMIntConstantEntryValueOffset",
+            "gHotSpotVMIntConstantEntryArrayStride",
+            _I,
+        ),
+        (
+            "gHotSpotVMLongConstants",
+            "gHotSpotVMLongConstantEntryNameOffset",
+            "gHotSpotVMLongConstantEntryValueOffset",
+            "gHotSpotVMLongConstantEntryArrayStride",
+            _q,
+        ),
+    ):
         cs = v[stride_var]
         no = off(name_var, cs)
         vo = off(value_var, cs, fmt.size)
         consts.append((_entries(mem, v[table], cs, no, table), no, vo, fmt))
-    pointers = {_Q.unpack_from(e, tn)[0] for e in structs} | {_Q.unpack_from(e, fn)[0] for e in structs} \
-        | {_Q.unpack_from(e, ttn)[0] for e in types} | {_Q.unpack_from(e, no)[0] for es, no, _, _ in consts for e in es}
+    pointers = (
+        {_Q.unpack_from(e, tn)[0] for e in structs}
+        | {_Q.unpack_from(e, fn)[0] for e in structs}
+        | {_Q.unpack_from(e, ttn)[0] for e in types}
+        | {_Q.unpack_from(e, no)[0] for es, no, _, _ in consts for e in es}
+    )
     names = _names(mem, pointers)
     for e in structs:
         t, f = names.get(_Q.unpack_from(e, tn)[0]), names.get(_Q.unpack_from(e, fn)[0])

@@ -40,37 +40,37 @@ class _Insn:
     prefix: bytes
     length: int
     effect: int = _OTHER
-    sp: int = 0                  # fixed sp change; for sub/add rsp the immediate's size below
-    imm: int = 0                 # bytes of an immediate at the end that is the sp change (1 or 4)
-    imm_sign: int = 0            # -1: sub rsp (sp goes down by it), +1: add rsp
+    sp: int = 0  # fixed sp change; for sub/add rsp the immediate's size below
+    imm: int = 0  # bytes of an immediate at the end that is the sp change (1 or 4)
+    imm_sign: int = 0  # -1: sub rsp (sp goes down by it), +1: add rsp
 
 
 # Longest prefixes first where one is a prefix of another.
 _PROLOGUE = (
-    _Insn(b"\x89\x84\x24", 7),                                   # mov [rsp+disp32], eax: the stack bang
-    _Insn(b"\x55", 1, _RBP_SAVE, sp=-8),                          # push rbp
-    _Insn(b"\x48\x8b\xec", 3),                                   # mov rbp, rsp (PreserveFramePointer)
-    _Insn(b"\x48\x89\xe5", 3),                                   # mov rbp, rsp (other encoding)
-    _Insn(b"\x48\x83\xec", 4, imm=1, imm_sign=-1),                # sub rsp, imm8
-    _Insn(b"\x48\x81\xec", 7, imm=4, imm_sign=-1),                # sub rsp, imm32
-    _Insn(b"\x48\x89\x6c\x24", 5, _RBP_SAVE),                    # mov [rsp+disp8], rbp
-    _Insn(b"\x48\x89\xac\x24", 8, _RBP_SAVE),                    # mov [rsp+disp32], rbp
-    _Insn(b"\x41\x81\x7f", 8),                                   # cmp dword [r15+disp8], imm32: entry barrier
-    _Insn(b"\x41\x83\x7f", 5),                                   # cmp dword [r15+disp8], imm8
-    _Insn(b"\x0f\x85", 6),                                       # jne rel32 (its slow path; falls through)
-    _Insn(b"\x75", 2),                                           # jne rel8
+    _Insn(b"\x89\x84\x24", 7),  # mov [rsp+disp32], eax: the stack bang
+    _Insn(b"\x55", 1, _RBP_SAVE, sp=-8),  # push rbp
+    _Insn(b"\x48\x8b\xec", 3),  # mov rbp, rsp (PreserveFramePointer)
+    _Insn(b"\x48\x89\xe5", 3),  # mov rbp, rsp (other encoding)
+    _Insn(b"\x48\x83\xec", 4, imm=1, imm_sign=-1),  # sub rsp, imm8
+    _Insn(b"\x48\x81\xec", 7, imm=4, imm_sign=-1),  # sub rsp, imm32
+    _Insn(b"\x48\x89\x6c\x24", 5, _RBP_SAVE),  # mov [rsp+disp8], rbp
+    _Insn(b"\x48\x89\xac\x24", 8, _RBP_SAVE),  # mov [rsp+disp32], rbp
+    _Insn(b"\x41\x81\x7f", 8),  # cmp dword [r15+disp8], imm32: entry barrier
+    _Insn(b"\x41\x83\x7f", 5),  # cmp dword [r15+disp8], imm8
+    _Insn(b"\x0f\x85", 6),  # jne rel32 (its slow path; falls through)
+    _Insn(b"\x75", 2),  # jne rel8
 )
 _EPILOGUE = (
-    _Insn(b"\x48\x83\xc4", 4, imm=1, imm_sign=1),                 # add rsp, imm8
-    _Insn(b"\x48\x81\xc4", 7, imm=4, imm_sign=1),                 # add rsp, imm32
-    _Insn(b"\x5d", 1, _RBP_LOAD, sp=8),                           # pop rbp
-    _Insn(b"\x49\x3b\xa7", 7),                                   # cmp rsp, [r15+disp32]: the return poll (JDK 16+)
-    _Insn(b"\x0f\x87", 6),                                       # ja rel32: its slow path (falls through)
-    _Insn(b"\x4d\x8b\x97", 7),                                   # mov r10, [r15+disp32]: the poll page (JDK 11)
-    _Insn(b"\x41\x85\x02", 3),                                   # test [r10], eax: the poll (JDK 11)
-    _Insn(b"\x85\x05", 6),                                       # test [rip+rel32], eax: a global poll page
-    _Insn(b"\xc5\xf8\x77", 3),                                   # vzeroupper
-    _Insn(b"\xc3", 1, _RET),                                     # ret
+    _Insn(b"\x48\x83\xc4", 4, imm=1, imm_sign=1),  # add rsp, imm8
+    _Insn(b"\x48\x81\xc4", 7, imm=4, imm_sign=1),  # add rsp, imm32
+    _Insn(b"\x5d", 1, _RBP_LOAD, sp=8),  # pop rbp
+    _Insn(b"\x49\x3b\xa7", 7),  # cmp rsp, [r15+disp32]: the return poll (JDK 16+)
+    _Insn(b"\x0f\x87", 6),  # ja rel32: its slow path (falls through)
+    _Insn(b"\x4d\x8b\x97", 7),  # mov r10, [r15+disp32]: the poll page (JDK 11)
+    _Insn(b"\x41\x85\x02", 3),  # test [r10], eax: the poll (JDK 11)
+    _Insn(b"\x85\x05", 6),  # test [rip+rel32], eax: a global poll page
+    _Insn(b"\xc5\xf8\x77", 3),  # vzeroupper
+    _Insn(b"\xc3", 1, _RET),  # ret
 )
 
 
@@ -81,7 +81,7 @@ def _decode(code: bytes, at: int, table: tuple[_Insn, ...]) -> tuple[_Insn, int]
             sp = insn.sp
             if insn.imm:
                 end = at + insn.length
-                sp = insn.imm_sign * int.from_bytes(code[end - insn.imm:end], "little", signed=True)
+                sp = insn.imm_sign * int.from_bytes(code[end - insn.imm : end], "little", signed=True)
             return insn, sp
     return None
 
@@ -92,6 +92,7 @@ class Edge:
 
     ret_at: the return address's slot; caller_rbp_at: the slot that holds the caller's rbp, or None
     when rbp itself still does (not yet saved, or already restored)."""
+
     ret_at: int
     caller_rbp_at: int | None
 
@@ -107,7 +108,7 @@ def in_prologue(code: bytes, frame_complete: int, frame_bytes: int) -> Edge | No
             return None
         insn, sp = got
         if sp > 0:
-            return None                   # sp goes up in a prologue: not one
+            return None  # sp goes up in a prologue: not one
         still_down -= sp
         saves_ahead = saves_ahead or insn.effect == _RBP_SAVE
         at += insn.length

@@ -37,17 +37,20 @@ PREFIX = "v8dbg_"
 @dataclass(frozen=True)
 class FileFacts:
     elf: elfsyms.ElfInfo
-    values: dict[str, int]             # v8dbg_ name (without the prefix) → its value (signed)
+    values: dict[str, int]  # v8dbg_ name (without the prefix) → its value (signed)
     version: tuple[int, int, int, int] | None
 
 
 def _facts(f: BinaryIO) -> FileFacts:
     elf = elfsyms.read_symbols(f, _VERSION.values(), prefix=PREFIX, dynsym_only=True)
     raw = elfsyms.read_values(f, elf, [n for n in elf.symbols if n.startswith(PREFIX)])
-    values = {n[len(PREFIX):]: v - (1 << 32) if v >= 1 << 31 else v for n, v in raw.items()}
+    values = {n[len(PREFIX) :]: v - (1 << 32) if v >= 1 << 31 else v for n, v in raw.items()}
     ver = elfsyms.read_values(f, elf, _VERSION.values())
-    version = (ver[_VERSION["major_"]], ver[_VERSION["minor_"]], ver[_VERSION["build_"]],
-               ver[_VERSION["patch_"]]) if len(ver) == 4 else None
+    version = (
+        (ver[_VERSION["major_"]], ver[_VERSION["minor_"]], ver[_VERSION["build_"]], ver[_VERSION["patch_"]])
+        if len(ver) == 4
+        else None
+    )
     return FileFacts(elf, values, version)
 
 
@@ -65,20 +68,26 @@ class Node:
             return facts
         v = facts.values
         if not v:
-            return Refusal(f"{mod.path}: no v8dbg_ symbols in its .dynsym (a build without V8's postmortem "
-                           f"metadata): the reader needs them for V8's frame and object layouts")
+            return Refusal(
+                f"{mod.path}: no v8dbg_ symbols in its .dynsym (a build without V8's postmortem "
+                f"metadata): the reader needs them for V8's frame and object layouts"
+            )
         if facts.version is None:
             return Refusal(f"{mod.path}: no v8::internal::Version symbols: the V8 version is unknown")
         major, minor, build, patch = facts.version
         where = f"{mod.path} (V8 {major}.{minor}.{build}.{patch})"
         if v.get("TaggedSize") != 8 or v.get("SmiShiftSize") != 31:
-            return Refusal(f"{where}: a pointer-compressed build (v8dbg_TaggedSize {v.get('TaggedSize')}, "
-                           f"SmiShiftSize {v.get('SmiShiftSize')}): only full 64-bit tagged pointers are read")
+            return Refusal(
+                f"{where}: a pointer-compressed build (v8dbg_TaggedSize {v.get('TaggedSize')}, "
+                f"SmiShiftSize {v.get('SmiShiftSize')}): only full 64-bit tagged pointers are read"
+            )
         layout = LAYOUTS.get((major, minor))
         if layout is None:
             older = (major, minor) < min(LAYOUTS)
-            return Refusal(f"{where}: V8 {major}.{minor} is {'older than' if older else 'not one of'} the "
-                           f"layouts this reader knows ({SUPPORTED})")
+            return Refusal(
+                f"{where}: V8 {major}.{minor} is {'older than' if older else 'not one of'} the "
+                f"layouts this reader knows ({SUPPORTED})"
+            )
         try:
             info = V8Info.from_values(v)
         except KeyError as e:
@@ -88,8 +97,16 @@ class Node:
         stack = next((m for m in process.mappings if m.path == "[stack]"), None)
         if stack is None:
             return Refusal(f"{where}: no [stack] mapping: the main thread's stack is not found")
-        return NodeProcess(f"{major}.{minor}.{build}.{patch}", layout, info, scan_ranges(process.mappings),
-                           (stack.start, stack.end), process.pid, process.proc, mod.path)
+        return NodeProcess(
+            f"{major}.{minor}.{build}.{patch}",
+            layout,
+            info,
+            scan_ranges(process.mappings),
+            (stack.start, stack.end),
+            process.pid,
+            process.proc,
+            mod.path,
+        )
 
 
 def runtime(cfg: Any) -> Node | None:

@@ -119,10 +119,10 @@ _H = struct.Struct("<H")
 
 @dataclass(frozen=True, slots=True)
 class NodeFrame:
-    function: str          # the function's name; "(anonymous)"; "(idle)" and such for a thread without JS
-    filename: str          # the script's name ("" for builtins)
-    line: int              # the line the function starts at, 1-based (0: unknown)
-    kind: str              # interpreted, baseline, optimized, maglev, turbofan, builtin, vm
+    function: str  # the function's name; "(anonymous)"; "(idle)" and such for a thread without JS
+    filename: str  # the script's name ("" for builtins)
+    line: int  # the line the function starts at, 1-based (0: unknown)
+    kind: str  # interpreted, baseline, optimized, maglev, turbofan, builtin, vm
 
 
 def _field(values: dict[str, int], cls: str, name: str) -> int:
@@ -144,6 +144,7 @@ def _type(values: dict[str, int], cls: str) -> int:
 @dataclass(frozen=True)
 class V8Info:
     """What the v8dbg_ symbols say, as the reader uses it."""
+
     off_function: int
     off_context: int
     off_bytecode_array: int
@@ -192,9 +193,26 @@ class V8Info:
         for name in ("off_function", "off_context", "off_bytecode_array", "off_bytecode_offset"):
             if not -MAX_FRAME_SLOT <= getattr(self, name) <= MAX_FRAME_SLOT or getattr(self, name) % 8:
                 return f"frame slot {name} {getattr(self, name)}"
-        for name in ("map_instance_type", "str_length", "seq_chars", "cons_first", "cons_second", "sliced_parent",
-                     "sliced_offset", "thin_actual", "fn_shared", "sfi_name", "sfi_script", "script_name",
-                     "script_source", "script_line_ends", "fixed_length", "fixed_data", "fn_code", "code_flags"):
+        for name in (
+            "map_instance_type",
+            "str_length",
+            "seq_chars",
+            "cons_first",
+            "cons_second",
+            "sliced_parent",
+            "sliced_offset",
+            "thin_actual",
+            "fn_shared",
+            "sfi_name",
+            "sfi_script",
+            "script_name",
+            "script_source",
+            "script_line_ends",
+            "fixed_length",
+            "fixed_data",
+            "fn_code",
+            "code_flags",
+        ):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_FIELD_OFFSET:
                 return f"field offset {name} {value}"
@@ -209,35 +227,55 @@ class V8Info:
                 return _field(v, c, n)
             except KeyError:
                 return None
+
         jsf = _type(v, "JSFunction")
         sfi_script = opt("SharedFunctionInfo", "script_or_debug_info")
         if sfi_script is None:
             sfi_script = _field(v, "SharedFunctionInfo", "script")
         return cls(
-            off_function=v["off_fp_function"], off_context=v["off_fp_context"],
-            off_bytecode_array=v["off_fp_bytecode_array"], off_bytecode_offset=v["off_fp_bytecode_offset"],
+            off_function=v["off_fp_function"],
+            off_context=v["off_fp_context"],
+            off_bytecode_array=v["off_fp_bytecode_array"],
+            off_bytecode_offset=v["off_fp_bytecode_offset"],
             ft_entry=frozenset((v["frametype_EntryFrame"], v["frametype_ConstructEntryFrame"])),
-            ft_exit=v["frametype_ExitFrame"], ft_builtin_exit=v["frametype_BuiltinExitFrame"],
+            ft_exit=v["frametype_ExitFrame"],
+            ft_builtin_exit=v["frametype_BuiltinExitFrame"],
             map_instance_type=_field(v, "Map", "instance_type"),
             js_function_types=(v.get("FirstJSFunctionType", jsf), v.get("LastJSFunctionType", jsf)),
-            t_sfi=_type(v, "SharedFunctionInfo"), t_script=_type(v, "Script"), t_scope_info=_type(v, "ScopeInfo"),
-            t_bytecode_array=_type(v, "BytecodeArray"), t_fixed_array=v.get("type_FixedArray__FIXED_ARRAY_TYPE"),
+            t_sfi=_type(v, "SharedFunctionInfo"),
+            t_script=_type(v, "Script"),
+            t_scope_info=_type(v, "ScopeInfo"),
+            t_bytecode_array=_type(v, "BytecodeArray"),
+            t_fixed_array=v.get("type_FixedArray__FIXED_ARRAY_TYPE"),
             first_nonstring=v["FirstNonstringType"],
-            str_encoding_mask=v["StringEncodingMask"], str_one_byte=v["OneByteStringTag"],
-            str_repr_mask=v["StringRepresentationMask"], str_cons=v["ConsStringTag"],
-            str_sliced=v["SlicedStringTag"], str_thin=v["ThinStringTag"],
-            str_length=_field(v, "String", "length"), seq_chars=_field(v, "SeqOneByteString", "chars"),
-            cons_first=_field(v, "ConsString", "first"), cons_second=_field(v, "ConsString", "second"),
-            sliced_parent=_field(v, "SlicedString", "parent"), sliced_offset=_field(v, "SlicedString", "offset"),
+            str_encoding_mask=v["StringEncodingMask"],
+            str_one_byte=v["OneByteStringTag"],
+            str_repr_mask=v["StringRepresentationMask"],
+            str_cons=v["ConsStringTag"],
+            str_sliced=v["SlicedStringTag"],
+            str_thin=v["ThinStringTag"],
+            str_length=_field(v, "String", "length"),
+            seq_chars=_field(v, "SeqOneByteString", "chars"),
+            cons_first=_field(v, "ConsString", "first"),
+            cons_second=_field(v, "ConsString", "second"),
+            sliced_parent=_field(v, "SlicedString", "parent"),
+            sliced_offset=_field(v, "SlicedString", "offset"),
             thin_actual=_field(v, "ThinString", "actual"),
-            fn_shared=_field(v, "JSFunction", "shared"), fn_code=opt("JSFunction", "code"),
-            sfi_name=_field(v, "SharedFunctionInfo", "name_or_scope_info"), sfi_script=sfi_script,
-            script_name=_field(v, "Script", "name"), script_source=_field(v, "Script", "source"),
+            fn_shared=_field(v, "JSFunction", "shared"),
+            fn_code=opt("JSFunction", "code"),
+            sfi_name=_field(v, "SharedFunctionInfo", "name_or_scope_info"),
+            sfi_script=sfi_script,
+            script_name=_field(v, "Script", "name"),
+            script_source=_field(v, "Script", "source"),
             script_line_ends=_field(v, "Script", "line_ends"),
-            fixed_length=_field(v, "FixedArrayBase", "length"), fixed_data=_field(v, "FixedArray", "data"),
-            scope_first_vars=v["scopeinfo_idx_first_vars"], scope_ncontextlocals=v["scopeinfo_idx_ncontextlocals"],
-            code_flags=opt("Code", "flags"), code_kind_mask=v["CodeKindFieldMask"],
-            code_kind_baseline=v["CodeKindBaseline"])
+            fixed_length=_field(v, "FixedArrayBase", "length"),
+            fixed_data=_field(v, "FixedArray", "data"),
+            scope_first_vars=v["scopeinfo_idx_first_vars"],
+            scope_ncontextlocals=v["scopeinfo_idx_ncontextlocals"],
+            code_flags=opt("Code", "flags"),
+            code_kind_mask=v["CodeKindFieldMask"],
+            code_kind_baseline=v["CodeKindBaseline"],
+        )
 
 
 def scan_ranges(maps: list[Mapping]) -> list[tuple[int, int]]:
@@ -266,12 +304,21 @@ class _Function:
 
 
 class NodeProcess:
-    def __init__(self, version: str, layout: Layout, info: V8Info, ranges: list[tuple[int, int]],
-                 stack: tuple[int, int], pid: int = 0, proc: str = "/proc", module: str = "") -> None:
+    def __init__(
+        self,
+        version: str,
+        layout: Layout,
+        info: V8Info,
+        ranges: list[tuple[int, int]],
+        stack: tuple[int, int],
+        pid: int = 0,
+        proc: str = "/proc",
+        module: str = "",
+    ) -> None:
         self.version, self.layout, self.v8 = version, layout, info
         self.stack_lo, self.stack_hi = stack
         self.pid, self.proc = pid, proc
-        self.module = module               # the mapped file holding V8 (node or libnode.so.N), as maps names it
+        self.module = module  # the mapped file holding V8 (node or libnode.so.N), as maps names it
         # On-CPU samples with registers: whether any came (then the timer leaves running JavaScript to
         # them), the monotonic time of the timer's last scanned stack, the executable mappings by start.
         self.regs_seen = False
@@ -327,7 +374,7 @@ class NodeProcess:
                     if e.reason in ("gone", "budget"):
                         raise
         if not self._scan:
-            if searching:                  # this search is over: the next one in SEARCH_AGAIN_S
+            if searching:  # this search is over: the next one in SEARCH_AGAIN_S
                 self._search_after = time.monotonic() + SEARCH_AGAIN_S
             self._drop("no_isolate")
 
@@ -335,7 +382,7 @@ class NodeProcess:
     def _self_pointers(data: bytes, base: int, back: int) -> list[int]:
         """Addresses a (8-aligned) in data at which the word at a + back is a itself."""
         out = []
-        for hi_bits in range((base - back) >> 16, ((base + len(data)) >> 16) + 1):   # 2 or 3 values
+        for hi_bits in range((base - back) >> 16, ((base + len(data)) >> 16) + 1):  # 2 or 3 values
             pattern = (hi_bits << 16).to_bytes(8, "little")[2:]
             i = data.find(pattern)
             while i >= 0:
@@ -372,8 +419,8 @@ class NodeProcess:
             return []
         hi = min(self.stack_hi, js_entry_sp + FRAME_HEAD_BYTES)
         leaf = c_entry_fp or mem.u64(self.isolate + lay.fast_c_call_caller_fp)
-        if not leaf:                       # running JavaScript
-            if self.regs_seen:             # the on-CPU samples' registers show it (sample_regs)
+        if not leaf:  # running JavaScript
+            if self.regs_seen:  # the on-CPU samples' registers show it (sample_regs)
                 self._drop("running_js_left_to_regs")
                 return []
             self._scanned_ns = time.monotonic_ns()
@@ -382,7 +429,7 @@ class NodeProcess:
             window = mem.read(lo, hi - lo)
             fps = self._chain_up(window, lo, leaf, js_entry_sp) if leaf else self._chain_down(window, lo, js_entry_sp)
             if leaf or lo == self.stack_lo or fps[0] - lo > size // LEAF_MARGIN_DIVISOR:
-                break                      # the leaf is in the window, not at its low end
+                break  # the leaf is in the window, not at its low end
         if not leaf:
             fps = self._live_part(window, lo, fps)
         frames: list[NodeFrame] = []
@@ -436,16 +483,16 @@ class NodeProcess:
             return []
         out: list[ThreadStack] = []
         for r in main:
-            if r.sp >= hi:                 # far above the others' (a read apart is not worth it)
+            if r.sp >= hi:  # far above the others' (a read apart is not worth it)
                 self._drop("regs_stack_unreadable")
                 continue
-            copy = r.stack[:hi - r.sp]
-            window = copy + now[r.sp + len(copy) - lo:]
+            copy = r.stack[: hi - r.sp]
+            window = copy + now[r.sp + len(copy) - lo :]
             fps = self._chain_from_regs(window, r.sp, r.fp, entry)
             if fps is None:
                 self._drop("regs_in_cxx")
                 continue
-            if not fps:                    # the stack changed under it (counted there)
+            if not fps:  # the stack changed under it (counted there)
                 continue
             frames = [got for got in (self._frame(mem, window, r.sp, fp) for fp in fps) if got is not None]
             if frames:
@@ -485,14 +532,14 @@ class NodeProcess:
                 break
             fp = nxt
         if last_entry < 0:
-            if len(out) >= MAX_FRAMES:     # deeper than is walked: the leaf end is kept (too_deep)
+            if len(out) >= MAX_FRAMES:  # deeper than is walked: the leaf end is kept (too_deep)
                 return out
             if entry is not None:
                 self._drop("regs_stack_changed")
                 return []
             self._drop("regs_chain_cut")
             return out
-        return out[:last_entry + 1]
+        return out[: last_entry + 1]
 
     def _in_v8_code(self, pc: int) -> bool:
         """Whether pc is in JIT code (anonymous executable memory) or in the file holding V8 (its builtins,
@@ -504,9 +551,19 @@ class NodeProcess:
                 maps = read_maps(self.pid, self.proc)
             except OSError:
                 maps = []
-            self._code = sorted((m.start, m.end, "v8" if m.path == self.module else
-                                 "jit" if m.path == "" or m.path.startswith("[anon:") else "native")
-                                for m in maps if m.perms[2:3] == "x")
+            self._code = sorted(
+                (
+                    m.start,
+                    m.end,
+                    "v8"
+                    if m.path == self.module
+                    else "jit"
+                    if m.path == "" or m.path.startswith("[anon:")
+                    else "native",
+                )
+                for m in maps
+                if m.perms[2:3] == "x"
+            )
             self._code_starts = [c[0] for c in self._code]
             kind = self._code_kind(pc)
         if kind in ("jit", "v8"):
@@ -556,7 +613,7 @@ class NodeProcess:
                 if not (lo + i) & 7 and self._plausible(window, lo, lo + i):
                     callee = lo + i
                     break
-                end = i + 7                    # an unaligned or implausible hit: look for one starting below it
+                end = i + 7  # an unaligned or implausible hit: look for one starting below it
             if callee is None:
                 break
             out.append(callee)
@@ -576,7 +633,7 @@ class NodeProcess:
             marker = self._word(window, lo, fps[i] + self.v8.off_context)
             if marker is not None and not marker & 1 and marker >> 1 in exits:
                 self._drop("stale_exit_frame")
-                return fps[i + 1:]
+                return fps[i + 1 :]
         return fps
 
     def _plausible(self, window: bytes, lo: int, fp: int) -> bool:
@@ -597,7 +654,7 @@ class NodeProcess:
         if marker is None:
             return None
         try:
-            if not marker & 1:             # a typed frame: entry, exit, stub, internal, construct ...
+            if not marker & 1:  # a typed frame: entry, exit, stub, internal, construct ...
                 ftype = marker >> 1
                 if ftype == v8.ft_builtin_exit:
                     for slot in range(fp + 16, fp + 16 + 8 * BUILTIN_EXIT_SLOTS, 8):
@@ -631,7 +688,9 @@ class NodeProcess:
             got = self._code_kinds.get(code)
             if got is None and code & 3 == 1:
                 kind = mem.u32(code - 1 + v8.code_flags) & v8.code_kind_mask
-                got = {v8.code_kind_baseline + 1: "maglev", v8.code_kind_baseline + 2: "turbofan"}.get(kind, "optimized")
+                got = {v8.code_kind_baseline + 1: "maglev", v8.code_kind_baseline + 2: "turbofan"}.get(
+                    kind, "optimized"
+                )
                 if len(self._code_kinds) < FUNCTION_CACHE_ENTRIES:
                     self._code_kinds[code] = got
             return got or "optimized"
@@ -660,7 +719,7 @@ class NodeProcess:
         if fn & 3 != 1:
             return None
         head = mem.read(fn - 1, v8.fn_shared + 8)
-        fkey = (fn, head[:8], head[v8.fn_shared:])
+        fkey = (fn, head[:8], head[v8.fn_shared :])
         if fkey in self._by_function:
             self._by_function.move_to_end(fkey)
             return self._by_function[fkey]
@@ -716,15 +775,15 @@ class NodeProcess:
         locals_ = _smi(mem.u64(scope - 1 + 8 + 8 * v8.scope_ncontextlocals))
         if locals_ is None or not 0 <= locals_ <= (MAX_SCOPE_SLOTS - v8.scope_first_vars - 8) // 2:
             return "", -1
-        n = v8.scope_first_vars + 2 * locals_ + 8          # the slots this reads, no further: no overrun
+        n = v8.scope_first_vars + 2 * locals_ + 8  # the slots this reads, no further: no overrun
         slots = struct.unpack_from(f"<{n}Q", mem.read(scope - 1 + 8, 8 * n))
         i = v8.scope_first_vars + 2 * locals_
         names = []
-        for w in slots[i:i + 3]:
+        for w in slots[i : i + 3]:
             if w & 3 == 1 and 0 <= self._instance_type(mem, w) < v8.first_nonstring:
                 names.append(self._string(mem, w) or "")
         start = -1
-        if v8.scope_first_vars >= 5:       # V8 13+: the positions are fixed slots just before the locals
+        if v8.scope_first_vars >= 5:  # V8 13+: the positions are fixed slots just before the locals
             a, b = _smi(slots[v8.scope_first_vars - 2]), _smi(slots[v8.scope_first_vars - 1])
             return next((n for n in names if n), ""), a if a is not None and b is not None and 0 <= a < b else -1
         for j in range(i + 1, n - 1):
@@ -754,7 +813,7 @@ class NodeProcess:
     def _line_ends(self, mem: ProcessMemory, arr: int) -> list[int] | None:
         v8 = self.v8
         if v8.t_fixed_array is None or self._instance_type(mem, arr) != v8.t_fixed_array:
-            return None                    # undefined until V8 computes them (a stack trace, a profiler)
+            return None  # undefined until V8 computes them (a stack trace, a profiler)
         length = _smi(mem.u64(arr - 1 + v8.fixed_length))
         if length is None or not 0 < length <= MAX_LINES:
             return None
@@ -782,12 +841,13 @@ class NodeProcess:
             return None
         repr_ = t & v8.str_repr_mask
         one = (t & v8.str_encoding_mask) == v8.str_one_byte
-        if repr_ == 0:                                         # sequential
+        if repr_ == 0:  # sequential
             n = min(length, cap) * (1 if one else 2)
             if not n:
                 return ""
-            raw = b"".join(mem.read(obj + v8.seq_chars + at, min(MAX_READ_BYTES, n - at))
-                           for at in range(0, n, MAX_READ_BYTES))
+            raw = b"".join(
+                mem.read(obj + v8.seq_chars + at, min(MAX_READ_BYTES, n - at)) for at in range(0, n, MAX_READ_BYTES)
+            )
             return raw.decode("latin-1" if one else "utf-16-le", "replace")
         if repr_ == v8.str_cons:
             a = self._string(mem, mem.u64(obj + v8.cons_first), cap, depth + 1)
@@ -800,7 +860,6 @@ class NodeProcess:
         if repr_ == v8.str_sliced:
             off = _smi(mem.u64(obj + v8.sliced_offset)) or 0
             parent = self._string(mem, mem.u64(obj + v8.sliced_parent), off + min(length, cap), depth + 1)
-            return None if parent is None else parent[off:off + min(length, cap)]
-        self._drop("external_string")                          # external: its bytes are in C++ memory
+            return None if parent is None else parent[off : off + min(length, cap)]
+        self._drop("external_string")  # external: its bytes are in C++ memory
         return None
-

@@ -49,8 +49,9 @@ SYMBOLS = ("executor_globals", "executor_globals_offset", "tsrm_get_ls_cache")
 @dataclass(frozen=True)
 class FileFacts:
     """What one PHP file says of itself (cached by file identity)."""
+
     version: tuple[int, int, int] | None
-    build: str | None                   # "NTS", "TS", or None if no build id was found
+    build: str | None  # "NTS", "TS", or None if no build id was found
     elf: elfsyms.ElfInfo
 
 
@@ -97,14 +98,18 @@ class Php:
         where = f"{mod.path} (PHP {major}.{minor}.{micro})"
         syms = facts.elf.symbols
         if facts.build == "TS" or "executor_globals_offset" in syms or "tsrm_get_ls_cache" in syms:
-            return Refusal(f"{where}: a ZTS (thread-safe) build: its executor globals live in each thread's "
-                           f"storage; only NTS builds are read")
+            return Refusal(
+                f"{where}: a ZTS (thread-safe) build: its executor globals live in each thread's "
+                f"storage; only NTS builds are read"
+            )
         layout = LAYOUTS.get((major, minor))
         if layout is None:
             return Refusal(f"{where}: PHP {major}.{minor} is not supported (8.2 to 8.5 are)")
         if "executor_globals" not in syms:
-            return Refusal(f"{where}: no executor_globals symbol (a stripped or static build): the reader "
-                           f"needs it to find the running request")
+            return Refusal(
+                f"{where}: no executor_globals symbol (a stripped or static build): the reader "
+                f"needs it to find the running request"
+            )
         eg = syms["executor_globals"] + facts.elf.load_bias(mod.start, mod.offset)
         # Self-check: EG is mapped and its current frame pointer is null or aligned.
         ex = process.mem.u64(eg + layout.eg_current_execute_data)

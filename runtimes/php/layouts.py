@@ -29,25 +29,25 @@ from dataclasses import dataclass
 STRING_TYPE_INFO = 4
 STRING_LEN = 16
 STRING_VAL = 24
-IS_STRING = 6                          # GC type, the low 4 bits of type_info
+IS_STRING = 6  # GC type, the low 4 bits of type_info
 # zend_function.common.type
 INTERNAL_FUNCTION, USER_FUNCTION, EVAL_CODE = 1, 2, 4
 
 
 @dataclass(frozen=True)
 class Layout:
-    eg_current_execute_data: int       # in executor_globals
-    ex_opline: int                     # zend_execute_data
+    eg_current_execute_data: int  # in executor_globals
+    ex_opline: int  # zend_execute_data
     ex_func: int
     ex_prev: int
-    fn_type: int                       # zend_function (common part)
+    fn_type: int  # zend_function (common part)
     fn_name: int
     fn_scope: int
-    fn_filename: int                   # op_array.filename; line_start and line_end follow it
+    fn_filename: int  # op_array.filename; line_start and line_end follow it
     fn_line_start: int
     fn_line_end: int
-    ce_name: int                       # zend_class_entry.name
-    op_lineno: int                     # zend_op.lineno
+    ce_name: int  # zend_class_entry.name
+    op_lineno: int  # zend_op.lineno
 
     @property
     def fn_bytes(self) -> int:
@@ -55,14 +55,25 @@ class Layout:
 
 
 def _layout(filename: int, current_execute_data: int = 488) -> Layout:
-    return Layout(eg_current_execute_data=current_execute_data, ex_opline=0, ex_func=24, ex_prev=48, fn_type=0, fn_name=8,
-                  fn_scope=16, fn_filename=filename, fn_line_start=filename + 8, fn_line_end=filename + 12,
-                  ce_name=8, op_lineno=24)
+    return Layout(
+        eg_current_execute_data=current_execute_data,
+        ex_opline=0,
+        ex_func=24,
+        ex_prev=48,
+        fn_type=0,
+        fn_name=8,
+        fn_scope=16,
+        fn_filename=filename,
+        fn_line_start=filename + 8,
+        fn_line_end=filename + 12,
+        ce_name=8,
+        op_lineno=24,
+    )
 
 
 LAYOUTS: dict[tuple[int, int], Layout] = {
     (8, 2): _layout(152),
-    (8, 3): _layout(144),              # as data only: no 8.3 is packaged where the tests run
+    (8, 3): _layout(144),  # as data only: no 8.3 is packaged where the tests run
     (8, 4): _layout(168),
-    (8, 5): _layout(168, 512),         # 8.5 grew executor_globals before current_execute_data
+    (8, 5): _layout(168, 512),  # 8.5 grew executor_globals before current_execute_data
 }

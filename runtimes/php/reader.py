@@ -49,10 +49,10 @@ _I = struct.Struct("<I")
 
 @dataclass(frozen=True, slots=True)
 class PhpFrame:
-    function: str          # Class::method, function, <main>, <eval>
-    class_name: str        # "" outside a class
-    filename: str          # "" for internal functions
-    line: int              # 0 when unknown
+    function: str  # Class::method, function, <main>, <eval>
+    class_name: str  # "" outside a class
+    filename: str  # "" for internal functions
+    line: int  # 0 when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,7 @@ class PhpProcess:
                 self._drop("bad_pointer")
                 break
             func = _Q.unpack_from(raw, lay.ex_func)[0]
-            if func:                     # a frame without a function is a VM stub frame
+            if func:  # a frame without a function is a VM stub frame
                 got = self._frame(mem, func, _Q.unpack_from(raw, lay.ex_opline)[0])
                 if got is not None:
                     frames.append(got)
@@ -145,7 +145,7 @@ class PhpProcess:
             return None
         user = kind != layouts.INTERNAL_FUNCTION
         # The record's pointers and lines are its identity: a freed and reused address differs in them.
-        key = (func, head[lay.fn_name:lay.fn_name + 16] + (head[lay.fn_filename:lay.fn_bytes] if user else b""))
+        key = (func, head[lay.fn_name : lay.fn_name + 16] + (head[lay.fn_filename : lay.fn_bytes] if user else b""))
         if key in self._functions:
             self._functions.move_to_end(key)
             return self._functions[key]

@@ -54,7 +54,7 @@ _Q = struct.Struct("<Q")
 @dataclass
 class FileFacts:
     elf: elfsyms.ElfInfo
-    vm_place: int | None = None     # link-time address of the VM pointer a scan found (no symbol for it)
+    vm_place: int | None = None  # link-time address of the VM pointer a scan found (no symbol for it)
 
 
 def _version(base: str) -> tuple[int, int] | None:
@@ -82,8 +82,9 @@ class Ruby:
         where = f"{mod.path} (Ruby {ver[0]}.{ver[1]})"
         layout = LAYOUTS.get(ver)
         if layout is None:
-            return Refusal(f"{where}: Ruby {ver[0]}.{ver[1]} is not supported (3.3 and 3.4 are; 4.0's layout "
-                           f"is data only)")
+            return Refusal(
+                f"{where}: Ruby {ver[0]}.{ver[1]} is not supported (3.3 and 3.4 are; 4.0's layout is data only)"
+            )
         facts = mapped_file_facts(process, mod, "ruby", lambda f: FileFacts(elfsyms.read_symbols(f, SYMBOLS)), where)
         if isinstance(facts, Refusal):
             return facts
@@ -101,8 +102,10 @@ class Ruby:
         if "ruby_current_vm_ptr" in elf.symbols:
             vm = mem.u64(elf.symbols["ruby_current_vm_ptr"] + bias)
             if not _valid_vm(mem, layout, vm):
-                return Refusal(f"{where}: self-check failed: ruby_current_vm_ptr does not point at a VM whose "
-                               f"main thread points back")
+                return Refusal(
+                    f"{where}: self-check failed: ruby_current_vm_ptr does not point at a VM whose "
+                    f"main thread points back"
+                )
             return RubyProcess(version, layout, vm)
         if facts.vm_place is not None:
             vm = mem.u64(facts.vm_place + bias)
@@ -110,8 +113,10 @@ class Ruby:
                 return RubyProcess(version, layout, vm)
         found = _scan(process, mod, layout)
         if len(found) != 1:
-            return Refusal(f"{where}: no ruby_current_vm_ptr symbol (hidden, .symtab stripped), and a scan of "
-                           f"its writable data found {len(found)} VM candidates, not one")
+            return Refusal(
+                f"{where}: no ruby_current_vm_ptr symbol (hidden, .symtab stripped), and a scan of "
+                f"its writable data found {len(found)} VM candidates, not one"
+            )
         at, vm = found[0]
         facts.vm_place = at - bias
         return RubyProcess(version, layout, vm)
@@ -147,8 +152,12 @@ def _scan(process: ProcessContext, mod: Mapping, lay: Layout) -> list[tuple[int,
     for i, m in enumerate(maps):
         if m.path == mod.path and m.perms.startswith("rw"):
             regions.append(m)
-            if i + 1 < len(maps) and not maps[i + 1].path and maps[i + 1].start == m.end \
-                    and maps[i + 1].perms.startswith("rw"):
+            if (
+                i + 1 < len(maps)
+                and not maps[i + 1].path
+                and maps[i + 1].start == m.end
+                and maps[i + 1].perms.startswith("rw")
+            ):
                 regions.append(maps[i + 1])
     heap = [(m.start, m.end) for m in maps if m.perms.startswith("rw") and (not m.path or m.path == "[heap]")]
     mem, scanned, candidates = process.mem, 0, 0

@@ -36,69 +36,100 @@ from dataclasses import dataclass, replace
 T_MASK, T_CLASS, T_MODULE, T_STRING, T_ARRAY, T_IMEMO = 0x1F, 0x02, 0x03, 0x05, 0x07, 0x1A
 # (flags >> FL_USHIFT) & IMEMO_MASK of an imemo: an rb_iseq_t, a method entry, an svar (3.3 to 4.0).
 IMEMO_MASK, IMEMO_ISEQ, IMEMO_MENT, IMEMO_SVAR = 0xF, 7, 6, 2
-SVAR_CREF_OR_ME = 8                 # struct vm_svar: flags, cref_or_me
+SVAR_CREF_OR_ME = 8  # struct vm_svar: flags, cref_or_me
 # An environment: ep[-2] the method entry or cref, ep[-1] the previous ep (low 2 bits tags), ep[0] flags.
 EP_ME_CREF, EP_SPECVAL, EP_FLAGS = -16, -8, 0
-ENV_FLAG_LOCAL = 0x2                # VM_ENV_FLAG_LOCAL: the method's own environment, not a block's
+ENV_FLAG_LOCAL = 0x2  # VM_ENV_FLAG_LOCAL: the method's own environment, not a block's
 FL_USHIFT = 12
-STRING_NOEMBED = 1 << 13            # RSTRING_NOEMBED: the bytes are behind a pointer
-ARRAY_EMBED = 1 << 13               # RARRAY_EMBED_FLAG
-ARRAY_EMBED_LEN_SHIFT = 15          # RARRAY_EMBED_LEN_SHIFT (FL_USHIFT + 3)
+STRING_NOEMBED = 1 << 13  # RSTRING_NOEMBED: the bytes are behind a pointer
+ARRAY_EMBED = 1 << 13  # RARRAY_EMBED_FLAG
+ARRAY_EMBED_LEN_SHIFT = 15  # RARRAY_EMBED_LEN_SHIFT (FL_USHIFT + 3)
 ARRAY_EMBED_LEN_MASK = 0x7F << 15
 # succ_index_table: the first IMMEDIATE_TABLE_SIZE positions' ranks in 6 words, then blocks.
 SUCC_IMMEDIATE = 54
 SUCC_IMM_BYTES = 48
-SUCC_BLOCK_BYTES = 80                # rank (u32, padded), small_block_ranks (u64), bits[8]
-INSN_INFO_ENTRY_BYTES = 12           # line_no, node_id, events
+SUCC_BLOCK_BYTES = 80  # rank (u32, padded), small_block_ranks (u64), bits[8]
+INSN_INFO_ENTRY_BYTES = 12  # line_no, node_id, events
 
 
 @dataclass(frozen=True)
 class Layout:
     vm_self: int
-    vm_ractor_set: int               # ccan_list_head of every ractor's vmlr_node
+    vm_ractor_set: int  # ccan_list_head of every ractor's vmlr_node
     vm_main_ractor: int
     vm_main_thread: int
-    ractor_threads: int              # ccan_list_head of the ractor's threads (their th_node)
-    ractor_node: int                 # vmlr_node, its ccan_list_node in vm_ractor_set
-    th_node: int                     # ccan_list_node in the ractor's thread list
+    ractor_threads: int  # ccan_list_head of the ractor's threads (their th_node)
+    ractor_node: int  # vmlr_node, its ccan_list_node in vm_ractor_set
+    th_node: int  # ccan_list_node in the ractor's thread list
     th_ractor: int
     th_vm: int
     th_nt: int
     th_ec: int
     nt_tid: int
     ec_vm_stack: int
-    ec_vm_stack_size: int            # in VALUEs
+    ec_vm_stack_size: int  # in VALUEs
     ec_cfp: int
     cfp_pc: int
     cfp_iseq: int
     cfp_ep: int
-    cfp_bytes: int                   # sizeof(rb_control_frame_t)
-    me_owner: int                    # rb_method_entry_t.owner: the class or module the method is in
-    class_attached: int              # RCLASS_EXT(c)->as.singleton_class.attached_object
-    class_path: int                  # RCLASS_EXT(c)->classpath
-    fl_singleton: int                # RUBY_FL_SINGLETON: a singleton class (a class method's owner)
+    cfp_bytes: int  # sizeof(rb_control_frame_t)
+    me_owner: int  # rb_method_entry_t.owner: the class or module the method is in
+    class_attached: int  # RCLASS_EXT(c)->as.singleton_class.attached_object
+    class_path: int  # RCLASS_EXT(c)->classpath
+    fl_singleton: int  # RUBY_FL_SINGLETON: a singleton class (a class method's owner)
     iseq_body: int
     body_iseq_encoded: int
     body_pathobj: int
-    body_base_label: int             # the method's name in a block's iseq ("cpu_a" of "block in cpu_a")
+    body_base_label: int  # the method's name in a block's iseq ("cpu_a" of "block in cpu_a")
     body_label: int
     body_first_lineno: int
     body_insns_body: int
     body_insns_size: int
     body_succ_table: int
     str_len: int
-    str_ptr: int                     # heap pointer, or the embedded bytes when not NOEMBED
-    ary_embed: int                   # embedded elements
+    str_ptr: int  # heap pointer, or the embedded bytes when not NOEMBED
+    ary_embed: int  # embedded elements
     ary_heap_ptr: int
 
 
-_V33 = Layout(vm_self=0, vm_ractor_set=8, vm_main_ractor=32, vm_main_thread=40, ractor_threads=256,
-              ractor_node=432, th_node=0, th_ractor=24, th_vm=32, th_nt=40, th_ec=48, nt_tid=24, ec_vm_stack=0,
-              ec_vm_stack_size=8, ec_cfp=16, cfp_pc=0, cfp_iseq=16, cfp_ep=32, cfp_bytes=56, me_owner=32,
-              class_attached=32 + 96, class_path=32 + 120, fl_singleton=1 << 12, iseq_body=16,
-              body_iseq_encoded=8, body_pathobj=64, body_base_label=72, body_label=80, body_first_lineno=88,
-              body_insns_body=112, body_insns_size=128, body_succ_table=136, str_len=16, str_ptr=24, ary_embed=16,
-              ary_heap_ptr=32)
+_V33 = Layout(
+    vm_self=0,
+    vm_ractor_set=8,
+    vm_main_ractor=32,
+    vm_main_thread=40,
+    ractor_threads=256,
+    ractor_node=432,
+    th_node=0,
+    th_ractor=24,
+    th_vm=32,
+    th_nt=40,
+    th_ec=48,
+    nt_tid=24,
+    ec_vm_stack=0,
+    ec_vm_stack_size=8,
+    ec_cfp=16,
+    cfp_pc=0,
+    cfp_iseq=16,
+    cfp_ep=32,
+    cfp_bytes=56,
+    me_owner=32,
+    class_attached=32 + 96,
+    class_path=32 + 120,
+    fl_singleton=1 << 12,
+    iseq_body=16,
+    body_iseq_encoded=8,
+    body_pathobj=64,
+    body_base_label=72,
+    body_label=80,
+    body_first_lineno=88,
+    body_insns_body=112,
+    body_insns_size=128,
+    body_succ_table=136,
+    str_len=16,
+    str_ptr=24,
+    ary_embed=16,
+    ary_heap_ptr=32,
+)
 # 3.4: the singleton flag moved from FL_USER0 to FL_USER1.
 _V34 = replace(_V33, fl_singleton=1 << 13)
 # 4.0: the ractor's sync part shrank (its threads and node moved 72 bytes down); RClass is 24 bytes and
@@ -108,5 +139,5 @@ _V40 = replace(_V34, ractor_threads=184, ractor_node=360, class_attached=24 + 11
 LAYOUTS: dict[tuple[int, int], Layout] = {
     (3, 3): _V33,
     (3, 4): _V34,
-    (4, 0): _V40,                   # as data only
+    (4, 0): _V40,  # as data only
 }

@@ -78,8 +78,8 @@ _i = struct.Struct("<i")
 
 @dataclass(frozen=True, slots=True)
 class RubyFrame:
-    function: str          # "Worker#hot", "Worker.cls_method", "block in Worker#hot", "<main>"
-    class_name: str        # "Worker" (of both), "" when no class is named
+    function: str  # "Worker#hot", "Worker.cls_method", "block in Worker#hot", "<main>"
+    class_name: str  # "Worker" (of both), "" when no class is named
     filename: str
     line: int
 
@@ -90,9 +90,9 @@ class _Iseq:
     base_label: str
     path: str
     encoded: int
-    size: int              # instruction info entries
-    lines: list[int]       # line of each entry
-    succ: int              # address of the succinct index table (0: none)
+    size: int  # instruction info entries
+    lines: list[int]  # line of each entry
+    succ: int  # address of the succinct index table (0: none)
     cache: dict[int, int]  # position → entry index
 
 
@@ -156,8 +156,11 @@ class RubyProcess:
                 if e.reason in ("gone", "budget"):
                     raise
                 raw = None
-            if raw is None or _Q.unpack_from(raw, lay.th_vm)[0] != self.vm \
-                    or _Q.unpack_from(raw, lay.th_ractor)[0] != ractor:
+            if (
+                raw is None
+                or _Q.unpack_from(raw, lay.th_vm)[0] != self.vm
+                or _Q.unpack_from(raw, lay.th_ractor)[0] != ractor
+            ):
                 self._drop("bad_thread")
                 break
             out.append((th, _Q.unpack_from(raw, lay.th_ec)[0], _Q.unpack_from(raw, lay.th_nt)[0]))
@@ -194,14 +197,14 @@ class RubyProcess:
         if (end - cfp) // lay.cfp_bytes > MAX_FRAMES:
             self._drop("too_deep")
         cfps = mem.read_many([(cfp + i * lay.cfp_bytes, lay.cfp_bytes) for i in range(n)])
-        got: list[tuple[_Iseq, int, int]] = []      # each Ruby frame's iseq, line and environment
+        got: list[tuple[_Iseq, int, int]] = []  # each Ruby frame's iseq, line and environment
         for c in cfps:
             if c is None:
                 self._drop("bad_pointer")
                 break
             iseq = _Q.unpack_from(c, lay.cfp_iseq)[0]
             if not iseq or iseq & 7:
-                continue                     # a C function's frame, or the VM's dummy bottom frame
+                continue  # a C function's frame, or the VM's dummy bottom frame
             frame = self._frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
             if frame is not None:
                 got.append((frame[0], frame[1], _Q.unpack_from(c, lay.cfp_ep)[0]))
@@ -213,7 +216,7 @@ class RubyProcess:
         cls, sep = self._class_name(mem, owner) if owner else ("", "")
         if not cls or not info.label.endswith(info.base_label):
             return RubyFrame(info.label, "", info.path, line)
-        prefix = info.label[:len(info.label) - len(info.base_label)]    # "block in ", "rescue in "
+        prefix = info.label[: len(info.label) - len(info.base_label)]  # "block in ", "rescue in "
         return RubyFrame(f"{prefix}{cls}{sep}{info.base_label}", cls, info.path, line)
 
     def _owners(self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0) -> list[tuple[int, int] | None]:
@@ -231,13 +234,13 @@ class RubyProcess:
             if size <= MAX_ENV_SPAN:
                 span = mem.read(span_at, size)
 
-        off: dict[int, bytes | None] = {}     # environments off the VM stack: ep → its three words
+        off: dict[int, bytes | None] = {}  # environments off the VM stack: ep → its three words
 
         def env(ep: int) -> tuple[int, int, int] | None:
             """ep[-2], ep[-1], ep[0]."""
             at = ep + layouts.EP_ME_CREF - span_at
             if span and 0 <= at <= len(span) - 24:
-                raw, at = span, at
+                raw, at = span, at  # noqa: PLW0127
             else:
                 got = off.get(ep)
                 if got is None:
@@ -252,8 +255,14 @@ class RubyProcess:
         for _hop in range(MAX_ENV_HOPS):
             if not walking:
                 break
-            fetch = list({ep for _, ep in walking if ep not in off and not (span and span_at <= ep + layouts.EP_ME_CREF
-                                                                            and ep + 8 <= span_at + len(span))})
+            fetch = list(
+                {
+                    ep
+                    for _, ep in walking
+                    if ep not in off
+                    and not (span and span_at <= ep + layouts.EP_ME_CREF and ep + 8 <= span_at + len(span))
+                }
+            )
             if fetch:
                 got = mem.read_many([(ep + layouts.EP_ME_CREF, 24) if ep and not ep & 7 else (0, 0) for ep in fetch])
                 off.update(zip(fetch, got))
@@ -284,13 +293,14 @@ class RubyProcess:
             out.append(found)
         return out
 
-    def _method_entry(self, mem: ProcessMemory, value: int, head: bytes | None,
-                      svar_allowed: bool) -> tuple[int, int] | None:
+    def _method_entry(
+        self, mem: ProcessMemory, value: int, head: bytes | None, svar_allowed: bool
+    ) -> tuple[int, int] | None:
         """check_method_entry (vm_insnhelper.c): (value, its owner) when `value` (whose first bytes are
         `head`) is an imemo_ment; an svar's cref_or_me in a method's own environment; else None."""
         lay = self.layout
         if not value or value & 7:
-            return None                      # Qfalse: no method entry here
+            return None  # Qfalse: no method entry here
         if head is None:
             self._drop("bad_method_entry")
             return None
@@ -312,7 +322,7 @@ class RubyProcess:
                     raise
                 got = None
             return self._method_entry(mem, inner, got, False)
-        return None                          # a cref (top-level or class body code), or another imemo
+        return None  # a cref (top-level or class body code), or another imemo
 
     def _class_name(self, mem: ProcessMemory, entry: tuple[int, int]) -> tuple[str, str]:
         """("Worker", "#") for a method of Worker, ("Worker", ".") for one of Worker's singleton class,
@@ -327,7 +337,7 @@ class RubyProcess:
             if e.reason in ("gone", "budget"):
                 raise
             self._drop("bad_class")
-            return "", ""                    # not cached: a torn read may read right next time
+            return "", ""  # not cached: a torn read may read right next time
         self._classes[entry] = got
         if len(self._classes) > CLASS_CACHE_ENTRIES:
             self._classes.popitem(last=False)
@@ -343,15 +353,15 @@ class RubyProcess:
         if flags & lay.fl_singleton:
             got = self._class(mem, attached)
             if got is None:
-                return "", ""                # a singleton of an ordinary object: Ruby names no class
+                return "", ""  # a singleton of an ordinary object: Ruby names no class
             path, sep = got[2], "."
         if not path or path & 7:
-            return "", ""                    # an anonymous class (nil classpath)
+            return "", ""  # an anonymous class (nil classpath)
         name = self._string(mem, path)
         if name is None:
             raise MemoryReadError("bad_address", f"classpath {path:#x} is not a string")
         if not name or name.startswith("#<"):
-            return "", ""                    # a temporary path: Ruby names no class either
+            return "", ""  # a temporary path: Ruby names no class either
         return name, sep
 
     def _class(self, mem: ProcessMemory, klass: int) -> tuple[int, int, int] | None:
@@ -369,7 +379,7 @@ class RubyProcess:
         head = mem.read(iseq, self.layout.iseq_body + 8)
         flags = _Q.unpack_from(head, 0)[0]
         if flags & layouts.T_MASK != layouts.T_IMEMO:
-            return None                      # a C function's method entry, or a dummy frame
+            return None  # a C function's method entry, or a dummy frame
         if (flags >> layouts.FL_USHIFT) & 0xF != layouts.IMEMO_ISEQ:
             return None
         body = _Q.unpack_from(head, self.layout.iseq_body)[0]
@@ -396,7 +406,7 @@ class RubyProcess:
         if not 0 <= pos < MAX_ISEQ_SIZE:
             self._drop("bad_pc")
             return None
-        pos = pos - 1 if pos else 0          # the pc is past the instruction being run
+        pos = pos - 1 if pos else 0  # the pc is past the instruction being run
         line = self._line(mem, info, pos)
         if line is None:
             return None
@@ -420,8 +430,16 @@ class RubyProcess:
             return None
         table = mem.read(entries, size * layouts.INSN_INFO_ENTRY_BYTES) if size else b""
         lines = [_i.unpack_from(table, k * layouts.INSN_INFO_ENTRY_BYTES)[0] for k in range(size)]
-        return _Iseq(label, base, path, _Q.unpack_from(raw, lay.body_iseq_encoded)[0], size, lines,
-                     _Q.unpack_from(raw, lay.body_succ_table)[0], {})
+        return _Iseq(
+            label,
+            base,
+            path,
+            _Q.unpack_from(raw, lay.body_iseq_encoded)[0],
+            size,
+            lines,
+            _Q.unpack_from(raw, lay.body_succ_table)[0],
+            {},
+        )
 
     def _line(self, mem: ProcessMemory, info: _Iseq, pos: int) -> int | None:
         if info.size == 0:

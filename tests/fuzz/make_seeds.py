@@ -43,27 +43,51 @@ def gcc(out: Path, source: str, *flags: str) -> Path:
 def main() -> None:
     work = Path(tempfile.mkdtemp())
     me = replace(read_process(os.getpid(), with_cmdline=True), mappings=read_maps(os.getpid())[:8])
-    batch = wire.StackBatch(host="web-1", profile_type="cpu", sample_hz=19, time_ns=START_NS, processes=(me,),
-                            user_stacks=((me.mappings[0].start + 16, me.mappings[0].start + 32),),
-                            kernel_stacks=((0xFFFFFFFF81000000,),),
-                            samples=(wire.Sample(me.pid, me.pid, 0, 0, 3, 3 * 52_631_578),
-                                     wire.Sample(me.pid, me.pid + 1, 0, -1, 1, 4096, (1, 4096))),
-                            kernel_symbols={0xFFFFFFFF81000000: "do_syscall_64"}, lost={"stack_map_full": 2},
-                            unwind_requests=(wire.UnwindRequest(me.pid, me.start_ticks, me.mappings[0].start,
-                                                                me.mappings[0].end, me.mappings[0].dev,
-                                                                me.mappings[0].inode),))
+    batch = wire.StackBatch(
+        host="web-1",
+        profile_type="cpu",
+        sample_hz=19,
+        time_ns=START_NS,
+        processes=(me,),
+        user_stacks=((me.mappings[0].start + 16, me.mappings[0].start + 32),),
+        kernel_stacks=((0xFFFFFFFF81000000,),),
+        samples=(
+            wire.Sample(me.pid, me.pid, 0, 0, 3, 3 * 52_631_578),
+            wire.Sample(me.pid, me.pid + 1, 0, -1, 1, 4096, (1, 4096)),
+        ),
+        kernel_symbols={0xFFFFFFFF81000000: "do_syscall_64"},
+        lost={"stack_map_full": 2},
+        unwind_requests=(
+            wire.UnwindRequest(
+                me.pid,
+                me.start_ticks,
+                me.mappings[0].start,
+                me.mappings[0].end,
+                me.mappings[0].dev,
+                me.mappings[0].inode,
+            ),
+        ),
+    )
     prog = gcc(work / "cfi_prog", "cfi_prog.c", "-O2", "-fomit-frame-pointer")
     stripped = work / "cfi_prog.stripped"
     subprocess.run(["strip", "--strip-all", "-o", str(stripped), str(prog)], check=True)
     with stripped.open("rb") as f:
         table = cfi.build_table(f).table
     put("wire", "stack_batch.bin", frames(batch))
-    put("wire", "unwind_table.bin", frames(wire.UnwindTable(me.mappings[0].dev, me.mappings[0].inode,
-                                                            me.mappings[0].path, "ab" * 20, "ok", "", table)))
+    put(
+        "wire",
+        "unwind_table.bin",
+        frames(
+            wire.UnwindTable(me.mappings[0].dev, me.mappings[0].inode, me.mappings[0].path, "ab" * 20, "ok", "", table)
+        ),
+    )
     put("wire", "unwind_none.bin", frames(wire.UnwindTable("fd:01", 7, "/x", "", "none", "no .eh_frame")))
     put("wire", "profile.bin", frames(make_upload(n_samples=3)))
-    put("wire", "announcement.bin", frames(wire.ProcessAnnouncement("web-1", START_NS, (replace(me, mappings=()),),
-                                                                   ((123, 456),), True)))
+    put(
+        "wire",
+        "announcement.bin",
+        frames(wire.ProcessAnnouncement("web-1", START_NS, (replace(me, mappings=()),), ((123, 456),), True)),
+    )
     put("wire", "file_request.bin", frames(wire.FileRequest(me.pid, me.start_ticks, "debug", build_id="ab" * 20)))
     put("wire", "file_reply.bin", frames(wire.FileReply(False, "refused", "perf-1.map is a symlink")))
 
@@ -81,14 +105,18 @@ def main() -> None:
     put("perf_map", "jit.map", perf.read_bytes())
     p.wait(30)
     perf.unlink(missing_ok=True)
-    put("perf_map", "node_like.map", b"".join(
-        b"%x %x LazyCompile:~fn%d /app/index.js:%d\n" % (0x3A0000 + i * 64, 48, i, i) for i in range(50)))
+    put(
+        "perf_map",
+        "node_like.map",
+        b"".join(b"%x %x LazyCompile:~fn%d /app/index.js:%d\n" % (0x3A0000 + i * 64, 48, i, i) for i in range(50)),
+    )
 
     put("remote_config", "enabled.json", json.dumps({"enabled": False, "upload_interval_s": 30}).encode())
     put("remote_config", "refused.json", json.dumps({"sample_hz": 99, "endpoint": "http://x"}).encode())
 
-    query = (f"source=ebpf&type=cpu&service=%2Fusr%2Fbin%2Fpython3.11&host=web-1&start={START_NS}"
-             f"&end={END_NS}").encode()
+    query = (
+        f"source=ebpf&type=cpu&service=%2Fusr%2Fbin%2Fpython3.11&host=web-1&start={START_NS}&end={END_NS}"
+    ).encode()
     body = make_upload(n_samples=3).pprof_gz
     put("receiver", "upload.bin", query + SEP + str(len(body)).encode() + SEP + body)
     put("receiver", "empty_profile.bin", query + SEP + b"20" + SEP + gzip.compress(b"\x32\x00"))

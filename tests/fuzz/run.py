@@ -43,35 +43,47 @@ def mutate_bytes(rng: random.Random, data: bytes, seeds: list[bytes]) -> bytes:
     for _ in range(rng.choice((1, 1, 2, 4, 8))):
         op = rng.randrange(8)
         pos = rng.randrange(len(b) + 1)
-        if op == 0 and b:                                   # flip a bit
+        if op == 0 and b:  # flip a bit
             i = rng.randrange(len(b))
             b[i] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:                                 # a random byte
+        elif op == 1 and b:  # a random byte
             b[rng.randrange(len(b))] = rng.randrange(256)
-        elif op == 2:                                       # an interesting integer, 1 to 8 bytes LE
+        elif op == 2:  # an interesting integer, 1 to 8 bytes LE
             width = rng.choice((1, 2, 4, 8))
-            b[pos:pos + width] = (rng.choice(INTERESTING) & ((1 << 8 * width) - 1)).to_bytes(width, "little")
-        elif op == 3:                                       # insert random bytes
+            b[pos : pos + width] = (rng.choice(INTERESTING) & ((1 << 8 * width) - 1)).to_bytes(width, "little")
+        elif op == 3:  # insert random bytes
             b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 32)))
-        elif op == 4 and b:                                 # delete a range
-            del b[pos:pos + rng.randrange(1, 64)]
-        elif op == 5 and b:                                 # duplicate a range
+        elif op == 4 and b:  # delete a range
+            del b[pos : pos + rng.randrange(1, 64)]
+        elif op == 5 and b:  # duplicate a range
             end = min(len(b), pos + rng.randrange(1, 256))
             b[pos:pos] = b[pos:end] * rng.randrange(1, 8)
-        elif op == 6:                                       # splice another seed
+        elif op == 6:  # splice another seed
             other = rng.choice(seeds)
             cut = rng.randrange(len(other) + 1)
             b[pos:] = other[cut:]
-        elif op == 7:                                       # truncate
+        elif op == 7:  # truncate
             del b[pos:]
     return bytes(b)
 
 
 def mutate_json(rng: random.Random, doc: Any) -> Any:
     """`doc` with one node replaced by something hostile."""
-    hostile = ["9" * 5000, -1, 1 << 64, 1e308, "", "x" * 70000, None, True, [], {},
-               [[[[[[[[[[[]]]]]]]]]]], "\udcff".encode("utf-8", "surrogatepass").decode("latin-1"),
-               {"k" * 300: [0] * 1000}]
+    hostile = [
+        "9" * 5000,
+        -1,
+        1 << 64,
+        1e308,
+        "",
+        "x" * 70000,
+        None,
+        True,
+        [],
+        {},
+        [[[[[[[[[[[]]]]]]]]]]],
+        "\udcff".encode("utf-8", "surrogatepass").decode("latin-1"),
+        {"k" * 300: [0] * 1000},
+    ]
     if isinstance(doc, dict) and doc and rng.random() < 0.8:
         k = rng.choice(list(doc))
         out = dict(doc)
@@ -93,17 +105,17 @@ def structured(rng: random.Random, data: bytes) -> bytes | None:
         return None
     text = json.dumps(mutate_json(rng, doc)).encode()
     r = rng.random()
-    if r < 0.2:     # an integer of more digits than int() takes, where an integer was
+    if r < 0.2:  # an integer of more digits than int() takes, where an integer was
         text = text.replace(b"1", b"1" + b"0" * 4400, 1)
-    elif r < 0.3:   # nesting deeper than the interpreter's recursion limit, where a value was
-        text = text.replace(b":", b":" + b"[" * 1500 + b"]" * 1500, 1) if b":" in text else \
-            b"[" * 1500 + b"]" * 1500
+    elif r < 0.3:  # nesting deeper than the interpreter's recursion limit, where a value was
+        text = text.replace(b":", b":" + b"[" * 1500 + b"]" * 1500, 1) if b":" in text else b"[" * 1500 + b"]" * 1500
     return text + sep + tail
 
 
 def main(name: str, seconds: float) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
     from tests.fuzz.targets import TARGETS
+
     target = TARGETS[name]
     seeds = [p.read_bytes() for p in sorted((SEEDS / name).iterdir())]
     kept = sorted((CRASHERS / name).glob("*.bin")) if (CRASHERS / name).exists() else []
@@ -132,8 +144,11 @@ def main(name: str, seconds: float) -> int:
         except MemoryError:
             failure = f"over the memory cap of {MAX_MEMORY_BYTES} bytes"
         except Exception as e:  # that is what a fuzzer is looking for
-            failure = "".join(traceback.format_exception_only(type(e), e)).strip()[:300] + "\n" + \
-                "".join(traceback.format_tb(e.__traceback__)[-3:])
+            failure = (
+                "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
+                + "\n"
+                + "".join(traceback.format_tb(e.__traceback__)[-3:])
+            )
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         took = time.monotonic() - started

@@ -13,8 +13,8 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from receiver import server as receiver
 from runtimes import elfsyms
@@ -26,8 +26,8 @@ from symbolizer import cfi, elf, perfmap
 class Target:
     name: str
     run: Callable[[bytes], object]
-    errors: tuple[type[BaseException], ...]    # what the parser may raise for bad input
-    structured: bool = False                   # seeds are JSON: mutate its structure too
+    errors: tuple[type[BaseException], ...]  # what the parser may raise for bad input
+    structured: bool = False  # seeds are JSON: mutate its structure too
 
 
 def _wire(data: bytes) -> object:
@@ -69,7 +69,7 @@ def _unwind_table(data: bytes) -> object:
     return t
 
 
-_run_dir: list[str] = []     # made on first use, removed at exit
+_run_dir: list[str] = []  # made on first use, removed at exit
 
 
 def _remote_config(data: bytes) -> object:
@@ -84,7 +84,7 @@ def _remote_config(data: bytes) -> object:
 
 def _receiver(data: bytes) -> object:
     # query string, Content-Length and body, split by NUL lines, as the handler takes them apart
-    parts = data.split(b"\n\0\n", 2) + [b"", b""]
+    parts = [*data.split(b"\n\x00\n", 2), b"", b""]
     query, length, body = parts[0].decode("latin-1"), parts[1].decode("latin-1"), parts[2]
     params = receiver.query_params(query)
     receiver.content_length(length)
@@ -92,13 +92,16 @@ def _receiver(data: bytes) -> object:
     return params
 
 
-TARGETS = {t.name: t for t in (
-    Target("wire", _wire, (wire.WireError,), structured=True),
-    Target("cfi", _cfi, (cfi.CfiError,)),
-    Target("elf", _elf, (elf.ElfError,)),
-    Target("elfsyms", _elfsyms, (elfsyms.ElfSymbolError,)),
-    Target("perf_map", _perf_map, (perfmap.PerfMapRefused,)),
-    Target("unwind_table", _unwind_table, (unwind_table.UnwindTableError,)),
-    Target("remote_config", _remote_config, (remote_config.OverridesFileError,), structured=True),
-    Target("receiver", _receiver, (receiver.RequestError, pprof.PprofError)),
-)}
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("wire", _wire, (wire.WireError,), structured=True),
+        Target("cfi", _cfi, (cfi.CfiError,)),
+        Target("elf", _elf, (elf.ElfError,)),
+        Target("elfsyms", _elfsyms, (elfsyms.ElfSymbolError,)),
+        Target("perf_map", _perf_map, (perfmap.PerfMapRefused,)),
+        Target("unwind_table", _unwind_table, (unwind_table.UnwindTableError,)),
+        Target("remote_config", _remote_config, (remote_config.OverridesFileError,), structured=True),
+        Target("receiver", _receiver, (receiver.RequestError, pprof.PprofError)),
+    )
+}

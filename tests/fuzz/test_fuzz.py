@@ -25,8 +25,13 @@ FUZZ_SECONDS = 5.0
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_fuzz(name: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "tests.fuzz.run", name, str(FUZZ_SECONDS)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=FUZZ_SECONDS + 60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.run", name, str(FUZZ_SECONDS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=FUZZ_SECONDS + 60,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["runs"] > 100, summary

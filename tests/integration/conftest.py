@@ -11,7 +11,7 @@ their own pids).
 from __future__ import annotations
 
 import subprocess
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -16,9 +16,9 @@ import shutil
 import subprocess
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,8 +26,17 @@ from receiver.store import list_profiles
 from shared import config as config_mod
 from shared import endpoints, pprof
 from shared.config import DEFAULT_ALLOC_SAMPLE_BYTES, ProfilerConfig
-from tests.harness import (ROOT, Pipeline, Receiver, bpf_holdings, bpftool, first_line, require_root,
-                           wait_for, workload_fields)
+from tests.harness import (
+    ROOT,
+    Pipeline,
+    Receiver,
+    bpf_holdings,
+    bpftool,
+    first_line,
+    require_root,
+    wait_for,
+    workload_fields,
+)
 
 INTERVAL_S = 4
 ITERATIONS = 60000
@@ -77,14 +86,17 @@ def by_function(p: pprof.ReadProfile, exe: Path, value: int, names: tuple[str, .
     return out
 
 
-UPROBE_MULTI_LINK = 12    # BPF_LINK_TYPE_UPROBE_MULTI (bpftool 7.1 prints the number)
+UPROBE_MULTI_LINK = 12  # BPF_LINK_TYPE_UPROBE_MULTI (bpftool 7.1 prints the number)
 
 
 def collector_uprobes(collector: int) -> list[dict]:
     """The uprobe_multi links of the collector's programs, as `bpftool link` lists them."""
     ours = bpf_holdings(collector)[0]
-    return [link for link in bpftool("link", "show")
-            if link.get("type") in (UPROBE_MULTI_LINK, "uprobe_multi") and link.get("prog_id") in ours]
+    return [
+        link
+        for link in bpftool("link", "show")
+        if link.get("type") in (UPROBE_MULTI_LINK, "uprobe_multi") and link.get("prog_id") in ours
+    ]
 
 
 def collector_pid(pipeline: Pipeline) -> int:
@@ -96,18 +108,19 @@ class AllocRun:
     target: Path
     done: dict[str, str]
     bystander: dict[str, str]
-    target_byte: int           # malloc's first byte in the target's memory, uprobes attached
-    bystander_byte: int        # the same in the bystander's, at the same moment
-    bystander_runs: int        # our malloc program's runs while the bystander made ITERATIONS loops
-    uprobes_attached: list[dict]   # `bpftool perf`'s uprobes of the collector while the target ran
+    target_byte: int  # malloc's first byte in the target's memory, uprobes attached
+    bystander_byte: int  # the same in the bystander's, at the same moment
+    bystander_runs: int  # our malloc program's runs while the bystander made ITERATIONS loops
+    uprobes_attached: list[dict]  # `bpftool perf`'s uprobes of the collector while the target ran
     uprobes_after_exit: list[dict]
     log: str
     alloc: list[pprof.ReadProfile]
 
 
 @pytest.fixture(scope="module")
-def alloc_run(build, tmp_path_factory: pytest.TempPathFactory,
-              module_started: list[subprocess.Popen]) -> Iterator[AllocRun]:
+def alloc_run(
+    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[AllocRun]:
     require_root()
     work = tmp_path_factory.mktemp("alloc")
     exe = build("alloc")
@@ -116,21 +129,33 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory,
     shutil.copy(exe, bystander)
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False, dwarf_unwind=False,
-            alloc_targets=("alloc_target",), alloc_duty_pct=100, endpoint=receiver.url))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=19,
+                upload_interval_s=INTERVAL_S,
+                offcpu=False,
+                python_stacks=False,
+                dwarf_unwind=False,
+                alloc_targets=("alloc_target",),
+                alloc_duty_pct=100,
+                endpoint=receiver.url,
+            ),
+        )
         try:
             collector = collector_pid(pipeline)
             # Given a target that waits for its uprobes, then allocates and leaks
-            t = subprocess.Popen([str(target), str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+            t = subprocess.Popen(
+                [str(target), str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             module_started.append(t)
             done = next_fields(t, "the target")
             addr = int(done["malloc_addr"], 16)
             # and a process that is not a target, allocating as much while the target's probes are on
             runs0 = program_runs(collector, "alloc_malloc_enter")
-            b = subprocess.Popen([str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+            b = subprocess.Popen(
+                [str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             module_started.append(b)
             by = next_fields(b, "the bystander")
             bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
@@ -138,21 +163,35 @@ def alloc_run(build, tmp_path_factory: pytest.TempPathFactory,
             uprobes_attached = collector_uprobes(collector)
             # When an upload window ends with the target idle (its leak live, the rest freed)
             idle_from = time.time()
-            wait_for("a window boundary after the target finished", lambda: (
-                time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0),
-                timeout=2 * INTERVAL_S + 5)
+            wait_for(
+                "a window boundary after the target finished",
+                lambda: time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0,
+                timeout=2 * INTERVAL_S + 5,
+            )
             # and then the target exits
             t.stdin.close()
             assert t.wait(timeout=30) == 0
-            wait_for("the collector to detach from the exited target",
-                     lambda: f"pid {t.pid} (" in pipeline.log() and "uprobes detached" in pipeline.log(),
-                     timeout=15)
+            wait_for(
+                "the collector to detach from the exited target",
+                lambda: f"pid {t.pid} (" in pipeline.log() and "uprobes detached" in pipeline.log(),
+                timeout=15,
+            )
             uprobes = collector_uprobes(collector)
         finally:
             assert pipeline.stop() == 0, pipeline.log()
         log = pipeline.log()
-        yield AllocRun(target, done, by, target_byte, bystander_byte, bystander_runs, uprobes_attached, uprobes, log,
-                       profiles(receiver, "alloc", target))
+        yield AllocRun(
+            target,
+            done,
+            by,
+            target_byte,
+            bystander_byte,
+            bystander_runs,
+            uprobes_attached,
+            uprobes,
+            log,
+            profiles(receiver, "alloc", target),
+        )
     finally:
         receiver.stop()
 
@@ -179,10 +218,11 @@ def test_alloc_space_splits_3_to_1(alloc_run: AllocRun) -> None:
 
 
 def test_inuse_shows_only_the_leak(alloc_run: AllocRun) -> None:
-    with_leak = [p for p in alloc_run.alloc
-                 if by_function(p, alloc_run.target, 3, ALLOC_FUNCTIONS).get("path_leak", 0) > 0]
+    with_leak = [
+        p for p in alloc_run.alloc if by_function(p, alloc_run.target, 3, ALLOC_FUNCTIONS).get("path_leak", 0) > 0
+    ]
     assert with_leak, "no window shows path_leak's bytes in use"
-    last = by_function(with_leak[-1], alloc_run.target, 3, ALLOC_FUNCTIONS)   # idle: only the leak is live
+    last = by_function(with_leak[-1], alloc_run.target, 3, ALLOC_FUNCTIONS)  # idle: only the leak is live
     assert last.get("path_a", 0) == 0 and last.get("path_b", 0) == 0, dict(last)
     leaked = int(alloc_run.done["leak_bytes"])
     assert abs(last["path_leak"] - leaked) <= 0.35 * leaked, (last["path_leak"], leaked)
@@ -191,12 +231,24 @@ def test_inuse_shows_only_the_leak(alloc_run: AllocRun) -> None:
 def test_stacks_name_the_allocating_function_under_main(alloc_run: AllocRun) -> None:
     # Root first; the caller the entry probe's frame-pointer walk skips is back between main and malloc
     # (libc names it __libc_malloc with its debug symbols).
-    stacks = {tuple(s.functions) for p in alloc_run.alloc for s in p.samples
-              if s.labels.get("process.executable") == str(alloc_run.target)}
-    for path, allocator in (("path_a", "malloc"), ("path_a", "calloc"), ("path_a", "realloc"),
-                            ("path_b", "malloc"), ("path_leak", "malloc")):
-        assert any(st[-3:-1] == ("main", path) and st[-1] in (allocator, f"__libc_{allocator}")
-                   for st in stacks), (path, allocator, sorted(stacks))
+    stacks = {
+        tuple(s.functions)
+        for p in alloc_run.alloc
+        for s in p.samples
+        if s.labels.get("process.executable") == str(alloc_run.target)
+    }
+    for path, allocator in (
+        ("path_a", "malloc"),
+        ("path_a", "calloc"),
+        ("path_a", "realloc"),
+        ("path_b", "malloc"),
+        ("path_leak", "malloc"),
+    ):
+        assert any(st[-3:-1] == ("main", path) and st[-1] in (allocator, f"__libc_{allocator}") for st in stacks), (
+            path,
+            allocator,
+            sorted(stacks),
+        )
 
 
 def test_a_process_that_is_not_a_target_has_no_uprobe(alloc_run: AllocRun) -> None:
@@ -234,8 +286,9 @@ class MixRun:
 
 
 @pytest.fixture(scope="module")
-def mix_run(build, tmp_path_factory: pytest.TempPathFactory,
-            module_started: list[subprocess.Popen]) -> Iterator[MixRun]:
+def mix_run(
+    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[MixRun]:
     """The issue's process at the shipped defaults: it runs on its own, not waiting for the profiler."""
     require_root()
     work = tmp_path_factory.mktemp("alloc_mix")
@@ -246,21 +299,32 @@ def mix_run(build, tmp_path_factory: pytest.TempPathFactory,
         # deploy/agent.yaml as shipped (off-CPU, DWARF unwinding, Python stacks on), with the target
         # named, short windows and the receiver
         shipped = config_mod.load(str(ROOT / "deploy" / "agent.yaml"))
-        cfg = dataclasses.replace(shipped, upload_interval_s=INTERVAL_S, alloc_targets=("mix_target",),
-                                  endpoint=receiver.url, local_dir=str(work / "unused"))
+        cfg = dataclasses.replace(
+            shipped,
+            upload_interval_s=INTERVAL_S,
+            alloc_targets=("mix_target",),
+            endpoint=receiver.url,
+            local_dir=str(work / "unused"),
+        )
         assert cfg.alloc_sample_bytes == DEFAULT_ALLOC_SAMPLE_BYTES
         pipeline = Pipeline(work, cfg)
         try:
-            t = subprocess.Popen([str(target), str(MIX_SECONDS), str(MIX_MB_PER_S)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+            t = subprocess.Popen(
+                [str(target), str(MIX_SECONDS), str(MIX_MB_PER_S)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             module_started.append(t)
             assert first_line(t, 30).startswith("started"), "the mixed workload did not start"
             done = next_fields(t, "the mixed workload", timeout=MIX_SECONDS + 60)
             # an upload window ends with the target idle (its leak live, the rest freed)
             idle_from = time.time()
-            wait_for("a window boundary after the target finished", lambda: (
-                time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0),
-                timeout=2 * INTERVAL_S + 5)
+            wait_for(
+                "a window boundary after the target finished",
+                lambda: time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0,
+                timeout=2 * INTERVAL_S + 5,
+            )
         finally:
             assert pipeline.stop() == 0, pipeline.log()
         yield MixRun(target, done, pipeline.log(), profiles(receiver, "alloc", target))
@@ -280,8 +344,12 @@ def test_default_sampling_splits_a_mixed_workload_in_its_byte_ratio(mix_run: Mix
     # standard error from them (Poisson), say in a failure whether 7% was a fair margin
     n_a, n_b = (space[f] / DEFAULT_ALLOC_SAMPLE_BYTES for f in ("mix_a", "mix_b"))
     rel_se = (1 / n_a + 1 / n_b) ** 0.5
-    assert abs(ratio - truth) <= 0.07 * truth, (ratio, truth, f"~{n_a:.0f}:{n_b:.0f} samples, "
-                                                f"standard error {100 * rel_se:.1f}%", dict(space))
+    assert abs(ratio - truth) <= 0.07 * truth, (
+        ratio,
+        truth,
+        f"~{n_a:.0f}:{n_b:.0f} samples, standard error {100 * rel_se:.1f}%",
+        dict(space),
+    )
 
 
 def test_default_sampling_inuse_is_the_leak_only(mix_run: MixRun) -> None:
@@ -306,27 +374,42 @@ class LockRun:
 
 
 @pytest.fixture(scope="module")
-def lock_run(build, tmp_path_factory: pytest.TempPathFactory,
-             module_started: list[subprocess.Popen]) -> Iterator[LockRun]:
+def lock_run(
+    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[LockRun]:
     require_root()
     work = tmp_path_factory.mktemp("lock")
     exe = work / "lock_target"
     shutil.copy(build("lock"), exe)
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=19, upload_interval_s=INTERVAL_S, offcpu=False, python_stacks=False,
-            lock_targets=("lock_target",), endpoint=receiver.url))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=19,
+                upload_interval_s=INTERVAL_S,
+                offcpu=False,
+                python_stacks=False,
+                lock_targets=("lock_target",),
+                endpoint=receiver.url,
+            ),
+        )
         try:
-            p = subprocess.Popen([str(exe), str(LOCK_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+            p = subprocess.Popen(
+                [str(exe), str(LOCK_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             module_started.append(p)
+
             # Given the collector found it and loaded the unwind tables of its modules (libc has no
             # frame pointers: the waits inside pthread_mutex_lock are unwound with them)
             def unwound() -> bool:
-                lines = [ln for ln in pipeline.log().splitlines()
-                         if f"lock profiling: pid {p.pid} unwound with the tables of" in ln]
+                lines = [
+                    ln
+                    for ln in pipeline.log().splitlines()
+                    if f"lock profiling: pid {p.pid} unwound with the tables of" in ln
+                ]
                 return bool(lines) and "libc.so.6" in lines[-1] and exe.name in lines[-1]
+
             wait_for("the target's futex waits recorded, with its tables", unwound, timeout=60)
             # when it runs its threads
             p.stdin.write("go\n")
@@ -363,30 +446,36 @@ def test_lock_delay_is_in_contended_and_quiet_is_absent(lock_run: LockRun) -> No
 def test_lock_stacks_go_through_libc_to_the_thread_start(lock_run: LockRun) -> None:
     # Root first: the thread's start, the function that took the lock, and libc's frames below it,
     # named (libc has no frame pointers: unwound with its tables; names from its debug file).
-    stacks = {tuple(s.functions) for p in lock_run.lock for s in p.samples
-              if s.labels.get("process.executable") == str(lock_run.exe) and "contended" in s.functions}
+    stacks = {
+        tuple(s.functions)
+        for p in lock_run.lock
+        for s in p.samples
+        if s.labels.get("process.executable") == str(lock_run.exe) and "contended" in s.functions
+    }
     assert stacks
     for st in stacks:
         i = st.index("contended")
-        assert st[i - 1] == "contender" and "start_thread" in st[:i - 1], st
+        assert st[i - 1] == "contender" and "start_thread" in st[: i - 1], st
         assert "mutex_lock" in st[i + 1] and "lll_lock_wait" in st[-1], st
 
 
-def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path,
-                                                        started: list[subprocess.Popen]) -> None:
+def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     """The issue's "alloc: 0 while the probes ran": a sampled malloc whose return the uretprobe
     never saw (entry probe on first, as a preempted attach leaves it) must cost that one sample,
     not every later allocation of the thread."""
     require_root()
     from collector import alloc, bpfstats
-    from shared.stage_code import default_bpf_dir
     from collector.programs import Programs
     from collector.targets import Target
+    from shared.stage_code import default_bpf_dir
 
     exe = tmp_path / "mix_target"
     shutil.copy(build("alloc_mix"), exe)
-    programs = Programs(default_bpf_dir(), ["alloc"], {"COUNTS_ENTRIES": 1024, "STACK_ENTRIES": 1024,
-                                                        **alloc.bpf_defines(DEFAULT_ALLOC_SAMPLE_BYTES, 100)})
+    programs = Programs(
+        default_bpf_dir(),
+        ["alloc"],
+        {"COUNTS_ENTRIES": 1024, "STACK_ENTRIES": 1024, **alloc.bpf_defines(DEFAULT_ALLOC_SAMPLE_BYTES, 100)},
+    )
     tracer = alloc.AllocTracer(programs.bpf, DEFAULT_ALLOC_SAMPLE_BYTES, 100)
     stats = bpfstats.RunTimeStats()
     t = subprocess.Popen([str(exe), "30", "1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -404,13 +493,16 @@ def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path,
         # (about 3 MB of allocations: a sampled one among them, its return unseen, is all but certain)
         wait_for("16,000 malloc calls of the target", lambda: bpfstats.prog_stats(fd).run_cnt > 16000, timeout=20)
         # when the rest of the probes come on
-        a.links.append(alloc.open_link(fds["alloc_return_probe"], a.path,
-                                       [a.offsets[s] for s in ("malloc", "calloc", "realloc")], t.pid, True))
+        a.links.append(
+            alloc.open_link(
+                fds["alloc_return_probe"], a.path, [a.offsets[s] for s in ("malloc", "calloc", "realloc")], t.pid, True
+            )
+        )
         for sym, entry, _ret in alloc.PROBES:
             if sym != "malloc":
                 a.links.append(alloc.open_link(fds[entry], a.path, [a.offsets[sym]], t.pid, False))
         tracer.drain()
-        time.sleep(1.0)   # a second of allocations to count (the drain is the measurement, not a wait for state)
+        time.sleep(1.0)  # a second of allocations to count (the drain is the measurement, not a wait for state)
         # then the next second's allocations are sampled: ~300 calls' worth per sample at 64 KiB
         drained = tracer.drain()
         objects = sum(s[4] for s in drained.samples)

@@ -7,9 +7,7 @@ each key once with its value, as ctypes objects like bcc's items(), and the maps
 
 from __future__ import annotations
 
-
 from collector.bpfmaps import BATCH_ENTRIES, DWARF_STACK_ID_BASE, take_all, take_dwarf_stacks
-
 from tests.harness import require_root
 
 PROGRAM = """
@@ -26,6 +24,7 @@ N = BATCH_ENTRIES * 2 + 123
 def test_take_all_returns_every_entry_once_and_empties_the_map() -> None:
     require_root()
     from bcc import BPF
+
     b = BPF(text=PROGRAM)
     try:
         structs, plain = b["structs"], b["plain"]
@@ -42,8 +41,9 @@ def test_take_all_returns_every_entry_once_and_empties_the_map() -> None:
         got = take_all(structs)
         assert len(got) == N
         assert {k.pid for k, _ in got} == set(range(N))
-        assert all(k.tid == k.pid + 1 and k.stack == -k.pid and v.count == 3 * k.pid and v.ns == 7 * k.pid
-                   for k, v in got)
+        assert all(
+            k.tid == k.pid + 1 and k.stack == -k.pid and v.count == 3 * k.pid and v.ns == 7 * k.pid for k, v in got
+        )
         assert len(list(structs.items())) == 0
 
         got_plain = take_all(plain)
@@ -57,6 +57,7 @@ def test_take_all_returns_every_entry_once_and_empties_the_map() -> None:
 def test_take_dwarf_stacks_copies_the_stacks_asked_for_and_empties_the_map() -> None:
     require_root()
     from bcc import BPF
+
     b = BPF(text=PROGRAM)
     try:
         stacks = b["stacks"]

@@ -14,7 +14,6 @@ import ctypes
 import os
 
 from collector.bpfmaps import DoubleBuffer, take_all
-
 from tests.harness import ROOT, require_root
 
 # Entries of each counts map: small, so that the test fills one.
@@ -64,6 +63,7 @@ def _values(table) -> dict[int, tuple[int, int]]:
 def test_counts_add_adds_inserts_reports_a_full_map_and_follows_the_flip() -> None:
     require_root()
     from bcc import BPF
+
     common = (ROOT / "bpf" / "common.h").read_text()
     b = BPF(text=(common + PROGRAM).encode(), cflags=[f"-DTEST_PID={os.getpid()}", f"-DENTRIES={ENTRIES}"])
     try:
@@ -74,9 +74,9 @@ def test_counts_add_adds_inserts_reports_a_full_map_and_follows_the_flip() -> No
         for k in range(2, ENTRIES + 1):
             _count(b, k)
         assert len(_values(b["t_counts_0"])) == ENTRIES and lost[ctypes.c_int(0)].value == 0
-        _count(b, ENTRIES + 1, times=2)     # the map is full: reported, not counted
+        _count(b, ENTRIES + 1, times=2)  # the map is full: reported, not counted
         assert lost[ctypes.c_int(0)].value == 2
-        _count(b, 1)                       # a key already there is still added to
+        _count(b, 1)  # a key already there is still added to
         assert _values(b["t_counts_0"])[1] == (4, 40)
 
         old, counts = buffers.retire()

@@ -12,17 +12,20 @@ import pytest
 
 from shared import endpoints
 from shared.config import ProfilerConfig, dump
-from tests.harness import (PY, Pipeline, bpf_holdings, bpftool, children, open_dir, require_root, stop_process,
-                           wait_for)
+from tests.harness import PY, Pipeline, bpf_holdings, bpftool, children, open_dir, require_root, stop_process, wait_for
 
 # How long the kernel may take to free programs a closed tail-call array held (a workqueue, then RCU).
 KERNEL_FREE_TIMEOUT_S = 10.0
 
 
-@pytest.mark.parametrize("sig, offcpu, dwarf", [(signal.SIGTERM, True, True), (signal.SIGINT, False, False)],
-                         ids=["SIGTERM-offcpu-dwarf", "SIGINT-oncpu-only-frame-pointers"])
-def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.Signals, offcpu: bool,
-                                                    dwarf: bool, started: list[subprocess.Popen]) -> None:
+@pytest.mark.parametrize(
+    "sig, offcpu, dwarf",
+    [(signal.SIGTERM, True, True), (signal.SIGINT, False, False)],
+    ids=["SIGTERM-offcpu-dwarf", "SIGINT-oncpu-only-frame-pointers"],
+)
+def test_stop_detaches_every_program_and_perf_event(
+    tmp_path: Path, sig: signal.Signals, offcpu: bool, dwarf: bool, started: list[subprocess.Popen]
+) -> None:
     # given a running collector, with and without off-CPU profiling and DWARF unwinding
     require_root()
     work = open_dir("collector")
@@ -32,13 +35,16 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
     run_dir.mkdir()
     shutil.chown(run_dir, group="ebpfprofiler")
     run_dir.chmod(0o3770)
-    p = subprocess.Popen([PY, "-m", "collector.main", "--config", str(cfg),
-                          "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True)
-    started.append(p)   # killed at the end if a check fails before the stop under test
+    p = subprocess.Popen(
+        [PY, "-m", "collector.main", "--config", str(cfg), "--run-dir", str(run_dir)], stderr=subprocess.PIPE, text=True
+    )
+    started.append(p)  # killed at the end if a check fails before the stop under test
     try:
-        wait_for("the collector to be ready",
-                 lambda: p.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
-                 timeout=90)
+        wait_for(
+            "the collector to be ready",
+            lambda: p.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
+            timeout=90,
+        )
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
         progs, perf_fds = bpf_holdings(p.pid)
         # then it holds its sampling program, one perf event per CPU, the
@@ -47,10 +53,12 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         # programs only when that is on (names as the kernel keeps them: 15 characters)
         loaded = {q["id"]: q for q in bpftool("prog", "show")}
         kinds = sorted((loaded[i]["type"], loaded[i]["name"]) for i in progs)
-        expected = [("perf_event", "on_cpu_sample")] + ([
-            ("tracing", "offcpu_switch"), ("tracing", "offcpu_resume")] if offcpu else []) + ([
-            ("perf_event", "oncpu_unwind_step")] if dwarf else []) + ([
-            ("tracing", "offcpu_unwind_s"), ("tracing", "offcpu_unwind_f")] if dwarf and offcpu else [])
+        expected = (
+            [("perf_event", "on_cpu_sample")]
+            + ([("tracing", "offcpu_switch"), ("tracing", "offcpu_resume")] if offcpu else [])
+            + ([("perf_event", "oncpu_unwind_step")] if dwarf else [])
+            + ([("tracing", "offcpu_unwind_s"), ("tracing", "offcpu_unwind_f")] if dwarf and offcpu else [])
+        )
         assert kinds == sorted(expected)
         assert perf_fds == os.cpu_count()
         links = [e for e in bpftool("link", "show") if e.get("prog_id") in progs]
@@ -65,8 +73,11 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
         # program array held a moment later: the last user reference clears the array in a
         # workqueue, prog_array_map_clear_deferred, and the step programs go after an RCU grace
         # period; seen as 2 programs still listed right after exit, so this polls)
-        wait_for("the collector's programs to be freed",
-                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, KERNEL_FREE_TIMEOUT_S)
+        wait_for(
+            "the collector's programs to be freed",
+            lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
+            KERNEL_FREE_TIMEOUT_S,
+        )
         assert not [e for e in bpftool("perf") if e.get("prog_id") in progs]
         assert not [e for e in bpftool("link", "show") if e.get("prog_id") in progs]
         assert not os.path.exists(endpoints.ready_file(str(run_dir), "collector"))
@@ -77,8 +88,7 @@ def test_stop_detaches_every_program_and_perf_event(tmp_path: Path, sig: signal.
 def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("modules:\n  ebpf_profiler:\n    sample_hz: fast\n")
-    out = subprocess.run([PY, "-m", "collector.main", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([PY, "-m", "collector.main", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "sample_hz = 'fast' is not allowed" in out.stderr and "Traceback" not in out.stderr
 
@@ -101,10 +111,13 @@ def test_stages_stop_cleanly_when_run_is_killed(tmp_path: Path) -> None:
         # then every stage stops by itself, the collector cleanly, and its programs go
         wait_for("every stage to stop", lambda: not any(os.path.exists(f"/proc/{pid}") for pid in stages), 60)
         assert "received SIGTERM: stopping" in pipeline.log() and "collector stopped" in pipeline.log(), pipeline.log()
-        wait_for("the collector's programs to be freed",
-                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, KERNEL_FREE_TIMEOUT_S)
+        wait_for(
+            "the collector's programs to be freed",
+            lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
+            KERNEL_FREE_TIMEOUT_S,
+        )
     finally:
-        for pid in stages:   # none left, unless a check above failed
+        for pid in stages:  # none left, unless a check above failed
             try:
                 if b"--run-dir" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from receiver.store import list_profiles
 from shared import endpoints, pprof, privileges
 from shared.config import ProfilerConfig
-
 from tests import dotnet_runtimes
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, open_dir, require_root, wait_for
 
@@ -106,21 +106,23 @@ class Workload:
 @dataclass
 class Run:
     log: str
-    samples: dict[int, dict[int, list[pprof.ReadSample]]]   # pid → window start → cpu samples
+    samples: dict[int, dict[int, list[pprof.ReadSample]]]  # pid → window start → cpu samples
     net8: Workload
     refused: dict[str, Workload]
-    maps_left: dict[str, bool] = field(default_factory=dict)   # refused process → its map existed after stop
-    written_while_on: str = ""           # a fresh method's name found in the map while the agent ran
+    maps_left: dict[str, bool] = field(default_factory=dict)  # refused process → its map existed after stop
+    written_while_on: str = ""  # a fresh method's name found in the map while the agent ran
     size_at_stop: int = 0
     size_later: int = 0
-    not_written: str = ""                # a fresh method compiled after the stop, and whether it was written
+    not_written: str = ""  # a fresh method compiled after the stop, and whether it was written
     written_after_stop: bool = True
-    reader_status: dict[str, str] = field(default_factory=dict)      # the runtime stage's /proc status
-    connector_status: list[dict[str, str]] = field(default_factory=list)   # its children's
+    reader_status: dict[str, str] = field(default_factory=dict)  # the runtime stage's /proc status
+    connector_status: list[dict[str, str]] = field(default_factory=list)  # its children's
 
 
 def status(pid: int) -> dict[str, str]:
-    return {k: v.strip() for k, _, v in (ln.partition(":") for ln in Path(f"/proc/{pid}/status").read_text().splitlines())}
+    return {
+        k: v.strip() for k, _, v in (ln.partition(":") for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
+    }
 
 
 def cpu_samples(directory: Path) -> dict[int, dict[int, list[pprof.ReadSample]]]:
@@ -133,13 +135,22 @@ def cpu_samples(directory: Path) -> dict[int, dict[int, list[pprof.ReadSample]]]
     return out
 
 
-def launch(started: list[subprocess.Popen], name: str, script: Path, root: Path, version: str, mode: str, *,
-           user: int | None = None, **env: str) -> Workload:
+def launch(
+    started: list[subprocess.Popen],
+    name: str,
+    script: Path,
+    root: Path,
+    version: str,
+    mode: str,
+    *,
+    user: int | None = None,
+    **env: str,
+) -> Workload:
     base = {k: v for k, v in os.environ.items() if k not in ("TMPDIR",) and not k.startswith(("DOTNET_", "COMPlus_"))}
     base.update(DOTNET_SYSTEM_GLOBALIZATION_INVARIANT="1", **env)
     argv = [str(dotnet_runtimes.venv() / "bin/python"), str(script), str(root), version, mode, str(WORKLOAD_SECONDS)]
     if user is not None:
-        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + argv
+        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
     return Workload(name, argv, base, started)
 
 
@@ -164,35 +175,54 @@ def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
         workloads.append(net8)
         refused = {
             "net31": launch(module_started, "net31", script, net31_root, "3.1.23", "fresh"),
-            "no_diagnostics": launch(module_started, "no_diagnostics", script, net8_root, "8.0.4", "fresh",
-                                     DOTNET_EnableDiagnostics="0"),
-            "other_tmpdir": launch(module_started, "other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)),
+            "no_diagnostics": launch(
+                module_started, "no_diagnostics", script, net8_root, "8.0.4", "fresh", DOTNET_EnableDiagnostics="0"
+            ),
+            "other_tmpdir": launch(
+                module_started, "other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)
+            ),
         }
         workloads.extend(refused.values())
         for w in workloads:
             w.wait_ready()
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=WINDOW_S, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("dotnet",), dwarf_unwind=False, offcpu=True))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=WINDOW_S,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("dotnet",),
+                dwarf_unwind=False,
+                offcpu=True,
+            ),
+        )
         r = Run("", {}, net8, refused)
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
-            wait_for("an answer for every .NET process",
-                     lambda: all(answers(pipeline.log(), w.pid) for w in workloads), timeout=60, interval=0.5)
+            wait_for(
+                "an answer for every .NET process",
+                lambda: all(answers(pipeline.log(), w.pid) for w in workloads),
+                timeout=60,
+                interval=0.5,
+            )
 
             def windows() -> bool:
                 return len(cpu_samples(receiver.dir).get(net8.pid, {})) >= WANT_WINDOWS
-            wait_for(f"{WANT_WINDOWS} windows of the .NET 8 process's cpu profiles", windows, timeout=90,
-                     interval=1.0)
+
+            wait_for(f"{WANT_WINDOWS} windows of the .NET 8 process's cpu profiles", windows, timeout=90, interval=1.0)
             reader = int(Path(endpoints.ready_file(str(pipeline.run_dir), "runtime")).read_text())
             r.reader_status = status(reader)
             r.connector_status = [status(c) for c in children(reader)]
             # The map is written as the runtime compiles: the latest fresh method is in it.
             r.written_while_on = f"FreshEbpfTest_{net8.fresh}("
-            wait_for(f"{r.written_while_on} in {net8.perf_map}",
-                     lambda: net8.perf_map.exists() and r.written_while_on in net8.perf_map.read_text(errors="replace"),
-                     timeout=10)
+            wait_for(
+                f"{r.written_while_on} in {net8.perf_map}",
+                lambda: net8.perf_map.exists() and r.written_while_on in net8.perf_map.read_text(errors="replace"),
+                timeout=10,
+            )
         except AssertionError as e:
             said = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "perf map" in ln]
             raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(said[-30:])) from None
@@ -210,7 +240,7 @@ def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
         r.maps_left = {name: w.perf_map.exists() for name, w in refused.items()}
         yield r
     finally:
-        for w in workloads:   # still running (killed at the module's end): a runtime remakes neither
+        for w in workloads:  # still running (killed at the module's end): a runtime remakes neither
             w.remove_leftovers()
         receiver.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -227,7 +257,7 @@ def test_a_jit_compiled_hot_method_is_named_from_the_second_window_on(run: Run) 
     assert len(starts) >= WANT_WINDOWS, starts
     rows, hot_total, all_total = [], 0, 0
     for i, start in enumerate(starts):
-        jit: Counter[str] = Counter()        # samples whose user leaf is JIT code, by its name ("" unnamed)
+        jit: Counter[str] = Counter()  # samples whose user leaf is JIT code, by its name ("" unnamed)
         total = 0
         for s in by_window[start]:
             total += s.values[0]
@@ -236,7 +266,7 @@ def test_a_jit_compiled_hot_method_is_named_from_the_second_window_on(run: Run) 
                 jit[leaf.function] += s.values[0]
         hot = sum(n for name, n in jit.items() if HOT in name)
         rows.append((total, sum(jit.values()), jit[""], hot))
-        for name in jit:                     # the runtime's own name for it
+        for name in jit:  # the runtime's own name for it
             assert HOT not in name or name.endswith(f"dynamicClass::{HOT}(int64)[Optimized]"), name
         if i == 0:
             continue
@@ -262,8 +292,10 @@ def test_each_answer_is_logged_once(run: Run) -> None:
 
 def test_dotnet_3_1_is_refused_with_the_reason_and_left_without_a_map(run: Run) -> None:
     (line,) = answers(run.log, run.refused["net31"].pid)
-    assert "refused: .NET: " in line and "(.NET 3.1.23): EnablePerfMap answered error HRESULT 0x80131385 " \
-        "(unknown command)" in line, line
+    assert (
+        "refused: .NET: " in line
+        and "(.NET 3.1.23): EnablePerfMap answered error HRESULT 0x80131385 (unknown command)" in line
+    ), line
     assert "start the process with DOTNET_PerfMapEnabled=1" in line, line
     assert not run.maps_left["net31"]
 
@@ -279,7 +311,7 @@ def test_no_diagnostics_socket_and_another_tmpdir_are_refused_with_the_reason(ru
 def test_after_the_agent_stops_the_process_stops_writing_its_map(run: Run) -> None:
     lines = [ln for ln in run.log.splitlines() if f"pid {run.net8.pid} (.NET 8.0.4): DisablePerfMap" in ln]
     assert len(lines) == 1 and "DisablePerfMap answered OK" in lines[0], lines
-    assert run.written_while_on                                   # it was written while the agent ran
+    assert run.written_while_on  # it was written while the agent ran
     assert not run.written_after_stop, f"{run.not_written} was written after the stop"
     assert run.size_later == run.size_at_stop
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from elftools.elf.elffile import ELFFile
+
 from receiver.store import list_profiles
 from shared import pprof
 from shared.config import ProfilerConfig
-from elftools.elf.elffile import ELFFile
-
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer"]
@@ -36,7 +36,7 @@ INTERVAL_S = 8
 SAMPLE_HZ = 99
 CPU_SECONDS = 18.0
 OFFCPU_SECONDS = 24.0
-START = ("__libc_start_call_main", "main")     # root side of every whole stack
+START = ("__libc_start_call_main", "main")  # root side of every whole stack
 HOT = ("main", "hot_path", "top", "mid", "leaf")
 RECURSION = ("main", "recurse") + ("rec",) * 41 + ("rec_leaf",)
 
@@ -45,7 +45,7 @@ RECURSION = ("main", "recurse") + ("rec",) * 41 + ("rec_leaf",)
 class Run:
     exe: str
     corrupt: str
-    windows: dict[str, dict[int, list[pprof.ReadSample]]]    # profile type → window start → samples of exe
+    windows: dict[str, dict[int, list[pprof.ReadSample]]]  # profile type → window start → samples of exe
     corrupt_samples: list[pprof.ReadSample]
     log: str
     offcpu_loops: int
@@ -58,13 +58,13 @@ def names(s: pprof.ReadSample) -> tuple[str, ...]:
 def whole(s: pprof.ReadSample) -> bool:
     """The stack reaches main, and below it __libc_start_call_main (frames are root first)."""
     n = names(s)
-    return any(n[i:i + 2] == START for i in range(len(n) - 1))
+    return any(n[i : i + 2] == START for i in range(len(n) - 1))
 
 
 def own(s: pprof.ReadSample, exe: str) -> tuple[str, ...]:
     """The workload's own frames from main up (its _start sits below libc's start-up frames)."""
     n = tuple(f.function for f in s.frames if f.module == exe)
-    return n[n.index("main"):] if "main" in n else n
+    return n[n.index("main") :] if "main" in n else n
 
 
 def scribble_eh_frame(src: Path, dst: Path) -> None:
@@ -84,7 +84,7 @@ def scribble_eh_frame(src: Path, dst: Path) -> None:
         f.seek(id_end - 1)
         last = f.read(1)[0]
         f.seek(id_end - 1)
-        f.write(bytes([last ^ 0xff]))
+        f.write(bytes([last ^ 0xFF]))
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +96,31 @@ def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[su
     scribble_eh_frame(exe, corrupt)
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=SAMPLE_HZ, upload_interval_s=INTERVAL_S, offcpu=True, offcpu_dwarf=True,
-            endpoint=receiver.url, local_dir=str(work / "unused")))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=SAMPLE_HZ,
+                upload_interval_s=INTERVAL_S,
+                offcpu=True,
+                offcpu_dwarf=True,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+            ),
+        )
         try:
             # Start just after a window boundary, so "the first window" is the one it starts in.
-            wait_for("the start of an upload window", lambda: 0.1 <= time.time() % INTERVAL_S < 1.0,
-                     timeout=INTERVAL_S + 1, interval=0.02)
+            wait_for(
+                "the start of an upload window",
+                lambda: 0.1 <= time.time() % INTERVAL_S < 1.0,
+                timeout=INTERVAL_S + 1,
+                interval=0.02,
+            )
             procs = []
-            for argv in ([str(exe), "cpu", str(CPU_SECONDS)], [str(exe), "offcpu", str(OFFCPU_SECONDS)],
-                         [str(corrupt), "cpu", "8"]):
+            for argv in (
+                [str(exe), "cpu", str(CPU_SECONDS)],
+                [str(exe), "offcpu", str(OFFCPU_SECONDS)],
+                [str(corrupt), "cpu", "8"],
+            ):
                 procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
                 module_started.append(procs[-1])
             outputs = [p.communicate(timeout=120)[0] for p in procs]
@@ -162,16 +177,17 @@ def test_each_path_has_its_expected_stack(run: Run) -> None:
     hot = [s for s in samples if names(s)[-1] == "leaf"]
     assert hot and all(own(s, run.exe) == HOT for s in hot), Counter(own(s, run.exe) for s in hot).most_common(3)
     deep = [s for s in samples if names(s)[-1] == "rec_leaf"]
-    assert deep and all(own(s, run.exe) == RECURSION for s in deep), \
-        Counter(own(s, run.exe) for s in deep).most_common(3)
+    assert deep and all(own(s, run.exe) == RECURSION for s in deep), Counter(own(s, run.exe) for s in deep).most_common(
+        3
+    )
     # compare() is called by libc's qsort, which sort_path called: libc frames sit between them.
     sorting = [s for s in samples if names(s)[-1] == "compare"]
     assert sorting
     for s in sorting:
         n, mods = names(s), [f.module for f in s.frames]
         i, j = n.index("sort_path"), len(n) - 1
-        assert n[:n.index("main") + 1][-2:] == START and i < j - 1, n
-        assert all("libc" in m for m in mods[i + 1:j]), list(zip(n, mods))
+        assert n[: n.index("main") + 1][-2:] == START and i < j - 1, n
+        assert all("libc" in m for m in mods[i + 1 : j]), list(zip(n, mods))
     for leaf in ("leaf", "rec_leaf", "compare"):
         assert by_leaf[leaf] / total >= 0.15, by_leaf.most_common(6)
 
@@ -179,14 +195,35 @@ def test_each_path_has_its_expected_stack(run: Run) -> None:
 def perf_stacks(exe: str, seconds: float, work: Path) -> Counter[tuple[str, ...]]:
     """Stacks (root first, function names) of `exe` sampled by perf record --call-graph dwarf."""
     data = work / "perf.data"
-    subprocess.run(["perf", "record", "-q", "-F", str(SAMPLE_HZ), "--call-graph", "dwarf", "-o", str(data),
-                    "--", exe, "cpu", str(seconds)], check=True, stdout=subprocess.DEVNULL, timeout=120)
-    out = subprocess.run(["perf", "script", "-i", str(data), "-F", "ip,sym"], check=True, capture_output=True,
-                         text=True, timeout=120).stdout
+    subprocess.run(
+        [
+            "perf",
+            "record",
+            "-q",
+            "-F",
+            str(SAMPLE_HZ),
+            "--call-graph",
+            "dwarf",
+            "-o",
+            str(data),
+            "--",
+            exe,
+            "cpu",
+            str(seconds),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=120,
+    )
+    out = subprocess.run(
+        ["perf", "script", "-i", str(data), "-F", "ip,sym"], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     stacks: Counter[tuple[str, ...]] = Counter()
     for block in out.strip().split("\n\n"):
-        frames = [line.split(None, 1)[1].strip() if len(line.split(None, 1)) > 1 else ""
-                  for line in block.strip().splitlines()]
+        frames = [
+            line.split(None, 1)[1].strip() if len(line.split(None, 1)) > 1 else ""
+            for line in block.strip().splitlines()
+        ]
         stacks[tuple(reversed(frames))] += 1
     return stacks
 
@@ -203,11 +240,11 @@ def test_stacks_agree_with_perf_dwarf(run: Run, tmp_path: Path) -> None:
         in one spelling: perf reads libc's DWARF, so it names internal aliases (__GI___qsort_r)
         and inlined copies ("msort_with_tmp (inlined)") where we name the symbol
         (qsort_r, msort_with_tmp.part.0); runs of one name (recursion) count once."""
-        stack = stack[stack.index(START[0]):] if START[0] in stack else stack
+        stack = stack[stack.index(START[0]) :] if START[0] in stack else stack
         out: list[str] = []
         for name in stack:
-            name = re.sub(r"\.(part|isra|constprop|cold)\.\d+$", "", name.removesuffix(" (inlined)"))
-            name = name.removeprefix("__GI_").lstrip("_")
+            name = re.sub(r"\.(part|isra|constprop|cold)\.\d+$", "", name.removesuffix(" (inlined)"))  # noqa: PLW2901
+            name = name.removeprefix("__GI_").lstrip("_")  # noqa: PLW2901
             if not out or out[-1] != name:
                 out.append(name)
         return tuple(out)

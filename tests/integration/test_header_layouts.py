@@ -89,18 +89,28 @@ def test_every_program_loads_when_compiled_against_the_kernels_headers(suite: st
     require_root()
     release, build, source = header_tree(suite)
     here = f"/lib/modules/{os.uname().release}"
-    script = (f"mount --bind {build} {here}/build && mount --bind {source} {here}/source && "
-              f"exec {PY} -c \"$0\"")
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, LOAD_EVERYTHING],
-                         capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+    script = f'mount --bind {build} {here}/build && mount --bind {source} {here}/source && exec {PY} -c "$0"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, LOAD_EVERYTHING],
+        capture_output=True,
+        text=True,
+        timeout=LOAD_TIMEOUT_S,
+    )
     assert out.returncode == 0, f"{release}: {out.stdout}{out.stderr[-4000:]}"
     print(out.stdout, file=sys.stderr)
     # it was these headers bcc compiled against, and every family's programs loaded
     declared = out.stdout.split("headers of kernel version ")[1].split()[0]
     if version is not None:
         assert declared.startswith(version), (release, declared)
-    for name in ("on_cpu_sample", "oncpu_unwind_step", "offcpu_switch", "offcpu_resume", "offcpu_unwind_step",
-                 "tracepoint__syscalls__sys_enter_futex", "alloc_malloc_enter"):
+    for name in (
+        "on_cpu_sample",
+        "oncpu_unwind_step",
+        "offcpu_switch",
+        "offcpu_resume",
+        "offcpu_unwind_step",
+        "tracepoint__syscalls__sys_enter_futex",
+        "alloc_malloc_enter",
+    ):
         assert name in out.stdout, (name, out.stdout)
     if suite == "sid":
-        assert "-fms-extensions" in out.stdout     # its header tree was built with it
+        assert "-fms-extensions" in out.stdout  # its header tree was built with it

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq
@@ -52,17 +52,24 @@ class Run:
     log: str
 
     def samples(self, exe: str) -> list[pprof.ReadSample]:
-        return [s for r in self.profiles if r.meta["type"] == "cpu" for s in r.profile.samples
-                if s.labels.get("process.executable") == exe]
+        return [
+            s
+            for r in self.profiles
+            if r.meta["type"] == "cpu"
+            for s in r.profile.samples
+            if s.labels.get("process.executable") == exe
+        ]
 
 
 def stage_pids(run_dir: Path, stages: list[str]) -> dict[str, int]:
     """The pid in each stage's ready file; 0 for a stage that has none (it died, or is restarting)."""
+
     def pid(stage: str) -> int:
         try:
             return int(Path(endpoints.ready_file(str(run_dir), stage)).read_text())
         except (OSError, ValueError):
             return 0
+
     return {s: pid(s) for s in stages}
 
 
@@ -71,8 +78,9 @@ UNASKED_DEV, UNASKED_INODE, UNASKED_PATH = "fe:ff", 4242, "/unasked/module"
 
 
 def push_unasked_unwind_table(run_dir: Path) -> None:
-    header = unwind_table.Header(unwind_table.ARCH_X86_64, span=16, pc_base=0, text_offset=0, text_vaddr=0,
-                                 text_size=16)
+    header = unwind_table.Header(
+        unwind_table.ARCH_X86_64, span=16, pc_base=0, text_offset=0, text_vaddr=0, text_size=16
+    )
     table = unwind_table.encode(header, [unwind_table.Row(0, 0, 0, 0, unwind_table.CFA_FALLBACK, 0, 0)])
     ctx = zmq.Context()
     try:
@@ -80,16 +88,16 @@ def push_unasked_unwind_table(run_dir: Path) -> None:
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(endpoints.unwind(str(run_dir)))
         for _ in range(3):
-            sock.send_multipart(wire.encode(wire.UnwindTable(UNASKED_DEV, UNASKED_INODE, UNASKED_PATH, "ab",
-                                                             "ok", "", table)))
+            sock.send_multipart(
+                wire.encode(wire.UnwindTable(UNASKED_DEV, UNASKED_INODE, UNASKED_PATH, "ab", "ok", "", table))
+            )
         sock.close()
     finally:
         ctx.term()
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory,
-        module_started: list[subprocess.Popen]) -> Iterator[Run]:
+def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
     hot = build("hot")
     work = tmp_path_factory.mktemp("hostile")
@@ -105,24 +113,58 @@ def run(build, tmp_path_factory: pytest.TempPathFactory,
     newline_exe = os.path.join(newline_dir, b"hot")
     shutil.copy(hot, newline_exe)
     receiver = Receiver(work / "received")
-    procs = module_started   # killed and reaped at the module's end (conftest.py)
+    procs = module_started  # killed and reaped at the module's end (conftest.py)
     stages = ["collector", "symbolizer-0", "uploader"]
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=SAMPLE_HZ, upload_interval_s=5, symbolizer_workers=1, endpoint=receiver.url,
-            local_dir=str(work / "unused"), python_stacks=False, offcpu=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=SAMPLE_HZ,
+                upload_interval_s=5,
+                symbolizer_workers=1,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                python_stacks=False,
+                offcpu=False,
+            ),
+        )
         try:
             before = stage_pids(pipeline.run_dir, stages)
             for exe in (bytes_exe, newline_exe):
                 procs.append(subprocess.Popen([exe, str(HOSTILE_CPU_S)], stdout=subprocess.DEVNULL))
             push_unasked_unwind_table(pipeline.run_dir)
             second_run = subprocess.run(
-                [PY, "-m", "cli.main", "run", "--config", str(pipeline.config_path),
-                 "--run-dir", str(pipeline.run_dir), "--state-dir", str(pipeline.state_dir)],
-                capture_output=True, text=True, timeout=60)
+                [
+                    PY,
+                    "-m",
+                    "cli.main",
+                    "run",
+                    "--config",
+                    str(pipeline.config_path),
+                    "--run-dir",
+                    str(pipeline.run_dir),
+                    "--state-dir",
+                    str(pipeline.state_dir),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             second_collector = subprocess.run(
-                [PY, "-m", "cli.main", "collector", "--config", str(pipeline.config_path),
-                 "--run-dir", str(pipeline.run_dir)], capture_output=True, text=True, timeout=60)
+                [
+                    PY,
+                    "-m",
+                    "cli.main",
+                    "collector",
+                    "--config",
+                    str(pipeline.config_path),
+                    "--run-dir",
+                    str(pipeline.run_dir),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             ordinary = subprocess.Popen([str(hot), str(ORDINARY_CPU_S)], stdout=subprocess.PIPE, text=True)
             procs.append(ordinary)
             out, _ = ordinary.communicate(timeout=120)
@@ -132,9 +174,19 @@ def run(build, tmp_path_factory: pytest.TempPathFactory,
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(read_received(receiver.dir), str(hot.resolve()), float(workload_fields(out)["cpu_seconds"]),
-                  bytes_exe, newline_exe, before, after, pipeline.proc.pid, second_run, second_collector,
-                  pipeline.log())
+        yield Run(
+            read_received(receiver.dir),
+            str(hot.resolve()),
+            float(workload_fields(out)["cpu_seconds"]),
+            bytes_exe,
+            newline_exe,
+            before,
+            after,
+            pipeline.proc.pid,
+            second_run,
+            second_collector,
+            pipeline.log(),
+        )
     finally:
         receiver.stop()
         shutil.rmtree(home, ignore_errors=True)

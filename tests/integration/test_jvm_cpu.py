@@ -33,13 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
-from tests import jdks
+from tests import harness, jdks
 from tests.harness import Pipeline, Receiver, require_root, wait_for
-from tests import harness
 
 VERSIONS = jdks.VERSIONS
 SAMPLE_HZ = 127
@@ -55,9 +54,18 @@ WORKLOAD_SECONDS = 240
 # splitA, splitB and step stay methods of their own: inlined into their callers' compiled loops, their
 # own loops would have no debug information of their own (the samples would name the caller).
 # inlinedLeaf is inlined into splitA (-XX:+PrintInlining says so).
-JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData", "-XX:+UnlockDiagnosticVMOptions",
-              "-XX:+PrintInlining", "-XX:CompileCommand=quiet", "-XX:CompileCommand=dontinline,JvmSpin::splitA",
-              "-XX:CompileCommand=dontinline,JvmSpin::splitB", "-XX:CompileCommand=dontinline,JvmSpin::step"]
+JAVA_FLAGS = [
+    "-Xmx64m",
+    "-Xss512k",
+    "-XX:+UseSerialGC",
+    "-XX:-UsePerfData",
+    "-XX:+UnlockDiagnosticVMOptions",
+    "-XX:+PrintInlining",
+    "-XX:CompileCommand=quiet",
+    "-XX:CompileCommand=dontinline,JvmSpin::splitA",
+    "-XX:CompileCommand=dontinline,JvmSpin::splitB",
+    "-XX:CompileCommand=dontinline,JvmSpin::step",
+]
 SOURCE_NAME = "JvmSpin.java"
 
 
@@ -76,9 +84,9 @@ def method_lines(name: str) -> range:
 @dataclass
 class Run:
     procs: dict[str, subprocess.Popen]
-    outs: dict[str, Path]                         # each JVM's output: -XX:+PrintInlining's report, "ready"
-    samples: dict[int, list[pprof.ReadSample]]    # pid → jvm_cpu samples of its spinning thread, after warm-up
-    log: str                                       # the pipeline's
+    outs: dict[str, Path]  # each JVM's output: -XX:+PrintInlining's report, "ready"
+    samples: dict[int, list[pprof.ReadSample]]  # pid → jvm_cpu samples of its spinning thread, after warm-up
+    log: str  # the pipeline's
 
 
 def spin_samples(directory: Path, since_ns: int) -> dict[int, list[pprof.ReadSample]]:
@@ -109,10 +117,21 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     procs: dict[str, subprocess.Popen] = {}
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("jvm",), cpu_budget=50.0, dwarf_unwind=False, offcpu=False,
-            sample_hz=SAMPLE_HZ))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("jvm",),
+                cpu_budget=50.0,
+                dwarf_unwind=False,
+                offcpu=False,
+                sample_hz=SAMPLE_HZ,
+            ),
+        )
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
@@ -120,27 +139,37 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
             for v, java in javas.items():
                 outs[v] = work / f"jdk{v}.out"
                 with open(outs[v], "w") as f:
-                    p = subprocess.Popen([str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSpin",
-                                          str(WORKLOAD_SECONDS), "1"],
-                                         stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                module_started.append(p)   # killed and reaped at the module's end (conftest.py)
+                    p = subprocess.Popen(
+                        [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSpin", str(WORKLOAD_SECONDS), "1"],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                module_started.append(p)  # killed and reaped at the module's end (conftest.py)
                 procs[v] = p
             for v, p in procs.items():
-                wait_for(f"JDK {v}'s warm-up", lambda v=v, p=p: "ready\n" in outs[v].read_text()
-                         or p.poll() is not None, timeout=90, interval=0.2)
+                wait_for(
+                    f"JDK {v}'s warm-up",
+                    lambda v=v, p=p: "ready\n" in outs[v].read_text() or p.poll() is not None,
+                    timeout=90,
+                    interval=0.2,
+                )
                 assert p.poll() is None, f"JDK {v} ended:\n{outs[v].read_text()[-2000:]}"
             warm_ns = time.time_ns()
 
             def enough() -> bool:
                 got = spin_samples(receiver.dir, warm_ns)
                 return all(count(got.get(p.pid, [])) >= WANT_SAMPLES for p in procs.values())
+
             try:
                 wait_for("jvm_cpu profiles of every JDK", enough, timeout=240, interval=1.0)
             except AssertionError as e:
                 got = spin_samples(receiver.dir, warm_ns)
                 runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "regist" in ln]
-                raise AssertionError(f"{e}; samples {[count(got.get(p.pid, [])) for p in procs.values()]}; "
-                                     "the pipeline said:\n" + "\n".join(runtime_log[-30:])) from None
+                raise AssertionError(
+                    f"{e}; samples {[count(got.get(p.pid, [])) for p in procs.values()]}; "
+                    "the pipeline said:\n" + "\n".join(runtime_log[-30:])
+                ) from None
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
@@ -157,12 +186,14 @@ def own_frames(s: pprof.ReadSample) -> list[pprof.Frame]:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_running_java_threads_are_walked_from_their_registers(run: Run, version: str) -> None:
     samples = run.samples[run.procs[version].pid]
-    named = sum(s.values[0] for s in samples if s.functions[0] == "java.lang.Thread.run"
-                and "JvmSpin.work" in s.functions)
+    named = sum(
+        s.values[0] for s in samples if s.functions[0] == "java.lang.Thread.run" and "JvmSpin.work" in s.functions
+    )
     total = count(samples)
     assert named >= WANT_NAMED * total, (
         f"JDK {version}: {named} of {total} samples are whole from Thread.run through JvmSpin.work; "
-        f"others: {[s.functions for s in samples if 'JvmSpin.work' not in s.functions][:5]}")
+        f"others: {[s.functions for s in samples if 'JvmSpin.work' not in s.functions][:5]}"
+    )
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -170,7 +201,8 @@ def test_a_method_sampled_entering_or_returning_keeps_its_callers(run: Run, vers
     samples = run.samples[run.procs[version].pid]
     cut = sum(s.values[0] for s in samples if s.functions == ("JvmSpin.step",))
     assert cut <= MAX_CUT_AT_STEP * count(samples), (
-        f"JDK {version}: {cut} of {count(samples)} samples are step() alone, cut from its callers")
+        f"JDK {version}: {cut} of {count(samples)} samples are step() alone, cut from its callers"
+    )
 
 
 def measured_split(out: Path) -> float:
@@ -189,20 +221,26 @@ def test_spinning_thread_splits_three_to_one(run: Run, version: str) -> None:
     assert a + b >= WANT_NAMED * count(samples), f"JDK {version}: splitA {a}, splitB {b} of {count(samples)}"
     truth = measured_split(run.outs[version])
     assert 2.7 <= truth <= 3.3, f"JDK {version}: the workload itself split {truth:.2f}:1"
-    se = (a / b) * (1 / a + 1 / b) ** 0.5   # the sampled ratio's standard error (binomial counts)
+    se = (a / b) * (1 / a + 1 / b) ** 0.5  # the sampled ratio's standard error (binomial counts)
     assert 0.9 * truth <= a / b <= 1.1 * truth, (
         f"JDK {version}: splitA:splitB = {a}:{b} = {a / b:.2f} ± {se:.2f} (1 standard error), the workload "
-        f"measured {truth:.2f} (±10%); {count(samples) - a - b} samples named neither")
+        f"measured {truth:.2f} (±10%); {count(samples) - a - b} samples named neither"
+    )
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_inlined_method_is_named_under_its_caller_with_file_and_lines(run: Run, version: str) -> None:
     report = run.outs[version].read_text()
-    assert re.search(r"JvmSpin::inlinedLeaf \(\d+ bytes\)\s+inline \(hot\)", report), \
+    assert re.search(r"JvmSpin::inlinedLeaf \(\d+ bytes\)\s+inline \(hot\)", report), (
         f"JDK {version}: -XX:+PrintInlining did not report inlinedLeaf inlined"
+    )
     samples = run.samples[run.procs[version].pid]
-    call_a, call_leaf, call_step, step = (marked_lines("CALL_A"), marked_lines("CALL_LEAF"),
-                                          marked_lines("CALL_STEP"), method_lines("step"))
+    call_a, call_leaf, call_step, step = (
+        marked_lines("CALL_A"),
+        marked_lines("CALL_LEAF"),
+        marked_lines("CALL_STEP"),
+        method_lines("step"),
+    )
     good = 0
     seen = []
     for s in samples:
@@ -211,9 +249,14 @@ def test_inlined_method_is_named_under_its_caller_with_file_and_lines(run: Run, 
         if "JvmSpin.splitA" not in names:
             continue
         seen.append([(f.function, f.line) for f in own[-4:]])
-        if names[-4:] == ["JvmSpin.work", "JvmSpin.splitA", "JvmSpin.inlinedLeaf", "JvmSpin.step"] \
-                and own[-4].line in call_a and own[-3].line in call_leaf and own[-2].line in call_step \
-                and (own[-1].line in step or own[-1].line == 0) and all(f.filename == SOURCE_NAME for f in own):
+        if (
+            names[-4:] == ["JvmSpin.work", "JvmSpin.splitA", "JvmSpin.inlinedLeaf", "JvmSpin.step"]
+            and own[-4].line in call_a
+            and own[-3].line in call_leaf
+            and own[-2].line in call_step
+            and (own[-1].line in step or own[-1].line == 0)
+            and all(f.filename == SOURCE_NAME for f in own)
+        ):
             good += s.values[0]
     a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
     assert good >= 0.9 * a, f"JDK {version}: {good} of {a} splitA samples named right; some: {seen[:5]}"

@@ -42,17 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from receiver.store import list_profiles
 from runtimes import jvm
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.runtime import FileCache, ProcessContext
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
-from tests import jdks, runtime_roots
+from tests import harness, jdks, runtime_roots
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
-from tests import harness
 
 VERSIONS = jdks.VERSIONS
 # Worker threads per JVM: 5,000 worker stacks judge 3:1 within ±10% (2.8 standard deviations of a
@@ -63,8 +62,14 @@ WANT_STACKS = 5000
 WANT_BLOCKED = 300
 # The workloads' own deadline: they end by themselves even if the test cannot end them.
 WORKLOAD_SECONDS = 240
-JAVA_FLAGS = ["-Xmx64m", "-Xss512k", "-XX:+UseSerialGC", "-XX:-UsePerfData", "-XX:+UnlockDiagnosticVMOptions",
-              "-XX:+PrintInlining"]
+JAVA_FLAGS = [
+    "-Xmx64m",
+    "-Xss512k",
+    "-XX:+UseSerialGC",
+    "-XX:-UsePerfData",
+    "-XX:+UnlockDiagnosticVMOptions",
+    "-XX:+PrintInlining",
+]
 SOURCE_NAME = "JvmSplit.java"
 
 
@@ -76,15 +81,15 @@ def marked_lines(tag: str) -> set[int]:
 class Workload:
     version: str
     proc: subprocess.Popen
-    out: Path                         # its stdout: -XX:+PrintInlining's report, then "ready"
+    out: Path  # its stdout: -XX:+PrintInlining's report, then "ready"
 
 
 @dataclass
 class Run:
     workloads: dict[str, Workload]
-    samples: dict[int, list[pprof.ReadSample]]     # pid → received jvm_wall samples
-    warm: dict[int, list[pprof.ReadSample]]        # the same, of the windows after every JVM's warm-up
-    kinds: dict[str, Counter[tuple[str, str]]]     # version → (function, kind) frames read in the test process
+    samples: dict[int, list[pprof.ReadSample]]  # pid → received jvm_wall samples
+    warm: dict[int, list[pprof.ReadSample]]  # the same, of the windows after every JVM's warm-up
+    kinds: dict[str, Counter[tuple[str, str]]]  # version → (function, kind) frames read in the test process
 
 
 def received_samples(directory: Path, since_ns: int = 0) -> dict[int, list[pprof.ReadSample]]:
@@ -102,8 +107,11 @@ def received_samples(directory: Path, since_ns: int = 0) -> dict[int, list[pprof
 
 
 def worker_samples(run: Run, version: str) -> list[pprof.ReadSample]:
-    return [s for s in run.warm.get(run.workloads[version].proc.pid, [])
-            if s.labels.get("thread.name", "").startswith("worker-")]
+    return [
+        s
+        for s in run.warm.get(run.workloads[version].proc.pid, [])
+        if s.labels.get("thread.name", "").startswith("worker-")
+    ]
 
 
 def read_kinds(pid: int, rounds: int = 40) -> Counter[tuple[str, str]]:
@@ -129,31 +137,56 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: dict[str, Workload] = {}
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("jvm",), cpu_budget=50.0, dwarf_unwind=False, offcpu=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("jvm",),
+                cpu_budget=50.0,
+                dwarf_unwind=False,
+                offcpu=False,
+            ),
+        )
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
             for v, java in javas.items():
                 out = work / f"jdk{v}.out"
                 with open(out, "w") as f:
-                    p = subprocess.Popen([str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSplit",
-                                          str(WORKLOAD_SECONDS), str(WORKERS)],
-                                         stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                module_started.append(p)   # killed and reaped at the module's end (conftest.py)
+                    p = subprocess.Popen(
+                        [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSplit", str(WORKLOAD_SECONDS), str(WORKERS)],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                module_started.append(p)  # killed and reaped at the module's end (conftest.py)
                 workloads[v] = Workload(v, p, out)
             for w in workloads.values():
-                wait_for(f"JDK {w.version}'s warm-up", lambda w=w: "\nready\n" in w.out.read_text()
-                         or w.proc.poll() is not None, timeout=90, interval=0.2)
+                wait_for(
+                    f"JDK {w.version}'s warm-up",
+                    lambda w=w: "\nready\n" in w.out.read_text() or w.proc.poll() is not None,
+                    timeout=90,
+                    interval=0.2,
+                )
                 assert w.proc.poll() is None, f"JDK {w.version} ended:\n{w.out.read_text()[-2000:]}"
             warm_ns = time.time_ns()
 
             def enough() -> bool:
                 got = received_samples(receiver.dir, warm_ns)
-                return all(sum(s.values[0] for s in got.get(w.proc.pid, [])
-                               if s.labels.get("thread.name", "").startswith("worker-")) >= WANT_STACKS
-                           for w in workloads.values())
+                return all(
+                    sum(
+                        s.values[0]
+                        for s in got.get(w.proc.pid, [])
+                        if s.labels.get("thread.name", "").startswith("worker-")
+                    )
+                    >= WANT_STACKS
+                    for w in workloads.values()
+                )
+
             try:
                 wait_for("jvm_wall profiles of every JDK", enough, timeout=150, interval=1.0)
             except AssertionError as e:
@@ -177,11 +210,12 @@ def jvm_frames(s: pprof.ReadSample) -> list[pprof.Frame]:
 def test_workers_split_three_to_one(run: Run, version: str) -> None:
     inside: Counter[str] = Counter()
     for s in worker_samples(run, version):
-        if s.frames[-1].function == "[running Java code]":    # between two parks: not walked without registers
+        if s.frames[-1].function == "[running Java code]":  # between two parks: not walked without registers
             assert len(s.frames) == 1, s.frames
         names = [f.function for f in jvm_frames(s)]
-        inside["splitA" if "JvmSplit.splitA" in names else "splitB" if "JvmSplit.splitB" in names
-               else "other"] += s.values[0]
+        inside["splitA" if "JvmSplit.splitA" in names else "splitB" if "JvmSplit.splitB" in names else "other"] += (
+            s.values[0]
+        )
     a, b = inside["splitA"], inside["splitB"]
     print(f"JDK {version}: splitA {a} / splitB {b} = {a / max(b, 1):.2f}; {inside}")
     assert a + b >= 0.95 * sum(inside.values()), f"JDK {version}: {inside.most_common(5)}"
@@ -191,8 +225,9 @@ def test_workers_split_three_to_one(run: Run, version: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_inlined_method_is_named_under_its_caller_with_file_and_lines(run: Run, version: str) -> None:
     report = run.workloads[version].out.read_text()
-    assert re.search(r"JvmSplit::inlinedLeaf \(\d+ bytes\)\s+inline \(hot\)", report), \
+    assert re.search(r"JvmSplit::inlinedLeaf \(\d+ bytes\)\s+inline \(hot\)", report), (
         f"JDK {version}: -XX:+PrintInlining did not report inlinedLeaf inlined"
+    )
     park_leaf, call_leaf, park_b = marked_lines("PARK_LEAF"), marked_lines("CALL_LEAF"), marked_lines("PARK_B")
     call_a, call_b = marked_lines("CALL_A"), marked_lines("CALL_B")
     leaves = consistent = torn = 0
@@ -205,11 +240,16 @@ def test_inlined_method_is_named_under_its_caller_with_file_and_lines(run: Run, 
         names = [f.function for f in own]
         if names[-1] == "JvmSplit.inlinedLeaf":
             leaves += s.values[0]
-            good = names[-3:] == ["JvmSplit.work", "JvmSplit.splitA", "JvmSplit.inlinedLeaf"] \
-                and own[-1].line in park_leaf and own[-2].line in call_leaf and own[-3].line in call_a
+            good = (
+                names[-3:] == ["JvmSplit.work", "JvmSplit.splitA", "JvmSplit.inlinedLeaf"]
+                and own[-1].line in park_leaf
+                and own[-2].line in call_leaf
+                and own[-3].line in call_a
+            )
         elif names[-1] == "JvmSplit.splitB":
-            good = names[-2:] == ["JvmSplit.work", "JvmSplit.splitB"] and own[-1].line in park_b \
-                and own[-2].line in call_b
+            good = (
+                names[-2:] == ["JvmSplit.work", "JvmSplit.splitB"] and own[-1].line in park_b and own[-2].line in call_b
+            )
         else:
             good = False
         if good:
@@ -239,8 +279,7 @@ def test_blocked_thread_is_present_in_blocked_here(run: Run, version: str) -> No
     wait = marked_lines("WAIT")
     for s in samples:
         own = jvm_frames(s)
-        assert own and own[-1].function == "JvmSplit.blockedHere" and own[-1].line in wait, \
-            f"JDK {version}: {s.frames}"
+        assert own and own[-1].function == "JvmSplit.blockedHere" and own[-1].line in wait, f"JDK {version}: {s.frames}"
         assert own[-1].filename == SOURCE_NAME
         assert s.frames[-1].function.startswith("java.lang.Object.wait"), f"JDK {version}: {s.frames[-3:]}"
         # Below it the reflective call, and the thread's own lambda under Method.invoke (at its line).
@@ -256,8 +295,9 @@ def test_blocked_thread_is_present_in_blocked_here(run: Run, version: str) -> No
             assert names[stub + 1] == "JvmSplit.blockedHere", names
 
 
-def test_jdk8_is_refused_once_with_the_reason(tmp_path: Path, started: list[subprocess.Popen],
-                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_jdk8_is_refused_once_with_the_reason(
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     require_root()
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     root = runtime_roots.sid_jdk8()
@@ -268,17 +308,31 @@ def test_jdk8_is_refused_once_with_the_reason(tmp_path: Path, started: list[subp
     driven = DrivenReader(tmp_path, runtime_stacks=("jvm",), python_stacks=False)
     try:
         # Without /proc in the root, ld.so cannot expand java's $ORIGIN run path: the library path says it.
-        p, line = start(started, ["chroot", str(root), "env", f"LD_LIBRARY_PATH={home}/lib/amd64/jli:{home}/lib/amd64",
-                                  f"{home}/bin/java", "-XX:-UsePerfData", "-cp", str(inside), "JvmSplit",
-                                  str(WORKLOAD_SECONDS), "1"])
+        p, line = start(
+            started,
+            [
+                "chroot",
+                str(root),
+                "env",
+                f"LD_LIBRARY_PATH={home}/lib/amd64/jli:{home}/lib/amd64",
+                f"{home}/bin/java",
+                "-XX:-UsePerfData",
+                "-cp",
+                str(inside),
+                "JvmSplit",
+                str(WORKLOAD_SECONDS),
+                "1",
+            ],
+        )
         assert line.strip() == "ready", line
         for _ in range(20):
             driven.announce(p.pid, full=True)
             driven.tick()
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
         assert len(lines) == 1, lines
-        assert "refused: JVM: " in lines[0] and "is JDK 8's or older" in lines[0] \
-            and "JDK 11 and newer are" in lines[0], lines
+        assert (
+            "refused: JVM: " in lines[0] and "is JDK 8's or older" in lines[0] and "JDK 11 and newer are" in lines[0]
+        ), lines
         assert driven.reader.targets.entries[p.pid].state == "refused"
         assert p.poll() is None, "a refused process was disturbed"
     finally:
@@ -286,8 +340,9 @@ def test_jdk8_is_refused_once_with_the_reason(tmp_path: Path, started: list[subp
         subprocess.run(["rm", "-rf", str(classes)], check=False)
 
 
-def test_a_libjvm_without_the_tables_is_refused_once_naming_them(tmp_path: Path, started: list[subprocess.Popen],
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_libjvm_without_the_tables_is_refused_once_naming_them(
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     """A process that maps a file named libjvm.so which exports none of HotSpot's tables (zlib, renamed)."""
     require_root()
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
@@ -296,8 +351,14 @@ def test_a_libjvm_without_the_tables_is_refused_once_naming_them(tmp_path: Path,
     os.chmod(tmp_path, 0o755)
     driven = DrivenReader(tmp_path / "reader", runtime_stacks=("jvm",), python_stacks=False)
     try:
-        p, line = start(started, [sys.executable, "-c", f"import ctypes, sys; ctypes.CDLL({str(fake)!r}); "
-                                  "print('ready', flush=True); sys.stdin.read()"])
+        p, line = start(
+            started,
+            [
+                sys.executable,
+                "-c",
+                f"import ctypes, sys; ctypes.CDLL({str(fake)!r}); print('ready', flush=True); sys.stdin.read()",
+            ],
+        )
         assert line.strip() == "ready", line
         for _ in range(10):
             driven.announce(p.pid, full=True)

@@ -33,14 +33,18 @@ def samples_of(receiver: Receiver, kind: str, exe: Path) -> int:
     n = 0
     for meta in list_profiles(str(receiver.dir)):
         if meta["type"] == kind:
-            n += sum(s.values[0] for s in pprof.read(Path(meta["path"]).read_bytes()).samples
-                     if s.labels.get("process.executable") == str(exe.resolve()))
+            n += sum(
+                s.values[0]
+                for s in pprof.read(Path(meta["path"]).read_bytes()).samples
+                if s.labels.get("process.executable") == str(exe.resolve())
+            )
     return n
 
 
 def status(p: Pipeline) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)], capture_output=True, text=True, timeout=30
+    )
 
 
 def collector_pid(p: Pipeline) -> int:
@@ -53,19 +57,30 @@ def test_a_kernel_without_btf_profiles_on_cpu_and_names_the_off_cpu_refusal(buil
     hot, offcpu = build("hot"), build("offcpu")
     receiver = Receiver(tmp_path / "received")
     try:
-        p = Pipeline(tmp_path, ProfilerConfig(sample_hz=49, upload_interval_s=2, offcpu=True, dwarf_unwind=False,
-                                              python_stacks=False, endpoint=receiver.url),
-                     env={"EBPFPROFILER_DISABLE_FEATURES": "btf"})
+        p = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=49,
+                upload_interval_s=2,
+                offcpu=True,
+                dwarf_unwind=False,
+                python_stacks=False,
+                endpoint=receiver.url,
+            ),
+            env={"EBPFPROFILER_DISABLE_FEATURES": "btf"},
+        )
         try:
             # when a CPU-bound and a blocking workload run
             shown = status(p)
-            w = [subprocess.Popen([str(hot), "2"], stdout=subprocess.DEVNULL),
-                 subprocess.Popen([str(offcpu), "ratio", "2"], stdout=subprocess.DEVNULL)]
+            w = [
+                subprocess.Popen([str(hot), "2"], stdout=subprocess.DEVNULL),
+                subprocess.Popen([str(offcpu), "ratio", "2"], stdout=subprocess.DEVNULL),
+            ]
             assert [x.wait(timeout=60) for x in w] == [0, 0]
         finally:
             assert p.stop() == 0, p.log()
         # then on-CPU profiles come as always, and no off-CPU one
-        assert samples_of(receiver, "cpu", hot) > 40   # 2 s at 49 Hz
+        assert samples_of(receiver, "cpu", hot) > 40  # 2 s at 49 Hz
         assert {m["type"] for m in list_profiles(str(receiver.dir))} == {"cpu"}
     finally:
         receiver.stop()
@@ -92,8 +107,17 @@ def test_under_paranoid_3_cap_sys_admin_is_held_at_start_only(build, tmp_path: P
     hot = build("hot")
     receiver = Receiver(tmp_path / "received")
     try:
-        p = Pipeline(tmp_path, ProfilerConfig(sample_hz=49, upload_interval_s=2, offcpu=True, dwarf_unwind=False,
-                                              python_stacks=False, endpoint=receiver.url))
+        p = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=49,
+                upload_interval_s=2,
+                offcpu=True,
+                dwarf_unwind=False,
+                python_stacks=False,
+                endpoint=receiver.url,
+            ),
+        )
         try:
             # when the collector is ready
             pid = collector_pid(p)
@@ -113,6 +137,6 @@ def test_under_paranoid_3_cap_sys_admin_is_held_at_start_only(build, tmp_path: P
         assert f"kernel.perf_event_paranoid > {PARANOID_MAX_WITHOUT_SYS_ADMIN}: CAP_SYS_ADMIN was held" in p.log()
         assert "CAP_SYS_ADMIN: held at start only" in shown.stdout
         # and it samples with the perf events it opened before
-        assert samples_of(receiver, "cpu", hot) > 40   # 2 s at 49 Hz
+        assert samples_of(receiver, "cpu", hot) > 40  # 2 s at 49 Hz
     finally:
         receiver.stop()

@@ -18,9 +18,17 @@ def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
     hot = build("hot")
     open_tmp = open_dir("local")
     local = open_tmp / "profiles"
-    pipeline = Pipeline(tmp_path, ProfilerConfig(
-        sample_hz=49, upload_interval_s=2, endpoint="", local_dir=str(local),
-        plain_pid=True, strip_process_args=False))
+    pipeline = Pipeline(
+        tmp_path,
+        ProfilerConfig(
+            sample_hz=49,
+            upload_interval_s=2,
+            endpoint="",
+            local_dir=str(local),
+            plain_pid=True,
+            strip_process_args=False,
+        ),
+    )
     try:
         # when a workload runs with arguments
         w = subprocess.Popen([str(hot), "1.5"], stdout=subprocess.DEVNULL)
@@ -31,8 +39,12 @@ def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
     files = sorted(local.rglob("cpu-*.pb.gz"))
     assert files, f"nothing written under {local}: {pipeline.log()}"
     assert f"profiles go to {local}" in pipeline.log()
-    samples = [s for f in files for s in pprof.read(f.read_bytes()).samples
-               if s.labels.get("process.executable") == str(hot.resolve())]
+    samples = [
+        s
+        for f in files
+        for s in pprof.read(f.read_bytes()).samples
+        if s.labels.get("process.executable") == str(hot.resolve())
+    ]
     assert samples
     # and the pid label is the plain pid, the command line is sent
     pids = {s.labels["pid"] for s in samples}

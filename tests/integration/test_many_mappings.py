@@ -44,25 +44,51 @@ def test_many_long_mappings_cost_the_others_nothing(build, tmp_path, started) ->
     target.write_bytes(b"\0" * 4096)
     receiver = Receiver(tmp_path / "received")
     try:
-        pipeline = Pipeline(tmp_path, ProfilerConfig(
-            sample_hz=49, upload_interval_s=2, symbolizer_workers=1, endpoint=receiver.url,
-            local_dir=str(tmp_path / "unused"), python_stacks=False, offcpu=False, dwarf_unwind=False))
+        pipeline = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=49,
+                upload_interval_s=2,
+                symbolizer_workers=1,
+                endpoint=receiver.url,
+                local_dir=str(tmp_path / "unused"),
+                python_stacks=False,
+                offcpu=False,
+                dwarf_unwind=False,
+            ),
+        )
         try:
-            hostile = [subprocess.Popen([sys.executable, "-c", HOSTILE, str(target), str(MAPPINGS), str(SPIN_S)],
-                                        stdout=subprocess.PIPE, text=True) for _ in range(2)]
+            hostile = [
+                subprocess.Popen(
+                    [sys.executable, "-c", HOSTILE, str(target), str(MAPPINGS), str(SPIN_S)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(2)
+            ]
             started.extend(hostile)
             for h in hostile:
                 assert h.stdout is not None and h.stdout.readline().strip() == "ready"
             ordinary = subprocess.Popen([str(hot), "6"], stdout=subprocess.DEVNULL)
             started.append(ordinary)
             assert ordinary.wait(timeout=60) == 0
-            wait_for("the mapping tables cut, counted",
-                     lambda: counters.read_all(str(pipeline.run_dir)).get("collector", {}).get("mappings_cut", 0)
-                     >= MAPPINGS, timeout=30)
-            wait_for("the ordinary process's samples", lambda: any(
-                s.labels.get("process.executable") == str(hot.resolve())
-                for r in read_received(receiver.dir) if r.meta["type"] == "cpu" for s in r.profile.samples),
-                timeout=60)
+            wait_for(
+                "the mapping tables cut, counted",
+                lambda: (
+                    counters.read_all(str(pipeline.run_dir)).get("collector", {}).get("mappings_cut", 0) >= MAPPINGS
+                ),
+                timeout=30,
+            )
+            wait_for(
+                "the ordinary process's samples",
+                lambda: any(
+                    s.labels.get("process.executable") == str(hot.resolve())
+                    for r in read_received(receiver.dir)
+                    if r.meta["type"] == "cpu"
+                    for s in r.profile.samples
+                ),
+                timeout=60,
+            )
         finally:
             code = pipeline.stop()
         assert code == 0

@@ -19,39 +19,47 @@ from pathlib import Path
 from receiver.store import list_profiles
 from shared import config as config_mod
 from shared import pprof
-
 from tests.harness import ROOT, Pipeline, Receiver, require_root, wait_for
 
 NOFP_FLAGS = ["-O2", "-fomit-frame-pointer"]
 WINDOW_S = 10
 CPU_SECONDS = 25.0
-START = ("__libc_start_call_main", "main")     # root side of every whole stack (frames root first)
+START = ("__libc_start_call_main", "main")  # root side of every whole stack (frames root first)
 FIRST_WINDOW_WHOLE = 0.95
 LIFE_WHOLE = 0.97
 
 
 def whole(s: pprof.ReadSample) -> bool:
     n = [f.function for f in s.frames]
-    return any(tuple(n[i:i + 2]) == START for i in range(len(n) - 1))
+    return any(tuple(n[i : i + 2]) == START for i in range(len(n) - 1))
 
 
 def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
-        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
+    build, tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     require_root()
     exe = build("nofp", NOFP_FLAGS)
     receiver = Receiver(tmp_path / "received")
     try:
         shipped = config_mod.load(str(ROOT / "deploy" / "agent.yaml"))
-        cfg = dataclasses.replace(shipped, upload_interval_s=WINDOW_S, endpoint=receiver.url,
-                                  local_dir=str(tmp_path / "unused"))
+        cfg = dataclasses.replace(
+            shipped, upload_interval_s=WINDOW_S, endpoint=receiver.url, local_dir=str(tmp_path / "unused")
+        )
         pipeline = Pipeline(tmp_path, cfg, shipped_budget=True)
         try:
             # Given a pipeline past its start-up (the first window's table builds for the host's processes)
-            wait_for("the pipeline's first window", lambda: (pipeline.run_dir / "status.json").exists(),
-                     timeout=4 * WINDOW_S)
+            wait_for(
+                "the pipeline's first window",
+                (pipeline.run_dir / "status.json").exists,
+                timeout=4 * WINDOW_S,
+            )
             # When the process starts just after a window boundary and runs its course
-            wait_for("the start of an upload window", lambda: 0.1 <= time.time() % WINDOW_S < 0.6,
-                     timeout=WINDOW_S + 1, interval=0.02)
+            wait_for(
+                "the start of an upload window",
+                lambda: 0.1 <= time.time() % WINDOW_S < 0.6,
+                timeout=WINDOW_S + 1,
+                interval=0.02,
+            )
             first_start = int(time.time() // WINDOW_S * WINDOW_S) * 10**9
             proc = subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True)
             started.append(proc)
@@ -70,8 +78,12 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
                         if s.labels.get("process.executable") == str(exe.resolve()):
                             got.setdefault(profile.time_ns, []).append(s)
                 return got
-            wait_for("the process's last window", lambda: any(t + WINDOW_S * 10**9 >= last_end_ns
-                                                               for t in windows()), timeout=6 * WINDOW_S)
+
+            wait_for(
+                "the process's last window",
+                lambda: any(t + WINDOW_S * 10**9 >= last_end_ns for t in windows()),
+                timeout=6 * WINDOW_S,
+            )
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
@@ -82,6 +94,7 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
     # Then the first window's stacks, and all of its life's, are whole
     def share(samples: list[pprof.ReadSample]) -> tuple[int, int]:
         return sum(s.values[0] for s in samples if whole(s)), sum(s.values[0] for s in samples)
+
     assert first_start in by_window, f"no samples in the window it started in: {sorted(by_window)} vs {first_start}"
     # (a drain's samples go to the window holding most of the time since the drain before: the very
     # first ones may land in the window before the one it started in)
@@ -89,9 +102,11 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
     life = [s for samples in by_window.values() for s in samples]
     (fw, ft), (lw, lt) = share(first), share(life)
     broken = Counter(" > ".join(f.function for f in s.frames) for s in first if not whole(s))
-    print(f"first window: {fw}/{ft} = {fw / ft:.3f} whole; life: {lw}/{lt} = {lw / lt:.3f}; "
-          f"broken: {broken.most_common(3)}; by window: "
-          f"{[(t // 10**9 % 1000, sum(s.values[0] for s in v)) for t, v in sorted(by_window.items())]}")
+    print(
+        f"first window: {fw}/{ft} = {fw / ft:.3f} whole; life: {lw}/{lt} = {lw / lt:.3f}; "
+        f"broken: {broken.most_common(3)}; by window: "
+        f"{[(t // 10**9 % 1000, sum(s.values[0] for s in v)) for t, v in sorted(by_window.items())]}"
+    )
     assert ft >= 0.5 * WINDOW_S * cfg.sample_hz, f"only {ft} samples in the first window"
     assert fw / ft >= FIRST_WINDOW_WHOLE, f"first window {fw}/{ft} whole; broken: {broken.most_common(5)}"
     assert lw / lt >= LIFE_WHOLE, f"its life {lw}/{lt} whole"

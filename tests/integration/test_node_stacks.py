@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from receiver.store import list_profiles
 from runtimes import elfsyms
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
 from tests import node_builds
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
@@ -87,9 +87,9 @@ def binaries() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Runtime:
-    argv: list[str]                      # the node command
-    root: Path | None                    # the chroot it runs in (None: the host)
-    inside: Path                         # a directory of the workload's, as that node sees it
+    argv: list[str]  # the node command
+    root: Path | None  # the chroot it runs in (None: the host)
+    inside: Path  # a directory of the workload's, as that node sees it
 
     def host(self, path: Path) -> Path:
         return self.root / path.relative_to("/") if self.root else path
@@ -110,14 +110,14 @@ class Workload:
     version: str
     split: subprocess.Popen
     timer: subprocess.Popen
-    prof_dir: Path                       # as the host sees it
-    script: str                          # as its node sees it
+    prof_dir: Path  # as the host sees it
+    script: str  # as its node sees it
 
 
 @dataclass
 class Run:
     workloads: dict[str, Workload]
-    samples: dict[int, list[pprof.ReadSample]]   # pid → node_cpu samples
+    samples: dict[int, list[pprof.ReadSample]]  # pid → node_cpu samples
     log: str
 
 
@@ -144,7 +144,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     require_root()
     work = tmp_path_factory.mktemp("node")
     work.chmod(0o755)
-    nodes = runtimes(work)                # before the pipeline: a first run fetches and builds them
+    nodes = runtimes(work)  # before the pipeline: a first run fetches and builds them
     for rt in nodes.values():
         rt.host(rt.inside).mkdir(parents=True, exist_ok=True)
         rt.host(rt.inside).chmod(0o755)
@@ -152,11 +152,22 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: dict[str, Workload] = {}
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("node",), cpu_budget=50.0, dwarf_unwind=False,
-            offcpu=True,               # the timer processes are seen off-CPU only
-            sample_hz=SAMPLE_HZ, overhead_budget_pct=100.0))   # the rate stays SAMPLE_HZ
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("node",),
+                cpu_budget=50.0,
+                dwarf_unwind=False,
+                offcpu=True,  # the timer processes are seen off-CPU only
+                sample_hz=SAMPLE_HZ,
+                overhead_budget_pct=100.0,
+            ),
+        )  # the rate stays SAMPLE_HZ
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
@@ -164,16 +175,20 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 prof, script = rt.inside / f"prof-{i}", str(rt.inside / SCRIPT.name)
                 rt.host(prof).mkdir()
                 rt.host(prof).chmod(0o777)
-                timer = launch(rt.argv + [script, "timer", str(TIMER_SECONDS)])
-                module_started.append(timer)   # killed and reaped at the module's end (conftest.py)
-                split = launch(rt.argv + [NO_INLINING, "--cpu-prof", f"--cpu-prof-dir={prof}", script, "split",
-                                          str(SPLIT_SECONDS)])
+                timer = launch([*rt.argv, script, "timer", str(TIMER_SECONDS)])
+                module_started.append(timer)  # killed and reaped at the module's end (conftest.py)
+                split = launch(
+                    [*rt.argv, NO_INLINING, "--cpu-prof", f"--cpu-prof-dir={prof}", script, "split", str(SPLIT_SECONDS)]
+                )
                 module_started.append(split)
                 workloads[v] = Workload(v, split, timer, rt.host(prof), script)
             for w in workloads.values():
                 w.split.wait(timeout=SPLIT_SECONDS + 60)
-            wait_for("the --cpu-prof profiles", lambda: all(any(w.prof_dir.glob("*.cpuprofile"))
-                                                           for w in workloads.values()), timeout=30)
+            wait_for(
+                "the --cpu-prof profiles",
+                lambda: all(any(w.prof_dir.glob("*.cpuprofile")) for w in workloads.values()),
+                timeout=30,
+            )
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
@@ -187,22 +202,25 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
 
 @dataclass
 class CpuProf:
-    inside: Counter[str]                 # cpu_a / cpu_b / other → microseconds of samples under it
-    lines: dict[str, int]                # function → its line, 1-based
+    inside: Counter[str]  # cpu_a / cpu_b / other → microseconds of samples under it
+    lines: dict[str, int]  # function → its line, 1-based
 
 
 def cpu_prof(w: Workload) -> CpuProf:
     data = json.loads(next(w.prof_dir.glob("*.cpuprofile")).read_text())
     nodes = {n["id"]: n for n in data["nodes"]}
     parent = {c: n["id"] for n in data["nodes"] for c in n.get("children", ())}
-    lines = {n["callFrame"]["functionName"]: n["callFrame"]["lineNumber"] + 1 for n in data["nodes"]
-             if n["callFrame"]["url"].endswith(SCRIPT.name)}
+    lines = {
+        n["callFrame"]["functionName"]: n["callFrame"]["lineNumber"] + 1
+        for n in data["nodes"]
+        if n["callFrame"]["url"].endswith(SCRIPT.name)
+    }
     inside: Counter[str] = Counter()
     for node_id, dt in zip(data["samples"], data["timeDeltas"]):
         names = []
         while node_id in nodes:
             names.append(nodes[node_id]["callFrame"]["functionName"])
-            node_id = parent.get(node_id)
+            node_id = parent.get(node_id)  # noqa: PLW2901
         inside[next((n for n in names if n in ("cpu_a", "cpu_b")), "other")] += dt
     return CpuProf(inside, lines)
 
@@ -217,12 +235,12 @@ def test_split_shares_match_cpu_prof(run: Run, version: str) -> None:
     n = sum(s.values[0] for s in samples)
     reader_log = "\n".join([ln for ln in run.log.splitlines() if " runtime[" in ln][-12:])
     assert n >= WANT_STACKS, f"Node {version}: {n} stacks of the split process; the runtime reader said:\n{reader_log}"
-    inside: Counter[str] = Counter()             # nanoseconds
+    inside: Counter[str] = Counter()  # nanoseconds
     wrong_caller: Counter[str] = Counter()
     split_count = split_ns = 0
     for s in samples:
         names = [f.function for f in s.frames]
-        if names == ["(idle)"]:        # node starting, or writing its --cpu-prof profile at exit
+        if names == ["(idle)"]:  # node starting, or writing its --cpu-prof profile at exit
             continue
         inside[next((x for x in names if x in ("cpu_a", "cpu_b")), "other")] += s.values[1]
         if "cpu_a" in names or "cpu_b" in names:
@@ -234,23 +252,30 @@ def test_split_shares_match_cpu_prof(run: Run, version: str) -> None:
     # The register path's samples are worth the collector's period each, the timer's 1/19 s: how many
     # of split_count the timer gave follows from their nanoseconds.
     from_timer = (split_ns - split_count * COLLECTOR_PERIOD_NS) / (TIMER_PERIOD_NS - COLLECTOR_PERIOD_NS)
-    assert from_timer <= MAX_FROM_TIMER * split_count, \
+    assert from_timer <= MAX_FROM_TIMER * split_count, (
         f"Node {version}: {from_timer:.0f} of {split_count} samples under cpu_a/cpu_b from the timer, not the registers"
+    )
     # Walked from the thread's own frame pointer, no callee a finished call left (a scanned stack had
     # cpu_a right under Module._compile once).
     assert sum(wrong_caller.values()) <= 0.01 * (a + b), f"Node {version}: {wrong_caller.most_common(3)}"
-    others = Counter(" > ".join(f.function for f in s.frames) for s in samples
-                     if not {"cpu_a", "cpu_b", "(idle)"} & {f.function for f in s.frames})
+    others = Counter(
+        " > ".join(f.function for f in s.frames)
+        for s in samples
+        if not {"cpu_a", "cpu_b", "(idle)"} & {f.function for f in s.frames}
+    )
     assert a + b >= 0.9 * sum(inside.values()), f"Node {version}: {inside.most_common(5)}; {others.most_common(5)}"
     theirs = cpu_prof(run.workloads[version]).inside
     ours_share, their_share = a / (a + b), theirs["cpu_a"] / (theirs["cpu_a"] + theirs["cpu_b"])
-    print(f"Node {version}: cpu_a share {ours_share:.3f} (ours, {split_count} samples, {from_timer:.1f} from the "
-          f"timer) vs {their_share:.3f} (--cpu-prof)")
+    print(
+        f"Node {version}: cpu_a share {ours_share:.3f} (ours, {split_count} samples, {from_timer:.1f} from the "
+        f"timer) vs {their_share:.3f} (--cpu-prof)"
+    )
     # The work splits 3:1 exactly; --cpu-prof's view of it moves with the host's load (2.68 seen on
     # the shared VM while a Debian root was being built): the reference for ours is its share.
     assert 2.55 <= theirs["cpu_a"] / theirs["cpu_b"] <= 3.45, f"Node {version}: --cpu-prof says {theirs}"
-    assert abs(ours_share - their_share) <= 0.1 * their_share, \
+    assert abs(ours_share - their_share) <= 0.1 * their_share, (
         f"Node {version}: cpu_a share {ours_share:.3f}, --cpu-prof's {their_share:.3f}"
+    )
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -265,7 +290,8 @@ def test_frames_name_the_functions_and_the_script(run: Run, version: str) -> Non
 
 
 def test_the_hot_function_runs_optimized_and_builtins_are_named(
-        tmp_path: Path, started: list[subprocess.Popen],
+    tmp_path: Path,
+    started: list[subprocess.Popen],
 ) -> None:
     """The frames' kinds (not in the pprof): read in process by the stage's Reader, driven tick by tick.
     work(), the hot one, is seen in optimized code (Maglev or TurboFan) once V8 tiered it up; in the
@@ -276,8 +302,11 @@ def test_the_hot_function_runs_optimized_and_builtins_are_named(
     driven = DrivenReader(tmp_path, runtime_stacks=("node",), python_stacks=False)
     try:
         versions = ("20", "26")
-        pids = {start(started, [nodes[v], NO_INLINING, str(SCRIPT), mode, "60"])[0].pid: (v, mode)
-                for v in versions for mode in ("split", "sort", "block")}
+        pids = {
+            start(started, [nodes[v], NO_INLINING, str(SCRIPT), mode, "60"])[0].pid: (v, mode)
+            for v in versions
+            for mode in ("split", "sort", "block")
+        }
         kinds: dict[str, Counter[str]] = {v: Counter() for v in versions}
         sorts: dict[str, Counter[bool]] = {v: Counter() for v in versions}
         blocks: dict[str, Counter[bool]] = {v: Counter() for v in versions}
@@ -286,31 +315,45 @@ def test_the_hot_function_runs_optimized_and_builtins_are_named(
             driven.announce(*pids, full=True)
             driven.tick()
             for (labels, frames), n in driven.stacks().items():
-                v, mode = pids.get(int(dict(labels)["thread.id"]), ("", ""))   # the main thread's id is the pid
+                v, mode = pids.get(int(dict(labels)["thread.id"]), ("", ""))  # the main thread's id is the pid
                 if mode == "split":
                     for f in frames:
                         if f.function == "work":
                             kinds[v][f.kind] += n
                 elif mode == "sort" and frames[0].function == "by_value":
                     caller, outer = frames[1], frames[2]
-                    sorts[v][(caller.function, caller.filename, caller.line, caller.kind, outer.function) ==
-                             ("sort", "", 0, "builtin", "sort_loop")] += n
+                    sorts[v][
+                        (caller.function, caller.filename, caller.line, caller.kind, outer.function)
+                        == ("sort", "", 0, "builtin", "sort_loop")
+                    ] += n
                 elif mode == "block":
                     leaf, caller = frames[0], frames[1] if len(frames) > 1 else frames[0]
-                    blocks[v][(leaf.function, leaf.filename, leaf.kind, caller.function, caller.filename) ==
-                              ("wait", "", "builtin", "blocked_here", str(SCRIPT))] += n
+                    blocks[v][
+                        (leaf.function, leaf.filename, leaf.kind, caller.function, caller.filename)
+                        == ("wait", "", "builtin", "blocked_here", str(SCRIPT))
+                    ] += n
             driven.rows.clear()
-            return all(sum(n for kind, n in k.items() if kind not in ("interpreted", "baseline")) >= WANT_OPTIMIZED
-                       for k in kinds.values()) and all(sorts[v][True] >= WANT_SORTED for v in SORT_VERSIONS) \
+            return (
+                all(
+                    sum(n for kind, n in k.items() if kind not in ("interpreted", "baseline")) >= WANT_OPTIMIZED
+                    for k in kinds.values()
+                )
+                and all(sorts[v][True] >= WANT_SORTED for v in SORT_VERSIONS)
                 and all(c[True] >= WANT_OPTIMIZED for c in blocks.values())
-        try:   # a cold work() is interpreted, then baseline (Sparkplug), then optimized (Maglev, TurboFan)
-            wait_for("work() in optimized code, by_value() under the sort builtin (Node 20), Atomics.wait", enough,
-                     timeout=60, interval=0.05)
+            )
+
+        try:  # a cold work() is interpreted, then baseline (Sparkplug), then optimized (Maglev, TurboFan)
+            wait_for(
+                "work() in optimized code, by_value() under the sort builtin (Node 20), Atomics.wait",
+                enough,
+                timeout=60,
+                interval=0.05,
+            )
         except AssertionError as e:
             raise AssertionError(f"{e}: {kinds}, {sorts}, {blocks}") from None
         for v, c in sorts.items():
             assert c[False] <= 0.1 * c[True], f"Node {v}: by_value() under something else than sort: {c}"
-        for v, c in blocks.items():          # its wakeups (a new Atomics.wait each second) are short
+        for v, c in blocks.items():  # its wakeups (a new Atomics.wait each second) are short
             assert c[False] <= 0.05 * c[True], f"Node {v}: the blocked process was not in wait: {c}"
     finally:
         driven.close()
@@ -334,13 +377,16 @@ def test_pending_timer_is_idle(run: Run, version: str) -> None:
     pid = run.workloads[version].timer.pid
     samples = run.samples.get(pid, [])
     n = sum(s.values[0] for s in samples)
-    said = "\n".join([ln for ln in run.log.splitlines() if " runtime[" in ln and (f"pid {pid} " in ln or "stopped" in ln)])
+    said = "\n".join(
+        [ln for ln in run.log.splitlines() if " runtime[" in ln and (f"pid {pid} " in ln or "stopped" in ln)]
+    )
     assert n >= WANT_STACKS, f"Node {version}: only {n} stacks of the timer process; the runtime reader said:\n{said}"
     idle = sum(s.values[0] for s in samples if [f.function for f in s.frames] == ["(idle)"])
     assert idle >= 0.95 * n, [s.frames for s in samples][:5]
 
 
 # ------------------------------------------------------------------ refusals
+
 
 def _compressed_copy(binary: Path, out: Path) -> Path:
     """A copy whose v8dbg_TaggedSize says 4: the reader's view of a pointer-compressed build."""
@@ -349,8 +395,8 @@ def _compressed_copy(binary: Path, out: Path) -> Path:
     at = info.file_offset(info.symbols["v8dbg_TaggedSize"], 4)
     assert at is not None
     data = bytearray(binary.read_bytes())
-    assert data[at:at + 4] == (8).to_bytes(4, "little")
-    data[at:at + 4] = (4).to_bytes(4, "little")
+    assert data[at : at + 4] == (8).to_bytes(4, "little")
+    data[at : at + 4] = (4).to_bytes(4, "little")
     out.write_bytes(bytes(data))
     out.chmod(0o755)
     return out
@@ -364,19 +410,21 @@ REASONS = {
 
 
 def test_builds_it_cannot_read_are_refused_once_with_the_reason(
-        tmp_path: Path, started: list[subprocess.Popen],
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     source = node_builds.official(22)
     fixtures = {
         "renamed": [str(node_builds.patched_copy(source, tmp_path / "node", b"v8dbg_", b"v8xxx_"))],
         "compressed": [str(_compressed_copy(source, tmp_path / "node22"))],
-        "old": ["chroot", str(node_builds.debian_bookworm()), "/usr/bin/node"],     # Debian bookworm's Node 18
+        "old": ["chroot", str(node_builds.debian_bookworm()), "/usr/bin/node"],  # Debian bookworm's Node 18
     }
     driven = DrivenReader(tmp_path, runtime_stacks=("node",), python_stacks=False)
     try:
-        pids = {start(started, argv + ["-e", 'console.log("ready"); setTimeout(() => {}, 120000)'])[0].pid:
-                variant for variant, argv in fixtures.items()}
+        pids = {
+            start(started, [*argv, "-e", 'console.log("ready"); setTimeout(() => {}, 120000)'])[0].pid: variant
+            for variant, argv in fixtures.items()
+        }
         for _ in range(20):
             driven.announce(*pids, full=True)
             driven.tick()

@@ -13,9 +13,9 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -37,8 +37,13 @@ class OffcpuRun:
         return self.samples_by_exe.get(str(exe.resolve()), [])
 
 
-def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]],
-                 started: list[subprocess.Popen], env: dict[str, str] | None = None) -> tuple[OffcpuRun, list[str]]:
+def run_pipeline(
+    work: Path,
+    cfg: ProfilerConfig,
+    workloads: list[list[str]],
+    started: list[subprocess.Popen],
+    env: dict[str, str] | None = None,
+) -> tuple[OffcpuRun, list[str]]:
     """Run the pipeline around `workloads` (started together, each appended to `started`, the caller's
     fixture that ends them); their stdout, and the offcpu samples. `env`: the stages' (harness.Pipeline)."""
     receiver = Receiver(work / "received")
@@ -71,7 +76,7 @@ def run_pipeline(work: Path, cfg: ProfilerConfig, workloads: list[list[str]],
 class Workloads:
     run: OffcpuRun
     offcpu: Path
-    no_rseq: Path           # the same workload with glibc's rseq off: its stacks are read another way
+    no_rseq: Path  # the same workload with glibc's rseq off: its stacks are read another way
     pinned: Path
     ratio_wall_s: float
     no_rseq_wall_s: float
@@ -81,8 +86,9 @@ class Workloads:
 
 
 @pytest.fixture(scope="module")
-def min_1ms(build, tmp_path_factory: pytest.TempPathFactory,
-             module_started: list[subprocess.Popen]) -> Iterator[Workloads]:
+def min_1ms(
+    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Workloads]:
     """offcpu_min_ms: 1 — the 3:1:2 workload (also without rseq), two CPU hogs on one CPU, a 200 µs sleeper."""
     require_root()
     work = tmp_path_factory.mktemp("offcpu")
@@ -96,20 +102,33 @@ def min_1ms(build, tmp_path_factory: pytest.TempPathFactory,
     # Frame-pointer stacks (these workloads have frame pointers): building unwind tables for
     # every process at start costs seconds of CPU, and on a loaded 2-CPU VM more 200 µs
     # timers fire over 1 ms late, which this test counts.
-    run, outputs = run_pipeline(work, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1,
-                                                     dwarf_unwind=False), [
-        [str(offcpu), "ratio", str(RATIO_SECONDS)],
-        ["taskset", "-c", "0", str(pinned), "2"],
-        ["taskset", "-c", "0", str(pinned), "2"],
-        [str(tiny), "tiny", "3"],
-        # A thread that never passes rseq_update (as Go's, musl's and static binaries' do not): its
-        # user stack is read when it blocks, its kernel stack when it is switched back in.
-        ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
-    ], module_started)
+    run, outputs = run_pipeline(
+        work,
+        ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1, dwarf_unwind=False),
+        [
+            [str(offcpu), "ratio", str(RATIO_SECONDS)],
+            ["taskset", "-c", "0", str(pinned), "2"],
+            ["taskset", "-c", "0", str(pinned), "2"],
+            [str(tiny), "tiny", "3"],
+            # A thread that never passes rseq_update (as Go's, musl's and static binaries' do not): its
+            # user stack is read when it blocks, its kernel stack when it is switched back in.
+            ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
+        ],
+        module_started,
+    )
     ratio_wall = float(workload_fields(outputs[0])["wall_seconds"])
     pinned_cpu = sum(float(workload_fields(out)["cpu_seconds"]) for out in outputs[1:3])
-    yield Workloads(run, offcpu, no_rseq, pinned, ratio_wall, float(workload_fields(outputs[4])["wall_seconds"]),
-                    pinned_cpu, int(workload_fields(outputs[3])["loops"]), int(workload_fields(outputs[0])["loops"]))
+    yield Workloads(
+        run,
+        offcpu,
+        no_rseq,
+        pinned,
+        ratio_wall,
+        float(workload_fields(outputs[4])["wall_seconds"]),
+        pinned_cpu,
+        int(workload_fields(outputs[3])["loops"]),
+        int(workload_fields(outputs[0])["loops"]),
+    )
 
 
 def blocked_ns_by_waiter(samples: list[pprof.ReadSample]) -> Counter[str]:
@@ -135,8 +154,9 @@ def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads, rse
 
 
 @pytest.fixture(scope="module")
-def records_by_thread_id(build, tmp_path_factory: pytest.TempPathFactory,
-                         module_started: list[subprocess.Popen]) -> Iterator[Workloads]:
+def records_by_thread_id(
+    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Workloads]:
     """The 3:1:2 workload (also without rseq) as a kernel before 5.11 profiles it: no task storage, so
     bpf/offcpu.c keeps its per-thread records in LRU hashes by thread id, and no prev_state argument of
     sched_switch (5.18), so the blocking task's state is read from its task_struct (collector/features.py)."""
@@ -145,13 +165,27 @@ def records_by_thread_id(build, tmp_path_factory: pytest.TempPathFactory,
     offcpu = build("offcpu")
     no_rseq = work / "no_rseq"
     shutil.copy(offcpu, no_rseq)
-    run, outputs = run_pipeline(work, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1,
-                                                     dwarf_unwind=False), [
-        [str(offcpu), "ratio", str(RATIO_SECONDS)],
-        ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
-    ], module_started, env={"EBPFPROFILER_DISABLE_FEATURES": "task_storage,switch_prev_state"})
-    yield Workloads(run, offcpu, no_rseq, offcpu, float(workload_fields(outputs[0])["wall_seconds"]),
-                    float(workload_fields(outputs[1])["wall_seconds"]), 0.0, 0, int(workload_fields(outputs[0])["loops"]))
+    run, outputs = run_pipeline(
+        work,
+        ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1, dwarf_unwind=False),
+        [
+            [str(offcpu), "ratio", str(RATIO_SECONDS)],
+            ["env", "GLIBC_TUNABLES=glibc.pthread.rseq=0", str(no_rseq), "ratio", str(RATIO_SECONDS)],
+        ],
+        module_started,
+        env={"EBPFPROFILER_DISABLE_FEATURES": "task_storage,switch_prev_state"},
+    )
+    yield Workloads(
+        run,
+        offcpu,
+        no_rseq,
+        offcpu,
+        float(workload_fields(outputs[0])["wall_seconds"]),
+        float(workload_fields(outputs[1])["wall_seconds"]),
+        0.0,
+        0,
+        int(workload_fields(outputs[0])["loops"]),
+    )
 
 
 @pytest.mark.parametrize("rseq", [True, False], ids=["rseq", "no_rseq"])
@@ -173,7 +207,7 @@ def test_samples_count_blocking_intervals(min_1ms: Workloads) -> None:
             if waiter in s.functions:
                 counts[waiter] += s.values[0]
                 charges.setdefault(waiter, []).append((s.values[0], round(s.values[1] / 1e6, 1)))
-    loops = min_1ms.ratio_loops   # one interval of each wait per loop
+    loops = min_1ms.ratio_loops  # one interval of each wait per loop
     assert all(counts[w] == loops for w in ("slow_wait", "fast_wait", "pipe_wait")), (counts, loops, charges)
 
 
@@ -220,16 +254,21 @@ def test_intervals_under_min_ms_are_dropped(min_1ms: Workloads) -> None:
     # What decides it is that every interval counted was itself 1 ms or more (the last check); the
     # share of such late sleeps is the VM's (1.9% to 3.8% seen in CI), so only "most are dropped".
     assert min_1ms.tiny_loops > 2000
-    assert intervals <= 0.10 * min_1ms.tiny_loops, \
+    assert intervals <= 0.10 * min_1ms.tiny_loops, (
         f"{intervals} of {min_1ms.tiny_loops} 200 µs sleeps counted with offcpu_min_ms: 1"
+    )
     assert all(s.values[1] >= 1_000_000 * s.values[0] for s in tiny), [s.values for s in tiny]
 
 
 def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     offcpu = build("offcpu")
-    run, _ = run_pipeline(tmp_path, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=0),
-                          [[str(offcpu), "tiny", "2"]], started)
+    run, _ = run_pipeline(
+        tmp_path,
+        ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=0),
+        [[str(offcpu), "tiny", "2"]],
+        started,
+    )
     tiny = [s for s in run.of(offcpu) if "tiny_wait" in s.functions]
     intervals = sum(s.values[0] for s in tiny)
     # ~2 s of 200 µs sleeps (plus timer slack): thousands of intervals
@@ -241,7 +280,8 @@ SAMPLED_SECONDS = 40.0
 
 
 def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(
-        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
+    build, tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     """Blocks of 6 and 2 ms, under offcpu_sample_ms 10: each is charged with the chance
     length / 10 ms, as 10 ms and 10 ms / length intervals (the default, 50 ms, samples the same way,
     with five times fewer charges: this test would need five times as long for the same error). Over 40 s (~5,000 of each) the blocked
@@ -283,8 +323,9 @@ SLEEP_NS = 20_000_000
 WAIT_TEST_S = 8
 
 
-def test_a_woken_threads_wait_for_a_cpu_is_not_blocked_time(build, tmp_path: Path,
-                                                             started: list[subprocess.Popen]) -> None:
+def test_a_woken_threads_wait_for_a_cpu_is_not_blocked_time(
+    build, tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     require_root()
     # given a sleeper of 20-ms sleeps at nice 19 on a CPU two hogs keep busy: after each wakeup it
     # waits for the CPU (bpf/offcpu.c offcpu_waited)
@@ -293,12 +334,16 @@ def test_a_woken_threads_wait_for_a_cpu_is_not_blocked_time(build, tmp_path: Pat
     hog = build("hot")
     # (every 20-ms sleep charged in full, not sampled under the default offcpu_sample_ms: the test
     # asks what each one is charged)
-    run, outputs = run_pipeline(tmp_path, ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1,
-                                                         offcpu_sample_ms=0, dwarf_unwind=False), [
-        ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
-        ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
-        ["taskset", "-c", "1", "nice", "-n", "19", str(sleeper), "-I", "-S", "-c", SLEEPER, str(WAIT_TEST_S)],
-    ], started)
+    run, outputs = run_pipeline(
+        tmp_path,
+        ProfilerConfig(sample_hz=19, upload_interval_s=5, offcpu_min_ms=1, offcpu_sample_ms=0, dwarf_unwind=False),
+        [
+            ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
+            ["taskset", "-c", "1", str(hog), str(WAIT_TEST_S + 2)],
+            ["taskset", "-c", "1", "nice", "-n", "19", str(sleeper), "-I", "-S", "-c", SLEEPER, str(WAIT_TEST_S)],
+        ],
+        started,
+    )
     fields = workload_fields(outputs[2])
     wall_per_loop = int(fields["wall_per_loop_ns"])
     sleeps = [s for s in run.of(sleeper) if "hrtimer_nanosleep" in s.functions]

@@ -12,9 +12,9 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -51,8 +51,7 @@ class Run:
         return [r for r in self.profiles if r.meta["type"] == "cpu"]
 
     def samples_of(self, exe: str) -> list[pprof.ReadSample]:
-        return [s for r in self.cpu() for s in r.profile.samples
-                if s.labels.get("process.executable") == exe]
+        return [s for r in self.cpu() for s in r.profile.samples if s.labels.get("process.executable") == exe]
 
 
 def read_received(directory: Path) -> list[Received]:
@@ -81,10 +80,18 @@ def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[su
     stolen = shared_dir / "stolen.map"
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=SAMPLE_HZ, upload_interval_s=5, symbolizer_workers=2, endpoint=receiver.url,
-            # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
-            local_dir=str(work / "unused"), python_stacks=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=SAMPLE_HZ,
+                upload_interval_s=5,
+                symbolizer_workers=2,
+                endpoint=receiver.url,
+                # Python stacks (python_wall, of any CPython 3.13+ on the host) are test_python_stacks.py's.
+                local_dir=str(work / "unused"),
+                python_stacks=False,
+            ),
+        )
         try:
             p = start_workload(module_started, str(hot), str(HOT_CPU_SECONDS))
             out, _ = p.communicate(timeout=60)
@@ -103,13 +110,23 @@ def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[su
                 q.communicate(timeout=60)
                 assert q.returncode == 0
             collector_progs, _ = bpf_holdings(
-                int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text()))
+                int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text())
+            )
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        yield Run(read_received(receiver.dir), str(hot.resolve()), hot_pid, hot_cpu,
-                  str(syscall.resolve()), str(jit.resolve()), str(jit_symlink), js.pid, pipeline.log(),
-                  collector_progs)
+        yield Run(
+            read_received(receiver.dir),
+            str(hot.resolve()),
+            hot_pid,
+            hot_cpu,
+            str(syscall.resolve()),
+            str(jit.resolve()),
+            str(jit_symlink),
+            js.pid,
+            pipeline.log(),
+            collector_progs,
+        )
     finally:
         receiver.stop()
         shutil.rmtree(shared_dir, ignore_errors=True)
@@ -124,11 +141,13 @@ def test_hot_loop_stack_is_main_top_mid_leaf(run: Run) -> None:
         # The workload's own frames from main up; below main are libc's start-up frames
         # and, once DWARF unwinding walks through them, the workload's _start.
         own = tuple(f.function for f in s.frames if f.module == run.hot_exe)
-        return own[own.index("main"):] if "main" in own else own
+        return own[own.index("main") :] if "main" in own else own
 
-    exact = sum(s.values[0] for s in samples if own_frames(s) == HOT_STACK
-                and all(f.module == run.hot_exe or "libc" in f.module
-                        for f in s.frames))
+    exact = sum(
+        s.values[0]
+        for s in samples
+        if own_frames(s) == HOT_STACK and all(f.module == run.hot_exe or "libc" in f.module for f in s.frames)
+    )
     stacks: Counter[tuple[str, ...]] = Counter()
     for s in samples:
         stacks[own_frames(s)] += s.values[0]
@@ -137,7 +156,7 @@ def test_hot_loop_stack_is_main_top_mid_leaf(run: Run) -> None:
 
 def test_sample_count_matches_rate_times_cpu_time(run: Run) -> None:
     total = sum(s.values[0] for s in run.samples_of(run.hot_exe))
-    expected = SAMPLE_HZ * run.hot_cpu_seconds   # one busy thread
+    expected = SAMPLE_HZ * run.hot_cpu_seconds  # one busy thread
     assert abs(total - expected) <= 0.15 * expected, f"{total} samples, expected {expected:.0f} ±15%"
     cpu_ns = sum(s.values[1] for s in run.samples_of(run.hot_exe))
     assert cpu_ns == total * (1_000_000_000 // SAMPLE_HZ)
@@ -146,7 +165,7 @@ def test_sample_count_matches_rate_times_cpu_time(run: Run) -> None:
 def test_profiles_are_per_service_and_typed(run: Run) -> None:
     hot = [r for r in run.cpu() if r.meta["service"] == run.hot_exe]
     assert hot, "no cpu profile for the hot workload's service"
-    assert {r.meta["type"] for r in run.profiles} == {"cpu", "offcpu"}   # offcpu is on by default
+    assert {r.meta["type"] for r in run.profiles} == {"cpu", "offcpu"}  # offcpu is on by default
     for r in run.profiles:
         assert r.meta["source"] == "ebpf"
         kind = r.meta["type"]
@@ -166,9 +185,10 @@ def test_profiles_are_per_service_and_typed(run: Run) -> None:
 
 def test_go_tool_pprof_reads_every_profile(run: Run) -> None:
     assert run.profiles
-    for r in run.profiles:   # cpu and offcpu
-        out = subprocess.run(["go", "tool", "pprof", "-top", r.meta["path"]],
-                             capture_output=True, text=True, timeout=120)
+    for r in run.profiles:  # cpu and offcpu
+        out = subprocess.run(
+            ["go", "tool", "pprof", "-top", r.meta["path"]], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         if r.meta["service"] == run.hot_exe and r.meta["type"] == "cpu":
             for fn in HOT_STACK:
@@ -199,7 +219,7 @@ def test_syscall_workload_has_named_kernel_frames_under_user_frames(run: Run) ->
         # root first: user frames, then the kernel frames above them
         assert kinds == sorted(kinds, reverse=True), [f.function for f in s.frames]
         own = tuple(f.function for f in s.frames if f.module == run.syscall_exe)
-        callers[own[own.index("main"):] if "main" in own else own] += s.values[0]
+        callers[own[own.index("main") :] if "main" in own else own] += s.values[0]
         names.update(f.function for f in s.frames if f.module == "[kernel.kallsyms]")
     # Start-up and exit (exec, page faults before main) are in the kernel too, but rare.
     in_read = callers[("main", "read_loop", "raw_read")]

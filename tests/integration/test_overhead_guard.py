@@ -16,13 +16,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-from shared import config as config_mod
-from shared import pprof
-from shared.config import ProfilerConfig
 
 from collector.bpfstats import RunTimeStats
 from collector.bpftime import ProgTime
-
+from shared import config as config_mod
+from shared import pprof
+from shared.config import ProfilerConfig
 from tests.harness import (
     PY,
     ROOT,
@@ -48,9 +47,9 @@ STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 def fd_targets(pid: int) -> set[str]:
     out = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
+        try:  # noqa: SIM105
             out.add(os.readlink(fd))
-        except FileNotFoundError:   # closed meanwhile
+        except FileNotFoundError:  # closed meanwhile
             pass
     return out
 
@@ -64,16 +63,24 @@ def status(p: Pipeline) -> dict | None:
 
 def next_status(p: Pipeline, after_ns: int, timeout: float = 30) -> dict:
     """The first status written for a window that ended after `after_ns`."""
-    return wait_for("the collector's next window status",
-                    lambda: (s := status(p)) is not None and s["time_ns"] > after_ns and s, timeout)
+    return wait_for(
+        "the collector's next window status",
+        lambda: (s := status(p)) is not None and s["time_ns"] > after_ns and s,
+        timeout,
+    )
 
 
 @pytest.fixture
 def pipeline(tmp_path: Path) -> Iterator[tuple[Pipeline, Path]]:
     require_root()
     out = open_dir("overhead")
-    cfg = ProfilerConfig(sample_hz=CONFIGURED_HZ, upload_interval_s=WINDOW_S, overhead_budget_pct=TINY_BUDGET_PCT,
-                         local_dir=str(out / "profiles"), python_stacks=False)
+    cfg = ProfilerConfig(
+        sample_hz=CONFIGURED_HZ,
+        upload_interval_s=WINDOW_S,
+        overhead_budget_pct=TINY_BUDGET_PCT,
+        local_dir=str(out / "profiles"),
+        python_stacks=False,
+    )
     stats_before = STATS_SYSCTL.read_text()
     p = Pipeline(tmp_path, cfg)
     try:
@@ -99,31 +106,54 @@ def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline
     assert first["used_pct"] > TINY_BUDGET_PCT
     assert first["stage_cpu_ns"]["collector"] > 0 and {"uploader", "symbolizer-0"} <= set(first["stage_cpu_ns"])
     # and the warning says why, with the figures: used against allowed, stages, BPF, the rates
-    log = wait_for("the over-budget warning", lambda: re.search(
-        r"WARNING .*overhead over budget: ([\d.]+) ms used > ([\d.]+) ms allowed \(0.001% of one CPU\); "
-        rf"halving sample_hz {CONFIGURED_HZ} -> {CONFIGURED_HZ // 2} Hz\. Window: .*stages .*collector .*"
-        r"BPF .*on_cpu_sample .* runs", p.log()), 10)
+    log = wait_for(
+        "the over-budget warning",
+        lambda: re.search(
+            r"WARNING .*overhead over budget: ([\d.]+) ms used > ([\d.]+) ms allowed \(0.001% of one CPU\); "
+            rf"halving sample_hz {CONFIGURED_HZ} -> {CONFIGURED_HZ // 2} Hz\. Window: .*stages .*collector .*"
+            r"BPF .*on_cpu_sample .* runs",
+            p.log(),
+        ),
+        10,
+    )
     assert float(log.group(1)) > float(log.group(2))
     # and the perf event now fires at the lower rate: a cpu profile written after the change says so
     lower_periods = {1_000_000_000 // max(1, CONFIGURED_HZ >> k) for k in range(1, 11)}
 
     def lower_rate_profile() -> bool:
         return any(pprof.read(f.read_bytes()).period in lower_periods for f in (out / "profiles").glob("*/cpu-*.pb.gz"))
+
     wait_for("a cpu profile at a halved rate's period", lower_rate_profile, 30)
     # when the budget is raised in the config file and `ebpfprofiler run` gets SIGHUP
     write_config(p.config_path, p.cfg.replace(overhead_budget_pct=LARGE_BUDGET_PCT))
     p.proc.send_signal(signal.SIGHUP)
-    wait_for("the collector to take the new budget",
-             lambda: f"SIGHUP: overhead_budget_pct {TINY_BUDGET_PCT:g} -> {LARGE_BUDGET_PCT:g}" in p.log(), 15)
+    wait_for(
+        "the collector to take the new budget",
+        lambda: f"SIGHUP: overhead_budget_pct {TINY_BUDGET_PCT:g} -> {LARGE_BUDGET_PCT:g}" in p.log(),
+        15,
+    )
     # then the rate doubles back, window by window, up to the configured rate and not beyond
-    back = wait_for("the rate back at the configured rate", lambda: (s := status(p)) is not None and
-                    s["budget_pct"] == LARGE_BUDGET_PCT and s["next_rate_hz"] == CONFIGURED_HZ and s, 90)
+    back = wait_for(
+        "the rate back at the configured rate",
+        lambda: (
+            (s := status(p)) is not None
+            and s["budget_pct"] == LARGE_BUDGET_PCT
+            and s["next_rate_hz"] == CONFIGURED_HZ
+            and s
+        ),
+        90,
+    )
     assert "overhead under half the budget for 3 windows: doubling sample_hz" in p.log()
     later = next_status(p, back["time_ns"])
     assert later["rate_hz"] == later["next_rate_hz"] == CONFIGURED_HZ
     # and `ebpfprofiler status` prints the figures as a table
-    shown = subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
-                           check=False, capture_output=True, text=True, timeout=30)
+    shown = subprocess.run(
+        [PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert shown.returncode == 0, shown.stderr
     assert f"sampling rate: {CONFIGURED_HZ} Hz (configured {CONFIGURED_HZ} Hz" in shown.stdout
     assert re.search(r"^on_cpu_sample\s+\d+\s+[\d.]+ ms", shown.stdout, re.MULTILINE)
@@ -136,9 +166,11 @@ def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline
 
 # Families of programs as the kernel's statistics see them: a tail-called step program's time is its
 # caller's there, and each counts itself here (collector/bpftime.py).
-FAMILIES = {"on_cpu_sample": ("on_cpu_sample", "oncpu_unwind_step"),
-            "offcpu_switch": ("offcpu_switch",),
-            "offcpu_resume": ("offcpu_resume", "offcpu_unwind_step", "offcpu_unwind_finish")}
+FAMILIES = {
+    "on_cpu_sample": ("on_cpu_sample", "oncpu_unwind_step"),
+    "offcpu_switch": ("offcpu_switch",),
+    "offcpu_resume": ("offcpu_resume", "offcpu_unwind_step", "offcpu_unwind_finish"),
+}
 # Seconds of windows compared: enough timed runs (one in ~16) for the programs' estimate.
 COMPARE_S = 12
 # The tracepoint of each off-CPU family's entry program. The kernel's statistics add their own clock
@@ -154,6 +186,7 @@ def empty_programs(tracepoints: Iterable[str]) -> Iterator[dict[str, int]]:
     from bcc import BPF
 
     from collector.btfprog import BtfProgram
+
     module = BPF(text=b"int stats_probe(void *ctx) { return 0; }")
     progs: list[BtfProgram] = []
     try:
@@ -179,9 +212,16 @@ def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_
         held.callback(shutil.rmtree, out, ignore_errors=True)
         # and an empty program on each off-CPU tracepoint, which measures what the statistics add a run
         empty = held.enter_context(empty_programs(TRACEPOINTS.values()))
-        p = Pipeline(tmp_path, ProfilerConfig(sample_hz=CONFIGURED_HZ, upload_interval_s=WINDOW_S,
-                                              overhead_budget_pct=LARGE_BUDGET_PCT,
-                                              local_dir=str(out / "profiles"), python_stacks=False))
+        p = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=CONFIGURED_HZ,
+                upload_interval_s=WINDOW_S,
+                overhead_budget_pct=LARGE_BUDGET_PCT,
+                local_dir=str(out / "profiles"),
+                python_stacks=False,
+            ),
+        )
         held.callback(p.stop)
         first = next_status(p, 0)
         # (the collector holds no statistics descriptor, and says how it counts)
@@ -196,6 +236,7 @@ def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_
             progs = {q["name"]: q for q in shown.values() if q["id"] in ids}
             progs |= {f"empty on {tp}": shown[i] for tp, i in empty.items()}
             polls.append((t0, time.time_ns(), progs))
+
         # when windows end for COMPARE_S seconds, bpftool polled all along
         deadline = time.monotonic() + 60
         last = first
@@ -212,13 +253,17 @@ def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_
     for name, members in FAMILIES.items():
         # then every run the kernel counted, the program counted: a run is counted here when it
         # begins and there when it ends (at most one run a CPU in between)
-        assert int(before[name]["run_cnt"]) <= totals[name]["run_cnt"] <= int(after[name]["run_cnt"]) + \
-            (os.cpu_count() or 1), (name, before[name], totals[name], after[name])
+        assert (
+            int(before[name]["run_cnt"])
+            <= totals[name]["run_cnt"]
+            <= int(after[name]["run_cnt"]) + (os.cpu_count() or 1)
+        ), (name, before[name], totals[name], after[name])
         # and the time it estimates from the runs it timed is the kernel's: at most 1.25 times it, and
         # at least 0.6 times what is left of it without the statistics' own cost a run, which the
         # empty program on the same tracepoint measured over the same seconds
-        ours = sum(ProgTime(t["run_cnt"], t["timed"], t["timed_ns"]).run_time_ns
-                   for m in members if (t := totals.get(m)))
+        ours = sum(
+            ProgTime(t["run_cnt"], t["timed"], t["timed_ns"]).run_time_ns for m in members if (t := totals.get(m))
+        )
         theirs = int(after[name]["run_time_ns"])
         overhead_ns = 0.0
         if name in TRACEPOINTS:
@@ -227,8 +272,10 @@ def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_
             assert runs > 0, (probe, polls[0][2][probe], polls[-1][2][probe])
             overhead_ns = (int(polls[-1][2][probe]["run_time_ns"]) - int(polls[0][2][probe]["run_time_ns"])) / runs
         body = theirs - overhead_ns * int(after[name]["run_cnt"])
-        print(f"{name}: ours {ours} ns, kernel {theirs} ns ({overhead_ns:.1f} ns a run of it the statistics'), "
-              f"ratio {ours / max(1, theirs):.3f}, to the body {ours / max(1.0, body):.3f}")
+        print(
+            f"{name}: ours {ours} ns, kernel {theirs} ns ({overhead_ns:.1f} ns a run of it the statistics'), "
+            f"ratio {ours / max(1, theirs):.3f}, to the body {ours / max(1.0, body):.3f}"
+        )
         assert ours > 0 and 0.6 * body <= ours <= 1.25 * theirs, (name, ours, theirs, overhead_ns)
     # and a window's figure is the change of the counters over it, the timed runs' mean times its runs
     assert last["bpf_ns"] == sum(v["run_time_ns"] for v in last["bpf"].values())
@@ -255,6 +302,7 @@ def test_the_shipped_defaults_run_three_windows_on_an_idle_host_without_a_halvin
             if s is not None and (not windows or s["time_ns"] != windows[-1]["time_ns"]):
                 windows.append(s)
             return len(windows) >= 4
+
         wait_for("the start-up window and three more", three_after_start_up, timeout=IDLE_WINDOW_S * 7, interval=0.5)
     finally:
         p.stop()

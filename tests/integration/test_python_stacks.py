@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
-from tests.debroot import cached_root
 from tests import harness
+from tests.debroot import cached_root
 from tests.harness import (
     PY,
     WORKLOADS,
@@ -60,8 +60,7 @@ def marked_lines(tag: str) -> set[int]:
 def function_lines(name: str) -> range:
     lines = SCRIPT.read_text().splitlines()
     start = next(i for i, line in enumerate(lines, 1) if line.startswith(f"def {name}("))
-    end = next((i for i, line in enumerate(lines[start:], start + 1) if line and not line[0].isspace()),
-               len(lines) + 1)
+    end = next((i for i, line in enumerate(lines[start:], start + 1) if line and not line[0].isspace()), len(lines) + 1)
     return range(start, end)
 
 
@@ -69,29 +68,31 @@ def function_lines(name: str) -> range:
 class Workload:
     version: str
     proc: subprocess.Popen
-    filename: str          # the script's path as the interpreter sees it
-    tids: dict[str, int]   # thread name → native id
-    py_spy: dict[int, list[str]]   # tid → function names, leaf first (py-spy dump)
-    copies: list[Workload] = field(default_factory=list)   # more of the same, for the ratio's stacks
+    filename: str  # the script's path as the interpreter sees it
+    tids: dict[str, int]  # thread name → native id
+    py_spy: dict[int, list[str]]  # tid → function names, leaf first (py-spy dump)
+    copies: list[Workload] = field(default_factory=list)  # more of the same, for the ratio's stacks
 
 
 @dataclass
 class Run:
     workloads: list[Workload]
-    samples: dict[int, list[pprof.ReadSample]]   # pid → python_wall samples
+    samples: dict[int, list[pprof.ReadSample]]  # pid → python_wall samples
     log: str
 
 
 def sid_root() -> Path:
-    root, _ = cached_root("sid", SID_PACKAGES, SID_RECIPE, name="sid-python",
-                          log=lambda m: print(f"test_python_stacks: {m}", flush=True))
+    root, _ = cached_root(
+        "sid", SID_PACKAGES, SID_RECIPE, name="sid-python", log=lambda m: print(f"test_python_stacks: {m}", flush=True)
+    )
     return root
 
 
 def start(version: str, argv: list[str], filename: str, started: list[subprocess.Popen]) -> Workload:
-    p = subprocess.Popen(argv + [filename, str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    started.append(p)   # killed and reaped at the module's end (conftest.py)
+    p = subprocess.Popen(
+        [*argv, filename, str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    started.append(p)  # killed and reaped at the module's end (conftest.py)
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line, f"{version} workload printed nothing (exit {p.poll()})"
@@ -99,8 +100,13 @@ def start(version: str, argv: list[str], filename: str, started: list[subprocess
 
 
 def py_spy_dump(pid: int) -> dict[int, list[str]]:
-    out = subprocess.run([PY_SPY, "dump", "--nonblocking", "--json", "--pid", str(pid)],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [PY_SPY, "dump", "--nonblocking", "--json", "--pid", str(pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     return {t["os_thread_id"]: [f["name"] for f in t["frames"]] for t in json.loads(out.stdout)}
 
@@ -132,18 +138,30 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            # Other processes of a busy test host are read too; a budget this test's CPU
-            # will not hit keeps the reader at full rate for the workloads.
-            runtime_stacks=("python_legacy",), cpu_budget=50.0,
-            # Nothing else of the pipeline competes for the CPU with the worker thread: building
-            # unwind tables for every process on a fresh start takes seconds of CPU, and a
-            # preempted thread's wall time blurs the CPU-time ratio this test judges.
-            dwarf_unwind=False, offcpu=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                # Other processes of a busy test host are read too; a budget this test's CPU
+                # will not hit keeps the reader at full rate for the workloads.
+                runtime_stacks=("python_legacy",),
+                cpu_budget=50.0,
+                # Nothing else of the pipeline competes for the CPU with the worker thread: building
+                # unwind tables for every process on a fresh start takes seconds of CPU, and a
+                # preempted thread's wall time blurs the CPU-time ratio this test judges.
+                dwarf_unwind=False,
+                offcpu=False,
+            ),
+        )
         try:
-            wait_for("the runtime reader", lambda: os.path.exists(
-                endpoints.ready_file(str(pipeline.run_dir), "runtime")), timeout=30)
+            wait_for(
+                "the runtime reader",
+                lambda: os.path.exists(endpoints.ready_file(str(pipeline.run_dir), "runtime")),
+                timeout=30,
+            )
             # One interpreter at a time, its copies together: the CPUs are theirs.
             argvs = {"3.11": (["/usr/bin/python3.11"], str(host_copy))}
             for v in ("3.13", "3.14"):
@@ -157,6 +175,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
                     return sum(worker_stacks(got, c) for c in (w, *w.copies)) >= WANT_WORKER_STACKS
+
                 w.py_spy = py_spy_dump(w.proc.pid)
                 try:
                     wait_for(f"python_wall profiles of CPython {v}", enough, timeout=120, interval=1.0)
@@ -164,12 +183,12 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                     runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
                     raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
                 for c in (w, *w.copies):
-                    c.proc.communicate(timeout=30)   # closing stdin ends it
+                    c.proc.communicate(timeout=30)  # closing stdin ends it
         finally:
             for w in workloads:
                 for c in (w, *w.copies):
                     if c.proc.poll() is None:
-                        c.proc.communicate(timeout=30)   # closing stdin ends it
+                        c.proc.communicate(timeout=30)  # closing stdin ends it
             code = pipeline.stop()
         assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log())
@@ -226,8 +245,9 @@ def test_frames_carry_file_and_lines_of_the_workload(run: Run, version: str) -> 
         else:
             torn += s.values[0]
         body_lines[(leaf.function, leaf.line)] += s.values[0]
-    assert torn <= 0.05 * (consistent + torn), f"{version}: run() at the other call's line in {torn} of " \
-                                               f"{consistent + torn} stacks"
+    assert torn <= 0.05 * (consistent + torn), (
+        f"{version}: run() at the other call's line in {torn} of {consistent + torn} stacks"
+    )
     for fn, lines in bodies.items():
         top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
         assert top in lines, f"{version}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
@@ -238,7 +258,7 @@ def test_blocked_thread_is_in_wait_here(run: Run, version: str) -> None:
     w = workload(run, version)
     samples = thread_samples(run, w, "waiter")
     n = sum(s.values[0] for s in samples)
-    worker = sum(s.values[0] for s in thread_samples(run, w, "worker"))    # read as often: both are wall time
+    worker = sum(s.values[0] for s in thread_samples(run, w, "worker"))  # read as often: both are wall time
     assert n >= worker * 0.8, f"{version}: only {n} stacks of the waiter against the worker's {worker}"
     wait_line = marked_lines("WAIT")
     for s in samples:
@@ -260,8 +280,7 @@ def test_samples_are_labelled_with_thread_and_process(run: Run, version: str) ->
 @pytest.mark.parametrize("version", VERSIONS)
 def test_py_spy_names_the_same_functions_per_thread(run: Run, version: str) -> None:
     w = workload(run, version)
-    ours = {name: {f.function for s in thread_samples(run, w, name) for f in s.frames}
-            for name in ("worker", "waiter")}
+    ours = {name: {f.function for s in thread_samples(run, w, name) for f in s.frames} for name in ("worker", "waiter")}
     theirs = {name: w.py_spy.get(w.tids[name]) for name in ("worker", "waiter")}
     assert theirs["worker"] and theirs["waiter"], f"{version}: py-spy saw threads {list(w.py_spy)}"
     # py-spy's one snapshot of each thread names functions that our profile has for that thread.

@@ -24,15 +24,15 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 from cli.record import sweep_stale_workspaces
 from tests.harness import PY, bpf_holdings, bpftool, require_root, wait_for
 
-RECORD_TIMEOUT_S = 240   # BPF compile, 5 s of recording, the last windows written
+RECORD_TIMEOUT_S = 240  # BPF compile, 5 s of recording, the last windows written
 HOT_STACK = ["main", "top", "mid", "leaf"]
 
 
@@ -53,34 +53,41 @@ def workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> Cal
         p = subprocess.Popen([str(build(name)), "600"], stdout=subprocess.DEVNULL)
         started.append(p)
         return p
+
     return start
 
 
 def record(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "cli.main", "record", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=RECORD_TIMEOUT_S)
+    return subprocess.run(
+        [PY, "-m", "cli.main", "record", *args], cwd=cwd, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S
+    )
 
 
 def test_record_to_pprof_is_read_by_go_tool_pprof(private_cwd: Path, workload) -> None:
     hot = workload("hot")
     r = record(private_cwd, "-d", "5", "-p", str(hot.pid), "-o", "out.pb.gz")
     assert r.returncode == 0, r.stdout + r.stderr
-    top = subprocess.run(["go", "tool", "pprof", "-top", str(private_cwd / "out.pb.gz")], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    top = subprocess.run(
+        ["go", "tool", "pprof", "-top", str(private_cwd / "out.pb.gz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     rows = [line.split()[-1] for line in top.splitlines() if re.match(r"\s*[\d.]+(m|u)?s?\s+[\d.]+%", line)]
-    assert rows and rows[0] == "leaf", top           # the hottest by self time
+    assert rows and rows[0] == "leaf", top  # the hottest by self time
     assert set(HOT_STACK) <= set(rows), top
     # the end of the recording prints the top functions (self and total) and a plain progress line
     table = r.stdout.split("top 15 functions, cpu (cpu):\n", 1)[1].splitlines()
     assert table[0].split() == ["self", "self%", "total", "total%", "function"], r.stdout
     assert re.fullmatch(r"\s+[\d.]+s\s+(?:[5-9]\d|100)\.\d%\s+[\d.]+s\s+\d+\.\d%\s+leaf", table[1]), r.stdout
     assert "recording: " in r.stdout and "recorded: " in r.stdout, r.stdout
-    assert "\r" not in r.stdout          # not a terminal: plain lines only
+    assert "\r" not in r.stdout  # not a terminal: plain lines only
 
 
 def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, workload) -> None:
     ratio = workload("ratio")
-    other = workload("hot")              # another process, left out by -p
+    other = workload("hot")  # another process, left out by -p
     r = record(private_cwd, "-d", "5", "--hz", "499", "-p", str(ratio.pid), "-o", "out.folded")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = (private_cwd / "out.folded").read_text().splitlines()
@@ -98,13 +105,19 @@ def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, wo
 
 
 def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
-        private_cwd: Path, workload, started: list[subprocess.Popen]) -> None:
+    private_cwd: Path, workload, started: list[subprocess.Popen]
+) -> None:
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
     master, slave = pty.openpty()
-    p = subprocess.Popen([PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid),
-                          "-o", "out.folded"], cwd=private_cwd, stdout=slave, stderr=slave, start_new_session=True)
-    started.append(p)   # killed with its session at the end, if a check failed before the Ctrl-C
+    p = subprocess.Popen(
+        [PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid), "-o", "out.folded"],
+        cwd=private_cwd,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    started.append(p)  # killed with its session at the end, if a check failed before the Ctrl-C
     os.close(slave)
     screen = b""
 
@@ -123,39 +136,55 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
     tree: dict[int, int] = {}
     try:
         # the progress line is redrawn in place (carriage return, erase line) with live figures
-        wait_for("two progress lines with samples",
-                 lambda: len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes",
-                                        read())) >= 2, RECORD_TIMEOUT_S, 0.2)
-        tree.update(_descendants(p.pid))    # record → its `run` (a session of its own) → the stages
+        wait_for(
+            "two progress lines with samples",
+            lambda: (
+                len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes", read())) >= 2
+            ),
+            RECORD_TIMEOUT_S,
+            0.2,
+        )
+        tree.update(_descendants(p.pid))  # record → its `run` (a session of its own) → the stages
         collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
         progs, _ = bpf_holdings(collector)
         assert progs, "the recording's collector holds no BPF program"
         started = time.monotonic()
-        os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C sends to the terminal's foreground group
+        os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's foreground group
         assert p.wait(RECORD_TIMEOUT_S) == 0, read().decode(errors="replace")
         assert time.monotonic() - started < 60
         out = (private_cwd / "out.folded").read_text()
         assert "main;top;mid;leaf " in out, out
         # nothing of the recording is left: no process of its session or of the agent it ran, no workspace
-        left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                if _sid(pid) == p.pid or (pid, _start(pid)) in tree.items()]
+        left = [
+            pid
+            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if _sid(pid) == p.pid or (pid, _start(pid)) in tree.items()
+        ]
         assert not left, left
         assert set(Path("/tmp").glob("ebpfprofiler-record-*")) <= workspaces_before
         # and none of its BPF programs (the kernel frees a tail-call array's programs a moment later)
-        wait_for("the recording's BPF programs to be freed",
-                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
+        wait_for(
+            "the recording's BPF programs to be freed",
+            lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
+            10,
+        )
     finally:
         os.close(master)
 
 
 def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
-        private_cwd: Path, workload, started: list[subprocess.Popen]) -> None:
+    private_cwd: Path, workload, started: list[subprocess.Popen]
+) -> None:
     # Given a recording under way (its agent runs in a session of its own, under `run`)
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
-    p = subprocess.Popen([PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid),
-                          "-o", "out.folded"], cwd=private_cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+        [PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid), "-o", "out.folded"],
+        cwd=private_cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     started.append(p)
     tree: dict[int, int] = {}
     try:
@@ -173,23 +202,30 @@ def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
         p.kill()
         p.wait()
         # Then its agent stops (`run` is told by the kernel that its parent died) and frees its programs
-        wait_for("the recording's agent to stop",
-                 lambda: not [pid for pid, start in tree.items() if _start(pid) == start], 60)
-        wait_for("the recording's BPF programs to be freed",
-                 lambda: not progs & {q["id"] for q in bpftool("prog", "show")}, 10)
+        wait_for(
+            "the recording's agent to stop",
+            lambda: not [pid for pid, start in tree.items() if _start(pid) == start],
+            60,
+        )
+        wait_for(
+            "the recording's BPF programs to be freed",
+            lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
+            10,
+        )
         # and the workspace it could not remove goes with the next recording's start
         left = set(Path("/tmp").glob("ebpfprofiler-record-*")) - workspaces_before
         assert len(left) == 1, left
         assert [str(x) for x in left] == [x for x in sweep_stale_workspaces() if Path(x) in left]
         assert not left & set(Path("/tmp").glob("ebpfprofiler-record-*"))
     finally:
-        for pid, start in tree.items():      # what a failed check left: `run` stops its stages
+        for pid, start in tree.items():  # what a failed check left: `run` stops its stages
             if _start(pid) == start and b"cli.main" in _cmdline(pid):
                 os.kill(pid, signal.SIGTERM)
 
 
 def test_record_o_at_a_symlink_writes_a_0600_file_in_its_place_and_never_touches_the_target(
-        private_cwd: Path, workload) -> None:
+    private_cwd: Path, workload
+) -> None:
     # Given a file root cares about (a stand-in for /etc/shadow) and -o naming a symlink to it
     hot = workload("hot")
     precious = private_cwd / "precious"

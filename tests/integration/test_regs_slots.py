@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+
 from shared import counters, endpoints
 from shared.config import ProfilerConfig, dump
 from shared.wire import RegsBatch, WireError, decode
-
 from tests.harness import PY, open_dir, require_root, stop_process, wait_for
 
 # Slots in the collector under test, and seconds without an on-CPU sample that make a holder idle.
@@ -47,7 +47,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_busy_process_gets_a_register_slot_from_idle_holders(
-        build: Callable[..., Path], started: list[subprocess.Popen]) -> None:
+    build: Callable[..., Path], started: list[subprocess.Popen]
+) -> None:
     require_root()
     fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
     work = open_dir("regs-slots")
@@ -59,32 +60,48 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
         libjvm.parent.mkdir(parents=True)
         libjvm.write_bytes(bytes(4096))
         cfg = work / "agent.yaml"
-        cfg.write_text(dump(ProfilerConfig(sample_hz=49, offcpu=False, dwarf_unwind=False, python_stacks=False,
-                                           runtime_stacks=("jvm",), upload_interval_s=1)))
+        cfg.write_text(
+            dump(
+                ProfilerConfig(
+                    sample_hz=49,
+                    offcpu=False,
+                    dwarf_unwind=False,
+                    python_stacks=False,
+                    runtime_stacks=("jvm",),
+                    upload_interval_s=1,
+                )
+            )
+        )
         run_dir = work / "run"
         run_dir.mkdir()
         shutil.chown(run_dir, group="ebpfprofiler")
         run_dir.chmod(0o3770)
         log_path = work / "collector.err"
         with open(log_path, "wb") as err:
-            collector = subprocess.Popen([PY, "-c", COLLECTOR, "--config", str(cfg), "--run-dir", str(run_dir)],
-                                         stderr=err)
+            collector = subprocess.Popen(
+                [PY, "-c", COLLECTOR, "--config", str(cfg), "--run-dir", str(run_dir)], stderr=err
+            )
         started.append(collector)
-        wait_for("the collector to be ready",
-                 lambda: collector.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
-                 timeout=READY_TIMEOUT_S)
+        wait_for(
+            "the collector to be ready",
+            lambda: collector.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
+            timeout=READY_TIMEOUT_S,
+        )
         assert collector.poll() is None, log_path.read_text()
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoints.processes(str(run_dir)))
 
         def marked() -> set[int]:
-            return {int(m) for m in re.findall(r"registers with on-CPU samples: pid (\d+) \(maps", log_path.read_text())}
+            return {
+                int(m) for m in re.findall(r"registers with on-CPU samples: pid (\d+) \(maps", log_path.read_text())
+            }
 
         # Given every slot taken by a process that ran for a second and sleeps since
         idle = []
         for _ in range(SLOTS):
-            p = subprocess.Popen([str(fake), "burst", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE)
+            p = subprocess.Popen(
+                [str(fake), "burst", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
             started.append(p)
             idle.append(p.pid)
         try:
@@ -93,8 +110,9 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
             said = [ln for ln in log_path.read_text().splitlines() if "overhead:" not in ln]
             raise AssertionError(f"{e}; the collector said: " + "\n".join(said[-30:])) from None
         # When a process that maps a libjvm.so and runs appears
-        busy = subprocess.Popen([str(fake), "spin", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE)
+        busy = subprocess.Popen(
+            [str(fake), "spin", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         started.append(busy)
         # Then its on-CPU samples come with registers within the deadline
         seen: set[int] = set()
@@ -108,16 +126,24 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
                 if isinstance(msg, RegsBatch):
                     seen.update(s.pid for s in msg.samples)
             return busy.pid in seen
-        wait_for("registers with the busy process's on-CPU samples", busy_has_registers, timeout=SLOT_DEADLINE_S,
-                 interval=0.1)
+
+        wait_for(
+            "registers with the busy process's on-CPU samples",
+            busy_has_registers,
+            timeout=SLOT_DEADLINE_S,
+            interval=0.1,
+        )
         # from a slot taken back from an idle holder: logged, and counted for status
         text = log_path.read_text()
-        evictions = re.findall(r"pid (\d+) \(maps [^)]*\) had no on-CPU sample for \d+ s: its slot goes to pid (\d+)",
-                               text)
+        evictions = re.findall(
+            r"pid (\d+) \(maps [^)]*\) had no on-CPU sample for \d+ s: its slot goes to pid (\d+)", text
+        )
         assert any(int(old) in idle and int(new) == busy.pid for old, new in evictions), text[-3000:]
-        wait_for("the collector's counters to say so",
-                 lambda: counters.read_all(str(run_dir)).get("collector", {}).get("regs_evicted_idle", 0) >= 1,
-                 timeout=10)
+        wait_for(
+            "the collector's counters to say so",
+            lambda: counters.read_all(str(run_dir)).get("collector", {}).get("regs_evicted_idle", 0) >= 1,
+            timeout=10,
+        )
         assert stop_process(collector) == 0, log_path.read_text()[-3000:]
     finally:
         sub.close()

@@ -15,21 +15,21 @@ import itertools
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from shared import pprof
+from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from shared import endpoints
 from tests.harness import Pipeline, Receiver, bpf_holdings, require_root, wait_for
 
 LOCAL_HZ = 19
 LOCAL_WINDOW_S = 2
 REMOTE_WINDOW_S = 4
-FETCH_EVERY_S = 5            # remote_config_interval_s: its minimum
+FETCH_EVERY_S = 5  # remote_config_interval_s: its minimum
 S = 1_000_000_000
 # From a changed document to its effect: the next fetch, then a window of the new length and the
 # worker's grace before it is handed out, with room for a loaded host.
@@ -73,8 +73,11 @@ class Setup:
 
     def windows(self, profile_type: str = "cpu", service: str | None = None) -> list[Window]:
         service = self.hot_exe if service is None else service
-        out = [Window(m, pprof.read(Path(m["path"]).read_bytes())) for m in self.receiver.received()
-               if m["type"] == profile_type and (service == "*" or m["service"] == service)]
+        out = [
+            Window(m, pprof.read(Path(m["path"]).read_bytes()))
+            for m in self.receiver.received()
+            if m["type"] == profile_type and (service == "*" or m["service"] == service)
+        ]
         return sorted(out, key=lambda w: w.start)
 
 
@@ -91,9 +94,16 @@ def start(build, tmp_path: Path, started: list[subprocess.Popen], procs: list) -
         started.append(subprocess.Popen([str(hot), "600"], stdout=subprocess.DEVNULL))
         receiver = Receiver.start(tmp_path, "--agent-config", str(agent_config))
         procs.append(receiver)
-        pipeline = Pipeline(tmp_path, ProfilerConfig(
-            sample_hz=LOCAL_HZ, upload_interval_s=LOCAL_WINDOW_S, endpoint=receiver.url,
-            remote_config_interval_s=FETCH_EVERY_S, local_dir=str(tmp_path / "unused")))
+        pipeline = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=LOCAL_HZ,
+                upload_interval_s=LOCAL_WINDOW_S,
+                endpoint=receiver.url,
+                remote_config_interval_s=FETCH_EVERY_S,
+                local_dir=str(tmp_path / "unused"),
+            ),
+        )
         procs.append(pipeline)
         return Setup(receiver, pipeline, agent_config, str(hot.resolve()))
 
@@ -108,23 +118,30 @@ def setup(start: Callable[..., Setup]) -> Setup:
 
 def test_remote_sample_hz_is_refused_once_and_upload_interval_applies(setup: Setup) -> None:
     # given the pipeline at 19 Hz with 2 s windows, profiling a busy process
-    wait_for("two 2 s windows of the busy process",
-             lambda: len([w for w in setup.windows() if w.end - w.start == LOCAL_WINDOW_S * S]) >= 2,
-             APPLY_DEADLINE_S)
+    wait_for(
+        "two 2 s windows of the busy process",
+        lambda: len([w for w in setup.windows() if w.end - w.start == LOCAL_WINDOW_S * S]) >= 2,
+        APPLY_DEADLINE_S,
+    )
     # when the backend asks for 99 Hz and 4 s windows
     setup.serve(sample_hz=99, upload_interval_s=REMOTE_WINDOW_S)
     fetches_before = setup.fetches()
     # then windows become 4 s long ...
-    wait_for("two 4 s windows of the busy process",
-             lambda: len([w for w in setup.windows() if w.end - w.start == REMOTE_WINDOW_S * S]) >= 2,
-             APPLY_DEADLINE_S + REMOTE_WINDOW_S)
+    wait_for(
+        "two 4 s windows of the busy process",
+        lambda: len([w for w in setup.windows() if w.end - w.start == REMOTE_WINDOW_S * S]) >= 2,
+        APPLY_DEADLINE_S + REMOTE_WINDOW_S,
+    )
     # ... and however often the document is fetched again, the refusal is logged once
-    wait_for("three more fetches of the agent config", lambda: setup.fetches() >= fetches_before + 3,
-             4 * FETCH_EVERY_S + 10)
+    wait_for(
+        "three more fetches of the agent config", lambda: setup.fetches() >= fetches_before + 3, 4 * FETCH_EVERY_S + 10
+    )
     log = setup.pipeline.log()
     assert setup.pipeline.stop() == 0
-    refusal = ("remote config: refused modules.ebpf_profiler.sample_hz = 99: remote config may set only "
-               "enabled, upload_interval_s; the local value 19 stays")
+    refusal = (
+        "remote config: refused modules.ebpf_profiler.sample_hz = 99: remote config may set only "
+        "enabled, upload_interval_s; the local value 19 stays"
+    )
     assert log.count(refusal) == 1, log
     assert log.count("remote config: upload_interval_s 2 -> 4") == 1, log
     assert "windows of 4 s instead of 2 s" in log, log
@@ -133,9 +150,10 @@ def test_remote_sample_hz_is_refused_once_and_upload_interval_applies(setup: Set
     # the local sample_hz stays: every profile's period, and the rate the kernel sampled at
     assert {w.profile.period for w in setup.windows(service="*")} == {S // LOCAL_HZ}
     four = [w for w in windows if w.end - w.start == REMOTE_WINDOW_S * S]
-    rates = [w.samples / REMOTE_WINDOW_S for w in four[:-1]]     # the last one was cut short by the stop
-    assert rates and all(0.75 * LOCAL_HZ <= r <= 1.25 * LOCAL_HZ for r in rates), \
+    rates = [w.samples / REMOTE_WINDOW_S for w in four[:-1]]  # the last one was cut short by the stop
+    assert rates and all(0.75 * LOCAL_HZ <= r <= 1.25 * LOCAL_HZ for r in rates), (
         f"samples per second of one busy thread in 4 s windows: {rates}, expected about {LOCAL_HZ}"
+    )
     # 2 s windows; at the change, the 2 s window in progress ends early and the first new window runs
     # to the next 4 s boundary (each at most one, either may be missing); then 4 s windows; none overlap
     lengths = [(w.end - w.start) / S for w in windows]
@@ -147,17 +165,19 @@ def test_remote_sample_hz_is_refused_once_and_upload_interval_applies(setup: Set
     if len(partial) == 2:
         assert partial[0] < LOCAL_WINDOW_S, lengths
     assert set(lengths[first_four:]) == {REMOTE_WINDOW_S}, lengths
-    assert all(b.start >= a.end for a, b in zip(windows, windows[1:])), [(w.start, w.end) for w in windows]
+    assert all(b.start >= a.end for a, b in zip(windows, windows[1:])), [(w.start, w.end) for w in windows]  # noqa: RUF007
 
 
 def test_remote_enabled_false_stops_sampling_and_true_brings_it_back(setup: Setup) -> None:
     # given samples of the busy process arriving
-    wait_for("a cpu profile of the busy process", lambda: any(w.samples for w in setup.windows()),
-             APPLY_DEADLINE_S)
+    wait_for("a cpu profile of the busy process", lambda: any(w.samples for w in setup.windows()), APPLY_DEADLINE_S)
     # when the backend says enabled: false
     setup.serve(enabled=False)
-    wait_for("the collector to stop sampling",
-             lambda: "remote config: profiling disabled" in setup.pipeline.log(), APPLY_DEADLINE_S)
+    wait_for(
+        "the collector to stop sampling",
+        lambda: "remote config: profiling disabled" in setup.pipeline.log(),
+        APPLY_DEADLINE_S,
+    )
     off = time.time_ns()
     # the fetcher is the clock: stay off for three more fetches (about 15 s: several windows)
     fetches = setup.fetches()
@@ -165,10 +185,16 @@ def test_remote_enabled_false_stops_sampling_and_true_brings_it_back(setup: Setu
     # and then enabled: true
     on = time.time_ns()
     setup.serve(enabled=True)
-    wait_for("the collector to sample again",
-             lambda: "remote config: profiling enabled again" in setup.pipeline.log(), APPLY_DEADLINE_S)
-    wait_for("cpu samples of the busy process after re-enabling",
-             lambda: any(w.samples and w.start >= on for w in setup.windows()), APPLY_DEADLINE_S)
+    wait_for(
+        "the collector to sample again",
+        lambda: "remote config: profiling enabled again" in setup.pipeline.log(),
+        APPLY_DEADLINE_S,
+    )
+    wait_for(
+        "cpu samples of the busy process after re-enabling",
+        lambda: any(w.samples and w.start >= on for w in setup.windows()),
+        APPLY_DEADLINE_S,
+    )
     log = setup.pipeline.log()
     assert setup.pipeline.stop() == 0
 
@@ -203,8 +229,7 @@ def test_a_collector_started_remotely_disabled_loads_nothing_until_enabled(start
     assert setup.windows(service="*") == []
     # when it says enabled: true, the collector loads its programs and samples at the local rate
     setup.serve(enabled=True)
-    wait_for("cpu samples of the busy process", lambda: any(w.samples for w in setup.windows()),
-             APPLY_DEADLINE_S + 15)
+    wait_for("cpu samples of the busy process", lambda: any(w.samples for w in setup.windows()), APPLY_DEADLINE_S + 15)
     progs, perf = bpf_holdings(collector)
     assert progs and perf, "the collector samples without holding programs and perf events?"
     log = setup.pipeline.log()

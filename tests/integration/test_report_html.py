@@ -20,8 +20,8 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -128,17 +128,37 @@ def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     assert exe, "chromium is not installed: make test-setup installs it (deploy/setup.sh TEST_PACKAGES)"
     # Reduced motion: the report then draws without transitions, whose animation frames a loaded CI
     # host's headless Chromium stalled once mid-way (a zoom that never finished in 10 s of virtual time).
-    return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           "--force-prefers-reduced-motion", "--run-all-compositor-stages-before-draw",
-                           "--disable-extensions", f"--user-data-dir={cwd / 'chromium-profile'}",
-                           "--window-size=1400,900", f"--virtual-time-budget={VIRTUAL_TIME_MS}", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
+    return subprocess.run(
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--force-prefers-reduced-motion",
+            "--run-all-compositor-stages-before-draw",
+            "--disable-extensions",
+            f"--user-data-dir={cwd / 'chromium-profile'}",
+            "--window-size=1400,900",
+            f"--virtual-time-budget={VIRTUAL_TIME_MS}",
+            *args,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=BROWSER_TIMEOUT_S,
+    )
 
 
 def offcpu_profile(service: str) -> bytes:
     """An offcpu pprof as a symbolizer worker writes it: main → nanosleep_caller blocked 2 s."""
-    b = pprof.ProfileBuilder([("samples", "count"), ("offcpu", "nanoseconds")], ("offcpu", "nanoseconds"),
-                             1, 1_700_000_000_000_000_000, 2_000_000_000)
+    b = pprof.ProfileBuilder(
+        [("samples", "count"), ("offcpu", "nanoseconds")],
+        ("offcpu", "nanoseconds"),
+        1,
+        1_700_000_000_000_000_000,
+        2_000_000_000,
+    )
     m = b.mapping("exe", service, "")
     locs = [b.location((n,), m, 0x1000 + i, [b.function(n)]) for i, n in enumerate(("main", "nanosleep_caller"))]
     b.sample(list(reversed(locs)), [4, 2_000_000_000], {"process.executable": service, "pid": "1"})
@@ -154,16 +174,34 @@ def share_of(profile: pprof.ReadProfile, name: str) -> float:
 
 def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, ratio_workload) -> None:
     require_root()
-    r = subprocess.run([PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199",
-                        "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S)
+    r = subprocess.run(
+        [PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199", "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RECORD_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     # and a second profile type of two other services, as the agent's local_dir would hold it
     (tmp_path / "offcpu-20261201T000000Z-1.pb.gz").write_bytes(offcpu_profile("/usr/bin/sleeper"))
     (tmp_path / "offcpu-20261201T000000Z-2.pb.gz").write_bytes(offcpu_profile("/usr/bin/waiter"))
-    r = subprocess.run([PY, "-m", "cli.main", "report", "out.pb.gz", "offcpu-20261201T000000Z-1.pb.gz",
-                        "offcpu-20261201T000000Z-2.pb.gz", "-o", "report.html"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "cli.main",
+            "report",
+            "out.pb.gz",
+            "offcpu-20261201T000000Z-1.pb.gz",
+            "offcpu-20261201T000000Z-2.pb.gz",
+            "-o",
+            "report.html",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     page = (tmp_path / "report.html").read_text()
     # one file, nothing fetched: no external script, style, font or URL to load
@@ -176,8 +214,7 @@ def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, r
     dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
     m = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
     assert m, f"the page did not run: {dom.stderr[-3000:]}"
-    got = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">")
-                     .replace("&amp;", "&"))
+    got = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
     # the flame graph drew the workload's frames
     assert {"main", "work", "heavy", "light"} <= set(got["names"]), got["names"]
     assert got["types"] == ["cpu", "offcpu"]
@@ -190,7 +227,7 @@ def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, r
     assert re.fullmatch(r"work: [\d.]+ (s|ms) \(\d+\.\d\d%\)", got["title"] or ""), got["title"]
     # the search's share is the pprof's, ±10%
     expected = share_of(pprof.read((tmp_path / "out.pb.gz").read_bytes()), "light")
-    assert 0.15 < expected < 0.35, expected      # the workload's 1 in 4
+    assert 0.15 < expected < 0.35, expected  # the workload's 1 in 4
     assert float(got["share"]) == pytest.approx(expected, rel=0.10), got
     assert "light" in got["highlighted"] and "heavy" not in got["highlighted"], got["highlighted"]
     assert re.match(r"1 function matched: \d+\.\d\d% ", got["shareText"]), got["shareText"]
@@ -227,33 +264,46 @@ NAMES_DRIVE = """
 
 def test_function_names_holding_the_template_markers_still_give_a_drawn_flame_graph(tmp_path: Path) -> None:
     # Given a pprof whose function names are the template's markers, a closing script tag and escapes
-    markers = sorted(set(re.findall(r"@[A-Z0-9_]+@", (Path(__file__).parents[2] / "report" / "template.html")
-                                   .read_text())))
+    markers = sorted(
+        set(re.findall(r"@[A-Z0-9_]+@", (Path(__file__).parents[2] / "report" / "template.html").read_text()))
+    )
     assert {"@D3_JS@", "@FLAMEGRAPH_CSS@", "@FLAMEGRAPH_JS@", "@DATA@"} <= set(markers)
     hostile = [*markers, "</script><script>document.title='owned'</script>", "\x1b[2Jx\ny"]
-    b = pprof.ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                             10_000_000, 1_700_000_000_000_000_000, 2_000_000_000)
+    b = pprof.ProfileBuilder(
+        [("samples", "count"), ("cpu", "nanoseconds")],
+        ("cpu", "nanoseconds"),
+        10_000_000,
+        1_700_000_000_000_000_000,
+        2_000_000_000,
+    )
     m = b.mapping("exe", "/usr/bin/hostile", "")
     stack = ["main", *hostile]
     locs = [b.location((n,), m, 0x1000 + i, [b.function(n)]) for i, n in enumerate(stack)]
     b.sample(list(reversed(locs)), [5, 50_000_000], {"process.executable": "/usr/bin/hostile", "pid": "1"})
     (tmp_path / "cpu-20261201T000000Z-1.pb.gz").write_bytes(b.gzipped())
     # When `ebpfprofiler report` renders it
-    r = subprocess.run([PY, "-m", "cli.main", "report", "cpu-20261201T000000Z-1.pb.gz",
-                        "-o", "report.html"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [PY, "-m", "cli.main", "report", "cpu-20261201T000000Z-1.pb.gz", "-o", "report.html"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     page = (tmp_path / "report.html").read_text()
     # Then the page keeps d3 and the flame graph (issue 40 case 1: they went into the data, and the page was blank)
     assert page.count("<script") == 4, page.count("<script")
     driven = tmp_path / "driven.html"
     first_script = page.index("<script")
-    driven.write_text(page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", NAMES_DRIVE
-                                                                                      + "</body>"))
+    driven.write_text(
+        page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", NAMES_DRIVE + "</body>")
+    )
     dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
     found = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
     assert found, f"the page did not run: {dom.stderr[-3000:]}"
-    got = json.loads(found.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">")
-                     .replace("&amp;", "&"))
+    got = json.loads(
+        found.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+    )
     # And Chromium draws every frame, each hostile name as that name
     assert got["d3"] == "object" and got["flamegraph"] == "function", got
     assert set(hostile) | {"main"} <= set(got["names"]), got["names"]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from collector.procfs import read_maps
 from receiver.store import list_profiles
 from runtimes import elfsyms
@@ -43,11 +44,9 @@ from runtimes.ruby.layouts import LAYOUTS
 from runtimes.runtime import FileCache, ProcessContext, first_mappings
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-
-from tests import runtime_roots
+from tests import harness, runtime_roots
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
-from tests import harness
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
 RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"
@@ -74,8 +73,12 @@ def method_lines(qualified: str) -> range:
     name = qualified.replace(".", "#").split("#")[-1]
     lines = SCRIPT.read_text().splitlines()
     start = next(i for i, line in enumerate(lines, 1) if line.strip().startswith((f"def {name}(", f"def self.{name}(")))
-    end = next(i for i, line in enumerate(lines[start:], start + 1) if line.strip() == "end" and
-               len(line) - len(line.lstrip()) == len(lines[start - 1]) - len(lines[start - 1].lstrip()))
+    end = next(
+        i
+        for i, line in enumerate(lines[start:], start + 1)
+        if line.strip() == "end"
+        and len(line) - len(line.lstrip()) == len(lines[start - 1]) - len(lines[start - 1].lstrip())
+    )
     return range(start, end + 1)
 
 
@@ -84,14 +87,14 @@ class Workload:
     version: str
     procs: list[subprocess.Popen]
     filename: str
-    ractor: subprocess.Popen | None = None      # ruby_ractor.rb
+    ractor: subprocess.Popen | None = None  # ruby_ractor.rb
     ractor_filename: str = ""
 
 
 @dataclass
 class Run:
     workloads: list[Workload]
-    samples: dict[int, list[pprof.ReadSample]]   # pid → ruby_wall samples
+    samples: dict[int, list[pprof.ReadSample]]  # pid → ruby_wall samples
 
 
 def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
@@ -120,8 +123,12 @@ def ractor_samples(samples: dict[int, list[pprof.ReadSample]], w: Workload, main
 
 def start_ruby(started: list[subprocess.Popen], root: Path, version: str, filename: str) -> subprocess.Popen:
     """ruby<version> running `filename` in `root`, handed to `started` (module_started) as it starts."""
-    p = subprocess.Popen(["chroot", str(root), f"/usr/bin/ruby{version}", filename, str(WORKLOAD_SECONDS)],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        ["chroot", str(root), f"/usr/bin/ruby{version}", filename, str(WORKLOAD_SECONDS)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     started.append(p)
     assert p.stdout is not None and p.stdout.readline().startswith("ready "), f"ruby{version} {filename} did not start"
     return p
@@ -140,13 +147,24 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            upload_interval_s=5, endpoint=receiver.url, local_dir=str(work / "unused"), plain_pid=True,
-            python_stacks=False, runtime_stacks=("ruby",), cpu_budget=50.0, dwarf_unwind=False, offcpu=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                upload_interval_s=5,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                plain_pid=True,
+                python_stacks=False,
+                runtime_stacks=("ruby",),
+                cpu_budget=50.0,
+                dwarf_unwind=False,
+                offcpu=False,
+            ),
+        )
         try:
             ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
             wait_for("the runtime reader", ready.exists, timeout=30)
-            for v, root in roots.items():     # one version at a time
+            for v, root in roots.items():  # one version at a time
                 filename = str(inside / SCRIPT.name)
                 w = Workload(v, [], filename, ractor_filename=str(inside / RACTOR_SCRIPT.name))
                 workloads.append(w)
@@ -156,15 +174,23 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
 
                 def enough() -> bool:
                     got = received_samples(receiver.dir)
-                    return sum(s.values[0] for p in w.procs for s in got.get(p.pid, [])
-                               if s.labels.get("thread.id") == str(p.pid)) >= WANT_STACKS and \
-                        sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
+                    return (
+                        sum(
+                            s.values[0]
+                            for p in w.procs
+                            for s in got.get(p.pid, [])
+                            if s.labels.get("thread.id") == str(p.pid)
+                        )
+                        >= WANT_STACKS
+                        and sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
+                    )
+
                 try:
                     wait_for(f"ruby_wall profiles of Ruby {v}", enough, timeout=120, interval=1.0)
                 except AssertionError as e:
                     runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
                     raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
-                for p in w.procs + [w.ractor]:
+                for p in [*w.procs, w.ractor]:
                     p.kill()
                     p.wait()
         finally:
@@ -192,8 +218,9 @@ def test_main_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) 
         names = [f.function for f in s.frames]
         assert names[0] == "<main>", f"{version}: {names}"
         # Not in Work.run: Ruby's start-up (gem_prelude requiring rubygems), or run's own loop.
-        inside[names[-1] if names[-1] in ("Work#cpu_a", "Spin#cpu_b") and "Work.run" in names else "other"] += \
-            s.values[0]
+        inside[names[-1] if names[-1] in ("Work#cpu_a", "Spin#cpu_b") and "Work.run" in names else "other"] += s.values[
+            0
+        ]
     a, b = inside["Work#cpu_a"], inside["Spin#cpu_b"]
     assert a + b >= 0.95 * sum(inside.values()), f"{version}: {inside.most_common(5)}"
     print(f"Ruby {version}: cpu_a {a} / cpu_b {b} = {a / max(b, 1):.2f}")
@@ -221,7 +248,7 @@ def test_frames_carry_file_and_lines(run: Run, version: str) -> None:
         else:
             torn += s.values[0]
     assert consistent and torn <= 0.05 * (consistent + torn), f"{version}: {torn} of {consistent + torn} torn"
-    for fn, lines in bodies.items():   # mostly in its loop (its first line, i = 0, now and then)
+    for fn, lines in bodies.items():  # mostly in its loop (its first line, i = 0, now and then)
         top = max((n, line) for (f, line), n in body_lines.items() if f == fn)[1]
         assert top in lines, f"{version}: {fn} mostly at line {top}, not its loop {sorted(lines)}"
 
@@ -235,8 +262,9 @@ def test_second_thread_is_blocked_in_blocked_here(run: Run, version: str) -> Non
     wait = marked_lines("WAIT")
     for s in samples:
         leaf, caller = s.frames[-1], s.frames[-2]
-        assert leaf.function == "block in Object#blocked_here" and leaf.filename == w.filename \
-            and leaf.line in wait, s.frames
+        assert leaf.function == "block in Object#blocked_here" and leaf.filename == w.filename and leaf.line in wait, (
+            s.frames
+        )
         assert caller.function == "Object#blocked_here" and caller.line in method_lines("blocked_here"), s.frames
         assert s.labels["thread.name"], s.labels
 
@@ -252,13 +280,18 @@ def test_second_ractor_thread_is_in_crunch_in_ractor(run: Run, version: str) -> 
     block = marked_lines("RACTOR", RACTOR_SCRIPT)
     for s in others:
         leaf, caller = s.frames[-1], s.frames[-2] if len(s.frames) > 1 else None
-        if leaf.function == "block in <main>":   # the ractor's block, read before it called in_ractor
+        if leaf.function == "block in <main>":  # the ractor's block, read before it called in_ractor
             assert leaf.line in block and leaf.filename == w.ractor_filename, s.frames
             continue
-        assert leaf.function == "Crunch.in_ractor" and leaf.filename == w.ractor_filename \
-            and leaf.line in crunch, s.frames
-        assert caller is not None and caller.function == "block in <main>" and caller.line in block \
-            and caller.filename == w.ractor_filename, s.frames
+        assert leaf.function == "Crunch.in_ractor" and leaf.filename == w.ractor_filename and leaf.line in crunch, (
+            s.frames
+        )
+        assert (
+            caller is not None
+            and caller.function == "block in <main>"
+            and caller.line in block
+            and caller.filename == w.ractor_filename
+        ), s.frames
     # The main ractor's thread waits in Ractor#take at the script's TAKE line; stacks of Ruby's start-up
     # (gem_prelude's requires, before the script runs) are the few others.
     mains = ractor_samples(run.samples, w, main=True)
@@ -273,14 +306,17 @@ def test_second_ractor_thread_is_in_crunch_in_ractor(run: Run, version: str) -> 
     assert waiting >= 0.9 * n and waiting, f"{version}: {waiting} of {n} main-thread stacks in Ractor#take"
 
 
-def test_ruby_3_1_is_refused_once_with_the_reason(tmp_path: Path, started: list[subprocess.Popen],
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_ruby_3_1_is_refused_once_with_the_reason(
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     require_root()
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     root = runtime_roots.bookworm_ruby()
     driven = DrivenReader(tmp_path, runtime_stacks=("ruby",), python_stacks=False)
     try:
-        p, _ = start(started, ["chroot", str(root), "/usr/bin/ruby3.1", "-e", 'puts "ready"; $stdout.flush; $stdin.read'])
+        p, _ = start(
+            started, ["chroot", str(root), "/usr/bin/ruby3.1", "-e", 'puts "ready"; $stdout.flush; $stdin.read']
+        )
         for _ in range(20):
             driven.announce(p.pid, full=True)
             driven.tick()
@@ -296,8 +332,9 @@ def test_ruby_3_1_is_refused_once_with_the_reason(tmp_path: Path, started: list[
 # The name ruby3.3 asks the loader for (the copy is found under it in LD_LIBRARY_PATH).
 SONAME = "libruby-3.3.so.3.3"
 # A method the fixture process spins in until its deadline (it ends by itself).
-SPIN_SCRIPT = ('def spin_here(t); x = 0; x += 1 while Time.now < t; end; '
-               'puts "ready"; $stdout.flush; spin_here(Time.now + 120)')
+SPIN_SCRIPT = (
+    'def spin_here(t); x = 0; x += 1 while Time.now < t; end; puts "ready"; $stdout.flush; spin_here(Time.now + 120)'
+)
 
 
 def _vm_place(root: Path, started: list[subprocess.Popen]) -> tuple[Path, int]:
@@ -316,8 +353,9 @@ def _vm_place(root: Path, started: list[subprocess.Popen]) -> tuple[Path, int]:
 
 
 @pytest.mark.parametrize("off_by", [0, 8], ids=["symbol", "symbol_off_by_a_word"])
-def test_libruby_with_the_symbol_is_read_through_it_and_checked(tmp_path: Path, started: list[subprocess.Popen],
-                                                               caplog: pytest.LogCaptureFixture, off_by: int) -> None:
+def test_libruby_with_the_symbol_is_read_through_it_and_checked(
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture, off_by: int
+) -> None:
     """Debian's libruby has no ruby_current_vm_ptr; a build that keeps it stands here as a built
     fixture: a copy of trixie's libruby 3.3 with the symbol added to its .symtab (objcopy) at the
     place the scan finds the VM pointer. The reader takes the VM from the symbol and reads the
@@ -331,18 +369,31 @@ def test_libruby_with_the_symbol_is_read_through_it_and_checked(tmp_path: Path, 
     libdir.mkdir(parents=True)
     driven = DrivenReader(tmp_path, runtime_stacks=("ruby",), python_stacks=False)
     try:
-        subprocess.run(["objcopy", "--add-symbol", f"ruby_current_vm_ptr={place + off_by:#x},global,object",
-                        str(lib), str(libdir / SONAME)], check=True, timeout=60)
+        subprocess.run(
+            [
+                "objcopy",
+                "--add-symbol",
+                f"ruby_current_vm_ptr={place + off_by:#x},global,object",
+                str(lib),
+                str(libdir / SONAME),
+            ],
+            check=True,
+            timeout=60,
+        )
         with open(libdir / SONAME, "rb") as f:
             assert elfsyms.read_symbols(f, ("ruby_current_vm_ptr",)).symbols == {"ruby_current_vm_ptr": place + off_by}
-        p, _ = start(started, ["chroot", str(root), "env", f"LD_LIBRARY_PATH=/tmp/{libdir.name}",
-                               "/usr/bin/ruby3.3", "-e", SPIN_SCRIPT])
+        p, _ = start(
+            started,
+            ["chroot", str(root), "env", f"LD_LIBRARY_PATH=/tmp/{libdir.name}", "/usr/bin/ruby3.3", "-e", SPIN_SCRIPT],
+        )
         assert any(m.path.endswith(f"/tmp/{libdir.name}/{SONAME}") for m in read_maps(p.pid)), "not the copy"
+
         def read_some() -> bool:
             driven.announce(p.pid, full=True)
             driven.tick()
             state = driven.reader.targets.entries[p.pid].state if p.pid in driven.reader.targets.entries else ""
-            return state == "refused" or len(driven.stacks()) > 0 and sum(driven.stacks().values()) >= 20
+            return state == "refused" or (len(driven.stacks()) > 0 and sum(driven.stacks().values()) >= 20)
+
         wait_for("the reader to read or refuse the process", read_some, timeout=30, interval=0.05)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
         if off_by == 0:
@@ -350,7 +401,9 @@ def test_libruby_with_the_symbol_is_read_through_it_and_checked(tmp_path: Path, 
             assert frames and all("Object#spin_here" in f for f in frames), frames[:5]
             assert driven.reader.targets.entries[p.pid].state != "refused", lines
         else:
-            assert len(lines) == 1 and "self-check failed: ruby_current_vm_ptr does not point at a VM" in lines[0], lines
+            assert len(lines) == 1 and "self-check failed: ruby_current_vm_ptr does not point at a VM" in lines[0], (
+                lines
+            )
             assert not driven.stacks()
         assert p.poll() is None, "the process was disturbed"
     finally:

@@ -42,13 +42,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from collector.procfs import read_process
 from runtimes.main import Reader
 from runtimes.targets import start_ticks
 from shared.config import ProfilerConfig
 from shared.labels import process_labels
 from shared.wire import ProcessAnnouncement
-
 from tests.harness import PY, ROOT, WORKLOADS, kill_and_reap, namespace_host_gaps, require_root, wait_for
 
 PYTHON311 = "/usr/bin/python3.11"
@@ -62,7 +62,7 @@ DRIVER_TIMEOUT_S = 120
 
 # A workload whose stacks are known: main() → outer() → inner() → spin(), in a file of its own;
 # it spins for argv[1] seconds from the test's go (a line on stdin), then ends as argv[2] says.
-SPINNER = '''\
+SPINNER = """\
 import os, sys, time
 
 def spin(end):
@@ -84,11 +84,12 @@ def main():
         os._exit(0)
 
 main()
-'''
+"""
 SPINNER_FUNCTIONS = {"<module>", "main", "outer", "inner", "spin"}
 
 
 # ------------------------------------------------------------------ helpers
+
 
 class DrivenReader:
     """The stage's Reader, driven by the test: announcements in, ticks, closed windows out."""
@@ -100,8 +101,9 @@ class DrivenReader:
 
     def announce(self, *pids: int, full: bool = False) -> None:
         procs = tuple(p for p in (read_process(pid, False) for pid in pids) if p is not None)
-        self.reader.targets.announce(ProcessAnnouncement(host="test", time_ns=time.time_ns(), processes=procs,
-                                                         exited=(), full=full))
+        self.reader.targets.announce(
+            ProcessAnnouncement(host="test", time_ns=time.time_ns(), processes=procs, exited=(), full=full)
+        )
 
     def tick(self) -> None:
         self.reader.tick(time.time_ns())
@@ -116,8 +118,7 @@ class DrivenReader:
     def labels_of(self, pid: int, ticks: int) -> tuple:
         proc = read_process(pid, False)
         assert proc is not None and proc.start_ticks == ticks
-        return process_labels(self.reader.host, proc, self.reader.secret, plain_pid=False,
-                              strip_process_args=True)
+        return process_labels(self.reader.host, proc, self.reader.secret, plain_pid=False, strip_process_args=True)
 
     def close(self) -> None:
         self.reader.inbox.close()
@@ -162,8 +163,11 @@ def proc_state(pid: int) -> str:
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/workloads/fake_python.c built as DIR/python3.13 and DIR/python3.10 (the reader goes by the name)."""
     out = tmp_path_factory.mktemp("fake-python")
-    subprocess.run(["gcc", "-O0", "-g", "-Wall", "-Werror", "-o", str(out / "python3.13"), str(FAKE_SOURCE)],
-                   check=True, timeout=120)
+    subprocess.run(
+        ["gcc", "-O0", "-g", "-Wall", "-Werror", "-o", str(out / "python3.13"), str(FAKE_SOURCE)],
+        check=True,
+        timeout=120,
+    )
     os.link(out / "python3.13", out / "python3.10")
     out.chmod(0o755)
     return out
@@ -188,8 +192,8 @@ REFUSALS = {
 
 
 def test_refused_processes_are_logged_once_with_their_reason_and_left_alone(
-        fake_python: Path, driven: DrivenReader, started: list[subprocess.Popen],
-        caplog: pytest.LogCaptureFixture) -> None:
+    fake_python: Path, driven: DrivenReader, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     # Given a process of every kind the reader must refuse
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     pids = {}
@@ -204,8 +208,9 @@ def test_refused_processes_are_logged_once_with_their_reason_and_left_alone(
     # Then each is refused with its reason, logged once at info level, and never detected again
     for pid, reason in pids.items():
         lines = [r for r in caplog.records if r.getMessage().startswith(f"pid {pid} ")]
-        assert [(r.levelno, reason in r.getMessage()) for r in lines] == [(logging.INFO, True)], \
-            [r.getMessage() for r in lines]
+        assert [(r.levelno, reason in r.getMessage()) for r in lines] == [(logging.INFO, True)], [
+            r.getMessage() for r in lines
+        ]
         assert driven.reader.targets.entries[pid].state == "refused"
         assert driven.reader.targets.entries[pid].reader is None
     assert driven.reader.targets.stats["refused"] == len(pids)
@@ -215,14 +220,16 @@ def test_refused_processes_are_logged_once_with_their_reason_and_left_alone(
 
 # ------------------------------------------------------------------ validation
 
+
 def test_frames_that_fail_validation_are_dropped_and_counted(
-        fake_python: Path, driven: DrivenReader, started: list[subprocess.Popen]) -> None:
+    fake_python: Path, driven: DrivenReader, started: list[subprocess.Popen]
+) -> None:
     # Given a process whose one thread's frame chain holds a frame of every kind that fails validation
     p, line = start(started, [str(fake_python / "python3.13"), "ok"])
     tid = json.loads(line)["tid"]
     driven.announce(p.pid)
     # When the reader reads it at 10 ticks
-    driven.tick()                       # detection
+    driven.tick()  # detection
     assert driven.reader.targets.entries[p.pid].state == "reading"
     for _ in range(10):
         driven.tick()
@@ -231,16 +238,23 @@ def test_frames_that_fail_validation_are_dropped_and_counted(
     stacks = driven.stacks()
     frames = {tuple((f.function, f.filename, f.line) for f in fr): n for (_, fr), n in stacks.items()}
     assert frames == {(("leaf_fn", "/fake/app.py", 12), ("Outer.root_fn", "/fake/app.py", 20)): 11}
-    (labels, _), = stacks
+    ((labels, _),) = stacks
     assert dict(labels)["thread.id"] == str(tid)
-    assert driven.reader.dropped() == {"not_code": 11, "bad_instruction_pointer": 11, "impossible_line": 11,
-                                       "bad_pointer": 11, "loop": 11}
+    assert driven.reader.dropped() == {
+        "not_code": 11,
+        "bad_instruction_pointer": 11,
+        "impossible_line": 11,
+        "bad_pointer": 11,
+        "loop": 11,
+    }
 
 
 # ------------------------------------------------------------------ exits
 
+
 def test_a_process_killed_between_ticks_is_forgotten_without_a_stack(
-        driven: DrivenReader, started: list[subprocess.Popen], tmp_path: Path) -> None:
+    driven: DrivenReader, started: list[subprocess.Popen], tmp_path: Path
+) -> None:
     # Given a CPython 3.11 process the reader reads
     p, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
     go(p)
@@ -263,7 +277,8 @@ def test_a_process_killed_between_ticks_is_forgotten_without_a_stack(
 
 
 def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
-        driven: DrivenReader, started: list[subprocess.Popen], tmp_path: Path) -> None:
+    driven: DrivenReader, started: list[subprocess.Popen], tmp_path: Path
+) -> None:
     # Given CPython 3.11 processes that end by themselves at staggered moments, half with
     # os._exit and half with a normal exit that tears the interpreter down
     script = spinner(tmp_path)
@@ -271,12 +286,15 @@ def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
     for i in range(EXITING_PROCESSES):
         # -I -S: no site, so its interpreter runs only the standard library and the script
         # (a host's .pth files may import packages whose exit handlers would run at teardown)
-        p, _ = start(started, [PYTHON311, "-I", "-S", str(script), f"{0.05 * i:.2f}",
-                               "_exit" if i % 2 else "return"])
+        p, _ = start(started, [PYTHON311, "-I", "-S", str(script), f"{0.05 * i:.2f}", "_exit" if i % 2 else "return"])
         procs.append(p)
     driven.announce(*(p.pid for p in procs))
-    wait_for("every spinner read", lambda: (driven.tick(), len(driven.reader.targets.readable()))[1]
-             == EXITING_PROCESSES, timeout=10, interval=0.01)
+    wait_for(
+        "every spinner read",
+        lambda: (driven.tick(), len(driven.reader.targets.readable()))[1] == EXITING_PROCESSES,
+        timeout=10,
+        interval=0.01,
+    )
     # When they are let go and the reader ticks without pause until every one has exited
     for p in procs:
         go(p)
@@ -294,7 +312,9 @@ def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
     # code while it ends), and the reader holds none of them any more
     stacks = driven.stacks()
     read = {dict(labels)["pid"] for labels, _ in stacks}
-    assert len(read) == EXITING_PROCESSES, f"{len(read)} of {EXITING_PROCESSES} read in {ticks} ticks; {driven.reader.targets.stats}"
+    assert len(read) == EXITING_PROCESSES, (
+        f"{len(read)} of {EXITING_PROCESSES} read in {ticks} ticks; {driven.reader.targets.stats}"
+    )
     stdlib = "/usr/lib/python3.11/"
     for (_, frames), n in stacks.items():
         for f in frames:
@@ -311,17 +331,33 @@ def test_processes_exiting_while_read_cause_no_error_and_no_foreign_stack(
 
 # ------------------------------------------------------------------ pid reuse
 
+
 def test_a_reused_pid_never_gets_the_old_process_stacks(tmp_path: Path, started: list[subprocess.Popen]) -> None:
     require_root()
     # Given a pid namespace of our own, where a second CPython process gets the first one's pid
     work = Path(tempfile.mkdtemp(prefix="ebpfprofiler-reuse-"))
     try:
         script = spinner(work)
-        p = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", PY, "-m",
-                              "tests.integration.test_runtime_edges", "pid-reuse", str(script), str(work)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-        started.append(p)   # its group killed at the end: unshare, the driver (pid 1 of the namespace), all of it
+        p = subprocess.Popen(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                PY,
+                "-m",
+                "tests.integration.test_runtime_edges",
+                "pid-reuse",
+                str(script),
+                str(work),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        started.append(p)  # its group killed at the end: unshare, the driver (pid 1 of the namespace), all of it
         out, err = p.communicate(timeout=DRIVER_TIMEOUT_S)
         assert p.returncode == 0, f"{err[-4000:]}\n{namespace_host_gaps()}"
         got = json.loads(out.strip().splitlines()[-1])
@@ -346,10 +382,16 @@ def _pid_reuse_driver(script: str, work: str) -> None:
     # Two programs with a function each of their own, both the spinner underneath.
     a_src, b_src = Path(work) / "a.py", Path(work) / "b.py"
     base = Path(script).read_text()
-    a_src.write_text(base.replace("def outer(end):\n    inner(end)", "def outer(end):\n    a_only(end)\n\n"
-                                  "def a_only(end):\n    inner(end)"))
-    b_src.write_text(base.replace("def outer(end):\n    inner(end)", "def outer(end):\n    b_only(end)\n\n"
-                                  "def b_only(end):\n    inner(end)"))
+    a_src.write_text(
+        base.replace(
+            "def outer(end):\n    inner(end)", "def outer(end):\n    a_only(end)\n\ndef a_only(end):\n    inner(end)"
+        )
+    )
+    b_src.write_text(
+        base.replace(
+            "def outer(end):\n    inner(end)", "def outer(end):\n    b_only(end)\n\ndef b_only(end):\n    inner(end)"
+        )
+    )
     driven = DrivenReader(Path(work))
     procs: list[subprocess.Popen] = []
     try:
@@ -366,6 +408,7 @@ def _pid_reuse_driver(script: str, work: str) -> None:
             driven.tick()
             entry_a = driven.reader.targets.entries.get(a.pid)
             return driven.reader.stats["stacks"] >= 5
+
         wait_for("stacks of A", read_a, timeout=20, interval=0.01)
         assert entry_a is not None and entry_a.reader is not None
         a.kill()
@@ -380,25 +423,41 @@ def _pid_reuse_driver(script: str, work: str) -> None:
         reader_a = entry_a.reader
 
         def control_read() -> list[str]:
-            got = [f.function for st in reader_a.sample(ProcessMemory(b.pid, ReadBudget(1 << 20)))
-                   for f in st.frames]
-            return got if "inner" in got else []     # B past its go, in its own functions
+            got = [f.function for st in reader_a.sample(ProcessMemory(b.pid, ReadBudget(1 << 20))) for f in st.frames]
+            return got if "inner" in got else []  # B past its go, in its own functions
+
         control = wait_for("A's reader reading B's stack", control_read, timeout=10, interval=0.01)
         # The reader ticks before the collector's announcement of B reaches it, then reads B.
         driven.tick()
         driven.announce(b.pid)
         before = driven.reader.stats["stacks"]
-        wait_for("stacks of B", lambda: (driven.tick(), driven.reader.stats["stacks"] >= before + 5)[1],
-                 timeout=20, interval=0.01)
+        wait_for(
+            "stacks of B",
+            lambda: (driven.tick(), driven.reader.stats["stacks"] >= before + 5)[1],
+            timeout=20,
+            interval=0.01,
+        )
         label_b = dict(driven.labels_of(b.pid, ticks_b))["pid"]
         functions: dict[str, list[str]] = {}
         for labels, frames in driven.stacks():
             functions.setdefault(dict(labels)["pid"], [])
             functions[dict(labels)["pid"]] += [f.function for f in frames]
-        print(json.dumps({"pid_a": a.pid, "pid_b": b.pid, "ticks_a": ticks_a, "ticks_b": ticks_b,
-                          "label_a": label_a, "label_b": label_b, "control": control,
-                          "functions": {k: sorted(set(v)) for k, v in functions.items()},
-                          "stats": driven.reader.targets.stats}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "pid_a": a.pid,
+                    "pid_b": b.pid,
+                    "ticks_a": ticks_a,
+                    "ticks_b": ticks_b,
+                    "label_a": label_a,
+                    "label_b": label_b,
+                    "control": control,
+                    "functions": {k: sorted(set(v)) for k, v in functions.items()},
+                    "stats": driven.reader.targets.stats,
+                }
+            ),
+            flush=True,
+        )
     finally:
         kill_and_reap(procs)
         driven.close()

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from runtimes import dotnet
 from runtimes.dotnet import ipc
 from shared import counters
-
 from tests.elf_builder import symbol_table_elf
 from tests.integration.test_runtime_edges import PYTHON311, DrivenReader, go, spinner, start
 
@@ -59,7 +59,7 @@ FAKE_JVM_KEEP = 0.5
 # The longest a tick may take with the silent processes about (a tick is 53 ms; a loaded host is slow).
 MAX_TICK_S = 1.0
 
-BIG = '''\
+BIG = """\
 import sys, threading, time
 
 def deep(n, ev):
@@ -76,11 +76,12 @@ def main():
     time.sleep(seconds)
 
 main()
-'''
+"""
 
 
 def test_a_process_over_the_read_budget_never_starves_the_next_one(
-        tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     d = DrivenReader(tmp_path)
     try:
@@ -92,7 +93,7 @@ def test_a_process_over_the_read_budget_never_starves_the_next_one(
         go(spin)
         d.announce(big.pid)
         d.announce(spin.pid)
-        for _ in range(3):                    # detection (DETECTS_PER_TICK a tick)
+        for _ in range(3):  # detection (DETECTS_PER_TICK a tick)
             d.tick()
         assert [d.reader.targets.entries[p.pid].state for p in (big, spin)] == ["reading", "reading"]
         # When the reader ticks
@@ -108,7 +109,9 @@ def test_a_process_over_the_read_budget_never_starves_the_next_one(
         over = {k: v for k, v in d.reader.stats.items() if k.startswith("process_over_")}
         assert sum(over.values()) >= TICKS // 2, d.reader.stats
         # logged once for the process, not at every tick
-        lines = [r for r in caplog.records if f"pid {big.pid} " in r.getMessage() and "share of a tick" in r.getMessage()]
+        lines = [
+            r for r in caplog.records if f"pid {big.pid} " in r.getMessage() and "share of a tick" in r.getMessage()
+        ]
         assert len(lines) == 1, [r.getMessage() for r in lines]
         # and in the stage's counters, which `ebpfprofiler status` prints
         status = _status(d, tmp_path)
@@ -120,7 +123,7 @@ def test_a_process_over_the_read_budget_never_starves_the_next_one(
 def _stacks_of(d: DrivenReader, function: str) -> int:
     """Stacks holding `function` in the reader's open windows so far."""
     n = 0
-    for by_service in d.reader.windows._open.values():     # the test reads the open windows
+    for by_service in d.reader.windows._open.values():  # the test reads the open windows
         for w in by_service.values():
             for (_, frames), row in w.rows.items():
                 if any(getattr(f, "function", "") == function for f in frames):
@@ -129,8 +132,8 @@ def _stacks_of(d: DrivenReader, function: str) -> int:
 
 
 def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_the_stop(
-        tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen],
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
     coreclr = tmp_path / "dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so"
@@ -141,8 +144,9 @@ def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_
     try:
         # Given ten fake .NET processes that listen on their diagnostics socket and never answer, announced
         # first, then one that answers like .NET 8, and an ordinary CPython spinner
-        silent = [start(started, [str(fake), "silent", str(coreclr), str(WORKLOAD_SECONDS)])[0]
-                  for _ in range(SILENT_DOTNET)]
+        silent = [
+            start(started, [str(fake), "silent", str(coreclr), str(WORKLOAD_SECONDS)])[0] for _ in range(SILENT_DOTNET)
+        ]
         answering, _ = start(started, [str(fake), "answer", str(coreclr), str(WORKLOAD_SECONDS)])
         spin, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
         go(spin)
@@ -161,16 +165,21 @@ def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_
                 served_at = time.monotonic() - began
             if stacks_at is None and _stacks_of(d, "spin"):
                 stacks_at = time.monotonic() - began
-            if served_at is not None and d.reader.targets.stats.get("pending", 0) and \
-                    _plugin(d).stats["stalled"] >= SILENT_DOTNET:
+            if (
+                served_at is not None
+                and d.reader.targets.stats.get("pending", 0)
+                and _plugin(d).stats["stalled"] >= SILENT_DOTNET
+            ):
                 break
-            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))      # the reader's own pace
+            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))  # the reader's own pace
         # Then no tick waited for a silent process, the answering one was served and the spinner read in time
         assert longest < MAX_TICK_S, f"a tick took {longest:.2f} s"
         assert served_at is not None and served_at < SERVED_WITHIN_S, served_at
         assert stacks_at is not None and stacks_at < SERVED_WITHIN_S, stacks_at
-        assert any(f"pid {answering.pid} " in r.getMessage() and "EnablePerfMap answered OK" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            f"pid {answering.pid} " in r.getMessage() and "EnablePerfMap answered OK" in r.getMessage()
+            for r in caplog.records
+        )
         # and every silent one was counted as stalled, and is waiting for its retry, not refused for good
         assert _plugin(d).stats["stalled"] == SILENT_DOTNET, _plugin(d).stats
         assert [d.reader.targets.entries[p.pid].state for p in silent] == ["pending"] * SILENT_DOTNET
@@ -182,11 +191,12 @@ def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_
         took = time.monotonic() - t
         # Then the stop stays within its budget, and the answering process was told to stop its map
         assert took < dotnet.STOP_BUDGET_S / 2, f"stopping took {took:.2f} s"
-        assert any(f"pid {answering.pid} (.NET 8.0.4): DisablePerfMap answered OK" in r.getMessage()
-                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any(
+            f"pid {answering.pid} (.NET 8.0.4): DisablePerfMap answered OK" in r.getMessage() for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
     finally:
         if not stopped:
-            d.reader.stop_runtimes()       # its connector ends with it
+            d.reader.stop_runtimes()  # its connector ends with it
         d.close()
 
 
@@ -202,8 +212,8 @@ def _plugin(d: DrivenReader) -> dotnet.DotNet:
 
 
 def test_fake_jvms_with_huge_symbol_tables_cost_a_bounded_share_of_the_reader(
-        tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen],
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
     huge = symbol_table_elf(FAKE_JVM_SYMBOLS, tables=FAKE_JVM_TABLES)
@@ -232,7 +242,7 @@ def test_fake_jvms_with_huge_symbol_tables_cost_a_bounded_share_of_the_reader(
             t = time.monotonic()
             d.tick()
             ticks += 1
-            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))      # the reader's own pace
+            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))  # the reader's own pace
         wall = time.monotonic() - began
         # Then every fake was refused, each logged once
         for p in [*fakes, bad]:

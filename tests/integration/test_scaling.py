@@ -29,7 +29,7 @@ def pick_services(directory: Path) -> list[Path]:
     """Three executable paths that rendezvous hashing spreads over both workers."""
     names = [directory / f"svc_{c}" for c in "abcdefghij"]
     for i in range(len(names) - 2):
-        trio = names[i:i + 3]
+        trio = names[i : i + 3]
         if len({worker_for(str(p), [0, 1]) for p in trio}) == 2:
             return trio
     raise AssertionError("no spread trio among the candidate names")
@@ -43,7 +43,8 @@ def read_pid(run_dir: Path, stage: str) -> int | None:
 
 
 def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
-        build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
+    build, tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     require_root()
     services = pick_services(tmp_path)
     for exe in services:
@@ -53,9 +54,12 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
 
     receiver = Receiver(tmp_path / "received")
     try:
-        pipeline = Pipeline(tmp_path, ProfilerConfig(
-            sample_hz=49, upload_interval_s=WINDOW_S, symbolizer_workers=2, offcpu=False,
-            endpoint=receiver.url))
+        pipeline = Pipeline(
+            tmp_path,
+            ProfilerConfig(
+                sample_hz=49, upload_interval_s=WINDOW_S, symbolizer_workers=2, offcpu=False, endpoint=receiver.url
+            ),
+        )
         try:
             run_dir = pipeline.run_dir
             procs = [subprocess.Popen([str(p), str(RUN_CPU_S)], stdout=subprocess.DEVNULL) for p in services]
@@ -71,9 +75,11 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
             # when the worker that owns most of them is killed
             os.kill(old_pid, signal.SIGKILL)
             # then the supervisor starts it again
-            new_pid = wait_for("the worker to be restarted",
-                               lambda: (p := read_pid(run_dir, f"symbolizer-{victim}")) and p != old_pid and p,
-                               timeout=30)
+            new_pid = wait_for(
+                "the worker to be restarted",
+                lambda: (p := read_pid(run_dir, f"symbolizer-{victim}")) and p != old_pid and p,
+                timeout=30,
+            )
             assert new_pid != old_pid
             for p in procs:
                 assert p.wait(timeout=60) == 0

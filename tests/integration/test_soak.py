@@ -21,17 +21,16 @@ import re
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from shared.safestr import process_string
-from tests.harness import (FRAME_POINTER_FLAGS, Pipeline, Receiver, open_dir, require_root, wait_for,
-                           workload_fields)
+from tests.harness import FRAME_POINTER_FLAGS, Pipeline, Receiver, open_dir, require_root, wait_for, workload_fields
 from tests.integration.test_hostile_processes import NEWLINE_DIRS, NEWLINES_PER_DIR, stage_pids
 from tests.integration.test_oncpu_pipeline import read_received
 from tests.unit.test_runtime_probe import crafted_elf
@@ -57,8 +56,13 @@ class Soak:
     log: str
 
     def samples(self, exe: str) -> list[pprof.ReadSample]:
-        return [s for r in self.profiles if r.meta["type"] == "cpu" for s in r.profile.samples
-                if s.labels.get("process.executable") == exe]
+        return [
+            s
+            for r in self.profiles
+            if r.meta["type"] == "cpu"
+            for s in r.profile.samples
+            if s.labels.get("process.executable") == exe
+        ]
 
 
 def libc_build_id() -> str:
@@ -74,8 +78,7 @@ def ready_line(p: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def soak(build, tmp_path_factory: pytest.TempPathFactory,
-         module_started: list[subprocess.Popen]) -> Iterator[Soak]:
+def soak(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Soak]:
     require_root()
     hot, jit = build("hot"), build("jit")
     duty = build("duty")
@@ -89,23 +92,36 @@ def soak(build, tmp_path_factory: pytest.TempPathFactory,
     for _ in range(NEWLINE_DIRS):
         newline_dir = os.path.join(newline_dir, b"\n" * NEWLINES_PER_DIR)
         os.mkdir(newline_dir, 0o755)
-    exes = {"bytes": os.path.join(bytes_dir, b"duty"), "newlines": os.path.join(newline_dir, b"duty"),
-            "libc_id": os.fsencode(home / "libc-id-copy")}
+    exes = {
+        "bytes": os.path.join(bytes_dir, b"duty"),
+        "newlines": os.path.join(newline_dir, b"duty"),
+        "libc_id": os.fsencode(home / "libc-id-copy"),
+    }
     shutil.copy(duty, exes["bytes"])
     shutil.copy(duty, exes["newlines"])
     shutil.copy(libc_id_copy, exes["libc_id"])
     fake_python = home / "python3.13"
     crafted_elf(fake_python)
     receiver = Receiver(work / "received")
-    procs = module_started   # killed and reaped at the module's end (conftest.py)
+    procs = module_started  # killed and reaped at the module's end (conftest.py)
     perf_map: Path | None = None
     try:
-        pipeline = Pipeline(work, ProfilerConfig(
-            sample_hz=SAMPLE_HZ, upload_interval_s=10, symbolizer_workers=1, endpoint=receiver.url,
-            local_dir=str(work / "unused"), python_stacks=True, offcpu=False))
+        pipeline = Pipeline(
+            work,
+            ProfilerConfig(
+                sample_hz=SAMPLE_HZ,
+                upload_interval_s=10,
+                symbolizer_workers=1,
+                endpoint=receiver.url,
+                local_dir=str(work / "unused"),
+                python_stacks=True,
+                offcpu=False,
+            ),
+        )
         try:
-            wait_for("the runtime reader", lambda: os.path.exists(endpoints.ready_file(str(pipeline.run_dir),
-                                                                                       "runtime")), 60)
+            wait_for(
+                "the runtime reader", lambda: os.path.exists(endpoints.ready_file(str(pipeline.run_dir), "runtime")), 60
+            )
             before = stage_pids(pipeline.run_dir, STAGES)
             for exe in exes.values():
                 procs.append(subprocess.Popen([exe, str(SOAK_S)], stdout=subprocess.PIPE, text=True))
@@ -127,8 +143,17 @@ def soak(build, tmp_path_factory: pytest.TempPathFactory,
             code = pipeline.stop()
         assert code == 0, pipeline.log()
         names = {k: process_string(v) for k, v in exes.items()}
-        yield Soak(read_received(receiver.dir), str(hot.resolve()), float(workload_fields(out)["cpu_seconds"]),
-                   names, fifo_jit.pid, str(fake_python), before, after, pipeline.log())
+        yield Soak(
+            read_received(receiver.dir),
+            str(hot.resolve()),
+            float(workload_fields(out)["cpu_seconds"]),
+            names,
+            fifo_jit.pid,
+            str(fake_python),
+            before,
+            after,
+            pipeline.log(),
+        )
     finally:
         receiver.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -150,10 +175,13 @@ def test_the_ordinary_workload_keeps_its_samples_and_stacks(soak: Soak) -> None:
 
     def own(s: pprof.ReadSample) -> tuple[str, ...]:
         fns = tuple(f.function for f in s.frames if f.module == soak.ordinary_exe)
-        return fns[fns.index("main"):] if "main" in fns else fns
+        return fns[fns.index("main") :] if "main" in fns else fns
 
-    exact = sum(s.values[0] for s in samples if own(s) == HOT_STACK
-                and all(f.module == soak.ordinary_exe or "libc" in f.module for f in s.frames))
+    exact = sum(
+        s.values[0]
+        for s in samples
+        if own(s) == HOT_STACK and all(f.module == soak.ordinary_exe or "libc" in f.module for f in s.frames)
+    )
     stacks: Counter[tuple[str, ...]] = Counter()
     for s in samples:
         stacks[own(s)] += s.values[0]

@@ -33,9 +33,17 @@ import pytest
 
 from shared import pprof
 from shared.privileges import OPTIONAL_CAPS, STAGES, mask
-
 from tests import debroot
-from tests.harness import FRAME_POINTER_FLAGS, PY, ROOT, bpf_holdings, bpftool, namespace_host_gaps, require_root, wait_for
+from tests.harness import (
+    FRAME_POINTER_FLAGS,
+    PY,
+    ROOT,
+    bpf_holdings,
+    bpftool,
+    namespace_host_gaps,
+    require_root,
+    wait_for,
+)
 
 CACHE = Path("/var/cache/ebpfprofiler-test")
 SUITE = "bookworm"
@@ -47,8 +55,12 @@ BOOT_PACKAGES = ("systemd", "systemd-sysv", "dbus", "ca-certificates", "linux-he
 # Bump when the way the root is built changes: a new cache key.
 ROOT_RECIPE = 1
 
-UNITS = ("ebpfprofiler-uploader.service", "ebpfprofiler-symbolizer@0.service", "ebpfprofiler-collector.service",
-         "ebpfprofiler-runtime.service")
+UNITS = (
+    "ebpfprofiler-uploader.service",
+    "ebpfprofiler-symbolizer@0.service",
+    "ebpfprofiler-collector.service",
+    "ebpfprofiler-runtime.service",
+)
 READY_FILES = ("uploader.ready", "symbolizer-0.ready", "collector.ready", "runtime.ready")
 STAGE_OF_UNIT = {UNITS[0]: "uploader", UNITS[1]: "symbolizer", UNITS[2]: "collector", UNITS[3]: "runtime"}
 RUN_DIR = "/run/ebpfprofiler"
@@ -58,7 +70,7 @@ PROFILES = "/var/lib/ebpfprofiler/profiles"
 TEST_CONFIG = "modules:\n  ebpf_profiler:\n    upload_interval_s: 2\n    runtime_stacks: [python_legacy]\n"
 WORKLOAD_USER = "profiled"
 WORKLOAD = f"/home/{WORKLOAD_USER}/jit"
-WORKLOAD_SERVICE_DIR = "home_profiled_jit"     # uploader/local.py's safe_name of WORKLOAD
+WORKLOAD_SERVICE_DIR = "home_profiled_jit"  # uploader/local.py's safe_name of WORKLOAD
 # A Python workload of the ordinary user, for the runtime reader: spin_here() for up to 120 s.
 PY_WORKLOAD = f"/home/{WORKLOAD_USER}/spin.py"
 PY_WORKLOAD_TEXT = """import time
@@ -81,6 +93,7 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------ the cached root
 
+
 def system_packages() -> list[str]:
     """SYSTEM_PACKAGES of deploy/setup.sh: what `make install` installs on a host."""
     m = re.search(r'^SYSTEM_PACKAGES="([^"]*)"', (ROOT / "deploy" / "setup.sh").read_text(), re.MULTILINE)
@@ -94,6 +107,7 @@ def cached_root() -> tuple[Path, bool]:
 
 
 # ------------------------------------------------------------------ pip as on this host
+
 
 def host_pip() -> tuple[dict[str, str], list[str]]:
     """This host's pip settings as PIP_* variables, and the local paths they name (bound read-only).
@@ -117,7 +131,7 @@ def host_pip() -> tuple[dict[str, str], list[str]]:
             if token.startswith("file://"):
                 # A PEP 503 index links to its files relative to itself (../../files/…):
                 # bind the directory that holds the index.
-                path = os.path.dirname(token[len("file://"):].rstrip("/"))
+                path = os.path.dirname(token[len("file://") :].rstrip("/"))
             elif token.startswith("/"):
                 path = token
             else:
@@ -128,6 +142,7 @@ def host_pip() -> tuple[dict[str, str], list[str]]:
 
 
 # ------------------------------------------------------------------ the container
+
 
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
@@ -174,9 +189,19 @@ class Container:
         self.init_pid = 0
         for d in ("upper", "work", "merged"):
             (workdir / d).mkdir(parents=True)
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir={lower},upperdir={workdir / 'upper'},workdir={workdir / 'work'}", str(self.root)],
-                       check=True, timeout=30)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={lower},upperdir={workdir / 'upper'},workdir={workdir / 'work'}",
+                str(self.root),
+            ],
+            check=True,
+            timeout=30,
+        )
         self.mounted = True
         self.binds = binds
         self.console_path = workdir / "console.log"
@@ -184,15 +209,23 @@ class Container:
 
     def boot(self) -> None:
         (self.root / "etc/hostname").write_text("ebpfprofiler-ct\n")
-        argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--boot", "--directory", str(self.root),
-                "--machine=ebpfprofiler-ct", "--console=read-only",
-                "--capability=all", "--system-call-filter=bpf perf_event_open",
-                f"--bind={CACHE / 'pip'}:/root/.cache/pip"]
+        argv = [
+            "systemd-nspawn",
+            "--register=no",
+            "--keep-unit",
+            "--boot",
+            "--directory",
+            str(self.root),
+            "--machine=ebpfprofiler-ct",
+            "--console=read-only",
+            "--capability=all",
+            "--system-call-filter=bpf perf_event_open",
+            f"--bind={CACHE / 'pip'}:/root/.cache/pip",
+        ]
         argv += [f"--bind-ro={b}" for b in self.binds]
         (CACHE / "pip").mkdir(parents=True, exist_ok=True)
-        self._console = open(self.console_path, "w")
-        self.nspawn = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._console,
-                                       stderr=subprocess.STDOUT)
+        self._console = open(self.console_path, "w")  # noqa: SIM115
+        self.nspawn = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._console, stderr=subprocess.STDOUT)
 
         def init() -> int:
             if self.nspawn is None or self.nspawn.poll() is not None:
@@ -201,25 +234,46 @@ class Container:
 
         self.init_pid = wait_for("the container's init", init, timeout=30)
         # "offline" until the manager answers; --wait then waits for the boot to finish.
-        wait_for("systemd in the container to answer",
-                 lambda: self.run(["systemctl", "is-system-running"], check=False,
-                                  timeout=10).stdout.strip() not in ("", "offline"),
-                 timeout=60, interval=0.2)
+        wait_for(
+            "systemd in the container to answer",
+            lambda: (
+                self.run(["systemctl", "is-system-running"], check=False, timeout=10).stdout.strip()
+                not in ("", "offline")
+            ),
+            timeout=60,
+            interval=0.2,
+        )
         state = self.run(["systemctl", "is-system-running", "--wait"], check=False, timeout=120).stdout.strip()
-        assert state in ("running", "degraded"), \
+        assert state in ("running", "degraded"), (
             f"the container did not boot: {state}\n{self.console()}\n{namespace_host_gaps()}"
+        )
 
-    def run(self, argv: list[str], check: bool = True, timeout: float = 60,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: list[str], check: bool = True, timeout: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """argv inside the container (every namespace of its init), as root, with a clean environment."""
         assert self.init_pid
         base = {"PATH": CONTAINER_PATH, "HOME": "/root", "LANG": "C.UTF-8", **(env or {})}
-        out = subprocess.run(["nsenter", "--target", str(self.init_pid), "--all", "env", "-i",
-                              *(f"{k}={v}" for k, v in base.items()), *argv],
-                             capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [
+                "nsenter",
+                "--target",
+                str(self.init_pid),
+                "--all",
+                "env",
+                "-i",
+                *(f"{k}={v}" for k, v in base.items()),
+                *argv,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and out.returncode != 0:
-            raise AssertionError(f"{' '.join(argv)} exited {out.returncode} in the container:\n"
-                                 f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+            raise AssertionError(
+                f"{' '.join(argv)} exited {out.returncode} in the container:\n"
+                f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+            )
         return out
 
     def path(self, path: str) -> Path:
@@ -254,7 +308,7 @@ class Container:
                 except subprocess.TimeoutExpired:
                     log("the container did not power off within 60 s: killing its init")
                     if self.init_pid and _alive(self.init_pid):
-                        os.kill(self.init_pid, signal.SIGKILL)   # ends every process of its pid namespace
+                        os.kill(self.init_pid, signal.SIGKILL)  # ends every process of its pid namespace
                     try:
                         p.wait(15)
                     except subprocess.TimeoutExpired:
@@ -286,10 +340,16 @@ def container(tmp_path: Path) -> Iterator[Container]:
 
 # ------------------------------------------------------------------ helpers
 
+
 def copy_tree(dest: Path) -> None:
     """The working tree's files (tracked and new, not ignored): what a fresh clone would hold, plus edits."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True, timeout=60).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.split(b"\0")
     for name in filter(None, map(os.fsdecode, files)):
         src = ROOT / name
         if src.is_file() or src.is_symlink():
@@ -311,24 +371,40 @@ def unit_states(ct: Container) -> dict[str, str]:
 
 
 def journal(ct: Container) -> str:
-    return ct.run(["journalctl", "--no-pager", "-o", "short-monotonic", "-u", "ebpfprofiler*",
-                   "-u", "ebpfprofiler-test-workload", "-u", "ebpfprofiler-test-python"], check=False,
-                  timeout=30).stdout[-15000:]
+    return ct.run(
+        [
+            "journalctl",
+            "--no-pager",
+            "-o",
+            "short-monotonic",
+            "-u",
+            "ebpfprofiler*",
+            "-u",
+            "ebpfprofiler-test-workload",
+            "-u",
+            "ebpfprofiler-test-python",
+        ],
+        check=False,
+        timeout=30,
+    ).stdout[-15000:]
 
 
 def wait_ready(ct: Container, what: str) -> None:
     """Every unit active (after READY=1: Type=notify) and every stage's ready file written."""
+
     def ready() -> bool:
         states = unit_states(ct)
         failed = [u for u, st in states.items() if st == "failed"]
         assert not failed, f"units failed: {failed}"
-        return (all(st == "active" for st in states.values())
-                and all(ct.path(f"{RUN_DIR}/{f}").exists() for f in READY_FILES))
+        return all(st == "active" for st in states.values()) and all(
+            ct.path(f"{RUN_DIR}/{f}").exists() for f in READY_FILES
+        )
 
     wait_for(what, ready, timeout=120, interval=0.25)
 
 
 # ------------------------------------------------------------------ the test
+
 
 def test_units_run_in_a_booted_container(container: Container) -> None:
     require_root()
@@ -387,8 +463,12 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
 
         # Restart on failure, and the shared runtime directory outlives a unit's restart.
         ct.run(["systemctl", "kill", "--signal=SIGKILL", "ebpfprofiler-symbolizer@0.service"])
-        wait_for("symbolizer worker 0 restarted by systemd", lambda: unit_show(
-            ct, UNITS[1], "NRestarts")["NRestarts"] == "1", timeout=30, interval=0.25)
+        wait_for(
+            "symbolizer worker 0 restarted by systemd",
+            lambda: unit_show(ct, UNITS[1], "NRestarts")["NRestarts"] == "1",
+            timeout=30,
+            interval=0.25,
+        )
         wait_ready(ct, "every unit ready again after the worker's restart")
         for sock in ("uploader.sock", "files.sock", "symbolizer-0.sock"):
             assert ct.path(f"{RUN_DIR}/{sock}").exists(), sock
@@ -397,10 +477,22 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
         # A workload: an ordinary user's JIT, run from its home directory, its perf map in /tmp.
         ct.run(["useradd", "--create-home", WORKLOAD_USER])
         ct.run(["gcc", *FRAME_POINTER_FLAGS, "-o", WORKLOAD, "/root/ebpfprofiler/tests/workloads/jit.c"])
-        ct.run(["systemd-run", "--unit=ebpfprofiler-test-workload", f"--uid={WORKLOAD_USER}",
-                "--property=PrivateTmp=no", WORKLOAD, "120", "own"])
-        wpid = wait_for("the workload's pid", lambda: int(unit_show(
-            ct, "ebpfprofiler-test-workload.service", "MainPID")["MainPID"]), timeout=15)
+        ct.run(
+            [
+                "systemd-run",
+                "--unit=ebpfprofiler-test-workload",
+                f"--uid={WORKLOAD_USER}",
+                "--property=PrivateTmp=no",
+                WORKLOAD,
+                "120",
+                "own",
+            ]
+        )
+        wpid = wait_for(
+            "the workload's pid",
+            lambda: int(unit_show(ct, "ebpfprofiler-test-workload.service", "MainPID")["MainPID"]),
+            timeout=15,
+        )
         perf_map = f"/tmp/perf-{wpid}.map"
         wait_for(f"{perf_map} in the container", lambda: ct.path(perf_map).exists(), timeout=15)
         # The collector's /tmp is its own (PrivateTmp=) and does not have the map.
@@ -419,15 +511,20 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
             return None
 
         try:
-            prof = wait_for(f"a cpu profile of {WORKLOAD} with names from its ELF symbols and its perf map",
-                            named_profile, timeout=60, interval=0.25)
+            prof = wait_for(
+                f"a cpu profile of {WORKLOAD} with names from its ELF symbols and its perf map",
+                named_profile,
+                timeout=60,
+                interval=0.25,
+            )
         except AssertionError as e:
             present = sorted(p.name for p in ct.path(PROFILES).iterdir())
             host_pid = ct.host_pid(wpid)
             raise AssertionError(
                 f"{e}; service directories under {PROFILES}: {present}. The workload is pid {wpid} in the "
                 f"container's pid namespace and pid {host_pid} in the host's, where BPF sees it; the collector "
-                f"reads /proc of the container's namespace") from None
+                f"reads /proc of the container's namespace"
+            ) from None
         assert {smp.labels.get("process.executable") for smp in prof.samples} == {WORKLOAD}
         owner = ct.run(["stat", "-c", "%U %G %a", f"{PROFILES}/{WORKLOAD_SERVICE_DIR}"]).stdout.split()
         assert owner == ["ebpfprofiler-uploader", "ebpfprofiler", "750"], owner
@@ -438,23 +535,37 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
         # The runtime reader, as its unit runs it (CAP_SYS_PTRACE, hardened), reads the
         # Python stacks of another user's process.
         ct.path(PY_WORKLOAD).write_text(PY_WORKLOAD_TEXT)
-        ct.run(["systemd-run", "--unit=ebpfprofiler-test-python", f"--uid={WORKLOAD_USER}",
-                "/usr/bin/python3.11", PY_WORKLOAD])
+        ct.run(
+            [
+                "systemd-run",
+                "--unit=ebpfprofiler-test-python",
+                f"--uid={WORKLOAD_USER}",
+                "/usr/bin/python3.11",
+                PY_WORKLOAD,
+            ]
+        )
         py_dir = ct.path(f"{PROFILES}/{PY_SERVICE_DIR}")
 
         def python_profile() -> bool:
-            return any("spin_here" in {fn for smp in pprof.read(f.read_bytes()).samples for fn in smp.functions}
-                       for f in sorted(py_dir.glob("python_wall-*.pb.gz")))
+            return any(
+                "spin_here" in {fn for smp in pprof.read(f.read_bytes()).samples for fn in smp.functions}
+                for f in sorted(py_dir.glob("python_wall-*.pb.gz"))
+            )
+
         wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
         ct.run(["systemctl", "stop", "ebpfprofiler-test-python.service"], timeout=30)
         lap("python stacks read")
         # The target's own stop job ends at once (it stops before the units it is After=):
         # wait for the units.
         ct.run(["systemctl", "stop", "ebpfprofiler.target"], timeout=60)
-        wait_for("every unit stopped", lambda: all(st in ("inactive", "failed")
-                                                   for st in unit_states(ct).values()), timeout=90, interval=0.25)
+        wait_for(
+            "every unit stopped",
+            lambda: all(st in ("inactive", "failed") for st in unit_states(ct).values()),
+            timeout=90,
+            interval=0.25,
+        )
         lap("target stopped")
-        for unit in UNITS:   # a clean exit (0) of each stage on SIGTERM
+        for unit in UNITS:  # a clean exit (0) of each stage on SIGTERM
             show = unit_show(ct, unit, "ActiveState", "Result", "ExecMainStatus")
             assert show == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, (unit, show)
         left = [f for f in READY_FILES if ct.path(f"{RUN_DIR}/{f}").exists()]
@@ -466,5 +577,8 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
         raise
     finally:
         lap("checks")
-        log(f"timings: {ct.root_note}; " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-            + f"; total {time.monotonic() - t0:.1f} s")
+        log(
+            f"timings: {ct.root_note}; "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+            + f"; total {time.monotonic() - t0:.1f} s"
+        )

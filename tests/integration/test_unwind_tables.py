@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from collector import unwind
-from shared.stage_code import default_bpf_dir
 from collector.procfs import read_maps
 from collector.programs import Programs
 from shared import endpoints, unwind_table
+from shared.stage_code import default_bpf_dir
 from shared.wire import Process, Sample, StackBatch, UnwindTable, encode
 from symbolizer import cfi
-
 from tests.harness import require_root, wait_for
 
 LIB = "/usr/lib/x86_64-linux-gnu"
@@ -37,12 +37,19 @@ ROWS = 64_000
 
 class Setup:
     def __init__(self, run_dir: Path) -> None:
-        defines = {"COUNTS_ENTRIES": 1024, "STACK_ENTRIES": 1024, "START_ENTRIES": 1024, "OFFCPU_MIN_NS": 0,
-                   **unwind.bpf_defines(False), "UNWIND_ROWS": ROWS}
+        defines = {
+            "COUNTS_ENTRIES": 1024,
+            "STACK_ENTRIES": 1024,
+            "START_ENTRIES": 1024,
+            "OFFCPU_MIN_NS": 0,
+            **unwind.bpf_defines(False),
+            "UNWIND_ROWS": ROWS,
+        }
         self.programs = Programs(default_bpf_dir(), ["oncpu"], defines)
         self.ctx = zmq.Context()
-        self.tables = unwind.UnwindTables(self.programs.bpf, ["oncpu"], str(run_dir), self.ctx,
-                                          rows=ROWS, max_table_rows=ROWS)
+        self.tables = unwind.UnwindTables(
+            self.programs.bpf, ["oncpu"], str(run_dir), self.ctx, rows=ROWS, max_table_rows=ROWS
+        )
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(endpoints.unwind(str(run_dir)))
@@ -65,6 +72,7 @@ class Setup:
         def done() -> bool:
             self.tables.receive()
             return key in self.tables.modules or key in self.tables.unavailable
+
         wait_for(f"the collector to take the table of {key}", done, timeout=10)
 
     def rows_in_map(self, key: tuple[str, int]) -> bytes:
@@ -95,10 +103,26 @@ def me_sampled_in(path: str) -> StackBatch:
     """A batch with one sample of this test process whose stack is one address inside `path`."""
     maps = read_maps(os.getpid())
     m = next(m for m in maps if m.path == os.path.realpath(path))
-    me = Process(pid=os.getpid(), start_ticks=1, uid=0, nspid=os.getpid(), comm="pytest", executable="",
-                 service="test", mappings=maps)
-    return StackBatch(host="h", profile_type="cpu", sample_hz=99, time_ns=0, processes=(me,),
-                      user_stacks=((m.start + 16,),), kernel_stacks=(), samples=(Sample(me.pid, me.pid, 0, -1, 1, 1),))
+    me = Process(
+        pid=os.getpid(),
+        start_ticks=1,
+        uid=0,
+        nspid=os.getpid(),
+        comm="pytest",
+        executable="",
+        service="test",
+        mappings=maps,
+    )
+    return StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=99,
+        time_ns=0,
+        processes=(me,),
+        user_stacks=((m.start + 16,),),
+        kernel_stacks=(),
+        samples=(Sample(me.pid, me.pid, 0, -1, 1, 1),),
+    )
 
 
 def test_a_table_is_loaded_byte_for_byte_and_a_process_gets_its_mapping(setup: Setup) -> None:
@@ -145,7 +169,7 @@ def test_a_table_that_fails_the_bounds_check_or_garbage_is_a_counted_skip(setup:
     with open(LIBM, "rb") as f:
         good = bytearray(cfi.build_table(f).table)
     header = unwind_table.HEADER.size
-    good[header + 16:header + 20] = (0).to_bytes(4, "little")
+    good[header + 16 : header + 20] = (0).to_bytes(4, "little")
     setup.push.send_multipart([b"not json", b"x"])
     key = setup.send(LIBM, bytes(good))
     setup.settle(key)

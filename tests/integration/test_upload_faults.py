@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -28,13 +28,24 @@ import zmq
 
 from shared import endpoints
 from shared.config import UPLOAD_FORMATS, ProfilerConfig
-from symbolizer.main import WINDOW_GRACE_S
 from shared.privileges import ids as stage_ids
+from symbolizer.main import WINDOW_GRACE_S
+from tests.harness import (
+    FAST_BACKOFF,
+    Pipeline,
+    Receiver,
+    TestWorker,
+    UploaderProcess,
+    http_config,
+    launch_uploader,
+    make_upload,
+    require_root,
+    reserve_port,
+    wait_for,
+)
 from uploader.spool import decode_file
-from tests.harness import (FAST_BACKOFF, Pipeline, Receiver, TestWorker, UploaderProcess, http_config,
-                           launch_uploader, make_upload, require_root, reserve_port, wait_for)
 
-WINDOW_S = 2                      # upload_interval_s of the pipeline tests
+WINDOW_S = 2  # upload_interval_s of the pipeline tests
 SAMPLE_HZ = 49
 PIPELINE_DEADLINE_S = 60
 # Resident memory each stage must stay under during the hang test. The collector carries bcc and
@@ -43,13 +54,16 @@ RSS_BOUND_MB = {"collector": 260, "symbolizer-0": 80, "uploader": 80}
 # And none may grow by more than this between the first and the last sample of the hang.
 RSS_GROWTH_MB = 16
 
-PROFILE_LINE = re.compile(r" symbolizer-(\d+)\[(\d+)\] INFO [\w.]+: profile (\S+) (\w+) of service (.*), "
-                          r"window (\S+): ")
+PROFILE_LINE = re.compile(
+    r" symbolizer-(\d+)\[(\d+)\] INFO [\w.]+: profile (\S+) (\w+) of service (.*), "
+    r"window (\S+): "
+)
 
 
 @dataclass(frozen=True)
 class Produced:
     """One profile a worker built and handed to the uploader, from its log line."""
+
     worker_pid: int
     profile_id: str
     profile_type: str
@@ -75,7 +89,7 @@ def spooled(spool: Path) -> dict[str, tuple[str, str, int]]:
         try:
             head = decode_file(p.read_bytes(), header_only=True)
         except FileNotFoundError:
-            continue      # delivered while we looked
+            continue  # delivered while we looked
         out[head.profile_id] = (head.service, head.profile_type, head.window_start_ns)
     return out
 
@@ -129,35 +143,41 @@ def workload(build, started: list[subprocess.Popen]) -> subprocess.Popen:
 
 
 def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConfig:
-    return ProfilerConfig(sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url,
-                          local_dir=str(tmp_path / "unused"), **changes)
+    return ProfilerConfig(
+        sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url, local_dir=str(tmp_path / "unused"), **changes
+    )
 
 
 # ---------------------------------------------------------------- the receiver down for three windows
 
+
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
-        tmp_path: Path, workload: subprocess.Popen, procs: list, upload_format: str) -> None:
+    tmp_path: Path, workload: subprocess.Popen, procs: list, upload_format: str
+) -> None:
     require_root()
     # given the pipeline posting to a port where no receiver listens yet
     port = reserve_port()
-    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, f"http://127.0.0.1:{port}",
-                                                  upload_format=upload_format))
+    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, f"http://127.0.0.1:{port}", upload_format=upload_format))
     procs.append(pipeline)
     spool = spool_of(pipeline)
     # when three windows close while it is down, their profiles wait in the spool
-    windows = wait_for("profiles of three windows in the spool",
-                       lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and
-                       {w for _, _, w in spooled(spool).values()},
-                       timeout=PIPELINE_DEADLINE_S)
+    windows = wait_for(
+        "profiles of three windows in the spool",
+        lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and {w for _, _, w in spooled(spool).values()},
+        timeout=PIPELINE_DEADLINE_S,
+    )
     during_outage = spooled(spool)
     assert "failed (attempt" in pipeline.log() and "ConnectionError" in pipeline.log()
     # and then the receiver comes up on that port
     receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
     # then the spooled profiles arrive, oldest first, and the pipeline keeps going
-    wait_for("the spooled profiles", lambda: {agent_id(i) for i in during_outage} <= set(received_ids(receiver)),
-             timeout=PIPELINE_DEADLINE_S)
+    wait_for(
+        "the spooled profiles",
+        lambda: {agent_id(i) for i in during_outage} <= set(received_ids(receiver)),
+        timeout=PIPELINE_DEADLINE_S,
+    )
     assert "the backend accepts profiles again" in pipeline.log()
     # oldest first: in the order they came into the spool. That is not always window order: a worker may
     # hand over an older window's offcpu or python_wall profile after a newer window's cpu one.
@@ -174,20 +194,20 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
 
 # ---------------------------------------------------------------- 500 to half the posts
 
+
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
-        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str) -> None:
+    tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str
+) -> None:
     receiver = Receiver.start(tmp_path, "--fail-ratio", "0.5")
     procs.append(receiver)
     u = launch_uploader(workdir, http_config(workdir, receiver.url, upload_format=upload_format), env=FAST_BACKOFF)
     procs.append(u)
     worker = TestWorker(u.run_dir, zctx)
-    uploads = [make_upload(f"/usr/bin/svc{i % 7}", start_ns=1_700_000_000_000_000_000 + i * 10**9)
-               for i in range(40)]
+    uploads = [make_upload(f"/usr/bin/svc{i % 7}", start_ns=1_700_000_000_000_000_000 + i * 10**9) for i in range(40)]
     worker.send(*uploads)
     worker.wait_acked()
-    wait_for("all 40 profiles at the receiver", lambda: len(receiver.received()) == 40 and not u.spooled(),
-             timeout=60)
+    wait_for("all 40 profiles at the receiver", lambda: len(receiver.received()) == 40 and not u.spooled(), timeout=60)
     failures = receiver.log().count("injected 500")
     assert failures >= 5, f"only {failures} injected failures in 40+ posts"
     assert_each_received_once(receiver, {x.profile_id for x in uploads})
@@ -199,8 +219,10 @@ def test_receiver_failing_half_the_posts_at_random_every_profile_arrives_once(
 
 # ---------------------------------------------------------------- a receiver that hangs
 
+
 def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stays_bounded(
-        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+    tmp_path: Path, workload: subprocess.Popen, procs: list
+) -> None:
     """With the default format: what this adds to the lone uploader's test below (run for each
     format) is the pipeline's side, the workers producing on and every stage's memory, which no
     format changes; once per format it took a minute of CI more."""
@@ -210,8 +232,9 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
     port = reserve_port()
     hanging = Receiver.start(tmp_path, "--hang-s", "30", port=port)
     procs.append(hanging)
-    pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2,
-                                                  upload_format=upload_format))
+    pipeline = Pipeline(
+        tmp_path, pipeline_config(tmp_path, hanging.url, upload_timeout_s=2, upload_format=upload_format)
+    )
     procs.append(pipeline)
     spool = spool_of(pipeline)
     pids = {s: stage_pid(pipeline.run_dir, s) for s in RSS_BOUND_MB}
@@ -248,14 +271,16 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
 
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_a_lone_uploader_retries_a_hanging_receiver_and_delivers_each_profile_once(
-        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str) -> None:
+    tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str
+) -> None:
     """The hang of the test above without the pipeline: only the uploader's part, for each format."""
     # given an uploader with a 2 s read timeout posting to a receiver that holds every post 30 s
     port = reserve_port()
     hanging = Receiver.start(tmp_path, "--hang-s", "30", port=port)
     procs.append(hanging)
-    u = launch_uploader(workdir, http_config(workdir, hanging.url, upload_timeout_s=2,
-                                             upload_format=upload_format), env=FAST_BACKOFF)
+    u = launch_uploader(
+        workdir, http_config(workdir, hanging.url, upload_timeout_s=2, upload_format=upload_format), env=FAST_BACKOFF
+    )
     procs.append(u)
     worker = TestWorker(u.run_dir, zctx)
     uploads = [make_upload(f"/usr/bin/svc{i}", start_ns=1_700_000_000_000_000_000 + i * 10**9) for i in range(20)]
@@ -278,9 +303,11 @@ def test_a_lone_uploader_retries_a_hanging_receiver_and_delivers_each_profile_on
 
 # ---------------------------------------------------------------- kill -9 while posting
 
+
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
-def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Path, procs: list,
-                                                    zctx: zmq.Context, upload_format: str) -> None:
+def test_uploader_killed_while_posting_loses_nothing(
+    tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context, upload_format: str
+) -> None:
     # given an uploader in the middle of a post to a receiver that holds its answer
     port = reserve_port()
     hanging = Receiver.start(tmp_path, "--hang-s", "60", port=port)
@@ -299,7 +326,7 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
     later = [make_upload(f"/bin/b{i}") for i in range(5)]
     worker.send(*later)
     worker.sender.poll(200)
-    assert worker.sender.pending_profiles == 5       # the worker keeps what nobody acknowledged
+    assert worker.sender.pending_profiles == 5  # the worker keeps what nobody acknowledged
     # and it starts again, with the receiver answering
     hanging.stop()
     receiver = Receiver.start(tmp_path, port=port)
@@ -312,12 +339,13 @@ def test_uploader_killed_while_posting_loses_nothing(tmp_path: Path, workdir: Pa
     assert "holds 10 profile(s)" in u2.log()
     assert sorted(received_ids(receiver)) == sorted(agent_id(x.profile_id) for x in first + later)
     assert_each_received_once(receiver, {x.profile_id for x in first + later})
-    assert [n for n in os.listdir(u2.spool_dir)] == []        # no partial file left either
+    assert [n for n in os.listdir(u2.spool_dir)] == []  # no partial file left either
     assert u2.stop() == 0
     worker.close()
 
 
 # ---------------------------------------------------------------- a spool on a tiny filesystem
+
 
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
@@ -338,24 +366,28 @@ def fill(path: Path, leave: int) -> None:
                 return
 
 
-def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, procs: list,
-                                               zctx: zmq.Context) -> None:
+def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
     require_root()
     state = workdir / "state"
     state.mkdir()
-    uid, gid = stage_ids("uploader")     # the uploader runs as its own user
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=1m,mode=0700,uid={uid},gid={gid}", "tmpfs", str(state)],
-                   check=True)
+    uid, gid = stage_ids("uploader")  # the uploader runs as its own user
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=1m,mode=0700,uid={uid},gid={gid}", "tmpfs", str(state)], check=True
+    )
     try:
         # given an uploader whose spool is on a 1 MiB tmpfs, with the backend down
         port = reserve_port()
-        u = launch_uploader(workdir, http_config(workdir, f"http://127.0.0.1:{port}", spool_max_mb=64),
-                            state_dir=state, env=FAST_BACKOFF)
+        u = launch_uploader(
+            workdir,
+            http_config(workdir, f"http://127.0.0.1:{port}", spool_max_mb=64),
+            state_dir=state,
+            env=FAST_BACKOFF,
+        )
         procs.append(u)
         worker = TestWorker(u.run_dir, zctx)
         filler = state / "filler"
 
-        def big(name: str) -> object:    # ~200 KB gzip: random bytes do not compress
+        def big(name: str) -> object:  # ~200 KB gzip: random bytes do not compress
             return make_upload(name, padding=os.urandom(100_000))
 
         # when something else fills the filesystem, a profile cannot be spooled even with nothing to drop
@@ -363,7 +395,7 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         refused = big("/bin/refused-first")
         worker.send(refused)
         wait_for("a retry answer", lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1])
-        assert worker.sender.pending_profiles == 1       # the worker keeps it
+        assert worker.sender.pending_profiles == 1  # the worker keeps it
         log = u.log()
         assert "no space left for the spool" in log and "No space left on device" in log
         assert "nothing left to drop" in log and "the worker keeps it and offers it again" in log
@@ -377,20 +409,22 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         worker.send(*rest)
         worker.wait_acked()
         sent = [refused, *rest]
-        drops = re.findall(r"dropped the oldest spooled profile id=(\w+) service='([^']+)' type=cpu "
-                           r"window=(\S+): no space left on the spool's filesystem \((\d+) dropped so far\)",
-                           u.log())
+        drops = re.findall(
+            r"dropped the oldest spooled profile id=(\w+) service='([^']+)' type=cpu "
+            r"window=(\S+): no space left on the spool's filesystem \((\d+) dropped so far\)",
+            u.log(),
+        )
         assert drops, u.log()[-3000:]
         dropped = [d[0] for d in drops]
         order = [x.profile_id for x in sent]
         # oldest first, but for the one the sender may hold in flight (it is not dropped while sent)
         assert dropped == sorted(dropped, key=order.index)
-        assert sum(1 for k in order[:order.index(dropped[-1])] if k not in dropped) <= 1
+        assert sum(1 for k in order[: order.index(dropped[-1])] if k not in dropped) <= 1
         assert [int(d[3]) for d in drops] == list(range(1, len(drops) + 1))
         assert all(d[2] == "2023-11-14T22:13:20Z+60s" for d in drops)
         kept = [k for k in order if k not in dropped]
         assert sorted(spooled(u.spool_dir)) == sorted(kept)
-        assert u.proc.poll() is None                      # no crash
+        assert u.proc.poll() is None  # no crash
         # then, when space returns and the backend is up, uploads resume: the kept ones and new ones arrive
         filler.unlink()
         receiver = Receiver.start(tmp_path, port=port)
@@ -399,7 +433,7 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         worker.send(after)
         worker.wait_acked()
         wait_for("the kept profiles and the new one", lambda: len(receiver.received()) == len(kept) + 1)
-        assert sorted(receiver.received_ids()) == sorted(kept + [after.profile_id])
+        assert sorted(receiver.received_ids()) == sorted([*kept, after.profile_id])
         assert u.stop() == 0
         assert f"{len(dropped)} dropped" in u.log().splitlines()[-1]
         worker.close()
@@ -412,8 +446,10 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
 
 # ---------------------------------------------------------------- a 400
 
-def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(tmp_path: Path, workdir: Path, procs: list,
-                                                                     zctx: zmq.Context) -> None:
+
+def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(
+    tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context
+) -> None:
     receiver = Receiver.start(tmp_path, "--reject-status", "400", "--reject-reason", "profile refused by test")
     procs.append(receiver)
     u = launch_uploader(workdir, http_config(workdir, receiver.url), env=FAST_BACKOFF)
@@ -438,10 +474,13 @@ def test_a_400_lands_in_the_dead_letter_directory_and_is_not_retried(tmp_path: P
 
 # ---------------------------------------------------------------- collector and symbolizer restarts
 
+
 def window_start_ns(text: str) -> int:
     """ "2026-11-29T16:53:20Z+2s" → unix ns of the start."""
-    return int(datetime.strptime(text.split("Z")[0], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc)
-               .timestamp()) * 1_000_000_000
+    return (
+        int(datetime.strptime(text.split("Z", maxsplit=1)[0], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp())
+        * 1_000_000_000
+    )
 
 
 def kill_and_wait_restart(pipeline: Pipeline, stage: str) -> tuple[int, int]:
@@ -450,13 +489,17 @@ def kill_and_wait_restart(pipeline: Pipeline, stage: str) -> tuple[int, int]:
     assert old
     killed_at = time.time_ns()
     os.kill(old, signal.SIGKILL)
-    wait_for(f"{stage} to be restarted", lambda: stage_pid(pipeline.run_dir, stage) not in (0, old),
-             timeout=PIPELINE_DEADLINE_S)
+    wait_for(
+        f"{stage} to be restarted",
+        lambda: stage_pid(pipeline.run_dir, stage) not in (0, old),
+        timeout=PIPELINE_DEADLINE_S,
+    )
     return killed_at, time.time_ns()
 
 
 def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
-        tmp_path: Path, workload: subprocess.Popen, procs: list) -> None:
+    tmp_path: Path, workload: subprocess.Popen, procs: list
+) -> None:
     require_root()
     receiver = Receiver.start(tmp_path)
     procs.append(receiver)
@@ -504,12 +547,14 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
 
 # ---------------------------------------------------------------- a backend that trickles its reply
 
+
 def test_a_backend_trickling_its_reply_is_given_up_at_the_deadline_and_the_profile_stays_spooled(
-        tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
+    tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context
+) -> None:
     """Issue 40, case 10: a 200's headers, then a byte every 0.3 s forever, never trip the 1-s read timeout."""
     from shared import counters
-    from uploader.http import request_deadline_s
     from tests.unit.test_upload_deadline import SlowBackend
+    from uploader.http import request_deadline_s
 
     backend = SlowBackend("reply")
     try:
@@ -527,8 +572,11 @@ def test_a_backend_trickling_its_reply_is_given_up_at_the_deadline_and_the_profi
         assert time.monotonic() - start <= deadline_s + 10
         # and the profile stays in the spool, and the uploader's counters say why
         assert len(u.spooled()) == 1
-        wait_for("the counter", lambda: counters.read_all(str(u.run_dir)).get("uploader", {}).get("deadline", 0) >= 1,
-                 timeout=10)
+        wait_for(
+            "the counter",
+            lambda: counters.read_all(str(u.run_dir)).get("uploader", {}).get("deadline", 0) >= 1,
+            timeout=10,
+        )
         assert u.stop() == 0
         assert len(u.spooled()) == 1
         worker.close()

@@ -25,9 +25,9 @@ from receiver.pyroscope import parse_name
 from shared import pprof
 from shared.config import ProfilerConfig
 from shared.wire import ProfileUpload
-from uploader.spool import SpoolFormatError, decode_file
 from tests.harness import Pipeline, Receiver, require_root, reserve_port, wait_for
 from tests.otlp_check import otlp_samples, pprof_samples
+from uploader.spool import SpoolFormatError, decode_file
 
 WINDOW_S = 2
 SAMPLE_HZ = 49
@@ -68,12 +68,20 @@ def spooled(spool: Path) -> dict[str, ProfileUpload]:
 
 
 def config(tmp_path: Path, url: str, upload_format: str) -> ProfilerConfig:
-    return ProfilerConfig(sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url, plain_pid=True,
-                          local_dir=str(tmp_path / "unused"), python_stacks=False, upload_format=upload_format)
+    return ProfilerConfig(
+        sample_hz=SAMPLE_HZ,
+        upload_interval_s=WINDOW_S,
+        endpoint=url,
+        plain_pid=True,
+        local_dir=str(tmp_path / "unused"),
+        python_stacks=False,
+        upload_format=upload_format,
+    )
 
 
 def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
-        tmp_path: Path, hot: subprocess.Popen, procs: list) -> None:
+    tmp_path: Path, hot: subprocess.Popen, procs: list
+) -> None:
     require_root()
     exe = str(Path(hot.args[0]).resolve())
     build_id = gnu_build_id(exe)
@@ -83,16 +91,22 @@ def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
     procs.append(pipeline)
     spool = spool_dir(pipeline)
     # when two cpu windows of the workload wait in the spool, the pprof of each is read there
-    windows = wait_for("two cpu windows of the workload in the spool",
-                       lambda: (w := [u for u in spooled(spool).values()
-                                      if u.service == exe and u.profile_type == "cpu"]) and len(w) >= 2 and w,
-                       timeout=DEADLINE_S)
+    windows = wait_for(
+        "two cpu windows of the workload in the spool",
+        lambda: (
+            (w := [u for u in spooled(spool).values() if u.service == exe and u.profile_type == "cpu"])
+            and len(w) >= 2
+            and w
+        ),
+        timeout=DEADLINE_S,
+    )
     # and the receiver comes up
     receiver = Receiver.start(tmp_path, port=port)
     procs.append(receiver)
     want = {uuid.UUID(u.profile_id).hex: u for u in windows}
-    wait_for("those windows at the receiver", lambda: set(want) <= {m["id"] for m in receiver.received()},
-             timeout=DEADLINE_S)
+    wait_for(
+        "those windows at the receiver", lambda: set(want) <= {m["id"] for m in receiver.received()}, timeout=DEADLINE_S
+    )
     assert pipeline.stop() == 0
     hostname = socket.gethostname()
     for meta in receiver.received():
@@ -109,7 +123,7 @@ def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
         assert types == list(profile.sample_types) == [("samples", "count"), ("cpu", "nanoseconds")]
         assert sum(r[2][0] for r in rows) == profile.total("samples") > 0
         # with the semantic conventions' resource attributes of the workload's process
-        [res] = resources                      # one process in this service
+        [res] = resources  # one process in this service
         assert res["service.name"] == exe and res["host.name"] == hostname == upload.host
         assert res["process.executable.path"] == exe and res["process.executable.name"] == Path(exe).name
         assert res["process.pid"] == hot.pid
@@ -123,15 +137,19 @@ def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
 
 
 def test_a_pyroscope_push_of_a_real_window_reads_back_with_its_name_and_labels(
-        tmp_path: Path, hot: subprocess.Popen, procs: list) -> None:
+    tmp_path: Path, hot: subprocess.Popen, procs: list
+) -> None:
     require_root()
     exe = str(Path(hot.args[0]).resolve())
     receiver = Receiver.start(tmp_path)
     procs.append(receiver)
     pipeline = Pipeline(tmp_path, config(tmp_path, receiver.url, "pyroscope"))
     procs.append(pipeline)
-    [meta] = wait_for("a cpu window of the workload", lambda: [
-        m for m in receiver.received() if m["service"] == exe and m["type"] == "cpu"][:1], timeout=DEADLINE_S)
+    [meta] = wait_for(
+        "a cpu window of the workload",
+        lambda: [m for m in receiver.received() if m["service"] == exe and m["type"] == "cpu"][:1],
+        timeout=DEADLINE_S,
+    )
     assert pipeline.stop() == 0
     # the series name parses back to the service and our labels
     app, labels = parse_name(meta["name"])
@@ -139,7 +157,8 @@ def test_a_pyroscope_push_of_a_real_window_reads_back_with_its_name_and_labels(
     assert labels == {"profile_type": "cpu", "host": socket.gethostname(), "process_executable": exe}
     assert meta["end"] - meta["start"] == WINDOW_S * 10**9
     # and go tool pprof reads the body: the hot stack, and the per-process labels in the samples
-    out = subprocess.run(["go", "tool", "pprof", "-traces", meta["path"]], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        ["go", "tool", "pprof", "-traces", meta["path"]], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert re.search(r"leaf\n\s+mid\n\s+top\n\s+main", out), out[:2000]
     assert re.search(rf"pid:\s*\[?{hot.pid}\]?\n", out), out[:2000]

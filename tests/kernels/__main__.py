@@ -33,21 +33,33 @@ DEFAULT_RESULTS = guestroot.REPO / "bench" / "results" / "kernels"
 BOOT_MARGIN_S = 300
 GUEST_TIMEOUT_S = guest_smoke.SUITE_BUDGET_S + BOOT_MARGIN_S
 # The table's columns: (key of the row, header). Those of REQUIRED must pass.
-COLUMNS = [("kernel", "kernel"), ("boot", "boot"), ("preflight", "preflight"), ("fp", "FP %"),
-           ("dwarf", "DWARF %"), ("offcpu", "off-CPU %"), ("offcpu_libc", "off-CPU via libc %"),
-           ("python", "Python"), ("run", "run"),
-           ("status", "status"), ("stop", "clean stop"), ("startup", "start-up s (record/run)"),
-           ("panics", "panics")]
+COLUMNS = [
+    ("kernel", "kernel"),
+    ("boot", "boot"),
+    ("preflight", "preflight"),
+    ("fp", "FP %"),
+    ("dwarf", "DWARF %"),
+    ("offcpu", "off-CPU %"),
+    ("offcpu_libc", "off-CPU via libc %"),
+    ("python", "Python"),
+    ("run", "run"),
+    ("status", "status"),
+    ("stop", "clean stop"),
+    ("startup", "start-up s (record/run)"),
+    ("panics", "panics"),
+]
 REQUIRED = ["boot", "preflight", "fp", "dwarf", "offcpu", "python", "run", "status", "stop"]
 # Shown, not required: off-CPU stacks through libc's nanosleep need DWARF off-CPU (Linux 5.15).
 INFORMATIONAL = ["offcpu_libc"]
 # run's window judges a figure when it holds this many of the program's samples (19 Hz, 10 s: ~190).
 MIN_STEADY_SAMPLES = 20
-LEGEND = ("FP, DWARF, off-CPU: the share of the program's samples (off-CPU: blocked time) whose stack holds "
-          "main→alpha→beta in `record -d 30` (its samples) [and in `run`'s 6th 10-s window]; a cell passes at "
-          f"{guest_smoke.MIN_CHAIN_PCT}% of run's figure (record's 30 s include the seconds before a new process's "
-          f"unwind tables arrive), of record's when run's window has fewer than {MIN_STEADY_SAMPLES} samples. Off-CPU via libc: shown, not required (its "
-          "callers need DWARF off-CPU: Linux 5.15). Start-up: seconds from `record`/`run` to ready.")
+LEGEND = (
+    "FP, DWARF, off-CPU: the share of the program's samples (off-CPU: blocked time) whose stack holds "
+    "main→alpha→beta in `record -d 30` (its samples) [and in `run`'s 6th 10-s window]; a cell passes at "
+    f"{guest_smoke.MIN_CHAIN_PCT}% of run's figure (record's 30 s include the seconds before a new process's "
+    f"unwind tables arrive), of record's when run's window has fewer than {MIN_STEADY_SAMPLES} samples. Off-CPU via libc: shown, not required (its "
+    "callers need DWARF off-CPU: Linux 5.15). Start-up: seconds from `record`/`run` to ready."
+)
 # Characters of a reason shown in a table cell (the whole reason is in the failures list and the JSON).
 CELL_REASON_CHARS = 70
 
@@ -73,6 +85,7 @@ def log(msg: str) -> None:
 def frame_pointer_flags() -> list[str]:
     """The tests' frame-pointer flags (tests/harness.py), for the guest's frame-pointer programs."""
     from tests.harness import FRAME_POINTER_FLAGS
+
     return list(FRAME_POINTER_FLAGS)
 
 
@@ -84,7 +97,7 @@ def cell(result: dict[str, Any] | None, steady: dict[str, Any] | None = None) ->
     if result is None:
         return "✗ no result", False
     ok = result.get("status") == "ok"
-    if steady is not None and result.get("pct") is not None:   # the whole reason is in the details
+    if steady is not None and result.get("pct") is not None:  # the whole reason is in the details
         text = f"{result['pct']}% ({result.get('samples', 0)})"
         if steady.get("pct") is not None and (steady.get("samples") or 0) >= MIN_STEADY_SAMPLES:
             ok = steady["pct"] >= guest_smoke.MIN_CHAIN_PCT
@@ -100,7 +113,7 @@ def cell(result: dict[str, Any] | None, steady: dict[str, Any] | None = None) ->
 
 def short(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= CELL_REASON_CHARS else text[:CELL_REASON_CHARS - 1] + "…"
+    return text if len(text) <= CELL_REASON_CHARS else text[: CELL_REASON_CHARS - 1] + "…"
 
 
 def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") -> dict[str, Any]:
@@ -120,12 +133,17 @@ def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") 
     elif b.timed_out:
         booted, why = False, f"timeout {GUEST_TIMEOUT_S} s before the suite started"
     else:
-        booted, why = False, f"qemu exit {b.exit_code} before the suite started" + (
-            f": {b.qemu_said}" if b.qemu_said else "")
+        booted, why = (
+            False,
+            f"qemu exit {b.exit_code} before the suite started" + (f": {b.qemu_said}" if b.qemu_said else ""),
+        )
     cells["boot"], passed["boot"] = ("✓", True) if booted else (f"✗ {why}", False)
     if b is not None and booted and "done" not in by_step:
-        why = (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})") + \
-            " before the suite finished" + (": kernel panic" if b.panics else "")
+        why = (
+            (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})")
+            + " before the suite finished"
+            + (": kernel panic" if b.panics else "")
+        )
         cells["boot"], passed["boot"] = f"✗ {why}", False
     rec, run = by_step.get("record", {}), by_step.get("run", {})
     steady = run.get("steady") or {}
@@ -138,11 +156,25 @@ def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") 
     panics = b.panics if b else []
     cells["panics"] = f"✗ {len(panics)}: {panics[0].splitlines()[0].strip()}" if panics else "none"
     passed["panics"] = not panics
-    return {"name": name, "release": env.get("uname_r", release), "cells": cells, "passed": passed,
-            "env": env, "steps": by_step, "panics": panics,
-            "boot": {"accel": b.accel, "seconds": b.seconds, "timed_out": b.timed_out, "exit": b.exit_code,
-                     "console_log": str(b.console_log)} if b else None,
-            "failed": [k for k, ok in passed.items() if not ok]}
+    return {
+        "name": name,
+        "release": env.get("uname_r", release),
+        "cells": cells,
+        "passed": passed,
+        "env": env,
+        "steps": by_step,
+        "panics": panics,
+        "boot": {
+            "accel": b.accel,
+            "seconds": b.seconds,
+            "timed_out": b.timed_out,
+            "exit": b.exit_code,
+            "console_log": str(b.console_log),
+        }
+        if b
+        else None,
+        "failed": [k for k, ok in passed.items() if not ok],
+    }
 
 
 def table(rows: list[dict[str, Any]], markdown: bool) -> str:
@@ -164,12 +196,16 @@ def details(rows: list[dict[str, Any]]) -> str:
         env = r["env"]
         out.append(f"### {r['name']} ({r['release']})\n")
         if env:
-            out.append(f"- perf_event_paranoid={env.get('perf_event_paranoid')}, memlock {env.get('memlock')}, "
-                       f"BTF {'yes' if env.get('btf') else 'no'}, {env.get('python3')}, bcc {env.get('bcc')}, "
-                       f"headers {env.get('headers')}")
+            out.append(
+                f"- perf_event_paranoid={env.get('perf_event_paranoid')}, memlock {env.get('memlock')}, "
+                f"BTF {'yes' if env.get('btf') else 'no'}, {env.get('python3')}, bcc {env.get('bcc')}, "
+                f"headers {env.get('headers')}"
+            )
         if r["boot"]:
-            out.append(f"- boot: {r['boot']['accel']}, {r['boot']['seconds']} s in the guest; serial log "
-                       f"{r['boot']['console_log']}")
+            out.append(
+                f"- boot: {r['boot']['accel']}, {r['boot']['seconds']} s in the guest; serial log "
+                f"{r['boot']['console_log']}"
+            )
         for key in r["failed"]:
             step = r["steps"].get(key, {})
             out.append(f"- **{key}**: {step.get('reason') or r['cells'].get(key, '')}")
@@ -178,8 +214,7 @@ def details(rows: list[dict[str, Any]]) -> str:
             lines = step.get("notable") or []
             if key == "preflight" and step.get("output"):
                 lines = step["output"].strip().splitlines()[-12:]
-            if lines and (key in r["failed"] or key == "preflight" or step.get("status") != "ok"
-                          or r["failed"]):
+            if lines and (key in r["failed"] or key == "preflight" or step.get("status") != "ok" or r["failed"]):
                 out.append(f"- {key} said:\n\n```\n" + "\n".join(lines[-20:]) + "\n```")
         for p in r["panics"]:
             out.append("- panic:\n\n```\n" + p + "\n```")
@@ -190,6 +225,7 @@ def details(rows: list[dict[str, Any]]) -> str:
 def stop_on_signals() -> None:
     """SIGTERM, SIGHUP and SIGINT end the run through its `finally` blocks, which kill qemu and every
     other process it started (SIGINT too when this was started in the background, where it is ignored)."""
+
     def stop(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -198,13 +234,21 @@ def stop_on_signals() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default=",".join(debs.SUITES),
-                   help=f"comma-separated, from {', '.join(debs.SUITES)} (default: all)")
+    p = argparse.ArgumentParser(
+        prog="python -m tests.kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--kernels",
+        default=",".join(debs.SUITES),
+        help=f"comma-separated, from {', '.join(debs.SUITES)} (default: all)",
+    )
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="results directory (default: %(default)s)")
-    p.add_argument("--accel", choices=["auto", "tcg", "kvm"], default="auto",
-                   help="auto: KVM only if a stock kernel boots with it here, else TCG (default)")
+    p.add_argument(
+        "--accel",
+        choices=["auto", "tcg", "kvm"],
+        default="auto",
+        help="auto: KVM only if a stock kernel boots with it here, else TCG (default)",
+    )
     args = p.parse_args(argv)
     names = [n.strip() for n in args.kernels.split(",") if n.strip()]
     unknown = [n for n in names if n not in debs.SUITES]
@@ -213,14 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals()
     gaps = host_gaps()
     if gaps:
-        print(f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
-              "the tools (run as root)", file=sys.stderr)
+        print(
+            f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
+            "the tools (run as root)",
+            file=sys.stderr,
+        )
         return 2
     started = time.monotonic()
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     outdir = Path(args.results) / run_id
     outdir.mkdir(parents=True, exist_ok=True)
-    ignore = outdir.parent / ".gitignore"   # serial logs and initrds are a run's, not the repository's
+    ignore = outdir.parent / ".gitignore"  # serial logs and initrds are a run's, not the repository's
     if not ignore.exists():
         ignore.write_text("# written by python -m tests.kernels: every run's results stay out of git\n*\n")
     log(f"results in {outdir}")
@@ -233,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             kernels[n] = debs.fetch(n, log)
             log(f"{n}: {kernels[n].release} ({kernels[n].version})")
-        except Exception as e:   # a suite that cannot be fetched is a row that says why; the others run
+        except Exception as e:  # a suite that cannot be fetched is a row that says why; the others run
             rows.append(row_of(n, "?", None, f"download: {e}"[:300]))
     timings["download_s"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
@@ -241,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     prep: dict[str, object] = {}
     try:
         prep = guestroot.make_image(list(kernels.values()), image, {"fp_flags": frame_pointer_flags()}, log)
-    except Exception as e:   # no disk: every kernel's row says why
+    except Exception as e:  # no disk: every kernel's row says why
         rows += [row_of(n, k.release, None, f"guest disk: {e}"[:300]) for n, k in kernels.items()]
         kernels = {}
     timings["prepare_s"] = round(time.monotonic() - t, 1)
@@ -266,20 +313,31 @@ def main(argv: list[str] | None = None) -> int:
         row = row_of(n, k.release, b)
         rows.append(row)
         per_kernel[n] = round(time.monotonic() - t, 1)
-        summary = ", ".join(f"{c}: {row['cells'][c]}" for c in REQUIRED + ["startup", "panics"])
+        summary = ", ".join(f"{c}: {row['cells'][c]}" for c in [*REQUIRED, "startup", "panics"])
         log(f"{n}: {summary} ({per_kernel[n]:.0f} s)")
     timings["total_s"] = round(time.monotonic() - started, 1)
-    order = {n: i for i, n in enumerate(debs.SUITES)}   # the table in the suites' order, whatever ran first
+    order = {n: i for i, n in enumerate(debs.SUITES)}  # the table in the suites' order, whatever ran first
     rows.sort(key=lambda r: order.get(r["name"], 99))
     failed = {r["name"]: r["failed"] for r in rows if r["failed"]}
-    doc = {"run_id": run_id, "host": platform.release(), "accel": accel, "kernels": names, "timings": timings,
-           "per_kernel_s": per_kernel, "prepare": prep, "rows": rows, "failed": failed}
+    doc = {
+        "run_id": run_id,
+        "host": platform.release(),
+        "accel": accel,
+        "kernels": names,
+        "timings": timings,
+        "per_kernel_s": per_kernel,
+        "prepare": prep,
+        "rows": rows,
+        "failed": failed,
+    }
     text_table = table(rows, markdown=False)
-    md = (f"# Kernel matrix {run_id}\n\n`python -m tests.kernels --kernels {','.join(names)}` on {platform.release()}"
-          f" ({accel}); {timings['total_s']:.0f} s in all (downloads {timings['download_s']:.0f} s, guest disk "
-          f"{timings['prepare_s']:.0f} s; per kernel: "
-          f"{', '.join(f'{n} {s:.0f} s' for n, s in per_kernel.items())}).\n\n"
-          f"{table(rows, markdown=True)}\n\n{LEGEND}\n\n## Details\n\n{details(rows)}")
+    md = (
+        f"# Kernel matrix {run_id}\n\n`python -m tests.kernels --kernels {','.join(names)}` on {platform.release()}"
+        f" ({accel}); {timings['total_s']:.0f} s in all (downloads {timings['download_s']:.0f} s, guest disk "
+        f"{timings['prepare_s']:.0f} s; per kernel: "
+        f"{', '.join(f'{n} {s:.0f} s' for n, s in per_kernel.items())}).\n\n"
+        f"{table(rows, markdown=True)}\n\n{LEGEND}\n\n## Details\n\n{details(rows)}"
+    )
     (outdir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     (outdir / "results.md").write_text(md)
     shutil.copy2(outdir / "results.json", outdir.parent / "latest.json")

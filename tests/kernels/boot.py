@@ -25,14 +25,14 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tests.kernels.guest_smoke import RESULT_MARK
 from tests.kernels.guestroot import GUEST_INIT
 
-BUSYBOX = Path("/bin/busybox")   # Debian's busybox-static: runs in the initrd without libraries
+BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static: runs in the initrd without libraries
 # What the initrd loads (with their dependencies from modules.dep): the disk and its file system.
 REQUIRED_MODULES = ["virtio_pci", "virtio_blk", "ext4"]
 # Loaded when the kernel has them as modules: ext4's checksums and a guest entropy source.
@@ -58,7 +58,7 @@ class BootResult:
     console_log: Path
     results: list[dict] = field(default_factory=list)
     panics: list[str] = field(default_factory=list)
-    qemu_said: str = ""   # the last of qemu's own output (why it would not start)
+    qemu_said: str = ""  # the last of qemu's own output (why it would not start)
 
 
 def _module_paths(moddir: Path) -> tuple[dict[str, str], dict[str, list[str]], set[str]]:
@@ -107,6 +107,7 @@ def _decompressed(path: Path) -> bytes:
         return subprocess.run(["zstd", "-dc", str(path)], capture_output=True, check=True, timeout=60).stdout
     if path.suffix == ".gz":
         import gzip
+
         return gzip.decompress(path.read_bytes())
     return path.read_bytes()
 
@@ -153,21 +154,48 @@ def make_initrd(root: Path, release: str, out: Path) -> list[str]:
         init.chmod(0o755)
         files = subprocess.run(["find", "."], cwd=t, capture_output=True, text=True, check=True).stdout
         with open(out, "wb") as f:
-            subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=t, input=files.encode(), stdout=f,
-                           check=True, timeout=60)
+            subprocess.run(
+                ["cpio", "-o", "-H", "newc", "--quiet"], cwd=t, input=files.encode(), stdout=f, check=True, timeout=60
+            )
     return [_name(m) for m in order]
 
 
-def qemu_argv(kernel: Path, initrd: Path, image: Path, console: Path, results: Path, accel: str,
-              append: str = "") -> list[str]:
+def qemu_argv(
+    kernel: Path, initrd: Path, image: Path, console: Path, results: Path, accel: str, append: str = ""
+) -> list[str]:
     cmdline = f"console=ttyS0 root=/dev/vda rw quiet panic=-1 {append}".strip()
-    return ["qemu-system-x86_64", "-nodefaults", "-no-user-config", "-accel", accel,
-            "-cpu", "host" if accel == "kvm" else "max", "-m", GUEST_MEMORY, "-smp", GUEST_CPUS,
-            "-no-reboot", "-display", "none", "-monitor", "none",
-            "-serial", f"file:{console}", "-serial", f"file:{results}",
-            "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline,
-            "-drive", f"file={image},format=raw,if=virtio,snapshot=on",
-            "-device", "virtio-rng-pci"]
+    return [
+        "qemu-system-x86_64",
+        "-nodefaults",
+        "-no-user-config",
+        "-accel",
+        accel,
+        "-cpu",
+        "host" if accel == "kvm" else "max",
+        "-m",
+        GUEST_MEMORY,
+        "-smp",
+        GUEST_CPUS,
+        "-no-reboot",
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-serial",
+        f"file:{console}",
+        "-serial",
+        f"file:{results}",
+        "-kernel",
+        str(kernel),
+        "-initrd",
+        str(initrd),
+        "-append",
+        cmdline,
+        "-drive",
+        f"file={image},format=raw,if=virtio,snapshot=on",
+        "-device",
+        "virtio-rng-pci",
+    ]
 
 
 def panics(text: str) -> list[str]:
@@ -177,7 +205,7 @@ def panics(text: str) -> list[str]:
     i = 0
     while i < len(lines):
         if re.search(r"Kernel panic|Oops:|BUG: |general protection fault", lines[i]):
-            found.append("\n".join(lines[i:i + PANIC_CONTEXT_LINES]))
+            found.append("\n".join(lines[i : i + PANIC_CONTEXT_LINES]))
             i += PANIC_CONTEXT_LINES
         else:
             i += 1
@@ -192,20 +220,29 @@ def read_results(path: Path, final: bool = True) -> list[dict]:
         return out
     text = path.read_text(errors="replace")
     if not final:
-        text = text[:text.rfind("\n") + 1]
+        text = text[: text.rfind("\n") + 1]
     for line in text.splitlines():
         at = line.find(RESULT_MARK)
         if at < 0:
             continue
         try:
-            out.append(json.loads(line[at + len(RESULT_MARK):]))
+            out.append(json.loads(line[at + len(RESULT_MARK) :]))
         except ValueError:
             out.append({"step": "garbled", "line": line[:500]})
     return out
 
 
-def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, accel: str, timeout_s: float,
-         log: Callable[[str], None] = print, name: str = "") -> BootResult:
+def boot(  # noqa: PLR0913, PLR0917
+    release: str,
+    kernel: Path,
+    initrd: Path,
+    image: Path,
+    outdir: Path,
+    accel: str,
+    timeout_s: float,
+    log: Callable[[str], None] = print,
+    name: str = "",
+) -> BootResult:
     """Boot once and wait for the guest to power off, or kill qemu at `timeout_s`."""
     tag = name or release
     console, results = outdir / f"{tag}.console.log", outdir / f"{tag}.results.log"
@@ -214,8 +251,9 @@ def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, ac
     started = time.monotonic()
     seen = 0
     with open(outdir / f"{tag}.qemu.log", "w") as qlog:
-        p = subprocess.Popen(argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         timed_out = False
         try:
             while True:
@@ -229,8 +267,10 @@ def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, ac
                     if r.get("step") == "progress":
                         log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('message', '')}")
                     else:
-                        log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('step')}: "
-                            f"{r.get('status', '')} {r.get('reason', '')}".rstrip())
+                        log(
+                            f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('step')}: "
+                            f"{r.get('status', '')} {r.get('reason', '')}".rstrip()
+                        )
                 seen = len(got)
                 if time.monotonic() - started > timeout_s:
                     timed_out = True
@@ -241,9 +281,17 @@ def boot(release: str, kernel: Path, initrd: Path, image: Path, outdir: Path, ac
                 p.wait()
     text = console.read_text(errors="replace") if console.exists() else ""
     said = (outdir / f"{tag}.qemu.log").read_text(errors="replace").strip().splitlines()
-    return BootResult(release=release, accel=accel, seconds=round(time.monotonic() - started, 1),
-                      timed_out=timed_out, exit_code=None if timed_out else p.returncode, console_log=console,
-                      results=read_results(results), panics=panics(text), qemu_said=said[-1][:300] if said else "")
+    return BootResult(
+        release=release,
+        accel=accel,
+        seconds=round(time.monotonic() - started, 1),
+        timed_out=timed_out,
+        exit_code=None if timed_out else p.returncode,
+        console_log=console,
+        results=read_results(results),
+        panics=panics(text),
+        qemu_said=said[-1][:300] if said else "",
+    )
 
 
 def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callable[[str], None] = print) -> bool:
@@ -256,20 +304,23 @@ def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callab
     started = time.monotonic()
     qemu_log = outdir / "kvm-probe.qemu.log"
     with open(qemu_log, "w") as qlog:
-        p = subprocess.Popen(argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     ok = False
     try:
         while time.monotonic() - started < KVM_PROBE_TIMEOUT_S and p.poll() is None:
             if console.exists() and "initrd: loading" in console.read_text(errors="replace"):
                 ok = True
                 break
-            time.sleep(0.5)   # polling the console file with the deadline above
+            time.sleep(0.5)  # polling the console file with the deadline above
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     said = " ".join(qemu_log.read_text(errors="replace").split())[-300:]
-    log(f"KVM probe: {'a stock kernel boots with KVM' if ok else 'a stock kernel does not boot with KVM: TCG'}"
-        f" ({time.monotonic() - started:.0f} s{'; qemu: ' + said if said and not ok else ''}; log {console})")
+    log(
+        f"KVM probe: {'a stock kernel boots with KVM' if ok else 'a stock kernel does not boot with KVM: TCG'}"
+        f" ({time.monotonic() - started:.0f} s{'; qemu: ' + said if said and not ok else ''}; log {console})"
+    )
     return ok

@@ -19,9 +19,10 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tests.debroot import CACHE, debian_mirror, run_killing_group
 
@@ -49,19 +50,28 @@ class KernelDebs:
     """One suite's kernel: its release string (uname -r), the image package's version and the .deb
     files: the image (with the parts newer suites split it into: linux-binary-, linux-modules-,
     linux-base-RELEASE), the headers (-amd64 and -common) and linux-kbuild."""
+
     suite: str
-    release: str          # e.g. 6.1.0-41-amd64
-    version: str          # the image package's Debian version
+    release: str  # e.g. 6.1.0-41-amd64
+    version: str  # the image package's Debian version
     debs: tuple[Path, ...]
 
     def to_json(self) -> dict[str, object]:
-        return {"suite": self.suite, "release": self.release, "version": self.version,
-                "debs": [str(d) for d in self.debs]}
+        return {
+            "suite": self.suite,
+            "release": self.release,
+            "version": self.version,
+            "debs": [str(d) for d in self.debs],
+        }
 
     @classmethod
-    def from_json(cls, doc: dict[str, object]) -> "KernelDebs":
-        return cls(suite=str(doc["suite"]), release=str(doc["release"]), version=str(doc["version"]),
-                   debs=tuple(Path(str(d)) for d in doc["debs"]))  # type: ignore[attr-defined]
+    def from_json(cls, doc: dict[str, object]) -> KernelDebs:
+        return cls(
+            suite=str(doc["suite"]),
+            release=str(doc["release"]),
+            version=str(doc["version"]),
+            debs=tuple(Path(str(d)) for d in doc["debs"]),
+        )  # type: ignore[attr-defined]
 
 
 def apt_options(suite: str) -> list[str]:
@@ -71,13 +81,32 @@ def apt_options(suite: str) -> list[str]:
         (state / d).mkdir(parents=True, exist_ok=True)
     sources = state / "etc/sources.list"
     sources.write_text(f"deb [trusted=yes] {debian_mirror(suite)} {suite} main\n")
-    return ["-o", f"Dir::State={state / 'state'}", "-o", f"Dir::State::status={state / 'state/status'}",
-            "-o", f"Dir::Etc::SourceList={sources}", "-o", f"Dir::Etc::SourceParts={state / 'etc/sources.list.d'}",
-            "-o", f"Dir::Etc::Preferences={state / 'etc/preferences'}",
-            "-o", f"Dir::Etc::PreferencesParts={state / 'etc/preferences.d'}",
-            "-o", f"Dir::Cache={state / 'cache'}", "-o", "Acquire::Check-Valid-Until=false",
-            "-o", "Acquire::Retries=3",   # a mirror drops a download now and then
-            "-o", "APT::Architecture=amd64", "-o", "APT::Architectures::=amd64", "-o", "Debug::NoLocking=1"]
+    return [
+        "-o",
+        f"Dir::State={state / 'state'}",
+        "-o",
+        f"Dir::State::status={state / 'state/status'}",
+        "-o",
+        f"Dir::Etc::SourceList={sources}",
+        "-o",
+        f"Dir::Etc::SourceParts={state / 'etc/sources.list.d'}",
+        "-o",
+        f"Dir::Etc::Preferences={state / 'etc/preferences'}",
+        "-o",
+        f"Dir::Etc::PreferencesParts={state / 'etc/preferences.d'}",
+        "-o",
+        f"Dir::Cache={state / 'cache'}",
+        "-o",
+        "Acquire::Check-Valid-Until=false",
+        "-o",
+        "Acquire::Retries=3",  # a mirror drops a download now and then
+        "-o",
+        "APT::Architecture=amd64",
+        "-o",
+        "APT::Architectures::=amd64",
+        "-o",
+        "Debug::NoLocking=1",
+    ]
 
 
 def _update(suite: str, log: Callable[[str], None]) -> None:
@@ -94,8 +123,12 @@ def _update(suite: str, log: Callable[[str], None]) -> None:
 
 def _show(suite: str, package: str) -> dict[str, str]:
     """The fields of the candidate version of `package` in `suite`'s side state."""
-    out = subprocess.run(["apt-cache", *apt_options(suite), "show", "--no-all-versions", package],
-                         capture_output=True, text=True, timeout=APT_CACHE_TIMEOUT_S)
+    out = subprocess.run(
+        ["apt-cache", *apt_options(suite), "show", "--no-all-versions", package],
+        capture_output=True,
+        text=True,
+        timeout=APT_CACHE_TIMEOUT_S,
+    )
     if out.returncode != 0 or not out.stdout.strip():
         raise AssertionError(f"{suite}: no package {package}: {out.stderr.strip()[-500:]}")
     fields: dict[str, str] = {}
@@ -133,8 +166,11 @@ def resolve(suite: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     image_fields = _show(suite, image)
     # sid splits the image into linux-binary-, linux-modules- and linux-base-RELEASE
     parts = [n for n in _depends(image_fields) if n.startswith("linux-") and n.endswith(f"-{release}")]
-    return {"release": release, "version": image_fields["Version"],
-            "packages": [image, *parts, headers, common, kbuild]}
+    return {
+        "release": release,
+        "version": image_fields["Version"],
+        "packages": [image, *parts, headers, common, kbuild],
+    }
 
 
 def fetch(name: str, log: Callable[[str], None] = print) -> KernelDebs:
@@ -151,8 +187,11 @@ def fetch(name: str, log: Callable[[str], None] = print) -> KernelDebs:
     wanted: list[str] = names["packages"]
     log(f"downloading {suite}'s kernel {names['release']} ({names['version']}): {', '.join(wanted)}")
     # apt-get download writes into its working directory: env --chdir, under run_killing_group's timeout
-    run_killing_group(["env", f"--chdir={partial}", "apt-get", *apt_options(suite), "-q", "download", *wanted],
-                      DOWNLOAD_TIMEOUT_S, partial / "download.log")
+    run_killing_group(
+        ["env", f"--chdir={partial}", "apt-get", *apt_options(suite), "-q", "download", *wanted],
+        DOWNLOAD_TIMEOUT_S,
+        partial / "download.log",
+    )
     debs = []
     for pkg in wanted:
         found = sorted(partial.glob(f"{pkg}_*.deb"))
@@ -167,5 +206,6 @@ def fetch(name: str, log: Callable[[str], None] = print) -> KernelDebs:
 
 if __name__ == "__main__":
     import sys
+
     for n in sys.argv[1:] or list(SUITES):
         print(fetch(n))

@@ -20,6 +20,7 @@ constants; the project is imported inside the steps, from the guest's venv).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,8 +33,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 RESULT_MARK = "KTEST-RESULT "
 # The host's choices for this run (tests/kernels/guestroot.py writes it into the root).
@@ -126,8 +128,11 @@ MIN_SAMPLES = 20
 # The agent's processes (`ebpfprofiler run` and its stages), by command line.
 AGENT_PROCESS_RE = r"bin/ebpfprofiler |-m (cli|collector|symbolizer|uploader|runtimes)\.main"
 # Log lines that say something was refused, degraded or failed.
-NOTABLE_RE = re.compile(r"refus|cannot|can't|WARNING|ERROR|verifier|Traceback|failed|denied|not permitted|"
-                        r"invalid|error:|did not|degrad|unavailable", re.IGNORECASE)
+NOTABLE_RE = re.compile(
+    r"refus|cannot|can't|WARNING|ERROR|verifier|Traceback|failed|denied|not permitted|"
+    r"invalid|error:|did not|degrad|unavailable",
+    re.IGNORECASE,
+)
 # A log line's time stamp (shared/log.py's format), left out of a reason.
 STAMP_RE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ ")
 # Notable words in lines that say nothing went wrong (the uploader's "0 refused" at exit).
@@ -138,15 +143,24 @@ TAIL_LINES = 30
 # Lines of a step's whole output echoed to the console log.
 CONSOLE_ECHO_LINES = 600
 # The whole suite's worst case, for the host's deadline (boot and power-off are the host's margin).
-SUITE_BUDGET_S = (BUILD_TIMEOUT_S + PREFLIGHT_TIMEOUT_S + RECORD_TIMEOUT_S + READY_TIMEOUT_S + 3 * PROFILES_TIMEOUT_S
-                  + STEADY_WINDOWS * RUN_WINDOW_S + STATUS_TIMEOUT_S + STOP_TIMEOUT_S + 6 * TOOL_TIMEOUT_S)
+SUITE_BUDGET_S = (
+    BUILD_TIMEOUT_S
+    + PREFLIGHT_TIMEOUT_S
+    + RECORD_TIMEOUT_S
+    + READY_TIMEOUT_S
+    + 3 * PROFILES_TIMEOUT_S
+    + STEADY_WINDOWS * RUN_WINDOW_S
+    + STATUS_TIMEOUT_S
+    + STOP_TIMEOUT_S
+    + 6 * TOOL_TIMEOUT_S
+)
 
 
 class Reporter:
     """Result lines to the results port, and a copy on the console."""
 
     def __init__(self, path: str) -> None:
-        self.out: TextIO = open(path, "w", buffering=1)
+        self.out: TextIO = open(path, "w", buffering=1)  # noqa: SIM115
 
     def __call__(self, step: str, **fields: Any) -> None:
         doc = {"step": step, **fields}
@@ -164,7 +178,7 @@ def echo(title: str, text: str) -> None:
     lines = text.splitlines()
     cut = len(lines) - CONSOLE_ECHO_LINES
     print(f"----- ktest: {title} ({len(lines)} lines{f', first {cut} cut' if cut > 0 else ''}) -----")
-    print("\n".join(lines[max(0, cut):]))
+    print("\n".join(lines[max(0, cut) :]))
     print(f"----- ktest: end of {title} -----", flush=True)
 
 
@@ -184,9 +198,17 @@ def cause(text: str) -> str:
         return (own or errors)[0][:400]
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
-            return next((x for x in lines[i + 1:] if not x.startswith(("File ", "^", "~"))
-                         and re.match(r"^[\w.]+(Error|Exception)\b", x)), line)[:400]
-    return next((x for x in lines if NOTABLE_RE.search(x) and not IGNORED_RE.search(x)), lines[-1] if lines else "")[:400]
+            return next(
+                (
+                    x
+                    for x in lines[i + 1 :]
+                    if not x.startswith(("File ", "^", "~")) and re.match(r"^[\w.]+(Error|Exception)\b", x)
+                ),
+                line,
+            )[:400]
+    return next((x for x in lines if NOTABLE_RE.search(x) and not IGNORED_RE.search(x)), lines[-1] if lines else "")[
+        :400
+    ]
 
 
 def tail(text: str, n: int = TAIL_LINES) -> list[str]:
@@ -209,15 +231,25 @@ def facts() -> dict[str, Any]:
     py = subprocess.run(["/usr/bin/python3", "--version"], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     release = platform.release()
     build = Path(f"/lib/modules/{release}/build")
-    bcc_version = subprocess.run([str(VENV_BIN / "python"), "-c", "import bcc; print(bcc.__version__)"],
-                                 capture_output=True, text=True, timeout=TOOL_TIMEOUT_S).stdout.strip()
-    return {"uname_r": release, "kernel_version": read("/proc/version"),
-            "perf_event_paranoid": read("/proc/sys/kernel/perf_event_paranoid"),
-            "unprivileged_bpf_disabled": read("/proc/sys/kernel/unprivileged_bpf_disabled"),
-            "memlock": f"{lim(soft)} (hard {lim(hard)})", "btf": os.path.exists("/sys/kernel/btf/vmlinux"),
-            "python3": py.stdout.strip() or py.stderr.strip(), "bcc": bcc_version,
-            "headers": os.path.realpath(build) if build.exists() else "missing",
-            "cmdline": read("/proc/cmdline"), "cpus": os.cpu_count()}
+    bcc_version = subprocess.run(
+        [str(VENV_BIN / "python"), "-c", "import bcc; print(bcc.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
+    ).stdout.strip()
+    return {
+        "uname_r": release,
+        "kernel_version": read("/proc/version"),
+        "perf_event_paranoid": read("/proc/sys/kernel/perf_event_paranoid"),
+        "unprivileged_bpf_disabled": read("/proc/sys/kernel/unprivileged_bpf_disabled"),
+        "memlock": f"{lim(soft)} (hard {lim(hard)})",
+        "btf": os.path.exists("/sys/kernel/btf/vmlinux"),
+        "python3": py.stdout.strip() or py.stderr.strip(),
+        "bcc": bcc_version,
+        "headers": os.path.realpath(build) if build.exists() else "missing",
+        "cmdline": read("/proc/cmdline"),
+        "cpus": os.cpu_count(),
+    }
 
 
 class Output:
@@ -255,23 +287,21 @@ class Output:
 
 
 def start(name: str, argv: list[str]) -> tuple[subprocess.Popen[str], Output]:
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return p, Output(p, name)
 
 
 def kill_group(p: subprocess.Popen[Any]) -> None:
     """End a process this suite started, and its group, by its id; reap it."""
     if p.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     p.wait()
 
 
-def wait_until(cond: Callable[[], bool], timeout: float, step_s: float = 1.0,
-               alive: Callable[[], bool] = lambda: True) -> bool:
+def wait_until(
+    cond: Callable[[], bool], timeout: float, step_s: float = 1.0, alive: Callable[[], bool] = lambda: True
+) -> bool:
     """Poll `cond` until it holds (True) or the deadline passes or `alive` stops holding (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -279,7 +309,7 @@ def wait_until(cond: Callable[[], bool], timeout: float, step_s: float = 1.0,
             return True
         if not alive():
             return cond()
-        time.sleep(step_s)   # polling interval under a deadline, not a synchronisation
+        time.sleep(step_s)  # polling interval under a deadline, not a synchronisation
     return cond()
 
 
@@ -305,10 +335,12 @@ def bpf_objects() -> dict[str, set[str]]:
 
 # ---------------------------------------------------------------- figures
 
+
 def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str]]:
     """(% of pid's value whose stack holds main→alpha→beta in a row, its samples (off-CPU: blocks
     counted), its 3 heaviest stacks)."""
     from report import profiles as pm
+
     total = chained = samples = 0
     stacks: dict[str, int] = {}
     for item in items:
@@ -321,7 +353,7 @@ def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str
             total += v
             # a row's values are (count, value, …) (symbolizer/profile.py): the count is its samples
             samples += s.values[0] if len(item.profile.sample_types) > 1 else 1
-            if any(tuple(names[i:i + 3]) == CHAIN for i in range(len(names) - 2)):
+            if any(tuple(names[i : i + 3]) == CHAIN for i in range(len(names) - 2)):
                 chained += v
             key = ";".join(pm.frame_name(f) for f in s.frames)[-300:]
             stacks[key] = stacks.get(key, 0) + v
@@ -331,45 +363,70 @@ def chain_share(items: list[Any], pid: int) -> tuple[float | None, int, list[str
 
 def figure(name: str, pct: float | None, samples: int, heaviest: list[str], **extra: Any) -> dict[str, Any]:
     if pct is None or samples < MIN_SAMPLES:
-        return {"status": "failed", "reason": f"too few samples: {samples} (fewer than {MIN_SAMPLES})", "pct": pct,
-                "samples": samples, "stacks": heaviest, **extra}
+        return {
+            "status": "failed",
+            "reason": f"too few samples: {samples} (fewer than {MIN_SAMPLES})",
+            "pct": pct,
+            "samples": samples,
+            "stacks": heaviest,
+            **extra,
+        }
     ok = pct >= MIN_CHAIN_PCT
-    return {"status": "ok" if ok else "failed", "pct": pct, "samples": samples, "stacks": heaviest,
-            "reason": "" if ok else f"{pct}% of {name} stacks hold main→alpha→beta (< {MIN_CHAIN_PCT}%)", **extra}
+    return {
+        "status": "ok" if ok else "failed",
+        "pct": pct,
+        "samples": samples,
+        "stacks": heaviest,
+        "reason": "" if ok else f"{pct}% of {name} stacks hold main→alpha→beta (< {MIN_CHAIN_PCT}%)",
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- steps
 
+
 def build(report: Reporter, fp_flags: list[str]) -> dict[str, Path]:
     src = WORK / "abc.c"
     src.write_text(C_SOURCE)
-    progs = {"kfp": fp_flags, "knofp": NOFP_FLAGS, "kblock": fp_flags + ["-DBLOCK_RAW"],
-             "kblocklibc": fp_flags + ["-DBLOCK_LIBC"]}
+    progs = {
+        "kfp": fp_flags,
+        "knofp": NOFP_FLAGS,
+        "kblock": [*fp_flags, "-DBLOCK_RAW"],
+        "kblocklibc": [*fp_flags, "-DBLOCK_LIBC"],
+    }
     built: dict[str, Path] = {}
     for name, flags in progs.items():
         out = WORK / name
-        p = subprocess.run(["gcc", "-g", *flags, "-o", str(out), str(src)], capture_output=True, text=True,
-                           timeout=BUILD_TIMEOUT_S)
+        p = subprocess.run(
+            ["gcc", "-g", *flags, "-o", str(out), str(src)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
         if p.returncode != 0:
-            report("build", program=name, status="failed", reason=f"gcc exit {p.returncode}",
-                   tail=tail(p.stderr))
+            report("build", program=name, status="failed", reason=f"gcc exit {p.returncode}", tail=tail(p.stderr))
             continue
         built[name] = out
-    report("build", status="ok" if len(built) == len(progs) else "failed", programs=sorted(built),
-           flags={k: v for k, v in progs.items()})
+    report(
+        "build",
+        status="ok" if len(built) == len(progs) else "failed",
+        programs=sorted(built),
+        flags={k: v for k, v in progs.items()},
+    )
     return built
 
 
 def preflight(report: Reporter) -> None:
-    helptext = subprocess.run([ebpfprofiler(), "--help"], capture_output=True, text=True,
-                              timeout=PREFLIGHT_TIMEOUT_S).stdout
+    helptext = subprocess.run(
+        [ebpfprofiler(), "--help"], capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S
+    ).stdout
     # The tree the checks read, recorded (collector/preflight.py record): the unit tests replay it
     # (tests/fixtures/kernels/). Written by the collector's user, after its privilege drop.
     tree = WORK / "preflight-tree"
     tree.mkdir(mode=0o1777, exist_ok=True)
     tree.chmod(0o1777)
-    argv = ([ebpfprofiler(), "preflight"] if re.search(r"^\s+preflight\s", helptext, re.M)
-            else [str(VENV_BIN / "ebpfprofiler-collector"), "--preflight", "--record", str(tree)])
+    argv = (
+        [ebpfprofiler(), "preflight"]
+        if re.search(r"^\s+preflight\s", helptext, re.M)
+        else [str(VENV_BIN / "ebpfprofiler-collector"), "--preflight", "--record", str(tree)]
+    )
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -378,17 +435,37 @@ def preflight(report: Reporter) -> None:
     text = p.stdout + p.stderr
     echo("preflight", text)
     last = cause(text)
-    recorded = {str(f.relative_to(tree)): (f.read_text(errors="replace") if f.is_file() else None)
-                for f in sorted(tree.rglob("*")) if f.is_file() or not any(f.iterdir())}
-    report("preflight", status="ok" if p.returncode == 0 else "failed", exit=p.returncode, command=" ".join(argv),
-           reason="" if p.returncode == 0 else last[:300], output=text[-4000:], tree=recorded)
+    recorded = {
+        str(f.relative_to(tree)): (f.read_text(errors="replace") if f.is_file() else None)
+        for f in sorted(tree.rglob("*"))
+        if f.is_file() or not any(f.iterdir())
+    }
+    report(
+        "preflight",
+        status="ok" if p.returncode == 0 else "failed",
+        exit=p.returncode,
+        command=" ".join(argv),
+        reason="" if p.returncode == 0 else last[:300],
+        output=text[-4000:],
+        tree=recorded,
+    )
 
 
 def record(report: Reporter, pids: dict[str, int]) -> None:
     from report import profiles as pm
+
     out = WORK / "rec.pb.gz"
-    argv = [ebpfprofiler(), "record", "-d", str(RECORD_SECONDS), "--offcpu", "-o", str(out), "-p",
-            *[str(p) for p in pids.values()]]
+    argv = [
+        ebpfprofiler(),
+        "record",
+        "-d",
+        str(RECORD_SECONDS),
+        "--offcpu",
+        "-o",
+        str(out),
+        "-p",
+        *[str(p) for p in pids.values()],
+    ]
     report.progress(f"record: {' '.join(argv[1:])}")
     p, output = start("record", argv)
     try:
@@ -400,8 +477,13 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
         kill_group(p)
     text = output.text()
     ready_s = output.first(r"^[^:]*: recording ")
-    base = {"command": " ".join(argv[1:]), "exit": p.returncode, "ready_s": round(ready_s, 1) if ready_s else None,
-            "notable": notable(text), "tail": tail(text)}
+    base = {
+        "command": " ".join(argv[1:]),
+        "exit": p.returncode,
+        "ready_s": round(ready_s, 1) if ready_s else None,
+        "notable": notable(text),
+        "tail": tail(text),
+    }
     if timed_out or p.returncode != 0:
         why = f"timeout {RECORD_TIMEOUT_S} s" if timed_out else f"exit {p.returncode}"
         report("record", status="failed", reason=f"{why}: {cause(text)}"[:300], **base)
@@ -416,23 +498,31 @@ def record(report: Reporter, pids: dict[str, int]) -> None:
     report("dwarf", **figure("knofp", *chain_share(loaded, pids["knofp"])))
     if not offcpu:
         for cell in ("offcpu", "offcpu_libc"):
-            report(cell, status="failed", reason="record wrote no offcpu profile",
-                   written=sorted(x.name for x in WORK.glob("rec*")))
+            report(
+                cell,
+                status="failed",
+                reason="record wrote no offcpu profile",
+                written=sorted(x.name for x in WORK.glob("rec*")),
+            )
     else:
-        report("offcpu", **figure("kblock off-CPU", *chain_share(offcpu, pids["kblock"]),
-                                  unit=offcpu[0].profile.sample_types[-1]))
+        report(
+            "offcpu",
+            **figure("kblock off-CPU", *chain_share(offcpu, pids["kblock"]), unit=offcpu[0].profile.sample_types[-1]),
+        )
         report("offcpu_libc", **figure("kblocklibc off-CPU", *chain_share(offcpu, pids["kblocklibc"])))
 
 
 def windows_of(local: Path, kind: str, pid: int) -> dict[str, list[str]]:
     """Window → the `kind` profile files (local_dir/SERVICE/KIND-WINDOW-ID.pb.gz) holding samples of pid."""
     from report import profiles as pm
+
     out: dict[str, list[str]] = {}
     for f in pm.profile_files([str(local)]):
         name = os.path.basename(f)
-        if name.startswith(kind + "-") and any(str(s.labels.get("pid")) == str(pid)
-                                               for x in pm.load([f]) for s in x.profile.samples):
-            out.setdefault(name[len(kind) + 1:].split("-")[0], []).append(f)
+        if name.startswith(kind + "-") and any(
+            str(s.labels.get("pid")) == str(pid) for x in pm.load([f]) for s in x.profile.samples
+        ):
+            out.setdefault(name[len(kind) + 1 :].split("-")[0], []).append(f)
     return out
 
 
@@ -441,16 +531,25 @@ def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) 
     been written: apart from `record`'s figures, which include its first seconds (unwind tables are
     built after a process is first seen), they say whether the unwinding works once it has them."""
     from report import profiles as pm
-    wait_until(lambda: len(windows_of(local, "cpu", pids["knofp"])) >= STEADY_WINDOWS,
-               STEADY_WINDOWS * RUN_WINDOW_S + PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None)
+
+    wait_until(
+        lambda: len(windows_of(local, "cpu", pids["knofp"])) >= STEADY_WINDOWS,
+        STEADY_WINDOWS * RUN_WINDOW_S + PROFILES_TIMEOUT_S,
+        step_s=3.0,
+        alive=lambda: p.poll() is None,
+    )
     out: dict[str, Any] = {}
-    for cell, kind, prog in (("fp", "cpu", "kfp"), ("dwarf", "cpu", "knofp"), ("offcpu", "offcpu", "kblock"),
-                             ("offcpu_libc", "offcpu", "kblocklibc")):
+    for cell, kind, prog in (
+        ("fp", "cpu", "kfp"),
+        ("dwarf", "cpu", "knofp"),
+        ("offcpu", "offcpu", "kblock"),
+        ("offcpu_libc", "offcpu", "kblocklibc"),
+    ):
         wins = windows_of(local, kind, pids[prog])
         if len(wins) < 2:
             out[cell] = {"pct": None, "windows": len(wins)}
             continue
-        last = sorted(wins)[-2]   # the newest may still be in progress at another service's worker
+        last = sorted(wins)[-2]  # the newest may still be in progress at another service's worker
         pct, samples, heaviest = chain_share(pm.load(wins[last]), pids[prog])
         out[cell] = {"pct": pct, "samples": samples, "window": last, "windows": len(wins), "stacks": heaviest}
     return out
@@ -458,65 +557,98 @@ def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) 
 
 def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
     from report import profiles as pm
+
     local = WORK / "profiles"
     config = WORK / "agent.yaml"
     # overhead_budget_pct 100, as `record` sets it: under TCG every stage costs ~50x its real CPU, and the
     # guard would halve the rate each window (19 → 1 Hz by the 5th), leaving run's figures a few samples
-    config.write_text("modules:\n  ebpf_profiler:\n"
-                      f"    upload_interval_s: {RUN_WINDOW_S}\n    local_dir: {local}\n"
-                      "    runtime_stacks: [python_legacy]\n    plain_pid: true\n    offcpu: true\n"
-                      "    overhead_budget_pct: 100\n")
+    config.write_text(
+        "modules:\n  ebpf_profiler:\n"
+        f"    upload_interval_s: {RUN_WINDOW_S}\n    local_dir: {local}\n"
+        "    runtime_stacks: [python_legacy]\n    plain_pid: true\n    offcpu: true\n"
+        "    overhead_budget_pct: 100\n"
+    )
     before = bpf_objects()
     argv = [ebpfprofiler(), "run", "--config", str(config)]
     report.progress(f"run: {' '.join(argv[1:])} (runtime_stacks: [python_legacy], window {RUN_WINDOW_S} s)")
     p, output = start("run", argv)
     cells: dict[str, dict[str, Any]] = {}
     try:
-        ready = wait_until(lambda: output.first(r"all stages ready") is not None, READY_TIMEOUT_S,
-                           alive=lambda: p.poll() is None)
+        ready = wait_until(
+            lambda: output.first(r"all stages ready") is not None, READY_TIMEOUT_S, alive=lambda: p.poll() is None
+        )
         ready_s = output.first(r"all stages ready")
         if not ready:
-            why = (f"exited {p.poll()} before ready" if p.poll() is not None
-                   else f"not ready in {READY_TIMEOUT_S} s")
+            why = f"exited {p.poll()} before ready" if p.poll() is not None else f"not ready in {READY_TIMEOUT_S} s"
             cells["run"] = {"status": "failed", "reason": f"{why}: {cause(output.snapshot())}"[:300]}
         else:
+
             def written(kind: str, pid: int) -> bool:
                 files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith(kind + "-")]
                 return any(str(s.labels.get("pid")) == str(pid) for x in pm.load(files) for s in x.profile.samples)
 
-            got_cpu = wait_until(lambda: written("cpu", pids["kfp"]), PROFILES_TIMEOUT_S, step_s=3.0,
-                                 alive=lambda: p.poll() is None)
+            got_cpu = wait_until(
+                lambda: written("cpu", pids["kfp"]), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
+            )
             cpu_files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith("cpu-")]
-            cells["run"] = ({"status": "ok", "cpu_profiles": len(cpu_files)} if got_cpu else
-                            {"status": "failed", "reason": f"no cpu profile of kfp within {PROFILES_TIMEOUT_S} s "
-                             f"of ready ({len(cpu_files)} cpu files; exit {p.poll()})"})
-            got_py = wait_until(lambda: written("python_wall", py_pid), PROFILES_TIMEOUT_S, step_s=3.0,
-                                alive=lambda: p.poll() is None)
+            cells["run"] = (
+                {"status": "ok", "cpu_profiles": len(cpu_files)}
+                if got_cpu
+                else {
+                    "status": "failed",
+                    "reason": f"no cpu profile of kfp within {PROFILES_TIMEOUT_S} s "
+                    f"of ready ({len(cpu_files)} cpu files; exit {p.poll()})",
+                }
+            )
+            got_py = wait_until(
+                lambda: written("python_wall", py_pid), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
+            )
             wall = [x for x in pm.load(pm.profile_files([str(local)])) if x.profile_type == "python_wall"]
-            names = {pm.frame_name(f) for x in wall for s in x.profile.samples
-                     if str(s.labels.get("pid")) == str(py_pid) for f in s.frames}
-            cpu_names = {pm.frame_name(f) for x in pm.load(cpu_files) for s in x.profile.samples
-                         if str(s.labels.get("pid")) == str(py_pid) for f in s.frames}
+            names = {
+                pm.frame_name(f)
+                for x in wall
+                for s in x.profile.samples
+                if str(s.labels.get("pid")) == str(py_pid)
+                for f in s.frames
+            }
+            cpu_names = {
+                pm.frame_name(f)
+                for x in pm.load(cpu_files)
+                for s in x.profile.samples
+                if str(s.labels.get("pid")) == str(py_pid)
+                for f in s.frames
+            }
             has = {"alpha", "beta"} <= {n.split(" ")[0].split("(")[0].rsplit(".", 1)[-1] for n in names}
             cpu_has = {"alpha", "beta"} <= {n.split(" ")[0].split("(")[0].rsplit(".", 1)[-1] for n in cpu_names}
-            cells["python"] = {"status": "ok" if has else "failed",
-                               "python_wall_files": len(wall), "cpu_names_alpha_beta": cpu_has,
-                               "names": sorted(names)[:20],
-                               "reason": "" if has else (f"python_wall of python3 names {sorted(names)[:8]}" if got_py
-                                                         else f"no python_wall profile of python3 within "
-                                                              f"{PROFILES_TIMEOUT_S} s")}
+            cells["python"] = {
+                "status": "ok" if has else "failed",
+                "python_wall_files": len(wall),
+                "cpu_names_alpha_beta": cpu_has,
+                "names": sorted(names)[:20],
+                "reason": ""
+                if has
+                else (
+                    f"python_wall of python3 names {sorted(names)[:8]}"
+                    if got_py
+                    else f"no python_wall profile of python3 within {PROFILES_TIMEOUT_S} s"
+                ),
+            }
             try:
-                st = subprocess.run([ebpfprofiler(), "status"], capture_output=True, text=True,
-                                    timeout=STATUS_TIMEOUT_S)
+                st = subprocess.run(
+                    [ebpfprofiler(), "status"], capture_output=True, text=True, timeout=STATUS_TIMEOUT_S
+                )
                 echo("status", st.stdout + st.stderr)
-                cells["status"] = {"status": "ok" if st.returncode == 0 else "failed", "exit": st.returncode,
-                                   "reason": "" if st.returncode == 0 else tail(st.stdout + st.stderr, 1)[0][:300],
-                                   "output": (st.stdout + st.stderr)[-2000:]}
+                cells["status"] = {
+                    "status": "ok" if st.returncode == 0 else "failed",
+                    "exit": st.returncode,
+                    "reason": "" if st.returncode == 0 else tail(st.stdout + st.stderr, 1)[0][:300],
+                    "output": (st.stdout + st.stderr)[-2000:],
+                }
             except subprocess.TimeoutExpired:
                 cells["status"] = {"status": "failed", "reason": f"timeout {STATUS_TIMEOUT_S} s"}
             try:
                 cells["run"]["steady"] = steady_figures(local, pids, p)
-            except Exception as e:   # informational figures: their failure must not cost the stop's check
+            except Exception as e:  # informational figures: their failure must not cost the stop's check
                 cells["run"]["steady"] = {"error": repr(e)[:300]}
         # the stop: SIGINT, as Ctrl-C; it must end by itself within the deadline, exit 0, leave nothing
         stop_started = time.monotonic()
@@ -530,15 +662,18 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
         stop_s = round(time.monotonic() - stop_started, 1)
     finally:
         kill_group(p)
-    leftover = subprocess.run(["pgrep", "-a", "-f", AGENT_PROCESS_RE], capture_output=True, text=True,
-                              timeout=TOOL_TIMEOUT_S).stdout.strip()
+    leftover = subprocess.run(
+        ["pgrep", "-a", "-f", AGENT_PROCESS_RE], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S
+    ).stdout.strip()
     after = bpf_objects()
     left = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
     clean = rc == 0 and exited_before is None and not left and not leftover
     problems: list[str] = []
     if exited_before is not None:
-        problems.append(f"not stopped: run had exited ({exited_before}) before the SIGINT"
-                        + ("" if left or leftover else "; it left nothing"))
+        problems.append(
+            f"not stopped: run had exited ({exited_before}) before the SIGINT"
+            + ("" if left or leftover else "; it left nothing")
+        )
     elif rc is None:
         problems.append(f"did not exit within {STOP_TIMEOUT_S} s")
     elif rc != 0:
@@ -547,14 +682,18 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
         problems.append(f"left {left}")
     if leftover:
         problems.append(f"processes left: {leftover[:200]}")
-    cells["stop"] = {"status": "ok" if clean else "failed", "exit": rc, "stop_s": stop_s, "left": left,
-                     "reason": "; ".join(problems)[:300]}
+    cells["stop"] = {
+        "status": "ok" if clean else "failed",
+        "exit": rc,
+        "stop_s": stop_s,
+        "left": left,
+        "reason": "; ".join(problems)[:300],
+    }
     text = output.text()
     run_cell = cells["run"]
     for name in ("python", "status"):
         cells.setdefault(name, {"status": "failed", "reason": "run did not become ready"})
-    report("run", ready_s=round(ready_s, 1) if ready_s else None, notable=notable(text), tail=tail(text),
-           **run_cell)
+    report("run", ready_s=round(ready_s, 1) if ready_s else None, notable=notable(text), tail=tail(text), **run_cell)
     for name in ("python", "status", "stop"):
         report(name, **cells[name])
 
@@ -568,12 +707,12 @@ def main() -> int:
     started = time.monotonic()
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(mode=0o755)
-    WORK.chmod(0o755)   # the agent's users write profiles below it
+    WORK.chmod(0o755)  # the agent's users write profiles below it
     workloads: list[subprocess.Popen[Any]] = []
     try:
         try:
             report("env", status="ok", **facts())
-        except Exception as e:   # a fact unreadable is recorded, the suite goes on
+        except Exception as e:  # a fact unreadable is recorded, the suite goes on
             report("env", status="failed", reason=repr(e)[:300])
         plan_flags = args.fp_flags.split()
         plan = Path(GUEST_PLAN)
@@ -582,13 +721,18 @@ def main() -> int:
         built = build(report, plan_flags)
         pids: dict[str, int] = {}
         for name, path in built.items():
-            w = subprocess.Popen([str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
+            w = subprocess.Popen(
+                [str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
             workloads.append(w)
             pids[name] = w.pid
         (WORK / "pyabc.py").write_text(PY_SOURCE)
-        py = subprocess.Popen(["/usr/bin/python3", str(WORK / "pyabc.py")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+        py = subprocess.Popen(
+            ["/usr/bin/python3", str(WORK / "pyabc.py")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         workloads.append(py)
         report.progress(f"workloads running: {pids}, python3 {py.pid}")
         steps: list[tuple[str, Callable[[], None]]] = [("preflight", lambda: preflight(report))]
@@ -602,9 +746,13 @@ def main() -> int:
             report.progress(f"{name} …")
             try:
                 fn()
-            except Exception as e:   # the step failed in the suite itself: recorded, the next one runs
-                report(name, status="failed", reason=f"suite error: {e!r}"[:300],
-                       tail=traceback.format_exc().splitlines()[-TAIL_LINES:])
+            except Exception as e:  # the step failed in the suite itself: recorded, the next one runs
+                report(
+                    name,
+                    status="failed",
+                    reason=f"suite error: {e!r}"[:300],
+                    tail=traceback.format_exc().splitlines()[-TAIL_LINES:],
+                )
     finally:
         for w in workloads:
             kill_group(w)

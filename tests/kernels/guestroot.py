@@ -22,9 +22,9 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from pathlib import Path
 
 from tests.debroot import cached_root, run_killing_group
 from tests.kernels.debs import KERNEL_CACHE, KernelDebs
@@ -33,8 +33,19 @@ from tests.kernels.guest_smoke import GUEST_PLAN
 REPO = Path(__file__).resolve().parents[2]
 # The base root's packages: what the lean set-up installs (bcc, python3-venv and what python-prctl
 # builds with), so its apt step finds them, plus the smoke suite's tools (bpftool, gcc, procps).
-BASE_PACKAGES = ["python3-bpfcc", "python3-venv", "python3-dev", "libcap-dev", "gcc", "libc6-dev", "make",
-                 "bpftool", "ca-certificates", "procps", "kmod"]
+BASE_PACKAGES = [
+    "python3-bpfcc",
+    "python3-venv",
+    "python3-dev",
+    "libcap-dev",
+    "gcc",
+    "libc6-dev",
+    "make",
+    "bpftool",
+    "ca-certificates",
+    "procps",
+    "kmod",
+]
 # Bump when the base root's recipe changes (cached_root keys on it).
 BASE_RECIPE = 1
 # Bump when what prepare_root() adds to the base changes (the kernels' root is keyed on it).
@@ -46,8 +57,7 @@ GUEST_PIP_CERT = "/etc/ktest/host-ca.crt"
 GUEST_PROJECT = "/opt/ebpfprofiler"
 GUEST_INIT = f"{GUEST_PROJECT}/tests/kernels/guest_init.sh"
 # What is not copied into the guest: git's objects, the host's venv (the guest makes its own), results.
-COPY_EXCLUDES = [".git", "__pycache__", "*.egg-info", ".mypy_cache", ".ruff_cache", ".pytest_cache", "build",
-                 "tmp"]
+COPY_EXCLUDES = [".git", "__pycache__", "*.egg-info", ".mypy_cache", ".ruff_cache", ".pytest_cache", "build", "tmp"]
 # Top-level entries of GUEST_PROJECT that the guest's set-up owns (kept from run to run).
 KEPT_IN_GUEST = {".venv"}
 
@@ -86,8 +96,12 @@ def _locked(path: Path) -> Iterator[None]:
 def _unpack(deb: Path, root: Path) -> None:
     """A .deb's files into root, through root's /lib → usr/lib link (a merged-/usr root), not over it."""
     with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE) as src:
-        subprocess.run(["tar", "-x", "--keep-directory-symlink", "-C", str(root)], stdin=src.stdout,
-                       check=True, timeout=SMALL_STEP_TIMEOUT_S)
+        subprocess.run(
+            ["tar", "-x", "--keep-directory-symlink", "-C", str(root)],
+            stdin=src.stdout,
+            check=True,
+            timeout=SMALL_STEP_TIMEOUT_S,
+        )
         if src.wait(SMALL_STEP_TIMEOUT_S) != 0:
             raise AssertionError(f"dpkg-deb --fsys-tarfile {deb} failed")
 
@@ -102,14 +116,14 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
     base = base_root(log)
     root = KERNEL_CACHE / f"root-{_kernels_key(base, kernels)}"
     if (root / ".complete").exists():
-        os.utime(root / ".complete")   # its last use, for _prune
+        os.utime(root / ".complete")  # its last use, for _prune
         return root
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     log(f"building the guest root {root} (the base and {len(kernels)} kernels)")
     try:
         _add_kernels(base, partial, kernels)
-    except BaseException:   # a failed or interrupted build leaves nothing half made behind
+    except BaseException:  # a failed or interrupted build leaves nothing half made behind
         shutil.rmtree(partial, ignore_errors=True)
         raise
     partial.rename(root)
@@ -118,8 +132,9 @@ def kernels_root(kernels: list[KernelDebs], log: Callable[[str], None] = print) 
 
 
 def _add_kernels(base: Path, partial: Path, kernels: list[KernelDebs]) -> None:
-    run_killing_group(["cp", "-a", "--reflink=auto", str(base), str(partial)], SMALL_STEP_TIMEOUT_S,
-                      KERNEL_CACHE / "copy-base.log")
+    run_killing_group(
+        ["cp", "-a", "--reflink=auto", str(base), str(partial)], SMALL_STEP_TIMEOUT_S, KERNEL_CACHE / "copy-base.log"
+    )
     (partial / ".complete").unlink()
     for k in kernels:
         for deb in k.debs:
@@ -138,11 +153,16 @@ def _add_kernels(base: Path, partial: Path, kernels: list[KernelDebs]) -> None:
 def _prune(keep: Path, log: Callable[[str], None]) -> None:
     """Roots of older kernel sets (a new kernel in a suite, another --kernels choice): the KEEP_ROOTS
     most recently used stay, the others go (each is ~2 GB)."""
-    roots = sorted((r for r in KERNEL_CACHE.glob("root-*") if (r / ".complete").exists() and r != keep),
-                   key=lambda r: (r / ".complete").stat().st_mtime, reverse=True)
-    for old in roots[KEEP_ROOTS - 1:]:
-        log(f"removing the guest root {old} (not used since "
-            f"{time.strftime('%Y-%m-%d', time.gmtime((old / '.complete').stat().st_mtime))})")
+    roots = sorted(
+        (r for r in KERNEL_CACHE.glob("root-*") if (r / ".complete").exists() and r != keep),
+        key=lambda r: (r / ".complete").stat().st_mtime,
+        reverse=True,
+    )
+    for old in roots[KEEP_ROOTS - 1 :]:
+        log(
+            f"removing the guest root {old} (not used since "
+            f"{time.strftime('%Y-%m-%d', time.gmtime((old / '.complete').stat().st_mtime))})"
+        )
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -163,9 +183,12 @@ def _copy_project(root: Path) -> None:
         if entry.name in KEPT_IN_GUEST or ignore(str(REPO), [entry.name]):
             continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, dest / entry.name, symlinks=True,
-                            ignore=lambda d, names: ignore(d, names) | (
-                                {"results"} if Path(d) == REPO / "bench" else set()))
+            shutil.copytree(
+                entry,
+                dest / entry.name,
+                symlinks=True,
+                ignore=lambda d, names: ignore(d, names) | ({"results"} if Path(d) == REPO / "bench" else set()),
+            )
         else:
             shutil.copy2(entry, dest / entry.name, follow_symlinks=False)
 
@@ -198,24 +221,36 @@ def _chroot_setup(root: Path, releases: list[str], log: Callable[[str], None]) -
             mounts.append(mounted)
         if setup_has_kernel_option():
             script = f"cd {GUEST_PROJECT} && bash deploy/setup.sh --kernel {','.join(releases)}"
-        else:   # until deploy/setup.sh has --kernel: what the lean set-up would do, by hand
-            script = (f"cd {GUEST_PROJECT} && bash deploy/users.sh && "
-                      "{ [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv; } && "
-                      ".venv/bin/pip install -q -r requirements.txt && .venv/bin/pip install -q --no-deps -e . && "
-                      ".venv/bin/python -c 'import bcc, zmq, prctl, yaml, cli.main'")
+        else:  # until deploy/setup.sh has --kernel: what the lean set-up would do, by hand
+            script = (
+                f"cd {GUEST_PROJECT} && bash deploy/users.sh && "
+                "{ [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv; } && "
+                ".venv/bin/pip install -q -r requirements.txt && .venv/bin/pip install -q --no-deps -e . && "
+                ".venv/bin/python -c 'import bcc, zmq, prctl, yaml, cli.main'"
+            )
         log(f"setting up the project in the guest root: {script}")
-        env_cmd = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8",
-                   "DEBIAN_FRONTEND=noninteractive", "PIP_DISABLE_PIP_VERSION_CHECK=1"] + _host_pip_cert(root)
-        run_killing_group(env_cmd + ["chroot", str(root), "bash", "-c", script], SETUP_TIMEOUT_S,
-                          KERNEL_CACHE / "setup.log")
+        env_cmd = [
+            "env",
+            "-i",
+            "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME=/root",
+            "LANG=C.UTF-8",
+            "DEBIAN_FRONTEND=noninteractive",
+            "PIP_DISABLE_PIP_VERSION_CHECK=1",
+            *_host_pip_cert(root),
+        ]
+        run_killing_group(
+            [*env_cmd, "chroot", str(root), "bash", "-c", script], SETUP_TIMEOUT_S, KERNEL_CACHE / "setup.log"
+        )
         return script
     finally:
         for m in reversed(mounts):
             subprocess.run(["umount", "-l", str(m)], timeout=SMALL_STEP_TIMEOUT_S)
 
 
-def make_image(kernels: list[KernelDebs], image: Path, plan: dict[str, object],
-               log: Callable[[str], None] = print) -> dict[str, object]:
+def make_image(
+    kernels: list[KernelDebs], image: Path, plan: dict[str, object], log: Callable[[str], None] = print
+) -> dict[str, object]:
     """The guest disk at `image` with the current working tree installed and `plan` at GUEST_PLAN;
     what was done, for the results."""
     root = kernels_root(kernels, log)
@@ -227,13 +262,17 @@ def make_image(kernels: list[KernelDebs], image: Path, plan: dict[str, object],
         setup = _chroot_setup(root, [k.release for k in kernels], log)
         (root / GUEST_PLAN.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         (root / GUEST_PLAN.lstrip("/")).write_text(json.dumps(plan, indent=1))
-        used = subprocess.run(["du", "-sxm", str(root)], capture_output=True, text=True, check=True,
-                              timeout=SMALL_STEP_TIMEOUT_S).stdout.split()[0]
+        used = subprocess.run(
+            ["du", "-sxm", str(root)], capture_output=True, text=True, check=True, timeout=SMALL_STEP_TIMEOUT_S
+        ).stdout.split()[0]
         size_mb = int(used) * 11 // 10 + IMAGE_SLACK_MB
         log(f"making the guest disk {image} ({size_mb} MB, ext4) from {root}")
         image.unlink(missing_ok=True)
-        run_killing_group(["mke2fs", "-q", "-F", "-t", "ext4", "-L", "ktest-root", "-d", str(root), str(image),
-                           f"{size_mb}M"], MKFS_TIMEOUT_S, image.with_suffix(".mkfs.log"))
+        run_killing_group(
+            ["mke2fs", "-q", "-F", "-t", "ext4", "-L", "ktest-root", "-d", str(root), str(image), f"{size_mb}M"],
+            MKFS_TIMEOUT_S,
+            image.with_suffix(".mkfs.log"),
+        )
     return {"root": str(root), "setup": setup, "image_mb": size_mb, "prepare_s": round(time.monotonic() - started, 1)}
 
 

@@ -35,8 +35,10 @@ def write_process(proc: Path, pid: int, maps: str) -> None:
 
 def many_mappings_maps() -> str:
     """The maps of a process with its executable and libc, and a long-named file mapped MANY times."""
-    lines = ["555555554000-555555556000 r-xp 00001000 fd:01 11 /bin/p1",
-             "7ffff7c00000-7ffff7d80000 r-xp 00028000 fd:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6"]
+    lines = [
+        "555555554000-555555556000 r-xp 00001000 fd:01 11 /bin/p1",
+        "7ffff7c00000-7ffff7d80000 r-xp 00028000 fd:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6",
+    ]
     for i in range(MANY):
         start = 0x7F0000000000 + i * 0x2000
         lines.append(f"{start:x}-{start + 0x1000:x} r-xp 00000000 fd:01 13 {LONG_DIR}/file")
@@ -44,7 +46,8 @@ def many_mappings_maps() -> str:
 
 
 def test_a_mapping_table_is_capped_by_bytes_the_rest_counted_and_logged_once(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # given a process mapping a long-named file 15,000 times (its table: ~42 MB on the wire)
     proc = tmp_path / "proc"
     write_process(proc, 1, many_mappings_maps())
@@ -78,11 +81,20 @@ def test_a_table_under_the_cap_is_whole() -> None:
 
 # ---------------------------------------------------------------- splitting
 
+
 def process(pid: int, mappings: int = 1, path: str = "/bin/x") -> Process:
-    return Process(pid=pid, start_ticks=pid * 10, uid=0, nspid=pid, comm=f"p{pid}", executable=f"/bin/p{pid}",
-                   service=f"/bin/p{pid}",
-                   mappings=tuple(Mapping(0x1000 * (i + 1), 0x1000 * (i + 1) + 0x800, 0, path, "fd:01", 9)
-                                  for i in range(mappings)))
+    return Process(
+        pid=pid,
+        start_ticks=pid * 10,
+        uid=0,
+        nspid=pid,
+        comm=f"p{pid}",
+        executable=f"/bin/p{pid}",
+        service=f"/bin/p{pid}",
+        mappings=tuple(
+            Mapping(0x1000 * (i + 1), 0x1000 * (i + 1) + 0x800, 0, path, "fd:01", 9) for i in range(mappings)
+        ),
+    )
 
 
 def batch(processes: list[Process], samples_per_pid: int = 3) -> StackBatch:
@@ -93,11 +105,19 @@ def batch(processes: list[Process], samples_per_pid: int = 3) -> StackBatch:
         for k in range(samples_per_pid):
             i = n * samples_per_pid + k
             samples.append(Sample(pid=p.pid, tid=p.pid, user_stack=i, kernel_stack=i, count=i + 1, value=10 * (i + 1)))
-    return StackBatch(host="h", profile_type="cpu", sample_hz=99, time_ns=1, processes=tuple(processes),
-                      user_stacks=tuple(user), kernel_stacks=tuple(kernel), samples=tuple(samples),
-                      kernel_symbols={a: f"k{a:x}" for st in kernel for a in st}, lost={"map_full": 4},
-                      unwind_requests=tuple(UnwindRequest(p.pid, p.start_ticks, 0x1000, 0x1800, "fd:01", 9)
-                                            for p in processes))
+    return StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=99,
+        time_ns=1,
+        processes=tuple(processes),
+        user_stacks=tuple(user),
+        kernel_stacks=tuple(kernel),
+        samples=tuple(samples),
+        kernel_symbols={a: f"k{a:x}" for st in kernel for a in st},
+        lost={"map_full": 4},
+        unwind_requests=tuple(UnwindRequest(p.pid, p.start_ticks, 0x1000, 0x1800, "fd:01", 9) for p in processes),
+    )
 
 
 def resolved(b: StackBatch) -> Counter:
@@ -107,8 +127,16 @@ def resolved(b: StackBatch) -> Counter:
     for s in b.samples:
         assert s.pid in pids
         k = b.kernel_stacks[s.kernel_stack] if s.kernel_stack >= 0 else ()
-        out[(s.pid, s.tid, b.user_stacks[s.user_stack] if s.user_stack >= 0 else (),
-             tuple(b.kernel_symbols[a] for a in k), s.count, s.value)] += 1
+        out[
+            (
+                s.pid,
+                s.tid,
+                b.user_stacks[s.user_stack] if s.user_stack >= 0 else (),
+                tuple(b.kernel_symbols[a] for a in k),
+                s.count,
+                s.value,
+            )
+        ] += 1
     return out
 
 
@@ -182,8 +210,19 @@ def test_what_cannot_fit_is_handed_back_not_dropped_silently() -> None:
 
 
 def test_an_announcement_over_the_cap_is_split() -> None:
-    procs = tuple(Process(pid=i, start_ticks=i, uid=0, nspid=i, comm="c", executable="/bin/c", service="/bin/c",
-                          cmdline=("é" * 1000,) * 20) for i in range(1, 41))
+    procs = tuple(
+        Process(
+            pid=i,
+            start_ticks=i,
+            uid=0,
+            nspid=i,
+            comm="c",
+            executable="/bin/c",
+            service="/bin/c",
+            cmdline=("é" * 1000,) * 20,
+        )
+        for i in range(1, 41)
+    )
     a = ProcessAnnouncement(host="h", time_ns=1, processes=procs, exited=((99, 1), (98, 2)), full=True)
     cap = len(wire.encode(a)[0]) // 5
     fit, unfit = wire.encode_within(a, cap)

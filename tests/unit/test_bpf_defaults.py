@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 from collector import bpftime, drains
-
 from tests.harness import ROOT
 
 COMMON_H = Path(ROOT) / "bpf" / "common.h"

@@ -61,10 +61,12 @@ def kernel_slots(module: ModuleType) -> int:
 
 
 @pytest.mark.parametrize("source,prefix,module", LOST_FAMILIES, ids=[f[0] for f in LOST_FAMILIES])
-def test_lost_slots_are_named_in_the_order_the_programs_count_them(source: str, prefix: str, module: ModuleType) -> None:
+def test_lost_slots_are_named_in_the_order_the_programs_count_them(
+    source: str, prefix: str, module: ModuleType
+) -> None:
     d = defines(BPF / source)
     slots = d[f"{prefix}_SLOTS"]
-    by_index = {v: k[len(prefix) + 1:] for k, v in d.items() if k.startswith(prefix + "_") and k != f"{prefix}_SLOTS"}
+    by_index = {v: k[len(prefix) + 1 :] for k, v in d.items() if k.startswith(prefix + "_") and k != f"{prefix}_SLOTS"}
     assert sorted(by_index) == list(range(slots)), f"{source}: {prefix}_* slots are not 0..{slots - 1}"
     c_names = [LOST_NAMES[by_index[i]] for i in range(slots)]
     reasons = module.LOST_REASONS
@@ -75,8 +77,13 @@ def test_lost_slots_are_named_in_the_order_the_programs_count_them(source: str, 
 
 def test_unwind_counters_are_named_in_slot_order() -> None:
     d = defines(BPF / "unwind.h")
-    names = {"LOST_TAIL_CALL": "tail_call_failed", "LOST_STACK_FULL": "stack_map_full", "TRUNCATED": "truncated",
-             "FP_STEPS": "fp_steps", "DWARF_STEPS": "dwarf_steps"}
+    names = {
+        "LOST_TAIL_CALL": "tail_call_failed",
+        "LOST_STACK_FULL": "stack_map_full",
+        "TRUNCATED": "truncated",
+        "FP_STEPS": "fp_steps",
+        "DWARF_STEPS": "dwarf_steps",
+    }
     assert d["UNWIND_COUNTER_SLOTS"] == len(unwind.COUNTERS)
     assert [d[f"UNWIND_{c}"] for c in names] == list(range(len(names)))
     assert list(unwind.COUNTERS) == list(names.values())
@@ -112,7 +119,7 @@ def test_register_records_are_decoded_as_the_program_lays_them_out() -> None:
     assert fields[-1][1:] == ("stack", "[ONCPU_REGS_STACK_BYTES]"), fields
     codes = {"u32": "I", "u64": "Q"}
     assert "<" + "".join(codes[t] for t, _, _ in fields[:-1]) == regs.RECORD.format
-    assert regs.RECORD.size % 8 == 0      # the stack copy that follows starts 8-aligned
+    assert regs.RECORD.size % 8 == 0  # the stack copy that follows starts 8-aligned
     assert regs.ONCPU_REGS_SHORT_STACK_BYTES < regs.ONCPU_REGS_STACK_BYTES <= wire.MAX_REGS_STACK_BYTES
     # a message the collector sends is one the readers take
     assert regs.SAMPLES_PER_MESSAGE <= wire.MAX_REGS_SAMPLES
@@ -124,6 +131,7 @@ def test_the_perf_event_context_bpf_oncpu_declares_is_the_kernels() -> None:
     compile): its fields, in order, are those of the header tree's uapi header, and on x86-64 the registers
     are a struct pt_regs."""
     import os
+
     tree = Path(f"/lib/modules/{os.uname().release}/source")
     if not (tree / "include").is_dir():
         tree = Path(f"/lib/modules/{os.uname().release}/build")
@@ -134,6 +142,7 @@ def test_the_perf_event_context_bpf_oncpu_declares_is_the_kernels() -> None:
 
     def names(body: str) -> list[tuple[str, str]]:
         return re.findall(r"^\s*(\w+(?:\s+\w+)?)\s+(\w+);", body, re.MULTILINE)
+
     ours_fields, their_fields = names(ours.group(1)), names(theirs.group(1))
     assert [n for _, n in ours_fields] == [n for _, n in their_fields] == ["regs", "sample_period", "addr"]
     assert [t for t, _ in ours_fields[1:]] == [t for t, _ in their_fields[1:]]

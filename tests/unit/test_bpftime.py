@@ -8,7 +8,6 @@ from pathlib import Path
 
 from collector import bpftime
 from collector.bpftime import ProgTime
-
 from tests.harness import ROOT
 
 BPF = Path(ROOT) / "bpf"
@@ -30,8 +29,9 @@ def test_every_program_is_timed_in_its_own_slot_from_its_first_line_to_every_exi
     bodies = programs()
     # every slot names a program there is, and every program has a slot
     assert {f"TIMED_{name}" for name in bodies} == {k for k in defines if k not in ("TIMED_SLOTS", "TIMING_PERIOD")}
-    assert sorted(v for k, v in defines.items() if k.startswith("TIMED_") and k != "TIMED_SLOTS") == \
-        list(range(defines["TIMED_SLOTS"]))
+    assert sorted(v for k, v in defines.items() if k.startswith("TIMED_") and k != "TIMED_SLOTS") == list(
+        range(defines["TIMED_SLOTS"])
+    )
     for name, body in bodies.items():
         first = body.strip().splitlines()[0]
         assert first == f"struct prog_time *timing = timing_begin(TIMED_{name});", (name, first)

@@ -23,8 +23,9 @@ VMLINUX = "/sys/kernel/btf/vmlinux"
 
 @lru_cache(maxsize=1)
 def bpftool_types() -> dict[int, dict]:
-    out = subprocess.run(["bpftool", "-j", "btf", "dump", "file", VMLINUX], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run(
+        ["bpftool", "-j", "btf", "dump", "file", VMLINUX], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     return {t["id"]: t for t in json.loads(out)["types"]}
 
 
@@ -43,7 +44,9 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
     assert member_offset("task_struct", ("rseq",)) == bpftool_member("task_struct", "rseq")[0]
     defines = offcpu.bpf_defines()
     assert {k: defines[k] for k in ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET")} == {
-        "OFFCPU_TASK_SP_OFFSET": thread + sp, "OFFCPU_TASK_RSEQ_OFFSET": bpftool_member("task_struct", "rseq")[0]}
+        "OFFCPU_TASK_SP_OFFSET": thread + sp,
+        "OFFCPU_TASK_RSEQ_OFFSET": bpftool_member("task_struct", "rseq")[0],
+    }
     # and the run-queue wait's fields (bpf/offcpu.c offcpu_waited), each where bpftool has it
     info, info_type = bpftool_member("task_struct", "sched_info")
     se, se_type = bpftool_member("task_struct", "se")
@@ -51,8 +54,9 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
 
     def inner(type_id: int, name: str) -> int:
         return next(m for m in types[type_id]["members"] if m["name"] == name)["bits_offset"] // 8
-    assert defines["OFFCPU_TASK_STORAGE"] == 1   # this kernel has task storage: no records by thread id
-    assert defines["OFFCPU_SWITCH_PREV_STATE"] == 1   # the state from sched_switch's argument (5.18+)
+
+    assert defines["OFFCPU_TASK_STORAGE"] == 1  # this kernel has task storage: no records by thread id
+    assert defines["OFFCPU_SWITCH_PREV_STATE"] == 1  # the state from sched_switch's argument (5.18+)
     named = ("OFFCPU_TASK_SP_OFFSET", "OFFCPU_TASK_RSEQ_OFFSET", "OFFCPU_TASK_STORAGE", "OFFCPU_SWITCH_PREV_STATE")
     assert {k: v for k, v in defines.items() if k not in named} == {
         "OFFCPU_TASK_RUN_DELAY_OFFSET": info + inner(info_type, "run_delay"),
@@ -60,7 +64,8 @@ def test_the_offsets_the_off_cpu_program_reads_are_the_kernels() -> None:
         "OFFCPU_TASK_CFS_RQ_OFFSET": se + inner(se_type, "cfs_rq"),
         "OFFCPU_CFS_RQ_RQ_OFFSET": bpftool_member("cfs_rq", "rq")[0],
         "OFFCPU_RQ_CLOCK_OFFSET": bpftool_member("rq", "clock")[0],
-        "OFFCPU_RQ_CPU_OFFSET": bpftool_member("rq", "cpu")[0]}
+        "OFFCPU_RQ_CPU_OFFSET": bpftool_member("rq", "cpu")[0],
+    }
 
 
 def test_without_task_storage_the_records_are_keyed_by_the_pid_field_the_kernel_has() -> None:
@@ -76,7 +81,9 @@ def test_before_5_18_prev_state_is_read_from_the_task_field_the_kernel_has() -> 
     defines = offcpu.bpf_defines(prev_state=False)
     assert "OFFCPU_SWITCH_PREV_STATE" not in defines
     assert (defines["OFFCPU_TASK_STATE_OFFSET"], defines["OFFCPU_TASK_STATE_SIZE"]) == (
-        bpftool_member("task_struct", "__state")[0], 4)
+        bpftool_member("task_struct", "__state")[0],
+        4,
+    )
 
 
 def flattened(type_id: int, base_bits: int = 0) -> dict[str, int]:
@@ -100,8 +107,9 @@ def test_members_of_anonymous_unions_are_found_at_their_place_in_the_outer_struc
     assert expected["prev"] == expected["next"] + 8 and expected["dev"] == expected["dev_scratch"]
 
 
-@pytest.mark.parametrize("struct, path", [("task_struct", ("no_such_member",)),
-                                          ("no_such_struct", ("pid",)),
-                                          ("task_struct", ("thread", "no_such_member"))])
+@pytest.mark.parametrize(
+    "struct, path",
+    [("task_struct", ("no_such_member",)), ("no_such_struct", ("pid",)), ("task_struct", ("thread", "no_such_member"))],
+)
 def test_a_name_the_kernel_does_not_have_is_none(struct: str, path: tuple[str, ...]) -> None:
     assert member_offset(struct, path) is None

@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from runtimes import dotnet as dotnet_plugin
 from runtimes.dotnet import DotNet, environment_refusal, ipc, parse_environ
-from runtimes.dotnet.connect import ConnectRefused, Connector, socket_name
+from runtimes.dotnet.connect import Connector, ConnectRefused, socket_name
 from runtimes.runtime import FileCache, Mapping, Pending, ProcessContext, Refusal, Served
-from shared.polling import wait_for
 from runtimes.targets import start_ticks
+from shared.polling import wait_for
 
 OK_8_0_4 = bytes.fromhex("444f544e45545f4950435f5631001800ff00000000000000")
 UNKNOWN_COMMAND_3_1_23 = bytes.fromhex("444f544e45545f4950435f5631001800ffff000085131380")
@@ -44,17 +45,20 @@ def test_recorded_answers() -> None:
     assert err.text() == "error HRESULT 0x80131385 (unknown command)"
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"", "shorter than a header"),
-    (OK_8_0_4[:19], "shorter than a header"),
-    (b"DOTNET_IPC_V2\0" + OK_8_0_4[14:], "magic"),
-    (OK_8_0_4 + b"\0", "the header says 24 bytes, the peer sent 25"),
-    (OK_8_0_4[:14] + bytes([24, 0, 0x04, 0x00, 0, 0]) + bytes(4), "is not a server OK or error"),
-    (OK_8_0_4[:14] + bytes([24, 0, 0xFF, 0x01, 0, 0]) + bytes(4), "is not a server OK or error"),
-    (OK_8_0_4[:14] + bytes([24, 0, 0xFF, 0x00, 1, 0]) + bytes(4), "reserved"),
-    (OK_8_0_4[:14] + bytes([20, 0, 0xFF, 0x00, 0, 0]), "a payload of 0 bytes"),
-    (OK_8_0_4[:14] + bytes([28, 0, 0xFF, 0x00, 0, 0]) + bytes(8), "a payload of 8 bytes"),
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"", "shorter than a header"),
+        (OK_8_0_4[:19], "shorter than a header"),
+        (b"DOTNET_IPC_V2\0" + OK_8_0_4[14:], "magic"),
+        (OK_8_0_4 + b"\0", "the header says 24 bytes, the peer sent 25"),
+        (OK_8_0_4[:14] + bytes([24, 0, 0x04, 0x00, 0, 0]) + bytes(4), "is not a server OK or error"),
+        (OK_8_0_4[:14] + bytes([24, 0, 0xFF, 0x01, 0, 0]) + bytes(4), "is not a server OK or error"),
+        (OK_8_0_4[:14] + bytes([24, 0, 0xFF, 0x00, 1, 0]) + bytes(4), "reserved"),
+        (OK_8_0_4[:14] + bytes([20, 0, 0xFF, 0x00, 0, 0]), "a payload of 0 bytes"),
+        (OK_8_0_4[:14] + bytes([28, 0, 0xFF, 0x00, 0, 0]) + bytes(8), "a payload of 8 bytes"),
+    ],
+)
 def test_malformed_answers_say_how(data: bytes, why: str) -> None:
     with pytest.raises(ipc.MalformedAnswer, match=why):
         ipc.parse_answer(data)
@@ -96,6 +100,7 @@ def serve(path: Path, handle: Callable[[socket.socket], None]) -> threading.Thre
             conn, _ = srv.accept()
             with conn:
                 handle(conn)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -114,6 +119,7 @@ def test_a_peer_that_answers_like_the_runtime(connector: Connector, name: Path) 
     def runtime_like(conn: socket.socket) -> None:
         got.append(conn.recv(64))
         conn.sendall(OK_8_0_4)
+
     t = serve(name, runtime_like)
     answer = ask(connector, ipc.enable_perf_map())
     t.join(5)
@@ -134,18 +140,18 @@ def test_a_peer_that_never_answers_costs_the_timeout(connector: Connector, name:
 
 def test_a_peer_that_floods_is_malformed_after_the_cap(connector: Connector, name: Path) -> None:
     def flood(conn: socket.socket) -> None:
-        try:
+        try:  # noqa: SIM105
             conn.sendall(OK_8_0_4[:14] + bytes([0xFF, 0xFF]) + b"x" * (1 << 20))
         except OSError:
-            pass                         # the reader stopped reading and closed: as it should
+            pass  # the reader stopped reading and closed: as it should
+
     t = serve(name, flood)
     with pytest.raises(ipc.MalformedAnswer, match="or more"):
         ask(connector, ipc.enable_perf_map())
     t.join(5)
 
 
-def test_a_symlink_or_a_file_at_the_name_is_not_connected_to(connector: Connector, name: Path,
-                                                             tmp_path: Path) -> None:
+def test_a_symlink_or_a_file_at_the_name_is_not_connected_to(connector: Connector, name: Path, tmp_path: Path) -> None:
     target = tmp_path / "elsewhere.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(target))
@@ -175,17 +181,21 @@ def test_the_environment_is_read_as_the_processs_user(connector: Connector) -> N
 
 # --- what the environment decides ----------------------------------------------------------------
 
-@pytest.mark.parametrize("env, want", [
-    ({}, None),
-    ({b"TMPDIR": b"/tmp/"}, None),
-    ({b"DOTNET_EnableDiagnostics": b"1"}, None),
-    ({b"DOTNET_EnableDiagnostics": b"0"}, "DOTNET_EnableDiagnostics=0: the runtime opened no diagnostics socket"),
-    ({b"COMPlus_EnableDiagnostics": b"0"}, "COMPlus_EnableDiagnostics=0"),
-    ({b"DOTNET_EnableDiagnostics_IPC": b"0"}, "DOTNET_EnableDiagnostics_IPC=0"),
-    ({b"TMPDIR": b"/var/tmp"}, "TMPDIR is '/var/tmp': its diagnostics socket is there"),
-    ({b"TMPDIR": b"/x\xff\n"}, r"TMPDIR is '/x\\xff\\x0a'"),
-    ({b"DOTNET_PerfMapJitDumpPath": b"/srv"}, "DOTNET_PerfMapJitDumpPath is '/srv'"),
-])
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, None),
+        ({b"TMPDIR": b"/tmp/"}, None),
+        ({b"DOTNET_EnableDiagnostics": b"1"}, None),
+        ({b"DOTNET_EnableDiagnostics": b"0"}, "DOTNET_EnableDiagnostics=0: the runtime opened no diagnostics socket"),
+        ({b"COMPlus_EnableDiagnostics": b"0"}, "COMPlus_EnableDiagnostics=0"),
+        ({b"DOTNET_EnableDiagnostics_IPC": b"0"}, "DOTNET_EnableDiagnostics_IPC=0"),
+        ({b"TMPDIR": b"/var/tmp"}, "TMPDIR is '/var/tmp': its diagnostics socket is there"),
+        ({b"TMPDIR": b"/x\xff\n"}, r"TMPDIR is '/x\\xff\\x0a'"),
+        ({b"DOTNET_PerfMapJitDumpPath": b"/srv"}, "DOTNET_PerfMapJitDumpPath is '/srv'"),
+    ],
+)
 def test_environment_refusals(env: dict[bytes, bytes], want: str | None) -> None:
     got = environment_refusal(env)
     if want is None:
@@ -219,20 +229,30 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
                 with conn:
                     got.append(conn.recv(64))
                     conn.sendall(answer)
+
     t = threading.Thread(target=peer, daemon=True)
     t.start()
     plugin = DotNet()
     # the .NET plug-in reads no memory: no ProcessMemory for it
-    ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
-                         [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/"
-                                  "libcoreclr.so")])
+    ctx = ProcessContext(
+        SELF,
+        "/proc",
+        None,
+        FileCache(),
+        start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
+        [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
+    )
     # When it is detected (the command is sent; the answer is read as it arrives, at the reader's ticks)
     pending = plugin.detect(ctx)
     assert isinstance(pending, Pending), pending
     res = wait_for("the answer", pending.poll, timeout=10)
     # Then the outcome is a counted refusal that says how it was malformed
-    assert isinstance(res, Refusal) and "(.NET 8.0.4): EnablePerfMap not sent or not answered: a malformed " \
-        "answer (1 so far): magic b'garbage that i'" in res.reason, res
+    assert (
+        isinstance(res, Refusal)
+        and "(.NET 8.0.4): EnablePerfMap not sent or not answered: a malformed "
+        "answer (1 so far): magic b'garbage that i'"
+        in res.reason
+    ), res
     assert plugin.stats["malformed"] == 1
     # And at stop it is told to stop all the same (it may have turned its map on)
     lines = plugin.stop()
@@ -242,7 +262,8 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
 
 
 def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
-        name: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a peer at the name that takes every connection and never answers (time limits made short)
     monkeypatch.setattr(ipc, "ENABLE_ANSWER_TIMEOUT_S", 0.3)
     monkeypatch.setattr(dotnet_plugin, "RETRY_AFTER_S", 0.5)
@@ -264,13 +285,19 @@ def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
             done.wait(10)
         for c in held:
             c.close()
+
     t = threading.Thread(target=peer, daemon=True)
     t.start()
     plugin = DotNet()
     try:
-        ctx = ProcessContext(SELF, "/proc", None, FileCache(), start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
-                             [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/"
-                                      "libcoreclr.so")])
+        ctx = ProcessContext(
+            SELF,
+            "/proc",
+            None,
+            FileCache(),
+            start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
+            [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
+        )
         # When it is detected and polled as the reader's ticks do: no poll waits for the peer
         pending = plugin.detect(ctx)
         assert isinstance(pending, Pending), pending
@@ -282,6 +309,7 @@ def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
             got = pending.poll()
             longest = max(longest, time.monotonic() - began)
             return got
+
         res = wait_for("the outcome", poll, timeout=10, interval=0.02)
         # Then it was asked twice, the second time RETRY_AFTER_S after the first went unanswered, each
         # counted as stalled, then refused with a reason counted by its kind

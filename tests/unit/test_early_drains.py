@@ -40,8 +40,8 @@ def test_a_process_gone_by_its_look_brings_no_drain() -> None:
     clock, living = Clock(), set()
     early = EarlyDrains(alive=living.__contains__, clock=clock)
     assert early.due_at(last_drain=99.0) is None
-    early.notified([41])               # it lived EARLY_ALIVE_S, and ended just after its event
-    assert early.due_at(last_drain=99.0) == 100.0   # at once
+    early.notified([41])  # it lived EARLY_ALIVE_S, and ended just after its event
+    assert early.due_at(last_drain=99.0) == 100.0  # at once
     assert not early.drain_now()
     assert early.gone == 1 and early.due_at(last_drain=99.0) is None
 
@@ -61,10 +61,10 @@ def test_a_process_that_lives_brings_the_drain_forward_but_not_within_early_drai
 def test_looks_are_early_look_gap_s_apart() -> None:
     clock, living = Clock(), {8}
     early = EarlyDrains(alive=living.__contains__, clock=clock)
-    early.notified([41])               # gone by its look
+    early.notified([41])  # gone by its look
     assert not early.drain_now()
     clock.now += 0.09
-    early.notified([8])                # alive: looked at a look gap after the last look
+    early.notified([8])  # alive: looked at a look gap after the last look
     assert early.due_at(last_drain=0.0) == 100.0 + EARLY_LOOK_GAP_S
     clock.now = 100.0 + EARLY_LOOK_GAP_S
     assert early.drain_now()
@@ -77,22 +77,23 @@ def test_waiting_pids_are_capped() -> None:
 
 
 def delay(**kw: float) -> float:
-    args = dict(keys=0, pids_made=0, stretch_s=60.0, pid_max=32768, until_boundary_s=1000.0,
-                shortest_s=1.0, longest_s=60.0)
+    args = dict(
+        keys=0, pids_made=0, stretch_s=60.0, pid_max=32768, until_boundary_s=1000.0, shortest_s=1.0, longest_s=60.0
+    )
     args.update(kw)
-    return regular_delay(**args)   # type: ignore[arg-type]
+    return regular_delay(**args)  # type: ignore[arg-type]
 
 
 def test_a_quiet_host_drains_at_the_longest_interval_or_at_the_window_boundary() -> None:
     assert delay(keys=40, pids_made=3) == 60.0
     assert delay(keys=40, pids_made=3, until_boundary_s=12.5) == 12.5
-    assert delay(until_boundary_s=0.01) == 0.05   # never a drain loop
+    assert delay(until_boundary_s=0.01) == 0.05  # never a drain loop
 
 
 def test_many_keys_bring_the_next_drain_closer_so_that_it_takes_about_the_target() -> None:
     # 1,000 keys in 10 s: the target is taken in ~20 s
     assert abs(delay(keys=1000, stretch_s=10.0) - DRAIN_KEYS_TARGET * 10.0 / 1000) < 1e-9
-    assert delay(keys=10 ** 6, stretch_s=1.0) == 1.0   # never under the shortest interval
+    assert delay(keys=10**6, stretch_s=1.0) == 1.0  # never under the shortest interval
 
 
 def test_a_fast_pid_churn_drains_several_times_per_pid_wrap() -> None:
@@ -105,8 +106,9 @@ def test_a_fast_pid_churn_drains_several_times_per_pid_wrap() -> None:
 
 def test_the_fork_counter_and_pid_max_come_from_proc_and_fall_back(tmp_path: Path) -> None:
     (tmp_path / "sys" / "kernel").mkdir(parents=True)
-    (tmp_path / "stat").write_text("cpu  1 2 3 4\ncpu0 1 2 3 4\nintr 5 0 0\nctxt 99\nbtime 1\n"
-                                   "processes 4531195\nprocs_running 1\n")
+    (tmp_path / "stat").write_text(
+        "cpu  1 2 3 4\ncpu0 1 2 3 4\nintr 5 0 0\nctxt 99\nbtime 1\nprocesses 4531195\nprocs_running 1\n"
+    )
     (tmp_path / "sys" / "kernel" / "pid_max").write_text("4194304\n")
     assert forks(str(tmp_path)) == 4531195 and pid_max(str(tmp_path)) == 4194304
     (tmp_path / "stat").write_text("cpu  1 2 3 4\nprocesses many\n")
@@ -114,4 +116,4 @@ def test_the_fork_counter_and_pid_max_come_from_proc_and_fall_back(tmp_path: Pat
     assert forks(str(tmp_path)) is None and pid_max(str(tmp_path)) == PID_MAX_FLOOR
     assert forks(str(tmp_path / "none")) is None
     before = forks()
-    assert before is not None and forks() >= before   # this host's, counting up
+    assert before is not None and forks() >= before  # this host's, counting up

@@ -54,8 +54,10 @@ def binaries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     built["stripped_shared"] = out / "stripped_shared"
     subprocess.run(["strip", "--strip-all", "-o", str(built["stripped_shared"]), str(built["shared"])], check=True)
     built["renamed_shared"] = out / "renamed_shared"  # .symtab says symtab_alpha, .dynsym still fixture_alpha
-    subprocess.run(["objcopy", "--redefine-sym", "fixture_alpha=symtab_alpha",
-                    str(built["shared"]), str(built["renamed_shared"])], check=True)
+    subprocess.run(
+        ["objcopy", "--redefine-sym", "fixture_alpha=symtab_alpha", str(built["shared"]), str(built["renamed_shared"])],
+        check=True,
+    )
     return built
 
 
@@ -86,6 +88,7 @@ def parse(path: Path) -> ElfSymbols:
 
 # --- build ids ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("build", ["pie", "nopie", "shared", "based_shared"])
 def test_build_id_is_what_readelf_prints(binaries: dict[str, Path], build: str) -> None:
     # Given a binary linked with the default GNU build id note
@@ -111,6 +114,7 @@ def test_libc_build_id(binaries: dict[str, Path]) -> None:
 
 
 # --- function_at ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("build", ["pie", "nopie", "shared", "based_shared"])
 def test_function_at_resolves_every_byte_of_each_function(binaries: dict[str, Path], build: str) -> None:
@@ -171,7 +175,8 @@ def test_has_symtab_says_whether_a_symtab_gave_names(binaries: dict[str, Path]) 
 
 
 def test_a_separate_debug_file_names_its_stripped_module_at_the_module_addresses(
-        binaries: dict[str, Path], tmp_path: Path) -> None:
+    binaries: dict[str, Path], tmp_path: Path
+) -> None:
     # Given a library whose file offsets differ from its addresses, stripped, and its
     # separate debug file (objcopy --only-keep-debug: .symtab kept, code SHT_NOBITS)
     full, stripped = binaries["based_shared"], tmp_path / "stripped"
@@ -215,6 +220,7 @@ def test_libc_qsort(binaries: dict[str, Path]) -> None:
 
 # --- hostile files ---------------------------------------------------------------
 
+
 def scribble(data: bytes, offset: int, fmt: str, value: int) -> bytes:
     out = bytearray(data)
     struct.pack_into(fmt, out, offset, value)
@@ -223,8 +229,8 @@ def scribble(data: bytes, offset: int, fmt: str, value: int) -> bytes:
 
 def symtab_header_offset(data: bytes) -> int:
     """File offset of the .symtab section header (from the ELF header, as readelf reads it)."""
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shnum, = struct.unpack_from("<H", data, 0x3C)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    (shnum,) = struct.unpack_from("<H", data, 0x3C)
     for i in range(shnum):
         if struct.unpack_from("<I", data, shoff + i * 64 + 4)[0] == 2:  # SHT_SYMTAB
             return shoff + i * 64
@@ -258,10 +264,27 @@ def hostile_files(binaries: dict[str, Path]) -> dict[str, bytes]:
     }
 
 
-HOSTILE = ["empty", "not_elf", "magic_only", "first_100_bytes", "first_4_KiB", "random_after_magic",
-           "random_after_valid_ident", "elf32", "relocatable_type", "shoff_huge", "shoff_near_end",
-           "shnum_max", "shnum_past_end", "phnum_max", "phoff_huge", "symtab_size_huge",
-           "symtab_entsize_zero", "symtab_link_not_strtab", "symtab_link_out_of_range"]
+HOSTILE = [
+    "empty",
+    "not_elf",
+    "magic_only",
+    "first_100_bytes",
+    "first_4_KiB",
+    "random_after_magic",
+    "random_after_valid_ident",
+    "elf32",
+    "relocatable_type",
+    "shoff_huge",
+    "shoff_near_end",
+    "shnum_max",
+    "shnum_past_end",
+    "phnum_max",
+    "phoff_huge",
+    "symtab_size_huge",
+    "symtab_entsize_zero",
+    "symtab_link_not_strtab",
+    "symtab_link_out_of_range",
+]
 
 
 @pytest.mark.parametrize("case", HOSTILE)
@@ -278,8 +301,9 @@ def test_hostile_file_is_elf_error_quickly(binaries: dict[str, Path], tmp_path: 
 
 
 @pytest.mark.parametrize("case", HOSTILE)
-def test_hostile_file_is_skipped_logged_and_cached(binaries: dict[str, Path], tmp_path: Path, case: str,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_hostile_file_is_skipped_logged_and_cached(
+    binaries: dict[str, Path], tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # Given a malformed file behind an ElfCache
     path = tmp_path / case
     path.write_bytes(hostile_files(binaries)[case])
@@ -304,15 +328,21 @@ def test_hostile_file_is_skipped_logged_and_cached(binaries: dict[str, Path], tm
 def test_randomly_corrupted_binaries_never_raise_anything_but_elf_error(binaries: dict[str, Path]) -> None:
     # Given 300 copies of a real binary with a few random bytes overwritten, mostly in the headers
     pie = binaries["pie"].read_bytes()
-    shoff, = struct.unpack_from("<Q", pie, 0x28)
+    (shoff,) = struct.unpack_from("<Q", pie, 0x28)
     rng = random.Random(7)
     started = time.monotonic()
     outcomes = {"parsed": 0, "error": 0}
     for _ in range(300):
         data = bytearray(pie)
         for _ in range(rng.randint(1, 8)):
-            where = rng.choice((rng.randrange(0x40), rng.randrange(0x40, 0x400), rng.randrange(shoff, len(pie)),
-                                rng.randrange(len(pie))))
+            where = rng.choice(
+                (
+                    rng.randrange(0x40),
+                    rng.randrange(0x40, 0x400),
+                    rng.randrange(shoff, len(pie)),
+                    rng.randrange(len(pie)),
+                )
+            )
             data[where] = rng.randrange(256)
         # When each is read / Then it parses or is ElfError; anything else fails the test
         try:
@@ -348,7 +378,7 @@ def assert_reads_bounded(f: RecordingFile) -> None:
 
 
 def section_header_offset(data: bytes, index: int) -> int:
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     return shoff + index * 64
 
 
@@ -358,7 +388,7 @@ _U64_MAX = (1 << 64) - 1
 def usable_files(binaries: dict[str, Path]) -> dict[str, bytes]:
     """Malformed in ways pyelftools' convenience API would follow; each still has readable symbols."""
     pie = binaries["pie"].read_bytes()
-    shstrndx, = struct.unpack_from("<H", pie, 0x3E)
+    (shstrndx,) = struct.unpack_from("<H", pie, 0x3E)
     # Section names are never read: point .shstrtab at 4 MiB without a NUL, appended at the end.
     unterminated = scribble(pie, section_header_offset(pie, shstrndx) + 0x18, "<Q", len(pie))
     unterminated = scribble(unterminated, section_header_offset(pie, shstrndx) + 0x20, "<Q", 4 << 20)
@@ -367,10 +397,10 @@ def usable_files(binaries: dict[str, Path]) -> dict[str, bytes]:
         "section_names_unterminated": unterminated + b"A" * (4 << 20),
         "build_id_descsz_huge": scribble(pie, build_id_note + 4, "<I", 0xFFFF_FFF0),
         # e_shnum 0 means "count in section 0's sh_size": read as no sections, not as 2^64 of them.
-        "extended_section_count": scribble(scribble(pie, 0x3C, "<H", 0), section_header_offset(pie, 0) + 0x20,
-                                           "<Q", _U64_MAX),
+        "extended_section_count": scribble(
+            scribble(pie, 0x3C, "<H", 0), section_header_offset(pie, 0) + 0x20, "<Q", _U64_MAX
+        ),
     }
-
 
 
 @pytest.mark.parametrize("build", ["pie", "shared", "stripped_shared"])
@@ -419,18 +449,25 @@ def test_malformed_but_usable_files_parse_in_bounded_reads(binaries: dict[str, P
 
 # --- agreement with pyelftools' plain API ----------------------------------------------
 
+
 def pyelftools_view(path: Path) -> tuple[str, dict[int, set[str]], list[tuple[int, int, int]]]:
     """Build id, defined function symbols (vaddr -> names) and PT_LOADs, as pyelftools' plain API reads them."""
     with open(path, "rb") as f:
         e = ELFFile(f)
-        build_id = next((n.n_desc for seg in e.iter_segments("PT_NOTE") for n in seg.iter_notes()
-                         if n.n_type == "NT_GNU_BUILD_ID"), "")
+        build_id = next(
+            (n.n_desc for seg in e.iter_segments("PT_NOTE") for n in seg.iter_notes() if n.n_type == "NT_GNU_BUILD_ID"),
+            "",
+        )
         functions: dict[int, set[str]] = {}
         for section in e.iter_sections():
             if section["sh_type"] in ("SHT_SYMTAB", "SHT_DYNSYM"):
                 for sym in section.iter_symbols():
-                    if (sym["st_info"]["type"] in ("STT_FUNC", "STT_LOOS") and sym["st_shndx"] != "SHN_UNDEF"
-                            and sym["st_value"] and sym.name):
+                    if (
+                        sym["st_info"]["type"] in ("STT_FUNC", "STT_LOOS")
+                        and sym["st_shndx"] != "SHN_UNDEF"
+                        and sym["st_value"]
+                        and sym.name
+                    ):
                         functions.setdefault(sym["st_value"], set()).add(sym.name)
         loads = [(s["p_offset"], s["p_vaddr"], s["p_filesz"]) for s in e.iter_segments("PT_LOAD")]
     return build_id, functions, loads
@@ -486,6 +523,7 @@ def test_file_larger_than_cap_is_elf_error(tmp_path: Path) -> None:
 
 # --- ElfCache --------------------------------------------------------------------
 
+
 def test_cache_hit_does_not_open_again(binaries: dict[str, Path]) -> None:
     # Given an ElfCache that has read a binary once
     cache, opened = ElfCache(), []
@@ -503,7 +541,8 @@ def test_cache_hit_does_not_open_again(binaries: dict[str, Path]) -> None:
 
 
 def test_a_file_the_check_rejects_is_cached_counted_and_logged_once(
-        binaries: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    binaries: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     # Given a check that refuses every build id but one the file does not have
     cache, opened = ElfCache(), []
 
@@ -533,6 +572,7 @@ def test_cache_is_a_bounded_lru(binaries: dict[str, Path]) -> None:
         def open_it():
             opens.append(name)
             return open(binaries[name], "rb")
+
         return open_it
 
     cache.get("pie", opener("pie"))
@@ -586,18 +626,19 @@ def test_a_file_asked_for_through_an_exited_process_is_not_remembered(binaries: 
 
 # --- time_budget ---------------------------------------------------------------
 
+
 def test_time_budget_interrupts_a_long_block_and_restores_the_handler() -> None:
     # Given a handler already installed for SIGALRM
     def previous(signum, frame):
         pass
+
     old = signal.signal(signal.SIGALRM, previous)
     try:
         # When a busy loop runs under a 50 ms budget
         started = time.monotonic()
-        with pytest.raises(BudgetExceeded):
-            with time_budget(0.05):
-                while True:
-                    pass
+        with pytest.raises(BudgetExceeded), time_budget(0.05):
+            while True:
+                pass
         # Then it is interrupted promptly, the handler is back and no timer is left
         assert time.monotonic() - started < 1.0
         assert signal.getsignal(signal.SIGALRM) is previous
@@ -641,8 +682,9 @@ def test_long_symbol_names_are_cut_to_the_cap(binaries: dict[str, Path], tmp_pat
     # Given a library whose .symtab names fixture_beta with 3000 characters
     long_name = "n" * 3000
     path = tmp_path / "long_name.so"
-    subprocess.run(["objcopy", f"--redefine-sym=fixture_beta={long_name}", str(binaries["shared"]), str(path)],
-                   check=True)
+    subprocess.run(
+        ["objcopy", f"--redefine-sym=fixture_beta={long_name}", str(binaries["shared"]), str(path)], check=True
+    )
     (vaddr,) = [v for v, (_, names) in nm_functions(path).items() if long_name in names]
     # When it is looked up / Then the name is cut to MAX_SYMBOL_NAME_BYTES
-    assert parse(path).function_at(vaddr_to_offset(path, vaddr)) == long_name[:elf.MAX_SYMBOL_NAME_BYTES]
+    assert parse(path).function_at(vaddr_to_offset(path, vaddr)) == long_name[: elf.MAX_SYMBOL_NAME_BYTES]

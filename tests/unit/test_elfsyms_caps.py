@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+
 from runtimes import elfsyms
 from runtimes.jvm import vmstructs
 from runtimes.runtime import FileCache, Mapping, ProcessContext, Refusal, mapped_file_facts
-
 from tests.elf_builder import symbol_table_elf
 
 # Symbols of the table the tests list many times: 2.4 MB.
@@ -75,8 +75,9 @@ def test_one_table_listed_many_times_is_read_once(tmp_path: Path) -> None:
     assert took < elfsyms.READ_SECONDS / 2, took
 
 
-def test_tables_over_the_byte_cap_are_refused_before_they_are_read(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tables_over_the_byte_cap_are_refused_before_they_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(elfsyms, "MAX_SYMBOL_BYTES", SYMBOLS * 24 // 2)
     path = tmp_path / "libjvm.so"
     path.write_bytes(symbol_table_elf(SYMBOLS))

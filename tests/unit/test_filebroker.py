@@ -6,8 +6,8 @@ import os
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -99,7 +99,7 @@ def test_a_malformed_request_is_answered_and_the_broker_goes_on(broker, jit, tmp
                 assert isinstance(reply, FileReply) and reply.error == "bad_request"
     assert b.stats["bad_requests"] == 3
     proc = process(jit.pid)
-    os.close(client.perf_map(proc.pid, proc.start_ticks))   # still serving
+    os.close(client.perf_map(proc.pid, proc.start_ticks))  # still serving
 
 
 def test_a_peer_of_another_uid_is_turned_away(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, start
     opened = threading.Event()
 
     def writer() -> None:
-        fd = os.open(path, os.O_WRONLY)    # returns only once a reader opened the FIFO
+        fd = os.open(path, os.O_WRONLY)  # returns only once a reader opened the FIFO
         opened.set()
         os.close(fd)
 
@@ -238,7 +238,7 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, start
             client.perf_map(proc.pid, proc.start_ticks)
         assert not opened.wait(0.5), "the broker opened the FIFO"
     finally:
-        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # let the writer go
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # let the writer go
         t.join(10)
         os.close(reader)
         path.unlink()
@@ -248,6 +248,7 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, start
 def test_connections_past_the_cap_are_closed_and_the_broker_goes_on(tmp_path: Path, monkeypatch, jit) -> None:
     # given a broker that serves at most 2 connections at once, held open by a peer
     from collector import filebroker
+
     monkeypatch.setattr(filebroker, "MAX_CONNECTIONS", 2)
     b = FileBroker(str(tmp_path), allowed_uids={os.getuid()})
     held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]

@@ -18,8 +18,8 @@ import pytest
 from report import profiles
 from shared import pprof
 from shared.safestr import printable, process_string, unescape
-from symbolizer.elf import read_elf
 from symbolizer import perfmap
+from symbolizer.elf import read_elf
 from tests.harness import vaddr_to_offset
 
 FIXTURE_C = Path(__file__).parent.parent / "fixtures" / "symbols.c"
@@ -30,13 +30,21 @@ PERIOD = 10_000_000
 
 def raw_controls(text: str) -> list[str]:
     """The characters of `text` a terminal acts on, or that break a line, but the newlines kept."""
-    return [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or
-                                              c in "\u2028\u2029\u202a\u202b\u202c\u202d\u202e")]
+    return [
+        c
+        for c in text
+        if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029\u202a\u202b\u202c\u202d\u202e")
+    ]
 
 
 def profile_of(path: Path, stacks: dict[tuple[str, ...], int]) -> list[profiles.Loaded]:
-    b = pprof.ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                             PERIOD, 1_700_000_000_000_000_000, 2_000_000_000)
+    b = pprof.ProfileBuilder(
+        [("samples", "count"), ("cpu", "nanoseconds")],
+        ("cpu", "nanoseconds"),
+        PERIOD,
+        1_700_000_000_000_000_000,
+        2_000_000_000,
+    )
     m = b.mapping("exe", "/usr/bin/a", "abc")
     for stack, n in stacks.items():
         locs = [b.location((name,), m, 0x1000 + i, [b.function(name)]) for i, name in enumerate(stack)]
@@ -64,15 +72,16 @@ def test_an_elf_symbol_with_control_bytes_reaches_neither_table_nor_folded_raw(t
     loaded = profile_of(tmp_path / "cpu-20261201T000000Z-1.pb.gz", {("main", name): 3, ("main", "work"): 1})
     table = profiles.top_table(loaded)
     assert not raw_controls(table) and len(table.splitlines()) == 1 + 3
-    assert [line for line in table.splitlines() if "forged" in line][0].endswith(printable(name))
+    assert next(line for line in table.splitlines() if "forged" in line).endswith(printable(name))
     folded = profiles.folded(loaded)
     assert not raw_controls(folded) and len(folded.splitlines()) == 2
 
 
 def test_a_pprof_from_anywhere_with_control_characters_is_printed_escaped(tmp_path: Path) -> None:
     # Given a pprof (not the agent's) whose function names hold raw control characters
-    loaded = profile_of(tmp_path / "cpu-20261201T000000Z-1.pb.gz",
-                        {("main", FORGED): 5, ("main;x\n", "work\x00"): 2, ("\x7f\x85",): 1})
+    loaded = profile_of(
+        tmp_path / "cpu-20261201T000000Z-1.pb.gz", {("main", FORGED): 5, ("main;x\n", "work\x00"): 2, ("\x7f\x85",): 1}
+    )
     # When `record`'s table and the folded stacks are written
     table, folded = profiles.top_table(loaded), profiles.folded(loaded)
     # Then no control character is in either, each row is one line, and the names read escaped

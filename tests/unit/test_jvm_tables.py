@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from runtimes import jvm
 from runtimes.jvm import layouts, vmstructs
 from runtimes.jvm.reader import MAX_FRAMES, JvmProcess, _Bad, line_table, read_signed, read_uint
@@ -77,10 +78,17 @@ def _crafted(img: _Image, struct_stride: int = 64, end_marker: bool = True) -> d
     """Exported variables of a small VM whose entries are laid out unlike HotSpot's (other offsets, strides)."""
     so = {"TypeName": 40, "FieldName": 8, "TypeString": 16, "IsStatic": 0, "Offset": 24, "Address": 32}
     structs = [
-        {so["TypeName"]: ("<Q", img.cstr("JavaThread")), so["FieldName"]: ("<Q", img.cstr("_anchor")),
-         so["Offset"]: ("<Q", 920)},
-        {so["TypeName"]: ("<Q", img.cstr("StubRoutines")), so["FieldName"]: ("<Q", img.cstr("_call_stub_return_address")),
-         so["IsStatic"]: ("<i", 1), so["Address"]: ("<Q", 0x7F0012345678)},
+        {
+            so["TypeName"]: ("<Q", img.cstr("JavaThread")),
+            so["FieldName"]: ("<Q", img.cstr("_anchor")),
+            so["Offset"]: ("<Q", 920),
+        },
+        {
+            so["TypeName"]: ("<Q", img.cstr("StubRoutines")),
+            so["FieldName"]: ("<Q", img.cstr("_call_stub_return_address")),
+            so["IsStatic"]: ("<i", 1),
+            so["Address"]: ("<Q", 0x7F0012345678),
+        },
     ]
     to = {"TypeName": 16, "SuperclassName": 0, "IsOopType": 8, "IsIntegerType": 12, "IsUnsigned": 24, "Size": 32}
     types = [{to["TypeName"]: ("<Q", img.cstr("ConstMethod")), to["Size"]: ("<Q", 56)}]
@@ -88,15 +96,23 @@ def _crafted(img: _Image, struct_stride: int = 64, end_marker: bool = True) -> d
     longs = [{16: ("<Q", img.cstr("markWord::hash_mask")), 0: ("<q", -(1 << 40))}]
     if not end_marker:
         structs = structs * 2
-    v = {"gHotSpotVMStructs": _table(img, struct_stride, structs), "gHotSpotVMStructEntryArrayStride": struct_stride,
-         "gHotSpotVMTypes": _table(img, 48, types), "gHotSpotVMTypeEntryArrayStride": 48,
-         "gHotSpotVMIntConstants": _table(img, 24, ints), "gHotSpotVMIntConstantEntryArrayStride": 24,
-         "gHotSpotVMIntConstantEntryNameOffset": 8, "gHotSpotVMIntConstantEntryValueOffset": 0,
-         "gHotSpotVMLongConstants": _table(img, 24, longs), "gHotSpotVMLongConstantEntryArrayStride": 24,
-         "gHotSpotVMLongConstantEntryNameOffset": 16, "gHotSpotVMLongConstantEntryValueOffset": 0}
+    v = {
+        "gHotSpotVMStructs": _table(img, struct_stride, structs),
+        "gHotSpotVMStructEntryArrayStride": struct_stride,
+        "gHotSpotVMTypes": _table(img, 48, types),
+        "gHotSpotVMTypeEntryArrayStride": 48,
+        "gHotSpotVMIntConstants": _table(img, 24, ints),
+        "gHotSpotVMIntConstantEntryArrayStride": 24,
+        "gHotSpotVMIntConstantEntryNameOffset": 8,
+        "gHotSpotVMIntConstantEntryValueOffset": 0,
+        "gHotSpotVMLongConstants": _table(img, 24, longs),
+        "gHotSpotVMLongConstantEntryArrayStride": 24,
+        "gHotSpotVMLongConstantEntryNameOffset": 16,
+        "gHotSpotVMLongConstantEntryValueOffset": 0,
+    }
     v.update({f"gHotSpotVMStructEntry{k}Offset": o for k, o in so.items()})
     v.update({f"gHotSpotVMTypeEntry{k}Offset": o for k, o in to.items()})
-    if not end_marker:   # the table runs on into memory that never ends it: one huge readable run
+    if not end_marker:  # the table runs on into memory that never ends it: one huge readable run
         v["gHotSpotVMStructs"] = img.block(b"\x01" * (struct_stride * (vmstructs.MAX_ENTRIES + 8)))
     return {name: img.u64(value) for name, value in v.items()}
 
@@ -135,7 +151,7 @@ def test_recorded_tables_of_jdk_11_to_25_give_a_layout(jdk: int) -> None:
     assert (lay.ik_source_file_index >= 0) == (jdk == 11)
     assert lay.call_wrapper_slot == -6 and lay.sender_sp_slot == -1 and lay.invocation_entry_bci == -1
     assert lay.has_linenumber_table == 1 and lay.pc_desc_size == 16
-    assert lay.cb_frame_complete > 0          # where a prologue ends (x86edge), in every release
+    assert lay.cb_frame_complete > 0  # where a prologue ends (x86edge), in every release
 
 
 def test_jdk8_is_refused_as_jdk8() -> None:
@@ -149,8 +165,9 @@ def test_jdk10_is_refused_by_its_version() -> None:
     assert isinstance(got, Refusal) and "JDK 10 (10.0.2+13) is not supported" in got.reason
 
 
-@pytest.mark.parametrize("missing", [("PcDesc", "_scope_decode_offset"), ("JavaFrameAnchor", "_last_Java_sp"),
-                                     ("CodeHeap", "_segmap")])
+@pytest.mark.parametrize(
+    "missing", [("PcDesc", "_scope_decode_offset"), ("JavaFrameAnchor", "_last_Java_sp"), ("CodeHeap", "_segmap")]
+)
 def test_tables_without_a_needed_field_are_refused_naming_it(missing: tuple[str, str]) -> None:
     vs = recorded(21)
     del vs.fields[missing]
@@ -160,10 +177,19 @@ def test_tables_without_a_needed_field_are_refused_naming_it(missing: tuple[str,
 
 # UNSIGNED5 as CompressedWriteStream writes it: before JDK 20, a byte < 192 is a value, 192..255 carry on
 # (six bits each); from JDK 20 every byte is one more (0 never appears), so a low byte is < 192 + 1 - 1.
-@pytest.mark.parametrize(("x", "data", "value"), [
-    (0, b"\x00", 0), (0, b"\xbf", 191), (0, b"\xc0\x00", 192), (0, b"\xc1\x01", 193 + 64),
-    (1, b"\x01", 0), (1, b"\xbf", 190), (1, b"\xc0\x01", 191), (1, b"\xc1\x02", 192 + 64),
-])
+@pytest.mark.parametrize(
+    ("x", "data", "value"),
+    [
+        (0, b"\x00", 0),
+        (0, b"\xbf", 191),
+        (0, b"\xc0\x00", 192),
+        (0, b"\xc1\x01", 193 + 64),
+        (1, b"\x01", 0),
+        (1, b"\xbf", 190),
+        (1, b"\xc0\x01", 191),
+        (1, b"\xc1\x02", 192 + 64),
+    ],
+)
 def test_unsigned5(x: int, data: bytes, value: int) -> None:
     assert read_uint(data, 0, x) == (value, len(data))
 
@@ -174,8 +200,8 @@ def test_unsigned5_rejects_the_excluded_byte() -> None:
 
 
 def test_signed_values_fold_the_sign_into_the_low_bit() -> None:
-    assert read_signed(b"\x03", 0, 0) == (-2, 1)     # encode_sign(-2) = 3
-    assert read_signed(b"\x07", 0, 1) == (3, 1)      # encode_sign(3) = 6, plus X
+    assert read_signed(b"\x03", 0, 0) == (-2, 1)  # encode_sign(-2) = 3
+    assert read_signed(b"\x07", 0, 1) == (3, 1)  # encode_sign(3) = 6, plus X
 
 
 @pytest.mark.parametrize("x", [0, 1])
@@ -185,6 +211,7 @@ def test_line_table_of_a_loop(x: int) -> None:
     # then one byte (bci delta << 3 | line delta) each, but for 21 (line -2): 0xFF, signed(3), signed(-2).
     def s(v: int) -> int:
         return ((v << 1) ^ (v >> 31)) + x
+
     data = bytes([0xFF, s(0), s(32), (15 << 3) | 1, (3 << 3) | 1, 0xFF, s(3), s(-2), (6 << 3) | 4, 0])
     assert line_table(data, x) == ((0, 32), (15, 33), (18, 34), (21, 32), (27, 36))
 
@@ -204,8 +231,12 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
     heap_buf[lay.hb_used] = 1
     blob = lay.heap_block_size
     struct.pack_into("<i", heap_buf, blob + lay.cb_size, (1 << 16) - blob)
-    struct.pack_into("<Q", heap_buf, blob + lay.cb_name,
-                     img.cstr(rng.choice(("Interpreter", "nmethod", "StubRoutines (1)", "RuntimeStub"))))
+    struct.pack_into(
+        "<Q",
+        heap_buf,
+        blob + lay.cb_name,
+        img.cstr(rng.choice(("Interpreter", "nmethod", "StubRoutines (1)", "RuntimeStub"))),
+    )
     struct.pack_into("<i", heap_buf, blob + lay.cb_frame_size, rng.randrange(0, 16))
     struct.pack_into("<Q", heap_buf, blob + lay.cb_code_begin, heap + blob + 256)
     segmap = img.block(bytes([0, 1]) + bytes(rng.choice((1, 1, 1, 2) * 8 + (255,)) for _ in range((1 << 10) - 2)))
@@ -214,7 +245,7 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
     struct.pack_into("<Q", vspace, lay.heap_memory + lay.vs_high, heap + (1 << 16))
     struct.pack_into("<Q", vspace, lay.heap_segmap + lay.vs_low, segmap)
     raw_heap = bytearray(max(len(vspace), lay.heap_log2_segment + 4))
-    raw_heap[:len(vspace)] = vspace
+    raw_heap[: len(vspace)] = vspace
     struct.pack_into("<i", raw_heap, lay.heap_log2_segment, 6)
     code_heap = img.block(bytes(raw_heap))
     heaps = img.block(struct.pack("<Q", code_heap))
@@ -226,12 +257,19 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
         stack_size = 1 << 14
         words = [rng.choice((rng.getrandbits(64), heap + rng.randrange(1 << 16), 0)) for _ in range(stack_size // 8)]
         stack = img.block(struct.pack(f"<{len(words)}Q", *words))
-        for k in range(0, len(words), 7):   # some frame pointers and sender sps into the stack itself
+        for k in range(0, len(words), 7):  # some frame pointers and sender sps into the stack itself
             struct.pack_into("<Q", img.keep[-1], 8 * k, stack + 8 * rng.randrange(len(words)))
-        t = bytearray(rng.randbytes(max(lay.jt_anchor + 24, lay.jt_osthread, lay.jt_stack_base,
-                                        lay.jt_stack_size) + 16))
-        struct.pack_into("<QQQ", t, lay.jt_anchor + lay.anchor_sp, stack + 8 * rng.randrange(len(words)),
-                         rng.choice((0, heap + rng.randrange(1 << 16))), stack + 8 * rng.randrange(len(words)))
+        t = bytearray(
+            rng.randbytes(max(lay.jt_anchor + 24, lay.jt_osthread, lay.jt_stack_base, lay.jt_stack_size) + 16)
+        )
+        struct.pack_into(
+            "<QQQ",
+            t,
+            lay.jt_anchor + lay.anchor_sp,
+            stack + 8 * rng.randrange(len(words)),
+            rng.choice((0, heap + rng.randrange(1 << 16))),
+            stack + 8 * rng.randrange(len(words)),
+        )
         struct.pack_into("<Q", t, lay.jt_stack_base, stack + stack_size)
         struct.pack_into("<Q", t, lay.jt_stack_size, stack_size)
         struct.pack_into("<Q", t, lay.jt_osthread, 0)
@@ -240,8 +278,12 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
     tl = bytearray(max(lay.tl_length + 4, lay.tl_threads + 8))
     struct.pack_into("<I", tl, lay.tl_length, len(threads))
     struct.pack_into("<Q", tl, lay.tl_threads, arr)
-    return replace(lay, java_thread_list=img.u64(img.block(bytes(tl))), code_heaps=img.u64(img.block(bytes(ga))),
-                   call_stub_return=img.u64(heap + 64))
+    return replace(
+        lay,
+        java_thread_list=img.u64(img.block(bytes(tl))),
+        code_heaps=img.u64(img.block(bytes(ga))),
+        call_stub_return=img.u64(heap + 64),
+    )
 
 
 def test_a_hostile_jvm_never_raises_out_of_sample() -> None:

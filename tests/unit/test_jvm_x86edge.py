@@ -13,9 +13,10 @@ Given the bytes at a sampled pc, when x86edge decodes them, then:
 from __future__ import annotations
 
 import pytest
+
 from runtimes.jvm.x86edge import Edge, in_epilogue, in_prologue
 
-FRAME_BYTES = 32     # step's frame: 4 words (return address, rbp, two of its own)
+FRAME_BYTES = 32  # step's frame: 4 words (return address, rbp, two of its own)
 
 # C2's verified entry of step (sub rsp, 0x18; mov [rsp+0x10], rbp), then, from JDK 21, the nmethod entry
 # barrier (cmp dword [r15+0x20], 1; jne), then the body (from `mov r11d, 1` / `mov r10, imm64`).
@@ -55,15 +56,15 @@ def test_on_the_entry_barrier_the_frame_is_whole_and_rbp_saved_below_the_return_
 def test_a_stack_bang_prologue_counts_push_rbp_and_sub_rsp() -> None:
     # mov [rsp-0x14000], eax; push rbp; sub rsp, 0x30: verified_entry with a stack bang, a 64-byte frame.
     code = bytes.fromhex("89842400c0feff554883ec30") + BODY
-    assert in_prologue(code, 12, 64) == Edge(ret_at=0, caller_rbp_at=None)          # on the bang
-    assert in_prologue(code[7:], 5, 64) == Edge(ret_at=0, caller_rbp_at=None)       # on push rbp
-    assert in_prologue(code[8:], 4, 64) == Edge(ret_at=8, caller_rbp_at=0)          # pushed, on sub rsp
+    assert in_prologue(code, 12, 64) == Edge(ret_at=0, caller_rbp_at=None)  # on the bang
+    assert in_prologue(code[7:], 5, 64) == Edge(ret_at=0, caller_rbp_at=None)  # on push rbp
+    assert in_prologue(code[8:], 4, 64) == Edge(ret_at=8, caller_rbp_at=0)  # pushed, on sub rsp
 
 
 @pytest.mark.parametrize("code", [EPILOGUE_11, EPILOGUE_21], ids=["11", "21"])
 def test_an_epilogue_counts_what_is_popped_before_the_ret(code: bytes) -> None:
-    assert in_epilogue(code) == Edge(ret_at=24, caller_rbp_at=16)       # on add rsp, 0x10: still whole
-    assert in_epilogue(code[4:]) == Edge(ret_at=8, caller_rbp_at=0)     # on pop rbp
+    assert in_epilogue(code) == Edge(ret_at=24, caller_rbp_at=16)  # on add rsp, 0x10: still whole
+    assert in_epilogue(code[4:]) == Edge(ret_at=8, caller_rbp_at=0)  # on pop rbp
     assert in_epilogue(code[5:]) == Edge(ret_at=0, caller_rbp_at=None)  # on the poll: rbp restored
     ret = code.index(b"\xc3")
     assert in_epilogue(code[ret:]) == Edge(ret_at=0, caller_rbp_at=None)

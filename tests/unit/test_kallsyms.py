@@ -20,7 +20,7 @@ def rows() -> list[tuple[int, str, str]]:
 def test_addresses_inside_a_function_name_it() -> None:
     syms = KernelSymbols(str(RECORDED))
     text = sorted((a, n) for a, k, n in rows() if k in "tTwW" and a)
-    for (addr, name), nxt in zip(text, text[1:] + [(None, None)]):
+    for (addr, name), nxt in zip(text, [*text[1:], (None, None)]):
         assert syms.name(addr) == name
         if nxt[0] is not None and nxt[0] > addr + 1:
             assert syms.name(nxt[0] - 1) == name
@@ -30,7 +30,7 @@ def test_addresses_inside_a_function_name_it() -> None:
 def test_only_text_symbols_with_addresses_are_kept() -> None:
     syms = KernelSymbols(str(RECORDED))
     assert len(syms) == sum(1 for a, k, _ in rows() if k in "tTwW" and a)
-    assert syms.name(0xffffffffc0a00010) == "mod_func"
+    assert syms.name(0xFFFFFFFFC0A00010) == "mod_func"
     assert "some_data" not in {syms.name(a) for a, _, _ in rows()}
 
 
@@ -38,5 +38,5 @@ def test_hidden_addresses_give_no_names(tmp_path: Path, caplog) -> None:
     hidden = tmp_path / "kallsyms"
     hidden.write_text("".join(f"0000000000000000 T {n}\n" for _, _, n in rows()))
     syms = KernelSymbols(str(hidden))
-    assert len(syms) == 0 and syms.name(0xffffffff81000000) == ""
+    assert len(syms) == 0 and syms.name(0xFFFFFFFF81000000) == ""
     assert "no kernel addresses" in caplog.text

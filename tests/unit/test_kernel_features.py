@@ -29,8 +29,7 @@ def test_a_kernel_with_everything_misses_nothing_and_compiles_every_path() -> No
 
 def test_debian_11s_kernel_lacks_task_storage_and_pt_regs_and_says_what_is_done_instead() -> None:
     # as 5.10 answers: no task storage, no bpf_get_current_task_btf, no bpf_task_pt_regs, no memcg accounting
-    probes = {**ALL_YES, "task_storage": False, "memcg_accounting": False, "task_pt_regs": False,
-              "uprobe_multi": False}
+    probes = {**ALL_YES, "task_storage": False, "memcg_accounting": False, "task_pt_regs": False, "uprobe_multi": False}
     k = features.resolve("5.10.0-35-amd64", probes)
     missing = {f.spec.name: f for f in k.missing()}
     assert set(missing) == {"task_storage", "memcg_accounting", "task_pt_regs", "uprobe_multi"}
@@ -58,7 +57,7 @@ def test_features_turned_off_by_the_environment_are_missing_and_unknown_names_re
     k = features.resolve("6.18", ALL_YES, off)
     assert {f.spec.name for f in k.missing()} == {"task_storage", "ringbuf", "task_pt_regs"}
     assert k.features["ringbuf"].why == f"turned off by {features.DISABLE_ENV}"
-    with pytest.raises(ValueError, match="unknown feature.*tsk_storage.*known: btf"):
+    with pytest.raises(ValueError, match="unknown feature.*tsk_storage.*known: btf"):  # noqa: RUF043
         features.disabled_by_env({features.DISABLE_ENV: "tsk_storage"})
 
 
@@ -85,18 +84,20 @@ def test_cap_sys_admin_is_kept_for_allocations_and_held_at_start_only_under_para
     plain.write_text("modules:\n  ebpf_profiler: {}\n")
     admin = frozenset({CAP_SYS_ADMIN})
     assert start_caps(str(plain), 2) == (frozenset(), frozenset())
-    assert start_caps(str(plain), 3) == (frozenset(), admin)        # Debian's default
-    assert start_caps(str(plain), 4) == (frozenset(), admin)        # Ubuntu's
-    assert start_caps(str(alloc), 3) == (admin, frozenset())        # kept: uprobes take it
-    assert start_caps(None, 3) == (frozenset(), admin)              # --preflight: as the start would be
+    assert start_caps(str(plain), 3) == (frozenset(), admin)  # Debian's default
+    assert start_caps(str(plain), 4) == (frozenset(), admin)  # Ubuntu's
+    assert start_caps(str(alloc), 3) == (admin, frozenset())  # kept: uprobes take it
+    assert start_caps(None, 3) == (frozenset(), admin)  # --preflight: as the start would be
     assert start_caps(str(plain), None) == (frozenset(), frozenset())
 
 
 def test_the_kernels_ms_extensions_flag_is_passed_where_its_header_tree_says_so(tmp_path: Path) -> None:
     # the line of sid's 7.2.13+deb14-amd64 header tree (include/config/auto.conf, as Debian ships it), and
     # bookworm's 6.1, which has none
-    for release, config in (("7.sid", "CONFIG_X86_64=y\nCONFIG_CC_MS_EXTENSIONS=-fms-extensions\nCONFIG_SMP=y\n"),
-                            ("6.1.bookworm", "CONFIG_X86_64=y\n")):
+    for release, config in (
+        ("7.sid", "CONFIG_X86_64=y\nCONFIG_CC_MS_EXTENSIONS=-fms-extensions\nCONFIG_SMP=y\n"),
+        ("6.1.bookworm", "CONFIG_X86_64=y\n"),
+    ):
         tree = tmp_path / release / "build" / "include" / "config"
         tree.mkdir(parents=True)
         (tree / "auto.conf").write_text(config)
@@ -113,8 +114,8 @@ def test_a_refused_program_is_named_with_the_verifiers_last_lines() -> None:
     message = programs.explain(Exception("Failed to load BPF program b'on_cpu_sample': Permission denied"), said)
     assert message.startswith("the kernel refused BPF program on_cpu_sample: Permission denied")
     assert "invalid bpf_context access off=136 size=2" in message
-    assert message.count("\n") <= programs.QUOTED_LINES + 1          # the end of the log, not all of it
-    assert errno.EACCES   # (the error is the kernel's EACCES, passed on as its text)
+    assert message.count("\n") <= programs.QUOTED_LINES + 1  # the end of the log, not all of it
+    assert errno.EACCES  # (the error is the kernel's EACCES, passed on as its text)
 
 
 def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them() -> None:

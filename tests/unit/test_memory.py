@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from runtimes.memory import (
     MAX_READ_BYTES,
     MemoryReadError,

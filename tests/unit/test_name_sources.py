@@ -21,8 +21,16 @@ JIT_END = JIT_START + 0x1000
 
 
 def _proc(mappings: tuple[Mapping, ...]) -> Process:
-    return Process(pid=4242, start_ticks=7, uid=os.getuid(), nspid=4242, comm="jit", executable="/jit",
-                   service="/jit", mappings=mappings)
+    return Process(
+        pid=4242,
+        start_ticks=7,
+        uid=os.getuid(),
+        nspid=4242,
+        comm="jit",
+        executable="/jit",
+        service="/jit",
+        mappings=mappings,
+    )
 
 
 class _NoFiles:
@@ -34,13 +42,15 @@ class _NoFiles:
 
 def test_every_source_is_a_name_source() -> None:
     for source in (ModuleNames, DebugFileNames, PerfMapNames, KernelNames):
-        assert NameSource in source.__mro__   # they subclass the protocol for its defaults
+        assert NameSource in source.__mro__  # they subclass the protocol for its defaults
 
 
 def test_kernel_frames_take_the_collectors_names() -> None:
-    resolver = FrameResolver(_NoFiles())   # no file is read for kernel frames
+    resolver = FrameResolver(_NoFiles())  # no file is read for kernel frames
     assert resolver.kernel([0x10, 0x20], {0x10: "schedule"}) == [
-        Frame(KERNEL_MODULE, "", 0x10, "schedule"), Frame(KERNEL_MODULE, "", 0x20, "")]
+        Frame(KERNEL_MODULE, "", 0x10, "schedule"),
+        Frame(KERNEL_MODULE, "", 0x20, ""),
+    ]
 
 
 def test_anonymous_frames_are_named_from_the_perf_map_read_once_per_stack(tmp_path: Path) -> None:
@@ -55,8 +65,11 @@ def test_anonymous_frames_are_named_from_the_perf_map_read_once_per_stack(tmp_pa
     resolver = FrameResolver(_NoFiles(), perf_maps=PerfMapCache(opener))
     proc = _proc((Mapping(JIT_START, JIT_END, 0, ""),))
     frames = resolver.user(proc, [JIT_START + 8, JIT_START + 0x800, 0x10])
-    assert frames == [Frame(JIT_MODULE, "", JIT_START + 8, "jitted_fn"), Frame(JIT_MODULE, "", JIT_START + 0x800, ""),
-                      Frame(UNKNOWN_MODULE, "", 0x10, "")]
+    assert frames == [
+        Frame(JIT_MODULE, "", JIT_START + 8, "jitted_fn"),
+        Frame(JIT_MODULE, "", JIT_START + 0x800, ""),
+        Frame(UNKNOWN_MODULE, "", 0x10, ""),
+    ]
     assert opened == [4242]
     assert resolver.stats["jit_named"] == 1 and resolver.stats["no_mapping"] == 1
 

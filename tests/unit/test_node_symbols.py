@@ -36,23 +36,23 @@ def test_values_and_version_of_the_host_node() -> None:
         facts = _facts(f)
     assert facts.version is not None and facts.version[:2] == (11, 3)
     assert facts.values["TaggedSize"] == 8 and facts.values["SmiShiftSize"] == 31
-    assert facts.values["off_fp_function"] == -16       # signed, as V8 wrote it
+    assert facts.values["off_fp_function"] == -16  # signed, as V8 wrote it
 
 
 def test_isolate_search_finds_the_planted_self_pointer() -> None:
     base = 0x7F00_1234_0000
     data = bytearray(64 << 10)
-    at = 0x1230                                           # the "isolate" at base + at points back at itself from +8
+    at = 0x1230  # the "isolate" at base + at points back at itself from +8
     struct.pack_into("<Q", data, at + 8, base + at)
-    struct.pack_into("<Q", data, 0x4000 + 8, base + 0x9999)   # a near miss
-    struct.pack_into("<Q", data, 0x6001, base + 0x5ff9)       # unaligned
+    struct.pack_into("<Q", data, 0x4000 + 8, base + 0x9999)  # a near miss
+    struct.pack_into("<Q", data, 0x6001, base + 0x5FF9)  # unaligned
     assert NodeProcess._self_pointers(bytes(data), base, 8) == [base + at]
 
 
 def test_isolate_search_across_a_64k_boundary() -> None:
-    base = 0x7F00_1233_8000                               # the window spans two 64 KiB blocks
+    base = 0x7F00_1233_8000  # the window spans two 64 KiB blocks
     data = bytearray(64 << 10)
-    at = 0x9000                                           # past the boundary at base + 0x8000
+    at = 0x9000  # past the boundary at base + 0x8000
     struct.pack_into("<Q", data, at + 8, base + at)
     assert NodeProcess._self_pointers(bytes(data), base, 8) == [base + at]
 
@@ -61,7 +61,7 @@ def test_implausible_v8dbg_values_are_named() -> None:
     with open(HOST_NODE, "rb") as f:
         values = dict(_facts(f).values)
     assert V8Info.from_values(values).check() is None
-    values["off_fp_function"] = 4096                       # a crafted file's slot, far from any frame
+    values["off_fp_function"] = 4096  # a crafted file's slot, far from any frame
     assert V8Info.from_values(values).check() == "frame slot off_function 4096"
     values["off_fp_function"], values["scopeinfo_idx_first_vars"] = -16, 0
     assert "ScopeInfo indices" in (V8Info.from_values(values).check() or "")
@@ -103,8 +103,12 @@ def _frames(node: NodeProcess, kinds: list[str], tail: int = 0) -> tuple[dict[in
         fp = STACK_HI - 0x1000 + 0x100 * i
         fps.append(fp)
         words[fp] = fp + 0x100 if i + 1 < len(kinds) else tail
-        words[fp + v8.off_context] = {"js": 0x1001, "entry": 2 * min(v8.ft_entry), "exit": 2 * v8.ft_exit,
-                                      "cxx": 0x7FFD_DEAD_BEE8}[kind]
+        words[fp + v8.off_context] = {
+            "js": 0x1001,
+            "entry": 2 * min(v8.ft_entry),
+            "exit": 2 * v8.ft_exit,
+            "cxx": 0x7FFD_DEAD_BEE8,
+        }[kind]
         words[fp + v8.off_function] = 0x2001 if kind == "js" else 0
     return words, fps
 
@@ -118,11 +122,11 @@ def test_register_chain_ends_at_the_entry_frame_or_where_it_breaks() -> None:
     lo, hi = STACK_HI - 0x1100, STACK_HI
     words, fps = _frames(node, ["js", "js", "entry", "cxx", "cxx"])
     window = _window(words, lo, hi)
-    assert node._chain_from_regs(window, lo, fps[0], 0) == fps[:3]          # past the entry: C++ frames, cut
-    assert node._chain_from_regs(window, lo, fps[1], fps[2]) == fps[1:3]     # the js_entry_sp now ends it
+    assert node._chain_from_regs(window, lo, fps[0], 0) == fps[:3]  # past the entry: C++ frames, cut
+    assert node._chain_from_regs(window, lo, fps[1], fps[2]) == fps[1:3]  # the js_entry_sp now ends it
     words, fps = _frames(node, ["js", "js", "entry", "cxx", "js", "entry"])  # nested: up to the outermost
     assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == fps
-    words, fps = _frames(node, ["js", "js"])                # no entry frame, and no isolate found to tell
+    words, fps = _frames(node, ["js", "js"])  # no entry frame, and no isolate found to tell
     assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], None) == fps
     assert node.dropped == {"regs_chain_cut": 1}
 
@@ -136,7 +140,7 @@ def test_register_chain_that_breaks_below_the_running_entry_is_another_moments_a
     # given two JavaScript frames whose caller's slots now hold what C++ wrote there, under an entry
     # frame the isolate names as running
     words, fps = _frames(node, ["js", "js", "cxx", "entry"])
-    words[fps[1]] = 0x10                                   # the saved rbp, written over: below itself
+    words[fps[1]] = 0x10  # the saved rbp, written over: below itself
     # when the chain is followed from the leaf, then nothing is kept, and the drop is counted
     assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], fps[3]) == []
     # and so when the isolate no longer names a running entry frame (0: the process leaving JavaScript)
@@ -169,16 +173,26 @@ def test_samples_not_running_javascript_are_left_to_the_timer() -> None:
 
     def sample(t: int, ip: int, fp: int, at: int = sp) -> RegsSample:
         return RegsSample(pid=1, start_ticks=1, tid=1, time_ns=t, ip=ip, sp=at, fp=fp, stack=b"")
+
     node._scanned_ns = 1_000_000_000
-    samples = [sample(1_010_000_000, JIT + 8, fps[0]),                 # before the handover
-               sample(2_000_000_000, JIT + 8, fps[0], at=0x7F00_0000_0000),   # a worker thread's stack
-               sample(2_000_000_000, LIBC + 8, fps[0]),                # in libc
-               sample(2_000_000_000, V8_TEXT + 8, fps[0])]             # a builtin: walked
+    samples = [
+        sample(1_010_000_000, JIT + 8, fps[0]),  # before the handover
+        sample(2_000_000_000, JIT + 8, fps[0], at=0x7F00_0000_0000),  # a worker thread's stack
+        sample(2_000_000_000, LIBC + 8, fps[0]),  # in libc
+        sample(2_000_000_000, V8_TEXT + 8, fps[0]),
+    ]  # a builtin: walked
     assert node.sample_regs(_PlantedMemory(words), samples) == []
     assert node.sample_regs(_PlantedMemory(exit_words), [sample(2_000_000_000, V8_TEXT + 8, exit_fps[0])]) == []
     assert node.regs_seen
     from runtimes import main
     from runtimes.node import reader
-    assert reader.TIMER_PERIOD_NS == 1_000_000_000 // main.SAMPLE_HZ      # the handover's period is the timer's
-    assert node.dropped == {"regs_before_handover": 1, "regs_not_main_thread": 1, "regs_not_js": 1,
-                            "not_function": 2, "regs_no_frames": 1, "regs_in_cxx": 1}, node.dropped
+
+    assert reader.TIMER_PERIOD_NS == 1_000_000_000 // main.SAMPLE_HZ  # the handover's period is the timer's
+    assert node.dropped == {
+        "regs_before_handover": 1,
+        "regs_not_main_thread": 1,
+        "regs_not_js": 1,
+        "not_function": 2,
+        "regs_no_frames": 1,
+        "regs_in_cxx": 1,
+    }, node.dropped

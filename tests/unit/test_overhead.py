@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from cli import status as status_cli
 from collector.bpftime import ProgTime
 from collector.overhead import (
@@ -17,7 +18,6 @@ from collector.overhead import (
     write_status,
 )
 from shared import config as config_mod
-
 from tests.harness import PY, wait_for
 
 WALL_NS = 1_000_000_000
@@ -26,7 +26,7 @@ WALL_NS = 1_000_000_000
 def test_over_budget_halves_down_to_1_hz_and_three_windows_under_half_double_back_to_the_configured_rate() -> None:
     # given a 1% budget at 99 Hz
     b = Budget(99, 1.0)
-    over, under_half, between = 20_000_000, 1_000_000, 7_000_000   # 2%, 0.1%, 0.7% of one second
+    over, under_half, between = 20_000_000, 1_000_000, 7_000_000  # 2%, 0.1%, 0.7% of one second
     # when windows go over it, the rate halves each time, down to 1 Hz and no further
     rates = []
     for _ in range(8):
@@ -50,7 +50,7 @@ def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp
     # given a guard over a run directory naming this test process as a stage, and the programs' own
     # counters (bpf/common.h: every run counted, some timed)
     (tmp_path / "uploader.ready").write_text(f"{os.getppid()}\n")
-    (tmp_path / "gone.ready").write_text("999999999\n")          # a stale ready file: skipped
+    (tmp_path / "gone.ready").write_text("999999999\n")  # a stale ready file: skipped
     counters = {"on_cpu_sample": ProgTime(runs=10, timed=1, timed_ns=100)}
     clock = [0]
     guard = OverheadGuard(str(tmp_path), 99, 1.0, "test", lambda: counters, clock=lambda: clock[0])
@@ -80,29 +80,35 @@ def test_a_window_counts_stage_cpu_and_bpf_run_time_and_decides_on_their_sum(tmp
 
 
 def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_parentheses(
-        tmp_path: Path, started: list[subprocess.Popen]) -> None:
+    tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     # given a process named "a) (b c"
     exe = tmp_path / "a) (b c"
     exe.symlink_to("/bin/sleep")
     p = subprocess.Popen([str(exe), "30"])
     started.append(p)
-    wait_for("the process to run under that name",
-             lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10)
+    wait_for(
+        "the process to run under that name", lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == exe.name, 10
+    )
     # when its stat is read (once exec has mapped and touched its pages: just after the name
     # changes, the new image can have no resident pages yet), then the fields after the name
     # are found
-    got = wait_for("its stat to show resident pages",
-                   lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10)
+    got = wait_for(
+        "its stat to show resident pages", lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10
+    )
     assert got.pid == p.pid and got.cpu_ns >= 0
     p.kill()
     p.wait()
-    assert read_proc(p.pid) is None   # reaped: nothing to read
+    assert read_proc(p.pid) is None  # reaped: nothing to read
 
 
 @pytest.mark.parametrize("value", [0, -1, 0.0001, 101, "1%", True])
 def test_a_bad_overhead_budget_is_a_clear_error(value: object) -> None:
-    with pytest.raises(config_mod.ConfigError, match=r"overhead_budget_pct = .* is not allowed; expected a number "
-                                                     r"from 0.001 to 100"):
+    with pytest.raises(
+        config_mod.ConfigError,
+        match=r"overhead_budget_pct = .* is not allowed; expected a number "
+        r"from 0.001 to 100",
+    ):
         config_mod.from_mapping({"overhead_budget_pct": value}, source="agent.yaml")
 
 
@@ -115,8 +121,13 @@ def test_status_says_clearly_when_nothing_runs(tmp_path: Path) -> None:
     # given a run directory with no collector (and a ready file of a dead one)
     (tmp_path / "collector.ready").write_text("999999999\n")
     # when `ebpfprofiler status` is asked
-    out = subprocess.run([PY, "-m", "cli.main", "status", "--run-dir", str(tmp_path)],
-                         check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [PY, "-m", "cli.main", "status", "--run-dir", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     # then it exits 1 and says that no collector runs there, not a traceback
     assert out.returncode == 1
     assert "no collector is running with run directory" in out.stderr and "Traceback" not in out.stderr

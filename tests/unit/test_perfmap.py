@@ -25,9 +25,9 @@ PID, NSPID, START_TICKS = 4242, 7, 123456
 UID = os.getuid()
 
 MAP = (
-    "7f0000001000 40 LazyCompile:~handler /app/server.js:12\n"   # bare hex, name with spaces
-    "0x7f0000002000 0x20 Builtin:ArrayPush\n"                      # 0x-prefixed
-    "7F0000003000 10 Stub  with  double  spaces\n"                 # upper case hex
+    "7f0000001000 40 LazyCompile:~handler /app/server.js:12\n"  # bare hex, name with spaces
+    "0x7f0000002000 0x20 Builtin:ArrayPush\n"  # 0x-prefixed
+    "7F0000003000 10 Stub  with  double  spaces\n"  # upper case hex
 )
 
 
@@ -46,11 +46,13 @@ def proc(tmp_path: Path) -> Path:
 
 def opener(proc: Path) -> perfmap.Opener:
     """The broker's opening, as the symbolizer's cache sees it through the socket."""
+
     def open_fd(pid: int, start_ticks: int) -> int:
         try:
             return filebroker.open_perf_map(str(proc), FileRequest(pid, start_ticks, "perf_map"))
         except filebroker.Refused as e:
             raise PerfMapRefused(str(e)) from None
+
     return open_fd
 
 
@@ -74,6 +76,7 @@ def read(proc: Path, uid: int = UID) -> perfmap.PerfMap:
 
 # --- parsing and lookup -----------------------------------------------------------
 
+
 def test_lookup_inside_and_outside_entries(proc: Path) -> None:
     # Given a map with bare hex, 0x-prefixed hex and names with spaces
     write_map(proc, MAP)
@@ -93,8 +96,8 @@ def test_malformed_lines_are_skipped_and_counted(proc: Path) -> None:
     # Given a map in which good lines are mixed with 9 malformed ones and an unfinished last line
     bad = [
         "zz 10 not_hex\n",
-        "1000 10\n",                      # no name
-        "1000 10    \n",                  # blank name
+        "1000 10\n",  # no name
+        "1000 10    \n",  # blank name
         "-10 5 negative\n",
         "2000 0 zero_size\n",
         "ffffffffffffffff 2 wraps_past_2_64\n",
@@ -116,18 +119,22 @@ def test_malformed_lines_are_skipped_and_counted(proc: Path) -> None:
 def test_a_nul_ends_an_entry_as_dotnet_8_writes_some(proc: Path) -> None:
     # Given lines as .NET 8.0.4 wrote them when asked for a map over its diagnostics socket (recorded
     # from one: 12 of its 1,384 lines held two entries, the first ended by a NUL)
-    write_map(proc, "0x7f3aa44275b0 2a instance native int [Python.Runtime] Python.Runtime.Platform.LinuxLibDL2::"
-                    "Python.Runtime.Platform.ILibDL.dlsym(native int,string)[QuickJitted]\0"
-                    "0x7f3aa44275f0 1da native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,string)"
-                    "[Optimized]\n"
-                    "0x7f3aa51406a0 27 int64 [Anonymously Hosted DynamicMethods Assembly] "
-                    "dynamicClass::HotLoopEbpfTest(int64)[Optimized]\0\n")
+    write_map(
+        proc,
+        "0x7f3aa44275b0 2a instance native int [Python.Runtime] Python.Runtime.Platform.LinuxLibDL2::"
+        "Python.Runtime.Platform.ILibDL.dlsym(native int,string)[QuickJitted]\0"
+        "0x7f3aa44275f0 1da native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,string)"
+        "[Optimized]\n"
+        "0x7f3aa51406a0 27 int64 [Anonymously Hosted DynamicMethods Assembly] "
+        "dynamicClass::HotLoopEbpfTest(int64)[Optimized]\0\n",
+    )
     # When it is read / Then each entry resolves to its own name, none is counted malformed
     pm = read(proc)
     assert pm.bad_lines == 0
     assert pm.lookup(0x7F3AA44275B0 + 0x29).endswith("ILibDL.dlsym(native int,string)[QuickJitted]")
-    assert pm.lookup(0x7F3AA44275F0) == ("native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,"
-                                         "string)[Optimized]")
+    assert pm.lookup(0x7F3AA44275F0) == (
+        "native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,string)[Optimized]"
+    )
     assert pm.lookup(0x7F3AA51406A0 + 0x26).endswith("dynamicClass::HotLoopEbpfTest(int64)[Optimized]")
 
 
@@ -151,6 +158,7 @@ def test_more_entries_than_the_cap_is_refused(proc: Path, monkeypatch: pytest.Mo
 
 
 # --- refusals ---------------------------------------------------------------------
+
 
 def test_symlinked_map_is_refused(proc: Path, tmp_path: Path) -> None:
     # Given /tmp/perf-<nspid>.map is a symlink to a file of well-formed lines
@@ -199,8 +207,7 @@ def test_fifo_is_refused_without_blocking(proc: Path) -> None:
     # Given a FIFO where the map should be (opening it for reading would block without a writer)
     os.mkfifo(map_path(proc))
     result: list[BaseException] = []
-    t = threading.Thread(target=lambda: result.append(pytest.raises(PerfMapRefused, read, proc).value),
-                         daemon=True)
+    t = threading.Thread(target=lambda: result.append(pytest.raises(PerfMapRefused, read, proc).value), daemon=True)  # noqa: RUF061
     # When it is opened / Then it is refused at once as not a regular file
     t.start()
     t.join(5.0)
@@ -232,6 +239,7 @@ def test_real_proc_self_root_tmp() -> None:
 
 # --- PerfMapCache -----------------------------------------------------------------
 
+
 def test_cache_rereads_a_changed_map_at_most_once_per_recheck_interval(proc: Path) -> None:
     # Given a cached map
     cache = PerfMapCache(opener(proc))
@@ -250,8 +258,9 @@ def test_cache_rereads_a_changed_map_at_most_once_per_recheck_interval(proc: Pat
     assert cache.stats["loaded"] == 2 and cache.stats["hits"] == 2
 
 
-def test_cache_logs_a_refusal_once_and_reads_the_map_once_fixed(proc: Path, tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_cache_logs_a_refusal_once_and_reads_the_map_once_fixed(
+    proc: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # Given a process whose map is a symlink
     target = tmp_path / "target"
     target.write_text(MAP)
@@ -317,7 +326,7 @@ def test_a_costly_map_rewritten_every_second_is_read_a_bounded_share_of_the_time
     cache.get(PID, START_TICKS, NSPID, UID, now=100.0)
     # When it changes every second
     read_at = [100.0]
-    backoff = [cache._entries[(PID, START_TICKS)].interval]   # what the cache set after each read
+    backoff = [cache._entries[(PID, START_TICKS)].interval]  # what the cache set after each read
     for second in range(1, 61):
         write_map(proc, lines + f"{0x100:x} 10 tick_{second}\n")
         before = cache.stats["loaded"]
@@ -342,6 +351,7 @@ def test_a_process_gone_keeps_the_map_last_read_from_it(proc: Path) -> None:
         if not (proc / str(pid)).exists():
             raise ProcessGone(f"pid {pid} exited")
         return inner(pid, start_ticks)
+
     cache = PerfMapCache(open_fd)
     write_map(proc, "1000 10 jitted\n")
     assert cache.get(PID, START_TICKS, NSPID, UID, now=100.0).lookup(0x1000) == "jitted"

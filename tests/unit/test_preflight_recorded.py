@@ -42,13 +42,20 @@ def set_caps(root: Path, drop: int = 0, add: int = 0) -> None:
     def change(m: re.Match[str]) -> str:
         value = (int(m.group(2), 16) & ~drop) | add
         return f"{m.group(1)}{value:016x}"
+
     status.write_text(re.sub(r"^(Cap(?:Eff|Prm):\s*)([0-9a-f]+)", change, status.read_text(), flags=re.M))
 
 
 def set_memlock(root: Path, soft: str, hard: str) -> None:
     limits = root / "proc/self/limits"
-    limits.write_text(re.sub(r"^Max locked memory\s+\S+\s+\S+", f"Max locked memory         {soft:<21}{hard:<21}",
-                             limits.read_text(), flags=re.M))
+    limits.write_text(
+        re.sub(
+            r"^Max locked memory\s+\S+\s+\S+",
+            f"Max locked memory         {soft:<21}{hard:<21}",
+            limits.read_text(),
+            flags=re.M,
+        )
+    )
 
 
 def release(root: Path) -> str:
@@ -107,8 +114,9 @@ def test_debian_11s_memlock_limit_is_named_when_it_cannot_be_raised(tmp_path: Pa
 
 def test_debian_11_names_each_kernel_feature_it_does_without() -> None:
     checks = checks_of(FIXTURES / "bullseye")
-    missing = {name.removeprefix("kernel feature "): c for name, c in checks.items()
-               if name.startswith("kernel feature ")}
+    missing = {
+        name.removeprefix("kernel feature "): c for name, c in checks.items() if name.startswith("kernel feature ")
+    }
     assert {"task_storage", "memcg_accounting", "task_pt_regs", "switch_prev_state", "uprobe_multi"} <= set(missing)
     assert all(c.level == WARN for c in missing.values())
     assert "LRU hash map by thread id" in missing["task_storage"].detail
@@ -124,7 +132,7 @@ def test_a_kernel_without_btf_runs_without_off_cpu_and_says_so(tmp_path: Path) -
     assert checks["BTF"].level == WARN and "no off-CPU profiles" in checks["BTF"].detail
     assert "CONFIG_DEBUG_INFO_BTF=y" in checks["BTF"].fix
     assert checks["kernel feature btf"].level == WARN
-    assert preflight.passed(list(checks.values()))      # the rest of the agent runs
+    assert preflight.passed(list(checks.values()))  # the rest of the agent runs
 
 
 def test_a_missing_header_tree_is_named_with_the_package_to_install(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_an_exited_process_is_kept_for_one_more_drain_then_forgotten(tmp_path: P
     (proc / "6" / "stat").unlink()
     assert table.forget_exited(living.__contains__) == 0
     got = table.get(6)
-    assert got is not None and got.pid == 6            # what was known: the best answer
+    assert got is not None and got.pid == 6  # what was known: the best answer
     assert table.forget_exited(living.__contains__) == 1
     assert table.get(6) is None and len(table) == 1 and table.stats["forgotten"] == 1
 
@@ -122,15 +122,25 @@ def test_a_process_is_marked_for_registers_by_the_name_of_a_file_it_maps() -> No
     from shared.wire import Mapping, Process
 
     def process(*paths: str) -> Process:
-        return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="java", executable="/usr/bin/java", service="s",
-                       mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p)
-                                      for i, p in enumerate(paths, 1)))
+        return Process(
+            pid=1,
+            start_ticks=1,
+            uid=0,
+            nspid=1,
+            comm="java",
+            executable="/usr/bin/java",
+            service="s",
+            mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p) for i, p in enumerate(paths, 1)),
+        )
+
     names = runtime_registry.regs_mappings(("jvm",))
     assert "libjvm.so" in names
-    assert marked_by(process("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/jdk/lib/server/libjvm.so"), names) \
+    assert (
+        marked_by(process("/usr/lib/x86_64-linux-gnu/libc.so.6", "/opt/jdk/lib/server/libjvm.so"), names)
         == "/opt/jdk/lib/server/libjvm.so"
+    )
     assert marked_by(process("/opt/jdk/lib/server/libjvm.so.bak", "/tmp/libjvm.sox"), names) is None
-    assert runtime_registry.regs_mappings(("php", "ruby")) == frozenset()   # nothing marked without the JVM
+    assert runtime_registry.regs_mappings(("php", "ruby")) == frozenset()  # nothing marked without the JVM
 
 
 def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_soname() -> None:
@@ -139,15 +149,29 @@ def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_so
     from shared.wire import Mapping, Process
 
     def process(*paths: str) -> Process:
-        return Process(pid=1, start_ticks=1, uid=0, nspid=1, comm="node", executable=paths[0], service="s",
-                       mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p)
-                                      for i, p in enumerate(paths, 1)))
+        return Process(
+            pid=1,
+            start_ticks=1,
+            uid=0,
+            nspid=1,
+            comm="node",
+            executable=paths[0],
+            service="s",
+            mappings=tuple(Mapping(0x1000 * i, 0x1000 * i + 0x1000, 0, p) for i, p in enumerate(paths, 1)),
+        )
+
     names = runtime_registry.regs_mappings(("node",))
     assert marked_by(process("/usr/local/bin/node"), names) == "/usr/local/bin/node"
-    assert marked_by(process("/usr/bin/nodejs", "/usr/lib/x86_64-linux-gnu/libnode.so.115"), names) \
+    assert (
+        marked_by(process("/usr/bin/nodejs", "/usr/lib/x86_64-linux-gnu/libnode.so.115"), names)
         == "/usr/lib/x86_64-linux-gnu/libnode.so.115"
+    )
     assert marked_by(process("/usr/bin/nodejs", "/usr/lib/libnode.so.127"), names) == "/usr/lib/libnode.so.127"
-    assert marked_by(process("/usr/bin/python3", "/tmp/libnode.so", "/opt/node_modules/x.node", "/tmp/nodes"),
-                     names) is None
-    assert "libjvm.so" not in names and marked_by(process("/usr/local/bin/node"),
-                                                  runtime_registry.regs_mappings(("jvm",))) is None
+    assert (
+        marked_by(process("/usr/bin/python3", "/tmp/libnode.so", "/opt/node_modules/x.node", "/tmp/nodes"), names)
+        is None
+    )
+    assert (
+        "libjvm.so" not in names
+        and marked_by(process("/usr/local/bin/node"), runtime_registry.regs_mappings(("jvm",))) is None
+    )

@@ -16,17 +16,17 @@ def test_start_ticks_of_a_live_and_of_an_exited_process(started: list[subprocess
     assert procstat.start_ticks(p.pid) == int(line.rsplit(")", 1)[1].split()[19])
     p.kill()
     p.wait()
-    assert procstat.start_ticks(p.pid) is None   # reaped: its pid names nothing (or another process)
+    assert procstat.start_ticks(p.pid) is None  # reaped: its pid names nothing (or another process)
 
 
 def test_a_pid_is_alive_until_its_process_is_reaped_whoever_owns_it(started: list[subprocess.Popen]) -> None:
     p = subprocess.Popen(["sleep", "30"])
     started.append(p)
     assert procstat.alive(p.pid) and procstat.alive(os.getpid())
-    assert procstat.alive(1)            # init: another user's process for an unprivileged test, EPERM
+    assert procstat.alive(1)  # init: another user's process for an unprivileged test, EPERM
     p.kill()
     p.wait()
-    assert not procstat.alive(p.pid)    # reaped (a pid reused meanwhile would be alive: the callers know)
+    assert not procstat.alive(p.pid)  # reaped (a pid reused meanwhile would be alive: the callers know)
     assert not procstat.alive(1 << 40)  # no such pid can exist
 
 

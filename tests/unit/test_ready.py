@@ -16,8 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -63,10 +63,16 @@ def notify(tmp_path: Path) -> Iterator[socket.socket]:
         s.close()
 
 
-def start_stage(run_dir: Path, started: list[subprocess.Popen], code: str = STAGE,
-                env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(BEAT_S)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+def start_stage(
+    run_dir: Path, started: list[subprocess.Popen], code: str = STAGE, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir), str(BEAT_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     started.append(p)
     return p
 
@@ -86,14 +92,19 @@ def received(s: socket.socket, into: list[str]) -> list[str]:
 
 
 def test_a_working_step_beats_tells_systemd_and_its_file_goes_when_it_ends(
-        tmp_path: Path, notify: socket.socket, started: list[subprocess.Popen]) -> None:
+    tmp_path: Path, notify: socket.socket, started: list[subprocess.Popen]
+) -> None:
     # given a stage in its start-up step
     p = start_stage(tmp_path, started, env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
     watch = ready.StartWatch(str(tmp_path), "collector", p.pid)
     # then a reader sees it working, saying what it does, its heartbeat renewed and its time growing
     wait_for("the step to be seen working", lambda: watch.check().state is ready.State.WORKING, DEADLINE_S, 0.01)
-    beats = wait_for("three beats", lambda: (g := ready.read_progress(str(tmp_path), "collector")) and g.beat >= 3
-                     and g, DEADLINE_S, 0.01)
+    beats = wait_for(
+        "three beats",
+        lambda: (g := ready.read_progress(str(tmp_path), "collector")) and g.beat >= 3 and g,
+        DEADLINE_S,
+        0.01,
+    )
     assert beats.pid == p.pid and beats.doing == DOING and beats.elapsed_s >= 2 * BEAT_S
     looked = watch.check()
     assert looked.state is ready.State.WORKING and looked.doing == DOING and looked.elapsed_s >= 2 * BEAT_S
@@ -109,12 +120,13 @@ def test_a_working_step_beats_tells_systemd_and_its_file_goes_when_it_ends(
     assert not os.path.exists(endpoints.progress_file(str(tmp_path), "collector"))
     received(notify, said)
     end = next(i for i, m in enumerate(said) if m.startswith(f"STATUS={DOING}: done in "))
-    assert said[end + 1:] == ["READY=1"], said
-    assert not [m for m in said[end + 1:] if "EXTEND_TIMEOUT_USEC" in m]   # no beat after the end
+    assert said[end + 1 :] == ["READY=1"], said
+    assert not [m for m in said[end + 1 :] if "EXTEND_TIMEOUT_USEC" in m]  # no beat after the end
 
 
-def test_a_step_that_fails_removes_its_progress_file(tmp_path: Path, notify: socket.socket,
-                                                      started: list[subprocess.Popen]) -> None:
+def test_a_step_that_fails_removes_its_progress_file(
+    tmp_path: Path, notify: socket.socket, started: list[subprocess.Popen]
+) -> None:
     p = start_stage(tmp_path, started, env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
     assert p.stdout is not None and p.stdout.readline() == "working\n"
     assert ready.read_progress(str(tmp_path), "collector") is not None
@@ -134,10 +146,11 @@ def test_a_stage_that_stops_beating_is_stale(tmp_path: Path, started: list[subpr
     # when it stops (alive, but its heartbeat no longer renewed: hung, or starved)
     os.kill(p.pid, signal.SIGSTOP)
     # then within a few beats the reader calls its heartbeat stale, saying what it was doing
-    stale = wait_for("a stale heartbeat", lambda: (g := watch.check()).state is ready.State.STALE and g,
-                     DEADLINE_S, 0.01)
+    stale = wait_for(
+        "a stale heartbeat", lambda: (g := watch.check()).state is ready.State.STALE and g, DEADLINE_S, 0.01
+    )
     assert stale.doing == DOING and stale.quiet_s > ready.STALE_BEATS * BEAT_S
-    assert p.poll() is None   # still alive: stale is the heartbeat's judgement, not the process's
+    assert p.poll() is None  # still alive: stale is the heartbeat's judgement, not the process's
     # and when it runs again its next beat makes it working again
     os.kill(p.pid, signal.SIGCONT)
     wait_for("the heartbeat renewed", lambda: watch.check().state is ready.State.WORKING, DEADLINE_S, 0.01)
@@ -173,14 +186,19 @@ def in_thread(stage: run_mod.Stage, stop: threading.Event) -> tuple[threading.Th
 
 
 def test_run_waits_past_its_quiet_limit_for_a_stage_whose_heartbeat_is_fresh(
-        tmp_path: Path, started: list[subprocess.Popen]) -> None:
+    tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     # given `run` waiting for a stage whose start-up step works far longer than run's limit for silence
     p = start_stage(tmp_path, started)
     stop = threading.Event()
     t, answer = in_thread(stage_for(tmp_path, p), stop)
     try:
-        wait_for(f"the step to have run {4 * QUIET_S} s", lambda: (g := ready.read_progress(
-            str(tmp_path), "collector")) is not None and g.elapsed_s > 4 * QUIET_S, DEADLINE_S, 0.01)
+        wait_for(
+            f"the step to have run {4 * QUIET_S} s",
+            lambda: (g := ready.read_progress(str(tmp_path), "collector")) is not None and g.elapsed_s > 4 * QUIET_S,
+            DEADLINE_S,
+            0.01,
+        )
         # then run still waits
         assert t.is_alive() and not answer
         # and when the step ends and the stage is ready, run's wait ends with it ready
@@ -192,8 +210,9 @@ def test_run_waits_past_its_quiet_limit_for_a_stage_whose_heartbeat_is_fresh(
         t.join(DEADLINE_S)
 
 
-def test_run_reports_a_stale_heartbeat_a_silent_stage_and_an_exit(tmp_path: Path,
-                                                                 started: list[subprocess.Popen]) -> None:
+def test_run_reports_a_stale_heartbeat_a_silent_stage_and_an_exit(
+    tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     stop = threading.Event()
     try:
         # a stage whose heartbeat stops (SIGSTOP) is reported stale, with what it was doing
@@ -221,14 +240,20 @@ def test_run_reports_a_stale_heartbeat_a_silent_stage_and_an_exit(tmp_path: Path
         stop.set()
 
 
-def test_record_shows_the_step_and_calls_a_stale_heartbeat_stuck(tmp_path: Path,
-                                                                 started: list[subprocess.Popen]) -> None:
+def test_record_shows_the_step_and_calls_a_stale_heartbeat_stuck(
+    tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     from cli.record import StartProgress
+
     p = start_stage(tmp_path, started)
     starting = StartProgress(str(tmp_path), ["collector"])
     # while the step works: its line says what and for how long, and the start is not stuck
-    wait_for("the step in record's line", lambda: (starting.check(), f"collector {DOING} (" in starting.line())[1],
-             DEADLINE_S, 0.01)
+    wait_for(
+        "the step in record's line",
+        lambda: (starting.check(), f"collector {DOING} (" in starting.line())[1],
+        DEADLINE_S,
+        0.01,
+    )
     assert starting.line().startswith("starting: 0 of 1 stages ready; ") and starting.stuck() is None
     # when its heartbeat stops, record calls the start stuck, naming the stage and what it was doing
     os.kill(p.pid, signal.SIGSTOP)

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
@@ -28,8 +28,9 @@ def start_receiver(tmp_path: Path, *options: str) -> Receiver:
     prefix = "receiver listening on http://127.0.0.1:"
     if not text.startswith(prefix) or text.count("\n") != 1:
         r.stop()
-        raise AssertionError(f"receiver did not announce itself: {text!r}; stderr: "
-                             f"{(tmp_path / 'receiver.err').read_text()}")
+        raise AssertionError(
+            f"receiver did not announce itself: {text!r}; stderr: {(tmp_path / 'receiver.err').read_text()}"
+        )
     return r
 
 
@@ -43,8 +44,13 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
 
 
 def profile_bytes(n_samples: int = 2) -> bytes:
-    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                       period=52_631_578, time_ns=START_NS, duration_ns=END_NS - START_NS)
+    b = ProfileBuilder(
+        [("samples", "count"), ("cpu", "nanoseconds")],
+        ("cpu", "nanoseconds"),
+        period=52_631_578,
+        time_ns=START_NS,
+        duration_ns=END_NS - START_NS,
+    )
     m = b.mapping("main", "/usr/bin/python3.11", "abcdef")
     for i in range(n_samples):
         loc = b.location(i, m, 0x1000 + i, [b.function(f"fn{i}")])
@@ -53,8 +59,14 @@ def profile_bytes(n_samples: int = 2) -> bytes:
 
 
 def params(**changes: object) -> dict[str, object]:
-    p: dict[str, object] = {"source": "ebpf", "type": "cpu", "service": "/usr/bin/python3.11",
-                            "host": "web-1", "start": START_NS, "end": END_NS}
+    p: dict[str, object] = {
+        "source": "ebpf",
+        "type": "cpu",
+        "service": "/usr/bin/python3.11",
+        "host": "web-1",
+        "start": START_NS,
+        "end": END_NS,
+    }
     p.update(changes)
     return {k: v for k, v in p.items() if v is not None}
 
@@ -63,8 +75,9 @@ def post(r: Receiver, body: bytes, profile_id: str | None = "p-1", **changes: ob
     headers = {"Content-Type": "application/octet-stream"}
     if profile_id is not None:
         headers["X-Profile-Id"] = profile_id
-    return requests.post(f"{r.url}/v1/profiles", params=params(**changes), data=body, headers=headers,
-                         timeout=HTTP_TIMEOUT_S)
+    return requests.post(
+        f"{r.url}/v1/profiles", params=params(**changes), data=body, headers=headers, timeout=HTTP_TIMEOUT_S
+    )
 
 
 def test_a_valid_profile_is_stored_with_its_metadata(receiver: Receiver) -> None:
@@ -80,9 +93,18 @@ def test_a_valid_profile_is_stored_with_its_metadata(receiver: Receiver) -> None
     received_at = meta.pop("received_at")
     assert abs(received_at - time.time_ns()) < 60e9
     assert meta == {
-        "id": "prof-0001.a_b", "source": "ebpf", "type": "cpu", "service": "/usr/bin/python3.11",
-        "host": "web-1", "start": START_NS, "end": END_NS, "bytes": len(body), "samples": 3,
-        "path": str(receiver.dir / "prof-0001.a_b.pb.gz"), "file": "prof-0001.a_b.pb.gz", "format": "pprof",
+        "id": "prof-0001.a_b",
+        "source": "ebpf",
+        "type": "cpu",
+        "service": "/usr/bin/python3.11",
+        "host": "web-1",
+        "start": START_NS,
+        "end": END_NS,
+        "bytes": len(body),
+        "samples": 3,
+        "path": str(receiver.dir / "prof-0001.a_b.pb.gz"),
+        "file": "prof-0001.a_b.pb.gz",
+        "format": "pprof",
     }
     assert json.loads((receiver.dir / "prof-0001.a_b.json").read_text())["samples"] == 3
 
@@ -97,11 +119,15 @@ def test_without_an_id_the_receiver_assigns_one_and_host_is_optional(receiver: R
     assert meta["host"] == ""
 
 
-@pytest.mark.parametrize("body, reason", [
-    (b"this is not gzip", "body is not gzip data"),
-    (gzip.compress(b"\xff\xfe garbage that is not a protobuf " * 10), "not a pprof protobuf"),
-    (gzip.compress(b""), "string_table must start with the empty string"),
-], ids=["not-gzip", "gzip-of-garbage", "gzip-of-nothing"])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (b"this is not gzip", "body is not gzip data"),
+        (gzip.compress(b"\xff\xfe garbage that is not a protobuf " * 10), "not a pprof protobuf"),
+        (gzip.compress(b""), "string_table must start with the empty string"),
+    ],
+    ids=["not-gzip", "gzip-of-garbage", "gzip-of-nothing"],
+)
 def test_an_invalid_body_is_refused_with_the_reason(receiver: Receiver, body: bytes, reason: str) -> None:
     # when a body that is not a valid gzip pprof is posted
     resp = post(receiver, body)
@@ -112,16 +138,19 @@ def test_an_invalid_body_is_refused_with_the_reason(receiver: Receiver, body: by
     assert list_profiles(str(receiver.dir)) == []
 
 
-@pytest.mark.parametrize("changes, reason", [
-    ({"source": None}, "missing query parameter 'source'"),
-    ({"type": None}, "missing query parameter 'type'"),
-    ({"service": None}, "missing query parameter 'service'"),
-    ({"start": None}, "missing query parameter 'start'"),
-    ({"end": None}, "missing query parameter 'end'"),
-    ({"service": ""}, "query parameter 'service' is empty"),
-    ({"start": "yesterday"}, "query parameter 'start' = 'yesterday' is not unix nanoseconds"),
-    ({"end": START_NS - 1}, f"end {START_NS - 1} is before start {START_NS}"),
-])
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"source": None}, "missing query parameter 'source'"),
+        ({"type": None}, "missing query parameter 'type'"),
+        ({"service": None}, "missing query parameter 'service'"),
+        ({"start": None}, "missing query parameter 'start'"),
+        ({"end": None}, "missing query parameter 'end'"),
+        ({"service": ""}, "query parameter 'service' is empty"),
+        ({"start": "yesterday"}, "query parameter 'start' = 'yesterday' is not unix nanoseconds"),
+        ({"end": START_NS - 1}, f"end {START_NS - 1} is before start {START_NS}"),
+    ],
+)
 def test_missing_or_bad_params_are_refused(receiver: Receiver, changes: dict[str, object], reason: str) -> None:
     resp = post(receiver, profile_bytes(), **changes)
     assert resp.status_code == 400
@@ -191,14 +220,17 @@ def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
 
 def test_fault_injection_options_are_documented_and_checked(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "cli.main", "receiver"]
-    help_text = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S).stdout
+    help_text = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S).stdout
     for option in ("--fail-ratio R", "--hang-s S", "--reject-status N", "--reject-reason TEXT", "test aids"):
         assert option in help_text
-    for bad, message in ((["--fail-ratio", "1.5"], "not a ratio from 0 to 1"),
-                         (["--hang-s", "-1"], "not seconds from 0 to 3600"),
-                         (["--reject-status", "200"], "not an HTTP error status from 400 to 599")):
-        result = subprocess.run(cmd + ["--dir", str(tmp_path / "d")] + bad, capture_output=True, text=True,
-                                timeout=HTTP_TIMEOUT_S)
+    for bad, message in (
+        (["--fail-ratio", "1.5"], "not a ratio from 0 to 1"),
+        (["--hang-s", "-1"], "not seconds from 0 to 3600"),
+        (["--reject-status", "200"], "not an HTTP error status from 400 to 599"),
+    ):
+        result = subprocess.run(
+            [*cmd, "--dir", str(tmp_path / "d"), *bad], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S
+        )
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
@@ -217,6 +249,7 @@ def test_fault_injection_answers_without_storing(tmp_path: Path) -> None:
 
 
 # --- hostile clients (issue 15, item 8) ---
+
 
 def vm_hwm_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -242,7 +275,7 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_400(receiver: Receiver, 
     conn = http.client.HTTPConnection(receiver.host, receiver.port, timeout=HTTP_TIMEOUT_S)
     try:
         conn.putrequest("POST", "/v1/profiles?source=ebpf&type=cpu&service=s&start=1&end=2")
-        conn.putheader("Content-Length", length.encode("latin-1"))   # headers are read as latin-1
+        conn.putheader("Content-Length", length.encode("latin-1"))  # headers are read as latin-1
         conn.endheaders()
         resp = conn.getresponse()
         assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]
@@ -252,10 +285,13 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_400(receiver: Receiver, 
 
 
 def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get_503(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
     import threading
+
     from receiver import server as srv
+
     monkeypatch.setattr(srv, "REQUEST_DEADLINE_S", 2)
     monkeypatch.setattr(srv, "MAX_CONCURRENT_REQUESTS", 2)
     s = srv.make_server("127.0.0.1:0", str(tmp_path / "store"))
@@ -281,7 +317,7 @@ def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get
                     c.settimeout(0.2)
                     if c.recv(100) == b"":
                         closed.add(i)
-                except (socket.timeout, TimeoutError):
+                except TimeoutError:
                     pass
                 except OSError:
                     closed.add(i)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from collector import regs
 from shared.procstat import start_ticks
 from shared.wire import Mapping, Process
@@ -65,12 +66,21 @@ def sleepers() -> Iterator[list[subprocess.Popen]]:
 def jvm(p: subprocess.Popen) -> Process:
     ticks = start_ticks(p.pid)
     assert ticks is not None
-    return Process(pid=p.pid, start_ticks=ticks, uid=0, nspid=p.pid, comm="java", executable="/usr/bin/java",
-                   service="/usr/bin/java", mappings=(Mapping(0x1000, 0x2000, 0, "/jdk/lib/server/libjvm.so", "", 4096),))
+    return Process(
+        pid=p.pid,
+        start_ticks=ticks,
+        uid=0,
+        nspid=p.pid,
+        comm="java",
+        executable="/usr/bin/java",
+        service="/usr/bin/java",
+        mappings=(Mapping(0x1000, 0x2000, 0, "/jdk/lib/server/libjvm.so", "", 4096),),
+    )
 
 
 def test_a_slot_goes_from_an_idle_holder_to_a_process_that_runs(
-        sleepers: list[subprocess.Popen], monkeypatch: pytest.MonkeyPatch) -> None:
+    sleepers: list[subprocess.Popen], monkeypatch: pytest.MonkeyPatch
+) -> None:
     clock = Clock()
     monkeypatch.setattr(regs, "ONCPU_REGS_PIDS", SLOTS)
     monkeypatch.setattr(regs.time, "monotonic", clock)
@@ -81,7 +91,7 @@ def test_a_slot_goes_from_an_idle_holder_to_a_process_that_runs(
     fwd.observe(holders)
     assert set(bpf.pids) == {p.pid for p in holders}
     clock.t += regs.IDLE_EVICT_S / 2
-    fwd.observe(holders[:1])                   # on a CPU in this drain
+    fwd.observe(holders[:1])  # on a CPU in this drain
     # When a process that runs asks before the others were idle IDLE_EVICT_S: it waits
     fwd.observe([newcomer])
     assert newcomer.pid not in bpf.pids and fwd.stats["not_marked_full"] == 1

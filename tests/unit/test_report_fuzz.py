@@ -32,13 +32,17 @@ TEMPLATE = (Path(html.__file__).parent / "template.html").read_text()
 MARKERS = sorted(set(re.findall(r"@[A-Z0-9_]+@", TEMPLATE)))
 # Every character a terminal acts on or that breaks a line: C0, DEL, C1, the Unicode line and paragraph
 # separators, the bidirectional embeddings, overrides and isolates.
-CONTROLS = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F),
-                             *range(0x2066, 0x206A))]
+CONTROLS = [
+    chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+]
 HTML_PIECES = ["</script>", "<!--", "<script>", "&amp;", "\\u2028", '"', "\\", ";", " ", "(other)", "all"]
 
+
 def bounded(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+    return settings(
+        max_examples=max_examples, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
 
 piece = st.one_of(
     st.binary(max_size=12).map(process_string),
@@ -47,8 +51,9 @@ piece = st.one_of(
     st.sampled_from(MARKERS + CONTROLS + HTML_PIECES),
 )
 name = st.lists(piece, min_size=1, max_size=4).map("".join)
-stacks = st.dictionaries(st.lists(name, min_size=1, max_size=5).map(tuple), st.integers(1, 10_000),
-                         min_size=1, max_size=6)
+stacks = st.dictionaries(
+    st.lists(name, min_size=1, max_size=5).map(tuple), st.integers(1, 10_000), min_size=1, max_size=6
+)
 services = st.dictionaries(name, stacks, min_size=1, max_size=3)
 
 
@@ -56,8 +61,13 @@ def load(by_service: dict[str, dict[tuple[str, ...], int]]) -> list[profiles.Loa
     """One agent-shaped cpu pprof per service, read back as the report reads a file."""
     out = []
     for i, (service, stacks_) in enumerate(by_service.items()):
-        b = pprof.ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                                 PERIOD, 1_700_000_000_000_000_000, 2_000_000_000)
+        b = pprof.ProfileBuilder(
+            [("samples", "count"), ("cpu", "nanoseconds")],
+            ("cpu", "nanoseconds"),
+            PERIOD,
+            1_700_000_000_000_000_000,
+            2_000_000_000,
+        )
         m = b.mapping("exe", "/usr/bin/x", "")
         for stack, n in stacks_.items():
             locs = [b.location((f,), m, 0x1000 + j, [b.function(f)]) for j, f in enumerate(stack)]
@@ -125,10 +135,10 @@ def test_the_page_parses_and_holds_every_name(by_service: dict[str, dict[tuple[s
     doc = json.loads(data[0])
     graphs = {p["service"]: p for p in doc["profiles"]}
     assert doc["note"] == "" and len(graphs) == len(by_service) + (len(by_service) > 1)
-    for item, stacks_ in zip(loaded, by_service.values()):   # a service of "" is "unknown"
-        got = graphs[item.service[:html.MAX_NAME_CHARS]]
+    for item, stacks_ in zip(loaded, by_service.values()):  # a service of "" is "unknown"
+        got = graphs[item.service[: html.MAX_NAME_CHARS]]
         assert got["total"] == got["tree"]["value"] == sum(stacks_.values()) * PERIOD
-        want = {profiles.frame_name(f)[:html.MAX_NAME_CHARS] for s in item.profile.samples for f in s.frames}
+        want = {profiles.frame_name(f)[: html.MAX_NAME_CHARS] for s in item.profile.samples for f in s.frames}
         assert tree_names(got["tree"]) == want
 
 
@@ -139,7 +149,7 @@ def test_folded_stacks_and_the_top_table_hold_no_control_character(stacks_: dict
     folded = profiles.folded(loaded)
     assert not raw_controls(folded)
     lines = folded.split("\n")
-    assert lines[-1] == "" and lines[:-1] == folded.splitlines()     # no line break but "\n"
+    assert lines[-1] == "" and lines[:-1] == folded.splitlines()  # no line break but "\n"
     want = {tuple(printable(f).replace(";", ":") for f in stack) for stack in stacks_}
     assert len(lines) - 1 == len(want)
     assert all(re.fullmatch(r".* \d+", line) for line in lines[:-1])

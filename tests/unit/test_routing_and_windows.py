@@ -19,7 +19,7 @@ S = 1_000_000_000
 
 def test_every_service_has_one_worker_and_the_load_is_spread() -> None:
     owners = {s: worker_for(s, [0, 1, 2]) for s in SERVICES}
-    assert owners == {s: worker_for(s, [0, 1, 2]) for s in SERVICES}   # stable
+    assert owners == {s: worker_for(s, [0, 1, 2]) for s in SERVICES}  # stable
     spread = Counter(owners.values())
     assert set(spread) == {0, 1, 2} and min(spread.values()) > len(SERVICES) / 3 * 0.7
 
@@ -37,10 +37,11 @@ def test_batches_land_in_wall_clock_aligned_windows_and_close_after_grace() -> N
     w.service("cpu", 103 * S, "a").add(("l",), ("f",), 2, 20)
     w.service("cpu", 109 * S, "a").add(("l",), ("f",), 1, 10)
     w.service("cpu", 111 * S, "a").add(("l",), ("f",), 5, 50)
-    assert list(w.close_due(now_ns=111 * S, grace_ns=2 * S)) == []     # 100..110 + grace not over
+    assert list(w.close_due(now_ns=111 * S, grace_ns=2 * S)) == []  # 100..110 + grace not over
     closed = list(w.close_due(now_ns=112 * S, grace_ns=2 * S))
-    assert [(c.service, c.start_ns, c.end_ns, c.data.rows) for c in closed] == \
-        [("a", 100 * S, 110 * S, {(("l",), ("f",)): [3, 30]})]
+    assert [(c.service, c.start_ns, c.end_ns, c.data.rows) for c in closed] == [
+        ("a", 100 * S, 110 * S, {(("l",), ("f",)): [3, 30]})
+    ]
     # a batch for the closed window arrives late: it joins the open one, never reopens the old
     w.service("cpu", 108 * S, "a").add(("l",), ("f",), 1, 10)
     assert w.late_batches == 1
@@ -59,6 +60,7 @@ def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
 
 def test_a_drain_is_stamped_into_the_window_holding_most_of_its_stretch() -> None:
     from collector.main import drain_stamp_ns
+
     s = 1_000_000_000
     # given 4 s windows: a drain with no boundary since the last one is stamped now
     assert drain_stamp_ns(9 * s, 10 * s + s // 2, 4 * s) == 10 * s + s // 2
@@ -84,12 +86,27 @@ def test_samples_of_processes_gone_before_they_were_read_are_merged_into_one_unk
         p.wait()
         gone.append(p.pid)
     me = os.getpid()
-    drain = RawDrain(samples=[(me, me, 1, -1, 3, 30), (gone[0], gone[0], 1, 2, 2, 20), (gone[1], gone[1] + 1, 1, 2, 5, 50),
-                              (gone[1], gone[1], 1, -1, 1, 10)],
-                     user_stacks={1: (0x1000, 0x2000)}, kernel_stacks={2: (0xFFFF0000,)})
+    drain = RawDrain(
+        samples=[
+            (me, me, 1, -1, 3, 30),
+            (gone[0], gone[0], 1, 2, 2, 20),
+            (gone[1], gone[1] + 1, 1, 2, 5, 50),
+            (gone[1], gone[1], 1, -1, 1, 10),
+        ],
+        user_stacks={1: (0x1000, 0x2000)},
+        kernel_stacks={2: (0xFFFF0000,)},
+    )
     # when it is batched
-    [batch] = build_batches(drain, ProcessTable(with_cmdline=False), lambda a: "k", host="h",
-                            profile_type="offcpu", sample_hz=19, time_ns=1, live_workers=[0]).values()
+    [batch] = build_batches(
+        drain,
+        ProcessTable(with_cmdline=False),
+        lambda a: "k",
+        host="h",
+        profile_type="offcpu",
+        sample_hz=19,
+        time_ns=1,
+        live_workers=[0],
+    ).values()
     # then this process keeps its pid; the gone ones are one [unknown] process, their samples summed by stack
     assert sorted(p.pid for p in batch.processes) == [UNKNOWN_PID, me]
     assert next(p for p in batch.processes if p.pid == UNKNOWN_PID).service == UNKNOWN_SERVICE

@@ -42,7 +42,7 @@ class FakeMemory:
     def read(self, address: int, size: int) -> bytes:
         for base, data in self.regions.items():
             if base <= address and address + size <= base + len(data):
-                return bytes(data[address - base:address - base + size])
+                return bytes(data[address - base : address - base + size])
         raise MemoryReadError("unmapped", f"{address:#x}")
 
     def read_many(self, requests: list[tuple[int, int]]) -> list[bytes | None]:
@@ -57,7 +57,7 @@ class FakeMemory:
     def u64(self, address: int) -> int:
         return int.from_bytes(self.read(address, 8), "little")
 
-    u64_or_none = ProcessMemory.u64_or_none   # the reader's own, over these regions
+    u64_or_none = ProcessMemory.u64_or_none  # the reader's own, over these regions
 
 
 def words(n: int, at: dict[int, int]) -> list[int]:
@@ -77,8 +77,9 @@ def string(mem: FakeMemory, address: int, text: str) -> int:
 
 
 def klass(mem: FakeMemory, address: int, flags: int, path: int = 0, attached: int = 0) -> int:
-    return mem.put(address, *words(LAY.class_path // 8 + 1,
-                                   {0: flags, LAY.class_path: path, LAY.class_attached: attached}))
+    return mem.put(
+        address, *words(LAY.class_path // 8 + 1, {0: flags, LAY.class_path: path, LAY.class_attached: attached})
+    )
 
 
 def method_entry(mem: FakeMemory, address: int, owner: int) -> int:
@@ -93,9 +94,11 @@ def env(mem: FakeMemory, ep: int, me_cref: int, prev: int, local: bool) -> int:
 
 def names(r: RubyProcess, mem: FakeMemory, frames: list[tuple[str, str, int]]) -> list[str]:
     """Each frame's name as the reader gives it, for (label, base label, ep) triples."""
-    owners = r._owners(mem, [ep for _, _, ep in frames]) 
-    return [r._named(mem, _Iseq(label, base, "/w.rb", 0, 0, [], 0, {}), 0, owner).function
-            for (label, base, _), owner in zip(frames, owners)]
+    owners = r._owners(mem, [ep for _, _, ep in frames])
+    return [
+        r._named(mem, _Iseq(label, base, "/w.rb", 0, 0, [], 0, {}), 0, owner).function
+        for (label, base, _), owner in zip(frames, owners)
+    ]
 
 
 def world() -> tuple[FakeMemory, dict[str, int]]:
@@ -104,11 +107,14 @@ def world() -> tuple[FakeMemory, dict[str, int]]:
     single = klass(mem, 0x11000, layouts.T_CLASS | LAY.fl_singleton, attached=worker)
     anon = klass(mem, 0x12000, layouts.T_CLASS, path=QNIL)
     temp = klass(mem, 0x13000, layouts.T_CLASS, path=string(mem, 0x21000, "#<Class:0x00007f>"))
-    obj = mem.put(0x14000, *words(LAY.class_path // 8 + 1, {0: 0x01}))          # a T_OBJECT
+    obj = mem.put(0x14000, *words(LAY.class_path // 8 + 1, {0: 0x01}))  # a T_OBJECT
     obj_single = klass(mem, 0x15000, layouts.T_CLASS | LAY.fl_singleton, attached=obj)
-    mes = {name: method_entry(mem, 0x30000 + 0x100 * i, owner)
-           for i, (name, owner) in enumerate((("hot", worker), ("cls", single), ("anon", anon), ("temp", temp),
-                                              ("obj", obj_single), ("bad", obj)))}
+    mes = {
+        name: method_entry(mem, 0x30000 + 0x100 * i, owner)
+        for i, (name, owner) in enumerate(
+            (("hot", worker), ("cls", single), ("anon", anon), ("temp", temp), ("obj", obj_single), ("bad", obj))
+        )
+    }
     svar = mem.put(0x32000, IMEMO_SVAR, mes["cls"], 0, 0, 0)
     cref = mem.put(0x33000, IMEMO_CREF, 0, 0, 0, 0)
     eps = {name: env(mem, 0x40010 + 0x100 * i, me, 0, True) for i, (name, me) in enumerate(mes.items())}
@@ -123,12 +129,32 @@ def world() -> tuple[FakeMemory, dict[str, int]]:
 def test_methods_are_named_with_their_class_as_ruby_names_them() -> None:
     mem, eps = world()
     r = RubyProcess("3.3.8", LAY, 0)
-    got = names(r, mem, [("hot", "hot", eps["hot"]), ("cls", "cls", eps["cls"]), ("cls", "cls", eps["svar"]),
-                         ("block in hot", "hot", eps["block"]), ("block (2 levels) in hot", "hot", eps["block2"]),
-                         ("<main>", "<main>", eps["main"]), ("go", "go", eps["anon"]), ("t", "t", eps["temp"]),
-                         ("single", "single", eps["obj"])])
-    assert got == ["Worker#hot", "Worker.cls", "Worker.cls", "block in Worker#hot",
-                   "block (2 levels) in Worker#hot", "<main>", "go", "t", "single"], got
+    got = names(
+        r,
+        mem,
+        [
+            ("hot", "hot", eps["hot"]),
+            ("cls", "cls", eps["cls"]),
+            ("cls", "cls", eps["svar"]),
+            ("block in hot", "hot", eps["block"]),
+            ("block (2 levels) in hot", "hot", eps["block2"]),
+            ("<main>", "<main>", eps["main"]),
+            ("go", "go", eps["anon"]),
+            ("t", "t", eps["temp"]),
+            ("single", "single", eps["obj"]),
+        ],
+    )
+    assert got == [
+        "Worker#hot",
+        "Worker.cls",
+        "Worker.cls",
+        "block in Worker#hot",
+        "block (2 levels) in Worker#hot",
+        "<main>",
+        "go",
+        "t",
+        "single",
+    ], got
     assert r.dropped == {}, r.dropped
 
 
@@ -149,26 +175,41 @@ def test_every_ractor_s_threads_are_read_and_a_ring_that_does_not_close_is_cut()
         nodes = [t + LAY.th_node for t in threads]
         head = address + LAY.ractor_threads
         mem.put(address, *words(LAY.ractor_node // 8 + 2, {LAY.ractor_threads: nodes[0] if nodes else head}))
-        for t, nxt in zip(threads, nodes[1:] + [head]):
-            mem.put(t, *words(th_words, {LAY.th_node: nxt, LAY.th_vm: vm, LAY.th_ractor: address,
-                                              LAY.th_ec: t + 0x800, LAY.th_nt: 0}))
+        for t, nxt in zip(threads, [*nodes[1:], head]):
+            mem.put(
+                t,
+                *words(
+                    th_words,
+                    {LAY.th_node: nxt, LAY.th_vm: vm, LAY.th_ractor: address, LAY.th_ec: t + 0x800, LAY.th_nt: 0},
+                ),
+            )
 
     ractor(main, [0x5000, 0x5100])
     ractor(other, [0x6000])
     head = vm + LAY.vm_ractor_set
-    mem.put(vm, *words(LAY.vm_main_thread + 8, {LAY.vm_ractor_set: main + LAY.ractor_node,
-                                                  LAY.vm_main_ractor: main, LAY.vm_main_thread: 0x5000}))
+    mem.put(
+        vm,
+        *words(
+            LAY.vm_main_thread + 8,
+            {LAY.vm_ractor_set: main + LAY.ractor_node, LAY.vm_main_ractor: main, LAY.vm_main_thread: 0x5000},
+        ),
+    )
     # The ring: vm head → main's node → other's node → head.
-    mem.regions[main][LAY.ractor_node:LAY.ractor_node + 8] = struct.pack("<Q", other + LAY.ractor_node)
-    mem.regions[other][LAY.ractor_node:LAY.ractor_node + 8] = struct.pack("<Q", head)
+    mem.regions[main][LAY.ractor_node : LAY.ractor_node + 8] = struct.pack("<Q", other + LAY.ractor_node)
+    mem.regions[other][LAY.ractor_node : LAY.ractor_node + 8] = struct.pack("<Q", head)
     r = RubyProcess("3.3.8", LAY, vm)
-    assert [t for t, _, _ in r.threads(mem)] == [0x5000, 0x5100, 0x6000]   
+    assert [t for t, _, _ in r.threads(mem)] == [0x5000, 0x5100, 0x6000]
     assert r.dropped == {}
     # A ring that never comes back to its head is cut at MAX_RACTORS, and counted.
-    mem.regions[other][LAY.ractor_node:LAY.ractor_node + 8] = struct.pack("<Q", 0x9000 + LAY.ractor_node)
+    mem.regions[other][LAY.ractor_node : LAY.ractor_node + 8] = struct.pack("<Q", 0x9000 + LAY.ractor_node)
     for i in range(reader.MAX_RACTORS + 2):
         at = 0x9000 + i * 0x1000
-        mem.put(at, *words(LAY.ractor_node // 8 + 2, {LAY.ractor_threads: at + LAY.ractor_threads,
-                                                   LAY.ractor_node: at + 0x1000 + LAY.ractor_node}))
-    assert [t for t, _, _ in r.threads(mem)] == [0x5000, 0x5100, 0x6000]   
+        mem.put(
+            at,
+            *words(
+                LAY.ractor_node // 8 + 2,
+                {LAY.ractor_threads: at + LAY.ractor_threads, LAY.ractor_node: at + 0x1000 + LAY.ractor_node},
+            ),
+        )
+    assert [t for t, _, _ in r.threads(mem)] == [0x5000, 0x5100, 0x6000]
     assert r.dropped == {"too_many_ractors": 1}, r.dropped

@@ -29,8 +29,14 @@ DETECT_READ_BYTES = 1 << 20
 def _code_objects(*modules: types.ModuleType) -> list[types.CodeType]:
     out: list[types.CodeType] = []
     todo = [obj.__code__ for m in modules for obj in vars(m).values() if isinstance(obj, types.FunctionType)]
-    todo += [f.__code__ for m in modules for cls in vars(m).values() if isinstance(cls, type)
-             for f in vars(cls).values() if isinstance(f, types.FunctionType)]
+    todo += [
+        f.__code__
+        for m in modules
+        for cls in vars(m).values()
+        if isinstance(cls, type)
+        for f in vars(cls).values()
+        if isinstance(f, types.FunctionType)
+    ]
     while todo:
         code = todo.pop()
         out.append(code)
@@ -58,16 +64,16 @@ def test_addr2line_turns_malformed_tables_into_none() -> None:
     table = code.co_linetable
     last = 2 * (len(code.co_code) // 2 - 1)
     assert lines.addr2line(table, code.co_firstlineno, last) is not None
-    assert lines.addr2line(table[: len(table) // 2], code.co_firstlineno, last) is None   # cut short
+    assert lines.addr2line(table[: len(table) // 2], code.co_firstlineno, last) is None  # cut short
     assert lines.addr2line(b"", code.co_firstlineno, 0) is None
-    assert lines.addr2line(bytes([0x00]), 1, 0) is None                  # an entry without its high bit
+    assert lines.addr2line(bytes([0x00]), 1, 0) is None  # an entry without its high bit
     # an entry's first byte is 1CCCCLLL: code C, length L + 1 code units
-    assert lines.addr2line(bytes([0xF0]), 1, 0) is None                  # code 14 (long form) with no fields
-    assert lines.addr2line(bytes([0xE8]) + b"\x7f" * 20, 1, 0) is None   # code 13, a varint longer than 64 bits
-    assert lines.addr2line(bytes([0xE8, 0x03]), 1, 0) is None            # code 13, delta -1: line 0 is no line
-    assert lines.addr2line(bytes([0xF8]), 7, 0) == -1                    # code 15: no location
-    assert lines.addr2line(bytes([0xE8, 0x04]), 7, 0) == 9               # code 13, delta +2
-    assert lines.addr2line(bytes([0xD9, 0, 0]), 7, 2) == 8               # code 11 (delta 1), 2 units: covers offset 2
+    assert lines.addr2line(bytes([0xF0]), 1, 0) is None  # code 14 (long form) with no fields
+    assert lines.addr2line(bytes([0xE8]) + b"\x7f" * 20, 1, 0) is None  # code 13, a varint longer than 64 bits
+    assert lines.addr2line(bytes([0xE8, 0x03]), 1, 0) is None  # code 13, delta -1: line 0 is no line
+    assert lines.addr2line(bytes([0xF8]), 7, 0) == -1  # code 15: no location
+    assert lines.addr2line(bytes([0xE8, 0x04]), 7, 0) == 9  # code 13, delta +2
+    assert lines.addr2line(bytes([0xD9, 0, 0]), 7, 2) == 8  # code 11 (delta 1), 2 units: covers offset 2
 
 
 def _fake_proc(tmp_path: Path, pid: int, *maps_lines: str) -> str:
@@ -97,7 +103,9 @@ def test_cpython_versions_are_named_by_the_file_and_unsupported_ones_refused(tmp
     proc = _fake_proc(tmp_path, 300, _maps_line("/usr/bin/python3.12"), _maps_line("/usr/lib/libpython3.12d.so.1.0"))
     mods = version._modules(300, proc)
     assert [(os.path.basename(m.path), m.major, m.minor, m.flags) for m in mods] == [
-        ("libpython3.12d.so.1.0", 3, 12, "d"), ("python3.12", 3, 12, "")]
+        ("libpython3.12d.so.1.0", 3, 12, "d"),
+        ("python3.12", 3, 12, ""),
+    ]
     assert version.parse_hexversion(0x030D05F0) == (3, 13, 5)
 
 
@@ -116,7 +124,7 @@ def test_cpython_detection_of_this_interpreter_reads_its_version_from_memory() -
 def test_php_version_and_build_are_found_across_scan_chunks() -> None:
     from runtimes import php
 
-    pad = b"\0" * (php.SCAN_CHUNK - 10)     # the marker straddles the first chunk's end
+    pad = b"\0" * (php.SCAN_CHUNK - 10)  # the marker straddles the first chunk's end
     blob = pad + b"X-Powered-By: PHP/8.2.29\0" + b"\0" * 100 + b"API20220829,NTS\0"
     assert php_scan(io.BytesIO(blob)) == ((8, 2, 29), "NTS")
     assert php_scan(io.BytesIO(b"API20240924,TS ")) == (None, "TS")

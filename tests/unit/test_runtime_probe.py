@@ -15,8 +15,8 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -40,8 +40,24 @@ def crafted_elf(path: Path) -> None:
     str_off = syms_off + SYMBOLS * sym.size
     shoff = str_off + STRTAB
     with path.open("wb") as f:
-        f.write(ehdr.pack(b"\x7fELF\x02\x01\x01" + bytes(9), 3, 62, 1, 0, phoff, shoff, 0, ehdr.size,
-                          phdr.size, 1, shdr.size, 3, 0))
+        f.write(
+            ehdr.pack(
+                b"\x7fELF\x02\x01\x01" + bytes(9),
+                3,
+                62,
+                1,
+                0,
+                phoff,
+                shoff,
+                0,
+                ehdr.size,
+                phdr.size,
+                1,
+                shdr.size,
+                3,
+                0,
+            )
+        )
         f.write(phdr.pack(1, 5, 0, 0, 0, 4096, 4096, 4096))
         f.write(b"".join(sym.pack((i * 4099) % (STRTAB - 1), 0x11, 0, 1, 0x1000 + i, 8) for i in range(SYMBOLS)))
         f.write(b"A" * STRTAB)
@@ -70,8 +86,11 @@ def chrooted_python(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
         pytest.fail("chroot needs root (make test runs as root)")
     root = tmp_path / "root"
     root.mkdir()
-    subprocess.run(["gcc", "-O0", "-static", "-o", str(root / "python3.13"), str(WORKLOADS / "fake_python.c")],
-                   check=True, timeout=120)
+    subprocess.run(
+        ["gcc", "-O0", "-static", "-o", str(root / "python3.13"), str(WORKLOADS / "fake_python.c")],
+        check=True,
+        timeout=120,
+    )
     p = subprocess.Popen(["chroot", str(root), "/python3.13", "ok"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         wait_for("the chrooted interpreter", lambda: os.readlink(f"/proc/{p.pid}/exe") == str(root / "python3.13"))
@@ -84,8 +103,12 @@ def chrooted_python(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
 def probe(pid: int, fifo: Path) -> object:
     """detect() in a thread; a FIFO it would block on is opened for writing at the deadline to free it."""
     out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(cpython_version.detect(
-        pid, ProcessMemory(pid, ReadBudget(1 << 20)), modern=True, legacy=True)), daemon=True)
+    t = threading.Thread(
+        target=lambda: out.append(
+            cpython_version.detect(pid, ProcessMemory(pid, ReadBudget(1 << 20)), modern=True, legacy=True)
+        ),
+        daemon=True,
+    )
     t.start()
     t.join(10)
     hung = t.is_alive()
@@ -99,7 +122,8 @@ def probe(pid: int, fifo: Path) -> object:
 
 @pytest.mark.parametrize("plant", ["fifo", "symlink_out"])
 def test_the_probe_does_not_hang_on_a_fifo_or_follow_a_symlink_out_of_the_root(
-        chrooted_python: tuple[subprocess.Popen, Path], tmp_path: Path, plant: str) -> None:
+    chrooted_python: tuple[subprocess.Popen, Path], tmp_path: Path, plant: str
+) -> None:
     p, root = chrooted_python
     # maps shows the host's path ROOT/python3.13; inside the root that names ROOT/ROOT/python3.13
     planted = root / str(root).lstrip("/") / "python3.13"
@@ -110,7 +134,7 @@ def test_the_probe_does_not_hang_on_a_fifo_or_follow_a_symlink_out_of_the_root(
         os.mkfifo(planted)
         fifo = planted
     else:
-        planted.symlink_to(outside)     # absolute: followed from the host's root by a plain open()
+        planted.symlink_to(outside)  # absolute: followed from the host's root by a plain open()
         fifo = outside
     got = probe(p.pid, fifo)
     assert isinstance(got, cpython_version.Target), got

@@ -19,8 +19,8 @@ import re
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -31,7 +31,7 @@ from shared import files, privileges
 from tests.harness import PY, open_dir
 from tests.unit.test_report import cpu_profile, local_dir
 
-CLI_TIMEOUT_S = 60   # `report` on a few small files: about a second
+CLI_TIMEOUT_S = 60  # `report` on a few small files: about a second
 SECRET = b"root:$6$precious:19000:0:99999:7:::\n"
 
 
@@ -69,23 +69,24 @@ def regular_private(p: Path, mode: int = 0o600) -> None:
 
 
 def report(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "cli.main", "report", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=CLI_TIMEOUT_S)
+    return subprocess.run(
+        [PY, "-m", "cli.main", "report", *args], cwd=cwd, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+    )
 
 
 # --- report -o (a real `ebpfprofiler report`)
 
-def test_report_o_at_a_symlink_replaces_the_link_and_never_touches_its_target(tmp_path: Path,
-                                                                              precious: Path) -> None:
+
+def test_report_o_at_a_symlink_replaces_the_link_and_never_touches_its_target(tmp_path: Path, precious: Path) -> None:
     profiles_dir = local_dir(tmp_path)
     link = tmp_path / "out.html"
     link.symlink_to(precious)
     r = report(str(profiles_dir), "-o", str(link), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     unchanged(precious)
-    regular_private(link)                                # 0600: it holds other users' stacks
+    regular_private(link)  # 0600: it holds other users' stacks
     assert "/usr/bin/a" in link.read_text()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary file left
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
 def test_report_mode_is_asked_for_and_checked(tmp_path: Path) -> None:
@@ -110,16 +111,18 @@ def test_report_into_a_missing_directory_names_it_and_writes_nothing(tmp_path: P
 
 # --- what `record` writes (report/profiles.py's write_outputs)
 
+
 @pytest.mark.parametrize("ext", [".folded", ".pb.gz", ".html"])
 def test_every_output_of_record_replaces_a_symlink_and_is_0600(tmp_path: Path, precious: Path, ext: str) -> None:
     d = local_dir(tmp_path)
-    (d / "usr_bin_a" / "offcpu-20261201T000000Z-5.pb.gz").write_bytes(   # a second type: out.offcpu.EXT
-        cpu_profile("/usr/bin/a", {("main", "wait"): 3}, pid=1))
+    (d / "usr_bin_a" / "offcpu-20261201T000000Z-5.pb.gz").write_bytes(  # a second type: out.offcpu.EXT
+        cpu_profile("/usr/bin/a", {("main", "wait"): 3}, pid=1)
+    )
     loaded = profiles.load([str(d)])
     out = tmp_path / f"out{ext}"
     other = tmp_path / f"out.offcpu{ext}"
     out.symlink_to(precious)
-    if ext != ".html":                                   # the report is one file with every type
+    if ext != ".html":  # the report is one file with every type
         other.symlink_to(precious)
     written = profiles.write_outputs(loaded, str(out))
     assert written == [str(out)] + ([str(other)] if ext != ".html" else [])
@@ -131,6 +134,7 @@ def test_every_output_of_record_replaces_a_symlink_and_is_0600(tmp_path: Path, p
 
 
 # --- the helper itself
+
 
 def test_write_atomic_leaves_no_temporary_file_when_the_rename_fails(tmp_path: Path) -> None:
     (tmp_path / "a_dir").mkdir()
@@ -157,6 +161,7 @@ def test_output_dir_problem_names_what_is_wrong(tmp_path: Path) -> None:
 
 
 # --- `run`'s directories (cli/run.py's prepare_dirs, the function `run` calls before any stage)
+
 
 @pytest.fixture
 def reachable() -> Iterator[Path]:
@@ -185,8 +190,10 @@ def owner_and_mode(p: Path) -> tuple[int, int, int]:
 
 def prepare(run_dir: Path, state_dir: Path, local: Path | None = None) -> None:
     args = argparse.Namespace(run_dir=str(run_dir), state_dir=str(state_dir))
-    cfg = config_mod.ProfilerConfig(endpoint="" if local else "http://127.0.0.1:1",
-                                    local_dir=str(local) if local else config_mod.ProfilerConfig().local_dir)
+    cfg = config_mod.ProfilerConfig(
+        endpoint="" if local else "http://127.0.0.1:1",
+        local_dir=str(local) if local else config_mod.ProfilerConfig().local_dir,
+    )
     run_mod.prepare_dirs(args, cfg)
 
 
@@ -195,23 +202,28 @@ def prepare(run_dir: Path, state_dir: Path, local: Path | None = None) -> None:
 def test_run_dirs_are_made_with_their_owners_and_modes(reachable: Path) -> None:
     prepare(reachable / "a" / "run", reachable / "state", reachable / "profiles")
     gid = privileges.ids("uploader")[1]
-    assert owner_and_mode(reachable / "a") == (0, 0, 0o755)                 # a parent made on the way
+    assert owner_and_mode(reachable / "a") == (0, 0, 0o755)  # a parent made on the way
     assert owner_and_mode(reachable / "a" / "run") == (0, gid, 0o3770)
     assert owner_and_mode(reachable / "state") == (0, gid, 0o750)
     assert owner_and_mode(reachable / "state" / "uploader") == (privileges.ids("uploader")[0], gid, 0o700)
     assert owner_and_mode(reachable / "profiles") == (privileges.ids("uploader")[0], gid, 0o750)
-    prepare(reachable / "a" / "run", reachable / "state", reachable / "profiles")   # again: the same
+    prepare(reachable / "a" / "run", reachable / "state", reachable / "profiles")  # again: the same
 
 
 @as_root
 @with_agent_users
 @pytest.mark.parametrize("which", ["run_dir", "state_dir", "local_dir"])
 def test_run_refuses_a_symlink_to_someone_elses_directory_and_changes_nothing(
-        reachable: Path, nobodys: Path, which: str) -> None:
+    reachable: Path, nobodys: Path, which: str
+) -> None:
     link = reachable / "link"
     link.symlink_to(nobodys)
-    dirs = {"run_dir": reachable / "run", "state_dir": reachable / "state", "local_dir": reachable / "profiles",
-            which: link}
+    dirs = {
+        "run_dir": reachable / "run",
+        "state_dir": reachable / "state",
+        "local_dir": reachable / "profiles",
+        which: link,
+    }
     before = owner_and_mode(nobodys)
     with pytest.raises(files.UnsafePath, match=f"{link} is a symbolic link"):
         prepare(dirs["run_dir"], dirs["state_dir"], dirs["local_dir"])
@@ -221,8 +233,7 @@ def test_run_refuses_a_symlink_to_someone_elses_directory_and_changes_nothing(
 
 @as_root
 @with_agent_users
-def test_run_refuses_a_path_whose_parent_is_a_symlink_and_creates_nothing_there(
-        reachable: Path, nobodys: Path) -> None:
+def test_run_refuses_a_path_whose_parent_is_a_symlink_and_creates_nothing_there(reachable: Path, nobodys: Path) -> None:
     link = reachable / "link"
     link.symlink_to(nobodys)
     before = owner_and_mode(nobodys)
@@ -235,7 +246,7 @@ def test_run_refuses_a_path_whose_parent_is_a_symlink_and_creates_nothing_there(
 @with_agent_users
 def test_run_refuses_a_directory_owned_by_someone_else(reachable: Path, nobodys: Path) -> None:
     before = owner_and_mode(nobodys)
-    with pytest.raises(files.UnsafePath, match="owned by uid .* only root or ebpfprofiler-uploader"):
+    with pytest.raises(files.UnsafePath, match="owned by uid .* only root or ebpfprofiler-uploader"):  # noqa: RUF043
         prepare(reachable / "run", reachable / "state", nobodys)
     assert owner_and_mode(nobodys) == before
 
@@ -249,14 +260,17 @@ def test_ensure_dir_refuses_a_file_in_the_path(reachable: Path) -> None:
 
 # --- the token file's mode: what `run` advises is what the uploader accepts without a warning
 
+
 @as_root
 @with_agent_users
 def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_without_warning(
-        reachable: Path, caplog: pytest.LogCaptureFixture) -> None:
+    reachable: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from uploader.http import read_token
+
     token = reachable / "token"
     token.write_text("s3cret\n")
-    token.chmod(0o600)                      # root's: the uploader cannot read it
+    token.chmod(0o600)  # root's: the uploader cannot read it
     args = argparse.Namespace(run_dir=str(reachable / "run"), state_dir=str(reachable / "state"))
     cfg = config_mod.ProfilerConfig(endpoint="http://127.0.0.1:1", token_file=str(token))
     with pytest.raises(privileges.PrivilegeError) as refused:
@@ -267,10 +281,13 @@ def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_w
     group = re.search(r"chgrp (\S+) it", advice)
     mode = re.search(r"chmod (\d+)", advice)
     assert mode and (owner or group), advice
-    os.chown(token, pwd.getpwnam(owner.group(1)).pw_uid if owner else -1,
-             grp.getgrnam(group.group(1)).gr_gid if group else -1)
+    os.chown(
+        token,
+        pwd.getpwnam(owner.group(1)).pw_uid if owner else -1,
+        grp.getgrnam(group.group(1)).gr_gid if group else -1,
+    )
     token.chmod(int(mode.group(1), 8))
-    run_mod.prepare_dirs(args, cfg)         # now readable by the uploader
+    run_mod.prepare_dirs(args, cfg)  # now readable by the uploader
     with caplog.at_level(logging.WARNING, logger="uploader.http"):
         assert read_token(str(token)) == "s3cret"
     assert not [r for r in caplog.records if "token file" in r.getMessage()], caplog.text

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from shared import config as config_mod
 from shared import counters
-from shared.wire import Process, Sample, StackBatch
 from shared import window as window_mod
-from symbolizer.main import Worker
 from shared.window import MAX_SERVICES_PER_WINDOW, OTHER_SERVICES, Windows
+from shared.wire import Process, Sample, StackBatch
+from symbolizer.main import Worker
 
 T0 = 1_700_000_000_000_000_000
-EXTRA = 250   # services past the cap
+EXTRA = 250  # services past the cap
 
 
 def test_a_window_holds_at_most_the_cap_and_the_rest_is_one_counted_service(caplog) -> None:
@@ -27,11 +27,11 @@ def test_a_window_holds_at_most_the_cap_and_the_rest_is_one_counted_service(capl
         for i in range(MAX_SERVICES_PER_WINDOW + EXTRA):
             w.service_in(by_service, f"/tmp/bin{i}").add((("pid", str(i)),), ("f",), 2, 20)
     assert len(by_service) == MAX_SERVICES_PER_WINDOW + 1 and OTHER_SERVICES in by_service
-    assert sum(r[0] for r in by_service[OTHER_SERVICES].rows.values()) == 2 * EXTRA   # each process's row kept
+    assert sum(r[0] for r in by_service[OTHER_SERVICES].rows.values()) == 2 * EXTRA  # each process's row kept
     assert len(by_service[OTHER_SERVICES].rows) == EXTRA
     # a service already in the window keeps its own
     assert w.service_in(by_service, "/tmp/bin0") is by_service["/tmp/bin0"]
-    assert len([r for r in caplog.records if "services in one window" in r.getMessage()]) == 1   # logged once
+    assert len([r for r in caplog.records if "services in one window" in r.getMessage()]) == 1  # logged once
     closed = list(w.close_all())
     assert len(closed) == MAX_SERVICES_PER_WINDOW + 1
     assert w.samples_over_service_cap == 2 * EXTRA
@@ -46,10 +46,21 @@ def test_the_symbolizer_sums_services_past_the_cap_and_status_counts_them(tmp_pa
     worker = Worker(cfg, 0, str(run_dir), str(state_dir))
     try:
         n = MAX_SERVICES_PER_WINDOW + EXTRA
-        procs = tuple(Process(pid=100 + i, start_ticks=1, uid=1000, nspid=100 + i, comm="x",
-                              executable=f"/tmp/u/bin{i}", service=f"/tmp/u/bin{i}") for i in range(n))
-        samples = tuple(Sample(pid=100 + i, tid=100 + i, user_stack=-1, kernel_stack=-1, count=3, value=30)
-                        for i in range(n))
+        procs = tuple(
+            Process(
+                pid=100 + i,
+                start_ticks=1,
+                uid=1000,
+                nspid=100 + i,
+                comm="x",
+                executable=f"/tmp/u/bin{i}",
+                service=f"/tmp/u/bin{i}",
+            )
+            for i in range(n)
+        )
+        samples = tuple(
+            Sample(pid=100 + i, tid=100 + i, user_stack=-1, kernel_stack=-1, count=3, value=30) for i in range(n)
+        )
         worker.add_batch(StackBatch("h", "cpu", 100, T0, procs, (), (), samples))
         # When the window is handed out
         closed = list(worker.windows.close_all())

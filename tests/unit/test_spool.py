@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 
 from shared.handoff import REFUSED, STORED
+from tests.harness import END_NS, START_NS, make_upload
 from uploader import spool as spool_mod
 from uploader.spool import Spool, decode_file, encode_file
-from tests.harness import END_NS, START_NS, make_upload
 
 LOGGER = "test.spool"
 
 
 def open_spool(tmp_path: Path, max_bytes: int = 1 << 20, **kwargs: int) -> Spool:
-    s = Spool(str(tmp_path / "spool"), str(tmp_path / "dead-letter"), max_bytes, logging.getLogger(LOGGER),
-              **kwargs)
+    s = Spool(str(tmp_path / "spool"), str(tmp_path / "dead-letter"), max_bytes, logging.getLogger(LOGGER), **kwargs)
     s.open()
     return s
 
@@ -39,12 +38,12 @@ def test_a_spooled_profile_is_a_whole_file_that_reads_back_exactly(tmp_path: Pat
     s = open_spool(tmp_path)
     upload = make_upload("/usr/bin/python3.11")
     assert s.accept(upload) == (STORED, "")
-    [name] = os.listdir(tmp_path / "spool")          # no temporary file left beside it
+    [name] = os.listdir(tmp_path / "spool")  # no temporary file left beside it
     assert name.endswith(f"-{upload.profile_id}.prof")
     assert decode_file((tmp_path / "spool" / name).read_bytes()) == upload
     entry, back = s.take(0.0)
     assert back == upload and entry.in_flight
-    assert s.take(0.0) is None                        # in flight: not taken twice
+    assert s.take(0.0) is None  # in flight: not taken twice
     s.delivered(entry)
     assert os.listdir(tmp_path / "spool") == [] and len(s) == 0 and s.bytes == 0
 
@@ -76,7 +75,7 @@ def test_a_late_copy_of_a_profile_that_left_the_spool_is_not_spooled_again(tmp_p
     entry, _ = s.take(0.0)
     s.delivered(entry)
     for u in uploads[1:]:
-        s.accept(u)                                   # the third drops uploads[1]
+        s.accept(u)  # the third drops uploads[1]
     # when the worker's resent copies of both arrive (their acks were late)
     assert s.accept(uploads[0]) == (STORED, "already spooled")
     assert s.accept(uploads[1]) == (STORED, "already spooled")
@@ -85,8 +84,9 @@ def test_a_late_copy_of_a_profile_that_left_the_spool_is_not_spooled_again(tmp_p
     assert s.counts["duplicates"] == 2
 
 
-def test_over_the_cap_the_oldest_are_dropped_counted_and_logged(tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_over_the_cap_the_oldest_are_dropped_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # given a spool that holds three profiles of this size
     uploads = [make_upload(f"/bin/svc{i}", start_ns=START_NS + i * 60_000_000_000) for i in range(5)]
     size = len(encode_file(uploads[0]))
@@ -111,8 +111,8 @@ def test_the_profile_being_sent_is_not_dropped(tmp_path: Path) -> None:
     s = open_spool(tmp_path, max_bytes=2 * size + size // 2)
     s.accept(uploads[0])
     s.accept(uploads[1])
-    entry, _ = s.take(0.0)                       # uploads[0] is being posted
-    s.accept(uploads[2])                         # room is made from the next oldest
+    entry, _ = s.take(0.0)  # uploads[0] is being posted
+    s.accept(uploads[2])  # room is made from the next oldest
     assert sorted(s.ids()) == sorted([uploads[0].profile_id, uploads[2].profile_id])
     s.delivered(entry)
 
@@ -144,13 +144,14 @@ def test_a_lower_cap_at_start_drops_the_oldest(tmp_path: Path) -> None:
     assert take_all(again) == [u.profile_id for u in uploads[2:]]
 
 
-def test_leftovers_of_a_crash_are_cleaned_and_strangers_left_alone(tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_leftovers_of_a_crash_are_cleaned_and_strangers_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     s = open_spool(tmp_path)
     u = make_upload()
     s.accept(u)
     spool_dir = tmp_path / "spool"
-    (spool_dir / ".tmpabc123.tmp").write_bytes(b"half a profile")    # write_atomic cut short by a crash
+    (spool_dir / ".tmpabc123.tmp").write_bytes(b"half a profile")  # write_atomic cut short by a crash
     (spool_dir / "README").write_text("not ours")
     with caplog.at_level(logging.INFO, logger=LOGGER):
         again = open_spool(tmp_path)
@@ -185,10 +186,19 @@ def test_dead_letters_keep_the_profile_and_its_reason(tmp_path: Path) -> None:
     assert len(s) == 0 and os.listdir(tmp_path / "spool") == []
     [record] = (tmp_path / "dead-letter").glob("*.json")
     meta = json.loads(record.read_text())
-    assert {k: meta[k] for k in ("id", "service", "type", "status", "reason", "attempts", "window_start_ns",
-                                 "window_end_ns")} == {
-        "id": u.profile_id, "service": "/bin/refused", "type": "cpu", "status": 400,
-        "reason": "HTTP 400 'bad profile'", "attempts": 1, "window_start_ns": START_NS, "window_end_ns": END_NS}
+    assert {
+        k: meta[k]
+        for k in ("id", "service", "type", "status", "reason", "attempts", "window_start_ns", "window_end_ns")
+    } == {
+        "id": u.profile_id,
+        "service": "/bin/refused",
+        "type": "cpu",
+        "status": 400,
+        "reason": "HTTP 400 'bad profile'",
+        "attempts": 1,
+        "window_start_ns": START_NS,
+        "window_end_ns": END_NS,
+    }
     assert record.with_suffix(".pb.gz").read_bytes() == u.pprof_gz
 
 
@@ -211,10 +221,10 @@ def test_retry_times_order_attempts(tmp_path: Path) -> None:
     s.accept(a)
     s.accept(b)
     entry, _ = s.take(10.0)
-    s.retry_later(entry, 20.0)                     # a waits; b is due first
+    s.retry_later(entry, 20.0)  # a waits; b is due first
     nxt, up = s.take(10.0)
     assert up.profile_id == b.profile_id
     s.delivered(nxt)
     assert s.take(10.0) is None and s.next_due_in(10.0) == pytest.approx(10.0)
-    s.make_all_due()                               # the final attempt at stop
+    s.make_all_due()  # the final attempt at stop
     assert s.take(10.0)[1].profile_id == a.profile_id

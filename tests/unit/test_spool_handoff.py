@@ -20,11 +20,21 @@ import zmq
 from shared import endpoints, handoff
 from shared.config import ProfilerConfig
 from shared.wire import Process, Sample, StackBatch, encode
-from tests.harness import (DEADLINE_S, Receiver, TestWorker, give, http_config, launch_uploader, make_upload,
-                           reserve_port, wait_for, write_config)
-
+from tests.harness import (
+    DEADLINE_S,
+    Receiver,
+    TestWorker,
+    give,
+    http_config,
+    launch_uploader,
+    make_upload,
+    reserve_port,
+    wait_for,
+    write_config,
+)
 
 # ---------------------------------------------------------------- frames
+
 
 def test_a_profile_round_trips_through_envelope_and_wire() -> None:
     u = make_upload()
@@ -34,16 +44,21 @@ def test_a_profile_round_trips_through_envelope_and_wire() -> None:
     assert handoff.decode_profile(frames) == u
 
 
-@pytest.mark.parametrize("frames, message, has_id", [
-    ([b"x"], "expected an envelope and a wire message", False),
-    ([b"{", b"h", b"b"], "envelope is not JSON", False),
-    ([b'{"handoff":1,"id":"../x"}', b"h", b"b"], "no valid profile id", False),
-    ([b'{"handoff":1,"id":"' + b"a" * 600 + b'"}', b"h", b"b"], "over the cap", False),
-    ([b'{"handoff":2,"id":"p1"}', b"h", b"b"], "hand-off version 2", True),
-    ([b'{"handoff":1,"id":"p1"}', b"not json", b"b"], "wire: header is not JSON", True),
-], ids=["one-frame", "not-json", "unsafe-id", "huge-envelope", "other-version", "bad-wire"])
-def test_bad_profile_messages_are_refused_with_the_id_when_known(frames: list[bytes], message: str,
-                                                                 has_id: bool) -> None:
+@pytest.mark.parametrize(
+    "frames, message, has_id",
+    [
+        ([b"x"], "expected an envelope and a wire message", False),
+        ([b"{", b"h", b"b"], "envelope is not JSON", False),
+        ([b'{"handoff":1,"id":"../x"}', b"h", b"b"], "no valid profile id", False),
+        ([b'{"handoff":1,"id":"' + b"a" * 600 + b'"}', b"h", b"b"], "over the cap", False),
+        ([b'{"handoff":2,"id":"p1"}', b"h", b"b"], "hand-off version 2", True),
+        ([b'{"handoff":1,"id":"p1"}', b"not json", b"b"], "wire: header is not JSON", True),
+    ],
+    ids=["one-frame", "not-json", "unsafe-id", "huge-envelope", "other-version", "bad-wire"],
+)
+def test_bad_profile_messages_are_refused_with_the_id_when_known(
+    frames: list[bytes], message: str, has_id: bool
+) -> None:
     with pytest.raises(handoff.HandoffError) as e:
         handoff.decode_profile(frames)
     assert message in str(e.value)
@@ -61,8 +76,13 @@ def test_an_envelope_must_name_its_own_profile() -> None:
 def test_acks_round_trip_and_bad_ones_are_rejected() -> None:
     ack = handoff.decode_ack(handoff.encode_ack("p-1", handoff.RETRY, "disk full " * 100))
     assert ack.profile_id == "p-1" and ack.status == "retry" and len(ack.reason) <= handoff.MAX_REASON_CHARS
-    for bad in (b"{}", b"[]", b"x" * (handoff.MAX_ACK_BYTES + 1),
-                b'{"handoff":1,"id":"p","status":"maybe"}', b'{"handoff":1,"id":"a/b","status":"stored"}'):
+    for bad in (
+        b"{}",
+        b"[]",
+        b"x" * (handoff.MAX_ACK_BYTES + 1),
+        b'{"handoff":1,"id":"p","status":"maybe"}',
+        b'{"handoff":1,"id":"a/b","status":"stored"}',
+    ):
         with pytest.raises(handoff.HandoffError):
             handoff.decode_ack(bad)
     with pytest.raises(ValueError):
@@ -71,8 +91,8 @@ def test_acks_round_trip_and_bad_ones_are_rejected() -> None:
 
 # ---------------------------------------------------------------- with a real uploader
 
-def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, procs: list,
-                                                  zctx: zmq.Context) -> None:
+
+def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, procs: list, zctx: zmq.Context) -> None:
     # given an uploader whose backend is down
     u = launch_uploader(workdir, http_config(workdir, f"http://127.0.0.1:{reserve_port()}"))
     procs.append(u)
@@ -88,7 +108,8 @@ def test_an_ack_means_the_profile_is_in_the_spool(workdir: Path, procs: list,
 
 
 def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
-        workdir: Path, procs: list, zctx: zmq.Context) -> None:
+    workdir: Path, procs: list, zctx: zmq.Context
+) -> None:
     # given a receiver, and an uploader that is frozen (it takes nothing off its socket)
     receiver = Receiver.start(workdir)
     try:
@@ -98,7 +119,7 @@ def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
         w = TestWorker(workdir / "run", zctx)
         first = make_upload("/bin/first")
         w.send(first)
-        w.wait_acked()                              # connected, and acknowledging
+        w.wait_acked()  # connected, and acknowledging
         os.kill(u.proc.pid, signal.SIGSTOP)
         uploads = [make_upload(f"/bin/s{i}") for i in range(4)]
         w.send(*uploads)
@@ -121,7 +142,8 @@ def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
 
 
 def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
-        workdir: Path, procs: list, zctx: zmq.Context) -> None:
+    workdir: Path, procs: list, zctx: zmq.Context
+) -> None:
     # given a worker with room for 3 unacknowledged profiles, and an uploader that stopped answering
     (workdir / "profiles").mkdir()
     give("uploader", workdir / "profiles")
@@ -133,7 +155,7 @@ def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
     peak: list[int] = []
     worker: list[TestWorker] = []
 
-    def produce() -> None:          # the worker's thread: its socket is used from here only
+    def produce() -> None:  # the worker's thread: its socket is used from here only
         w = TestWorker(workdir / "run", zctx, max_profiles=3)
         worker.append(w)
         for x in uploads:
@@ -155,7 +177,7 @@ def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
         assert done.wait(DEADLINE_S)
         assert max(peak) <= 3
         assert "the uploader caught up after" in worker[0].logs.text()
-        assert worker[0].logs.text().count("waiting on the uploader") <= 2     # once per episode
+        assert worker[0].logs.text().count("waiting on the uploader") <= 2  # once per episode
         assert len(list((workdir / "profiles").rglob("*.pb.gz"))) == 5
     finally:
         os.kill(u.proc.pid, signal.SIGCONT)
@@ -199,8 +221,9 @@ def test_close_reports_what_it_could_not_hand_off(workdir: Path, zctx: zmq.Conte
     w.close()
 
 
-def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Path, zctx: zmq.Context,
-                                                                    started: list[subprocess.Popen]) -> None:
+def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
+    workdir: Path, zctx: zmq.Context, started: list[subprocess.Popen]
+) -> None:
     """A real worker with no uploader: its stop waits a bounded time, then names what it could not hand off."""
     config = write_config(workdir / "agent.yaml", ProfilerConfig(upload_interval_s=1, plain_pid=True))
     run_dir = workdir / "run"
@@ -208,24 +231,57 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(workdir: Pat
     give("symbolizer", run_dir)
     err = workdir / "worker.err"
     with open(err, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "symbolizer.main", "--config", str(config),
-                                 "--worker", "0", "--run-dir", str(run_dir), "--state-dir", str(workdir / "state")],
-                                stderr=f)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "symbolizer.main",
+                "--config",
+                str(config),
+                "--worker",
+                "0",
+                "--run-dir",
+                str(run_dir),
+                "--state-dir",
+                str(workdir / "state"),
+            ],
+            stderr=f,
+        )
     started.append(proc)
-    wait_for("the worker's ready file",
-             lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None)
+    wait_for(
+        "the worker's ready file",
+        lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None,
+    )
     # given one batch of one service
     push = zctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(endpoints.symbolizer(str(run_dir), 0))
-    batch = StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=time.time_ns() - 5_000_000_000,
-                       processes=(Process(pid=4242, start_ticks=1, uid=0, nspid=4242, comm="svc",
-                                          executable="/usr/bin/svc", service="/usr/bin/svc"),),
-                       user_stacks=(), kernel_stacks=(), samples=(Sample(4242, 4242, -1, -1, 3, 3),))
+    batch = StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=19,
+        time_ns=time.time_ns() - 5_000_000_000,
+        processes=(
+            Process(
+                pid=4242,
+                start_ticks=1,
+                uid=0,
+                nspid=4242,
+                comm="svc",
+                executable="/usr/bin/svc",
+                service="/usr/bin/svc",
+            ),
+        ),
+        user_stacks=(),
+        kernel_stacks=(),
+        samples=(Sample(4242, 4242, -1, -1, 3, 3),),
+    )
     push.send_multipart(encode(batch))
     # when its window has closed (the batch is from 5 s ago, windows are 1 s) and the profile was built
-    wait_for("the worker to build the profile",
-             lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None)
+    wait_for(
+        "the worker to build the profile",
+        lambda: b"of service /usr/bin/svc" in err.read_bytes() or proc.poll() is not None,
+    )
     # and it is stopped with no uploader to take the profile
     stop_at = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -7,22 +7,22 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 from collector.filebroker import FileBroker
 from collector.procfs import read_maps, read_process
 from shared import pprof
+from shared.window import ClosedWindow, ServiceWindow
 from shared.wire import Process
 from symbolizer import elf
 from symbolizer import profile as profile_mod
 from symbolizer.elf import ElfCache
 from symbolizer.files import FileClient
 from symbolizer.frames import JIT_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
-from shared.window import ClosedWindow, ServiceWindow
 from tests.harness import stop_process, vaddr_to_offset, wait_for
 
 LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
@@ -88,8 +88,11 @@ def maps_name(pid: int, path: Path) -> bool:
 
 def address_in(proc: Process, module: Path, file_offset: int) -> int:
     """The address `file_offset` of `module` is mapped at in `proc` (module matched by file name)."""
-    m = next(m for m in proc.mappings if Path(m.path).name == module.name
-             and m.offset <= file_offset < m.offset + m.end - m.start)
+    m = next(
+        m
+        for m in proc.mappings
+        if Path(m.path).name == module.name and m.offset <= file_offset < m.offset + m.end - m.start
+    )
     return m.start + file_offset - m.offset
 
 
@@ -101,7 +104,7 @@ def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolv
     text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
     # PIE: the load address is where file offset 0 sits
     base = text.start - text.offset
-    main_addr = base + symbol_vaddr(exe, "main")          # gcc -O0 PIE: vaddr == file offset
+    main_addr = base + symbol_vaddr(exe, "main")  # gcc -O0 PIE: vaddr == file offset
     call_jit = base + symbol_vaddr(exe, "call_jit")
     # when a stack (leaf first) is resolved: JIT code, a return address into
     # call_jit, a return address right after main's last byte, an unmapped address
@@ -147,16 +150,18 @@ def test_frames_resolved_again_come_from_memory_until_the_mappings_change(build,
     assert cache.stats["hits"] + cache.stats["parsed"] == looked_up
     assert resolver.stats["user_frames"] == 4 and resolver.stats["jit_named"] == 2 and resolver.stats["named"] == 2
     # and when the process's mappings change, its frames are resolved afresh
-    resolver.user(replace(proc, mappings=proc.mappings[:-1] if proc.mappings[-1] != text else proc.mappings[1:]),
-                  stack)
+    resolver.user(replace(proc, mappings=proc.mappings[:-1] if proc.mappings[-1] != text else proc.mappings[1:]), stack)
     assert cache.stats["hits"] + cache.stats["parsed"] > looked_up
 
 
 def test_a_closed_window_becomes_a_pprof_go_can_read(tmp_path: Path) -> None:
     # given a window with kernel and user frames and labels
     data = ServiceWindow()
-    frames = (Frame("[kernel.kallsyms]", "", 0xffffffff81000010, "do_nanosleep"),
-              Frame("/usr/bin/app", "abcd", 0x1234, "leaf"), Frame("/usr/bin/app", "abcd", 0x1000, "main"))
+    frames = (
+        Frame("[kernel.kallsyms]", "", 0xFFFFFFFF81000010, "do_nanosleep"),
+        Frame("/usr/bin/app", "abcd", 0x1234, "leaf"),
+        Frame("/usr/bin/app", "abcd", 0x1000, "main"),
+    )
     labels = (("host", "h"), ("process.executable", "/usr/bin/app"), ("pid", "0123456789abcdef"))
     data.add(labels, frames, 3, 3_000)
     data.add(labels, frames[1:], 1, 1_000)
@@ -179,7 +184,6 @@ def test_a_closed_window_becomes_a_pprof_go_can_read(tmp_path: Path) -> None:
     assert os.path.getsize(f) == len(gz)
 
 
-
 def test_an_empty_label_is_left_out_not_read_back_as_the_number_0() -> None:
     # given a sample whose thread has no name (its comm could not be read)
     data = ServiceWindow()
@@ -190,7 +194,9 @@ def test_an_empty_label_is_left_out_not_read_back_as_the_number_0() -> None:
     # then the label is absent, so a reader's .get("thread.name", "") is a string
     assert pprof.read(gz).samples[0].labels == {"pid": "1", "thread.id": "7"}
 
+
 # --- names from separate debug files, found by build id ---
+
 
 def test_libc_static_functions_are_named_from_libc_debug_file(build, live_jit, resolver: FrameResolver) -> None:
     # given a live process whose stack runs main <- __libc_start_call_main, and qsort's msort_with_tmp:
@@ -203,8 +209,10 @@ def test_libc_static_functions_are_named_from_libc_debug_file(build, live_jit, r
     proc = live(p.pid)
     exe = build("jit")
     main = address_in(proc, exe.resolve(), vaddr_to_offset(exe, symbol_vaddr(exe, "main")))
-    start_call_main, msort = (address_in(proc, LIBC, vaddr_to_offset(LIBC, symbol_vaddr(debug, name)))
-                              for name in ("__libc_start_call_main", "msort_with_tmp.part.0"))
+    start_call_main, msort = (
+        address_in(proc, LIBC, vaddr_to_offset(LIBC, symbol_vaddr(debug, name)))
+        for name in ("__libc_start_call_main", "msort_with_tmp.part.0")
+    )
     # when stacks with return addresses into them are resolved (leaf first)
     frames = resolver.user(proc, [main + 4, start_call_main + 4])
     leaf = resolver.user(proc, [msort + 1])[0]
@@ -241,7 +249,7 @@ def stripped_in_root(build, tmp_path: Path) -> Iterator[tuple[Process, Path, Cal
         return path
 
     p = subprocess.Popen(["chroot", str(root), "/offcpu", "tiny", "30"], stdout=subprocess.DEVNULL)
-    try:   # chroot(8) execs the workload in the same process
+    try:  # chroot(8) execs the workload in the same process
         wait_for("the chrooted workload to run", lambda: maps_name(p.pid, root / "offcpu"))
         assert os.readlink(f"/proc/{p.pid}/root") == str(root)
         yield live(p.pid), full, place
@@ -265,13 +273,21 @@ def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(stripped_i
     assert resolver.stats["debug_named"] == 1
 
 
-@pytest.mark.parametrize("debug_of, flags, reason", [
-    (OTHER_ID, (), f"has build id {OTHER_ID}"),                                   # another build
-    (STATIC_ID, ("-Wl,-Ttext-segment=0x800000",), "loads at other addresses"),   # the id, but moved
-])
+@pytest.mark.parametrize(
+    "debug_of, flags, reason",
+    [
+        (OTHER_ID, (), f"has build id {OTHER_ID}"),  # another build
+        (STATIC_ID, ("-Wl,-Ttext-segment=0x800000",), "loads at other addresses"),  # the id, but moved
+    ],
+)
 def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
-        stripped_in_root, files: FileClient, caplog: pytest.LogCaptureFixture,
-        debug_of: str, flags: tuple[str, ...], reason: str) -> None:
+    stripped_in_root,
+    files: FileClient,
+    caplog: pytest.LogCaptureFixture,
+    debug_of: str,
+    flags: tuple[str, ...],
+    reason: str,
+) -> None:
     # given a stripped module whose root has, at its build id's path, the debug file of another build
     proc, full, place = stripped_in_root
     assert build_id(place(debug_of, *flags)) == debug_of
@@ -287,8 +303,9 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
     assert len(warnings) == 1 and STATIC_ID in warnings[0] and reason in warnings[0]
 
 
-def test_a_roots_debug_file_names_only_the_processes_of_that_root(stripped_in_root, files: FileClient,
-                                                                 tmp_path: Path, started: list[subprocess.Popen]) -> None:
+def test_a_roots_debug_file_names_only_the_processes_of_that_root(
+    stripped_in_root, files: FileClient, tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     # given a stripped module with the debug file in its container's root, and a host process mapping
     # a module that claims the same build id (the host has no debug file for it)
     proc, full, place = stripped_in_root

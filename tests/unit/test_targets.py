@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from collector.alloc import BurstPlan, SampledTime, exp_quantiles, first_countdowns, survivors_to_forget
-from shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
 from collector.targets import TargetWatcher
+from shared.config import DEFAULT_ALLOC_DUTY_PCT, DEFAULT_ALLOC_SAMPLE_BYTES
 
 CONTAINER = "3f5e0c1b2a4d6e8f" + "0" * 48
 CGROUP_V2 = f"0::/system.slice/docker-{CONTAINER}.scope\n"
@@ -49,13 +49,13 @@ def test_specs_match_name_path_container_and_cgroup(tmp_path: Path) -> None:
     add_proc(tmp_path, 13, "/usr/bin/nginx", "nginx", cgroup="0::/system.slice/nginx.service/worker\n")
     add_proc(tmp_path, 14, "/usr/bin/bash", "bash")
     cases = {
-        "myapp": {10},                              # the executable's file name
-        "/opt/other/bin/server": {11},              # its path, exactly
-        "/usr/bin/server": set(),                   # another path with the same name is not it
-        CONTAINER[:12]: {12},                       # a prefix of the container id
-        "cgroup:/system.slice/nginx.service": {13},   # the cgroup or one under it
-        "cgroup:/system.slice/nginx": set(),          # not a path prefix of a cgroup name
-        "python3": {12},                            # the process name (comm) too
+        "myapp": {10},  # the executable's file name
+        "/opt/other/bin/server": {11},  # its path, exactly
+        "/usr/bin/server": set(),  # another path with the same name is not it
+        CONTAINER[:12]: {12},  # a prefix of the container id
+        "cgroup:/system.slice/nginx.service": {13},  # the cgroup or one under it
+        "cgroup:/system.slice/nginx": set(),  # not a path prefix of a cgroup name
+        "python3": {12},  # the process name (comm) too
     }
     for spec, want in cases.items():
         # when a watcher with only that spec scans, then exactly those processes appear
@@ -113,7 +113,8 @@ def test_bursts_at_the_defaults_sample_a_sixty_seventh_of_the_time_and_scale_it_
     assert plan.scale == 67 and plan.seen_free_share == pytest.approx(0.03)
     # one sample per 64 KiB overall: one per ~1 KiB while sampling, each standing for 67 times its bytes
     assert plan.in_burst_sample_bytes(DEFAULT_ALLOC_SAMPLE_BYTES) * plan.scale == pytest.approx(
-        DEFAULT_ALLOC_SAMPLE_BYTES, rel=1e-3)
+        DEFAULT_ALLOC_SAMPLE_BYTES, rel=1e-3
+    )
     assert plan.in_burst_sample_bytes(0) == 0
     # every phase keeps the burst inside its period
     rng = random.Random(1)
@@ -169,8 +170,8 @@ def test_each_seen_survivor_free_stands_for_the_unseen_ones() -> None:
     # seen stands for 19 that went unseen; fractions carry over.
     n, debt = survivors_to_forget(0.0, 1, 0.05)
     assert n == 19 and debt == pytest.approx(0.0, abs=1e-9)
-    n, debt = survivors_to_forget(0.0, 1, 0.3)    # 2.33 each
+    n, debt = survivors_to_forget(0.0, 1, 0.3)  # 2.33 each
     assert n == 2 and debt == pytest.approx(1 / 3, abs=1e-9)
     n, debt = survivors_to_forget(debt, 2, 0.3)
     assert n == 5 and debt == pytest.approx(0.0, abs=1e-9)
-    assert survivors_to_forget(0.0, 5, 1.0) == (0, 0.0)    # always attached: every free is seen
+    assert survivors_to_forget(0.0, 5, 1.0) == (0, 0.0)  # always attached: every free is seen

@@ -41,8 +41,9 @@ EXPOSURE = {"collector": 2.3, "symbolizer": 0.5, "uploader": 1.2, "runtime": 1.1
 # "OK" or better: systemd's levels are PERFECT (0.0), SAFE (< 1), OK (< 5), MEDIUM, EXPOSED, UNSAFE, DANGEROUS.
 GOOD_LEVELS = ("PERFECT", "SAFE", "OK")
 # Where this host's own unit files live (Debian: /lib is /usr/lib with merged /usr).
-HOST_UNITS = next(p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
-                  if (p / "sysinit.target").exists())
+HOST_UNITS = next(
+    p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if (p / "sysinit.target").exists()
+)
 
 
 def systemd_analyze(*args: str) -> subprocess.CompletedProcess:
@@ -57,7 +58,7 @@ def read_unit(name: str) -> dict[str, dict[str, list[str]]]:
     unit: dict[str, dict[str, list[str]]] = {}
     section = ""
     for line in (UNIT_SRC / name).read_text().splitlines():
-        line = line.strip()
+        line = line.strip()  # noqa: PLW2901
         if not line or line.startswith(("#", ";")):
             continue
         if line.startswith("["):
@@ -92,8 +93,13 @@ def test_deploy_holds_exactly_the_target_and_a_unit_per_stage() -> None:
 def test_systemd_analyze_verify_passes_silently(scratch_root: Path) -> None:
     units = scratch_root / "usr/lib/systemd/system"
     # Every file, and two instances of the template (named: verify finds them under --root).
-    out = systemd_analyze("verify", f"--root={scratch_root}", *(str(units / n) for n in (TARGET, *SERVICES.values())),
-                          "ebpfprofiler-symbolizer@0.service", "ebpfprofiler-symbolizer@1.service")
+    out = systemd_analyze(
+        "verify",
+        f"--root={scratch_root}",
+        *(str(units / n) for n in (TARGET, *SERVICES.values())),
+        "ebpfprofiler-symbolizer@0.service",
+        "ebpfprofiler-symbolizer@1.service",
+    )
     assert (out.returncode, out.stdout + out.stderr) == (0, "")
 
 
@@ -115,8 +121,10 @@ def test_security_exposure(stage: str) -> None:
     assert m, out.stdout + out.stderr
     exposure, level = float(m.group(1)), m.group(2)
     assert level in GOOD_LEVELS, (stage, exposure, level)
-    assert exposure <= EXPOSURE[stage], (f"{SERVICES[stage]}: exposure {exposure} {level}, docs/hardening.md shows "
-                                         f"{EXPOSURE[stage]}: tighten the unit or update both")
+    assert exposure <= EXPOSURE[stage], (
+        f"{SERVICES[stage]}: exposure {exposure} {level}, docs/hardening.md shows "
+        f"{EXPOSURE[stage]}: tighten the unit or update both"
+    )
 
 
 def test_the_hardening_notes_show_the_exposure_figures() -> None:
@@ -166,8 +174,14 @@ def test_exec_start_is_the_installed_console_script(stage: str) -> None:
 
 def test_target_wants_every_stage_and_worker_zero() -> None:
     wants = " ".join(read_unit(TARGET)["Unit"]["Wants"]).split()
-    assert sorted(wants) == sorted(["ebpfprofiler-collector.service", "ebpfprofiler-symbolizer@0.service",
-                                    "ebpfprofiler-runtime.service", "ebpfprofiler-uploader.service"])
+    assert sorted(wants) == sorted(
+        [
+            "ebpfprofiler-collector.service",
+            "ebpfprofiler-symbolizer@0.service",
+            "ebpfprofiler-runtime.service",
+            "ebpfprofiler-uploader.service",
+        ]
+    )
 
 
 def test_sysusers_creates_each_stage_user_in_the_agent_group(tmp_path: Path) -> None:
@@ -175,15 +189,20 @@ def test_sysusers_creates_each_stage_user_in_the_agent_group(tmp_path: Path) -> 
     etc.mkdir()
     for f in ("passwd", "group", "shadow", "gshadow"):
         (etc / f).touch()
-    out = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(DEPLOY / "sysusers.conf")],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", str(DEPLOY / "sysusers.conf")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     groups = {line.split(":")[0]: line.split(":")[2] for line in (etc / "group").read_text().splitlines()}
     users = {f[0]: f for f in (line.split(":") for line in (etc / "passwd").read_text().splitlines())}
     assert set(groups) == {AGENT_GROUP}
     assert set(users) == {p.user for p in STAGES.values()}
     for name, (_, _, uid, gid, _, home, shell) in users.items():
-        assert int(uid) < 1000, (name, uid)   # a system user
+        assert int(uid) < 1000, (name, uid)  # a system user
         assert (gid, home, shell) == (groups[AGENT_GROUP], "/nonexistent", "/usr/sbin/nologin"), name
 
 
@@ -192,8 +211,13 @@ def test_tmpfiles_creates_the_shared_directories(tmp_path: Path) -> None:
     etc.mkdir()
     (etc / "group").write_text(f"root:x:0:\n{AGENT_GROUP}:x:990:\n")
     (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    out = subprocess.run(["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(DEPLOY / "tmpfiles.conf")],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        ["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(DEPLOY / "tmpfiles.conf")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     run, state = (tmp_path / "run/ebpfprofiler").stat(), (tmp_path / "var/lib/ebpfprofiler").stat()
     assert (oct(run.st_mode & 0o7777), run.st_uid, run.st_gid) == (oct(0o3770), 0, 990)

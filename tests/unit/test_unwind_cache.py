@@ -10,14 +10,15 @@ from symbolizer.unwind_cache import UnwindCache, file_identity
 
 
 def table(rows: int = 3) -> bytes:
-    h = ut.Header(ut.ARCH_X86_64, span=0x10000, pc_base=0x1000, text_offset=0x1000, text_vaddr=0x1000,
-                  text_size=0x10000)
+    h = ut.Header(
+        ut.ARCH_X86_64, span=0x10000, pc_base=0x1000, text_offset=0x1000, text_vaddr=0x1000, text_size=0x10000
+    )
     body = [ut.Row(i * 4, 8 + 8 * i, 0, -8, ut.CFA_SP, ut.FP_SAME, ut.RA_SAVED) for i in range(rows - 1)]
-    return ut.encode(h, body + [ut.Row((rows - 1) * 4, 0, 0, 0, ut.CFA_FALLBACK, 0, 0)])
+    return ut.encode(h, [*body, ut.Row((rows - 1) * 4, 0, 0, 0, ut.CFA_FALLBACK, 0, 0)])
 
 
 BID = "1ed993b64906213dfeb7f0fcc692ee71ff60e2d0"
-IDENT = "fd01-3e8-5000-17f0b2c3d4e5f600-17f0b2c3d4e5f600"   # file_identity of the module it was built from
+IDENT = "fd01-3e8-5000-17f0b2c3d4e5f600-17f0b2c3d4e5f600"  # file_identity of the module it was built from
 
 
 def test_a_table_put_is_read_back_across_instances(tmp_path: Path) -> None:
@@ -37,7 +38,7 @@ def test_a_corrupt_file_is_deleted_and_counted(tmp_path: Path) -> None:
     cache.put(BID, IDENT, ut.ARCH_X86_64, table())
     path = Path(cache.path(BID, IDENT, ut.ARCH_X86_64))
     data = bytearray(path.read_bytes())
-    data[-4] = 9   # the last row's cfa_kind: out of range
+    data[-4] = 9  # the last row's cfa_kind: out of range
     path.write_bytes(bytes(data))
     assert cache.get(BID, IDENT, ut.ARCH_X86_64) is None
     assert not path.exists() and cache.stats["corrupt"] == 1
@@ -69,7 +70,7 @@ def test_the_total_size_is_bounded_and_the_least_recently_used_go_first(tmp_path
     for i, bid in enumerate(ids[:3]):
         cache.put(bid, IDENT, ut.ARCH_X86_64, table())
         os.utime(cache.path(bid, IDENT, ut.ARCH_X86_64), (1000 + i, 1000 + i))
-    assert cache.get(ids[0], IDENT, ut.ARCH_X86_64) is not None   # used: now the newest
+    assert cache.get(ids[0], IDENT, ut.ARCH_X86_64) is not None  # used: now the newest
     # when two more tables are put into a cache that holds three
     cache.put(ids[3], IDENT, ut.ARCH_X86_64, table())
     cache.put(ids[4], IDENT, ut.ARCH_X86_64, table())
@@ -91,6 +92,6 @@ def test_a_table_is_served_only_for_the_file_it_was_built_from(tmp_path: Path) -
     cache.put(BID, ident_real, ut.ARCH_X86_64, table())
     assert cache.get(BID, ident_copy, ut.ARCH_X86_64) is None
     assert cache.get(BID, ident_real, ut.ARCH_X86_64) == table()
-    os.utime(real, (1, 1))     # the same inode, changed: no longer the file the table was built from
+    os.utime(real, (1, 1))  # the same inode, changed: no longer the file the table was built from
     with open(real, "rb") as r:
         assert cache.get(BID, file_identity(r.fileno()), ut.ARCH_X86_64) is None

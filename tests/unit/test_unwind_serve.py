@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from collector.filebroker import FileBroker
 from collector.procfs import parse_stat, read_maps
 from shared import endpoints
@@ -26,7 +27,6 @@ from shared.wire import (
 from symbolizer import cfi
 from symbolizer.files import FileClient
 from symbolizer.unwind import UnwindServer
-
 from tests.harness import stop_process
 
 LIB_SOURCE = "int cfi_test_lib(int x) { return x * 3 + 1; }\n"
@@ -45,14 +45,27 @@ def libs(tmp_path: Path) -> dict[str, Path]:
     src = tmp_path / "lib.c"
     src.write_text(LIB_SOURCE)
     nocfi, good, corrupt = tmp_path / "libnocfi.so", tmp_path / "libgood.so", tmp_path / "libcorrupt.so"
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-nostdlib", "-fno-asynchronous-unwind-tables",
-                    "-fno-unwind-tables", "-o", str(nocfi), str(src)], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-nostdlib",
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+            "-o",
+            str(nocfi),
+            str(src),
+        ],
+        check=True,
+    )
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(good), str(src)], check=True)
     with good.open("rb") as f:
         eh = cfi.read_module(f).eh_frame
     assert eh is not None
     data = bytearray(good.read_bytes())
-    data[eh.offset:eh.offset + 4] = (0x7FFFFFF0).to_bytes(4, "little")
+    data[eh.offset : eh.offset + 4] = (0x7FFFFFF0).to_bytes(4, "little")
     corrupt.write_bytes(bytes(data))
     return {"nocfi": nocfi, "corrupt": corrupt}
 
@@ -61,8 +74,13 @@ def libs(tmp_path: Path) -> dict[str, Path]:
 def prog(build, libs: dict[str, Path]) -> Iterator[subprocess.Popen]:
     """The -O2 -fomit-frame-pointer test program, waiting, with both libraries preloaded."""
     env = {**os.environ, "LD_PRELOAD": f"{libs['nocfi']}:{libs['corrupt']}"}
-    p = subprocess.Popen([str(build("cfi_prog", ["-O2", "-fomit-frame-pointer"])), "wait"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [str(build("cfi_prog", ["-O2", "-fomit-frame-pointer"])), "wait"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         yield p
@@ -94,8 +112,16 @@ def broker(run_dir: Path) -> Iterator[FileBroker]:
 def process(pid: int) -> Process:
     start = parse_stat(Path(f"/proc/{pid}/stat").read_text())[1]
     maps = tuple(m for m in read_maps(pid) if m.path.startswith("/"))
-    return Process(pid=pid, start_ticks=start, uid=os.getuid(), nspid=pid, comm="cfi_prog", executable="",
-                   service="cfi_prog", mappings=maps)
+    return Process(
+        pid=pid,
+        start_ticks=start,
+        uid=os.getuid(),
+        nspid=pid,
+        comm="cfi_prog",
+        executable="",
+        service="cfi_prog",
+        mappings=maps,
+    )
 
 
 def text_mapping(proc: Process, path: Path) -> Mapping:
@@ -107,10 +133,19 @@ def text_mapping(proc: Process, path: Path) -> Mapping:
 
 
 def batch(proc: Process, mappings: list[Mapping]) -> StackBatch:
-    return StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=time.time_ns(), processes=(proc,),
-                      user_stacks=(), kernel_stacks=(), samples=(),
-                      unwind_requests=tuple(UnwindRequest(proc.pid, proc.start_ticks, m.start, m.end, m.dev, m.inode)
-                                            for m in mappings))
+    return StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=19,
+        time_ns=time.time_ns(),
+        processes=(proc,),
+        user_stacks=(),
+        kernel_stacks=(),
+        samples=(),
+        unwind_requests=tuple(
+            UnwindRequest(proc.pid, proc.start_ticks, m.start, m.end, m.dev, m.inode) for m in mappings
+        ),
+    )
 
 
 def receive(sock: zmq.Socket, n: int, timeout: float = 30.0) -> list[UnwindTable]:
@@ -131,8 +166,9 @@ def main_address(exe: Path) -> int:
     return next(int(line.split()[0], 16) for line in out.splitlines() if line.endswith(" T main"))
 
 
-def test_a_request_is_answered_with_a_table_that_covers_main(prog, broker, collector_socket, run_dir: Path,
-                                                            tmp_path: Path, zctx: zmq.Context, build) -> None:
+def test_a_request_is_answered_with_a_table_that_covers_main(
+    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+) -> None:
     # given a running program built without frame pointers, and a request for its executable's text
     exe = build("cfi_prog", ["-O2", "-fomit-frame-pointer"])
     proc = process(prog.pid)
@@ -172,11 +208,15 @@ def test_a_request_is_answered_with_a_table_that_covers_main(prog, broker, colle
 
 
 def test_modules_without_usable_cfi_are_answered_none_or_failed_and_serving_goes_on(
-        prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, libs, build) -> None:
+    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, libs, build
+) -> None:
     # given requests for a library without CFI, one with a corrupt .eh_frame, and the program itself
     proc = process(prog.pid)
-    wanted = [text_mapping(proc, libs["nocfi"]), text_mapping(proc, libs["corrupt"]),
-              text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"]))]
+    wanted = [
+        text_mapping(proc, libs["nocfi"]),
+        text_mapping(proc, libs["corrupt"]),
+        text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"])),
+    ]
     server = UnwindServer(FileClient(str(run_dir)), str(run_dir), str(tmp_path / "state"), ctx=zctx)
     try:
         server.serve(batch(proc, wanted))
@@ -191,8 +231,9 @@ def test_modules_without_usable_cfi_are_answered_none_or_failed_and_serving_goes
     assert server.failed_by_reason == {"malformed": 1} and server.stats["none"] == 1
 
 
-def test_a_process_that_is_gone_gets_no_answer_and_is_counted(broker, collector_socket, run_dir: Path,
-                                                              tmp_path: Path, zctx: zmq.Context) -> None:
+def test_a_process_that_is_gone_gets_no_answer_and_is_counted(
+    broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context
+) -> None:
     gone = Process(pid=999_999, start_ticks=1, uid=0, nspid=1, comm="", executable="", service="")
     server = UnwindServer(FileClient(str(run_dir)), str(run_dir), str(tmp_path / "state"), ctx=zctx)
     try:
@@ -203,8 +244,9 @@ def test_a_process_that_is_gone_gets_no_answer_and_is_counted(broker, collector_
         server.close()
 
 
-def test_answers_to_an_absent_collector_are_dropped_without_blocking(broker, prog, run_dir: Path, tmp_path: Path,
-                                                                     zctx: zmq.Context, build) -> None:
+def test_answers_to_an_absent_collector_are_dropped_without_blocking(
+    broker, prog, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+) -> None:
     # given no collector socket at all, when a request is served
     proc = process(prog.pid)
     text = text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"]))
@@ -221,12 +263,13 @@ def test_answers_to_an_absent_collector_are_dropped_without_blocking(broker, pro
         server.close()
 
 
-def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(prog, broker, collector_socket, run_dir: Path,
-                                                                     tmp_path: Path, zctx: zmq.Context,
-                                                                     build) -> None:
+def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(
+    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+) -> None:
     # given a batch asking for the program, then libc, when the first build has used all but 1 ms of the
     # batch's budget (a clock that jumps once something was built)
     from symbolizer.unwind import BUILD_SECONDS_PER_BATCH
+
     proc = process(prog.pid)
     libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
     wanted = [text_mapping(proc, build("cfi_prog", ["-O2", "-fomit-frame-pointer"])), text_mapping(proc, libc)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import struct
 
 import pytest
+
 from shared import unwind_table as ut
 
-HEADER = ut.Header(arch=ut.ARCH_X86_64, span=0x1000, pc_base=0x26000, text_offset=0x26000, text_vaddr=0x26000,
-                   text_size=0x1000)
+HEADER = ut.Header(
+    arch=ut.ARCH_X86_64, span=0x1000, pc_base=0x26000, text_offset=0x26000, text_vaddr=0x26000, text_size=0x1000
+)
 ROWS = [
     ut.Row(0x0, 8, 0, -8, ut.CFA_SP, ut.FP_SAME, ut.RA_SAVED),
     ut.Row(0x4, 16, -16, -8, ut.CFA_SP, ut.FP_SAVED, ut.RA_SAVED),
@@ -29,7 +31,7 @@ def test_round_trip_keeps_header_and_rows() -> None:
     assert len(data) == 48 + 16 * len(ROWS)
     assert table.header == HEADER and table.row_count == len(ROWS)
     assert list(table.iter_rows()) == ROWS
-    assert table.rows == data[48:]          # raw rows, as the collector copies them
+    assert table.rows == data[48:]  # raw rows, as the collector copies them
 
 
 def test_encode_takes_packed_rows_too() -> None:
@@ -58,8 +60,7 @@ def test_bias_maps_a_pc_to_its_row_address() -> None:
     # then the pc of text's first byte is row address 0
     assert 0x7F0000026000 - b == 0
     # and for a non-PIE executable with vaddr != offset (node: offset 0x772000 at vaddr 0xb72000)
-    h = ut.Header(ut.ARCH_X86_64, 0x100, pc_base=0xB72000, text_offset=0x772000, text_vaddr=0xB72000,
-                  text_size=0x100)
+    h = ut.Header(ut.ARCH_X86_64, 0x100, pc_base=0xB72000, text_offset=0x772000, text_vaddr=0xB72000, text_size=0x100)
     node = ut.decode(ut.encode(h, [ut.Row(0, 0, 0, 0, ut.CFA_FALLBACK, 0, 0)]))
     assert 0xB72010 - ut.bias(node, 0xB72000, 0x772000) == 0x10
 
@@ -73,28 +74,31 @@ def corrupt(offset: int, fmt: str, value: int) -> bytes:
 ROW0 = 48
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"", "shorter than"),
-    (bytes(good()[:47]), "shorter than"),
-    (b"XXXX" + bytes(good()[4:]), "magic"),
-    (corrupt(4, "<H", 2), "version"),
-    (corrupt(6, "<H", 3), "unknown arch"),
-    (corrupt(8, "<I", 0), "rows"),
-    (corrupt(8, "<I", ut.MAX_ROWS + 1), "rows"),
-    (corrupt(8, "<I", len(ROWS) + 1), "bytes, expected"),
-    (bytes(good()) + b"\0" * 16, "bytes, expected"),
-    (bytes(good()[:-1]), "bytes, expected"),
-    (corrupt(12, "<I", 0x40), "not below span"),
-    (corrupt(16, "<Q", (1 << 64) - 0x10), "64 bits"),
-    (corrupt(ROW0 + 16, "<I", 0), "not above"),                      # pcs equal
-    (corrupt(ROW0 + 32, "<I", 0x2), "not above"),                    # pcs decreasing
-    (corrupt(ROW0 + 12, "<B", 5), "kinds"),                          # cfa_kind out of range
-    (corrupt(ROW0 + 13, "<B", 2), "kinds"),                          # fp_kind
-    (corrupt(ROW0 + 14, "<B", 2), "kinds"),                          # ra_kind
-    (corrupt(ROW0 + 15, "<B", 1), "kinds"),                          # padding
-    (corrupt(ROW0 + 14, "<B", ut.RA_LR), "link register"),           # x86-64 has none
-    (corrupt(ROW0 + 16 * 5 + 12, "<B", ut.CFA_SP), "not FALLBACK"),  # the last row
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "shorter than"),
+        (bytes(good()[:47]), "shorter than"),
+        (b"XXXX" + bytes(good()[4:]), "magic"),
+        (corrupt(4, "<H", 2), "version"),
+        (corrupt(6, "<H", 3), "unknown arch"),
+        (corrupt(8, "<I", 0), "rows"),
+        (corrupt(8, "<I", ut.MAX_ROWS + 1), "rows"),
+        (corrupt(8, "<I", len(ROWS) + 1), "bytes, expected"),
+        (bytes(good()) + b"\0" * 16, "bytes, expected"),
+        (bytes(good()[:-1]), "bytes, expected"),
+        (corrupt(12, "<I", 0x40), "not below span"),
+        (corrupt(16, "<Q", (1 << 64) - 0x10), "64 bits"),
+        (corrupt(ROW0 + 16, "<I", 0), "not above"),  # pcs equal
+        (corrupt(ROW0 + 32, "<I", 0x2), "not above"),  # pcs decreasing
+        (corrupt(ROW0 + 12, "<B", 5), "kinds"),  # cfa_kind out of range
+        (corrupt(ROW0 + 13, "<B", 2), "kinds"),  # fp_kind
+        (corrupt(ROW0 + 14, "<B", 2), "kinds"),  # ra_kind
+        (corrupt(ROW0 + 15, "<B", 1), "kinds"),  # padding
+        (corrupt(ROW0 + 14, "<B", ut.RA_LR), "link register"),  # x86-64 has none
+        (corrupt(ROW0 + 16 * 5 + 12, "<B", ut.CFA_SP), "not FALLBACK"),  # the last row
+    ],
+)
 def test_decode_rejects(data: bytes, message: str) -> None:
     with pytest.raises(ut.UnwindTableError, match=message):
         ut.decode(data)
@@ -114,6 +118,6 @@ def test_plt_rows_are_x86_only() -> None:
 
 def test_encode_refuses_what_decode_would() -> None:
     with pytest.raises(ut.UnwindTableError):
-        ut.encode(HEADER, ROWS[:-1])        # last row not FALLBACK
+        ut.encode(HEADER, ROWS[:-1])  # last row not FALLBACK
     with pytest.raises(ut.UnwindTableError):
-        ut.encode(ut.Header(ut.ARCH_X86_64, 1 << 32, 0, 0, 0, 0), ROWS)   # span over u32
+        ut.encode(ut.Header(ut.ARCH_X86_64, 1 << 32, 0, 0, 0, 0), ROWS)  # span over u32

@@ -9,6 +9,7 @@ own joined with a time limit, so that the test fails, not hangs, on a client wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -18,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from tests.harness import make_upload
 from uploader import http
 from uploader.http import HttpClient
-from tests.harness import make_upload
 
 # A byte (or a read) this often: under the 1-s read timeout, so that no single recv or send times out.
 TRICKLE_S = 0.3
@@ -77,16 +78,14 @@ class SlowBackend:
             while not self._stop.wait(TRICKLE_S):
                 conn.sendall(b" ")
         except OSError:
-            pass   # the client gave up
+            pass  # the client gave up
 
     def stop(self) -> None:
         self._stop.set()
         self._listener.close()
         for c in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             c.close()
         for t in self._threads:
             t.join(5)
@@ -112,10 +111,15 @@ def timed(call: Callable[[], Any], limit_s: float) -> tuple[Any, float]:
     return out[0], time.monotonic() - start
 
 
-@pytest.mark.parametrize("backend, body_bytes", [("reply", 0), ("read", 8 << 20)], indirect=["backend"],
-                         ids=["trickled-reply", "slowly-read-body"])
+@pytest.mark.parametrize(
+    "backend, body_bytes",
+    [("reply", 0), ("read", 8 << 20)],
+    indirect=["backend"],
+    ids=["trickled-reply", "slowly-read-body"],
+)
 def test_a_slow_backend_fails_the_post_at_the_deadline_as_a_retryable_error(
-        backend: SlowBackend, body_bytes: int) -> None:
+    backend: SlowBackend, body_bytes: int
+) -> None:
     # given a client with a 1-s read timeout and a 2-s deadline, and a backend slow on purpose
     client = HttpClient(backend.url, read_timeout_s=READ_TIMEOUT_S, deadline_s=DEADLINE_S)
     upload = make_upload(padding=os.urandom(body_bytes))

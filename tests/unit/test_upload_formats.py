@@ -15,8 +15,8 @@ import subprocess
 import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
@@ -30,9 +30,9 @@ from shared import pprof, remote_config
 from shared.config import ConfigError, ProfilerConfig, from_mapping
 from shared.pprof import ProfileBuilder
 from shared.wire import ProfileUpload
-from uploader import format_otlp, formats
 from tests.harness import DEADLINE_S, FAST_BACKOFF, START_NS, Receiver, TestWorker, http_config, wait_for
 from tests.otlp_check import otlp_samples, pprof_samples
+from uploader import format_otlp, formats
 
 CONTAINER = "3f2a9c0d1e2b" * 5 + "abcd"
 POD = "0b7d2f8e-1c3a-4e5f-9a6b-7c8d9e0f1a2b"
@@ -40,26 +40,43 @@ POD = "0b7d2f8e-1c3a-4e5f-9a6b-7c8d9e0f1a2b"
 
 def window_profile(*, plain_pid: bool, profile_type: str = "cpu") -> ProfileUpload:
     """A profile shaped like the symbolizer's: two processes of one container, build ids, an unsymbolized frame."""
-    b = ProfileBuilder([("samples", "count"), ("cpu", "nanoseconds")], ("cpu", "nanoseconds"),
-                       period=10_101_010, time_ns=START_NS, duration_ns=5_000_000_000)
+    b = ProfileBuilder(
+        [("samples", "count"), ("cpu", "nanoseconds")],
+        ("cpu", "nanoseconds"),
+        period=10_101_010,
+        time_ns=START_NS,
+        duration_ns=5_000_000_000,
+    )
     app = b.mapping(("/srv/app", "aa11"), "/srv/app", "aa11bb22cc33", memory_limit=1 << 48, has_functions=True)
     libc = b.mapping(("/usr/lib/libc.so.6", "dd44"), "/usr/lib/libc.so.6", "dd44ee55", memory_limit=1 << 48)
     kernel = b.mapping("[kernel]", "[kernel]")
     main = b.location("main", app, 0x1130, [b.function("main")])
     work = b.location("work", app, 0x1180, [b.function("work")])
-    memcpy = b.location("memcpy", libc, 0x9a0c0, [b.function("__memcpy_avx")])
-    anon = b.location("anon", libc, 0x12345)               # no symbol: address and build id only
-    sched = b.location("k", kernel, 0xffffffff81000000, [b.function("schedule")])
+    memcpy = b.location("memcpy", libc, 0x9A0C0, [b.function("__memcpy_avx")])
+    anon = b.location("anon", libc, 0x12345)  # no symbol: address and build id only
+    sched = b.location("k", kernel, 0xFFFFFFFF81000000, [b.function("schedule")])
     for pid, rows in ((101, [((memcpy, work, main), 7), ((anon, main), 2)]), (202, [((sched, work, main), 3)])):
-        labels = {"host": "web-1", "container": CONTAINER, "k8s.pod": POD, "process.executable": "/srv/app",
-                  "pid": str(pid) if plain_pid else f"{pid:016x}"}
+        labels = {
+            "host": "web-1",
+            "container": CONTAINER,
+            "k8s.pod": POD,
+            "process.executable": "/srv/app",
+            "pid": str(pid) if plain_pid else f"{pid:016x}",
+        }
         if pid == 202:
             labels["process.command_line"] = "/srv/app --serve"
         for locs, n in rows:
             b.sample(list(locs), [n, n * 10_101_010], labels)
-    return ProfileUpload(profile_id=str(uuid.uuid4()), host="web-1", service=CONTAINER, profile_type=profile_type,
-                         window_start_ns=START_NS, window_end_ns=START_NS + 5_000_000_000, samples=3,
-                         pprof_gz=b.gzipped())
+    return ProfileUpload(
+        profile_id=str(uuid.uuid4()),
+        host="web-1",
+        service=CONTAINER,
+        profile_type=profile_type,
+        window_start_ns=START_NS,
+        window_end_ns=START_NS + 5_000_000_000,
+        samples=3,
+        pprof_gz=b.gzipped(),
+    )
 
 
 @pytest.fixture
@@ -90,13 +107,16 @@ def receiver(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 # ---------------------------------------------------------------- config
 
+
 def test_upload_format_is_validated_with_a_clear_error() -> None:
     assert ProfilerConfig().upload_format == "pprof"
     with pytest.raises(ConfigError) as e:
         from_mapping({"upload_format": "zipkin"}, source="agent.yaml")
-    assert str(e.value) == ("agent.yaml: modules.ebpf_profiler.upload_format = 'zipkin' is not allowed; expected one "
-                            "of ['pprof', 'otlp', 'pyroscope'] (pprof: our POST /v1/profiles; otlp: OTLP/HTTP profiles "
-                            "to an OpenTelemetry Collector; pyroscope: Pyroscope's POST /ingest)")
+    assert str(e.value) == (
+        "agent.yaml: modules.ebpf_profiler.upload_format = 'zipkin' is not allowed; expected one "
+        "of ['pprof', 'otlp', 'pyroscope'] (pprof: our POST /v1/profiles; otlp: OTLP/HTTP profiles "
+        "to an OpenTelemetry Collector; pyroscope: Pyroscope's POST /ingest)"
+    )
     with pytest.raises(ConfigError, match="remote_config_url = 'ftp://x' is not allowed"):
         from_mapping({"remote_config_url": "ftp://x"})
 
@@ -108,10 +128,11 @@ def test_remote_config_is_ours_and_off_for_other_backends_unless_a_url_is_set() 
     assert base.replace(upload_format="pyroscope").agent_config_url == ""
     ours = "https://profiles.example/v1/agent-config"
     assert base.replace(upload_format="otlp", remote_config_url=ours).agent_config_url == ours
-    assert ProfilerConfig(remote_config_url=ours).agent_config_url == ""    # local_dir: no backend at all
+    assert ProfilerConfig(remote_config_url=ours).agent_config_url == ""  # local_dir: no backend at all
 
 
 # ---------------------------------------------------------------- OTLP conversion
+
 
 @pytest.mark.parametrize("plain_pid", [False, True], ids=["hashed-pid", "plain-pid"])
 def test_otlp_conversion_keeps_every_sample_stack_and_attribute(plain_pid: bool) -> None:
@@ -122,7 +143,7 @@ def test_otlp_conversion_keeps_every_sample_stack_and_attribute(plain_pid: bool)
     rows, types, resources = otlp_samples(decoded)
     assert rows == pprof_samples(pprof.read(upload.pprof_gz))
     assert types == [("samples", "count"), ("cpu", "nanoseconds")]
-    assert len(resources) == 2          # one per process
+    assert len(resources) == 2  # one per process
     for res in resources:
         assert res["service.name"] == CONTAINER and res["host.name"] == "web-1"
         assert res["container.id"] == CONTAINER and res["k8s.pod.uid"] == POD
@@ -151,15 +172,19 @@ def test_a_profile_that_is_not_pprof_is_a_format_error_not_a_retry() -> None:
 
 # ---------------------------------------------------------------- uploader → receiver
 
+
 def test_otlp_upload_is_stored_once_and_decodes_to_the_same_profile(
-        workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]) -> None:
+    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url, upload_format="otlp"), env=FAST_BACKOFF)
-    wait_for("the start-up line", lambda: f"profiles go to the endpoint {url}/v1development/profiles "
-                                          "(upload_format otlp)" in u.log())
+    wait_for(
+        "the start-up line",
+        lambda: f"profiles go to the endpoint {url}/v1development/profiles (upload_format otlp)" in u.log(),
+    )
     assert "remote config: off (upload_format otlp" in u.log()
     upload = window_profile(plain_pid=False)
-    worker.send(upload, upload)        # the same profile twice (a worker's resend): stored once
+    worker.send(upload, upload)  # the same profile twice (a worker's resend): stored once
     worker.wait_acked()
     wait_for("the OTLP profile", lambda: list_profiles(str(store)) and not u.spooled())
     [meta] = list_profiles(str(store))
@@ -171,8 +196,9 @@ def test_otlp_upload_is_stored_once_and_decodes_to_the_same_profile(
     assert u.stop() == 0
 
 
-def test_otlp_partial_success_is_logged_and_counted_not_retried(workdir: Path, start_uploader,
-                                                              worker: TestWorker, tmp_path: Path) -> None:
+def test_otlp_partial_success_is_logged_and_counted_not_retried(
+    workdir: Path, start_uploader, worker: TestWorker, tmp_path: Path
+) -> None:
     for url, store in serve(tmp_path / "store", Faults(partial_reject="profiles signal disabled by test")):
         u = start_uploader(http_config(workdir, url, upload_format="otlp"), env=FAST_BACKOFF)
         worker.send(window_profile(plain_pid=False))
@@ -187,7 +213,8 @@ def test_otlp_partial_success_is_logged_and_counted_not_retried(workdir: Path, s
 
 
 def test_pyroscope_upload_names_the_series_and_go_tool_pprof_reads_it(
-        workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]) -> None:
+    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url, upload_format="pyroscope"), env=FAST_BACKOFF)
     wait_for("the start-up line", lambda: f"{url}/ingest (upload_format pyroscope)" in u.log())
@@ -201,20 +228,28 @@ def test_pyroscope_upload_names_the_series_and_go_tool_pprof_reads_it(
         app, labels = parse_name(meta["name"])
         assert app == CONTAINER
         # per-process labels (pid) differ between the samples: they stay in the body, not the series name
-        assert labels == {"profile_type": upload.profile_type, "host": "web-1", "container": CONTAINER,
-                          "k8s_pod": POD, "process_executable": "/srv/app"}
+        assert labels == {
+            "profile_type": upload.profile_type,
+            "host": "web-1",
+            "container": CONTAINER,
+            "k8s_pod": POD,
+            "process_executable": "/srv/app",
+        }
         assert (meta["start"], meta["end"]) == (START_NS, START_NS + 5_000_000_000)
         assert Path(meta["path"]).read_bytes() == upload.pprof_gz
-        out = subprocess.run(["go", "tool", "pprof", "-raw", meta["path"]], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+        out = subprocess.run(
+            ["go", "tool", "pprof", "-raw", meta["path"]], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         assert "samples/count cpu/nanoseconds" in out and "__memcpy_avx" in out and "schedule" in out
-        tags = subprocess.run(["go", "tool", "pprof", "-tags", meta["path"]], capture_output=True, text=True,
-                              timeout=120, check=True).stdout
+        tags = subprocess.run(
+            ["go", "tool", "pprof", "-tags", meta["path"]], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         assert f"{POD}" in tags and "/srv/app" in tags
     assert u.stop() == 0
 
 
 # ---------------------------------------------------------------- the receiver refuses what does not decode
+
 
 def test_the_receiver_refuses_otlp_and_pyroscope_bodies_that_do_not_decode(receiver: tuple[str, Path]) -> None:
     url, store = receiver
@@ -252,13 +287,18 @@ def test_the_receiver_refuses_otlp_and_pyroscope_bodies_that_do_not_decode(recei
     # and the good ones are stored, each once
     assert post(otlp, good.SerializeToString(), proto)[0] == 200
     assert post(otlp, good.SerializeToString(), proto)[0] == 200
-    assert post(ingest, upload.pprof_gz, octet, name="app{a=b}", **{"from": "1", "until": "2"}, format="pprof")[0] == 200
-    assert post(ingest, upload.pprof_gz, octet, name="app{a=b}", **{"from": "1", "until": "2"}, format="pprof")[0] == 200
+    assert (
+        post(ingest, upload.pprof_gz, octet, name="app{a=b}", **{"from": "1", "until": "2"}, format="pprof")[0] == 200
+    )
+    assert (
+        post(ingest, upload.pprof_gz, octet, name="app{a=b}", **{"from": "1", "until": "2"}, format="pprof")[0] == 200
+    )
     assert sorted(m["format"] for m in list_profiles(str(store))) == ["otlp", "pyroscope"]
 
 
-def test_with_otlp_remote_config_comes_only_from_remote_config_url(workdir: Path, start_uploader, procs: list,
-                                                                  tmp_path: Path) -> None:
+def test_with_otlp_remote_config_comes_only_from_remote_config_url(
+    workdir: Path, start_uploader, procs: list, tmp_path: Path
+) -> None:
     # given our receiver serving an agent config that pauses profiling, and a collector elsewhere
     document = workdir / "agent-config.json"
     document.write_text(json.dumps({"modules": {"ebpf_profiler": {"enabled": False}}}))
@@ -267,8 +307,9 @@ def test_with_otlp_remote_config_comes_only_from_remote_config_url(workdir: Path
     for collector_url, _ in serve(tmp_path / "collector"):
         target = workdir / "run" / remote_config.FILE_NAME
         # when the uploader exports OTLP with remote_config_url set, the overrides come from it
-        u = start_uploader(http_config(workdir, collector_url, upload_format="otlp",
-                                       remote_config_url=ours.url + "/v1/agent-config"))
+        u = start_uploader(
+            http_config(workdir, collector_url, upload_format="otlp", remote_config_url=ours.url + "/v1/agent-config")
+        )
         wait_for("the overrides file", target.exists, DEADLINE_S)
         assert json.loads(target.read_text()) == {"enabled": False}
         assert u.stop() == 0

@@ -13,10 +13,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -27,12 +28,24 @@ from receiver.store import list_profiles
 from shared import endpoints, handoff
 from shared.config import UPLOAD_FORMATS, ProfilerConfig
 from shared.wire import StackBatch, encode
+from tests.harness import (
+    DEADLINE_S,
+    END_NS,
+    FAST_BACKOFF,
+    START_NS,
+    TestWorker,
+    give,
+    http_config,
+    make_upload,
+    reserve_port,
+    uploader_command,
+    wait_for,
+    write_config,
+)
 from uploader.local import MAX_SERVICE_DIR_CHARS, safe_name
-from tests.harness import (DEADLINE_S, END_NS, FAST_BACKOFF, START_NS, TestWorker, give, http_config, make_upload,
-                           reserve_port, uploader_command, wait_for, write_config)
-
 
 # ---------------------------------------------------------------- fixtures
+
 
 @pytest.fixture
 def worker(workdir: Path, zctx: zmq.Context) -> Iterator[TestWorker]:
@@ -69,10 +82,11 @@ class Post:
 @dataclass
 class FaultServer:
     """Answers POSTs with scripted (status, headers) in turn, then 200; records every POST."""
+
     url: str = ""
     script: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     posts: list[Post] = field(default_factory=list)
-    hold_first: threading.Event | None = None     # when set, the first POST waits for it
+    hold_first: threading.Event | None = None  # when set, the first POST waits for it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ids(self) -> list[str]:
@@ -85,8 +99,9 @@ def serve_faults(state: FaultServer, tls: ssl.SSLContext | None = None) -> Calla
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             with state.lock:
-                state.posts.append(Post(parse_qs(urlsplit(self.path).query), dict(self.headers), body,
-                                        time.monotonic()))
+                state.posts.append(
+                    Post(parse_qs(urlsplit(self.path).query), dict(self.headers), body, time.monotonic())
+                )
                 first = len(state.posts) == 1
                 status, headers = state.script.pop(0) if state.script else (200, {})
             if first and state.hold_first is not None:
@@ -130,6 +145,7 @@ def fault_server() -> Iterator[FaultServer]:
 
 # ---------------------------------------------------------------- local mode
 
+
 def test_local_mode_writes_the_exact_bytes_and_then_acks(workdir: Path, start_uploader, worker: TestWorker) -> None:
     # given an uploader with endpoint "" writing to local_dir
     local_dir = workdir / "profiles"
@@ -144,15 +160,16 @@ def test_local_mode_writes_the_exact_bytes_and_then_acks(workdir: Path, start_up
     # then by the time it is acknowledged it is written, byte for byte, under a readable service dir
     path = local_dir / "usr_bin_python3.11" / f"cpu-20231114T221320Z-{upload.profile_id}.pb.gz"
     assert path.read_bytes() == upload.pprof_gz
-    assert [p.name for p in path.parent.iterdir()] == [path.name]    # no temporary files left
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
     assert worker.sender.counts["acked"] == 1
     assert u.stop() == 0
     assert "exiting: 1 written, 0 refused, 0 not written for now" in u.log()
-    assert not u.spool_dir.exists()     # local mode has no spool
+    assert not u.spool_dir.exists()  # local mode has no spool
 
 
 def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profile(
-        workdir: Path, start_uploader, worker: TestWorker) -> None:
+    workdir: Path, start_uploader, worker: TestWorker
+) -> None:
     # given a local_dir whose service directory cannot be created (a file is in the way)
     local_dir = workdir / "profiles"
     local_dir.mkdir()
@@ -177,9 +194,10 @@ def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profil
 
 # ---------------------------------------------------------------- HTTP mode
 
-def test_http_mode_spools_acks_and_delivers_with_the_right_params(workdir: Path, start_uploader,
-                                                                  worker: TestWorker,
-                                                                  fault_server: FaultServer) -> None:
+
+def test_http_mode_spools_acks_and_delivers_with_the_right_params(
+    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+) -> None:
     u = start_uploader(http_config(workdir, fault_server.url))
     assert f"profiles go to the endpoint {fault_server.url}/v1/profiles" in u.log()
     assert "no token" in u.log() and "system CAs" in u.log()
@@ -193,15 +211,22 @@ def test_http_mode_spools_acks_and_delivers_with_the_right_params(workdir: Path,
     assert p.headers["Content-Type"] == "application/octet-stream"
     assert p.headers["User-Agent"].startswith("ebpfprofiler/")
     assert "Authorization" not in p.headers
-    assert p.query == {"source": ["ebpf"], "type": ["cpu"], "service": ["3f2a9c0d1e2b"],
-                       "host": ["web-1"], "start": [str(START_NS)], "end": [str(END_NS)]}
+    assert p.query == {
+        "source": ["ebpf"],
+        "type": ["cpu"],
+        "service": ["3f2a9c0d1e2b"],
+        "host": ["web-1"],
+        "start": [str(START_NS)],
+        "end": [str(END_NS)],
+    }
     wait_for("the spool to be emptied after the 2xx", lambda: not u.spooled())
     assert u.stop() == 0
     assert "1 delivered, 0 dead-lettered, 0 dropped; 0 profile(s) (0.0 MB) left in the spool" in u.log()
 
 
-def test_http_mode_to_the_reference_receiver(workdir: Path, start_uploader, worker: TestWorker,
-                                             receiver: tuple[str, Path]) -> None:
+def test_http_mode_to_the_reference_receiver(
+    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url))
     uploads = [make_upload(f"/usr/bin/svc{i}") for i in range(5)]
@@ -215,14 +240,18 @@ def test_http_mode_to_the_reference_receiver(workdir: Path, start_uploader, work
     assert u.stop() == 0
 
 
-@pytest.mark.parametrize("script", [
-    [(500, {}), (500, {})],
-    [(429, {"Retry-After": "0"}), (503, {})],
-    [(408, {}), (502, {})],
-], ids=["500-twice", "429-then-503", "408-then-502"])
-def test_transient_failures_are_retried_until_the_profile_arrives(workdir: Path, start_uploader,
-                                                                  worker: TestWorker,
-                                                                  fault_server: FaultServer, script) -> None:
+@pytest.mark.parametrize(
+    "script",
+    [
+        [(500, {}), (500, {})],
+        [(429, {"Retry-After": "0"}), (503, {})],
+        [(408, {}), (502, {})],
+    ],
+    ids=["500-twice", "429-then-503", "408-then-502"],
+)
+def test_transient_failures_are_retried_until_the_profile_arrives(
+    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer, script
+) -> None:
     # given a backend that fails twice, then answers 200
     fault_server.script = list(script)
     u = start_uploader(http_config(workdir, fault_server.url), env=FAST_BACKOFF)
@@ -241,8 +270,7 @@ def test_transient_failures_are_retried_until_the_profile_arrives(workdir: Path,
     assert "1 delivered, 0 dead-lettered, 0 dropped" in log
 
 
-def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWorker,
-                                 fault_server: FaultServer) -> None:
+def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer) -> None:
     # given a backend that answers 503 with Retry-After: 2 (the backoff alone would wait ~10 ms)
     fault_server.script = [(503, {"Retry-After": "2"})]
     u = start_uploader(http_config(workdir, fault_server.url), env=FAST_BACKOFF)
@@ -256,9 +284,9 @@ def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWork
     assert u.stop() == 0
 
 
-def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(workdir: Path, start_uploader,
-                                                             worker: TestWorker,
-                                                             fault_server: FaultServer) -> None:
+def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(
+    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+) -> None:
     # given a backend that refuses the first profile with 400
     fault_server.script = [(400, {})]
     u = start_uploader(http_config(workdir, fault_server.url), env=FAST_BACKOFF)
@@ -279,30 +307,44 @@ def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(workdir: Path, star
     assert "1 delivered, 1 dead-lettered, 0 dropped" in u.log()
 
 
-def test_malformed_messages_are_refused_by_id_when_possible(workdir: Path, start_uploader,
-                                                            worker: TestWorker) -> None:
+def test_malformed_messages_are_refused_by_id_when_possible(workdir: Path, start_uploader, worker: TestWorker) -> None:
     local_dir = workdir / "profiles"
     local_dir.mkdir()
     give("uploader", local_dir)
     u = start_uploader(ProfilerConfig(endpoint="", local_dir=str(local_dir)))
     # given messages that are not valid hand-offs, three of them with a valid envelope
-    batch = StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=1, processes=(),
-                       user_stacks=(), kernel_stacks=(), samples=())
+    batch = StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=19,
+        time_ns=1,
+        processes=(),
+        user_stacks=(),
+        kernel_stacks=(),
+        samples=(),
+    )
 
     def envelope(pid: str, v: int = 1) -> bytes:
         return json.dumps({"handoff": v, "id": pid}).encode()
 
-    for frames in ([b"not json", b"x"], [b"only one frame"],
-                   [envelope("bad-wire"), b'{"v":1,"kind":"profile","body":{}}', b"x"],
-                   [envelope("a-batch"), *encode(batch)],
-                   [envelope("v9", 9), *encode(make_upload())]):
+    for frames in (
+        [b"not json", b"x"],
+        [b"only one frame"],
+        [envelope("bad-wire"), b'{"v":1,"kind":"profile","body":{}}', b"x"],
+        [envelope("a-batch"), *encode(batch)],
+        [envelope("v9", 9), *encode(make_upload())],
+    ):
         worker.sock.send_multipart(frames)
     # then the ones with an id are answered "refused", with the reason
     acks: list[handoff.Ack] = []
-    wait_for("three refusals",
-             lambda: acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock)) or len(acks) >= 3)
+    wait_for(
+        "three refusals", lambda: acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock)) or len(acks) >= 3
+    )
     assert sorted((a.profile_id, a.status) for a in acks) == [
-        ("a-batch", "refused"), ("bad-wire", "refused"), ("v9", "refused")]
+        ("a-batch", "refused"),
+        ("bad-wire", "refused"),
+        ("v9", "refused"),
+    ]
     assert "hand-off version 9, this build speaks 1" in {a.profile_id: a.reason for a in acks}["v9"]
     # and a valid one that follows is still written, while all five are counted
     upload = make_upload("/bin/sh")
@@ -323,9 +365,9 @@ def _drain(sock: zmq.Socket) -> list[list[bytes]]:
     return out
 
 
-def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(workdir: Path, start_uploader,
-                                                                 worker: TestWorker,
-                                                                 fault_server: FaultServer) -> None:
+def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(
+    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+) -> None:
     # given an uploader busy posting the first of three profiles to a backend that holds the reply
     fault_server.hold_first = threading.Event()
     u = start_uploader(http_config(workdir, fault_server.url))
@@ -344,7 +386,8 @@ def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(workdir: Path, 
 
 
 def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_the_spool(
-        workdir: Path, start_uploader, worker: TestWorker) -> None:
+    workdir: Path, start_uploader, worker: TestWorker
+) -> None:
     # given a backend that is down and three acknowledged profiles in the spool
     port = reserve_port()
     cfg = http_config(workdir, f"http://127.0.0.1:{port}")
@@ -376,8 +419,9 @@ def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_t
 
 
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
-def test_bearer_token_is_sent_and_never_logged(workdir: Path, start_uploader, worker: TestWorker,
-                                               fault_server: FaultServer, upload_format: str) -> None:
+def test_bearer_token_is_sent_and_never_logged(
+    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer, upload_format: str
+) -> None:
     # given a token file and debug logging
     token = "s3cr3t-" + uuid.uuid4().hex
     token_file = workdir / "token"
@@ -385,9 +429,10 @@ def test_bearer_token_is_sent_and_never_logged(workdir: Path, start_uploader, wo
     token_file.chmod(0o600)
     give("uploader", token_file)
     fault_server.script = [(500, {}), (401, {})]
-    u = start_uploader(http_config(workdir, fault_server.url, token_file=str(token_file),
-                                   upload_format=upload_format),
-                       env={**FAST_BACKOFF, "EBPFPROFILER_LOG_LEVEL": "DEBUG"})
+    u = start_uploader(
+        http_config(workdir, fault_server.url, token_file=str(token_file), upload_format=upload_format),
+        env={**FAST_BACKOFF, "EBPFPROFILER_LOG_LEVEL": "DEBUG"},
+    )
     worker.send(make_upload(), make_upload())
     worker.wait_acked()
     wait_for("three posts", lambda: len(fault_server.posts) >= 3 and not u.spooled())
@@ -395,27 +440,33 @@ def test_bearer_token_is_sent_and_never_logged(workdir: Path, start_uploader, wo
     assert {p.headers["Authorization"] for p in fault_server.posts} == {f"Bearer {token}"}
     assert u.stop() == 0
     log = u.log()
-    assert "a bearer token" in log and "plain http://" in log    # it warns about http
+    assert "a bearer token" in log and "plain http://" in log  # it warns about http
     # and it appears in no log line, failures and dead letters included
     assert token not in log
     for f in u.dead_letter_dir.iterdir():
         assert token.encode() not in f.read_bytes()
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "is empty"),
-    (b"two words", "other than visible ASCII"),
-    (b"x" * (17 << 10), "larger than"),
-], ids=["empty", "space-inside", "too-large"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty"),
+        (b"two words", "other than visible ASCII"),
+        (b"x" * (17 << 10), "larger than"),
+    ],
+    ids=["empty", "space-inside", "too-large"],
+)
 def test_an_unusable_token_file_exits_2_without_showing_it(workdir: Path, content: bytes, message: str) -> None:
     token_file = workdir / "token"
     token_file.write_bytes(content)
     token_file.chmod(0o600)
     give("uploader", token_file)
-    config = write_config(workdir / "agent.yaml", http_config(workdir, "http://127.0.0.1:1",
-                                                               token_file=str(token_file)))
-    result = subprocess.run(uploader_command(config, workdir / "run", workdir / "state"),
-                            capture_output=True, timeout=DEADLINE_S)
+    config = write_config(
+        workdir / "agent.yaml", http_config(workdir, "http://127.0.0.1:1", token_file=str(token_file))
+    )
+    result = subprocess.run(
+        uploader_command(config, workdir / "run", workdir / "state"), capture_output=True, timeout=DEADLINE_S
+    )
     assert result.returncode == 2
     err = result.stderr.decode()
     assert "token_file" in err and message in err and "Traceback" not in err
@@ -426,15 +477,36 @@ def test_an_unusable_token_file_exits_2_without_showing_it(workdir: Path, conten
 def make_certificate(workdir: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (openssl): (cert, key)."""
     cert, key = workdir / "cert.pem", workdir / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
-def test_tls_is_verified_and_a_ca_file_can_be_configured(workdir: Path, start_uploader,
-                                                         worker: TestWorker, upload_format: str) -> None:
+def test_tls_is_verified_and_a_ca_file_can_be_configured(
+    workdir: Path, start_uploader, worker: TestWorker, upload_format: str
+) -> None:
     # given an HTTPS backend with a self-signed certificate
     cert, key = make_certificate(workdir)
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -451,13 +523,14 @@ def test_tls_is_verified_and_a_ca_file_can_be_configured(workdir: Path, start_up
         assert state.posts == [] and len(u.spooled()) == 1
         assert u.stop() == 0
         # and with the certificate as its CA file, the spooled profile is delivered
-        u2 = start_uploader(http_config(workdir, state.url, ca_file=str(cert), upload_format=upload_format),
-                            env=FAST_BACKOFF)
+        u2 = start_uploader(
+            http_config(workdir, state.url, ca_file=str(cert), upload_format=upload_format), env=FAST_BACKOFF
+        )
         assert f"CA file {cert}" in u2.log()
         wait_for("the post over TLS", lambda: state.posts)
         wait_for("the spool to be emptied", lambda: not u2.spooled())
         assert len(state.posts) == 1
-        if upload_format != "otlp":     # OTLP's key is in the body (test_upload_formats.py)
+        if upload_format != "otlp":  # OTLP's key is in the body (test_upload_formats.py)
             assert state.ids() == [upload.profile_id]
         assert u2.stop() == 0
     finally:
@@ -466,19 +539,24 @@ def test_tls_is_verified_and_a_ca_file_can_be_configured(workdir: Path, start_up
 
 # ---------------------------------------------------------------- command line
 
-@pytest.mark.parametrize("block, key", [
-    ("  sample_hz: 0\n", "modules.ebpf_profiler.sample_hz"),
-    ("  endpoint: ftp://backend\n", "modules.ebpf_profiler.endpoint"),
-    ("  colour: blue\n", "modules.ebpf_profiler.colour"),
-    ("  spool_max_mb: 0\n", "modules.ebpf_profiler.spool_max_mb"),
-    ("  ca_file: relative.pem\n", "modules.ebpf_profiler.ca_file"),
-])
+
+@pytest.mark.parametrize(
+    "block, key",
+    [
+        ("  sample_hz: 0\n", "modules.ebpf_profiler.sample_hz"),
+        ("  endpoint: ftp://backend\n", "modules.ebpf_profiler.endpoint"),
+        ("  colour: blue\n", "modules.ebpf_profiler.colour"),
+        ("  spool_max_mb: 0\n", "modules.ebpf_profiler.spool_max_mb"),
+        ("  ca_file: relative.pem\n", "modules.ebpf_profiler.ca_file"),
+    ],
+)
 def test_a_bad_config_exits_2_naming_the_key(workdir: Path, block: str, key: str) -> None:
     config = workdir / "agent.yaml"
     config.write_text("modules:\n  ebpf_profiler:\n  " + block)
     config.chmod(0o644)
-    result = subprocess.run(uploader_command(config, workdir / "run", workdir / "state"), capture_output=True,
-                            timeout=DEADLINE_S)
+    result = subprocess.run(
+        uploader_command(config, workdir / "run", workdir / "state"), capture_output=True, timeout=DEADLINE_S
+    )
     assert result.returncode == 2
     stderr = result.stderr.decode()
     assert key in stderr and "Traceback" not in stderr
@@ -486,24 +564,28 @@ def test_a_bad_config_exits_2_naming_the_key(workdir: Path, block: str, key: str
 
 
 def test_help_says_what_it_does() -> None:
-    result = subprocess.run([sys.executable, "-m", "cli.main", "uploader", "--help"],
-                            capture_output=True, timeout=DEADLINE_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "uploader", "--help"], capture_output=True, timeout=DEADLINE_S
+    )
     assert result.returncode == 0
     out = result.stdout.decode()
     assert "--config FILE" in out and "--run-dir DIR" in out and "--state-dir DIR" in out
     assert "/v1/profiles" in out and "spool" in out and "dead-letter" in out
 
 
-@pytest.mark.parametrize("service, expected", [
-    ("/usr/bin/python3.11", "usr_bin_python3.11"),
-    ("3f2a9c0d1e2b", "3f2a9c0d1e2b"),
-    ("[kernel]", "kernel"),
-    ("..", "unknown"),
-    ("/", "unknown"),
-    ("", "unknown"),
-    ("../../etc/passwd", "etc_passwd"),
-    ("/opt/my app/bin/ünïcode", "opt_my_app_bin_n_code"),
-])
+@pytest.mark.parametrize(
+    "service, expected",
+    [
+        ("/usr/bin/python3.11", "usr_bin_python3.11"),
+        ("3f2a9c0d1e2b", "3f2a9c0d1e2b"),
+        ("[kernel]", "kernel"),
+        ("..", "unknown"),
+        ("/", "unknown"),
+        ("", "unknown"),
+        ("../../etc/passwd", "etc_passwd"),
+        ("/opt/my app/bin/ünïcode", "opt_my_app_bin_n_code"),
+    ],
+)
 def test_service_names_map_to_safe_directory_names(service: str, expected: str) -> None:
     assert safe_name(service, MAX_SERVICE_DIR_CHARS) == expected
 

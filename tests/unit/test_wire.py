@@ -12,13 +12,31 @@ from shared.wire import FileRequest, Mapping, Process, ProfileUpload, Sample, St
 
 
 def batch() -> StackBatch:
-    proc = Process(pid=10, start_ticks=99, uid=1000, nspid=1, comm="app", executable="/usr/bin/app",
-                   service="/usr/bin/app", container_id="c" * 64, pod_uid="p", cmdline=("app", "-x"),
-                   mappings=(Mapping(0x1000, 0x2000, 0, "/usr/bin/app", "fd:01", 42),))
-    return StackBatch(host="h", profile_type="cpu", sample_hz=19, time_ns=123,
-                      processes=(proc,), user_stacks=((0x1010, 0x1020),), kernel_stacks=((0xffffffff81000000,),),
-                      samples=(Sample(10, 11, 0, 0, 3, 300), Sample(10, 12, -1, -1, 1, 100)),
-                      kernel_symbols={0xffffffff81000000: "schedule"}, lost={"counts_map_full": 2})
+    proc = Process(
+        pid=10,
+        start_ticks=99,
+        uid=1000,
+        nspid=1,
+        comm="app",
+        executable="/usr/bin/app",
+        service="/usr/bin/app",
+        container_id="c" * 64,
+        pod_uid="p",
+        cmdline=("app", "-x"),
+        mappings=(Mapping(0x1000, 0x2000, 0, "/usr/bin/app", "fd:01", 42),),
+    )
+    return StackBatch(
+        host="h",
+        profile_type="cpu",
+        sample_hz=19,
+        time_ns=123,
+        processes=(proc,),
+        user_stacks=((0x1010, 0x1020),),
+        kernel_stacks=((0xFFFFFFFF81000000,),),
+        samples=(Sample(10, 11, 0, 0, 3, 300), Sample(10, 12, -1, -1, 1, 100)),
+        kernel_symbols={0xFFFFFFFF81000000: "schedule"},
+        lost={"counts_map_full": 2},
+    )
 
 
 def test_round_trip_of_both_messages() -> None:
@@ -32,8 +50,13 @@ def test_alloc_samples_carry_their_inuse_values() -> None:
     # given an alloc batch with (objects, bytes) allocated and (objects, bytes) in use, when it
     # travels, then the extra values arrive in order, and a cpu sample still has none
     b = batch()
-    alloc = StackBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "profile_type": "alloc",
-                          "samples": (Sample(10, 11, 0, -1, 4, 4096, (1, 1024)),)})
+    alloc = StackBatch(
+        **{
+            **{f: getattr(b, f) for f in b.__slots__},
+            "profile_type": "alloc",
+            "samples": (Sample(10, 11, 0, -1, 4, 4096, (1, 1024)),),
+        }
+    )
     assert wire.decode(wire.encode(alloc)) == alloc
     assert wire.decode(wire.encode(b)).samples[0].extra == ()
 
@@ -44,24 +67,27 @@ def mutate(frames: list[bytes], path: list, value: object) -> list[bytes]:
     for k in path[:-1]:
         node = node[k]
     node[path[-1]] = value
-    return [json.dumps(doc).encode()] + frames[1:]
+    return [json.dumps(doc).encode(), *frames[1:]]
 
 
-@pytest.mark.parametrize("path, value", [
-    (["v"], 2),
-    (["kind"], "other"),
-    (["body", "profile_type"], "gpu"),
-    (["body", "samples", 0, 2], 5),          # user stack index out of range
-    (["body", "samples", 0, 4], -1),         # negative count
-    (["body", "samples", 0], [1, 2, 3]),
-    (["body", "processes", 0, "mappings", 0, 1], 0),   # end before start
-    (["body", "processes", 0, "pid"], "10"),
-    (["body", "user_stacks", 0], list(range(600))),    # deeper than any real stack
-    (["body", "kernel_symbols"], {"a": 1}),
-    (["body", "lost"], []),
-    (["body", "samples", 0], [10, 11, 0, 0, 3, 300, 1, 2, 3]),   # more extra values than any profile has
-    (["body", "samples", 0], [10, 11, 0, 0, 3, 300, -1]),        # a negative extra value
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (["v"], 2),
+        (["kind"], "other"),
+        (["body", "profile_type"], "gpu"),
+        (["body", "samples", 0, 2], 5),  # user stack index out of range
+        (["body", "samples", 0, 4], -1),  # negative count
+        (["body", "samples", 0], [1, 2, 3]),
+        (["body", "processes", 0, "mappings", 0, 1], 0),  # end before start
+        (["body", "processes", 0, "pid"], "10"),
+        (["body", "user_stacks", 0], list(range(600))),  # deeper than any real stack
+        (["body", "kernel_symbols"], {"a": 1}),
+        (["body", "lost"], []),
+        (["body", "samples", 0], [10, 11, 0, 0, 3, 300, 1, 2, 3]),  # more extra values than any profile has
+        (["body", "samples", 0], [10, 11, 0, 0, 3, 300, -1]),  # a negative extra value
+    ],
+)
 def test_malformed_batches_are_wire_errors(path: list, value: object) -> None:
     with pytest.raises(WireError):
         wire.decode(mutate(wire.encode(batch()), path, value))
@@ -93,15 +119,18 @@ def test_a_debug_file_request_round_trips_with_its_build_id() -> None:
     assert wire.decode(wire.encode(req)) == req
 
 
-@pytest.mark.parametrize("kind, build_id", [
-    ("debug", ""),                  # a debug request names a build id
-    ("debug", "a"),                 # shorter than a byte
-    ("debug", "ab" * 33),           # over MAX_BUILD_ID_HEX
-    ("debug", "93AC61EC"),          # not lowercase
-    ("debug", "../../etc/passwd"),  # not hex: it becomes a path in the broker
-    ("debug", 1234),
-    ("perf_map", "abcd"),           # only debug requests carry one
-])
+@pytest.mark.parametrize(
+    "kind, build_id",
+    [
+        ("debug", ""),  # a debug request names a build id
+        ("debug", "a"),  # shorter than a byte
+        ("debug", "ab" * 33),  # over MAX_BUILD_ID_HEX
+        ("debug", "93AC61EC"),  # not lowercase
+        ("debug", "../../etc/passwd"),  # not hex: it becomes a path in the broker
+        ("debug", 1234),
+        ("perf_map", "abcd"),  # only debug requests carry one
+    ],
+)
 def test_a_bad_build_id_in_a_file_request_is_a_wire_error(kind: str, build_id: object) -> None:
     frames = wire.encode(FileRequest(10, 99, kind, build_id="ab"))
     with pytest.raises(WireError):
@@ -110,8 +139,10 @@ def test_a_bad_build_id_in_a_file_request_is_a_wire_error(kind: str, build_id: o
 
 def test_integer_of_more_digits_than_int_takes_is_a_wire_error() -> None:
     # json raises a plain ValueError past sys.get_int_max_str_digits (4,300): it must be a WireError.
-    for frame in (b'{"v": 1, "kind": "stack_batch", "body": {"time_ns": ' + b"9" * 5000 + b"}}",
-                  b'{"v": ' + b"1" * 4301 + b"}"):
+    for frame in (
+        b'{"v": 1, "kind": "stack_batch", "body": {"time_ns": ' + b"9" * 5000 + b"}}",
+        b'{"v": ' + b"1" * 4301 + b"}",
+    ):
         with pytest.raises(WireError, match="not JSON"):
             wire.decode([frame])
 
@@ -126,19 +157,38 @@ def test_errors_quote_the_offending_value_cut() -> None:
     with pytest.raises(WireError) as e:
         wire.decode([json.dumps(body).encode()])
     assert len(str(e.value)) < 400
-    samples = json.dumps({"v": 1, "kind": "stack_batch", "body": {
-        "host": "h", "profile_type": "cpu", "sample_hz": [0] * 1_000_000, "time_ns": 0}}).encode()
+    samples = json.dumps(
+        {
+            "v": 1,
+            "kind": "stack_batch",
+            "body": {"host": "h", "profile_type": "cpu", "sample_hz": [0] * 1_000_000, "time_ns": 0},
+        }
+    ).encode()
     with pytest.raises(WireError) as e:
         wire.decode([samples])
     assert len(str(e.value)) < 400
 
 
 def regs_batch() -> wire.RegsBatch:
-    return wire.RegsBatch(host="h", time_ns=5, period_ns=52_631_578, samples=(
-        wire.RegsSample(pid=10, start_ticks=7, tid=11, time_ns=3, ip=0x7F0000001000, sp=0x7FFF0000, fp=0x7FFF0040,
-                        stack=bytes(range(256)) * 4),
-        wire.RegsSample(pid=10, start_ticks=7, tid=12, time_ns=4, ip=1, sp=2, fp=3, stack=b""),
-        wire.RegsSample(pid=20, start_ticks=9, tid=20, time_ns=4, ip=1, sp=2, fp=3, stack=b"\x01" * 256)))
+    return wire.RegsBatch(
+        host="h",
+        time_ns=5,
+        period_ns=52_631_578,
+        samples=(
+            wire.RegsSample(
+                pid=10,
+                start_ticks=7,
+                tid=11,
+                time_ns=3,
+                ip=0x7F0000001000,
+                sp=0x7FFF0000,
+                fp=0x7FFF0040,
+                stack=bytes(range(256)) * 4,
+            ),
+            wire.RegsSample(pid=10, start_ticks=7, tid=12, time_ns=4, ip=1, sp=2, fp=3, stack=b""),
+            wire.RegsSample(pid=20, start_ticks=9, tid=20, time_ns=4, ip=1, sp=2, fp=3, stack=b"\x01" * 256),
+        ),
+    )
 
 
 def test_regs_batches_round_trip_with_each_sample_its_own_stack_bytes() -> None:
@@ -146,9 +196,16 @@ def test_regs_batches_round_trip_with_each_sample_its_own_stack_bytes() -> None:
     assert wire.decode(wire.encode(msg)) == msg
 
 
-@pytest.mark.parametrize("change", [
-    "stack bytes no sample names", "a sample naming more bytes than sent", "a stack over the cap", "one frame",
-    "a short row"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "stack bytes no sample names",
+        "a sample naming more bytes than sent",
+        "a stack over the cap",
+        "one frame",
+        "a short row",
+    ],
+)
 def test_malformed_regs_batches_are_wire_errors(change: str) -> None:
     head, stacks = wire.encode(regs_batch())
     doc = json.loads(head)

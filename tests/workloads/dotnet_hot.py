@@ -43,8 +43,17 @@ def method(name: str) -> DynamicMethod:
         il.Emit(OpCodes.Stloc, local)
     il.Emit(OpCodes.Br, cond)
     il.MarkLabel(top)
-    for op in (OpCodes.Ldloc, s), (OpCodes.Ldloc, i), (OpCodes.Ldloc, i), (OpCodes.Mul,), (OpCodes.Xor,), \
-              (OpCodes.Ldloc, i), (OpCodes.Add,), (OpCodes.Stloc, s), (OpCodes.Ldloc, i):
+    for op in (
+        (OpCodes.Ldloc, s),
+        (OpCodes.Ldloc, i),
+        (OpCodes.Ldloc, i),
+        (OpCodes.Mul,),
+        (OpCodes.Xor,),
+        (OpCodes.Ldloc, i),
+        (OpCodes.Add,),
+        (OpCodes.Stloc, s),
+        (OpCodes.Ldloc, i),
+    ):
         il.Emit(*op)
     il.Emit(OpCodes.Ldc_I8, Int64(1))
     for op in (OpCodes.Add,), (OpCodes.Stloc, i):

@@ -56,8 +56,10 @@ def wait_here(stop):
 def main():
     stop = threading.Event()
     ids = {}
-    workers = [threading.Thread(target=run, args=(stop,), name="worker"),
-               threading.Thread(target=wait_here, args=(stop,), name="waiter")]
+    workers = [
+        threading.Thread(target=run, args=(stop,), name="worker"),
+        threading.Thread(target=wait_here, args=(stop,), name="waiter"),
+    ]
     for t in workers:
         t.start()
     while any(t.native_id is None for t in workers):
