@@ -80,7 +80,6 @@ Must not: know any one runtime.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import stat
 from collections import OrderedDict
@@ -90,6 +89,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from runtimes.elfsyms import ElfSymbolError
 from runtimes.memory import ProcessMemory
+from shared.files import open_under
 from shared.runtime_registry import RuntimeSpec
 from shared.wire import RegsSample
 
@@ -204,31 +204,9 @@ def first_mappings(maps: list[Mapping], match: Callable[[str], bool]) -> dict[st
     return out
 
 
-# openat2(2) with RESOLVE_IN_ROOT: a container's absolute symlinks resolve inside its root.
-_SYS_OPENAT2 = 437
-_RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x02, 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _open_in_root(root: str, path: str) -> int:
-    dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        how = _OpenHow(
-            os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS
-        )
-        fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-        return fd
-    finally:
-        os.close(dirfd)
+# What open_mapped opens a mapped file with (through shared.files.open_under: openat2 with
+# RESOLVE_IN_ROOT, so a container's absolute symlinks resolve inside its root).
+_OPEN_MAPPED = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
 def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | None:
@@ -238,7 +216,7 @@ def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | None:
     is returned (never a FIFO or device: opened non-blocking, checked before any read)."""
     for root, path in ((f"{proc}/{pid}/root", m.path), ("/", m.path)):
         try:
-            fd = _open_in_root(root, path)
+            fd = open_under(root, path, _OPEN_MAPPED)
         except OSError:
             continue
         st = os.fstat(fd)

@@ -11,9 +11,9 @@ starts); parse_mode (a --mode argument); ensure_dir (a directory created or
 taken over by root for a stage user without following any symlink: each
 component opened O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, owner
 and mode set on the descriptor, refused when a symlink or someone else's);
-open_in_root
-(openat2 with RESOLVE_IN_ROOT: a path inside a process's root whose symlinks and
-.. cannot leave it) and open_regular (an O_PATH descriptor opened for reading
+open_in_root and
+open_under (the one openat2 wrapper, RESOLVE_IN_ROOT: a path inside a process's
+root whose symlinks and .. cannot leave it) and open_regular (an O_PATH descriptor opened for reading
 only once fstat says it is a regular file: a FIFO would hang the reader, a
 device node would be opened by whoever asks).
 
@@ -44,10 +44,16 @@ _syscall = ctypes.CDLL(None, use_errno=True).syscall
 _syscall.restype = ctypes.c_long
 
 
-def open_in_root(dirfd: int, path: str) -> int:
-    """An O_PATH descriptor of `path` resolved with `dirfd` as its root (symlinks and .. stay inside,
-    magic links are refused); OSError otherwise (ENOSYS on kernels before 5.6)."""
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+# What open_in_root opens by default: a descriptor that names the file without opening it, so a FIFO
+# or device node planted at the path is fstat'd before anything opens it (open_regular).
+PATH_ONLY = os.O_PATH | os.O_CLOEXEC
+
+
+def open_in_root(dirfd: int, path: str, flags: int = PATH_ONLY) -> int:
+    """A descriptor of `path` opened with `flags` (by default O_PATH), resolved with `dirfd` as its root
+    (symlinks and .. stay inside, magic links are refused); OSError otherwise (ENOSYS on kernels
+    before 5.6). The one openat2 wrapper of the tree."""
+    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
     fd = _syscall(
         ctypes.c_long(_SYS_OPENAT2),
         ctypes.c_long(dirfd),
@@ -59,6 +65,15 @@ def open_in_root(dirfd: int, path: str) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return fd
+
+
+def open_under(root: str, path: str, flags: int = PATH_ONLY) -> int:
+    """open_in_root with the directory `root` (a path, such as /proc/<pid>/root) as the root."""
+    dirfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return open_in_root(dirfd, path, flags)
+    finally:
+        os.close(dirfd)
 
 
 def open_regular(path_fd: int, what: str) -> int:
