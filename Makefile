@@ -1,4 +1,6 @@
-# ebpfprofiler: `make setup`, `make run`, `make test`, `make bench`. Run as root.
+# ebpfprofiler: `make setup`, `make run`, `make test`, `make bench`: as root.
+# `make lint` and `make unit` also work as an ordinary user in a venv of `pip install -e '.[dev]'`
+# (docs/development.md).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= deploy/agent.yaml
@@ -9,7 +11,7 @@ RUN_ARGS ?=
 KERNEL ?=
 SETUP_ARGS := $(if $(KERNEL),--kernel "$(KERNEL)")
 
-.PHONY: setup test-setup run record test test-assets unit integration bench clean
+.PHONY: setup test-setup run record test test-assets lint unit integration bench clean
 
 ## setup: install what running the agent needs (idempotent; Debian 12, as root)
 setup:
@@ -36,8 +38,23 @@ test-assets: test-setup
 test: test-setup test-assets
 	$(PY) -m pytest -v --durations=40 tests
 
-unit: test-setup
-	$(PY) -m pytest -v tests/unit
+## lint: ruff check, ruff format --check and mypy on the whole tree (no root, no set-up beyond the dev venv)
+lint: dev-venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+## unit: the unit tests (no root, no BPF; recorded data and real files only)
+unit: dev-venv
+	$(PY) -m pytest -q tests/unit
+
+# The venv lint and unit run in: make test-setup's (as root), or an ordinary user's
+# `python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'`.
+.PHONY: dev-venv
+dev-venv:
+	@test -x $(VENV)/bin/ruff -a -x $(VENV)/bin/mypy -a -x $(VENV)/bin/pytest || { \
+	  echo "no dev venv: python3 -m venv $(VENV) && $(VENV)/bin/pip install -e '.[dev]'  (or, as root, make test-setup)" >&2; \
+	  exit 2; }
 
 integration: test-setup test-assets
 	$(PY) -m pytest -v tests/integration

@@ -192,7 +192,7 @@ if [ ! -e "$VENV/.created" ] || [ ! -x "$VENV/bin/python" ]; then
     touch "$VENV/.created"
 fi
 
-want=$(sha256sum requirements.txt setup.cfg pyproject.toml)
+want=$(sha256sum requirements.txt requirements-dev.txt pyproject.toml)
 if ! stamp_matches "$VENV/.requirements" "$want"; then
     say "installing the pinned requirements (requirements.txt) and the project into $VENV"
     rm -f "$VENV/.requirements"

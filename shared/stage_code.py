@@ -39,7 +39,7 @@ def default_bpf_dir() -> str:
     )
 
 
-# The top-level packages of setup.cfg ([options] packages).
+# The top-level packages of pyproject.toml ([tool.setuptools] packages).
 PACKAGES = ("cli", "collector", "symbolizer", "uploader", "receiver", "runtimes", "shared", "report")
 # Copied with neither bytecode caches nor editor leftovers.
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".*")

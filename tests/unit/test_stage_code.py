@@ -1,9 +1,9 @@
-"""shared/stage_code.py: what a stage imports is found, and the list of packages is setup.cfg's."""
+"""shared/stage_code.py: what a stage imports is found, and the list of packages is pyproject.toml's."""
 
 from __future__ import annotations
 
-import configparser
 import os
+import tomllib
 from pathlib import Path
 
 from shared import stage_code
@@ -11,12 +11,10 @@ from shared import stage_code
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def test_the_packages_copied_for_the_stages_are_those_setup_cfg_installs() -> None:
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
+def test_the_packages_copied_for_the_stages_are_those_pyproject_installs() -> None:
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     # top-level packages: a subpackage (runtimes.php) is copied with its parent's folder
-    installed = {line.strip() for line in cfg["options"]["packages"].splitlines() if line.strip() and "." not in line}
-    assert set(stage_code.PACKAGES) == installed
+    assert set(stage_code.PACKAGES) == {p for p in packages if "." not in p}
 
 
 def test_package_dirs_are_this_checkouts_and_the_stdlib_is_never_copied() -> None:

@@ -158,7 +158,7 @@ def test_unit_runs_the_stage_as_its_user_with_its_capabilities(stage: str) -> No
 def test_exec_start_is_the_installed_console_script(stage: str) -> None:
     argv = read_unit(SERVICES[stage])["Service"]["ExecStart"][0].split()
     assert argv[0] == f"{VENV_BIN}/ebpfprofiler-{stage}"
-    assert f"ebpfprofiler-{stage} = " in (ROOT / "setup.cfg").read_text()
+    assert f"ebpfprofiler-{stage} = " in (ROOT / "pyproject.toml").read_text()
     opts = dict(zip(argv[1::2], argv[2::2]))
     assert opts["--config"] == "/etc/wt-agent/agent.yaml"
     assert opts["--run-dir"] == "/run/ebpfprofiler"
