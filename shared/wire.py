@@ -245,92 +245,101 @@ Message = Union[StackBatch, ProfileUpload, FileRequest, FileReply, UnwindTable, 
 
 def encode(msg: Message) -> list[bytes]:
     """The ZeroMQ frames of a message."""
-    if isinstance(msg, StackBatch):
-        body = {
-            "host": msg.host,
-            "profile_type": msg.profile_type,
-            "sample_hz": msg.sample_hz,
-            "time_ns": msg.time_ns,
-            "processes": [_process_json(p) for p in msg.processes],
-            "user_stacks": msg.user_stacks,
-            "kernel_stacks": msg.kernel_stacks,
-            "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value, *s.extra] for s in msg.samples],
-            "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
-            "lost": msg.lost,
-            "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode] for r in msg.unwind_requests],
-        }
-        return [_header("stack_batch", body)]
-    if isinstance(msg, UnwindTable):
-        return [
-            _header(
-                "unwind_table",
-                {
-                    "dev": msg.dev,
-                    "inode": msg.inode,
-                    "path": msg.path,
-                    "build_id": msg.build_id,
-                    "status": msg.status,
-                    "reason": msg.reason,
-                },
-            ),
-            msg.table,
-        ]
-    if isinstance(msg, ProfileUpload):
-        body = {
-            "profile_id": msg.profile_id,
-            "host": msg.host,
-            "service": msg.service,
-            "profile_type": msg.profile_type,
-            "window_start_ns": msg.window_start_ns,
-            "window_end_ns": msg.window_end_ns,
-            "samples": msg.samples,
-        }
-        return [_header("profile", body), msg.pprof_gz]
-    if isinstance(msg, ProcessAnnouncement):
-        return [
-            _header(
-                "process_announcement",
-                {
-                    "host": msg.host,
-                    "time_ns": msg.time_ns,
-                    "full": msg.full,
-                    "processes": [_process_json(p) for p in msg.processes],
-                    "exited": [[pid, ticks] for pid, ticks in msg.exited],
-                },
-            )
-        ]
-    if isinstance(msg, RegsBatch):
-        return [
-            _header(
-                "regs_batch",
-                {
-                    "host": msg.host,
-                    "time_ns": msg.time_ns,
-                    "period_ns": msg.period_ns,
-                    "samples": [
-                        [r.pid, r.start_ticks, r.tid, r.time_ns, r.ip, r.sp, r.fp, len(r.stack)] for r in msg.samples
-                    ],
-                },
-            ),
-            b"".join(r.stack for r in msg.samples),
-        ]
-    if isinstance(msg, FileRequest):
-        return [
-            _header(
-                "file_request",
-                {
-                    "pid": msg.pid,
-                    "start_ticks": msg.start_ticks,
-                    "kind": msg.kind,
-                    "start": msg.start,
-                    "end": msg.end,
-                    "build_id": msg.build_id,
-                },
-            )
-        ]
-    if isinstance(msg, FileReply):
-        return [_header("file_reply", {"ok": msg.ok, "error": msg.error, "reason": msg.reason})]
+    for cls, encoder in _ENCODERS.items():
+        if isinstance(msg, cls):
+            return encoder(msg)
     raise TypeError(f"not a wire message: {type(msg).__name__}")
+
+
+def _encode_stack_batch(msg: StackBatch) -> list[bytes]:
+    body = {
+        "host": msg.host,
+        "profile_type": msg.profile_type,
+        "sample_hz": msg.sample_hz,
+        "time_ns": msg.time_ns,
+        "processes": [_process_json(p) for p in msg.processes],
+        "user_stacks": msg.user_stacks,
+        "kernel_stacks": msg.kernel_stacks,
+        "samples": [[s.pid, s.tid, s.user_stack, s.kernel_stack, s.count, s.value, *s.extra] for s in msg.samples],
+        "kernel_symbols": [[a, n] for a, n in msg.kernel_symbols.items()],
+        "lost": msg.lost,
+        "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode] for r in msg.unwind_requests],
+    }
+    return [_header("stack_batch", body)]
+
+
+def _encode_unwind_table(msg: UnwindTable) -> list[bytes]:
+    body = {
+        "dev": msg.dev,
+        "inode": msg.inode,
+        "path": msg.path,
+        "build_id": msg.build_id,
+        "status": msg.status,
+        "reason": msg.reason,
+    }
+    return [_header("unwind_table", body), msg.table]
+
+
+def _encode_profile(msg: ProfileUpload) -> list[bytes]:
+    body = {
+        "profile_id": msg.profile_id,
+        "host": msg.host,
+        "service": msg.service,
+        "profile_type": msg.profile_type,
+        "window_start_ns": msg.window_start_ns,
+        "window_end_ns": msg.window_end_ns,
+        "samples": msg.samples,
+    }
+    return [_header("profile", body), msg.pprof_gz]
+
+
+def _encode_announcement(msg: ProcessAnnouncement) -> list[bytes]:
+    body = {
+        "host": msg.host,
+        "time_ns": msg.time_ns,
+        "full": msg.full,
+        "processes": [_process_json(p) for p in msg.processes],
+        "exited": [[pid, ticks] for pid, ticks in msg.exited],
+    }
+    return [_header("process_announcement", body)]
+
+
+def _encode_regs_batch(msg: RegsBatch) -> list[bytes]:
+    body = {
+        "host": msg.host,
+        "time_ns": msg.time_ns,
+        "period_ns": msg.period_ns,
+        "samples": [[r.pid, r.start_ticks, r.tid, r.time_ns, r.ip, r.sp, r.fp, len(r.stack)] for r in msg.samples],
+    }
+    return [_header("regs_batch", body), b"".join(r.stack for r in msg.samples)]
+
+
+def _encode_file_request(msg: FileRequest) -> list[bytes]:
+    body = {
+        "pid": msg.pid,
+        "start_ticks": msg.start_ticks,
+        "kind": msg.kind,
+        "start": msg.start,
+        "end": msg.end,
+        "build_id": msg.build_id,
+    }
+    return [_header("file_request", body)]
+
+
+def _encode_file_reply(msg: FileReply) -> list[bytes]:
+    return [_header("file_reply", {"ok": msg.ok, "error": msg.error, "reason": msg.reason})]
+
+
+# Each message class's encoder, in the order encode() tries them.
+_ENCODERS: dict[type, Callable[[Any], list[bytes]]] = {
+    StackBatch: _encode_stack_batch,
+    UnwindTable: _encode_unwind_table,
+    ProfileUpload: _encode_profile,
+    ProcessAnnouncement: _encode_announcement,
+    RegsBatch: _encode_regs_batch,
+    FileRequest: _encode_file_request,
+    FileReply: _encode_file_reply,
+}
 
 
 def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912

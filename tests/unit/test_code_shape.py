@@ -48,7 +48,6 @@ STILL_OVER = frozenset(
         "runtimes/node/reader.py:NodeProcess",
         "runtimes/ruby/reader.py:RubyProcess",
         "runtimes/ruby/reader.py:RubyProcess._owners",
-        "shared/wire.py:encode",
         "symbolizer/cfi.py:_Parser",
         "symbolizer/cfi.py:_Parser._cie",
         "symbolizer/cfi.py:_Parser._run",
