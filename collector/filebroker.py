@@ -47,7 +47,7 @@ from collections.abc import Collection, Sequence
 
 from collector.procfs import MAX_MAPS_BYTES, parse_maps, parse_status
 from shared import endpoints
-from shared.files import open_in_root
+from shared.files import PATH_ONLY, NotRegular, open_in_root, open_regular, reopen
 from shared.log import LogOnce
 from shared.procstat import start_ticks
 from shared.wire import MAX_FILE_MESSAGE_BYTES, FileReply, FileRequest, WireError, decode, encode
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 # with room to spare; past it a connection is closed at once.
 MAX_CONNECTIONS = 128
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-# A descriptor that names a file without opening it: fstat'd before anything reads (or opens) it.
-_PATH_ONLY = os.O_PATH | os.O_CLOEXEC
 # Where a root keeps debug files by build id (the layout of Debian's -dbg/-dbgsym packages and of GDB).
 DEBUG_DIR = "usr/lib/debug/.build-id"
 # symbolizer/elf.py reads no file larger than 2 GiB (its MAX_FILE_BYTES): a larger one is not passed for nothing.
@@ -84,7 +82,7 @@ def open_module(proc: str, req: FileRequest) -> int:
         maps = parse_maps(f.read(MAX_MAPS_BYTES).decode("utf-8", "replace"))
     if not any(m.start == req.start and m.end == req.end and m.inode and not m.path.startswith("[") for m in maps):
         raise Refused("refused", f"process {req.pid} has no executable file mapping {req.start:x}-{req.end:x}")
-    fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", _PATH_ONLY)
+    fd = os.open(f"{proc}/{req.pid}/map_files/{req.start:x}-{req.end:x}", PATH_ONLY)
     return _reopen_regular(fd, f"mapping {req.start:x}-{req.end:x}")
 
 
@@ -101,7 +99,7 @@ def open_perf_map(proc: str, req: FileRequest) -> int:
     try:
         # O_PATH: nothing is opened (a FIFO would block, a device node would see root open it)
         # until fstat says it is a regular file.
-        fd = os.open(name, _PATH_ONLY | os.O_NOFOLLOW, dir_fd=tmp)
+        fd = os.open(name, PATH_ONLY | os.O_NOFOLLOW, dir_fd=tmp)
     finally:
         os.close(tmp)
     if stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH|O_NOFOLLOW opens the symlink itself
@@ -170,16 +168,16 @@ def _reopen_trusted(path_fd: int, what: str) -> int:
         raise Refused("refused", f"{what} is not readable by everyone")
     if st.st_size > MAX_DEBUG_FILE_BYTES:
         raise Refused("refused", f"{what}: {st.st_size} bytes is over the cap of {MAX_DEBUG_FILE_BYTES}")
-    return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    return reopen(path_fd, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
 
 
 def _reopen_regular(path_fd: int, what: str) -> int:
     """`path_fd` (O_PATH, closed here) opened for reading if it is a regular file; Refused if not, before
     anything opens it."""
     try:
-        if not stat.S_ISREG(os.fstat(path_fd).st_mode):
-            raise Refused("refused", f"{what} is not a regular file")
-        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        return open_regular(path_fd, what)
+    except NotRegular:
+        raise Refused("refused", f"{what} is not a regular file") from None
     finally:
         os.close(path_fd)
 

@@ -13,9 +13,10 @@ component opened O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, owner
 and mode set on the descriptor, refused when a symlink or someone else's);
 open_in_root and
 open_under (the one openat2 wrapper, RESOLVE_IN_ROOT: a path inside a process's
-root whose symlinks and .. cannot leave it) and open_regular (an O_PATH descriptor opened for reading
-only once fstat says it is a regular file: a FIFO would hang the reader, a
-device node would be opened by whoever asks).
+root whose symlinks and .. cannot leave it), reopen and open_regular (an O_PATH
+descriptor opened for reading, by open_regular only once fstat says it is a
+regular file: a FIFO would hang the reader, a device node would be opened by
+whoever asks).
 
 Must not: choose paths or names.
 """
@@ -76,12 +77,27 @@ def open_under(root: str, path: str, flags: int = PATH_ONLY) -> int:
         os.close(dirfd)
 
 
-def open_regular(path_fd: int, what: str) -> int:
-    """`path_fd` (an O_PATH descriptor; left open) opened read-only if it is a regular file; OSError
-    (EINVAL) if it is anything else, which is then never opened."""
+# How reopen opens what an O_PATH descriptor names: read-only, and non-blocking (a FIFO, had one got
+# past the caller's fstat, would hang the reader; a regular file is read as usual).
+READ_ONLY = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+
+
+class NotRegular(OSError):
+    """open_regular's refusal (errno EINVAL): the descriptor names a FIFO, device, directory ..."""
+
+
+def reopen(path_fd: int, flags: int = READ_ONLY) -> int:
+    """The file `path_fd` (an O_PATH descriptor; left open) names, opened with `flags`: the one way a
+    descriptor checked with fstat is then opened for reading (through /proc/self/fd, no path again)."""
+    return os.open(f"/proc/self/fd/{path_fd}", flags)
+
+
+def open_regular(path_fd: int, what: str, flags: int = READ_ONLY) -> int:
+    """`path_fd` (an O_PATH descriptor; left open) opened with `flags` if it is a regular file;
+    NotRegular (an OSError, EINVAL) if it is anything else, which is then never opened."""
     if not stat.S_ISREG(os.fstat(path_fd).st_mode):
-        raise OSError(errno.EINVAL, f"{what} is not a regular file")
-    return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        raise NotRegular(errno.EINVAL, f"{what} is not a regular file")
+    return reopen(path_fd, flags)
 
 
 # Names tried for the temporary file before giving up: each is random (16 hex digits), so a clash
