@@ -16,7 +16,6 @@ store anything itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,11 +39,17 @@ class Parsed:
     profiles: int = 1  # profiles in the request (OTLP: one per resource and sample type)
 
 
+class Headers(Protocol):
+    """A request's headers as a format reads them: the server's email.message.Message (case-insensitive) or a dict."""
+
+    def get(self, name: str, /) -> str | None: ...
+
+
 class IngestFormat(Protocol):
     name: str
     path: str
 
-    def parse(self, query: str, headers: Mapping[str, str], body: bytes) -> Parsed:
+    def parse(self, query: str, headers: Headers, body: bytes) -> Parsed:
         """Validate one upload; BadRequest says why it is refused."""
         ...
 

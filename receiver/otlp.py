@@ -14,13 +14,12 @@ indices point outside the dictionary.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
 
-from receiver.formats import BadRequest, Parsed
+from receiver.formats import BadRequest, Headers, Parsed
 from shared.pprof import PprofError, gunzip_capped
 
 SIGNAL_VERSION = service_pb.DESCRIPTOR.package.rsplit(".", 1)[1]
@@ -124,7 +123,7 @@ class OtlpIngest:
     name = "otlp"
     path = PATH
 
-    def parse(self, query: str, headers: Mapping[str, str], body: bytes) -> Parsed:
+    def parse(self, query: str, headers: Headers, body: bytes) -> Parsed:
         content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
         if content_type != CONTENT_TYPE:
             raise BadRequest(415, f"Content-Type {content_type[:60]!r}: this receiver takes {CONTENT_TYPE}")

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
 from urllib.parse import parse_qs
 
-from receiver.formats import BadRequest, Parsed
+from receiver.formats import BadRequest, Headers, Parsed
 from shared.pprof import PprofError
 from shared.pprof import read as read_pprof
 from shared.wire import MAX_STRING
@@ -50,7 +49,7 @@ class PyroscopeIngest:
     name = "pyroscope"
     path = PATH
 
-    def parse(self, query: str, headers: Mapping[str, str], body: bytes) -> Parsed:
+    def parse(self, query: str, headers: Headers, body: bytes) -> Parsed:
         try:
             q = parse_qs(query, keep_blank_values=True, max_num_fields=100, errors="strict")
         except (ValueError, UnicodeDecodeError) as e:

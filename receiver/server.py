@@ -155,7 +155,8 @@ class ReceiverServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
+        assert isinstance(host, str)  # an AF_INET/AF_INET6 server's address: (host, port, ...)
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}"
 
     def shutdown(self) -> None:
