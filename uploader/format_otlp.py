@@ -147,12 +147,25 @@ def _raw(gz: bytes) -> Any:
     return p
 
 
-def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:  # noqa: PLR0912
+# Samples grouped by process: resource attributes → [(stack, values, sample attributes)].
+Resource = tuple[tuple[str, str | int], ...]
+Groups = dict[Resource, list[tuple[int, list[int], list[int]]]]
+
+
+def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:
     """The ExportProfilesServiceRequest of one profile of ours (see the module docstring)."""
     p = _raw(upload.pprof_gz)
-    st = list(p.string_table)
     req = ExportRequest()
     d = _Dictionary(req.dictionary)
+    locations = _add_locations(p, d)
+    groups = _group_samples(p, d, locations, upload, plain_pid)
+    _add_profiles(req, p, d, groups, upload)
+    return req
+
+
+def _add_locations(p: Any, d: _Dictionary) -> dict[int, int]:
+    """The pprof's mappings, functions and locations into the dictionary: pprof location id → its index."""
+    st = list(p.string_table)
     mappings: dict[int, int] = {}
     for m in p.mapping:
         attrs = [d.attribute(BUILD_ID_ATTR, st[m.build_id])] if st[m.build_id] else []
@@ -179,9 +192,13 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:  # noqa: PLR0912
         o = d.d.location_table.add(mapping_index=mappings.get(loc.mapping_id, 0), address=loc.address)
         for ln in loc.line:
             o.lines.add(function_index=functions[ln.function_id], line=ln.line, column=ln.column)
+    return locations
 
-    # Samples grouped by process: resource attributes → [(stack, values, sample attributes)].
-    groups: dict[tuple[tuple[str, str | int], ...], list[tuple[int, list[int], list[int]]]] = {}
+
+def _group_samples(p: Any, d: _Dictionary, locations: dict[int, int], upload: ProfileUpload, plain_pid: bool) -> Groups:
+    """The samples by process, each with its stack's index and its other labels as attributes."""
+    st = list(p.string_table)
+    groups: Groups = {}
     for s in p.sample:
         labels = {st[lb.key]: (st[lb.str] if lb.str else lb.num) for lb in s.label}
         resource: list[tuple[str, str | int]] = [("service.name", upload.service)]
@@ -204,7 +221,12 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:  # noqa: PLR0912
         groups.setdefault(tuple(resource), []).append((stack, list(s.value), extra))
     if not groups:
         groups[(("service.name", upload.service), ("host.name", upload.host))] = []
+    return groups
 
+
+def _add_profiles(req: Any, p: Any, d: _Dictionary, groups: Groups, upload: ProfileUpload) -> None:
+    """One ResourceProfiles per group, with one Profile per sample type."""
+    st = list(p.string_table)
     types = [(st[v.type], st[v.unit]) for v in p.sample_type]
     ids = profile_ids(upload.profile_id, len(groups), len(types))
     type_attr = d.attribute(PROFILE_TYPE_ATTR, upload.profile_type)
@@ -229,7 +251,6 @@ def convert(upload: ProfileUpload, *, plain_pid: bool) -> Any:  # noqa: PLR0912
             )
             for stack, values, extra in samples:
                 prof.samples.add(stack_index=stack, values=[values[i]], attribute_indices=extra)
-    return req
 
 
 class OtlpFormat:
