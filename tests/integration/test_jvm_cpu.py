@@ -34,10 +34,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets import jdks
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from tests import harness, jdks
+from tests import harness
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 
 VERSIONS = jdks.VERSIONS

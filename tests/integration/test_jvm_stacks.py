@@ -43,13 +43,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets import jdks, runtime_roots
 from receiver.store import list_profiles
 from runtimes import jvm
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.runtime import FileCache, ProcessContext
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from tests import harness, jdks, runtime_roots
+from tests import harness
 from tests.harness import Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 

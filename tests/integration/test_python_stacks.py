@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets.debroot import cached_root
 from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from tests import harness
-from tests.debroot import cached_root
 from tests.harness import (
     PY,
     WORKLOADS,

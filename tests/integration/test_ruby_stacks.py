@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets import runtime_roots
 from collector.procfs import read_maps
 from receiver.store import list_profiles
 from runtimes import elfsyms
@@ -44,7 +45,7 @@ from runtimes.ruby.layouts import LAYOUTS
 from runtimes.runtime import FileCache, ProcessContext, first_mappings
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from tests import harness, runtime_roots
+from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
 from tests.integration.test_runtime_edges import DrivenReader, start
 

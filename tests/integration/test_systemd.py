@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.assets import debroot
 from shared import pprof
 from shared.privileges import OPTIONAL_CAPS, STAGES, mask
-from tests import debroot
 from tests.harness import (
     FRAME_POINTER_FLAGS,
     PY,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.debroot import CACHE, debian_mirror, run_killing_group
+from bench.assets.debroot import CACHE, debian_mirror, run_killing_group
 
 KERNEL_CACHE = CACHE / "kernels"
 # suite name of the matrix → the Debian suite whose kernel it boots

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.debroot import cached_root, run_killing_group
+from bench.assets.debroot import cached_root, run_killing_group
 from tests.kernels.debs import KERNEL_CACHE, KernelDebs
 from tests.kernels.guest_smoke import GUEST_PLAN
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.polling import wait_for
 from runtimes import dotnet as dotnet_plugin
 from runtimes.dotnet import DotNet, environment_refusal, ipc, parse_environ
 from runtimes.dotnet.connect import Connector, ConnectRefused, socket_name
 from runtimes.runtime import FileCache, Mapping, Pending, ProcessContext, Refusal, Served
 from runtimes.targets import start_ticks
-from shared.polling import wait_for
 
 OK_8_0_4 = bytes.fromhex("444f544e45545f4950435f5631001800ff00000000000000")
 UNKNOWN_COMMAND_3_1_23 = bytes.fromhex("444f544e45545f4950435f5631001800ffff000085131380")

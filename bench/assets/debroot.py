@@ -1,4 +1,4 @@
-"""Minimal Debian roots for tests, built with debootstrap once and cached.
+"""Minimal Debian roots for the tests and bench, built with debootstrap once and cached.
 
 Owns: the cache directory, the mirror (the host's own apt sources), and
 building a root for a suite and package list into a directory named by a hash

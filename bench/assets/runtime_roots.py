@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.debroot import cached_root
+from bench.assets.debroot import cached_root
 
 # Bump when the way a root is built changes.
 RECIPE = 1

