@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bcc import BPF
-
 from collector.bpfmaps import (
     DoubleBuffer,
     LostCounters,
@@ -52,6 +50,8 @@ class OnCpuSampler(EventSource):
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
         self._lost = LostCounters(bpf["oncpu_lost"], LOST_REASONS[:4])
+        from bcc import BPF  # only the collector imports bcc, and only where it loads: its unit tests need none
+
         self._prog_fd = bpf.load_func(PROGRAM_NAME.encode(), BPF.PERF_EVENT).fd
         self.events: CpuClockEvents | None = None
 
