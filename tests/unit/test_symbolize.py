@@ -30,7 +30,7 @@ DEBUG_DIR = Path("/usr/lib/debug/.build-id")
 
 
 @pytest.fixture
-def live_jit(build) -> Iterator[tuple[subprocess.Popen, int]]:
+def live_jit(build: Callable[..., Path]) -> Iterator[tuple[subprocess.Popen, int]]:
     """The jit workload, running, with its perf map written: (process, code address)."""
     p = subprocess.Popen([str(build("jit")), "30", "own"], stdout=subprocess.PIPE, text=True)
     try:
@@ -68,7 +68,9 @@ def symbol_vaddr(exe: Path, name: str) -> int:
 
 def build_id(exe: Path) -> str:
     out = subprocess.run(["readelf", "-n", str(exe)], capture_output=True, text=True, check=True).stdout
-    return re.search(r"Build ID: ([0-9a-f]+)", out).group(1)
+    m = re.search(r"Build ID: ([0-9a-f]+)", out)
+    assert m is not None
+    return m.group(1)
 
 
 def has_symtab(path: Path) -> bool:
@@ -77,7 +79,9 @@ def has_symtab(path: Path) -> bool:
 
 
 def live(pid: int) -> Process:
-    return replace(read_process(pid, with_cmdline=False), mappings=read_maps(pid))
+    proc = read_process(pid, with_cmdline=False)
+    assert proc is not None
+    return replace(proc, mappings=read_maps(pid))
 
 
 def maps_name(pid: int, path: Path) -> bool:
@@ -96,11 +100,13 @@ def address_in(proc: Process, module: Path, file_offset: int) -> int:
     return m.start + file_offset - m.offset
 
 
-def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolver: FrameResolver) -> None:
+def test_user_frames_get_module_build_id_offset_and_name(
+    build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
+) -> None:
     # given a live process and its executable mappings as the collector reads them
     p, code = live_jit
     exe = build("jit")
-    proc = replace(read_process(p.pid, with_cmdline=False), mappings=read_maps(p.pid))
+    proc = live(p.pid)
     text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
     # PIE: the load address is where file offset 0 sits
     base = text.start - text.offset
@@ -118,11 +124,13 @@ def test_user_frames_get_module_build_id_offset_and_name(build, live_jit, resolv
     assert frames[3] == Frame(UNKNOWN_MODULE, "", 0x10, "")
 
 
-def test_a_return_address_is_looked_up_at_its_call(build, live_jit, resolver: FrameResolver) -> None:
+def test_a_return_address_is_looked_up_at_its_call(
+    build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
+) -> None:
     # given a return address equal to the next function's first byte
     p, _ = live_jit
     exe = build("jit")
-    proc = replace(read_process(p.pid, with_cmdline=False), mappings=read_maps(p.pid))
+    proc = live(p.pid)
     text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
     main = text.start - text.offset + symbol_vaddr(exe, "main")
     # then as a caller's frame it belongs to the function before; as the leaf to main
@@ -131,11 +139,13 @@ def test_a_return_address_is_looked_up_at_its_call(build, live_jit, resolver: Fr
     assert resolver.user(proc, [main])[0].function == "main"
 
 
-def test_frames_resolved_again_come_from_memory_until_the_mappings_change(build, live_jit, files: FileClient) -> None:
+def test_frames_resolved_again_come_from_memory_until_the_mappings_change(
+    build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], files: FileClient
+) -> None:
     # given a live process, and a stack of it resolved once (a frame in its executable, one in JIT code)
     p, code = live_jit
     exe = build("jit")
-    proc = replace(read_process(p.pid, with_cmdline=False), mappings=read_maps(p.pid))
+    proc = live(p.pid)
     text = next(m for m in proc.mappings if m.path == str(exe.resolve()))
     stack = [code + 2, text.start - text.offset + symbol_vaddr(exe, "call_jit") + 1]
     cache = ElfCache()
@@ -198,7 +208,9 @@ def test_an_empty_label_is_left_out_not_read_back_as_the_number_0() -> None:
 # --- names from separate debug files, found by build id ---
 
 
-def test_libc_static_functions_are_named_from_libc_debug_file(build, live_jit, resolver: FrameResolver) -> None:
+def test_libc_static_functions_are_named_from_libc_debug_file(
+    build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
+) -> None:
     # given a live process whose stack runs main <- __libc_start_call_main, and qsort's msort_with_tmp:
     # static functions of Debian's libc, which has no .symtab, named only in libc6-dbg's debug file
     p, _ = live_jit
@@ -228,7 +240,7 @@ STATIC_ID, OTHER_ID = "5a" * 20, "6b" * 20
 
 
 @pytest.fixture
-def stripped_in_root(build, tmp_path: Path) -> Iterator[tuple[Process, Path, Callable[..., Path]]]:
+def stripped_in_root(build: Callable[..., Path], tmp_path: Path) -> Iterator[tuple[Process, Path, Callable[..., Path]]]:
     """The offcpu workload, static, with build id STATIC_ID and stripped of .symtab, running
     chrooted in its own root (as in a container): (process, unstripped build, place) where
     place(build_id, *flags) installs the debug file of the build with that id (and extra gcc
@@ -261,7 +273,9 @@ def tiny_wait_address(proc: Process, full: Path) -> int:
     return address_in(proc, Path("offcpu"), vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait")))
 
 
-def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(stripped_in_root, files: FileClient) -> None:
+def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(
+    stripped_in_root: tuple[Process, Path, Callable[..., Path]], files: FileClient
+) -> None:
     # given a stripped module running in its own root, whose debug file only that root has
     proc, full, place = stripped_in_root
     place(STATIC_ID)
@@ -281,7 +295,7 @@ def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(stripped_i
     ],
 )
 def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
-    stripped_in_root,
+    stripped_in_root: tuple[Process, Path, Callable[..., Path]],
     files: FileClient,
     caplog: pytest.LogCaptureFixture,
     debug_of: str,
@@ -304,7 +318,10 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
 
 
 def test_a_roots_debug_file_names_only_the_processes_of_that_root(
-    stripped_in_root, files: FileClient, tmp_path: Path, started: list[subprocess.Popen]
+    stripped_in_root: tuple[Process, Path, Callable[..., Path]],
+    files: FileClient,
+    tmp_path: Path,
+    started: list[subprocess.Popen],
 ) -> None:
     # given a stripped module with the debug file in its container's root, and a host process mapping
     # a module that claims the same build id (the host has no debug file for it)
