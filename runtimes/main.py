@@ -311,9 +311,7 @@ class Reader:
         }
         out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
         for r in self.runtimes:
-            own = getattr(r, "checks", None)
-            if own is not None:
-                out.update(own())
+            out.update(r.counters())
         return out
 
     def _read(
@@ -477,13 +475,11 @@ class Reader:
     def stop_runtimes(self) -> None:
         """Each plug-in's stop(): undo what it asked of processes (its lines logged)."""
         for r in self.runtimes:
-            stop = getattr(r, "stop", None)
-            if stop is not None:
-                try:
-                    for line in stop():
-                        log.info("%s", line)
-                except Exception as e:  # any error: one plug-in's undoing must not stop the others'
-                    log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
+            try:
+                for line in r.stop():
+                    log.info("%s", line)
+            except Exception as e:  # any error: one plug-in's undoing must not stop the others'
+                log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
 
 
 def _sample_regs(reader: RegsStackReader, samples: Sequence[RegsSample], mem: ProcessMemory) -> list[ThreadStack]:

@@ -28,10 +28,15 @@ opentelemetry-ebpf-profiler's interpreter loaders):
      It may raise MemoryReadError or OSError when the process vanished
      meanwhile; anything else it raises is logged once and the process is
      left alone (targets.give_up).
-   - `stop()` (optional): called once when the reader stops, to undo what
-     detect asked of processes; returns lines for the reader's log.
-   - `checks()` (optional): its own checks on what processes gave it that
-     fired, {reason: count since start}, for the reader's status counters.
+   - `stop()`: called once when the reader stops (and harmless if called
+     again: a second call finds nothing to undo), to undo what detect asked
+     of processes (the .NET plug-in's perf maps); returns lines for the
+     reader's log ([] when there was nothing to undo).
+   - `counters()`: its own checks on what processes gave it that fired,
+     {name: count since start}, each name starting with its spec.name and "_"
+     ("dotnet_stalled"); the reader writes them with its own to
+     RUN_DIR/runtime.counters.json, which `ebpfprofiler status` shows ({}:
+     none of its own).
    - Per-file data (symbols and offsets read from a binary; what the
      loader of the OTel profiler computes once per ELF file) goes in
      `process.files`, a FileCache keyed by the file's identity (device,
@@ -68,7 +73,7 @@ diagnostics socket, as its tools send them, and are undone at stop); validate
 every pointer read from it before following it; cap every count and length
 read from it with a named constant.
 
-Owns: the Protocols above, Refusal, Served, Pending, ThreadStack, Mapping (/proc/PID/maps,
+Owns: the Protocols above, Detected, Refusal, Served, Pending, ThreadStack, Mapping (/proc/PID/maps,
 parsed once per detection for all runtimes), open_mapped (a mapped file
 opened through /proc/PID/root without following the target's links out of
 its root), mapped_file_facts (a plug-in's per-file data of a mapped file, or
@@ -170,10 +175,22 @@ class ProcessContext:
         return self._maps
 
 
+# What detect() may return (None: not this runtime's process).
+Detected = StackReader | Refusal | Served | Pending | None
+# The same, for isinstance (StackReader is a runtime-checkable Protocol).
+DETECTED_TYPES: tuple[type, ...] = (StackReader, Refusal, Served, Pending, type(None))
+
+
 class Runtime(Protocol):
+    """One runtime's plug-in, for the life of the reader (the docstring above: level 1)."""
+
     spec: RuntimeSpec
 
-    def detect(self, process: ProcessContext) -> StackReader | Refusal | Served | Pending | None: ...
+    def detect(self, process: ProcessContext) -> Detected: ...
+
+    def stop(self) -> list[str]: ...
+
+    def counters(self) -> dict[str, int]: ...
 
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:

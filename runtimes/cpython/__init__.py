@@ -26,12 +26,18 @@ class CPython:
         self.modern, self.legacy = modern, legacy
 
     def detect(self, process: ProcessContext) -> CPythonProcess | Refusal | None:
-        got = version.detect(process.pid, process.mem, modern=self.modern, legacy=self.legacy, proc=process.proc)
-        if got is None:
-            return None
-        if isinstance(got, version.Refusal):
-            return Refusal(got.reason, got.kind)
+        got = version.detect(process, modern=self.modern, legacy=self.legacy)
+        if got is None or isinstance(got, Refusal):
+            return got
         return CPythonProcess(got)
+
+    def stop(self) -> list[str]:
+        """Nothing to undo: detect asks nothing of a process, only reads it."""
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """No checks of its own (its refusals are counted by the reader, by kind)."""
+        return {}
 
 
 def runtime(cfg: Any) -> CPython | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from runtimes.cpython.lines import addr2line
 from runtimes.cpython.version import Target
 from runtimes.memory import MemoryReadError, ProcessMemory
+from runtimes.runtime import ThreadStack
 
 # Frames read per thread: deeper stacks are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128
@@ -56,12 +57,6 @@ class PyFrame:
     function: str  # co_qualname
     filename: str  # co_filename
     line: int  # 0 when the instruction has no location
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadStack:
-    native_tid: int
-    frames: tuple[PyFrame, ...]  # leaf first
 
 
 @dataclass(frozen=True, slots=True)

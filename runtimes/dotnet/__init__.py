@@ -134,7 +134,7 @@ def environment_refusal(env: dict[bytes, bytes]) -> Refusal | Served | None:
     return None
 
 
-_Outcome = TypeVar("_Outcome", Served, Refusal)
+_Outcome = TypeVar("_Outcome", bound=Served | Refusal)
 
 
 @dataclass
@@ -169,6 +169,7 @@ class DotNet:
             "disabled": 0,
             "disable_failed": 0,
         }
+        self._stopped = False
 
     def detect(self, process: ProcessContext) -> Served | Refusal | Pending | None:
         mods = first_mappings(process.mappings, lambda base: base == _CORECLR)
@@ -225,7 +226,6 @@ class DotNet:
     def _poll(self, req: _Request) -> Served | Refusal | None:
         """The outcome of req once known (never blocks): read what the process has answered so far; past
         the time limit, close and retry after RETRY_AFTER_S (doubling), up to ENABLE_ATTEMPTS in all."""
-        where = req.where
         if req.answer is None:
             if time.monotonic() < req.retry_at:
                 return None
@@ -233,65 +233,65 @@ class DotNet:
         try:
             got = req.answer.poll()
         except ipc.AnswerTimeout:
+            return self._stalled(req)
+        except (ipc.MalformedAnswer, OSError) as err:
             req.answer.sock.close()
-            req.answer = None
-            self.stats["stalled"] += 1
-            if req.attempts >= ENABLE_ATTEMPTS:
-                return self._done(
-                    req,
-                    Refusal(
-                        f"{where}: EnablePerfMap not sent or not answered: no answer within "
-                        f"{ipc.ENABLE_ANSWER_TIMEOUT_S} s, {req.attempts} times; left alone",
-                        "dotnet_stalled",
-                    ),
-                )
-            req.retry_at = time.monotonic() + RETRY_AFTER_S * 2 ** (req.attempts - 1)
-            return None
-        except ipc.MalformedAnswer as err:
-            req.answer.sock.close()
-            self.stats["malformed"] += 1
-            return self._done(
-                req,
-                Refusal(
-                    f"{where}: EnablePerfMap not sent or not answered: a malformed answer "
-                    f"({self.stats['malformed']} so far): {err}",
-                    "dotnet_malformed",
-                ),
-            )
-        except OSError as err:
-            req.answer.sock.close()
-            self.stats["not_answered"] += 1
-            return self._done(
-                req,
-                Refusal(
-                    f"{where}: EnablePerfMap not sent or not answered: the connection failed: {err.strerror or err}"
-                ),
-            )
+            return self._done(req, self._failed(req, err))
         if got is None:
             return None
         req.answer.sock.close()
-        e = req.enabled
+        return self._done(req, self._answered(req, got))
+
+    def _stalled(self, req: _Request) -> Refusal | None:
+        """req's answer did not come in time: a retry later, or (its last attempt) a Refusal."""
+        assert req.answer is not None
+        req.answer.sock.close()
+        req.answer = None
+        self.stats["stalled"] += 1
+        if req.attempts >= ENABLE_ATTEMPTS:
+            return self._done(
+                req,
+                Refusal(
+                    f"{req.where}: EnablePerfMap not sent or not answered: no answer within "
+                    f"{ipc.ENABLE_ANSWER_TIMEOUT_S} s, {req.attempts} times; left alone",
+                    "dotnet_stalled",
+                ),
+            )
+        req.retry_at = time.monotonic() + RETRY_AFTER_S * 2 ** (req.attempts - 1)
+        return None
+
+    def _failed(self, req: _Request, err: ipc.MalformedAnswer | OSError) -> Refusal:
+        """The Refusal of a malformed answer or a failed connection (counted)."""
+        if isinstance(err, ipc.MalformedAnswer):
+            self.stats["malformed"] += 1
+            return Refusal(
+                f"{req.where}: EnablePerfMap not sent or not answered: a malformed answer "
+                f"({self.stats['malformed']} so far): {err}",
+                "dotnet_malformed",
+            )
+        self.stats["not_answered"] += 1
+        return Refusal(
+            f"{req.where}: EnablePerfMap not sent or not answered: the connection failed: {err.strerror or err}"
+        )
+
+    def _answered(self, req: _Request, got: ipc.Answer) -> Served | Refusal:
+        """What the process's well-formed answer to EnablePerfMap means (counted)."""
+        e, where = req.enabled, req.where
         if got.ok and got.hresult == 0:
             self._remember(e, True)
             self.stats["enabled"] += 1
-            return self._done(
-                req,
-                Served(
-                    f"{where}: EnablePerfMap answered {got.text()}: it writes "
-                    f"/tmp/perf-{e.nspid}.map; its JIT frames are named from the next window on"
-                ),
+            return Served(
+                f"{where}: EnablePerfMap answered {got.text()}: it writes "
+                f"/tmp/perf-{e.nspid}.map; its JIT frames are named from the next window on"
             )
         self._enabled.pop((e.pid, e.start_ticks), None)  # it answered an error: no map was turned on
         self.stats["refused"] += 1
         if got.hresult == ipc.UNKNOWN_COMMAND:
-            return self._done(
-                req,
-                Refusal(
-                    f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
-                    f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames"
-                ),
+            return Refusal(
+                f"{where}: EnablePerfMap answered {got.text()}: .NET 7 and older have no such command; "
+                f"start the process with DOTNET_PerfMapEnabled=1 to name its JIT frames"
             )
-        return self._done(req, Refusal(f"{where}: EnablePerfMap answered {got.text()}"))
+        return Refusal(f"{where}: EnablePerfMap answered {got.text()}")
 
     def _done(self, req: _Request, outcome: _Outcome) -> _Outcome:
         self._requests.pop((req.enabled.pid, req.enabled.start_ticks), None)
@@ -307,8 +307,11 @@ class DotNet:
 
     def stop(self) -> list[str]:
         """DisablePerfMap to every process this reader enabled (or sent EnablePerfMap) that still runs, the
-        ones that answered OK first, all answers awaited together within STOP_BUDGET_S; a log line each."""
-        lines: list[str] = []
+        ones that answered OK first, all answers awaited together within STOP_BUDGET_S; a log line each.
+        The connector is closed (its helper reaped); a second call has nothing left to do and returns []."""
+        if self._stopped:
+            return []
+        self._stopped = True
         deadline = time.monotonic() + STOP_BUDGET_S
         for req in self._requests.values():
             if req.answer is not None:
@@ -316,8 +319,19 @@ class DotNet:
         self._requests.clear()
         left = sorted(self._enabled.values(), key=lambda ec: not ec[1])
         self._enabled.clear()
+        lines: list[str] = []
+        asking = self._ask_to_disable([e for e, _ in left], deadline, lines)
+        self._await_disabled(asking, deadline, lines)
+        self._connector.close()
+        lines.append(f".NET: perf maps {self.stats}")
+        return lines
+
+    def _ask_to_disable(
+        self, left: list[_Enabled], deadline: float, lines: list[str]
+    ) -> list[tuple[_Enabled, ipc.PendingAnswer]]:
+        """DisablePerfMap sent without waiting to each process of `left` that still runs, until the deadline."""
         asking: list[tuple[_Enabled, ipc.PendingAnswer]] = []
-        for i, (e, _) in enumerate(left):
+        for i, e in enumerate(left):
             if time.monotonic() > deadline:
                 lines.append(
                     f".NET: {len(left) - i} processes were not asked to stop their perf maps within "
@@ -338,6 +352,12 @@ class DotNet:
                 self._stop_failed(lines, e, f"the connection failed: {err.strerror or err}")
                 continue
             asking.append((e, ipc.PendingAnswer(sock, ipc.ANSWER_TIMEOUT_S)))
+        return asking
+
+    def _await_disabled(
+        self, asking: list[tuple[_Enabled, ipc.PendingAnswer]], deadline: float, lines: list[str]
+    ) -> None:
+        """The answers to DisablePerfMap, read together as they arrive, until the deadline (a line each)."""
         while asking:
             waiting = []
             for e, pending in asking:
@@ -363,13 +383,10 @@ class DotNet:
                     self._stop_failed(lines, e, f"answered {got.text()}")
             asking = waiting
             if asking:
-                soonest = min(min(p.deadline for _, p in asking), deadline)  # noqa: PLW3301
+                soonest = min(*(p.deadline for _, p in asking), deadline)
                 select.select([p.sock for _, p in asking], [], [], max(0.0, soonest - time.monotonic()) + 0.001)
-        self._connector.close()
-        lines.append(f".NET: perf maps {self.stats}")
-        return lines
 
-    def checks(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """The checks on what processes answered that fired, for the reader's status counters."""
         return {
             "dotnet_stalled": self.stats["stalled"],

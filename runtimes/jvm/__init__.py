@@ -27,7 +27,7 @@ from typing import Any
 
 from runtimes import elfsyms
 from runtimes.jvm import layouts, vmstructs
-from runtimes.jvm.reader import JvmProcess, _Bad
+from runtimes.jvm.reader import BadFrame, JvmProcess
 from runtimes.memory import MemoryReadError
 from runtimes.runtime import ProcessContext, Refusal, first_mappings, mapped_file_facts
 from shared.runtime_registry import RuntimeSpec, spec_of
@@ -101,11 +101,19 @@ class Jvm:
         reader = JvmProcess(release or str(major), decided)
         try:
             reader.self_check(mem)
-        except (_Bad, MemoryReadError) as e:
+        except (BadFrame, MemoryReadError) as e:
             if isinstance(e, MemoryReadError) and e.reason in ("gone", "budget"):
                 raise
             return Refusal(f"{where}: self-check failed: {e}")
         return reader
+
+    def stop(self) -> list[str]:
+        """Nothing to undo: detect asks nothing of a process, only reads it."""
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """No checks of its own (its refusals are counted by the reader, by kind)."""
+        return {}
 
 
 def runtime(cfg: Any) -> Jvm | None:

@@ -108,6 +108,14 @@ class Node:
             mod.path,
         )
 
+    def stop(self) -> list[str]:
+        """Nothing to undo: detect asks nothing of a process, only reads it."""
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """No checks of its own (its refusals are counted by the reader, by kind)."""
+        return {}
+
 
 def runtime(cfg: Any) -> Node | None:
     return Node() if "node" in cfg.runtime_stacks else None

@@ -91,6 +91,14 @@ class Php:
             return facts
         return self._decide(process, mod, facts)
 
+    def stop(self) -> list[str]:
+        """Nothing to undo: detect asks nothing of a process, only reads it."""
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """No checks of its own (its refusals are counted by the reader, by kind)."""
+        return {}
+
     def _decide(self, process: ProcessContext, mod: Mapping, facts: FileFacts) -> PhpProcess | Refusal:
         if facts.version is None:
             return Refusal(f"{mod.path}: no PHP version string in the file (not a PHP build this reader knows)")

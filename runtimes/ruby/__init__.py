@@ -121,6 +121,14 @@ class Ruby:
         facts.vm_place = at - bias
         return RubyProcess(version, layout, vm)
 
+    def stop(self) -> list[str]:
+        """Nothing to undo: detect asks nothing of a process, only reads it."""
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """No checks of its own (its refusals are counted by the reader, by kind)."""
+        return {}
+
 
 def _valid_vm(mem: ProcessMemory, lay: Layout, vm: int) -> bool:
     """vm points at an rb_vm_t: its main thread's vm and ractor point back, and the thread's

@@ -21,6 +21,7 @@ from runtimes.cpython import lines, version
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.php import _scan as php_scan
 from runtimes.ruby import _version as ruby_version
+from runtimes.runtime import FileCache, ProcessContext, Refusal
 
 # Bytes the whole-path detection may read from this process (its Py_Version and type objects).
 DETECT_READ_BYTES = 1 << 20
@@ -82,6 +83,10 @@ def _fake_proc(tmp_path: Path, pid: int, *maps_lines: str) -> str:
     return str(tmp_path)
 
 
+def _context(pid: int, proc: str = "/proc", read_bytes: int = 0) -> ProcessContext:
+    return ProcessContext(pid, proc, ProcessMemory(pid, ReadBudget(read_bytes)), FileCache())
+
+
 def _maps_line(path: str, perms: str = "r-xp", offset: int = 0x1000) -> str:
     return f"7f0000000000-7f0000100000 {perms} {offset:08x} 08:01 1234 {path}"
 
@@ -94,14 +99,14 @@ def test_cpython_versions_are_named_by_the_file_and_unsupported_ones_refused(tmp
     }
     for pid, (path, reason) in enumerate(cases.items(), start=100):
         proc = _fake_proc(tmp_path, pid, _maps_line(path))
-        got = version.detect(pid, None, modern=True, legacy=True, proc=proc)
-        assert isinstance(got, version.Refusal) and reason in got.reason, (path, got)
+        got = version.detect(_context(pid, proc), modern=True, legacy=True)
+        assert isinstance(got, Refusal) and reason in got.reason, (path, got)
     # A file mapped but never executed is not the interpreter; no python at all is not a target.
     proc = _fake_proc(tmp_path, 200, _maps_line("/usr/bin/python3.11", perms="r--p"), _maps_line("/usr/bin/bash"))
-    assert version.detect(200, None, modern=True, legacy=True, proc=proc) is None
+    assert version.detect(_context(200, proc), modern=True, legacy=True) is None
     # The library holds the runtime when both are mapped; flags and versions come from the name.
     proc = _fake_proc(tmp_path, 300, _maps_line("/usr/bin/python3.12"), _maps_line("/usr/lib/libpython3.12d.so.1.0"))
-    mods = version._modules(300, proc)
+    mods = version._modules(_context(300, proc).mappings)
     assert [(os.path.basename(m.path), m.major, m.minor, m.flags) for m in mods] == [
         ("libpython3.12d.so.1.0", 3, 12, "d"),
         ("python3.12", 3, 12, ""),
@@ -111,12 +116,12 @@ def test_cpython_versions_are_named_by_the_file_and_unsupported_ones_refused(tmp
 
 def test_cpython_detection_of_this_interpreter_reads_its_version_from_memory() -> None:
     pid = os.getpid()
-    mem = ProcessMemory(pid, ReadBudget(DETECT_READ_BYTES))
+    process = _context(pid, read_bytes=DETECT_READ_BYTES)
     major, minor, _ = (int(x) for x in platform.python_version_tuple())
-    got = version.detect(pid, mem, modern=True, legacy=False)
-    assert isinstance(got, version.Refusal)
+    got = version.detect(process, modern=True, legacy=False)
+    assert isinstance(got, Refusal)
     assert f"CPython {major}.{minor} is read only with runtime_stacks: [python_legacy]" in got.reason
-    target = version.detect(pid, mem, modern=True, legacy=True)
+    target = version.detect(process, modern=True, legacy=True)
     assert isinstance(target, version.Target), target
     assert target.version == platform.python_version()
 

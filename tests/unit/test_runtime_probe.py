@@ -23,6 +23,7 @@ import pytest
 from runtimes.cpython import version as cpython_version
 from runtimes.elfsyms import READ_SECONDS, ElfSymbolError, read_symbols
 from runtimes.memory import ProcessMemory, ReadBudget
+from runtimes.runtime import FileCache, ProcessContext
 from tests.harness import WORKLOADS, stop_process, wait_for
 
 SYMBOLS = 1_000_000
@@ -105,7 +106,11 @@ def probe(pid: int, fifo: Path) -> object:
     out: list[object] = []
     t = threading.Thread(
         target=lambda: out.append(
-            cpython_version.detect(pid, ProcessMemory(pid, ReadBudget(1 << 20)), modern=True, legacy=True)
+            cpython_version.detect(
+                ProcessContext(pid, "/proc", ProcessMemory(pid, ReadBudget(1 << 20)), FileCache()),
+                modern=True,
+                legacy=True,
+            )
         ),
         daemon=True,
     )
