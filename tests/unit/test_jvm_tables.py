@@ -32,7 +32,8 @@ import pytest
 
 from runtimes import jvm
 from runtimes.jvm import layouts, vmstructs
-from runtimes.jvm.reader import MAX_FRAMES, JvmProcess, _Bad, line_table, read_signed, read_uint
+from runtimes.jvm.frames import BadFrame, line_table, read_signed, read_uint
+from runtimes.jvm.reader import MAX_FRAMES, JvmProcess
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.runtime import Refusal
 
@@ -49,7 +50,7 @@ class _Image:
     """Bytes and C strings kept alive in this process, addressed as a JVM's would be."""
 
     def __init__(self) -> None:
-        self.keep: list[object] = []
+        self.keep: list[ctypes.Array[ctypes.c_char]] = []
 
     def cstr(self, text: str) -> int:
         buf = ctypes.create_string_buffer(text.encode())
@@ -195,7 +196,7 @@ def test_unsigned5(x: int, data: bytes, value: int) -> None:
 
 
 def test_unsigned5_rejects_the_excluded_byte() -> None:
-    with pytest.raises(_Bad):
+    with pytest.raises(BadFrame):
         read_uint(b"\x00", 0, 1)
 
 
@@ -217,7 +218,7 @@ def test_line_table_of_a_loop(x: int) -> None:
 
 
 def test_unterminated_line_table_is_an_error() -> None:
-    with pytest.raises(_Bad):
+    with pytest.raises(BadFrame):
         line_table(bytes([(1 << 3) | 1] * 10), 0)
 
 
@@ -228,7 +229,7 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
     heap_buf = img.keep[-1]
     # One used block at the heap's start whose blob covers it all: an interpreter, an nmethod or a stub,
     # its other header words random.
-    heap_buf[lay.hb_used] = 1
+    heap_buf[lay.hb_used] = b"\x01"
     blob = lay.heap_block_size
     struct.pack_into("<i", heap_buf, blob + lay.cb_size, (1 << 16) - blob)
     struct.pack_into(
