@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 
 from bench.procs import BenchError
 
@@ -83,7 +84,7 @@ def foreign_profilers(ours: set[int]) -> list[dict]:
     ]
 
 
-def wait_until_no_foreign_profiler(ours: set[int], timeout: float, log) -> float:
+def wait_until_no_foreign_profiler(ours: set[int], timeout: float, log: Callable[[str], None]) -> float:
     """Wait (polling, with a deadline) until no other profiler's program is loaded; seconds waited."""
     t0 = time.monotonic()
     progs = foreign_profilers(ours)

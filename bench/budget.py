@@ -39,6 +39,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,7 @@ class Agent:
         self.config.chmod(0o644)
         self.run_dir = work / "run"
         self.log = work / "agent.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
@@ -205,7 +206,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
     """Start the agent, then the load; after warm_s, the agent's cost over measure_s (the kernel's BPF
     statistics on throughout)."""
     agent = Agent(work)
-    loads: list[subprocess.Popen] = []
+    loads: list[subprocess.Popen[Any]] = []
     stats = kernel_stats()
     try:
         agent.start()
@@ -273,7 +274,7 @@ def measure_peer(work: Path, peer: str, load: list[list[str]], seconds: float) -
     """A peer at 19 Hz on the load: its CPU over its life (post-processing included) per second of the run."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     prof = BpfccProfiler(work / peer, 19) if peer == "profile-bpfcc" else PerfProfiler(work / peer, 19, dwarf=False)
-    loads: list[subprocess.Popen] = []
+    loads: list[subprocess.Popen[Any]] = []
     try:
         loads = [procs.start(argv) for argv in load]
         prof.start()
@@ -313,7 +314,9 @@ def pingpong_rate(binary: str) -> float:
 
 
 class BudgetBench:
-    def __init__(self, rounds: int, warm_s: float = WARM_S, measure_s: float = MEASURE_S, log=print) -> None:
+    def __init__(
+        self, rounds: int, warm_s: float = WARM_S, measure_s: float = MEASURE_S, log: Callable[[str], None] = print
+    ) -> None:
         self.rounds, self.warm_s, self.measure_s, self.log = rounds, warm_s, measure_s, log
         self.our_prog_ids = OUR_PROG_IDS
 

@@ -18,6 +18,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ BUSY = [
 
 
 class GrowthBench:
-    def __init__(self, rounds: int, run_s: float = RUN_S, log=print) -> None:
+    def __init__(self, rounds: int, run_s: float = RUN_S, log: Callable[[str], None] = print) -> None:
         self.rounds, self.run_s, self.log = rounds, run_s, log
         self.our_prog_ids: set[int] = set()
 

@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats
@@ -80,7 +81,7 @@ class JvmBench:
         extra: list[str],
         park_ns: int = PARK_NS,
         seconds: int = WORKLOAD_S,
-    ) -> tuple[subprocess.Popen, Path]:
+    ) -> tuple[subprocess.Popen[Any], Path]:
         out = d / f"{name}.out"
         # Each "ops" line stamped with the monotonic time it was read (the workload's own clock is its own).
         script = (
@@ -91,7 +92,7 @@ class JvmBench:
         p = procs.start(["bash", "-c", script])
         return p, out
 
-    def _jvm_pid(self, shell: subprocess.Popen) -> int:
+    def _jvm_pid(self, shell: subprocess.Popen[Any]) -> int:
         def child() -> int | None:
             try:
                 kids = Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split()
@@ -246,7 +247,7 @@ class JvmBench:
         java = jdks.java_of("21")
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-jvm-"))
         os.chmod(tmp, 0o755)
-        runs = []
+        runs: list[dict[str, Any]] = []
         try:
             subprocess.run(
                 [str(jdks.DEBIAN_JDK17 / "bin/javac"), "--release", "11", "-d", str(tmp), str(WORKLOAD)],
@@ -256,7 +257,7 @@ class JvmBench:
             for r in range(self.rounds):
                 d = tmp / f"r{r}"
                 d.mkdir()
-                row = {"alone_ops_per_s": self._alone(java, tmp, d)}
+                row: dict[str, Any] = {"alone_ops_per_s": self._alone(java, tmp, d)}
                 row.update(self._read(java, tmp, d))
                 row["perf_ops_per_s"] = self._perf(java, tmp, d)
                 row["cpu_path"] = self._cpu_path(java, tmp, d)

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, procs, stats
 from bench.pipeline import Pipeline
@@ -75,11 +76,11 @@ class PerfSchedSwitch:
     def __init__(self, workdir: Path) -> None:
         workdir.mkdir(parents=True)
         self.err = workdir / "perf.stderr"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> None:
         with open(self.err, "w") as err:
-            self.proc = procs.start(
+            proc = self.proc = procs.start(
                 ["perf", "record", "-a", "-g", "-e", "sched:sched_switch", "-o", "-"],
                 stdout=subprocess.DEVNULL,
                 stderr=err,
@@ -88,9 +89,9 @@ class PerfSchedSwitch:
         ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
 
         def attached() -> bool:
-            if self.proc.poll() is not None:
-                raise BenchError(f"perf exited with {self.proc.returncode}: {self.err.read_text().strip()}")
-            return bpf.held_by(self.proc.pid)[1] >= ncpu
+            if proc.poll() is not None:
+                raise BenchError(f"perf exited with {proc.returncode}: {self.err.read_text().strip()}")
+            return bpf.held_by(proc.pid)[1] >= ncpu
 
         procs.wait_for("perf's sched_switch events on every CPU", attached, PERF_ATTACH_TIMEOUT_S, 0.05)
 

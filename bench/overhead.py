@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, peer, procs, stats
 from bench.pipeline import Pipeline
@@ -230,18 +231,18 @@ class BpfccProfiler(Profiler):
         self.out = d / "folded.txt"
         self.err = d / "stderr.txt"
         self.argv = [peer.command(), "-F", str(hz), "-f", "-a"]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> None:
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = procs.start(self.argv, stdout=out, stderr=err, default_sigint=True)
+            proc = self.proc = procs.start(self.argv, stdout=out, stderr=err, default_sigint=True)
         ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
         seen: list[bool] = []
 
         def attached() -> bool:
-            if self.proc.poll() is not None:
-                raise BenchError(f"profile-bpfcc exited with {self.proc.returncode}: {self.err.read_text()[-500:]}")
-            held, perf_fds = bpf.held_by(self.proc.pid)
+            if proc.poll() is not None:
+                raise BenchError(f"profile-bpfcc exited with {proc.returncode}: {self.err.read_text()[-500:]}")
+            held, perf_fds = bpf.held_by(proc.pid)
             names = {p["id"]: p.get("name") for p in bpf.programs()} if held else {}
             seen.append(any(names.get(i) == peer.PROGRAM_NAME for i in held) and perf_fds >= ncpu)
             return len(seen) >= 2 and seen[-1] and seen[-2]
@@ -286,17 +287,17 @@ class PerfProfiler(Profiler):
             "-o",
             str(self.data),
         ]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def start(self) -> None:
         with open(self.err, "w") as err:
-            self.proc = procs.start(self.argv, stdout=subprocess.DEVNULL, stderr=err, default_sigint=True)
+            proc = self.proc = procs.start(self.argv, stdout=subprocess.DEVNULL, stderr=err, default_sigint=True)
         ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
 
         def attached() -> bool:
-            if self.proc.poll() is not None:
-                raise BenchError(f"perf exited with {self.proc.returncode}: {self.err.read_text()[-500:]}")
-            return bpf.held_by(self.proc.pid)[1] >= ncpu
+            if proc.poll() is not None:
+                raise BenchError(f"perf exited with {proc.returncode}: {self.err.read_text()[-500:]}")
+            return bpf.held_by(proc.pid)[1] >= ncpu
 
         procs.wait_for("perf's events on every CPU", attached, ATTACH_TIMEOUT_S, 0.05)
 
@@ -341,7 +342,7 @@ class PySpyProfiler(Profiler):
         if not os.path.exists(found):
             raise BenchError("py-spy not found: make test-setup installs it into .venv")
         self.argv = [found, "record", "-r", str(hz), "-f", "raw", "-o", str(d / "raw.txt"), "--nonblocking", "--"]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
 
     def wrap(self, argv: list[str]) -> list[str]:
         return [*self.argv, *argv]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, procs
 from bench.procs import BenchError
@@ -34,7 +35,7 @@ class ProfileBpfcc:
         workdir.mkdir(parents=True)
         self.argv = [command(), "-F", str(sample_hz), "-f"]
         self.log_path = workdir / "profile-bpfcc.stderr"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[Any] | None = None
         self.prog_ids: set[int] = set()
         self.start_s = self.stop_s = 0.0
 
@@ -42,15 +43,15 @@ class ProfileBpfcc:
         """Start it; return once its program is loaded and attached to a perf event on every CPU."""
         t0 = time.monotonic()
         with open(self.log_path, "w") as err:
-            self.proc = procs.start(self.argv, stdout=subprocess.DEVNULL, stderr=err, default_sigint=True)
+            proc = self.proc = procs.start(self.argv, stdout=subprocess.DEVNULL, stderr=err, default_sigint=True)
         ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
-        pid = self.proc.pid
+        pid = proc.pid
         seen: list[bool] = []
 
         def attached() -> bool:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise BenchError(
-                    f"profile-bpfcc exited with {self.proc.returncode} while starting: "
+                    f"profile-bpfcc exited with {proc.returncode} while starting: "
                     f"{self.log_path.read_text(errors='replace').strip()}"
                 )
             held, perf_fds = bpf.held_by(pid)
@@ -63,6 +64,8 @@ class ProfileBpfcc:
         self.start_s = time.monotonic() - t0
 
     def cpu(self) -> float:
+        if self.proc is None:
+            raise BenchError("profile-bpfcc's CPU time was asked for before it started")
         return procs.cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:

@@ -9,10 +9,12 @@ profiles it wrote.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, procs
 from bench.procs import BenchError
@@ -71,14 +73,14 @@ class Pipeline:
         self.pids: dict[str, int] = {}
         self.started: dict[str, int] = {}  # stage → start time, to never signal a reused pid
         self.prog_ids: set[int] = set()
-        self.proc = None
+        self.proc: subprocess.Popen[Any] | None = None
         self.start_s = self.stop_s = 0.0
 
     def start(self) -> None:
         """Start `run`; return once every stage is ready and the collector's program is attached."""
         t0 = time.monotonic()
         with open(self.log_path, "w") as log:
-            self.proc = procs.start(
+            proc = self.proc = procs.start(
                 [
                     sys.executable,
                     "-m",
@@ -95,7 +97,7 @@ class Pipeline:
                 stderr=log,
             )
         procs.wait_for("every pipeline stage to be ready", self._all_ready, READY_TIMEOUT_S)
-        self.pids["run"] = self.proc.pid  # the supervisor: part of the pipeline's cost
+        self.pids["run"] = proc.pid  # the supervisor: part of the pipeline's cost
         for s in self.stages:
             self.pids[s] = int(Path(endpoints.ready_file(str(self.run_dir), s)).read_text().split()[0])
             self.started[s] = procs.start_time(self.pids[s])
@@ -113,8 +115,9 @@ class Pipeline:
         self.start_s = time.monotonic() - t0
 
     def _all_ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise BenchError(f"the pipeline exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+        proc = self.proc
+        if proc is not None and proc.poll() is not None:
+            raise BenchError(f"the pipeline exited with {proc.returncode} while starting:\n{self.log_tail()}")
         return all(os.path.exists(endpoints.ready_file(str(self.run_dir), s)) for s in self.stages)
 
     def cpu(self) -> dict[str, float]:

@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 def wait_for(
     what: str,
-    check: Callable[[], T],
+    check: Callable[[], T | None],
     timeout: float = 30.0,
     interval: float = 0.05,
     error: type[Exception] = AssertionError,

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import IO, Any, TypeVar
 
 from bench import polling
 from shared.procstat import read_stat, start_ticks, stat_fields
@@ -26,14 +26,14 @@ _PR_SET_PDEATHSIG = 1
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Every Popen bench started and has not yet seen exit.
-_started: list[subprocess.Popen] = []
+_started: list[subprocess.Popen[Any]] = []
 
 
 class BenchError(RuntimeError):
     """A benchmark could not be measured; the message says what happened."""
 
 
-def wait_for(what: str, check: Callable[[], T], timeout: float, interval: float = 0.02) -> T:
+def wait_for(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy; BenchError naming `what` at the deadline."""
     return polling.wait_for(what, check, timeout, interval, error=BenchError)
 
@@ -61,14 +61,14 @@ def _child_setup(default_sigint: bool) -> Callable[[], None]:
 def start(
     argv: Sequence[str],
     *,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-    stdin=None,
+    stdout: int | IO[Any] | None = subprocess.DEVNULL,
+    stderr: int | IO[Any] | None = subprocess.DEVNULL,
+    stdin: int | IO[Any] | None = None,
     default_sigint: bool = False,
     text: bool = False,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
-) -> subprocess.Popen:
+) -> subprocess.Popen[Any]:
     """Start a process in its own session (a Ctrl-C at the terminal reaches bench only)."""
     p = subprocess.Popen(
         list(argv),
@@ -85,7 +85,7 @@ def start(
     return p
 
 
-def stop(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+def stop(p: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
     """Stop a process bench started: `sig`, then SIGKILL after `timeout`; returns its exit code."""
     if p.poll() is None:
         try:
@@ -132,12 +132,20 @@ def same_process(pid: int, started: int) -> bool:
         return False
 
 
+def argv_of(p: subprocess.Popen[Any]) -> list[str]:
+    """The argv a process bench started was given (start() always passes a list)."""
+    args = p.args
+    if isinstance(args, (str, bytes, os.PathLike)):
+        return [os.fsdecode(args)]
+    return [os.fsdecode(a) for a in args]
+
+
 def stop_all() -> list[str]:
     """Stop every process bench started and has not stopped; what had to be stopped."""
     left = []
     for p in list(_started):
         if p.poll() is None:
-            left.append(f"pid {p.pid} ({os.path.basename(str(p.args[0]))})")
+            left.append(f"pid {p.pid} ({os.path.basename(argv_of(p)[0])})")
         stop(p, timeout=30.0)
     return left
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import procs, stats
 from bench.pipeline import Pipeline
@@ -62,7 +63,7 @@ class PySpy:
         if not os.path.exists(PY_SPY):
             raise BenchError(f"{PY_SPY} is missing: make test-setup installs it (requirements-dev.txt)")
         workdir.mkdir(parents=True)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[Any]] = []
         self.errs: list[Path] = []
         for pid in pids:
             err = workdir / f"py-spy-{pid}.log"  # it says "Sampling process" on stdout
@@ -124,13 +125,13 @@ class PythonBench:
         self.our_prog_ids: set[int] = set()
         self.copies = os.sysconf("SC_NPROCESSORS_ONLN")
 
-    def _start_copies(self, units: int, warmup_s: float) -> list[subprocess.Popen]:
+    def _start_copies(self, units: int, warmup_s: float) -> list[subprocess.Popen[Any]]:
         return [
             procs.start([PYTHON, str(WORKLOAD), str(units), str(warmup_s)], stdout=subprocess.PIPE, text=True)
             for _ in range(self.copies)
         ]
 
-    def _finish(self, copies: list[subprocess.Popen]) -> dict:
+    def _finish(self, copies: list[subprocess.Popen[Any]]) -> dict:
         total_units, per_s, seconds = 0, 0.0, []
         deadline = time.monotonic() + RUN_TIMEOUT_S
         for c in copies:

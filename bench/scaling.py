@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -75,7 +76,7 @@ class ScalingBench:
 
     # ------------------------------------------------------------ recording
 
-    def _workloads(self, tmp: str) -> list[subprocess.Popen]:
+    def _workloads(self, tmp: str) -> list[subprocess.Popen[Any]]:
         loop = os.path.join(tmp, "cpu_loop")
         subprocess.run(
             ["gcc", "-O2", "-fno-omit-frame-pointer", "-pthread", "-o", loop, str(WORKLOADS / "cpu_loop.c")], check=True

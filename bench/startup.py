@@ -219,7 +219,7 @@ class StartupBench:
 
     def _measure(
         self,
-        p: subprocess.Popen,
+        p: subprocess.Popen[Any],
         t0: float,
         m0: float,
         run_dir: Path | str,
@@ -230,7 +230,7 @@ class StartupBench:
 
         def ready() -> bool:
             if p.poll() is not None:
-                raise BenchError(f"{p.args[1]} exited with {p.returncode} while starting")
+                raise BenchError(f"{procs.argv_of(p)[1]} exited with {p.returncode} while starting")
             return os.path.exists(ready_file)
 
         procs.wait_for("the collector's ready file", ready, START_DEADLINE_S, POLL_S)
@@ -245,7 +245,7 @@ class StartupBench:
 
             def first_sample() -> dict[str, float] | None:
                 if p.poll() is not None:
-                    raise BenchError(f"{p.args[1]} exited with {p.returncode} before its first sample")
+                    raise BenchError(f"{procs.argv_of(p)[1]} exited with {p.returncode} before its first sample")
                 text = log_path().read_text(errors="replace")
                 if keep_log is not None:
                     keep_log.write_text(text)  # record removes its workspace, log and all, when it ends
@@ -310,7 +310,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     for command in COMMANDS:
         for temp in ("cold", "warm"):
             these = [figures(r) for r in runs if r["command"] == command and r["start"] == temp]
-            out[f"{command} {temp}"] = {k: summary([f[k] for f in these if f[k] is not None]) for k, _ in FIGURES}
+            out[f"{command} {temp}"] = {k: summary([v for f in these if (v := f[k]) is not None]) for k, _ in FIGURES}
     return out
 
 

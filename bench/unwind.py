@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, procs, stats
 from bench.pipeline import PROGRAM_NAME, Pipeline
@@ -104,7 +105,7 @@ class UnwindBench:
 
     def _bpf_ns(self, mode: str, binary: str, depth: int, d: Path) -> dict:
         p = Pipeline(d, 99, upload_interval_s=5, workers=1, offcpu=False, dwarf_unwind=(mode == "dwarf"))
-        workers: list[subprocess.Popen] = []
+        workers: list[subprocess.Popen[Any]] = []
         try:
             p.start()
             self.our_prog_ids |= p.prog_ids
