@@ -52,7 +52,7 @@ from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from tests import harness
 from tests.harness import Pipeline, Receiver, require_root, wait_for
-from tests.integration.test_runtime_edges import DrivenReader, start
+from tests.runtime_harness import DrivenReader, start
 
 VERSIONS = jdks.VERSIONS
 # Worker threads per JVM: 5,000 worker stacks judge 3:1 within ±10% (2.8 standard deviations of a

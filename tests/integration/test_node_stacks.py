@@ -50,7 +50,7 @@ from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from tests import node_builds
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
-from tests.integration.test_runtime_edges import DrivenReader, start
+from tests.runtime_harness import DrivenReader, start
 
 SCRIPT = WORKLOADS / "node_split.js"
 # The split processes run this long and end by themselves (--cpu-prof writes its profile at exit).

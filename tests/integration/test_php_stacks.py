@@ -54,7 +54,7 @@ from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
-from tests.integration.test_runtime_edges import DrivenReader, start
+from tests.runtime_harness import DrivenReader, start
 
 SCRIPT = WORKLOADS / "php_split.php"
 FAKE_SOURCE = WORKLOADS / "fake_php.c"

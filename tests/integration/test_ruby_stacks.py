@@ -47,7 +47,7 @@ from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
-from tests.integration.test_runtime_edges import DrivenReader, start
+from tests.runtime_harness import DrivenReader, start
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
 RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"

@@ -1,9 +1,10 @@
 """The runtime reader at its edges, with real processes: exits, pid reuse, refusals, bad frames.
 
 The reader here is the stage's own Reader (runtimes/main.py) driven tick by
-tick in the test process, fed the announcements the collector would send
-(built from /proc by the collector's own read_process), reading real
-processes with process_vm_readv; its profiles are its closed windows.
+tick in the test process (tests/runtime_harness.py's DrivenReader), fed the
+announcements the collector would send (built from /proc by the collector's
+own read_process), reading real processes with process_vm_readv; its
+profiles are its closed windows.
 
 - A process that exits while it is read: killed between two ticks but not
   yet reaped (its pid and start time still name it, its memory is gone), and
@@ -43,15 +44,10 @@ from pathlib import Path
 
 import pytest
 
-from collector.procfs import read_process
-from runtimes.main import Reader
 from runtimes.targets import start_ticks
-from shared.config import ProfilerConfig
-from shared.labels import process_labels
-from shared.wire import ProcessAnnouncement
 from tests.harness import PY, ROOT, WORKLOADS, kill_and_reap, namespace_host_gaps, require_root, wait_for
+from tests.runtime_harness import PYTHON311, SPINNER_FUNCTIONS, DrivenReader, go, spinner, start
 
-PYTHON311 = "/usr/bin/python3.11"
 FAKE_SOURCE = WORKLOADS / "fake_python.c"
 # A process's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 120
@@ -60,69 +56,7 @@ EXITING_PROCESSES = 8
 # The pid-namespace driver's whole run.
 DRIVER_TIMEOUT_S = 120
 
-# A workload whose stacks are known: main() → outer() → inner() → spin(), in a file of its own;
-# it spins for argv[1] seconds from the test's go (a line on stdin), then ends as argv[2] says.
-SPINNER = """\
-import os, sys, time
-
-def spin(end):
-    while time.monotonic() < end:
-        pass
-
-def inner(end):
-    spin(end)
-
-def outer(end):
-    inner(end)
-
-def main():
-    seconds, how = float(sys.argv[1]), sys.argv[2]
-    print("ready", flush=True)
-    sys.stdin.readline()             # the test's go
-    outer(time.monotonic() + seconds)
-    if how == "_exit":
-        os._exit(0)
-
-main()
-"""
-SPINNER_FUNCTIONS = {"<module>", "main", "outer", "inner", "spin"}
-
-
 # ------------------------------------------------------------------ helpers
-
-
-class DrivenReader:
-    """The stage's Reader, driven by the test: announcements in, ticks, closed windows out."""
-
-    def __init__(self, directory: Path, runtime_stacks: tuple[str, ...] = ("python_legacy",), **cfg: object) -> None:
-        self.cfg = ProfilerConfig(plain_pid=False, runtime_stacks=runtime_stacks, cpu_budget=100.0, **cfg)
-        self.reader = Reader(self.cfg, str(directory), str(directory))
-        self.rows: dict[tuple, int] = {}
-
-    def announce(self, *pids: int, full: bool = False) -> None:
-        procs = tuple(p for p in (read_process(pid, False) for pid in pids) if p is not None)
-        self.reader.targets.announce(
-            ProcessAnnouncement(host="test", time_ns=time.time_ns(), processes=procs, exited=(), full=full)
-        )
-
-    def tick(self) -> None:
-        self.reader.tick(time.time_ns())
-
-    def stacks(self) -> dict[tuple, int]:
-        """(labels as a dict's items, frames) → stacks, of every window so far."""
-        for w in self.reader.windows.close_all():
-            for (labels, frames), (count, _) in w.data.rows.items():
-                self.rows[(labels, frames)] = self.rows.get((labels, frames), 0) + count
-        return self.rows
-
-    def labels_of(self, pid: int, ticks: int) -> tuple:
-        proc = read_process(pid, False)
-        assert proc is not None and proc.start_ticks == ticks
-        return process_labels(self.reader.host, proc, self.reader.secret, plain_pid=False, strip_process_args=True)
-
-    def close(self) -> None:
-        self.reader.inbox.close()
-        self.reader.outbox.close()
 
 
 @pytest.fixture
@@ -132,23 +66,6 @@ def driven(tmp_path: Path) -> Iterator[DrivenReader]:
         yield d
     finally:
         d.close()
-
-
-def start(procs: list[subprocess.Popen], argv: list[str]) -> tuple[subprocess.Popen, str]:
-    """argv started with a pipe for stdin (closing it ends the fake interpreter); (process, first line)."""
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    procs.append(p)
-    assert p.stdout is not None
-    line = p.stdout.readline()
-    assert line, f"{argv[0]} printed nothing (exit {p.poll()})"
-    return p, line
-
-
-def go(p: subprocess.Popen) -> None:
-    """Start a spinner's countdown."""
-    assert p.stdin is not None
-    p.stdin.write("go\n")
-    p.stdin.flush()
 
 
 def proc_state(pid: int) -> str:
@@ -171,12 +88,6 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.link(out / "python3.13", out / "python3.10")
     out.chmod(0o755)
     return out
-
-
-def spinner(directory: Path) -> Path:
-    path = directory / "spinner.py"
-    path.write_text(SPINNER)
-    return path
 
 
 # ------------------------------------------------------------------ refusals

@@ -1,7 +1,7 @@
 """The runtime reader is fair and bounded with hostile processes beside ordinary ones (issue 40, cases 6 and 7).
 
 The reader is the stage's own Reader (runtimes/main.py) driven tick by tick in
-the test process (tests/integration/test_runtime_edges.py's DrivenReader),
+the test process (tests/runtime_harness.py's DrivenReader),
 reading real processes:
 
 - Case 7: a CPython process whose stacks take more than a tick's read budget
@@ -36,7 +36,7 @@ from runtimes import dotnet
 from runtimes.dotnet import ipc
 from shared import counters
 from tests.elf_builder import symbol_table_elf
-from tests.integration.test_runtime_edges import PYTHON311, DrivenReader, go, spinner, start
+from tests.runtime_harness import PYTHON311, DrivenReader, go, spinner, start
 
 # A process's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 120
