@@ -14,6 +14,7 @@ import struct
 from runtimes import elfsyms
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.node import _facts
+from runtimes.node.isolate import IsolateFinder
 from runtimes.node.layouts import LAYOUTS
 from runtimes.node.reader import MAX_FRAMES, NodeProcess, V8Info
 from shared.wire import RegsSample
@@ -46,7 +47,7 @@ def test_isolate_search_finds_the_planted_self_pointer() -> None:
     struct.pack_into("<Q", data, at + 8, base + at)
     struct.pack_into("<Q", data, 0x4000 + 8, base + 0x9999)  # a near miss
     struct.pack_into("<Q", data, 0x6001, base + 0x5FF9)  # unaligned
-    assert NodeProcess._self_pointers(bytes(data), base, 8) == [base + at]
+    assert IsolateFinder.self_pointers(bytes(data), base, 8) == [base + at]
 
 
 def test_isolate_search_across_a_64k_boundary() -> None:
@@ -54,7 +55,7 @@ def test_isolate_search_across_a_64k_boundary() -> None:
     data = bytearray(64 << 10)
     at = 0x9000  # past the boundary at base + 0x8000
     struct.pack_into("<Q", data, at + 8, base + at)
-    assert NodeProcess._self_pointers(bytes(data), base, 8) == [base + at]
+    assert IsolateFinder.self_pointers(bytes(data), base, 8) == [base + at]
 
 
 def test_implausible_v8dbg_values_are_named() -> None:
@@ -89,8 +90,7 @@ def _node() -> NodeProcess:
     with open(HOST_NODE, "rb") as f:
         info = V8Info.from_values(_facts(f).values)
     node = NodeProcess("11.3.0.0", LAYOUTS[(11, 3)], info, [], (STACK_LO, STACK_HI), module="/usr/bin/node")
-    node._code = [(JIT, JIT + 0x1000, "jit"), (V8_TEXT, V8_TEXT + 0x1000, "v8"), (LIBC, LIBC + 0x1000, "native")]
-    node._code_starts = [c[0] for c in node._code]
+    node.code_map.set([(JIT, JIT + 0x1000, "jit"), (V8_TEXT, V8_TEXT + 0x1000, "v8"), (LIBC, LIBC + 0x1000, "native")])
     return node
 
 
@@ -122,12 +122,12 @@ def test_register_chain_ends_at_the_entry_frame_or_where_it_breaks() -> None:
     lo, hi = STACK_HI - 0x1100, STACK_HI
     words, fps = _frames(node, ["js", "js", "entry", "cxx", "cxx"])
     window = _window(words, lo, hi)
-    assert node._chain_from_regs(window, lo, fps[0], 0) == fps[:3]  # past the entry: C++ frames, cut
-    assert node._chain_from_regs(window, lo, fps[1], fps[2]) == fps[1:3]  # the js_entry_sp now ends it
+    assert node.chains.from_regs(window, lo, fps[0], 0) == fps[:3]  # past the entry: C++ frames, cut
+    assert node.chains.from_regs(window, lo, fps[1], fps[2]) == fps[1:3]  # the js_entry_sp now ends it
     words, fps = _frames(node, ["js", "js", "entry", "cxx", "js", "entry"])  # nested: up to the outermost
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == fps
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], 0) == fps
     words, fps = _frames(node, ["js", "js"])  # no entry frame, and no isolate found to tell
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], None) == fps
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], None) == fps
     assert node.dropped == {"regs_chain_cut": 1}
 
 
@@ -142,14 +142,14 @@ def test_register_chain_that_breaks_below_the_running_entry_is_another_moments_a
     words, fps = _frames(node, ["js", "js", "cxx", "entry"])
     words[fps[1]] = 0x10  # the saved rbp, written over: below itself
     # when the chain is followed from the leaf, then nothing is kept, and the drop is counted
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], fps[3]) == []
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], fps[3]) == []
     # and so when the isolate no longer names a running entry frame (0: the process leaving JavaScript)
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) == []
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], 0) == []
     assert node.dropped == {"regs_stack_changed": 2}
     # but a chain deeper than is walked keeps its leaf end (counted as too deep)
     deep, deep_fps = _frames(node, ["js"] * (MAX_FRAMES + 1) + ["entry"])
     deep_lo = deep_fps[0] - 0x100
-    chain = node._chain_from_regs(_window(deep, deep_lo, deep_fps[-1] + 0x100), deep_lo, deep_fps[0], deep_fps[-1])
+    chain = node.chains.from_regs(_window(deep, deep_lo, deep_fps[-1] + 0x100), deep_lo, deep_fps[0], deep_fps[-1])
     assert chain == deep_fps[:MAX_FRAMES]
     assert node.dropped == {"regs_stack_changed": 2, "too_deep": 1}
 
@@ -158,9 +158,9 @@ def test_register_chain_of_a_call_into_cxx_is_not_javascript() -> None:
     node = _node()
     lo, hi = STACK_HI - 0x1100, STACK_HI
     words, fps = _frames(node, ["exit", "js", "entry"])
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) is None
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], 0) is None
     words, fps = _frames(node, ["cxx", "js", "entry"])
-    assert node._chain_from_regs(_window(words, lo, hi), lo, fps[0], 0) is None
+    assert node.chains.from_regs(_window(words, lo, hi), lo, fps[0], 0) is None
 
 
 def test_samples_not_running_javascript_are_left_to_the_timer() -> None:
@@ -174,7 +174,7 @@ def test_samples_not_running_javascript_are_left_to_the_timer() -> None:
     def sample(t: int, ip: int, fp: int, at: int = sp) -> RegsSample:
         return RegsSample(pid=1, start_ticks=1, tid=1, time_ns=t, ip=ip, sp=at, fp=fp, stack=b"")
 
-    node._scanned_ns = 1_000_000_000
+    node.scanned_ns = 1_000_000_000
     samples = [
         sample(1_010_000_000, JIT + 8, fps[0]),  # before the handover
         sample(2_000_000_000, JIT + 8, fps[0], at=0x7F00_0000_0000),  # a worker thread's stack
