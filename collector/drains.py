@@ -1,7 +1,8 @@
 """When the collector drains its BPF maps next.
 
 Owns: the regular schedule (regular_delay: how far apart drains may be, from what the last drain
-took and how fast the host makes new pids), and the early drains of new processes: how long a
+took and how fast the host makes new pids; DrainPace: those figures, kept from drain to drain, and
+the window a drain's samples are stamped into), and the early drains of new processes: how long a
 new process must have lived before the programs wake the collector for it (EARLY_ALIVE_S and
 EARLY_STALE_S, compiled into bpf/common.h's notify_new_pid), the pids of those events waiting for
 an early drain, and the decision whether one is due: only while one of them still lives. A host that
@@ -20,6 +21,19 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
+# The shortest stretch between regular drains (a busy host; and while alloc or lock targets are watched).
+DRAIN_INTERVAL_S = 1.0
+# Drains are at most this far apart (regular_delay brings them closer for many keys or a fast pid
+# churn, down to DRAIN_INTERVAL_S), and one follows each window boundary (BOUNDARY_LAG_S after it):
+# with the default 60-s windows a quiet host drains once a window. A drain costs ~3.5 ms of the
+# collector's CPU (bcc map calls, /proc joins, batches) and ~1.3 ms of the symbolizer's, plus the
+# wake-ups of both (0.1-4 ms each on these VMs): on an idle host drains every 15 s were the largest
+# part of the agent's cost. A process that starts meanwhile and lives brings a drain forward
+# (EarlyDrains), so that its metadata is read while it lives.
+IDLE_DRAIN_INTERVAL_S = 60.0
+# A quiet drain is this long after a window boundary: what was sampled up to the boundary is then
+# drained, and stamped into the window it was taken in (drain_stamp_ns).
+BOUNDARY_LAG_S = 0.05
 # An early drain is at least this long after the last drain (at most five a second).
 EARLY_DRAIN_S = 0.2
 # The programs wake the collector for a new process only when they count it again at least this
@@ -77,6 +91,57 @@ def regular_delay(
     if stretch_s > 0 and pids_made > 0:
         delay = min(delay, pid_max * stretch_s / pids_made / DRAINS_PER_PID_WRAP)
     return max(0.05, min(max(delay, shortest_s), until_boundary_s))
+
+
+def drain_stamp_ns(last_ns: int, now_ns: int, interval_ns: int) -> int:
+    """The time a drain's samples are stamped with: they were taken between the last drain (last_ns)
+    and this one (now_ns), and go to the window that holds most of that stretch. With no window
+    boundary between the two, that is now; across one, the side with more of the stretch (the
+    window before the boundary when the drain follows it closely, as a quiet drain does)."""
+    boundary = now_ns - now_ns % interval_ns
+    if last_ns >= boundary or now_ns - boundary >= boundary - last_ns:
+        return now_ns
+    return boundary - 1
+
+
+class DrainPace:
+    """What the last drain took and the stretch it covered, kept for the next regular drain's delay
+    (regular_delay) and for the log; begin() starts a drain and says what its samples are stamped with."""
+
+    def __init__(self) -> None:
+        self.keys = 0  # keys the last drain took, all families
+        self.new_processes = 0  # processes it read from /proc for the first time (for the log)
+        self.pids = 0  # pids the host made between the last two drains
+        self.stretch_s = 0.0  # seconds between them
+        self._pid_max = pid_max()
+        self._forks = forks()
+        self._last_ns = time.time_ns()  # wall clock: the samples of a drain were taken since then
+
+    def begin(self, interval_s: int) -> int:
+        """A drain starts now: the stretch since the last one and the pids made in it are taken; the
+        time its samples are stamped with (drain_stamp_ns, windows of `interval_s`)."""
+        now_ns = time.time_ns()
+        stamp_ns = drain_stamp_ns(self._last_ns, now_ns, interval_s * 1_000_000_000)
+        self.stretch_s = (now_ns - self._last_ns) / 1e9
+        self._last_ns = now_ns
+        made = forks()
+        self.pids = made - self._forks if made is not None and self._forks is not None else 0
+        self._forks = made
+        self.keys = 0
+        return stamp_ns
+
+    def regular_delay(self, now_wall: float, interval_s: int) -> float:
+        """Seconds to the next regular drain (regular_delay, from DRAIN_INTERVAL_S to
+        IDLE_DRAIN_INTERVAL_S), never past BOUNDARY_LAG_S after the next window boundary."""
+        return regular_delay(
+            keys=self.keys,
+            pids_made=self.pids,
+            stretch_s=self.stretch_s,
+            pid_max=self._pid_max,
+            until_boundary_s=interval_s - now_wall % interval_s + BOUNDARY_LAG_S,
+            shortest_s=DRAIN_INTERVAL_S,
+            longest_s=IDLE_DRAIN_INTERVAL_S,
+        )
 
 
 def forks(proc: str = "/proc") -> int | None:

@@ -305,3 +305,45 @@ def write_status(run_dir: str, w: WindowFigures) -> None:
 
 def remove_status(run_dir: str) -> None:
     Path(status_path(run_dir)).unlink(missing_ok=True)
+
+
+def log_window(w: WindowFigures, out: logging.Logger) -> None:
+    """The log line of a window: its figures, and what the guard decided from them."""
+    budget_ms = w.budget_pct / 100 * w.window_s * 1e3
+    if w.decision == "halve":
+        out.warning(
+            "overhead over budget: %.1f ms used > %.1f ms allowed (%g%% of one CPU); halving "
+            "sample_hz %d -> %d Hz. Window: %s",
+            w.used_pct / 100 * w.window_s * 1e3,
+            budget_ms,
+            w.budget_pct,
+            w.rate_hz,
+            w.next_rate_hz,
+            describe(w),
+        )
+    elif w.decision == "over at floor":
+        out.warning(
+            "overhead over budget at %d Hz already: %.1f ms used > %.1f ms allowed; the rest is not the "
+            "sampling rate's (stage CPU, off-CPU tracepoints): raise overhead_budget_pct, or turn off "
+            "what costs. Window: %s",
+            w.rate_hz,
+            w.used_pct / 100 * w.window_s * 1e3,
+            budget_ms,
+            describe(w),
+        )
+    elif w.decision == START_UP:
+        out.info(
+            "overhead of the start-up window (one-off costs: compiling BPF, building unwind tables; "
+            "reported, not judged against the budget): %s",
+            describe(w),
+        )
+    elif w.decision == "double":
+        out.info(
+            "overhead under half the budget for %d windows: doubling sample_hz %d -> %d Hz. Window: %s",
+            RECOVER_AFTER_WINDOWS,
+            w.rate_hz,
+            w.next_rate_hz,
+            describe(w),
+        )
+    else:
+        out.info("overhead: %s", describe(w))

@@ -1,6 +1,6 @@
 """The contract between the collector's main loop and its event sources (on-CPU, off-CPU, lock, alloc).
 
-An event source is one family of BPF programs and maps: collector/main.py's Collector makes
+An event source is one family of BPF programs and maps: collector/stage.py's Collector makes
 the ones the config turns on and then treats them alike: attach and detach them (remote
 config's pause), drain each one's counts every drain, ship what it drained under its
 profile_type, ask it for a snapshot once per upload window, log its counts and close it on stop

@@ -59,7 +59,7 @@ def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
 
 
 def test_a_drain_is_stamped_into_the_window_holding_most_of_its_stretch() -> None:
-    from collector.main import drain_stamp_ns
+    from collector.drains import drain_stamp_ns
 
     s = 1_000_000_000
     # given 4 s windows: a drain with no boundary since the last one is stamped now
