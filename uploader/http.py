@@ -48,7 +48,7 @@ from shared.config import AGENT_CONFIG_PATH
 from shared.handoff import cut
 from shared.wire import ProfileUpload
 from uploader.format_pprof import PprofFormat
-from uploader.formats import FormatError, UploadFormat
+from uploader.formats import FormatError, Request, UploadFormat
 
 log = logging.getLogger("ebpfprofiler.uploader.http")
 
@@ -325,40 +325,9 @@ class HttpClient:
         except FormatError as e:  # the same profile gives the same error on every attempt
             return Outcome(False, False, f"cannot be sent as {self.format.name}: {_cut(str(e))}", cause="unsendable")
         with _Deadline(self.deadline_s, self._sockets) as deadline:
-            try:
-                resp = self._session.post(
-                    self.url,
-                    params=req.params,
-                    headers=req.headers,
-                    data=req.body,
-                    timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s),
-                    stream=True,
-                    allow_redirects=False,
-                    verify=self._verify,
-                    auth=self._auth,
-                )
-            except requests.Timeout as e:
-                if deadline.over():
-                    return self._over(deadline)
-                what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
-                limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
-                return Outcome(
-                    False,
-                    True,
-                    f"no {what} within {limit:g}s ({type(e).__name__})",
-                    reached=what == "read",
-                    cause=f"{what}_timeout",
-                )
-            except requests.ConnectionError as e:  # refused, reset, DNS, TLS verification
-                if deadline.over():
-                    return self._over(deadline)
-                return Outcome(
-                    False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False, cause="unreachable"
-                )
-            except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
-                if deadline.over():
-                    return self._over(deadline)
-                return Outcome(False, False, f"{type(e).__name__}: {_cut(_cause(e))}", cause="bad_request")
+            resp = self._send(req, deadline)
+            if isinstance(resp, Outcome):
+                return resp
             head = bytearray()
             try:
                 # A body read to its end lets the session reuse the connection; a longer one is cut off.
@@ -374,6 +343,45 @@ class HttpClient:
                 # Whatever the status said: a reply not read whole in time is retried (the backend stores
                 # a profile once by its id), and the profile stays spooled meanwhile.
                 return self._over(deadline, resp.status_code)
+        return self._answered(resp, head)
+
+    def _send(self, req: Request, deadline: _Deadline) -> requests.Response | Outcome:
+        """The POST of `req` up to its reply's status and headers, or the Outcome of a post that got none."""
+        try:
+            return self._session.post(
+                self.url,
+                params=req.params,
+                headers=req.headers,
+                data=req.body,
+                timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s),
+                stream=True,
+                allow_redirects=False,
+                verify=self._verify,
+                auth=self._auth,
+            )
+        except requests.Timeout as e:
+            if deadline.over():
+                return self._over(deadline)
+            what = "connect" if isinstance(e, requests.ConnectTimeout) else "read"
+            limit = CONNECT_TIMEOUT_S if what == "connect" else self.read_timeout_s
+            return Outcome(
+                False,
+                True,
+                f"no {what} within {limit:g}s ({type(e).__name__})",
+                reached=what == "read",
+                cause=f"{what}_timeout",
+            )
+        except requests.ConnectionError as e:  # refused, reset, DNS, TLS verification
+            if deadline.over():
+                return self._over(deadline)
+            return Outcome(False, True, f"{type(e).__name__}: {_cut(_cause(e))}", reached=False, cause="unreachable")
+        except requests.RequestException as e:  # bad header value, bad URL: retrying cannot help
+            if deadline.over():
+                return self._over(deadline)
+            return Outcome(False, False, f"{type(e).__name__}: {_cut(_cause(e))}", cause="bad_request")
+
+    def _answered(self, resp: requests.Response, head: bytearray) -> Outcome:
+        """What a reply read in time comes to, by its status (and, for a 2xx, what the format reads in it)."""
         status = resp.status_code
         if 200 <= status < 300:
             accepted = self.format.accepted(bytes(head), resp.headers.get("Content-Type", ""))

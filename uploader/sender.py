@@ -32,7 +32,7 @@ from collections import Counter
 from shared.counters import CounterFile
 from shared.handoff import window_text
 from shared.wire import ProfileUpload
-from uploader.http import HttpClient, backoff_delay
+from uploader.http import HttpClient, Outcome, backoff_delay
 from uploader.spool import Entry, Spool
 
 # An idle sender still wakes this often (to notice a stop, or a due time that moved).
@@ -113,40 +113,11 @@ class Sender:
                 pause_until = time.monotonic() + ERROR_PAUSE_S
 
     def _attempt(self, entry: Entry, upload: ProfileUpload, failures: int, pause_until: float) -> tuple[int, float]:
+        """One post of `upload`, and what its outcome does: (consecutive failures, pause until) after it."""
         outcome = self.client.post(upload)
         entry.attempts += 1
         if outcome.ok:
-            self.spool.delivered(entry)
-            self.counts["delivered"] += 1
-            if outcome.rejected:
-                self.counts["rejected"] += outcome.rejected
-                self.log.warning(
-                    "the backend accepted the upload of profile %s service=%r type=%s window=%s but "
-                    "rejected %d profile(s) of it: %r (not retried; %d rejected so far)",
-                    upload.profile_id,
-                    upload.service,
-                    upload.profile_type,
-                    window_text(upload),
-                    outcome.rejected,
-                    outcome.note,
-                    self.counts["rejected"],
-                )
-            elif outcome.note:
-                self.log.debug("profile %s: %s", upload.profile_id, outcome.note)
-            if failures:
-                self.log.info(
-                    "the backend accepts profiles again after %d failed attempt(s); %d profile(s) left in the spool",
-                    failures,
-                    len(self.spool),
-                )
-            self.log.debug(
-                "uploaded profile %s service=%r type=%s window=%s on attempt %d",
-                upload.profile_id,
-                upload.service,
-                upload.profile_type,
-                window_text(upload),
-                entry.attempts,
-            )
+            self._delivered(entry, upload, outcome, failures)
             return 0, pause_until
         if outcome.cause:
             self.counts[outcome.cause] += 1
@@ -154,31 +125,69 @@ class Sender:
                 self.checks.count(outcome.cause)
         if outcome.retry:
             failures += 1
-            self.counts["failed_attempts"] += 1
-            pause = backoff_delay(self.backoff_base_s, failures, outcome.retry_after_s)
-            # A backend that was not reached says nothing about this profile: it stays first in line,
-            # and the pause alone spaces the attempts. One that answered (or timed out reading) may
-            # be failing on this profile: it also waits out its own backoff, so others go meanwhile.
-            if outcome.reached:
-                entry.failures += 1
-                again = max(pause, backoff_delay(self.backoff_base_s, entry.failures, outcome.retry_after_s))
-            else:
-                again = pause
-            now = time.monotonic()
-            self.spool.retry_later(entry, now + again)
+            return failures, self._retry(entry, upload, outcome, failures)
+        self.counts["dead_lettered"] += 1
+        self.spool.dead_letter(entry, upload, outcome.status, outcome.reason)
+        return failures, pause_until
+
+    def _delivered(self, entry: Entry, upload: ProfileUpload, outcome: Outcome, failures: int) -> None:
+        """A 2xx: the profile leaves the spool; a partial rejection is logged and counted."""
+        self.spool.delivered(entry)
+        self.counts["delivered"] += 1
+        if outcome.rejected:
+            self.counts["rejected"] += outcome.rejected
             self.log.warning(
-                "upload of profile %s service=%r type=%s window=%s failed (attempt %d): %s; next "
-                "attempt in %.2f s; %d profile(s) waiting in the spool",
+                "the backend accepted the upload of profile %s service=%r type=%s window=%s but "
+                "rejected %d profile(s) of it: %r (not retried; %d rejected so far)",
                 upload.profile_id,
                 upload.service,
                 upload.profile_type,
                 window_text(upload),
-                entry.attempts,
-                outcome.reason,
-                again,
+                outcome.rejected,
+                outcome.note,
+                self.counts["rejected"],
+            )
+        elif outcome.note:
+            self.log.debug("profile %s: %s", upload.profile_id, outcome.note)
+        if failures:
+            self.log.info(
+                "the backend accepts profiles again after %d failed attempt(s); %d profile(s) left in the spool",
+                failures,
                 len(self.spool),
             )
-            return failures, now + pause
-        self.counts["dead_lettered"] += 1
-        self.spool.dead_letter(entry, upload, outcome.status, outcome.reason)
-        return failures, pause_until
+        self.log.debug(
+            "uploaded profile %s service=%r type=%s window=%s on attempt %d",
+            upload.profile_id,
+            upload.service,
+            upload.profile_type,
+            window_text(upload),
+            entry.attempts,
+        )
+
+    def _retry(self, entry: Entry, upload: ProfileUpload, outcome: Outcome, failures: int) -> float:
+        """A retryable failure: the profile is due again after its backoff; the time the sender pauses until."""
+        self.counts["failed_attempts"] += 1
+        pause = backoff_delay(self.backoff_base_s, failures, outcome.retry_after_s)
+        # A backend that was not reached says nothing about this profile: it stays first in line,
+        # and the pause alone spaces the attempts. One that answered (or timed out reading) may
+        # be failing on this profile: it also waits out its own backoff, so others go meanwhile.
+        if outcome.reached:
+            entry.failures += 1
+            again = max(pause, backoff_delay(self.backoff_base_s, entry.failures, outcome.retry_after_s))
+        else:
+            again = pause
+        now = time.monotonic()
+        self.spool.retry_later(entry, now + again)
+        self.log.warning(
+            "upload of profile %s service=%r type=%s window=%s failed (attempt %d): %s; next "
+            "attempt in %.2f s; %d profile(s) waiting in the spool",
+            upload.profile_id,
+            upload.service,
+            upload.profile_type,
+            window_text(upload),
+            entry.attempts,
+            outcome.reason,
+            again,
+            len(self.spool),
+        )
+        return now + pause
