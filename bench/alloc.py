@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import procs, stats
 from bench.overhead import bpf_totals, kernel_stats, run_workload
@@ -129,7 +130,11 @@ class AllocLockBench:
         self.rng = random.Random()  # each run's start in the bursts' cycle
 
     def _profiled(
-        self, d: Path, argv: list[str], iterations: int, **changes: object
+        self,
+        d: Path,
+        argv: list[str],
+        iterations: int,
+        **changes: Any,  # ProfilerConfig fields, each its own type
     ) -> tuple[tuple[float, float], dict[str, float]]:
         """(rates of `argv` under the pipeline, BPF ns per run of each probe program that ran)."""
         p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=False, **changes)
@@ -147,7 +152,7 @@ class AllocLockBench:
                 stats_on.close()
         finally:
             p.stop()
-        per_run = {}
+        per_run: dict[str, float] = {}
         for name in PROBE_PROGRAMS:
             # the alloc programs are loaded without BTF: the kernel keeps 15 characters of their names
             short = name[:BPF_OBJ_NAME_CHARS]
@@ -157,12 +162,12 @@ class AllocLockBench:
                 per_run[name] = (t - t0) / (c - c0)
         return r, per_run
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-alloc-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
-        runs: list[dict] = []
-        accuracy: list[dict] = []
+        runs: list[dict[str, Any]] = []
+        accuracy: list[dict[str, Any]] = []
         try:
             bins = build(tmp)
             for r in range(self.rounds):
@@ -172,79 +177,14 @@ class AllocLockBench:
                     alloc.reverse()
                     lock.reverse()
                 for i, (config, duty) in enumerate(alloc):
-                    d = Path(tmp) / f"r{r}-a{i}"
-                    if duty is None:
-                        fig, ns = rate([bins["malloc_loop"], str(MALLOC_LONG), "0"], MALLOC_LONG), {}
-                    elif duty < 0:  # allocation profiling on, for a name this process does not have
-                        fig, ns = self._profiled(
-                            d,
-                            [bins["malloc_loop"], str(MALLOC_LONG), "0"],
-                            MALLOC_LONG,
-                            alloc_targets=("not_this_process",),
-                        )
-                    else:
-                        n = MALLOC_ALWAYS if duty >= 100 else MALLOC_LONG
-                        delay_us = 0 if duty >= 100 else int(1e6 * self.rng.uniform(0, BURST_PERIOD_S))
-                        fig, ns = self._profiled(
-                            d,
-                            [bins["malloc_loop"], str(n), "1", str(delay_us)],
-                            n,
-                            alloc_targets=("malloc_loop",),
-                            alloc_duty_pct=duty,
-                        )
-                    runs.append(
-                        {
-                            "round": r,
-                            "suite": "malloc",
-                            "config": config,
-                            "rate": fig[0],
-                            "cpu_rate": fig[1],
-                            "bpf_ns": ns,
-                        }
-                    )
-                    self.log(
-                        f"alloc round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} malloc+free/s, "
-                        f"{fig[1]:,.0f} per CPU second"
-                    )
+                    runs.append(self._malloc_run(Path(tmp) / f"r{r}-a{i}", r, config, duty, bins["malloc_loop"]))
                 accuracy.append(self._accuracy(Path(tmp) / f"r{r}-mix", bins["alloc_mix"]))
                 self.log(f"alloc round {r + 1}/{self.rounds} mixed workload at the defaults: {accuracy[-1]}")
                 for i, config in enumerate(lock):
-                    d = Path(tmp) / f"r{r}-l{i}"
-                    argv = [bins["mutex_loop"], str(MUTEX_PAIRS), str(MUTEX_WARMUP_S)]
-                    if config == "none":
-                        fig, ns = rate(argv, 2 * MUTEX_PAIRS), {}
-                    else:
-                        targets = ("mutex_loop",) if config.endswith("lock target") else ()
-                        fig, ns = self._profiled(d, argv, 2 * MUTEX_PAIRS, lock_targets=targets)
-                    runs.append(
-                        {
-                            "round": r,
-                            "suite": "mutex",
-                            "config": config,
-                            "rate": fig[0],
-                            "cpu_rate": fig[1],
-                            "bpf_ns": ns,
-                        }
-                    )
-                    self.log(f"lock round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} lock/unlock pairs/s")
+                    runs.append(self._mutex_run(Path(tmp) / f"r{r}-l{i}", r, config, bins["mutex_loop"]))
         finally:
             if not self.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
-        summary: dict[str, dict] = {}
-        for suite, configs in (("malloc", list(ALLOC_CONFIGS)), ("mutex", list(LOCK_CONFIGS))):
-            for config in configs:
-                mine = [x for x in runs if x["suite"] == suite and x["config"] == config]
-                none = {x["round"]: x["rate"] for x in runs if x["suite"] == suite and x["config"] == "none"}
-                none_cpu = {x["round"]: x["cpu_rate"] for x in runs if x["suite"] == suite and x["config"] == "none"}
-                programs = sorted({p for x in mine for p in x["bpf_ns"]})
-                summary[f"{suite} | {config}"] = {
-                    "rate": stats.summary([x["rate"] for x in mine]),
-                    "ratio_to_none": stats.summary([x["rate"] / none[x["round"]] for x in mine]),
-                    "cpu_ratio_to_none": stats.summary(
-                        [x["cpu_rate"] / none_cpu[x["round"]] for x in mine if none_cpu[x["round"]]]
-                    ),
-                    "bpf_ns_per_run": {p: stats.summary([x["bpf_ns"].get(p) for x in mine]) for p in programs},
-                }
         acc = {
             k: stats.summary([a[k] for a in accuracy if a.get(k) is not None])
             for k in ("share_a", "share_a_truth", "share_error", "total_ratio", "inuse_ratio")
@@ -254,11 +194,45 @@ class AllocLockBench:
             "rounds": self.rounds,
             "sample_hz": SAMPLE_HZ,
             "runs": runs,
-            "summary": summary,
+            "summary": summarize(runs),
             "accuracy_runs": accuracy,
             "accuracy": acc,
             "seconds": round(time.monotonic() - t_start, 1),
         }
+
+    def _malloc_run(self, d: Path, r: int, config: str, duty: float | None, exe: str) -> dict[str, Any]:
+        """One run of malloc_loop in configuration `config` (alloc profiling at `duty` %, None: no pipeline)."""
+        ns: dict[str, float]
+        if duty is None:
+            fig, ns = rate([exe, str(MALLOC_LONG), "0"], MALLOC_LONG), {}
+        elif duty < 0:  # allocation profiling on, for a name this process does not have
+            fig, ns = self._profiled(d, [exe, str(MALLOC_LONG), "0"], MALLOC_LONG, alloc_targets=("not_this_process",))
+        else:
+            n = MALLOC_ALWAYS if duty >= 100 else MALLOC_LONG
+            delay_us = 0 if duty >= 100 else int(1e6 * self.rng.uniform(0, BURST_PERIOD_S))
+            fig, ns = self._profiled(
+                d,
+                [exe, str(n), "1", str(delay_us)],
+                n,
+                alloc_targets=("malloc_loop",),
+                alloc_duty_pct=duty,
+            )
+        self.log(
+            f"alloc round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} malloc+free/s, {fig[1]:,.0f} per CPU second"
+        )
+        return {"round": r, "suite": "malloc", "config": config, "rate": fig[0], "cpu_rate": fig[1], "bpf_ns": ns}
+
+    def _mutex_run(self, d: Path, r: int, config: str, exe: str) -> dict[str, Any]:
+        """One run of mutex_loop in configuration `config`."""
+        argv = [exe, str(MUTEX_PAIRS), str(MUTEX_WARMUP_S)]
+        ns: dict[str, float]
+        if config == "none":
+            fig, ns = rate(argv, 2 * MUTEX_PAIRS), {}
+        else:
+            targets = ("mutex_loop",) if config.endswith("lock target") else ()
+            fig, ns = self._profiled(d, argv, 2 * MUTEX_PAIRS, lock_targets=targets)
+        self.log(f"lock round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} lock/unlock pairs/s")
+        return {"round": r, "suite": "mutex", "config": config, "rate": fig[0], "cpu_rate": fig[1], "bpf_ns": ns}
 
     def _accuracy(self, d: Path, exe: str) -> dict:
         """The mixed workload under the pipeline at the defaults: shares, totals and inuse against the truth."""
@@ -270,10 +244,13 @@ class AllocLockBench:
                 [exe, str(MIX_SECONDS), str(MIX_MB_PER_S)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
             try:
-                w.stdout.readline()
-                done = dict(f.split("=", 1) for f in w.stdout.readline().split()[1:])
+                out, inp = w.stdout, w.stdin
+                if out is None or inp is None:
+                    raise BenchError("alloc_mix was started without its pipes")
+                out.readline()
+                done = dict(f.split("=", 1) for f in out.readline().split()[1:])
                 time.sleep(12)  # two more windows of 5 s: the idle one shows the leak alone in use
-                w.stdin.close()
+                inp.close()
             finally:
                 procs.stop(w, timeout=10)
         finally:
@@ -311,10 +288,28 @@ class AllocLockBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """(caption, header, rows, notes) for RESULTS.md and the terminal."""
-    from bench.report import _mmm
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per workload and configuration: its rates, their ratios to `none` of the same round, BPF ns per run."""
+    summary: dict[str, dict[str, Any]] = {}
+    for suite, configs in (("malloc", list(ALLOC_CONFIGS)), ("mutex", list(LOCK_CONFIGS))):
+        for config in configs:
+            mine = [x for x in runs if x["suite"] == suite and x["config"] == config]
+            none = {x["round"]: x["rate"] for x in runs if x["suite"] == suite and x["config"] == "none"}
+            none_cpu = {x["round"]: x["cpu_rate"] for x in runs if x["suite"] == suite and x["config"] == "none"}
+            programs = sorted({p for x in mine for p in x["bpf_ns"]})
+            summary[f"{suite} | {config}"] = {
+                "rate": stats.summary([x["rate"] for x in mine]),
+                "ratio_to_none": stats.summary([x["rate"] / none[x["round"]] for x in mine]),
+                "cpu_ratio_to_none": stats.summary(
+                    [x["cpu_rate"] / none_cpu[x["round"]] for x in mine if none_cpu[x["round"]]]
+                ),
+                "bpf_ns_per_run": {p: stats.summary([x["bpf_ns"].get(p) for x in mine]) for p in programs},
+            }
+    return summary
 
+
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """(caption, header, rows, notes) for RESULTS.md and the terminal."""
     head = [
         "workload",
         "configuration",
@@ -323,62 +318,72 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
         "ratio per CPU second of the workload",
         "BPF ns per probe run",
     ]
-    rows = []
-    for key, f in result["summary"].items():
-        suite, config = key.split(" | ")
-        unit = "malloc+free" if suite == "malloc" else "lock/unlock pairs"
-        ns = ", ".join(
-            f"{p.replace('tracepoint__syscalls__', '')} {s['median']:,.0f}"
-            for p, s in f["bpf_ns_per_run"].items()
-            if s["median"] is not None
-        )
-        rows.append(
-            [
-                f"{suite} ({unit})",
-                config,
-                _mmm(f["rate"], "{:,.0f}"),
-                "1 (reference)" if config == "none" else _mmm(f["ratio_to_none"], "{:.4f}"),
-                "1 (reference)" if config == "none" else _mmm(f.get("cpu_ratio_to_none", {}), "{:.4f}"),
-                ns or "-",
-            ]
-        )
+    rows = [_config_row(key, f) for key, f in result["summary"].items()]
     acc = result.get("accuracy", {})
     if acc:
-        rows.append(
-            [
-                "alloc_mix (3:1 in bytes, 15 MB/s)",
-                "alloc, defaults: mix_a's share of alloc_space",
-                _mmm(acc["share_a"], "{:.4f}"),
-                f"truth {_mmm(acc['share_a_truth'], '{:.4f}')}",
-                f"share error {_mmm(acc['share_error'], '{:+.2%}')}",
-                "-",
-            ]
-        )
-        rows.append(
-            [
-                "alloc_mix",
-                "alloc, defaults: estimated total / true total",
-                _mmm(acc["total_ratio"], "{:.3f}"),
-                "-",
-                f"leak in use / leaked {_mmm(acc['inuse_ratio'], '{:.3f}')}",
-                "-",
-            ]
-        )
+        rows += _accuracy_rows(acc)
     caption = (
         f"pipeline at {result['sample_hz']} Hz on-CPU, off-CPU off; {result['rounds']} rounds, "
         "configurations in turn; median (min–max); ratio < 1: slower"
     )
-    notes = [
-        f"full run: {result['seconds']} s",
-        "ratio per CPU second: iterations per CPU second of the workload (user + system, where the traps "
-        "are), against the same alone: what the probes cost the target itself; the wall-clock ratio also "
-        "carries the pipeline's CPU and every other tenant's load on this shared 2-CPU host",
-        "while attached, a uprobe costs a trap into the kernel and back on every call, whatever the "
-        "sampling; bursts bound the time it is attached (alloc_duty_pct), so the slowdown of a program that "
-        "only allocates is about the duty cycle",
-        "peers, cited from their own reports, not rerun here: OpenTelemetry's eBPF profiler with kernel "
-        "uprobes on malloc/free, 295K against 160M iterations/s (0.0018); bpftime's daemon mode, the same "
-        "probes run in user space inside the target (code injected into it), 0.97",
-        "lock profiling costs only in futex syscalls: an uncontended mutex never makes one",
+    return caption, head, rows, [f"full run: {result['seconds']} s", *NOTES]
+
+
+def _config_row(key: str, f: dict[str, Any]) -> list[str]:
+    """The table's row of one workload in one configuration."""
+    from bench.report import _mmm
+
+    suite, config = key.split(" | ")
+    unit = "malloc+free" if suite == "malloc" else "lock/unlock pairs"
+    ns = ", ".join(
+        f"{p.replace('tracepoint__syscalls__', '')} {s['median']:,.0f}"
+        for p, s in f["bpf_ns_per_run"].items()
+        if s["median"] is not None
+    )
+    return [
+        f"{suite} ({unit})",
+        config,
+        _mmm(f["rate"], "{:,.0f}"),
+        "1 (reference)" if config == "none" else _mmm(f["ratio_to_none"], "{:.4f}"),
+        "1 (reference)" if config == "none" else _mmm(f.get("cpu_ratio_to_none", {}), "{:.4f}"),
+        ns or "-",
     ]
-    return caption, head, rows, notes
+
+
+def _accuracy_rows(acc: dict[str, Any]) -> list[list[str]]:
+    """The table's rows of the mixed workload at the defaults: its shares and totals against the truth."""
+    from bench.report import _mmm
+
+    return [
+        [
+            "alloc_mix (3:1 in bytes, 15 MB/s)",
+            "alloc, defaults: mix_a's share of alloc_space",
+            _mmm(acc["share_a"], "{:.4f}"),
+            f"truth {_mmm(acc['share_a_truth'], '{:.4f}')}",
+            f"share error {_mmm(acc['share_error'], '{:+.2%}')}",
+            "-",
+        ],
+        [
+            "alloc_mix",
+            "alloc, defaults: estimated total / true total",
+            _mmm(acc["total_ratio"], "{:.3f}"),
+            "-",
+            f"leak in use / leaked {_mmm(acc['inuse_ratio'], '{:.3f}')}",
+            "-",
+        ],
+    ]
+
+
+# The table's notes after the run's length.
+NOTES = [
+    "ratio per CPU second: iterations per CPU second of the workload (user + system, where the traps "
+    "are), against the same alone: what the probes cost the target itself; the wall-clock ratio also "
+    "carries the pipeline's CPU and every other tenant's load on this shared 2-CPU host",
+    "while attached, a uprobe costs a trap into the kernel and back on every call, whatever the "
+    "sampling; bursts bound the time it is attached (alloc_duty_pct), so the slowdown of a program that "
+    "only allocates is about the duty cycle",
+    "peers, cited from their own reports, not rerun here: OpenTelemetry's eBPF profiler with kernel "
+    "uprobes on malloc/free, 295K against 160M iterations/s (0.0018); bpftime's daemon mode, the same "
+    "probes run in user space inside the target (code injected into it), 0.97",
+    "lock profiling costs only in futex syscalls: an uncontended mutex never makes one",
+]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 
-def summary(values: Sequence[float]) -> dict:
+def summary(values: Sequence[float | None]) -> dict[str, Any]:
     """{"median", "min", "max", "n"} of `values` (None figures when there are none)."""
     vals = [float(v) for v in values if v is not None]
     if not vals:
