@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +119,7 @@ class AllocRun:
 
 @pytest.fixture(scope="module")
 def alloc_run(
-    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
 ) -> Iterator[AllocRun]:
     require_root()
     work = tmp_path_factory.mktemp("alloc")
@@ -287,7 +287,7 @@ class MixRun:
 
 @pytest.fixture(scope="module")
 def mix_run(
-    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
 ) -> Iterator[MixRun]:
     """The issue's process at the shipped defaults: it runs on its own, not waiting for the profiler."""
     require_root()
@@ -375,7 +375,7 @@ class LockRun:
 
 @pytest.fixture(scope="module")
 def lock_run(
-    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
 ) -> Iterator[LockRun]:
     require_root()
     work = tmp_path_factory.mktemp("lock")
@@ -459,7 +459,9 @@ def test_lock_stacks_go_through_libc_to_the_thread_start(lock_run: LockRun) -> N
         assert "mutex_lock" in st[i + 1] and "lll_lock_wait" in st[-1], st
 
 
-def test_a_return_never_seen_does_not_stop_the_sampling(build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
+def test_a_return_never_seen_does_not_stop_the_sampling(
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     """The issue's "alloc: 0 while the probes ran": a sampled malloc whose return the uretprobe
     never saw (entry probe on first, as a preempted attach leaves it) must cost that one sample,
     not every later allocation of the thread."""

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +88,9 @@ def scribble_eh_frame(src: Path, dst: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+def run(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Run]:
     require_root()
     exe = build("nofp", NOFP_FLAGS)
     work = tmp_path_factory.mktemp("dwarf")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +97,9 @@ def push_unasked_unwind_table(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+def run(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Run]:
     require_root()
     hot = build("hot")
     work = tmp_path_factory.mktemp("hostile")

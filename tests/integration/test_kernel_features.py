@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,9 @@ def collector_pid(p: Pipeline) -> int:
     return int(Path(endpoints.ready_file(str(p.run_dir), "collector")).read_text().split()[0])
 
 
-def test_a_kernel_without_btf_profiles_on_cpu_and_names_the_off_cpu_refusal(build, tmp_path: Path) -> None:
+def test_a_kernel_without_btf_profiles_on_cpu_and_names_the_off_cpu_refusal(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
     # given a pipeline with off-CPU profiling asked for, on a kernel without BTF (its programs need it)
     require_root()
     hot, offcpu = build("hot"), build("offcpu")
@@ -102,7 +104,9 @@ def paranoid_3() -> Iterator[None]:
         PARANOID.write_text(before)
 
 
-def test_under_paranoid_3_cap_sys_admin_is_held_at_start_only(build, tmp_path: Path, paranoid_3: None) -> None:
+def test_under_paranoid_3_cap_sys_admin_is_held_at_start_only(
+    build: Callable[..., Path], tmp_path: Path, paranoid_3: None
+) -> None:
     # given kernel.perf_event_paranoid=3, under which Debian's kernels let only CAP_SYS_ADMIN open perf events
     hot = build("hot")
     receiver = Receiver(tmp_path / "received")

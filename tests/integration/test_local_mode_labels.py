@@ -5,6 +5,7 @@ from __future__ import annotations
 import pwd
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from shared import pprof
@@ -12,7 +13,7 @@ from shared.config import ProfilerConfig
 from tests.harness import Pipeline, open_dir, require_root
 
 
-def test_local_dir_plain_pid_and_command_line(build, tmp_path: Path) -> None:
+def test_local_dir_plain_pid_and_command_line(build: Callable[..., Path], tmp_path: Path) -> None:
     # given the pipeline with no endpoint, plain pids and command lines on
     require_root()
     hot = build("hot")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from shared import counters
 from shared.config import ProfilerConfig
@@ -32,7 +34,9 @@ while time.monotonic() < end:
 """
 
 
-def test_many_long_mappings_cost_the_others_nothing(build, tmp_path, started) -> None:
+def test_many_long_mappings_cost_the_others_nothing(
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     require_root()
     hot = build("hot")
     home = open_dir("mappings")

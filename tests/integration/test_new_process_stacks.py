@@ -14,6 +14,7 @@ import dataclasses
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from receiver.store import list_profiles
@@ -35,7 +36,7 @@ def whole(s: pprof.ReadSample) -> bool:
 
 
 def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
-    build, tmp_path: Path, started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
 ) -> None:
     require_root()
     exe = build("nofp", NOFP_FLAGS)

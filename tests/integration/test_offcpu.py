@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +87,7 @@ class Workloads:
 
 @pytest.fixture(scope="module")
 def min_1ms(
-    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
 ) -> Iterator[Workloads]:
     """offcpu_min_ms: 1 — the 3:1:2 workload (also without rseq), two CPU hogs on one CPU, a 200 µs sleeper."""
     require_root()
@@ -155,7 +155,7 @@ def test_blocked_time_splits_3_1_2_and_sums_to_wall_time(min_1ms: Workloads, rse
 
 @pytest.fixture(scope="module")
 def records_by_thread_id(
-    build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
 ) -> Iterator[Workloads]:
     """The 3:1:2 workload (also without rseq) as a kernel before 5.11 profiles it: no task storage, so
     bpf/offcpu.c keeps its per-thread records in LRU hashes by thread id, and no prev_state argument of
@@ -260,7 +260,9 @@ def test_intervals_under_min_ms_are_dropped(min_1ms: Workloads) -> None:
     assert all(s.values[1] >= 1_000_000 * s.values[0] for s in tiny), [s.values for s in tiny]
 
 
-def test_intervals_are_kept_with_min_ms_0(build, tmp_path: Path, started: list[subprocess.Popen]) -> None:
+def test_intervals_are_kept_with_min_ms_0(
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
     require_root()
     offcpu = build("offcpu")
     run, _ = run_pipeline(
@@ -280,7 +282,7 @@ SAMPLED_SECONDS = 40.0
 
 
 def test_blocks_under_sample_ms_are_sampled_and_weighted_to_their_true_time(
-    build, tmp_path: Path, started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
 ) -> None:
     """Blocks of 6 and 2 ms, under offcpu_sample_ms 10: each is charged with the chance
     length / 10 ms, as 10 ms and 10 ms / length intervals (the default, 50 ms, samples the same way,
@@ -324,7 +326,7 @@ WAIT_TEST_S = 8
 
 
 def test_a_woken_threads_wait_for_a_cpu_is_not_blocked_time(
-    build, tmp_path: Path, started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
 ) -> None:
     require_root()
     # given a sleeper of 20-ms sleeps at nice 19 on a CPU two hogs keep busy: after each wakeup it

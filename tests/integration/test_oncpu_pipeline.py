@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +66,9 @@ def start_workload(started: list[subprocess.Popen], *argv: str, user: int | None
 
 
 @pytest.fixture(scope="module")
-def run(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+def run(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Run]:
     """Given the pipeline with 2 workers and the receiver, when the workloads run, then stop all."""
     require_root()
     hot, syscall, jit = build("hot"), build("syscall"), build("jit")

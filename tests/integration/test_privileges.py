@@ -60,7 +60,7 @@ def stage_pid(pipeline: Pipeline, stage: str) -> int:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_each_stage_has_its_user_capabilities_and_no_new_privs(running, stage: str) -> None:
+def test_each_stage_has_its_user_capabilities_and_no_new_privs(running: tuple[Pipeline, Receiver], stage: str) -> None:
     pipeline, _ = running
     st = status(stage_pid(pipeline, stage))
     table = privileges.STAGES[STAGES[stage]]
@@ -119,7 +119,7 @@ def test_the_uploader_cannot_read_other_processes_memory_maps(started: list[subp
     assert lines == [f"{p} Permission denied" for p in paths]
 
 
-def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
+def test_sockets_are_reachable_by_the_agent_group_only(running: tuple[Pipeline, Receiver]) -> None:
     pipeline, _ = running
     agent = grp.getgrnam(privileges.AGENT_GROUP).gr_gid
     d = os.stat(pipeline.run_dir)
@@ -132,7 +132,7 @@ def test_sockets_are_reachable_by_the_agent_group_only(running) -> None:
 
 
 def test_malformed_and_oversized_messages_are_dropped_and_the_worker_goes_on(
-    running, started: list[subprocess.Popen]
+    running: tuple[Pipeline, Receiver], started: list[subprocess.Popen]
 ) -> None:
     pipeline, receiver = running
     pid = stage_pid(pipeline, "symbolizer-0")

@@ -63,7 +63,9 @@ def record(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_record_to_pprof_is_read_by_go_tool_pprof(private_cwd: Path, workload) -> None:
+def test_record_to_pprof_is_read_by_go_tool_pprof(
+    private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]]
+) -> None:
     hot = workload("hot")
     r = record(private_cwd, "-d", "5", "-p", str(hot.pid), "-o", "out.pb.gz")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -85,7 +87,9 @@ def test_record_to_pprof_is_read_by_go_tool_pprof(private_cwd: Path, workload) -
     assert "\r" not in r.stdout  # not a terminal: plain lines only
 
 
-def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, workload) -> None:
+def test_record_to_folded_stacks_keeps_the_workloads_ratio(
+    private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]]
+) -> None:
     ratio = workload("ratio")
     other = workload("hot")  # another process, left out by -p
     r = record(private_cwd, "-d", "5", "--hz", "499", "-p", str(ratio.pid), "-o", "out.folded")
@@ -105,7 +109,7 @@ def test_record_to_folded_stacks_keeps_the_workloads_ratio(private_cwd: Path, wo
 
 
 def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
-    private_cwd: Path, workload, started: list[subprocess.Popen]
+    private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]], started: list[subprocess.Popen]
 ) -> None:
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
@@ -173,7 +177,7 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
 
 
 def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
-    private_cwd: Path, workload, started: list[subprocess.Popen]
+    private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]], started: list[subprocess.Popen]
 ) -> None:
     # Given a recording under way (its agent runs in a session of its own, under `run`)
     hot = workload("hot")
@@ -224,7 +228,7 @@ def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(
 
 
 def test_record_o_at_a_symlink_writes_a_0600_file_in_its_place_and_never_touches_the_target(
-    private_cwd: Path, workload
+    private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]]
 ) -> None:
     # Given a file root cares about (a stand-in for /etc/shadow) and -o naming a symlink to it
     hot = workload("hot")

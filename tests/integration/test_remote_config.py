@@ -82,7 +82,9 @@ class Setup:
 
 
 @pytest.fixture
-def start(build, tmp_path: Path, started: list[subprocess.Popen], procs: list) -> Callable[..., Setup]:
+def start(
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen], procs: list
+) -> Callable[..., Setup]:
     """start(**block): a busy workload, the receiver serving `block` as the agent config, and the
     pipeline posting to it; all ended by pid at the end (the conftest fixtures)."""
     require_root()

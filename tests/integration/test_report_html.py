@@ -172,7 +172,9 @@ def share_of(profile: pprof.ReadProfile, name: str) -> float:
     return through / total
 
 
-def test_the_report_draws_searches_zooms_and_shows_in_chromium(tmp_path: Path, ratio_workload) -> None:
+def test_the_report_draws_searches_zooms_and_shows_in_chromium(
+    tmp_path: Path, ratio_workload: subprocess.Popen[bytes]
+) -> None:
     require_root()
     r = subprocess.run(
         [PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199", "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from collector.routing import worker_for
@@ -43,7 +44,7 @@ def read_pid(run_dir: Path, stage: str) -> int | None:
 
 
 def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
-    build, tmp_path: Path, started: list[subprocess.Popen]
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
 ) -> None:
     require_root()
     services = pick_services(tmp_path)

@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +78,9 @@ def ready_line(p: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def soak(build, tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Soak]:
+def soak(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Soak]:
     require_root()
     hot, jit = build("hot"), build("jit")
     duty = build("duty")

@@ -19,6 +19,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,7 +136,7 @@ def assert_each_received_once(receiver: Receiver, ids: set[str]) -> None:
 
 
 @pytest.fixture
-def workload(build, started: list[subprocess.Popen]) -> subprocess.Popen:
+def workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> subprocess.Popen:
     """A CPU-bound process for the whole test, so every window has a profile of its service."""
     p = subprocess.Popen([str(build("hot")), "600"], stdout=subprocess.DEVNULL)
     started.append(p)

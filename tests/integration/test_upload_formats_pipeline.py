@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ HOT_STACK = ("main", "top", "mid", "leaf")
 
 
 @pytest.fixture
-def hot(build, started: list[subprocess.Popen]) -> subprocess.Popen:
+def hot(build: Callable[..., Path], started: list[subprocess.Popen]) -> subprocess.Popen:
     """A CPU-bound process (main → top → mid → leaf) for the whole test."""
     p = subprocess.Popen([str(build("hot")), "600"], stdout=subprocess.DEVNULL)
     started.append(p)

@@ -41,7 +41,7 @@ END = (ut.CFA_END, 0, ut.FP_SAME, 0, ut.RA_SAVED, 0)
 
 
 @pytest.fixture(scope="module")
-def x86_prog(build) -> Path:
+def x86_prog(build: Callable[..., Path]) -> Path:
     return build("cfi_prog", NOFP)
 
 

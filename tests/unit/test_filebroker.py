@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ def broker(tmp_path: Path) -> Iterator[tuple[FileBroker, FileClient]]:
 
 
 @pytest.fixture
-def jit(build) -> Iterator[subprocess.Popen]:
+def jit(build: Callable[..., Path]) -> Iterator[subprocess.Popen]:
     p = subprocess.Popen([str(build("jit")), "30", "own"], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().startswith("ready")
@@ -46,7 +46,9 @@ def process(pid: int) -> Process:
     return Process(pid=pid, start_ticks=start, uid=os.getuid(), nspid=pid, comm="", executable="", service="")
 
 
-def test_a_mapped_module_comes_back_as_the_file_itself(broker, jit, build) -> None:
+def test_a_mapped_module_comes_back_as_the_file_itself(
+    broker: tuple[FileBroker, FileClient], jit: subprocess.Popen, build: Callable[..., Path]
+) -> None:
     _, client = broker
     exe = build("jit")
     text = next(m for m in read_maps(jit.pid) if m.path == str(exe.resolve()))
@@ -54,7 +56,7 @@ def test_a_mapped_module_comes_back_as_the_file_itself(broker, jit, build) -> No
         assert f.read() == exe.read_bytes()
 
 
-def test_only_executable_file_mappings_are_served(broker, jit) -> None:
+def test_only_executable_file_mappings_are_served(broker: tuple[FileBroker, FileClient], jit: subprocess.Popen) -> None:
     b, client = broker
     proc = process(jit.pid)
     stack = next(ln for ln in Path(f"/proc/{jit.pid}/maps").read_text().splitlines() if ln.endswith("[stack]"))
@@ -64,7 +66,9 @@ def test_only_executable_file_mappings_are_served(broker, jit) -> None:
     assert b.stats["refused"] == 1
 
 
-def test_a_reused_pid_is_refused(broker, jit, build) -> None:
+def test_a_reused_pid_is_refused(
+    broker: tuple[FileBroker, FileClient], jit: subprocess.Popen, build: Callable[..., Path]
+) -> None:
     _, client = broker
     text = next(m for m in read_maps(jit.pid) if m.path == str(build("jit").resolve()))
     stale = process(jit.pid)
@@ -73,7 +77,9 @@ def test_a_reused_pid_is_refused(broker, jit, build) -> None:
         client.module(stale, text)
 
 
-def test_perf_map_is_served_and_a_symlinked_one_refused(broker, jit) -> None:
+def test_perf_map_is_served_and_a_symlinked_one_refused(
+    broker: tuple[FileBroker, FileClient], jit: subprocess.Popen
+) -> None:
     _, client = broker
     proc = process(jit.pid)
     fd = client.perf_map(proc.pid, proc.start_ticks)
@@ -88,7 +94,9 @@ def test_perf_map_is_served_and_a_symlinked_one_refused(broker, jit) -> None:
         client.perf_map(proc.pid, proc.start_ticks)
 
 
-def test_a_malformed_request_is_answered_and_the_broker_goes_on(broker, jit, tmp_path: Path) -> None:
+def test_a_malformed_request_is_answered_and_the_broker_goes_on(
+    broker: tuple[FileBroker, FileClient], jit: subprocess.Popen, tmp_path: Path
+) -> None:
     b, client = broker
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(endpoints.file_broker(str(tmp_path)))
@@ -214,7 +222,9 @@ def test_debug_symlinks_are_followed_inside_their_root_only(tmp_path: Path) -> N
             served([root])
 
 
-def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, started: list[subprocess.Popen]) -> None:
+def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(
+    broker: tuple[FileBroker, FileClient], started: list[subprocess.Popen]
+) -> None:
     # given a process whose perf map is a FIFO, and a writer blocked in open() until someone opens it to read
     # (a process without JIT code: other profilers on this host never look up its perf map)
     _, client = broker
@@ -245,7 +255,9 @@ def test_a_perf_map_that_is_a_fifo_is_refused_without_being_opened(broker, start
     assert opened.is_set()
 
 
-def test_connections_past_the_cap_are_closed_and_the_broker_goes_on(tmp_path: Path, monkeypatch, jit) -> None:
+def test_connections_past_the_cap_are_closed_and_the_broker_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jit: subprocess.Popen
+) -> None:
     # given a broker that serves at most 2 connections at once, held open by a peer
     from collector import filebroker
 

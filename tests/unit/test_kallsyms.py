@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from collector.kallsyms import KernelSymbols
 
 RECORDED = Path(__file__).parents[1] / "fixtures" / "proc" / "kallsyms.txt"
@@ -34,7 +36,7 @@ def test_only_text_symbols_with_addresses_are_kept() -> None:
     assert "some_data" not in {syms.name(a) for a, _, _ in rows()}
 
 
-def test_hidden_addresses_give_no_names(tmp_path: Path, caplog) -> None:
+def test_hidden_addresses_give_no_names(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     hidden = tmp_path / "kallsyms"
     hidden.write_text("".join(f"0000000000000000 T {n}\n" for _, _, n in rows()))
     syms = KernelSymbols(str(hidden))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import platform
 
+import pytest
+
 from collector import preflight
 from collector.preflight import CAP_BPF, CAP_SYS_ADMIN, REQUIRED_CAPS
 
@@ -29,7 +31,7 @@ def test_cap_sys_admin_stands_in_for_bpf_on_older_kernels() -> None:
     assert all(c.ok for c in preflight.check_caps(caps))
 
 
-def test_a_system_that_is_not_linux_is_reported_unsupported(monkeypatch) -> None:
+def test_a_system_that_is_not_linux_is_reported_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     checks = preflight.run_checks()
     assert len(checks) == 1 and not checks[0].ok and "unsupported" in checks[0].detail

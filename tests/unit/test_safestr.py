@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_quoted_values_are_cut_even_when_huge() -> None:
     assert len(str(e.value)) < 1000
 
 
-def test_a_command_line_of_many_tiny_arguments_still_fits_the_wire(tmp_path) -> None:
+def test_a_command_line_of_many_tiny_arguments_still_fits_the_wire(tmp_path: Path) -> None:
     from collector.procfs import read_process
 
     pid = tmp_path / "4242"

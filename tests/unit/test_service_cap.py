@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
+
 from shared import config as config_mod
 from shared import counters
 from shared import window as window_mod
@@ -20,7 +22,7 @@ T0 = 1_700_000_000_000_000_000
 EXTRA = 250  # services past the cap
 
 
-def test_a_window_holds_at_most_the_cap_and_the_rest_is_one_counted_service(caplog) -> None:
+def test_a_window_holds_at_most_the_cap_and_the_rest_is_one_counted_service(caplog: pytest.LogCaptureFixture) -> None:
     w = Windows(10)
     by_service = w.services("cpu", T0)
     with caplog.at_level(logging.WARNING, logger=window_mod.__name__):

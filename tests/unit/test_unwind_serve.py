@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -71,7 +71,7 @@ def libs(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.fixture
-def prog(build, libs: dict[str, Path]) -> Iterator[subprocess.Popen]:
+def prog(build: Callable[..., Path], libs: dict[str, Path]) -> Iterator[subprocess.Popen]:
     """The -O2 -fomit-frame-pointer test program, waiting, with both libraries preloaded."""
     env = {**os.environ, "LD_PRELOAD": f"{libs['nocfi']}:{libs['corrupt']}"}
     p = subprocess.Popen(
@@ -167,7 +167,13 @@ def main_address(exe: Path) -> int:
 
 
 def test_a_request_is_answered_with_a_table_that_covers_main(
-    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+    prog: subprocess.Popen,
+    broker: FileBroker,
+    collector_socket: zmq.Socket,
+    run_dir: Path,
+    tmp_path: Path,
+    zctx: zmq.Context,
+    build: Callable[..., Path],
 ) -> None:
     # given a running program built without frame pointers, and a request for its executable's text
     exe = build("cfi_prog", ["-O2", "-fomit-frame-pointer"])
@@ -208,7 +214,14 @@ def test_a_request_is_answered_with_a_table_that_covers_main(
 
 
 def test_modules_without_usable_cfi_are_answered_none_or_failed_and_serving_goes_on(
-    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, libs, build
+    prog: subprocess.Popen,
+    broker: FileBroker,
+    collector_socket: zmq.Socket,
+    run_dir: Path,
+    tmp_path: Path,
+    zctx: zmq.Context,
+    libs: dict[str, Path],
+    build: Callable[..., Path],
 ) -> None:
     # given requests for a library without CFI, one with a corrupt .eh_frame, and the program itself
     proc = process(prog.pid)
@@ -232,7 +245,7 @@ def test_modules_without_usable_cfi_are_answered_none_or_failed_and_serving_goes
 
 
 def test_a_process_that_is_gone_gets_no_answer_and_is_counted(
-    broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context
+    broker: FileBroker, collector_socket: zmq.Socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context
 ) -> None:
     gone = Process(pid=999_999, start_ticks=1, uid=0, nspid=1, comm="", executable="", service="")
     server = UnwindServer(FileClient(str(run_dir)), str(run_dir), str(tmp_path / "state"), ctx=zctx)
@@ -245,7 +258,12 @@ def test_a_process_that_is_gone_gets_no_answer_and_is_counted(
 
 
 def test_answers_to_an_absent_collector_are_dropped_without_blocking(
-    broker, prog, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+    broker: FileBroker,
+    prog: subprocess.Popen,
+    run_dir: Path,
+    tmp_path: Path,
+    zctx: zmq.Context,
+    build: Callable[..., Path],
 ) -> None:
     # given no collector socket at all, when a request is served
     proc = process(prog.pid)
@@ -264,7 +282,13 @@ def test_answers_to_an_absent_collector_are_dropped_without_blocking(
 
 
 def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(
-    prog, broker, collector_socket, run_dir: Path, tmp_path: Path, zctx: zmq.Context, build
+    prog: subprocess.Popen,
+    broker: FileBroker,
+    collector_socket: zmq.Socket,
+    run_dir: Path,
+    tmp_path: Path,
+    zctx: zmq.Context,
+    build: Callable[..., Path],
 ) -> None:
     # given a batch asking for the program, then libc, when the first build has used all but 1 ms of the
     # batch's budget (a clock that jumps once something was built)

@@ -15,11 +15,12 @@ import subprocess
 import threading
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+import zmq
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2 as service_pb
 
 from receiver import otlp as receiver_otlp
@@ -30,7 +31,16 @@ from shared import pprof, remote_config
 from shared.config import ConfigError, ProfilerConfig, from_mapping
 from shared.pprof import ProfileBuilder
 from shared.wire import ProfileUpload
-from tests.harness import DEADLINE_S, FAST_BACKOFF, START_NS, Receiver, TestWorker, http_config, wait_for
+from tests.harness import (
+    DEADLINE_S,
+    FAST_BACKOFF,
+    START_NS,
+    Receiver,
+    TestWorker,
+    UploaderProcess,
+    http_config,
+    wait_for,
+)
 from tests.otlp_check import otlp_samples, pprof_samples
 from uploader import format_otlp, formats
 
@@ -80,7 +90,7 @@ def window_profile(*, plain_pid: bool, profile_type: str = "cpu") -> ProfileUplo
 
 
 @pytest.fixture
-def worker(workdir: Path, zctx) -> Iterator[TestWorker]:
+def worker(workdir: Path, zctx: zmq.Context) -> Iterator[TestWorker]:
     w = TestWorker(workdir / "run", zctx)
     try:
         yield w
@@ -174,7 +184,7 @@ def test_a_profile_that_is_not_pprof_is_a_format_error_not_a_retry() -> None:
 
 
 def test_otlp_upload_is_stored_once_and_decodes_to_the_same_profile(
-    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, receiver: tuple[str, Path]
 ) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url, upload_format="otlp"), env=FAST_BACKOFF)
@@ -197,7 +207,7 @@ def test_otlp_upload_is_stored_once_and_decodes_to_the_same_profile(
 
 
 def test_otlp_partial_success_is_logged_and_counted_not_retried(
-    workdir: Path, start_uploader, worker: TestWorker, tmp_path: Path
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, tmp_path: Path
 ) -> None:
     for url, store in serve(tmp_path / "store", Faults(partial_reject="profiles signal disabled by test")):
         u = start_uploader(http_config(workdir, url, upload_format="otlp"), env=FAST_BACKOFF)
@@ -213,7 +223,7 @@ def test_otlp_partial_success_is_logged_and_counted_not_retried(
 
 
 def test_pyroscope_upload_names_the_series_and_go_tool_pprof_reads_it(
-    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, receiver: tuple[str, Path]
 ) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url, upload_format="pyroscope"), env=FAST_BACKOFF)
@@ -297,7 +307,7 @@ def test_the_receiver_refuses_otlp_and_pyroscope_bodies_that_do_not_decode(recei
 
 
 def test_with_otlp_remote_config_comes_only_from_remote_config_url(
-    workdir: Path, start_uploader, procs: list, tmp_path: Path
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], procs: list, tmp_path: Path
 ) -> None:
     # given our receiver serving an agent config that pauses profiling, and a collector elsewhere
     document = workdir / "agent-config.json"

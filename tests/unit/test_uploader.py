@@ -34,6 +34,7 @@ from tests.harness import (
     FAST_BACKOFF,
     START_NS,
     TestWorker,
+    UploaderProcess,
     give,
     http_config,
     make_upload,
@@ -146,7 +147,9 @@ def fault_server() -> Iterator[FaultServer]:
 # ---------------------------------------------------------------- local mode
 
 
-def test_local_mode_writes_the_exact_bytes_and_then_acks(workdir: Path, start_uploader, worker: TestWorker) -> None:
+def test_local_mode_writes_the_exact_bytes_and_then_acks(
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker
+) -> None:
     # given an uploader with endpoint "" writing to local_dir
     local_dir = workdir / "profiles"
     local_dir.mkdir()
@@ -168,7 +171,7 @@ def test_local_mode_writes_the_exact_bytes_and_then_acks(workdir: Path, start_up
 
 
 def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profile(
-    workdir: Path, start_uploader, worker: TestWorker
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker
 ) -> None:
     # given a local_dir whose service directory cannot be created (a file is in the way)
     local_dir = workdir / "profiles"
@@ -196,7 +199,7 @@ def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profil
 
 
 def test_http_mode_spools_acks_and_delivers_with_the_right_params(
-    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer
 ) -> None:
     u = start_uploader(http_config(workdir, fault_server.url))
     assert f"profiles go to the endpoint {fault_server.url}/v1/profiles" in u.log()
@@ -225,7 +228,7 @@ def test_http_mode_spools_acks_and_delivers_with_the_right_params(
 
 
 def test_http_mode_to_the_reference_receiver(
-    workdir: Path, start_uploader, worker: TestWorker, receiver: tuple[str, Path]
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, receiver: tuple[str, Path]
 ) -> None:
     url, store = receiver
     u = start_uploader(http_config(workdir, url))
@@ -250,7 +253,7 @@ def test_http_mode_to_the_reference_receiver(
     ids=["500-twice", "429-then-503", "408-then-502"],
 )
 def test_transient_failures_are_retried_until_the_profile_arrives(
-    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer, script
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer, script
 ) -> None:
     # given a backend that fails twice, then answers 200
     fault_server.script = list(script)
@@ -270,7 +273,9 @@ def test_transient_failures_are_retried_until_the_profile_arrives(
     assert "1 delivered, 0 dead-lettered, 0 dropped" in log
 
 
-def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer) -> None:
+def test_retry_after_is_honoured(
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer
+) -> None:
     # given a backend that answers 503 with Retry-After: 2 (the backoff alone would wait ~10 ms)
     fault_server.script = [(503, {"Retry-After": "2"})]
     u = start_uploader(http_config(workdir, fault_server.url), env=FAST_BACKOFF)
@@ -285,7 +290,7 @@ def test_retry_after_is_honoured(workdir: Path, start_uploader, worker: TestWork
 
 
 def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(
-    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer
 ) -> None:
     # given a backend that refuses the first profile with 400
     fault_server.script = [(400, {})]
@@ -307,7 +312,9 @@ def test_a_400_is_dead_lettered_and_the_next_profile_goes_on(
     assert "1 delivered, 1 dead-lettered, 0 dropped" in u.log()
 
 
-def test_malformed_messages_are_refused_by_id_when_possible(workdir: Path, start_uploader, worker: TestWorker) -> None:
+def test_malformed_messages_are_refused_by_id_when_possible(
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker
+) -> None:
     local_dir = workdir / "profiles"
     local_dir.mkdir()
     give("uploader", local_dir)
@@ -366,7 +373,7 @@ def _drain(sock: zmq.Socket) -> list[list[bytes]]:
 
 
 def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(
-    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer
 ) -> None:
     # given an uploader busy posting the first of three profiles to a backend that holds the reply
     fault_server.hold_first = threading.Event()
@@ -386,7 +393,7 @@ def test_sigterm_spools_what_is_queued_and_makes_a_final_attempt(
 
 
 def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_the_spool(
-    workdir: Path, start_uploader, worker: TestWorker
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker
 ) -> None:
     # given a backend that is down and three acknowledged profiles in the spool
     port = reserve_port()
@@ -420,7 +427,11 @@ def test_sigterm_with_the_backend_down_exits_promptly_and_the_next_start_sends_t
 
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_bearer_token_is_sent_and_never_logged(
-    workdir: Path, start_uploader, worker: TestWorker, fault_server: FaultServer, upload_format: str
+    workdir: Path,
+    start_uploader: Callable[..., UploaderProcess],
+    worker: TestWorker,
+    fault_server: FaultServer,
+    upload_format: str,
 ) -> None:
     # given a token file and debug logging
     token = "s3cr3t-" + uuid.uuid4().hex
@@ -505,7 +516,7 @@ def make_certificate(workdir: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("upload_format", UPLOAD_FORMATS)
 def test_tls_is_verified_and_a_ca_file_can_be_configured(
-    workdir: Path, start_uploader, worker: TestWorker, upload_format: str
+    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, upload_format: str
 ) -> None:
     # given an HTTPS backend with a self-signed certificate
     cert, key = make_certificate(workdir)
