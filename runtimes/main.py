@@ -139,6 +139,90 @@ def load_runtimes(cfg: config_mod.ProfilerConfig) -> list[Runtime]:
     return out
 
 
+class Caps:
+    """The per-tick caps shared by every runtime: halved for a window over cpu_budget, doubled back (up to
+    the maximums) for one well under it."""
+
+    def __init__(self) -> None:
+        self.max_processes, self.max_bytes = MAX_PROCESSES_PER_TICK, MAX_BYTES_PER_TICK
+        self.max_regs_per_s = MAX_REGS_PER_S
+        self._window_cpu = time.process_time()
+        self._window_wall = time.monotonic()
+
+    def account(self, cpu_budget: float) -> tuple[float, float, tuple[int, int]]:
+        """At the end of a window: (% of a CPU used, CPU seconds used, the caps before), the caps halved or
+        relaxed by it."""
+        cpu, wall = time.process_time(), time.monotonic()
+        used = cpu - self._window_cpu
+        pct = 100.0 * used / max(wall - self._window_wall, 1e-6)
+        self._window_cpu, self._window_wall = cpu, wall
+        before = (self.max_processes, self.max_bytes)
+        if pct > cpu_budget:
+            self.max_processes = max(MIN_PROCESSES_PER_TICK, self.max_processes // 2)
+            self.max_bytes = max(MIN_BYTES_PER_TICK, self.max_bytes // 2)
+            self.max_regs_per_s = max(MIN_REGS_PER_S, self.max_regs_per_s // 2)
+        elif pct < cpu_budget * RELAX_BELOW:
+            self.max_processes = min(MAX_PROCESSES_PER_TICK, self.max_processes * 2)
+            self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
+            self.max_regs_per_s = min(MAX_REGS_PER_S, self.max_regs_per_s * 2)
+        return pct, used, before
+
+
+class RegsGate:
+    """On-CPU samples with registers walked a second at most (a token bucket, refilled at the caps' rate):
+    past it a uniform subsample, each worth the samples it stands for."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._tokens, self._refilled = float(MAX_REGS_PER_S), time.monotonic()
+
+    def choose(self, samples: Sequence[RegsSample], per_s: int) -> tuple[Sequence[RegsSample], float]:
+        """(the samples to walk, what each is worth)."""
+        now = time.monotonic()
+        self._tokens = min(float(per_s), self._tokens + (now - self._refilled) * per_s)
+        self._refilled = now
+        chosen, weight = samples, 1.0
+        if len(samples) > self._tokens:
+            k = max(1, int(self._tokens))
+            chosen = self._rng.sample(samples, k)
+            weight = len(samples) / k
+        self._tokens = max(0.0, self._tokens - len(chosen))
+        return chosen, weight
+
+
+# The reader's own figures, logged each window and at the end (some are status counters: Reader.checks).
+STATS = (
+    "ticks",
+    "stacks",
+    "bad_messages",
+    "profiles",
+    "capped_processes",
+    "budget_spent",
+    "tick_time_spent",
+    "process_over_bytes",
+    "process_over_time",
+    "regs_samples",
+    "regs_not_read",
+    "regs_subsampled",
+)
+
+
+def _sockets(run_dir: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """(the collector's announcements and register samples in, the uploader's handoff out)."""
+    ctx: zmq.Context = zmq.Context.instance()
+    inbox = ctx.socket(zmq.SUB)
+    inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+    inbox.setsockopt(zmq.SUBSCRIBE, b"")
+    inbox.connect(endpoints.processes(run_dir))
+    outbox = ctx.socket(zmq.DEALER)
+    outbox.setsockopt(zmq.IMMEDIATE, 1)
+    outbox.setsockopt(zmq.SNDHWM, handoff.MAX_UNACKED_PROFILES)
+    outbox.setsockopt(zmq.LINGER, 0)
+    outbox.setsockopt(zmq.MAXMSGSIZE, handoff.MAX_ACK_BYTES)
+    outbox.connect(endpoints.uploader(run_dir))
+    return inbox, outbox
+
+
 class Reader:
     def __init__(
         self,
@@ -154,39 +238,13 @@ class Reader:
         self.targets = Targets(self.runtimes)
         self.windows = Windows(cfg.upload_interval_s)
         self.period_ns = 1_000_000_000 // SAMPLE_HZ
-        ctx: zmq.Context = zmq.Context.instance()
-        self.inbox = ctx.socket(zmq.SUB)
-        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-        self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
-        self.inbox.connect(endpoints.processes(run_dir))
-        self.outbox = ctx.socket(zmq.DEALER)
-        self.outbox.setsockopt(zmq.IMMEDIATE, 1)
-        self.outbox.setsockopt(zmq.SNDHWM, handoff.MAX_UNACKED_PROFILES)
-        self.outbox.setsockopt(zmq.LINGER, 0)
-        self.outbox.setsockopt(zmq.MAXMSGSIZE, handoff.MAX_ACK_BYTES)
-        self.outbox.connect(endpoints.uploader(run_dir))
+        self.inbox, self.outbox = _sockets(run_dir)
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
-        self.max_processes, self.max_bytes = MAX_PROCESSES_PER_TICK, MAX_BYTES_PER_TICK
-        self.max_regs_per_s = MAX_REGS_PER_S
-        self._regs_tokens, self._regs_refilled = float(MAX_REGS_PER_S), time.monotonic()
+        self.caps = Caps()
         self._rng = random.Random()
+        self._regs_gate = RegsGate(self._rng)
         self._rr = 0
-        self._window_cpu = time.process_time()
-        self._window_wall = time.monotonic()
-        self.stats = {
-            "ticks": 0,
-            "stacks": 0,
-            "bad_messages": 0,
-            "profiles": 0,
-            "capped_processes": 0,
-            "budget_spent": 0,
-            "tick_time_spent": 0,
-            "process_over_bytes": 0,
-            "process_over_time": 0,
-            "regs_samples": 0,
-            "regs_not_read": 0,
-            "regs_subsampled": 0,
-        }
+        self.stats = dict.fromkeys(STATS, 0)
         self._log_once = LogOnce(log)
         self.counters = counters.CounterFile(run_dir, "runtime")  # the checks that fired, for status
         self.cpu_period_ns = 1_000_000_000 // cfg.sample_hz  # the collector's, as its last RegsBatch says
@@ -217,34 +275,17 @@ class Reader:
         """The collector's on-CPU samples with registers: each one walked by its process's plug-in, into
         the runtime's cpu profile (jvm_cpu) with the collector's period; a sample of a process not read
         (not announced yet, refused, another runtime's, its pid reused) is counted and dropped."""
-        now = time.monotonic()
-        self._regs_tokens = min(
-            float(self.max_regs_per_s), self._regs_tokens + (now - self._regs_refilled) * self.max_regs_per_s
-        )
-        self._regs_refilled = now
-        chosen: Sequence[RegsSample] = msg.samples
-        weight = 1.0
-        if len(chosen) > self._regs_tokens:
-            k = max(1, int(self._regs_tokens))
-            chosen = self._rng.sample(msg.samples, k)
-            weight = len(msg.samples) / k
-            self.stats["regs_subsampled"] += len(msg.samples) - k
-        self._regs_tokens = max(0.0, self._regs_tokens - len(chosen))
+        chosen, weight = self._regs_gate.choose(msg.samples, self.caps.max_regs_per_s)
+        self.stats["regs_subsampled"] += len(msg.samples) - len(chosen)
         by_pid: dict[int, list[RegsSample]] = {}
         for r in chosen:
             by_pid.setdefault(r.pid, []).append(r)
         self.cpu_period_ns = msg.period_ns
-        budget = ReadBudget(self.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
+        budget = ReadBudget(self.caps.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         for pid, samples in by_pid.items():
             e = self.targets.entries.get(pid)
-            reader = e.reader if e is not None else None
-            if (
-                e is None
-                or e.runtime is None
-                or not isinstance(reader, RegsStackReader)
-                or not e.runtime.spec.cpu_profile_type
-                or e.process.start_ticks != samples[0].start_ticks
-            ):
+            reader = _regs_reader(e, samples[0].start_ticks)
+            if e is None or e.runtime is None or reader is None:
                 self.stats["regs_not_read"] += len(samples)
                 continue
             own = (
@@ -266,14 +307,14 @@ class Reader:
 
     def tick(self, now_ns: int) -> None:
         self.stats["ticks"] += 1
-        budget = ReadBudget(self.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
+        budget = ReadBudget(self.caps.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         self.targets.detect_some(budget)
         self.targets.poll_pending()
         self.counters.update(self.checks())  # written at most every counters.WRITE_GAP_S
         entries = self.targets.readable()
         if not entries:
             return
-        n = min(len(entries), self.max_processes)
+        n = min(len(entries), self.caps.max_processes)
         if n < len(entries):
             self.stats["capped_processes"] += len(entries) - n
         start = self._rr % len(entries)
@@ -322,7 +363,9 @@ class Reader:
         its plug-in expects is given up (logged once); one over its share of the tick is skipped this
         tick (counted by reason, logged once)."""
         share = ReadBudget(
-            max(1, self.max_bytes // PROCESS_SHARE_DIVISOR), time.monotonic() + MAX_SECONDS_PER_PROCESS, parent=tick
+            max(1, self.caps.max_bytes // PROCESS_SHARE_DIVISOR),
+            time.monotonic() + MAX_SECONDS_PER_PROCESS,
+            parent=tick,
         )
         try:
             return read(ProcessMemory(e.process.pid, share)), False
@@ -384,26 +427,15 @@ class Reader:
 
     def account_window(self) -> None:
         """At the end of a window: CPU used against cpu_budget; halve or relax the caps; log the figures."""
-        cpu, wall = time.process_time(), time.monotonic()
-        used = cpu - self._window_cpu
-        pct = 100.0 * used / max(wall - self._window_wall, 1e-6)
-        self._window_cpu, self._window_wall = cpu, wall
-        before = (self.max_processes, self.max_bytes)
-        if pct > self.cfg.cpu_budget:
-            self.max_processes = max(MIN_PROCESSES_PER_TICK, self.max_processes // 2)
-            self.max_bytes = max(MIN_BYTES_PER_TICK, self.max_bytes // 2)
-            self.max_regs_per_s = max(MIN_REGS_PER_S, self.max_regs_per_s // 2)
-        elif pct < self.cfg.cpu_budget * RELAX_BELOW:
-            self.max_processes = min(MAX_PROCESSES_PER_TICK, self.max_processes * 2)
-            self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
-            self.max_regs_per_s = min(MAX_REGS_PER_S, self.max_regs_per_s * 2)
+        pct, used, before = self.caps.account(self.cfg.cpu_budget)
+        caps = self.caps
         per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
         regs = ""
         if self.stats["regs_samples"] or self.stats["regs_not_read"]:
             regs = (
                 f"; on-CPU samples with registers: {self.stats['regs_samples']} walked, "
                 f"{self.stats['regs_subsampled']} left out of a subsample, {self.stats['regs_not_read']} of "
-                f"processes not read (totals), at most {self.max_regs_per_s} a second"
+                f"processes not read (totals), at most {caps.max_regs_per_s} a second"
             )
         log.info(
             "window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
@@ -412,9 +444,9 @@ class Reader:
             self.cfg.cpu_budget,
             self._window_stacks,
             per_stack,
-            self.max_processes,
-            self.max_bytes,
-            "" if before == (self.max_processes, self.max_bytes) else f" (were {before[0]}, {before[1]})",
+            caps.max_processes,
+            caps.max_bytes,
+            "" if before == (caps.max_processes, caps.max_bytes) else f" (were {before[0]}, {before[1]})",
             self.targets.stats,
             self.dropped() or "none",
             regs,
@@ -482,6 +514,13 @@ class Reader:
                 log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
 
 
+def _regs_reader(e: Entry | None, start_ticks: int) -> RegsStackReader | None:
+    """The plug-in's reader that walks the process's register samples (of this start time), if any."""
+    if e is None or e.runtime is None or not e.runtime.spec.cpu_profile_type or e.process.start_ticks != start_ticks:
+        return None
+    return e.reader if isinstance(e.reader, RegsStackReader) else None
+
+
 def _sample_regs(reader: RegsStackReader, samples: Sequence[RegsSample], mem: ProcessMemory) -> list[ThreadStack]:
     return reader.sample_regs(mem, samples)
 
@@ -497,14 +536,7 @@ def wants_helper_caps(cfg: config_mod.ProfilerConfig) -> bool:
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") -> int:
     args = parse_args(argv, prog)
     log_mod.setup("runtime")
-    # runtime_stacks: [dotnet]: CAP_SETUID and CAP_SETGID until its connector is forked (a config that
-    # cannot be read is reported below, as the stage).
-    extra: frozenset[int] = frozenset()
-    try:
-        if wants_helper_caps(config_mod.load(args.config)):
-            extra = privileges.OPTIONAL_CAPS["runtime"]
-    except config_mod.ConfigError:
-        pass
+    extra = _helper_caps(args.config)
     # First: nothing below runs with more than CAP_SYS_PTRACE (and extra).
     lifecycle.become(prog, "runtime", "the runtime reader's", extra)
     cfg = lifecycle.load_config(prog, args.config)
@@ -526,45 +558,68 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-runtime") 
         [r.spec.title for r in reader.runtimes] or "none",
         cfg.cpu_budget,
     )
+    try:
+        _loop(reader, cfg, watcher, stop.is_set)
+    finally:
+        lifecycle.shut_down(args.run_dir, "runtime", reader.close)
+    return 0
+
+
+def _helper_caps(config_path: str) -> frozenset[int]:
+    """runtime_stacks: [dotnet]: CAP_SETUID and CAP_SETGID until its connector is forked (a config that
+    cannot be read is reported later, as the stage)."""
+    try:
+        if wants_helper_caps(config_mod.load(config_path)):
+            return privileges.OPTIONAL_CAPS["runtime"]
+    except config_mod.ConfigError:
+        pass
+    return frozenset()
+
+
+def _loop(
+    reader: Reader, cfg: config_mod.ProfilerConfig, watcher: remote_config.Watcher, stopped: Callable[[], bool]
+) -> None:
+    """Ticks at SAMPLE_HZ while there is something to read (asleep until an announcement, a signal or a
+    window to hand out otherwise), the windows handed out as they close, until a stop."""
     period = 1.0 / SAMPLE_HZ
     grace_ns = int(WINDOW_GRACE_S * 1e9)
     next_tick = time.monotonic()
     poller = zmq.Poller()
     poller.register(reader.inbox, zmq.POLLIN)
     poller.register(stopping.wakeup_fd(), zmq.POLLIN)
-    try:
-        while not stop.is_set():
-            now = time.monotonic()
+    while not stopped():
+        now = time.monotonic()
+        if reader.targets.idle():
+            # No process to read: asleep until an announcement, a signal or a window to hand out,
+            # not ticking SAMPLE_HZ times a second for nothing.
+            due_ns = reader.windows.next_close_ns(grace_ns)
+            next_tick = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+        events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now, watcher.wake_s)))
+        stopping.drain_wakeups()
+        if reader.inbox in events:
+            reader.receive()
             if reader.targets.idle():
-                # No process to read: asleep until an announcement, a signal or a window to hand out,
-                # not ticking SAMPLE_HZ times a second for nothing.
-                due_ns = reader.windows.next_close_ns(grace_ns)
-                next_tick = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
-            events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now, watcher.wake_s)))
-            stopping.drain_wakeups()
-            if reader.inbox in events:
-                reader.receive()
-                if reader.targets.idle():
-                    continue
-                next_tick = min(next_tick, time.monotonic())
-            if time.monotonic() < next_tick:
                 continue
-            next_tick += period
-            if next_tick < time.monotonic():  # fell behind: skip, do not burst
-                next_tick = time.monotonic() + period
-            if watcher.check():
-                eff = remote_config.effective(cfg, watcher.overrides)
-                closed = reader.windows.set_interval(eff.upload_interval_s, time.time_ns())
-                reader.flush(closed)
-            if remote_config.effective(cfg, watcher.overrides).enabled:
-                reader.tick(time.time_ns())
-            closed = list(reader.windows.close_due(time.time_ns(), grace_ns))
-            if closed:
-                reader.account_window()
-                reader.flush(closed)
-    finally:
-        lifecycle.shut_down(args.run_dir, "runtime", reader.close)
-    return 0
+            next_tick = min(next_tick, time.monotonic())
+        if time.monotonic() < next_tick:
+            continue
+        next_tick += period
+        if next_tick < time.monotonic():  # fell behind: skip, do not burst
+            next_tick = time.monotonic() + period
+        _step(reader, cfg, watcher, grace_ns)
+
+
+def _step(reader: Reader, cfg: config_mod.ProfilerConfig, watcher: remote_config.Watcher, grace_ns: int) -> None:
+    """One tick: a new remote config applied, the processes read (unless disabled), closed windows handed out."""
+    if watcher.check():
+        eff = remote_config.effective(cfg, watcher.overrides)
+        reader.flush(reader.windows.set_interval(eff.upload_interval_s, time.time_ns()))
+    if remote_config.effective(cfg, watcher.overrides).enabled:
+        reader.tick(time.time_ns())
+    closed = list(reader.windows.close_due(time.time_ns(), grace_ns))
+    if closed:
+        reader.account_window()
+        reader.flush(closed)
 
 
 if __name__ == "__main__":
