@@ -24,8 +24,8 @@ are relative to its p_vaddr (pc_base), gaps between FDEs get a FALLBACK row,
 and identical adjacent rows are merged.
 
 pyelftools' own CFI decoder is not used: it is ~30x slower and raises on
-valid input (an FDE of Debian's libc). ELF headers go through elf.py's
-bounded readers.
+valid input (an FDE of Debian's libc). ELF headers, the build id and the
+section names go through shared/elf.py, the one bounded ELF reader.
 
 Must not: open files by path, read outside the file object it is given, or
 keep anything between builds.
@@ -37,21 +37,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from elftools.elf.elffile import ELFFile
-
+from shared import elf as shared_elf
 from shared import unwind_table as ut
-from symbolizer.elf import (
-    ELF_PARSE_SECONDS,
-    MAX_NOTE_BYTES,
-    MAX_PROGRAM_HEADERS,
-    MAX_SECTION_HEADERS,
-    ElfError,
-    _budget_exceeded,
-    _build_id,
-    _Reader,
-    _table,
-)
-from symbolizer.limits import time_budget
+from shared.elf import ElfError, Reader
+from symbolizer.elf import ELF_PARSE_SECONDS, MAX_FILE_BYTES
+from symbolizer.limits import BudgetExceeded, time_budget
 
 # node's .eh_frame is 2.7 MB and libc's 150 KB; the section is read whole, so this bounds memory
 # (and time: a crafted 63 MiB one took 14 s and 615 MB; 16 MiB is six times node's).
@@ -71,13 +61,11 @@ MAX_TEXT_BYTES = 1 << 32
 # Wall-clock budget of one table: node takes about a second; a crafted file that needs more is skipped.
 CFI_BUILD_SECONDS = 20.0
 
-SHF_COMPRESSED = 0x800
-PF_X = 1
 _U64 = (1 << 64) - 1
 
 # Per arch: (FP register, RA column, SP register) in DWARF numbering.
 _REGS = {ut.ARCH_X86_64: (6, 16, 7), ut.ARCH_AARCH64: (29, 30, 31)}
-_MACHINES = {"EM_X86_64": ut.ARCH_X86_64, "EM_AARCH64": ut.ARCH_AARCH64}
+_MACHINES = {shared_elf.EM_X86_64: ut.ARCH_X86_64, shared_elf.EM_AARCH64: ut.ARCH_AARCH64}
 
 # x86-64 PLT entries (binutils ld): DW_OP_breg7 <off>; DW_OP_breg16 0; lit15; and; lit11; ge; lit3; shl; plus.
 _PLT_TAIL = bytes((0x80, 0x00, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x24, 0x22))
@@ -183,11 +171,11 @@ def build_table(f: BinaryIO, module: Module | None = None, seconds: float = CFI_
 
 
 def _as_cfi_error(e: Exception) -> CfiError:
-    over = _budget_exceeded(e)
+    over = shared_elf.caused_by(e, BudgetExceeded)
     if over is not None:
         return CfiError("too_slow", str(over))
-    if isinstance(e, ElfError):
-        return CfiError("elf", str(e))
+    if isinstance(e, ElfError):  # a count over its cap, or not 64-bit little-endian, is said so; the rest is "elf"
+        return CfiError(e.kind if e.kind in ("over_cap", "unsupported") else "elf", str(e))
     if isinstance(e, MemoryError):
         return CfiError("over_cap", "out of memory")
     # Anything else is a bug of ours that hostile input found: still a skip, never a dead worker.
@@ -198,52 +186,27 @@ def _as_cfi_error(e: Exception) -> CfiError:
 
 
 def _read_module(f: BinaryIO) -> Module:
-    r = _Reader(f)
-    if r.read(0, min(r.size, 4), "ELF header") != b"\x7fELF":
-        raise CfiError("elf", "not an ELF file")
-    elffile = ELFFile(f)  # reads e_ident and the fixed-size header only
-    if elffile.elfclass != 64 or not elffile.little_endian:
-        raise CfiError("unsupported", "not a 64-bit little-endian ELF file")
-    h, structs = elffile.header, elffile.structs
+    r = Reader(f, MAX_FILE_BYTES)
+    h = shared_elf.read_header(r)
     arch = _MACHINES.get(h.e_machine)
     if arch is None:
         raise NoCfi(f"machine {h.e_machine} has no unwind tables")
-    if h.e_phnum > MAX_PROGRAM_HEADERS:
-        raise CfiError("over_cap", f"{h.e_phnum} program headers, more than {MAX_PROGRAM_HEADERS}")
-    shnum = h.e_shnum if h.e_shoff else 0
-    if shnum > MAX_SECTION_HEADERS:
-        raise CfiError("over_cap", f"{shnum} section headers, more than {MAX_SECTION_HEADERS}")
-    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS, "program headers")
-    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS, "section headers")
-
-    texts = [p for p in phdrs if p.p_type == "PT_LOAD" and p.p_flags & PF_X and p.p_filesz]
+    phdrs = shared_elf.program_headers(r, h)
+    shdrs = shared_elf.section_headers(r, h)
+    texts = [p for p in phdrs if p.p_type == shared_elf.PT_LOAD and p.p_flags & shared_elf.PF_X and p.p_filesz]
     if not texts:
         raise NoCfi("no executable segment")
     text = max(texts, key=lambda p: p.p_filesz)
     if text.p_filesz >= MAX_TEXT_BYTES:
         raise CfiError("over_cap", f"executable segment of {text.p_filesz} bytes")
-    build_id = ""
-    for p in phdrs:
-        if p.p_type == "PT_NOTE" and 0 < p.p_filesz <= MAX_NOTE_BYTES:
-            build_id = _build_id(
-                structs.Elf_Nhdr, r.read(p.p_offset, p.p_filesz, "note segment"), 8 if p.p_align == 8 else 4
-            )
-            if build_id:
-                break
-
+    build_id = shared_elf.build_id(r, phdrs)
     found: dict[str, Section] = {}
-    if shdrs and 0 < h.e_shstrndx < len(shdrs):
-        names_sh = shdrs[h.e_shstrndx]
-        if names_sh.sh_size > MAX_SHSTRTAB_BYTES:
-            raise CfiError("over_cap", f"section name table of {names_sh.sh_size} bytes")
-        names = r.read(names_sh.sh_offset, names_sh.sh_size, "section names")
-        wanted = (b".eh_frame", b".debug_frame", b".text", b".got")
-        for sh in shdrs:
-            name = names[sh.sh_name : names.find(b"\0", sh.sh_name)] if sh.sh_name < len(names) else b""
-            if name in wanted and sh.sh_type != "SHT_NOBITS" and name.decode() not in found:
-                found[name.decode()] = Section(
-                    name.decode(), sh.sh_offset, sh.sh_size, sh.sh_addr, bool(sh.sh_flags & SHF_COMPRESSED)
-                )
+    wanted = (b".eh_frame", b".debug_frame", b".text", b".got")
+    for sh, name in zip(shdrs, shared_elf.section_names(r, h, shdrs, MAX_SHSTRTAB_BYTES), strict=True):
+        if name in wanted and sh.sh_type != shared_elf.SHT_NOBITS and name.decode() not in found:
+            found[name.decode()] = Section(
+                name.decode(), sh.sh_offset, sh.sh_size, sh.sh_addr, bool(sh.sh_flags & shared_elf.SHF_COMPRESSED)
+            )
     return Module(
         arch,
         build_id,
@@ -265,7 +228,7 @@ def _build(f: BinaryIO, m: Module) -> Built:
         raise CfiError("unsupported", f"{sec.name} is compressed")
     if sec.size > MAX_CFI_SECTION_BYTES:
         raise CfiError("over_cap", f"{sec.name} of {sec.size} bytes, more than {MAX_CFI_SECTION_BYTES}")
-    data = _Reader(f).read(sec.offset, sec.size, sec.name)
+    data = Reader(f, MAX_FILE_BYTES).read(sec.offset, sec.size, sec.name)
     parser = _Parser(data, sec, m)
     fdes = parser.fdes()
     return _assemble(fdes, parser, sec.name, m)

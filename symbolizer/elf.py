@@ -13,29 +13,19 @@ module's virtual addresses, so the caller maps a module file offset to an
 address with the module's ElfSymbols (address_of) and names it with the
 debug file's (function_at_address).
 
-Input is untrusted: a profiled process can map any file it likes. pyelftools
-(ELFFile and its ELFStructs) parses the structures: the ELF header, program
-and section headers, note headers, and the layout and decoding of symbol
-entries. Its convenience paths are not safe on hostile files, so we never call
-them: get_section/iter_sections read each section name as a C string up to the
-end of the file, iter_segments builds a DynamicSegment that walks every
-section, num_sections/num_segments follow extended numbering to sizes the file
-claims, iter_notes reads a note at whatever size it claims, and iter_symbols
-reads names the same way as section names and parses one construct object per
-symbol (~30 us each: for node's 185k symbols, longer than the whole budget).
-What we do ourselves, each bounded by a cap below:
-- the byte reads: ELFFile's constructor reads only e_ident and the fixed-size
-  header; every header field is checked (type, counts under the caps, entry
-  sizes equal to pyelftools' struct sizes, tables inside the file) before any
-  table is read, and then each table, note segment, symbol chunk and string
-  table window is one exact, bounds-checked read parsed with elffile.structs;
-- the note walk over a PT_NOTE segment read whole (under MAX_NOTE_BYTES),
-  honouring its 4- or 8-byte alignment, with Elf_Nhdr decoding each header;
-- symbol entries in bulk, by a struct.Struct laid out from pyelftools' Elf_Sym
-  fields, with pyelftools decoding each distinct st_info/st_shndx value once;
-- symbol names, through a bounded window on the string table, cut to
-  MAX_SYMBOL_NAME_BYTES, and made strings by the process-string rule
-  (shared/safestr.process_string: escaped, no control characters).
+Input is untrusted: a profiled process can map any file it likes. The file is
+read through shared/elf.py, the one bounded ELF reader (ELF header, program
+and section header tables, the build id note, string tables, symbol entries),
+each structure checked against its cap and the file's size before one exact
+read; MAX_FILE_BYTES bounds every offset. What is this module's:
+- which symbols name functions (STT_FUNC and STT_GNU_IFUNC, defined, with a
+  value and a name), decoded in bulk from each chunk of entries (struct
+  iter_unpack, the preference of each st_info byte worked out once);
+- caps on what is kept: MAX_SYMBOLS entries, names cut to
+  MAX_SYMBOL_NAME_BYTES (read in string table order through a window),
+  MAX_SYMBOL_NAME_TOTAL_BYTES of names in all, made strings by the
+  process-string rule (shared/safestr.process_string: escaped, no control
+  characters).
 Parsing runs under time_budget(ELF_PARSE_SECONDS) and every failure becomes
 ElfError. Only 64-bit little-endian ELF is read (x86-64 and arm64); anything
 else is an ElfError.
@@ -50,20 +40,26 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import struct
 import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from elftools.construct.core import Construct, FormatField, Struct
-from elftools.elf.elffile import ELFFile
-
+from shared import elf as shared_elf
+from shared.elf import (
+    MAX_BUILD_ID_BYTES,
+    MAX_NOTE_BYTES,
+    MAX_PROGRAM_HEADERS,
+    MAX_SECTION_HEADERS,
+    SYM,
+    ElfError,
+    Reader,
+    SectionHeader,
+    StringTable,
+)
 from shared.log import LogOnce
 from shared.safestr import process_string
 from symbolizer.files import ProcessGone
@@ -79,14 +75,25 @@ MAX_SYMBOLS = 250_000
 MAX_SYMBOL_NAME_BYTES = 1024
 # Name bytes kept per file (node: 6.4 MB); stops many long names from ballooning a worker.
 MAX_SYMBOL_NAME_TOTAL_BYTES = 32 << 20
-# A PT_NOTE segment holds a few notes of < 100 bytes (a build id note is 36); larger ones are not read.
-MAX_NOTE_BYTES = 4096
-# SHA-1 build ids are 20 bytes; a longer "id" is not one and would bloat every frame sent upstream.
-MAX_BUILD_ID_BYTES = 64
-# The kernel will not exec a file with more than a page (73) of program headers; real files have ~15.
-MAX_PROGRAM_HEADERS = 128
-# Linked binaries have ~40 sections; bounds the single read of the section header table (256 KiB).
-MAX_SECTION_HEADERS = 4096
+# The header and note caps are shared/elf.py's (MAX_PROGRAM_HEADERS, MAX_SECTION_HEADERS,
+# MAX_NOTE_BYTES, MAX_BUILD_ID_BYTES), re-exported here with ElfError for this module's users.
+__all__ = [
+    "ELF_CACHE_ENTRIES",
+    "ELF_PARSE_SECONDS",
+    "MAX_BUILD_ID_BYTES",
+    "MAX_FILE_BYTES",
+    "MAX_NOTE_BYTES",
+    "MAX_PROGRAM_HEADERS",
+    "MAX_SECTION_HEADERS",
+    "MAX_SYMBOLS",
+    "MAX_SYMBOL_NAME_BYTES",
+    "MAX_SYMBOL_NAME_TOTAL_BYTES",
+    "UNREADABLE_RETRY_S",
+    "ElfCache",
+    "ElfError",
+    "ElfSymbols",
+    "read_elf",
+]
 # Wall-clock budget for parsing one file; node, the largest binary on a typical host, takes ~0.5 s.
 ELF_PARSE_SECONDS = 5.0
 # Parsed files kept by ElfCache (a libc-sized entry is ~0.3 MB).
@@ -97,14 +104,10 @@ UNREADABLE_RETRY_S = 60.0
 _SYM_CHUNK = 4096  # symbol entries per read
 _STRTAB_WINDOW = 64 << 10  # string table bytes per read; must be >= MAX_SYMBOL_NAME_BYTES
 
-# Names as pyelftools decodes them. It names type 10, STT_GNU_IFUNC, by its range: STT_LOOS.
-_FUNCTION_TYPES = frozenset(("STT_FUNC", "STT_LOOS"))
-_BIND_RANK = {"STB_GLOBAL": 0, "STB_WEAK": 1}  # among aliases of one address: global, weak, then the rest
+_FUNCTION_TYPES = frozenset((shared_elf.STT_FUNC, shared_elf.STT_GNU_IFUNC))
+# Among aliases of one address: global, weak, then the rest.
+_BIND_RANK = {shared_elf.STB_GLOBAL: 0, shared_elf.STB_WEAK: 1}
 _U64_MAX = (1 << 64) - 1
-
-
-class ElfError(Exception):
-    """A file that is not usable: malformed, unsupported, oversized or too slow to parse."""
 
 
 @dataclass(frozen=True)
@@ -155,21 +158,9 @@ def read_elf(f: BinaryIO) -> ElfSymbols:
             return _parse(f)
     except ElfError:
         raise
-    except Exception as e:  # anything a hostile file can provoke: construct, struct, Memory, Recursion, OS errors
-        over = _budget_exceeded(e)
+    except Exception as e:  # anything a hostile file can provoke: struct, Memory, Recursion, OS errors
+        over = shared_elf.caused_by(e, BudgetExceeded)
         raise ElfError(str(over) if over else f"{type(e).__name__}: {e}"[:200]) from None
-
-
-def _budget_exceeded(e: BaseException) -> BudgetExceeded | None:
-    """The BudgetExceeded behind `e`: construct re-raises whatever interrupts a field parse as a FieldError."""
-    seen: set[int] = set()
-    cause: BaseException | None = e
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, BudgetExceeded):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 class ElfCache:
@@ -243,176 +234,40 @@ class ElfCache:
         return value
 
 
-class _Reader:
-    """Checked reads of exact byte ranges inside the file."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self.size = f.seek(0, os.SEEK_END)
-        if self.size > MAX_FILE_BYTES:
-            raise ElfError(f"file of {self.size} bytes is larger than {MAX_FILE_BYTES}")
-
-    def check(self, offset: int, size: int, what: str) -> None:
-        if offset < 0 or size < 0 or offset + size > self.size:
-            raise ElfError(f"{what}: outside the file")
-
-    def read(self, offset: int, size: int, what: str) -> bytes:
-        self.check(offset, size, what)
-        self._f.seek(offset)
-        data = self._f.read(size)
-        if len(data) != size:
-            raise ElfError(f"{what}: short read")
-        return data
-
-
-class _StringTable:
-    """Names from one string table, read through a window; cheapest when asked in offset order."""
-
-    def __init__(self, r: _Reader, offset: int, size: int) -> None:
-        r.check(offset, size, "string table")
-        self._r, self._offset, self._size = r, offset, size
-        self._at, self._window = 0, b""
-
-    def name(self, at: int) -> bytes:
-        if at >= self._size:
-            raise ElfError("symbol name: outside its string table")
-        end = min(at + MAX_SYMBOL_NAME_BYTES, self._size)
-        if at < self._at or end > self._at + len(self._window):
-            self._at = at
-            self._window = self._r.read(self._offset + at, min(_STRTAB_WINDOW, self._size - at), "string table")
-        return self._window[at - self._at : end - self._at].split(b"\0", 1)[0]
-
-
-class _Decoded(dict):
-    """Raw bytes -> then(what a pyelftools construct parses them to), worked out once per distinct value."""
-
-    def __init__(self, con: Construct, then: Callable[[Any], Any]) -> None:
-        super().__init__()
-        self._con, self._then = con, then
-
-    def __missing__(self, raw: bytes) -> Any:
-        value = self[raw] = self._then(self._con.parse(raw))
-        return value
-
-
-class _SymbolLayout:
-    """pyelftools' Elf_Sym as a struct.Struct, for decoding symbol tables in bulk.
-
-    The format is laid out from Elf_Sym's own fields (order, widths, byte
-    order). Fields construct decodes beyond a number (st_info's bit fields, the
-    st_shndx enum) are unpacked as raw bytes; decoded(name, then) maps those
-    to then(construct's result), parsing each distinct value once.
-    """
-
-    def __init__(self, con: Struct, little_endian: bool) -> None:
-        byte_order = "<" if little_endian else ">"
-        formats: list[str] = []
-        self.index: dict[str, int] = {}
-        self._subcons: dict[str, Construct] = {}
-        for i, sub in enumerate(con.subcons):
-            if sub.name is None:  # every field of Elf_Sym is named
-                raise ElfError("symbol entry field without a name")
-            if isinstance(sub, FormatField):
-                if sub.packer.format[0] != byte_order:
-                    raise ElfError("symbol entry fields of mixed byte order")
-                formats.append(sub.packer.format[1:])
-            else:
-                formats.append(f"{sub.sizeof()}s")
-                self._subcons[sub.name] = sub
-            self.index[sub.name] = i
-        self.struct = struct.Struct(byte_order + "".join(formats))
-        if self.struct.size != con.sizeof():
-            raise ElfError("symbol entry layout does not match its size")
-
-    def decoded(self, name: str, then: Callable[[Any], Any]) -> _Decoded:
-        return _Decoded(self._subcons[name], then)
-
-
-def _table(r: _Reader, con: Construct, offset: int, count: int, entsize: int, cap: int, what: str) -> list[Any]:
-    """Parse `count` entries of `con` at `offset`, after checking count, entry size and bounds."""
-    if count > cap:
-        raise ElfError(f"{count} {what}, more than {cap}")
-    if not count:
-        return []
-    size = con.sizeof()
-    if entsize != size:
-        raise ElfError(f"{what}: entries of {entsize} bytes, expected {size}")
-    data = r.read(offset, count * size, what)
-    return [con.parse(data[i : i + size]) for i in range(0, len(data), size)]
-
-
 def _parse(f: BinaryIO) -> ElfSymbols:
-    r = _Reader(f)
-    if r.read(0, min(r.size, 4), "ELF header") != b"\x7fELF":
-        raise ElfError("not an ELF file")
-    elffile = ELFFile(f)  # reads e_ident and the fixed-size header only; nothing below follows it unchecked
-    if elffile.elfclass != 64 or not elffile.little_endian:
-        raise ElfError("not a 64-bit little-endian ELF file")
-    h, structs = elffile.header, elffile.structs
-    if h.e_type not in ("ET_EXEC", "ET_DYN"):
+    r = Reader(f, MAX_FILE_BYTES)
+    h = shared_elf.read_header(r)
+    if h.e_type not in (shared_elf.ET_EXEC, shared_elf.ET_DYN):
         raise ElfError(f"ELF type {h.e_type} is not an executable or shared object")
-    # e_phnum 0xffff (PN_XNUM) is over the cap; e_shnum 0 (extended numbering, >= 65280 sections)
-    # reads as no sections, so no symbols: pyelftools would read either count from section 0.
-    if h.e_phnum > MAX_PROGRAM_HEADERS:
-        raise ElfError(f"{h.e_phnum} program headers, more than {MAX_PROGRAM_HEADERS}")
-    shnum = h.e_shnum if h.e_shoff else 0
-    if shnum > MAX_SECTION_HEADERS:
-        raise ElfError(f"{shnum} section headers, more than {MAX_SECTION_HEADERS}")
-    phdrs = _table(r, structs.Elf_Phdr, h.e_phoff, h.e_phnum, h.e_phentsize, MAX_PROGRAM_HEADERS, "program headers")
-    shdrs = _table(r, structs.Elf_Shdr, h.e_shoff, shnum, h.e_shentsize, MAX_SECTION_HEADERS, "section headers")
-
-    segments = [p for p in phdrs if p.p_type == "PT_LOAD"]
+    phdrs = shared_elf.program_headers(r, h)
+    shdrs = shared_elf.section_headers(r, h)
+    segments = [p for p in phdrs if p.p_type == shared_elf.PT_LOAD]
     loads = tuple(sorted((p.p_offset, p.p_filesz, p.p_vaddr) for p in segments if p.p_filesz))
-    build_id = ""
-    for p in phdrs:
-        if p.p_type == "PT_NOTE" and 0 < p.p_filesz <= MAX_NOTE_BYTES:
-            notes = r.read(p.p_offset, p.p_filesz, "note segment")
-            build_id = _build_id(structs.Elf_Nhdr, notes, 8 if p.p_align == 8 else 4)
-            if build_id:
-                break
+    build_id = shared_elf.build_id(r, phdrs)
 
     symbols: list[tuple[int, int, int, bytes]] = []  # (value, preference, size, name)
     has_symtab = False
-    tables = [sh for sh in shdrs if sh.sh_type in ("SHT_SYMTAB", "SHT_DYNSYM")]
-    if tables:
-        layout = _SymbolLayout(structs.Elf_Sym, elffile.little_endian)
-        name_room = MAX_SYMBOL_NAME_TOTAL_BYTES
-        for table_rank, sh_type in enumerate(("SHT_SYMTAB", "SHT_DYNSYM")):  # .symtab names preferred
-            known = {s[0] for s in symbols}  # .dynsym repeats the global symbols of .symtab
-            for sh in tables:
-                if sh.sh_type == sh_type:
-                    name_room -= _read_symbol_table(r, layout, shdrs, sh, table_rank * 3, known, symbols, name_room)
-            if sh_type == "SHT_SYMTAB":
-                has_symtab = bool(symbols)
+    tables = [sh for sh in shdrs if sh.sh_type in (shared_elf.SHT_SYMTAB, shared_elf.SHT_DYNSYM)]
+    name_room = MAX_SYMBOL_NAME_TOTAL_BYTES
+    for table_rank, sh_type in enumerate((shared_elf.SHT_SYMTAB, shared_elf.SHT_DYNSYM)):  # .symtab names preferred
+        known = {s[0] for s in symbols}  # .dynsym repeats the global symbols of .symtab
+        for sh in tables:
+            if sh.sh_type == sh_type:
+                name_room -= _read_symbol_table(r, shdrs, sh, table_rank * 3, known, symbols, name_room)
+        if sh_type == shared_elf.SHT_SYMTAB:
+            has_symtab = bool(symbols)
     return _build(build_id, has_symtab, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
 
 
-def _build_id(nhdr: Construct, notes: bytes, align: int) -> str:
-    """The NT_GNU_BUILD_ID of a note segment read whole; "" if none or a note runs past its end."""
-    header = nhdr.sizeof()
-    pos = 0
-    while pos + header <= len(notes):
-        note = nhdr.parse(notes[pos : pos + header])
-        name = notes[pos + header : pos + header + note.n_namesz]
-        desc = _align_up(pos + header + note.n_namesz, align)
-        end = desc + note.n_descsz
-        if end > len(notes):
-            break
-        if note.n_type == "NT_GNU_BUILD_ID" and name == b"GNU\0" and 0 < note.n_descsz <= MAX_BUILD_ID_BYTES:
-            return notes[desc:end].hex()
-        pos = _align_up(end, align)
-    return ""
-
-
-def _align_up(n: int, align: int) -> int:
-    return (n + align - 1) & -align
+def _preferences(rank: int) -> list[int | None]:
+    """st_info → the preference among aliases of a function symbol of a table of `rank`, else None."""
+    return [rank + _BIND_RANK.get(info >> 4, 2) if info & 0xF in _FUNCTION_TYPES else None for info in range(256)]
 
 
 def _read_symbol_table(
-    r: _Reader,
-    layout: _SymbolLayout,
-    shdrs: list[Any],
-    sh: Any,
+    r: Reader,
+    shdrs: list[SectionHeader],
+    sh: SectionHeader,
     rank: int,
     known: set[int],
     out: list[tuple[int, int, int, bytes]],
@@ -420,29 +275,18 @@ def _read_symbol_table(
 ) -> int:
     """Append the function symbols of one table to `out`, except at `known` addresses;
     return the name bytes used."""
-    entsize = layout.struct.size
-    if sh.sh_entsize != entsize:
-        raise ElfError("unexpected symbol entry size")
-    if sh.sh_link >= len(shdrs) or shdrs[sh.sh_link].sh_type != "SHT_STRTAB":
-        raise ElfError("symbol table without a string table")
+    strtab = shared_elf.linked_strings(shdrs, sh)
     r.check(sh.sh_offset, sh.sh_size, "symbol table")
-    strings = _StringTable(r, shdrs[sh.sh_link].sh_offset, shdrs[sh.sh_link].sh_size)
-
-    fields = itemgetter(*(layout.index[k] for k in ("st_name", "st_info", "st_shndx", "st_value", "st_size")))
-    # st_info -> preference among aliases if a function symbol, else None; st_shndx -> defined here
-    preferences = layout.decoded(
-        "st_info", lambda info: rank + _BIND_RANK.get(info.bind, 2) if info.type in _FUNCTION_TYPES else None
-    )
-    defined = layout.decoded("st_shndx", lambda shndx: shndx != "SHN_UNDEF")
+    strings = StringTable(r, strtab.sh_offset, strtab.sh_size, MAX_SYMBOL_NAME_BYTES, _STRTAB_WINDOW)
+    preferences = _preferences(rank)
     found: list[tuple[int, int, int, int]] = []  # (name offset, value, size, preference)
-    count, room = sh.sh_size // entsize, MAX_SYMBOLS - len(out)
-    for first in range(0, count, _SYM_CHUNK):
+    room = MAX_SYMBOLS - len(out)
+    for chunk in shared_elf.symbol_chunks(r, sh, _SYM_CHUNK):
         if len(found) >= room:
             break
-        chunk = r.read(sh.sh_offset + first * entsize, min(_SYM_CHUNK, count - first) * entsize, "symbols")
-        for st_name, info, shndx, value, st_size in map(fields, layout.struct.iter_unpack(chunk)):
+        for st_name, info, _other, shndx, value, st_size in SYM.iter_unpack(chunk):
             preference = preferences[info]
-            if preference is not None and value and st_name and value not in known and defined[shndx]:
+            if preference is not None and value and st_name and value not in known and shndx != shared_elf.SHN_UNDEF:
                 found.append((st_name, value, st_size, preference))
     del found[room:]
 
