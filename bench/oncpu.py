@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import bpf, host, procs, stats, workload
 from bench.peer import ProfileBpfcc
@@ -127,6 +128,25 @@ class Configuration:
     def label(self) -> str:
         return "none" if self.kind == "none" else f"{self.kind} {self.hz} Hz"
 
+    @property
+    def sample_hz(self) -> int:
+        """The sampling rate of a configuration that runs a profiler."""
+        if self.hz is None:
+            raise BenchError(f"configuration {self.key} runs no profiler")
+        return self.hz
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One pipeline run's accounting interval [t0, t2] (whole seconds), the workload within it ending at t1."""
+
+    t0: int
+    t1: float
+    t2: int
+    cpu: tuple[dict[str, float], dict[str, float], dict[str, float]]  # stage CPU s at t0, t1, t2
+    host: dict[str, float]  # the host's CPU seconds over [t0, t2]
+    w: workload.Result
+
 
 def configurations(rates: list[int]) -> list[Configuration]:
     return (
@@ -178,7 +198,7 @@ class OnCpuBench:
         return {**_workload_fields(w), "profiler_cpu_s": 0.0, "other_cpu_s": _other(w, 0.0)}
 
     def run_peer(self, cfg: Configuration, d: Path) -> dict:
-        peer = ProfileBpfcc(d, cfg.hz)
+        peer = ProfileBpfcc(d, cfg.sample_hz)
         try:
             peer.start()
             self.our_prog_ids |= peer.prog_ids
@@ -197,37 +217,47 @@ class OnCpuBench:
             "bpf_prog_ids": sorted(peer.prog_ids),
         }
 
-    def run_pipeline(self, cfg: Configuration, d: Path) -> dict:
-        t = self.timing
-        p = Pipeline(d, cfg.hz, UPLOAD_INTERVAL_S, workers=1)
+    def run_pipeline(self, cfg: Configuration, d: Path) -> dict[str, Any]:
+        p = Pipeline(d, cfg.sample_hz, UPLOAD_INTERVAL_S, workers=1)
         try:
             p.start()
             self.our_prog_ids |= p.prog_ids
-            # A workload's last samples are drained within a drain interval; their window
-            # ends UPLOAD_INTERVAL_S later and is built after the grace and a poll.
-            settle = t["drain_interval_s"] + UPLOAD_INTERVAL_S + t["window_grace_s"] + t["symbolizer_poll_s"] + 0.1
-            self._workload(max(self.threads, round(self.units * WARMUP_SHARE)), WARMUP_KERNEL_MS)
-            # T0 once the warm-up's windows are built: the windows built in [T0, T2] but
-            # not counted (just before T0) are then idle, like those counted but built
-            # after T2 (just before T2).
-            t0 = math.ceil(time.time() + settle)
-            procs.sleep_until_wall(t0)
-            c0, h0 = p.cpu(), procs.host_cpu()
-            w = self._measured()
-            t1 = time.time()
-            c1 = p.cpu()
-            t2 = math.ceil(t1 + settle)
-            procs.sleep_until_wall(t2)
-            c2, h2 = p.cpu(), procs.host_cpu()
+            iv = self._interval(p)
         finally:
             p.stop()
+        return self._pipeline_record(cfg, p, iv)
+
+    def _interval(self, p: Pipeline) -> Interval:
+        """Warm up, then the measured workload inside an interval whose windows are all built in it."""
+        t = self.timing
+        # A workload's last samples are drained within a drain interval; their window
+        # ends UPLOAD_INTERVAL_S later and is built after the grace and a poll.
+        settle = t["drain_interval_s"] + UPLOAD_INTERVAL_S + t["window_grace_s"] + t["symbolizer_poll_s"] + 0.1
+        self._workload(max(self.threads, round(self.units * WARMUP_SHARE)), WARMUP_KERNEL_MS)
+        # T0 once the warm-up's windows are built: the windows built in [T0, T2] but
+        # not counted (just before T0) are then idle, like those counted but built
+        # after T2 (just before T2).
+        t0 = math.ceil(time.time() + settle)
+        procs.sleep_until_wall(t0)
+        c0, h0 = p.cpu(), procs.host_cpu()
+        w = self._measured()
+        t1 = time.time()
+        c1 = p.cpu()
+        t2 = math.ceil(t1 + settle)
+        procs.sleep_until_wall(t2)
+        c2, h2 = p.cpu(), procs.host_cpu()
+        return Interval(t0, t1, t2, (c0, c1, c2), procs.host_cpu_delta(h0, h2), w)
+
+    def _pipeline_record(self, cfg: Configuration, p: Pipeline, iv: Interval) -> dict[str, Any]:
+        """A pipeline run's figures: its stages' CPU, the samples of the windows of the interval."""
+        t0, t2, w, host = iv.t0, iv.t2, iv.w, iv.host
+        c0, c1, c2 = iv.cpu
         written = p.profiles(self.binary)
         inside = [x for x in written if t0 * 10**9 <= x.window_start_ns < t2 * 10**9]
         samples = sum(x.samples for x in inside)
         # Built after T2, so their cost is not counted: expected only for idle windows.
         late = [x for x in inside if x.written_at > t2]
         early = [x for x in written if x.window_start_ns < t0 * 10**9 and x.written_at > t0]
-        host = procs.host_cpu_delta(h0, h2)
         stages = [s for s in c0 if s != "symbolizers"]
         during = sum(c1[s] - c0[s] for s in stages)
         whole = sum(c2[s] - c0[s] for s in stages)
@@ -242,7 +272,7 @@ class OnCpuBench:
             "profiler_start_s": round(p.start_s, 3),
             "profiler_stop_s": round(p.stop_s, 3),
             "bpf_prog_ids": sorted(p.prog_ids),
-            "interval": {"t0": t0, "t1": round(t1, 3), "t2": t2, "seconds": t2 - t0},
+            "interval": {"t0": t0, "t1": round(iv.t1, 3), "t2": t2, "seconds": t2 - t0},
             "stage_cpu_s": {s: round(c2[s] - c0[s], 6) for s in c0},
             "stage_cpu_during_workload_s": {s: round(c1[s] - c0[s], 6) for s in c0},
             "samples": samples,
@@ -256,18 +286,18 @@ class OnCpuBench:
             "workload_profiles_before_t0_built_after_t0": sum(1 for x in early if x.workload_samples),
             "host_cpu_interval": host,
             "other_cpu_interval_s": round(host["busy_s"] - w.cpu_s - whole, 3),
-            "coverage": round(samples / (cfg.hz * host["busy_s"]), 3) if host["busy_s"] > 0 else None,
+            "coverage": round(samples / (cfg.sample_hz * host["busy_s"]), 3) if host["busy_s"] > 0 else None,
             "cpu_per_10k_samples_s": per_10k,
         }
 
     # --- the whole benchmark ---------------------------------------------------------------------
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         started = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-", dir="/tmp")
         os.chmod(tmp, 0o755)  # the pipeline's stages run as their own users and must enter it
-        runs: list[dict] = []
-        discarded: list[dict] = []
+        runs: list[dict[str, Any]] = []
+        discarded: list[dict[str, Any]] = []
         try:
             self.binary = workload.build(tmp)
             self.units, calibration = workload.calibrate(
@@ -285,38 +315,7 @@ class OnCpuBench:
             )
             for r in range(self.rounds):
                 for cfg in self.configs:
-                    for attempt in range(1, MAX_ATTEMPTS + 1):
-                        waited = host.wait_until_quiet(self.our_prog_ids, self.quiet_wait_s_max, self.log)
-                        d = Path(tmp) / f"round{r + 1}-{cfg.key}-{attempt}"
-                        if cfg.kind == "none":
-                            d.mkdir()
-                            rec = self.run_none(cfg, d)
-                        elif cfg.kind == "pipeline":
-                            rec = self.run_pipeline(cfg, d)
-                        else:
-                            rec = self.run_peer(cfg, d)
-                        rec = {
-                            "round": r + 1,
-                            "config": cfg.key,
-                            "attempt": attempt,
-                            "quiet_wait_s": round(waited, 1),
-                            **rec,
-                            "other_profilers_at_end": self._foreign,
-                            "disturbed": (
-                                _other_max(rec) > DISTURBED_SHARE * rec["workload_cpu_s"] or bool(self._foreign)
-                            ),
-                        }
-                        self.log(_progress(r, self.rounds, cfg, rec))
-                        if rec["disturbed"] and attempt < MAX_ATTEMPTS:
-                            also = f", other profilers loaded: {', '.join(self._foreign)}" if self._foreign else ""
-                            self.log(
-                                f"  disturbed: other processes used {_other_max(rec):.2f} CPU s "
-                                f"during the measurement{also}; running it again"
-                            )
-                            discarded.append(rec)
-                            continue
-                        runs.append(rec)
-                        break
+                    self._measure_config(r, cfg, Path(tmp), runs, discarded)
         finally:
             left = procs.stop_all()
             if self.keep_dir:
@@ -325,6 +324,55 @@ class OnCpuBench:
                 shutil.rmtree(tmp, ignore_errors=True)
         if left:
             raise BenchError(f"processes still running at the end were stopped: {', '.join(left)}")
+        return self._result(runs, discarded, calibration, started)
+
+    def _measure_config(
+        self, r: int, cfg: Configuration, tmp: Path, runs: list[dict[str, Any]], discarded: list[dict[str, Any]]
+    ) -> None:
+        """Round r's run of `cfg` into `runs`, run again (up to MAX_ATTEMPTS) while disturbed; the disturbed
+        ones into `discarded`."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            rec = self._attempt(r, cfg, attempt, tmp)
+            self.log(_progress(r, self.rounds, cfg, rec))
+            if rec["disturbed"] and attempt < MAX_ATTEMPTS:
+                also = f", other profilers loaded: {', '.join(self._foreign)}" if self._foreign else ""
+                self.log(
+                    f"  disturbed: other processes used {_other_max(rec):.2f} CPU s "
+                    f"during the measurement{also}; running it again"
+                )
+                discarded.append(rec)
+                continue
+            runs.append(rec)
+            break
+
+    def _attempt(self, r: int, cfg: Configuration, attempt: int, tmp: Path) -> dict[str, Any]:
+        """One run of `cfg` once the host is quiet, and whether something disturbed it."""
+        waited = host.wait_until_quiet(self.our_prog_ids, self.quiet_wait_s_max, self.log)
+        d = tmp / f"round{r + 1}-{cfg.key}-{attempt}"
+        if cfg.kind == "none":
+            d.mkdir()
+            rec = self.run_none(cfg, d)
+        elif cfg.kind == "pipeline":
+            rec = self.run_pipeline(cfg, d)
+        else:
+            rec = self.run_peer(cfg, d)
+        return {
+            "round": r + 1,
+            "config": cfg.key,
+            "attempt": attempt,
+            "quiet_wait_s": round(waited, 1),
+            **rec,
+            "other_profilers_at_end": self._foreign,
+            "disturbed": (_other_max(rec) > DISTURBED_SHARE * rec["workload_cpu_s"] or bool(self._foreign)),
+        }
+
+    def _result(
+        self,
+        runs: list[dict[str, Any]],
+        discarded: list[dict[str, Any]],
+        calibration: dict[str, Any],
+        started: float,
+    ) -> dict[str, Any]:
         return {
             "workload": {
                 "binary": "bench/workloads/cpu_loop.c",

@@ -13,8 +13,6 @@ STILL_OVER = frozenset(
     {
         "bench/budget.py:measure_agent",
         "bench/budget.py:section",
-        "bench/oncpu.py:OnCpuBench.run",
-        "bench/oncpu.py:OnCpuBench.run_pipeline",
         "bench/overhead.py:OverheadBench.run",
         "bench/overhead.py:OverheadBench.under",
         "bench/python.py:PythonBench._one",
