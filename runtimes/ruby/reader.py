@@ -24,7 +24,9 @@ singleton class's methods are named after the class it is attached to, with
 "."; a singleton of an ordinary object, an anonymous class (no classpath)
 or a temporary path ("#<Class:0x...>") leave the bare label, as Ruby's own
 backtraces do. Decoded iseqs are cached by address and body, class names by
-method entry and owner, both bounded.
+method entry and owner, both bounded. In three parts: RubyProcess (the
+threads and their control frames), _Iseqs (each frame's iseq: label, path,
+line) and _Names (each frame's class, through its environments).
 
 Validation: a ractor or thread whose links do not point back, an iseq that
 is not an imemo_iseq, a path or label that is not a string, a pc outside the
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtimes.memory import MemoryReadError, ProcessMemory
@@ -96,12 +99,352 @@ class _Iseq:
     cache: dict[int, int]  # position → entry index
 
 
+class _Iseqs:
+    """Iseqs decoded (cached by address and body, bounded) and the strings they hold: each Ruby frame's
+    label, path and line."""
+
+    def __init__(self, layout: Layout, drop: Callable[[str], None]) -> None:
+        self.layout = layout
+        self._drop = drop
+        self._cache: OrderedDict[tuple[int, int], _Iseq | None] = OrderedDict()
+
+    def frame(self, mem: ProcessMemory, iseq: int, pc: int) -> tuple[_Iseq, int] | None:
+        head = mem.read(iseq, self.layout.iseq_body + 8)
+        flags = _Q.unpack_from(head, 0)[0]
+        if flags & layouts.T_MASK != layouts.T_IMEMO:
+            return None  # a C function's method entry, or a dummy frame
+        if (flags >> layouts.FL_USHIFT) & 0xF != layouts.IMEMO_ISEQ:
+            return None
+        body = _Q.unpack_from(head, self.layout.iseq_body)[0]
+        key = (iseq, body)
+        info = self._cache.get(key)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
+            try:
+                info = self._read_iseq(mem, body)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                self._drop("bad_pointer")
+                info = None
+            self._cache[key] = info
+            if len(self._cache) > ISEQ_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        if info is None:
+            return None
+        if not pc:
+            return info, 0
+        pos = (pc - info.encoded) // 8
+        if not 0 <= pos < MAX_ISEQ_SIZE:
+            self._drop("bad_pc")
+            return None
+        pos = pos - 1 if pos else 0  # the pc is past the instruction being run
+        line = self._line(mem, info, pos)
+        if line is None:
+            return None
+        return info, line
+
+    def _read_iseq(self, mem: ProcessMemory, body: int) -> _Iseq | None:
+        lay = self.layout
+        if not body or body & 7:
+            self._drop("bad_pointer")
+            return None
+        raw = mem.read(body, lay.body_succ_table + 8)
+        label = self.string(mem, _Q.unpack_from(raw, lay.body_label)[0])
+        base = self.string(mem, _Q.unpack_from(raw, lay.body_base_label)[0])
+        path = self._path(mem, _Q.unpack_from(raw, lay.body_pathobj)[0])
+        if label is None or base is None or path is None:
+            return None
+        size = _I.unpack_from(raw, lay.body_insns_size)[0]
+        entries = _Q.unpack_from(raw, lay.body_insns_body)[0]
+        if size > MAX_INSN_ENTRIES or (size and not entries):
+            self._drop("bad_insn_info")
+            return None
+        table = mem.read(entries, size * layouts.INSN_INFO_ENTRY_BYTES) if size else b""
+        lines = [_i.unpack_from(table, k * layouts.INSN_INFO_ENTRY_BYTES)[0] for k in range(size)]
+        return _Iseq(
+            label,
+            base,
+            path,
+            _Q.unpack_from(raw, lay.body_iseq_encoded)[0],
+            size,
+            lines,
+            _Q.unpack_from(raw, lay.body_succ_table)[0],
+            {},
+        )
+
+    def _line(self, mem: ProcessMemory, info: _Iseq, pos: int) -> int | None:
+        if info.size == 0:
+            return 0
+        if info.size == 1:
+            return info.lines[0]
+        index = info.cache.get(pos)
+        if index is None:
+            if not info.succ:
+                self._drop("bad_insn_info")
+                return None
+            index = self.succ_lookup(mem, info.succ, pos)
+            if len(info.cache) < 256:
+                info.cache[pos] = index
+        if not 1 <= index <= info.size:
+            self._drop("impossible_line")
+            return None
+        line = info.lines[index - 1]
+        return line if 0 <= line < 1 << 24 else 0
+
+    def succ_lookup(self, mem: ProcessMemory, table: int, x: int) -> int:
+        """Ruby's succ_index_lookup (iseq.c): the number of instruction-info entries starting at or before x."""
+        if x < layouts.SUCC_IMMEDIATE:
+            word = mem.u64(table + 8 * (x // 9))
+            return (word >> (7 * (x % 9))) & 0x7F
+        block = (x - layouts.SUCC_IMMEDIATE) // 512
+        bit = (x - layouts.SUCC_IMMEDIATE) % 512
+        raw = mem.read(table + layouts.SUCC_IMM_BYTES + block * layouts.SUCC_BLOCK_BYTES, layouts.SUCC_BLOCK_BYTES)
+        rank = _I.unpack_from(raw, 0)[0]
+        small_ranks = _Q.unpack_from(raw, 8)[0]
+        small = bit // 64
+        small_rank = 0 if small == 0 else (small_ranks >> ((small - 1) * 9)) & 0x1FF
+        word = _Q.unpack_from(raw, 16 + 8 * small)[0]
+        popcount = bin((word << (63 - bit % 64)) & 0xFFFFFFFFFFFFFFFF).count("1")
+        return rank + small_rank + popcount
+
+    def string(self, mem: ProcessMemory, value: int) -> str | None:
+        lay = self.layout
+        if not value or value & 7:
+            self._drop("bad_string")
+            return None
+        head = mem.read(value, lay.str_ptr + 8)
+        flags = _Q.unpack_from(head, 0)[0]
+        length = _Q.unpack_from(head, lay.str_len)[0]
+        if flags & layouts.T_MASK != layouts.T_STRING or length > 1 << 20:
+            self._drop("bad_string")
+            return None
+        n = min(length, MAX_NAME_BYTES)
+        if not n:
+            return ""
+        ptr = _Q.unpack_from(head, lay.str_ptr)[0] if flags & layouts.STRING_NOEMBED else value + lay.str_ptr
+        return mem.read(ptr, n).decode("utf-8", "replace")
+
+    def _path(self, mem: ProcessMemory, value: int) -> str | None:
+        """pathobj: a path string, or an array [path, realpath]."""
+        if not value or value & 7:
+            self._drop("bad_string")
+            return None
+        flags = mem.u64(value)
+        if flags & layouts.T_MASK == layouts.T_ARRAY:
+            lay = self.layout
+            if flags & layouts.ARRAY_EMBED:
+                first = mem.u64(value + lay.ary_embed)
+            else:
+                first = mem.u64(mem.u64(value + lay.ary_heap_ptr))
+            return self.string(mem, first)
+        return self.string(mem, value)
+
+
+class _Envs:
+    """The three words before and at each environment pointer (ep[-2], ep[-1], ep[0]) of one thread's
+    frames: those on its VM stack (between `stack` and `top`) from one read of their span (up to
+    MAX_ENV_SPAN), the others (a block's environment that outlived its frame is on the heap) fetched in
+    batches."""
+
+    def __init__(self, mem: ProcessMemory, eps: list[int], stack: int, top: int) -> None:
+        self._mem = mem
+        self._span_at, self._span = 0, b""
+        on_stack = [ep for ep in eps if stack + 16 <= ep < top and not ep & 7]
+        if on_stack:
+            self._span_at = min(on_stack) + layouts.EP_ME_CREF
+            size = max(on_stack) + 8 - self._span_at
+            if size <= MAX_ENV_SPAN:
+                self._span = mem.read(self._span_at, size)
+        self._off: dict[int, bytes | None] = {}  # environments off the VM stack: ep → its three words
+
+    def fetch(self, eps: list[int]) -> None:
+        """The environments of `eps` not in the span and not read yet, in one read."""
+        span, span_at = self._span, self._span_at
+        fetch = list(
+            {
+                ep
+                for ep in eps
+                if ep not in self._off
+                and not (span and span_at <= ep + layouts.EP_ME_CREF and ep + 8 <= span_at + len(span))
+            }
+        )
+        if fetch:
+            got = self._mem.read_many([(ep + layouts.EP_ME_CREF, 24) if ep and not ep & 7 else (0, 0) for ep in fetch])
+            self._off.update(zip(fetch, got))
+
+    def slots(self, ep: int) -> tuple[int, int, int] | None:
+        """ep[-2], ep[-1], ep[0]; None if they could not be read."""
+        at = ep + layouts.EP_ME_CREF - self._span_at
+        if self._span and 0 <= at <= len(self._span) - 24:
+            raw = self._span
+        else:
+            got = self._off.get(ep)
+            if got is None:
+                return None
+            raw, at = got, 0
+        return _Q.unpack_from(raw, at)[0], _Q.unpack_from(raw, at + 8)[0], _Q.unpack_from(raw, at + 16)[0]
+
+
+class _Names:
+    """Each Ruby frame named with its class: the method entry its environments hold, the entry's owner, and
+    that class's path (cached by method entry and owner, bounded)."""
+
+    def __init__(
+        self, layout: Layout, drop: Callable[[str], None], string: Callable[[ProcessMemory, int], str | None]
+    ) -> None:
+        self.layout = layout
+        self._drop = drop
+        self._string = string
+        self._classes: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()
+
+    def named(self, mem: ProcessMemory, info: _Iseq, line: int, owner: tuple[int, int] | None) -> RubyFrame:
+        """The frame of `info` at `line`, named after its method entry and owner (if any)."""
+        cls, sep = self._class_name(mem, owner) if owner else ("", "")
+        if not cls or not info.label.endswith(info.base_label):
+            return RubyFrame(info.label, "", info.path, line)
+        prefix = info.label[: len(info.label) - len(info.base_label)]  # "block in ", "rescue in "
+        return RubyFrame(f"{prefix}{cls}{sep}{info.base_label}", cls, info.path, line)
+
+    def owners(self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0) -> list[tuple[int, int] | None]:
+        """(method entry, its owner) of each frame's environment, as rb_vm_frame_method_entry finds it:
+        ep[-2] of the environment, or of the previous ones up to the method's own (a block's frame);
+        None where there is none (top-level code: a cref) or it fails its checks (counted).
+        Environments on the thread's VM stack (between `stack` and `top`) are read in one span;
+        others (a block that outlived its frame has its environment on the heap) one by one."""
+        chains = self._chains(_Envs(mem, eps, stack, top), eps)
+        values = list({v for chain in chains for v, _ in chain})
+        heads = dict(zip(values, mem.read_many([(v, self.layout.me_owner + 8) for v in values]))) if values else {}
+        out: list[tuple[int, int] | None] = []
+        for chain in chains:
+            found = None
+            for value, local in chain:
+                found = self._method_entry(mem, value, heads[value], local)
+                if found is not None:
+                    break
+            out.append(found)
+        return out
+
+    def _chains(self, envs: _Envs, eps: list[int]) -> list[list[tuple[int, bool]]]:
+        """Each frame's candidates, in the order Ruby checks them: ep[-2] of each environment up to the
+        local one (and whether that one is the local one). All frames step together, so the environments
+        off the stack of a step are one read."""
+        chains: list[list[tuple[int, bool]]] = [[] for _ in eps]
+        walking = list(enumerate(eps))
+        for _hop in range(MAX_ENV_HOPS):
+            if not walking:
+                break
+            envs.fetch([ep for _, ep in walking])
+            still: list[tuple[int, int]] = []
+            for i, ep in walking:
+                slots = envs.slots(ep)
+                if slots is None:
+                    self._drop("bad_env")
+                    continue
+                me_cref, specval, flags = slots
+                local = bool(flags & layouts.ENV_FLAG_LOCAL)
+                if me_cref and not me_cref & 7:
+                    chains[i].append((me_cref, local))
+                if not local:
+                    still.append((i, specval & ~3))
+            walking = still
+        if walking:
+            self._drop("env_too_deep")
+        return chains
+
+    def _method_entry(
+        self, mem: ProcessMemory, value: int, head: bytes | None, svar_allowed: bool
+    ) -> tuple[int, int] | None:
+        """check_method_entry (vm_insnhelper.c): (value, its owner) when `value` (whose first bytes are
+        `head`) is an imemo_ment; an svar's cref_or_me in a method's own environment; else None."""
+        lay = self.layout
+        if not value or value & 7:
+            return None  # Qfalse: no method entry here
+        if head is None:
+            self._drop("bad_method_entry")
+            return None
+        flags = _Q.unpack_from(head, 0)[0]
+        if flags & layouts.T_MASK != layouts.T_IMEMO:
+            self._drop("bad_method_entry")
+            return None
+        kind = (flags >> layouts.FL_USHIFT) & layouts.IMEMO_MASK
+        if kind == layouts.IMEMO_MENT:
+            return value, _Q.unpack_from(head, lay.me_owner)[0]
+        if kind == layouts.IMEMO_SVAR and svar_allowed:
+            inner = _Q.unpack_from(head, layouts.SVAR_CREF_OR_ME)[0]
+            if not inner or inner & 7:
+                return None
+            try:
+                got = mem.read(inner, lay.me_owner + 8)
+            except MemoryReadError as e:
+                if e.reason in ("gone", "budget"):
+                    raise
+                got = None
+            return self._method_entry(mem, inner, got, False)
+        return None  # a cref (top-level or class body code), or another imemo
+
+    def _class_name(self, mem: ProcessMemory, entry: tuple[int, int]) -> tuple[str, str]:
+        """("Worker", "#") for a method of Worker, ("Worker", ".") for one of Worker's singleton class,
+        ("", "") when no class is named; cached by method entry and owner."""
+        got = self._classes.get(entry)
+        if got is not None:
+            self._classes.move_to_end(entry)
+            return got
+        try:
+            got = self._read_class_name(mem, entry[1])
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("bad_class")
+            return "", ""  # not cached: a torn read may read right next time
+        self._classes[entry] = got
+        if len(self._classes) > CLASS_CACHE_ENTRIES:
+            self._classes.popitem(last=False)
+        return got
+
+    def _read_class_name(self, mem: ProcessMemory, owner: int) -> tuple[str, str]:
+        lay = self.layout
+        got = self._class(mem, owner)
+        if got is None:
+            raise MemoryReadError("bad_address", f"owner {owner:#x} is not a class or module")
+        flags, attached, path = got
+        sep = "#"
+        if flags & lay.fl_singleton:
+            got = self._class(mem, attached)
+            if got is None:
+                return "", ""  # a singleton of an ordinary object: Ruby names no class
+            path, sep = got[2], "."
+        if not path or path & 7:
+            return "", ""  # an anonymous class (nil classpath)
+        name = self._string(mem, path)
+        if name is None:
+            raise MemoryReadError("bad_address", f"classpath {path:#x} is not a string")
+        if not name or name.startswith("#<"):
+            return "", ""  # a temporary path: Ruby names no class either
+        return name, sep
+
+    def _class(self, mem: ProcessMemory, klass: int) -> tuple[int, int, int] | None:
+        """(flags, attached object, classpath) of a class or module; None for any other object."""
+        lay = self.layout
+        if not klass or klass & 7:
+            return None
+        raw = mem.read(klass, max(lay.class_attached, lay.class_path) + 8)
+        flags = _Q.unpack_from(raw, 0)[0]
+        if flags & layouts.T_MASK not in (layouts.T_CLASS, layouts.T_MODULE):
+            return None
+        return flags, _Q.unpack_from(raw, lay.class_attached)[0], _Q.unpack_from(raw, lay.class_path)[0]
+
+
 class RubyProcess:
+    """Reads the stacks of one Ruby process: its threads (here), their frames' iseqs (_Iseqs) and names
+    (_Names); sample() once per tick."""
+
     def __init__(self, version: str, layout: Layout, vm: int) -> None:
         self.version, self.layout, self.vm = version, layout, vm
-        self._iseqs: OrderedDict[tuple[int, int], _Iseq | None] = OrderedDict()
-        self._classes: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()
         self.dropped: dict[str, int] = {}
+        self.iseqs = _Iseqs(layout, self._drop)
+        self.names = _Names(layout, self._drop, self.iseqs.string)
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -205,305 +548,8 @@ class RubyProcess:
             iseq = _Q.unpack_from(c, lay.cfp_iseq)[0]
             if not iseq or iseq & 7:
                 continue  # a C function's frame, or the VM's dummy bottom frame
-            frame = self._frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
+            frame = self.iseqs.frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
             if frame is not None:
                 got.append((frame[0], frame[1], _Q.unpack_from(c, lay.cfp_ep)[0]))
-        owners = self._owners(mem, [ep for _, _, ep in got], stack, cfp)
-        return [self._named(mem, info, line, owner) for (info, line, _), owner in zip(got, owners)]
-
-    def _named(self, mem: ProcessMemory, info: _Iseq, line: int, owner: tuple[int, int] | None) -> RubyFrame:
-        """The frame of `info` at `line`, named after its method entry and owner (if any)."""
-        cls, sep = self._class_name(mem, owner) if owner else ("", "")
-        if not cls or not info.label.endswith(info.base_label):
-            return RubyFrame(info.label, "", info.path, line)
-        prefix = info.label[: len(info.label) - len(info.base_label)]  # "block in ", "rescue in "
-        return RubyFrame(f"{prefix}{cls}{sep}{info.base_label}", cls, info.path, line)
-
-    def _owners(self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0) -> list[tuple[int, int] | None]:
-        """(method entry, its owner) of each frame's environment, as rb_vm_frame_method_entry finds it:
-        ep[-2] of the environment, or of the previous ones up to the method's own (a block's frame);
-        None where there is none (top-level code: a cref) or it fails its checks (counted).
-        Environments on the thread's VM stack (between `stack` and `top`) are read in one span;
-        others (a block that outlived its frame has its environment on the heap) one by one."""
-        lay = self.layout
-        on_stack = [ep for ep in eps if stack + 16 <= ep < top and not ep & 7]
-        span_at, span = 0, b""
-        if on_stack:
-            span_at = min(on_stack) + layouts.EP_ME_CREF
-            size = max(on_stack) + 8 - span_at
-            if size <= MAX_ENV_SPAN:
-                span = mem.read(span_at, size)
-
-        off: dict[int, bytes | None] = {}  # environments off the VM stack: ep → its three words
-
-        def env(ep: int) -> tuple[int, int, int] | None:
-            """ep[-2], ep[-1], ep[0]."""
-            at = ep + layouts.EP_ME_CREF - span_at
-            if span and 0 <= at <= len(span) - 24:
-                raw, at = span, at  # noqa: PLW0127
-            else:
-                got = off.get(ep)
-                if got is None:
-                    return None
-                raw, at = got, 0
-            return _Q.unpack_from(raw, at)[0], _Q.unpack_from(raw, at + 8)[0], _Q.unpack_from(raw, at + 16)[0]
-
-        # Each frame's candidates, in the order Ruby checks them: ep[-2] of each environment up to the
-        # local one. All frames step together, so the environments off the stack of a step are one read.
-        chains: list[list[tuple[int, bool]]] = [[] for _ in eps]
-        walking = list(enumerate(eps))
-        for _hop in range(MAX_ENV_HOPS):
-            if not walking:
-                break
-            fetch = list(
-                {
-                    ep
-                    for _, ep in walking
-                    if ep not in off
-                    and not (span and span_at <= ep + layouts.EP_ME_CREF and ep + 8 <= span_at + len(span))
-                }
-            )
-            if fetch:
-                got = mem.read_many([(ep + layouts.EP_ME_CREF, 24) if ep and not ep & 7 else (0, 0) for ep in fetch])
-                off.update(zip(fetch, got))
-            still: list[tuple[int, int]] = []
-            for i, ep in walking:
-                slots = env(ep)
-                if slots is None:
-                    self._drop("bad_env")
-                    continue
-                me_cref, specval, flags = slots
-                local = bool(flags & layouts.ENV_FLAG_LOCAL)
-                if me_cref and not me_cref & 7:
-                    chains[i].append((me_cref, local))
-                if not local:
-                    still.append((i, specval & ~3))
-            walking = still
-        if walking:
-            self._drop("env_too_deep")
-        values = list({v for chain in chains for v, _ in chain})
-        heads = dict(zip(values, mem.read_many([(v, lay.me_owner + 8) for v in values]))) if values else {}
-        out: list[tuple[int, int] | None] = []
-        for chain in chains:
-            found = None
-            for value, local in chain:
-                found = self._method_entry(mem, value, heads[value], local)
-                if found is not None:
-                    break
-            out.append(found)
-        return out
-
-    def _method_entry(
-        self, mem: ProcessMemory, value: int, head: bytes | None, svar_allowed: bool
-    ) -> tuple[int, int] | None:
-        """check_method_entry (vm_insnhelper.c): (value, its owner) when `value` (whose first bytes are
-        `head`) is an imemo_ment; an svar's cref_or_me in a method's own environment; else None."""
-        lay = self.layout
-        if not value or value & 7:
-            return None  # Qfalse: no method entry here
-        if head is None:
-            self._drop("bad_method_entry")
-            return None
-        flags = _Q.unpack_from(head, 0)[0]
-        if flags & layouts.T_MASK != layouts.T_IMEMO:
-            self._drop("bad_method_entry")
-            return None
-        kind = (flags >> layouts.FL_USHIFT) & layouts.IMEMO_MASK
-        if kind == layouts.IMEMO_MENT:
-            return value, _Q.unpack_from(head, lay.me_owner)[0]
-        if kind == layouts.IMEMO_SVAR and svar_allowed:
-            inner = _Q.unpack_from(head, layouts.SVAR_CREF_OR_ME)[0]
-            if not inner or inner & 7:
-                return None
-            try:
-                got = mem.read(inner, lay.me_owner + 8)
-            except MemoryReadError as e:
-                if e.reason in ("gone", "budget"):
-                    raise
-                got = None
-            return self._method_entry(mem, inner, got, False)
-        return None  # a cref (top-level or class body code), or another imemo
-
-    def _class_name(self, mem: ProcessMemory, entry: tuple[int, int]) -> tuple[str, str]:
-        """("Worker", "#") for a method of Worker, ("Worker", ".") for one of Worker's singleton class,
-        ("", "") when no class is named; cached by method entry and owner."""
-        got = self._classes.get(entry)
-        if got is not None:
-            self._classes.move_to_end(entry)
-            return got
-        try:
-            got = self._read_class_name(mem, entry[1])
-        except MemoryReadError as e:
-            if e.reason in ("gone", "budget"):
-                raise
-            self._drop("bad_class")
-            return "", ""  # not cached: a torn read may read right next time
-        self._classes[entry] = got
-        if len(self._classes) > CLASS_CACHE_ENTRIES:
-            self._classes.popitem(last=False)
-        return got
-
-    def _read_class_name(self, mem: ProcessMemory, owner: int) -> tuple[str, str]:
-        lay = self.layout
-        got = self._class(mem, owner)
-        if got is None:
-            raise MemoryReadError("bad_address", f"owner {owner:#x} is not a class or module")
-        flags, attached, path = got
-        sep = "#"
-        if flags & lay.fl_singleton:
-            got = self._class(mem, attached)
-            if got is None:
-                return "", ""  # a singleton of an ordinary object: Ruby names no class
-            path, sep = got[2], "."
-        if not path or path & 7:
-            return "", ""  # an anonymous class (nil classpath)
-        name = self._string(mem, path)
-        if name is None:
-            raise MemoryReadError("bad_address", f"classpath {path:#x} is not a string")
-        if not name or name.startswith("#<"):
-            return "", ""  # a temporary path: Ruby names no class either
-        return name, sep
-
-    def _class(self, mem: ProcessMemory, klass: int) -> tuple[int, int, int] | None:
-        """(flags, attached object, classpath) of a class or module; None for any other object."""
-        lay = self.layout
-        if not klass or klass & 7:
-            return None
-        raw = mem.read(klass, max(lay.class_attached, lay.class_path) + 8)
-        flags = _Q.unpack_from(raw, 0)[0]
-        if flags & layouts.T_MASK not in (layouts.T_CLASS, layouts.T_MODULE):
-            return None
-        return flags, _Q.unpack_from(raw, lay.class_attached)[0], _Q.unpack_from(raw, lay.class_path)[0]
-
-    def _frame(self, mem: ProcessMemory, iseq: int, pc: int) -> tuple[_Iseq, int] | None:
-        head = mem.read(iseq, self.layout.iseq_body + 8)
-        flags = _Q.unpack_from(head, 0)[0]
-        if flags & layouts.T_MASK != layouts.T_IMEMO:
-            return None  # a C function's method entry, or a dummy frame
-        if (flags >> layouts.FL_USHIFT) & 0xF != layouts.IMEMO_ISEQ:
-            return None
-        body = _Q.unpack_from(head, self.layout.iseq_body)[0]
-        key = (iseq, body)
-        info = self._iseqs.get(key)
-        if key in self._iseqs:
-            self._iseqs.move_to_end(key)
-        else:
-            try:
-                info = self._read_iseq(mem, body)
-            except MemoryReadError as e:
-                if e.reason in ("gone", "budget"):
-                    raise
-                self._drop("bad_pointer")
-                info = None
-            self._iseqs[key] = info
-            if len(self._iseqs) > ISEQ_CACHE_ENTRIES:
-                self._iseqs.popitem(last=False)
-        if info is None:
-            return None
-        if not pc:
-            return info, 0
-        pos = (pc - info.encoded) // 8
-        if not 0 <= pos < MAX_ISEQ_SIZE:
-            self._drop("bad_pc")
-            return None
-        pos = pos - 1 if pos else 0  # the pc is past the instruction being run
-        line = self._line(mem, info, pos)
-        if line is None:
-            return None
-        return info, line
-
-    def _read_iseq(self, mem: ProcessMemory, body: int) -> _Iseq | None:
-        lay = self.layout
-        if not body or body & 7:
-            self._drop("bad_pointer")
-            return None
-        raw = mem.read(body, lay.body_succ_table + 8)
-        label = self._string(mem, _Q.unpack_from(raw, lay.body_label)[0])
-        base = self._string(mem, _Q.unpack_from(raw, lay.body_base_label)[0])
-        path = self._path(mem, _Q.unpack_from(raw, lay.body_pathobj)[0])
-        if label is None or base is None or path is None:
-            return None
-        size = _I.unpack_from(raw, lay.body_insns_size)[0]
-        entries = _Q.unpack_from(raw, lay.body_insns_body)[0]
-        if size > MAX_INSN_ENTRIES or (size and not entries):
-            self._drop("bad_insn_info")
-            return None
-        table = mem.read(entries, size * layouts.INSN_INFO_ENTRY_BYTES) if size else b""
-        lines = [_i.unpack_from(table, k * layouts.INSN_INFO_ENTRY_BYTES)[0] for k in range(size)]
-        return _Iseq(
-            label,
-            base,
-            path,
-            _Q.unpack_from(raw, lay.body_iseq_encoded)[0],
-            size,
-            lines,
-            _Q.unpack_from(raw, lay.body_succ_table)[0],
-            {},
-        )
-
-    def _line(self, mem: ProcessMemory, info: _Iseq, pos: int) -> int | None:
-        if info.size == 0:
-            return 0
-        if info.size == 1:
-            return info.lines[0]
-        index = info.cache.get(pos)
-        if index is None:
-            if not info.succ:
-                self._drop("bad_insn_info")
-                return None
-            index = self._succ_lookup(mem, info.succ, pos)
-            if len(info.cache) < 256:
-                info.cache[pos] = index
-        if not 1 <= index <= info.size:
-            self._drop("impossible_line")
-            return None
-        line = info.lines[index - 1]
-        return line if 0 <= line < 1 << 24 else 0
-
-    def _succ_lookup(self, mem: ProcessMemory, table: int, x: int) -> int:
-        """Ruby's succ_index_lookup (iseq.c): the number of instruction-info entries starting at or before x."""
-        if x < layouts.SUCC_IMMEDIATE:
-            word = mem.u64(table + 8 * (x // 9))
-            return (word >> (7 * (x % 9))) & 0x7F
-        block = (x - layouts.SUCC_IMMEDIATE) // 512
-        bit = (x - layouts.SUCC_IMMEDIATE) % 512
-        raw = mem.read(table + layouts.SUCC_IMM_BYTES + block * layouts.SUCC_BLOCK_BYTES, layouts.SUCC_BLOCK_BYTES)
-        rank = _I.unpack_from(raw, 0)[0]
-        small_ranks = _Q.unpack_from(raw, 8)[0]
-        small = bit // 64
-        small_rank = 0 if small == 0 else (small_ranks >> ((small - 1) * 9)) & 0x1FF
-        word = _Q.unpack_from(raw, 16 + 8 * small)[0]
-        popcount = bin((word << (63 - bit % 64)) & 0xFFFFFFFFFFFFFFFF).count("1")
-        return rank + small_rank + popcount
-
-    def _string(self, mem: ProcessMemory, value: int) -> str | None:
-        lay = self.layout
-        if not value or value & 7:
-            self._drop("bad_string")
-            return None
-        head = mem.read(value, lay.str_ptr + 8)
-        flags = _Q.unpack_from(head, 0)[0]
-        length = _Q.unpack_from(head, lay.str_len)[0]
-        if flags & layouts.T_MASK != layouts.T_STRING or length > 1 << 20:
-            self._drop("bad_string")
-            return None
-        n = min(length, MAX_NAME_BYTES)
-        if not n:
-            return ""
-        ptr = _Q.unpack_from(head, lay.str_ptr)[0] if flags & layouts.STRING_NOEMBED else value + lay.str_ptr
-        return mem.read(ptr, n).decode("utf-8", "replace")
-
-    def _path(self, mem: ProcessMemory, value: int) -> str | None:
-        """pathobj: a path string, or an array [path, realpath]."""
-        if not value or value & 7:
-            self._drop("bad_string")
-            return None
-        flags = mem.u64(value)
-        if flags & layouts.T_MASK == layouts.T_ARRAY:
-            lay = self.layout
-            if flags & layouts.ARRAY_EMBED:
-                first = mem.u64(value + lay.ary_embed)
-            else:
-                first = mem.u64(mem.u64(value + lay.ary_heap_ptr))
-            return self._string(mem, first)
-        return self._string(mem, value)
+        owners = self.names.owners(mem, [ep for _, _, ep in got], stack, cfp)
+        return [self.names.named(mem, info, line, owner) for (info, line, _), owner in zip(got, owners)]

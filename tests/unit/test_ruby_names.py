@@ -29,7 +29,7 @@ IMEMO_CREF = layouts.T_IMEMO | 1 << layouts.FL_USHIFT
 QNIL = 0x04
 
 
-class FakeMemory:
+class FakeMemory(ProcessMemory):
     """Regions of words at addresses; a read outside them fails as an unmapped address does."""
 
     def __init__(self) -> None:
@@ -94,9 +94,9 @@ def env(mem: FakeMemory, ep: int, me_cref: int, prev: int, local: bool) -> int:
 
 def names(r: RubyProcess, mem: FakeMemory, frames: list[tuple[str, str, int]]) -> list[str]:
     """Each frame's name as the reader gives it, for (label, base label, ep) triples."""
-    owners = r._owners(mem, [ep for _, _, ep in frames])
+    owners = r.names.owners(mem, [ep for _, _, ep in frames])
     return [
-        r._named(mem, _Iseq(label, base, "/w.rb", 0, 0, [], 0, {}), 0, owner).function
+        r.names.named(mem, _Iseq(label, base, "/w.rb", 0, 0, [], 0, {}), 0, owner).function
         for (label, base, _), owner in zip(frames, owners)
     ]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from runtimes.memory import ProcessMemory
 from runtimes.ruby.layouts import LAYOUTS as RUBY_LAYOUTS
 from runtimes.ruby.reader import RubyProcess
 from runtimes.runtime import FileCache
@@ -74,7 +75,7 @@ def test_file_cache_computes_once_and_remembers_failures() -> None:
     assert cache.get("a", lambda: compute(1)) == 10 and calls == [1, -1, 3, 1]
 
 
-class _Table:
+class _Table(ProcessMemory):
     """A recorded succ_index_table, served as ProcessMemory serves reads."""
 
     BASE = 0x1000
@@ -98,7 +99,7 @@ RECORDED = bytes.fromhex(
 def test_ruby_succinct_index_lookup_matches_the_recorded_table() -> None:
     r = RubyProcess("3.3.8", RUBY_LAYOUTS[(3, 3)], 0)
     mem = _Table(RECORDED)
-    got = [r._succ_lookup(mem, _Table.BASE, x) for x in range(30)]  # the decoder under test
+    got = [r.iseqs.succ_lookup(mem, _Table.BASE, x) for x in range(30)]  # the decoder under test
     # Ranks never fall, start at 1 (position 0 starts the first entry) and end at the entry count;
     # every position of cpu_a maps to one of its lines (10 to 12, the `end` at 14 last), and the
     # position the live reader sampled most (19) to the loop's line 11.
@@ -173,7 +174,7 @@ def test_on_cpu_samples_past_the_readers_cap_are_a_weighted_subsample(tmp_path: 
         pid = os.getpid()
         me = wire.Process(pid=pid, start_ticks=1, uid=0, nspid=pid, comm="t", executable="/bin/t", service="s")
         jvm = next(x for x in r.runtimes if x.spec.name == "jvm")
-        r.targets.entries[pid] = Entry(me, state="reading", reader=_Walked(), runtime=jvm)  # type: ignore[arg-type]
+        r.targets.entries[pid] = Entry(me, state="reading", reader=_Walked(), runtime=jvm)
         period = 52_631_578
         samples = tuple(wire.RegsSample(pid, 1, pid if i % 4 else pid + 1, i, 1, 2, 3, b"") for i in range(arriving))
         r.regs(wire.RegsBatch("h", 1, period, samples), 10**18)
