@@ -25,6 +25,7 @@ Environment: EBPFPROFILER_UPLOAD_BACKOFF_S overrides the backoff base
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -214,10 +215,8 @@ class _Sockets:
         with self._lock:
             socks = list(self._socks)
         for sock in socks:
-            try:  # noqa: SIM105
+            with contextlib.suppress(OSError):  # closed already
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the descriptor's, under TLS too
-            except OSError:
-                pass  # closed already
 
 
 def _adapter(sockets: _Sockets) -> requests.adapters.HTTPAdapter:

@@ -26,12 +26,14 @@ bearer token, or need any privilege.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +41,7 @@ import zmq
 
 from shared import counters, endpoints, lifecycle, ready, remote_config, stopping
 from shared import log as shared_log
+from shared.config import ProfilerConfig
 from shared.handoff import MAX_ENVELOPE_BYTES, REFUSED, HandoffError, decode_profile, encode_ack
 from shared.wire import MAX_PROFILE_BYTES, ProfileUpload
 from uploader import formats
@@ -176,73 +179,44 @@ class Uploader:
         self._reply(identity, upload.profile_id, status, reason)
 
     def _reply(self, identity: bytes, profile_id: str, status: str, reason: str) -> None:
-        try:  # noqa: SIM105
+        # zmq.Again: that worker is gone or not reading; it offers the profile again and we ack it then
+        with contextlib.suppress(zmq.Again):
             self.sock.send_multipart([identity, encode_ack(profile_id, status, reason)], zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # that worker is gone or not reading; it offers the profile again and we ack it then
 
 
-def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:  # noqa: PLR0912
+@dataclass
+class Delivery:
+    """Where accepted profiles go: the file under local_dir, or the spool and the sender posting from it."""
+
+    store: Store
+    where: str  # for the start line
+    client: HttpClient | None = None
+    spool: Spool | None = None
+    sender: Sender | None = None
+
+
+def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:
     args = parse_args(argv, prog)
     lifecycle.become(prog, STAGE, "the uploader's")  # first: nothing below runs with privileges
     cfg = lifecycle.load_config(prog, args.config)
     token = ""
     if not cfg.uploads_locally:
-        from uploader.http import HttpClient, TokenError, backoff_base_s, read_token
-        from uploader.remote import RemoteConfigFetcher
-        from uploader.sender import Sender
-
-        try:
-            token = read_token(cfg.token_file) if cfg.token_file else ""
-        except TokenError as e:
-            print(f"{prog}: modules.ebpf_profiler.token_file: {e}", file=sys.stderr)
+        credentials = read_credentials(prog, cfg)
+        if credentials is None:
             return 2
-        if cfg.ca_file and not os.access(cfg.ca_file, os.R_OK):
-            print(f"{prog}: modules.ebpf_profiler.ca_file: cannot read {cfg.ca_file}", file=sys.stderr)
-            return 2
+        token = credentials
     lifecycle.hold_run_dir(prog, args.run_dir, STAGE)
     log = shared_log.setup(STAGE)
-
-    client: HttpClient | None = None
-    sender: Sender | None = None
-    if cfg.uploads_locally:
-        writer = LocalWriter(cfg.local_dir)
-        store: Store = writer
-        where = f"the {writer.describe()}"
-    else:
-        client = HttpClient(
-            cfg.endpoint,
-            read_timeout_s=cfg.upload_timeout_s,
-            ca_file=cfg.ca_file,
-            token=token,
-            upload_format=formats.for_config(cfg),
-        )
-        spool = Spool(
-            os.path.join(args.state_dir, SPOOL_DIR),
-            os.path.join(args.state_dir, DEAD_LETTER_DIR),
-            cfg.spool_max_mb << 20,
-            log,
-        )
-        try:
-            spool.open()
-        except OSError as e:
-            log.error("cannot use the spool in %s: %s", spool.directory, e)
-            return 1
-        store = spool
-        sender = Sender(spool, client, log, backoff_base_s(), counters.CounterFile(args.run_dir, STAGE))
-        where = (
-            f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
-            f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)"
-        )
-        if token and cfg.endpoint.startswith("http://"):
-            log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
+    delivery = open_delivery(cfg, args.state_dir, args.run_dir, token, log)
+    if delivery is None:
+        return 1
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-    uploader = Uploader(sock, store, log)
+    uploader = Uploader(sock, delivery.store, log)
     # From here a stop request is remembered; the loop then drains and exits.
     signal.signal(signal.SIGTERM, uploader.request_stop)
     signal.signal(signal.SIGINT, uploader.request_stop)
@@ -254,19 +228,98 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
         log.error("cannot listen on %s: %s", address, e)
         sock.close()
         ctx.term()
-        if client is not None:
-            client.close()
+        if delivery.client is not None:
+            delivery.client.close()
         return 1
-    fetcher: RemoteConfigFetcher | None = None
+    fetcher = remote_config_fetcher(cfg, args.run_dir, token, log)
+    if delivery.sender is not None:
+        delivery.sender.start()
+    if fetcher is not None:
+        fetcher.start()
+    try:
+        # Logged before the ready file: whoever waits for it can read where profiles go.
+        log.info("listening on %s; profiles go to %s", address, delivery.where)
+        ready.announce(args.run_dir, STAGE)
+        uploader.run()
+    finally:
+        lifecycle.shut_down(args.run_dir, STAGE, sock.close, ctx.term)
+        if fetcher is not None:
+            fetcher.stop(REMOTE_CONFIG_JOIN_S)
+            fetcher.client.close()
+        finish_delivery(delivery, uploader.counts, log)
+    return 0
+
+
+def read_credentials(prog: str, cfg: ProfilerConfig) -> str | None:
+    """The bearer token ("" without token_file) for posting to the endpoint; None, said on stderr, when
+    token_file or ca_file cannot be used."""
+    from uploader.http import TokenError, read_token
+
+    try:
+        token = read_token(cfg.token_file) if cfg.token_file else ""
+    except TokenError as e:
+        print(f"{prog}: modules.ebpf_profiler.token_file: {e}", file=sys.stderr)
+        return None
+    if cfg.ca_file and not os.access(cfg.ca_file, os.R_OK):
+        print(f"{prog}: modules.ebpf_profiler.ca_file: cannot read {cfg.ca_file}", file=sys.stderr)
+        return None
+    return token
+
+
+def open_delivery(
+    cfg: ProfilerConfig, state_dir: str, run_dir: str, token: str, log: logging.Logger
+) -> Delivery | None:
+    """The local writer, or the HTTP client with the spool opened and its sender (not started yet);
+    None, logged, when the spool cannot be used."""
     if cfg.uploads_locally:
-        if os.path.lexists(remote_config.path(args.run_dir)):
+        writer = LocalWriter(cfg.local_dir)
+        return Delivery(writer, f"the {writer.describe()}")
+    from uploader.http import HttpClient, backoff_base_s
+    from uploader.sender import Sender
+
+    client = HttpClient(
+        cfg.endpoint,
+        read_timeout_s=cfg.upload_timeout_s,
+        ca_file=cfg.ca_file,
+        token=token,
+        upload_format=formats.for_config(cfg),
+    )
+    spool = Spool(
+        os.path.join(state_dir, SPOOL_DIR),
+        os.path.join(state_dir, DEAD_LETTER_DIR),
+        cfg.spool_max_mb << 20,
+        log,
+    )
+    try:
+        spool.open()
+    except OSError as e:
+        log.error("cannot use the spool in %s: %s", spool.directory, e)
+        return None
+    sender = Sender(spool, client, log, backoff_base_s(), counters.CounterFile(run_dir, STAGE))
+    where = (
+        f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
+        f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)"
+    )
+    if token and cfg.endpoint.startswith("http://"):
+        log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
+    return Delivery(spool, where, client, spool, sender)
+
+
+def remote_config_fetcher(
+    cfg: ProfilerConfig, run_dir: str, token: str, log: logging.Logger
+) -> RemoteConfigFetcher | None:
+    """The fetcher of the backend's agent config (not started yet), or None when there is none to fetch;
+    then an overrides file of an earlier run is removed."""
+    if cfg.uploads_locally:
+        if os.path.lexists(remote_config.path(run_dir)):
             log.info("no endpoint, so no remote config: removing the overrides file of an earlier run")
-            try:
-                remote_config.write_overrides(args.run_dir, {})
-            except OSError as e:
-                log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
-    elif cfg.agent_config_url:
-        fetcher = RemoteConfigFetcher(
+            _remove_overrides(run_dir, log)
+        return None
+    if cfg.agent_config_url:
+        from uploader.http import HttpClient
+        from uploader.remote import RemoteConfigFetcher
+
+        return RemoteConfigFetcher(
             HttpClient(
                 cfg.endpoint,
                 read_timeout_s=cfg.upload_timeout_s,
@@ -275,60 +328,53 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
                 agent_config_url=cfg.agent_config_url,
             ),
             cfg,
-            args.run_dir,
+            run_dir,
             socket.gethostname(),
             log,
         )
-    else:
-        if os.path.lexists(remote_config.path(args.run_dir)):
-            try:
-                remote_config.write_overrides(args.run_dir, {})
-            except OSError as e:
-                log.warning("cannot remove %s: %s", remote_config.path(args.run_dir), e)
-        log.info(
-            "remote config: off (upload_format %s sends to a backend that serves no agent config of ours; "
-            "set remote_config_url to fetch one); no overrides file",
-            cfg.upload_format,
-        )
-    if sender is not None:
-        sender.start()
-    if fetcher is not None:
-        fetcher.start()
+    if os.path.lexists(remote_config.path(run_dir)):
+        _remove_overrides(run_dir, log)
+    log.info(
+        "remote config: off (upload_format %s sends to a backend that serves no agent config of ours; "
+        "set remote_config_url to fetch one); no overrides file",
+        cfg.upload_format,
+    )
+    return None
+
+
+def _remove_overrides(run_dir: str, log: logging.Logger) -> None:
     try:
-        # Logged before the ready file: whoever waits for it can read where profiles go.
-        log.info("listening on %s; profiles go to %s", address, where)
-        ready.announce(args.run_dir, STAGE)
-        uploader.run()
-    finally:
-        lifecycle.shut_down(args.run_dir, STAGE, sock.close, ctx.term)
-        if fetcher is not None:
-            fetcher.stop(REMOTE_CONFIG_JOIN_S)
-            fetcher.client.close()
-        c = uploader.counts
-        if sender is not None and client is not None:
-            if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
-                log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
-            if sender.checks is not None:
-                sender.checks.flush(force=True)
-            client.close()
-            s = spool.counts
-            log.info(
-                "exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
-                "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
-                "the backend in a 2xx reply (partial success)",
-                c["stored"],
-                c["refused"],
-                c["retry"],
-                s["delivered"],
-                s["dead_lettered"],
-                s["dropped"],
-                len(spool),
-                spool.bytes / 1e6,
-                sender.counts["rejected"],
-            )
-        else:
-            log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"], c["retry"])
-    return 0
+        remote_config.write_overrides(run_dir, {})
+    except OSError as e:
+        log.warning("cannot remove %s: %s", remote_config.path(run_dir), e)
+
+
+def finish_delivery(delivery: Delivery, c: Counter[str], log: logging.Logger) -> None:
+    """The sender's bounded final attempt (with an endpoint), then the exit line with what was done."""
+    sender, client, spool = delivery.sender, delivery.client, delivery.spool
+    if sender is None or client is None or spool is None:
+        log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"], c["retry"])
+        return
+    if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
+        log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
+    if sender.checks is not None:
+        sender.checks.flush(force=True)
+    client.close()
+    s = spool.counts
+    log.info(
+        "exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
+        "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
+        "the backend in a 2xx reply (partial success)",
+        c["stored"],
+        c["refused"],
+        c["retry"],
+        s["delivered"],
+        s["dead_lettered"],
+        s["dropped"],
+        len(spool),
+        spool.bytes / 1e6,
+        sender.counts["rejected"],
+    )
 
 
 if __name__ == "__main__":

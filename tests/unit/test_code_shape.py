@@ -73,7 +73,6 @@ STILL_OVER = frozenset(
         "tests/unit/test_dotnet_ipc.py:test_a_peer_that_never_answers_is_retried_with_backoff_then_refused",
         "tests/unit/test_jvm_tables.py:_hostile_jvm",
         "tests/unit/test_spool_handoff.py:test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost",
-        "uploader/main.py:main",
         "uploader/spool.py:Spool",
     }
 )
