@@ -14,8 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
 
 from bench import bpf, procs, report
 from bench.alloc import AllocLockBench
@@ -45,6 +47,9 @@ from bench.tables import section as tables_section
 from bench.unwind import UnwindBench
 from bench.unwind import section as unwind_section
 
+# A suite's table: (caption, header, rows, notes).
+Section = tuple[str, list[str], list[list[str]], list[str]]
+
 SUITES = (
     "oncpu",
     "offcpu",
@@ -63,32 +68,42 @@ SUITES = (
 )
 
 
+# What --help says: every suite in a sentence.
+DESCRIPTION = (
+    "Benchmarks of ebpfprofiler, each against the same work with nothing running "
+    "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
+    "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
+    "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
+    "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
+    "table build time and size for libc, libpython and node, pyelftools as the peer), python "
+    "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
+    "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
+    "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
+    "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
+    "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
+    "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
+    "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
+    "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
+    "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
+    "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
+    "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
+    "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run), startup "
+    "(`run` at the defaults and `record --offcpu`, cold and warm: start to the collector's ready file "
+    "and to its first sample drained, and where the time goes). Writes "
+    "bench/results/<suite>.json and bench/RESULTS.md and prints the tables."
+)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
     ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
-    p = argparse.ArgumentParser(
-        prog="python -m bench.run",
-        description="Benchmarks of ebpfprofiler, each against the same work with nothing running "
-        "and against its peers, in one run, as ratios: oncpu (a CPU-bound workload under "
-        "the pipeline and profile-bpfcc; the pipeline's CPU per 10,000 samples), offcpu "
-        "(pipe ping-pong under on-CPU, on+off-CPU and perf sched_switch), scaling "
-        "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
-        "table build time and size for libc, libpython and node, pyelftools as the peer), python "
-        "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
-        "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
-        "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
-        "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
-        "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
-        "rounds at 19,99 and 999,4999 Hz, takes hours: scale it with --rounds, --rates, "
-        "--high-rates and --seconds), alloc (a malloc/free loop with nothing and with allocation profiling "
-        "at the defaults, at 2% and 20% duty and always attached; a mixed workload's shares against "
-        "the truth; a contended mutex loop with lock profiling off and on), budget (the agent's cost at "
-        "deploy/agent.yaml's defaults, measured from outside: idle, busy, a process spawner and the "
-        "ping-pong, beside profile-bpfcc and perf -g), dotnet (perf maps asked of a .NET 8 process), "
-        "growth (each stage's RSS over 30 minutes of the busy load at the defaults; one run), startup "
-        "(`run` at the defaults and `record --offcpu`, cold and warm: start to the collector's ready file "
-        "and to its first sample drained, and where the time goes). Writes "
-        "bench/results/<suite>.json and bench/RESULTS.md and prints the tables.",
-    )
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=DESCRIPTION)
     p.add_argument(
         "--rounds",
         type=int,
@@ -128,7 +143,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=ROUND_TRIPS,
         help="offcpu: ping-pong round trips per run (default: %(default)s)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse values out of range (p.error exits), and turn the comma-separated lists into lists."""
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if not 0.5 <= args.seconds <= 600:
@@ -153,7 +172,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--suites: {', '.join(unknown) or 'none given'}; choose from {', '.join(SUITES)}")
     if args.round_trips < 1000:
         p.error("--round-trips must be at least 1000")
-    return args
 
 
 def machine() -> dict:
@@ -199,6 +217,34 @@ def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
+class Bench(Protocol):
+    """What main asks of every suite."""
+
+    @property
+    def our_prog_ids(self) -> Iterable[int]:
+        """The BPF programs its profilers loaded, to check that none is left behind."""
+
+    def run(self) -> dict[str, Any]: ...
+
+
+# Each suite's table: how its section is made from its result, and its title.
+SECTIONS: dict[str, tuple[Callable[[dict[str, Any]], Section], str]] = {
+    "offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
+    "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
+    "tables": (tables_section, "Unwind table build time and size"),
+    "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
+    "python": (python_section, "Python stacks: the runtime reader against py-spy"),
+    "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
+    "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
+    "overhead": (overhead_section, "Measured overhead against the peers"),
+    "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
+    "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
+    "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
+    "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults"),
+    "startup": (startup_section, "Start-up: to the collector's ready file and its first sample, cold and warm"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
@@ -211,7 +257,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)  # clean up as on Ctrl-C
 
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    benches = {
+    results, failure, check = run_suites(args, benches(args))
+    log(
+        "BPF programs left behind: "
+        + ("none" if check["ok"] else ", ".join(check["left"]))
+        + " (checked with bpftool prog show)"
+    )
+    if failure:
+        log(f"FAILED: {failure}")
+        return 1
+    head = {"date": date, "machine": machine(), "source": source_version(), "bpf_check": check}
+    results = {name: {"benchmark": name, **head, **result} for name, result in results.items()}
+    written = [report.write_json(name, result) for name, result in results.items()]
+    written += write_tables(args.suites, results)
+    print("wrote " + ", ".join(os.path.relpath(p) for p in written))
+    return 0 if check["ok"] else 1
+
+
+def benches(args: argparse.Namespace) -> dict[str, Bench]:
+    return {
         "oncpu": OnCpuBench(args.rounds, args.seconds, args.threads, args.rates, args.quiet_wait, log, args.keep),
         "offcpu": PingPongBench(args.rounds, args.round_trips, log, args.keep),
         "scaling": ScalingBench(args.rounds, log, args.keep),
@@ -229,7 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "growth": GrowthBench(1, log=log),
         "startup": StartupBench(args.rounds, args.quiet_wait, log, args.keep),
     }
-    results: dict[str, dict] = {}
+
+
+def run_suites(
+    args: argparse.Namespace, benches: dict[str, Bench]
+) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
+    """(each suite's result, what failed if one did, the check that no BPF program is left behind)."""
+    results: dict[str, dict[str, Any]] = {}
     failure = None
     try:
         for name in args.suites:
@@ -243,51 +313,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         ours = set().union(*(b.our_prog_ids for b in benches.values()))
         check = bpf_left_behind(ours)
-    log(
-        "BPF programs left behind: "
-        + ("none" if check["ok"] else ", ".join(check["left"]))
-        + " (checked with bpftool prog show)"
-    )
-    if failure:
-        log(f"FAILED: {failure}")
-        return 1
-    head = {"date": date, "machine": machine(), "source": source_version(), "bpf_check": check}
-    written = []
-    for name, result in results.items():
-        results[name] = result = {"benchmark": name, **head, **result}  # noqa: PLW2901
-        written.append(report.write_json(name, result))
-    # RESULTS.md shows every suite: those not run now from their last results file.
-    for name in SUITES:
-        if name not in results:
-            results[name] = report.read_json(name)
-    extra: list[str] = []
-    sections = {
-        "offcpu": (report.offcpu_section, "Off-CPU cost on a context-switch-heavy workload"),
-        "scaling": (report.scaling_section, "Symbolizer throughput: 1 and 2 workers"),
-        "tables": (tables_section, "Unwind table build time and size"),
-        "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
-        "python": (python_section, "Python stacks: the runtime reader against py-spy"),
-        "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
-        "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
-        "overhead": (overhead_section, "Measured overhead against the peers"),
-        "alloc": (alloc_section, "Allocation and lock profiling: cost on the worst cases"),
-        "budget": (budget_section, "The agent's cost at the shipped defaults, measured from outside"),
-        "dotnet": (dotnet_section, ".NET perf maps on request: the reader's wait and the map written"),
-        "growth": (growth_section, "Memory over a 30-minute busy run at the shipped defaults"),
-        "startup": (startup_section, "Start-up: to the collector's ready file and its first sample, cold and warm"),
+    return results, failure, check
+
+
+def write_tables(suites: list[str], results: dict[str, dict[str, Any]]) -> list[Path]:
+    """Print the tables of the suites run now; write RESULTS.md with every suite's, those not run now from
+    their last results file."""
+    shown: dict[str, dict[str, Any] | None] = {
+        name: results[name] if name in results else report.read_json(name) for name in SUITES
     }
-    for name, (make_section, title) in sections.items():
-        if results.get(name):
-            section = make_section(results[name])
-            if name in args.suites:
+    extra: list[str] = []
+    for name, (make_section, title) in SECTIONS.items():
+        result = shown.get(name)
+        if result:
+            section = make_section(result)
+            if name in suites:
                 report.print_section(title, section)
             extra.append(report.md_section(title, name, section))
-    if "oncpu" in args.suites:
-        report.print_oncpu(results["oncpu"])
-    if results.get("oncpu"):
-        written.append(report.write_results_md(results["oncpu"], tuple(extra)))
-    print("wrote " + ", ".join(os.path.relpath(p) for p in written))
-    return 0 if check["ok"] else 1
+    oncpu = shown.get("oncpu")
+    if "oncpu" in suites and oncpu is not None:
+        report.print_oncpu(oncpu)
+    return [report.write_results_md(oncpu, tuple(extra))] if oncpu else []
 
 
 def bpf_left_behind(ours: set[int]) -> dict:
