@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from collector.bpfmaps import RawDrain
 from collector.procfs import ProcessTable
@@ -36,6 +37,8 @@ UNKNOWN_PROCESS = Process(
 
 
 class _Builder:
+    """One worker's batch as it is built: its processes, and stacks renumbered in the order first used."""
+
     def __init__(self) -> None:
         self.processes: dict[int, Process] = {}
         self.user: dict[int, int] = {}  # drain stack id → index in this batch
@@ -54,6 +57,45 @@ class _Builder:
             i = index[sid] = len(out)
             out.append(stacks[sid])
         return i
+
+    def add(self, drain: RawDrain, s: tuple) -> None:
+        """One sample of `drain` (pid, tid, user stack, kernel stack, count, value[, extra]), its stacks renumbered."""
+        self.samples.append(
+            Sample(
+                pid=s[0],
+                tid=s[1],
+                user_stack=self.stack(s[2], drain.user_stacks, self.user, self.user_stacks),
+                kernel_stack=self.stack(s[3], drain.kernel_stacks, self.kernel, self.kernel_stacks),
+                count=s[4],
+                value=s[5],
+                extra=tuple(s[6]) if len(s) > 6 else (),
+            )
+        )
+
+    def batch(self, drain: RawDrain, ksym: Callable[[int], str], head: StackBatch, with_lost: bool) -> StackBatch:
+        """The message: `head`'s host, type, rate and time; the host-wide losses only `with_lost`."""
+        kaddrs = {a for st in self.kernel_stacks for a in st}
+        return replace(
+            head,
+            processes=tuple(self.processes.values()),
+            user_stacks=tuple(self.user_stacks),
+            kernel_stacks=tuple(self.kernel_stacks),
+            samples=tuple(self.samples),
+            kernel_symbols={a: ksym(a) for a in kaddrs},
+            lost=dict(drain.lost) if with_lost else {},
+        )
+
+
+def _merge_unknown(samples: list[tuple], unknown: dict[tuple, list[int]]) -> None:
+    """Samples of a process that exited before it was read, summed by (user stack, kernel stack, extra)."""
+    for s in samples:
+        key = (s[2], s[3], tuple(s[6]) if len(s) > 6 else ())
+        got = unknown.get(key)
+        if got is None:
+            unknown[key] = [s[4], s[5]]
+        else:
+            got[0] += s[4]
+            got[1] += s[5]
 
 
 def build_batches(
@@ -78,62 +120,30 @@ def build_batches(
         addresses = {a for s in samples if s[2] in drain.user_stacks for a in drain.user_stacks[s[2]]}
         proc = procs.get(pid, addresses)
         if proc is None:
-            for s in samples:
-                key = (s[2], s[3], tuple(s[6]) if len(s) > 6 else ())
-                got = unknown.get(key)
-                if got is None:
-                    unknown[key] = [s[4], s[5]]
-                else:
-                    got[0] += s[4]
-                    got[1] += s[5]
+            _merge_unknown(samples, unknown)
             continue
         b = builders[worker_for(proc.service, live_workers)]
         b.processes[pid] = proc
         for s in samples:
-            b.samples.append(
-                Sample(
-                    pid=s[0],
-                    tid=s[1],
-                    user_stack=b.stack(s[2], drain.user_stacks, b.user, b.user_stacks),
-                    kernel_stack=b.stack(s[3], drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                    count=s[4],
-                    value=s[5],
-                    extra=tuple(s[6]) if len(s) > 6 else (),
-                )
-            )
+            b.add(drain, s)
     if unknown:
         b = builders[worker_for(UNKNOWN_SERVICE, live_workers)]
         b.processes[UNKNOWN_PID] = UNKNOWN_PROCESS
         for (user, kernel, extra), (count, value) in unknown.items():
-            b.samples.append(
-                Sample(
-                    pid=UNKNOWN_PID,
-                    tid=UNKNOWN_PID,
-                    user_stack=b.stack(user, drain.user_stacks, b.user, b.user_stacks),
-                    kernel_stack=b.stack(kernel, drain.kernel_stacks, b.kernel, b.kernel_stacks),
-                    count=count,
-                    value=value,
-                    extra=extra,
-                )
-            )
+            b.add(drain, (UNKNOWN_PID, UNKNOWN_PID, user, kernel, count, value, extra))
 
     # Host-wide loss counts travel once, with the lowest live worker's batch.
     if drain.lost:
         builders[min(live_workers)]
 
-    out: dict[int, StackBatch] = {}
-    for worker, b in builders.items():
-        kaddrs = {a for st in b.kernel_stacks for a in st}
-        out[worker] = StackBatch(
-            host=host,
-            profile_type=profile_type,
-            sample_hz=sample_hz,
-            time_ns=time_ns,
-            processes=tuple(b.processes.values()),
-            user_stacks=tuple(b.user_stacks),
-            kernel_stacks=tuple(b.kernel_stacks),
-            samples=tuple(b.samples),
-            kernel_symbols={a: ksym(a) for a in kaddrs},
-            lost=dict(drain.lost) if worker == min(live_workers) else {},
-        )
-    return out
+    head = StackBatch(
+        host=host,
+        profile_type=profile_type,
+        sample_hz=sample_hz,
+        time_ns=time_ns,
+        processes=(),
+        user_stacks=(),
+        kernel_stacks=(),
+        samples=(),
+    )
+    return {worker: b.batch(drain, ksym, head, worker == min(live_workers)) for worker, b in builders.items()}

@@ -47,25 +47,23 @@ class ProgramPlan:
     notes: tuple[str, ...] = field(default=())  # what else was turned off, and why
 
 
-def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> ProgramPlan:
-    refused: list[tuple[str, str]] = []
-    notes: list[str] = []
+class _Refusals:
+    """What the config asked for and the kernel cannot give, in the order asked."""
 
-    def can(what: str, feature: str) -> bool:
-        if kernel.has(feature):
+    def __init__(self, kernel: features.KernelFeatures) -> None:
+        self.kernel = kernel
+        self.refused: list[tuple[str, str]] = []
+
+    def can(self, what: str, feature: str) -> bool:
+        if self.kernel.has(feature):
             return True
-        f = kernel.features[feature]
-        refused.append((what, f"needs {f.spec.what} ({f.spec.since}): {f.why}"))
+        f = self.kernel.features[feature]
+        self.refused.append((what, f"needs {f.spec.what} ({f.spec.since}): {f.why}"))
         return False
 
-    offcpu_on = cfg.offcpu and can("off-CPU profiles (offcpu)", "btf")
-    alloc_on = bool(cfg.alloc_targets) and can("allocation profiles (alloc_targets)", "uprobe_multi")
-    families = (
-        ["oncpu"]
-        + (["offcpu"] if offcpu_on else [])
-        + (["lock"] if cfg.lock_targets else [])
-        + (["alloc"] if alloc_on else [])
-    )
+
+def _defines(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, offcpu_on: bool) -> dict[str, int]:
+    """The -D flags every plan has, and off-CPU's when it is on."""
     defines = {
         "COUNTS_ENTRIES": COUNTS_ENTRIES,
         "STACK_ENTRIES": STACK_ENTRIES,
@@ -84,6 +82,13 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         defines.update(
             offcpu_defines(task_storage=kernel.has("task_storage"), prev_state=kernel.has("switch_prev_state"))
         )
+    return defines
+
+
+def _dwarf(
+    cfg: config_mod.ProfilerConfig, offcpu_on: bool, asked: _Refusals, notes: list[str]
+) -> tuple[bool, bool, bool]:
+    """(on-CPU, off-CPU, lock waits): which user stacks are walked with unwind tables."""
     dwarf = cfg.dwarf_unwind
     if dwarf and unwind.supported():
         notes.append(f"dwarf_unwind: {unwind.supported()}; user stacks use frame pointers")
@@ -93,15 +98,30 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         dwarf
         and offcpu_on
         and cfg.offcpu_dwarf
-        and can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs")
+        and asked.can("DWARF unwinding of off-CPU stacks (offcpu_dwarf)", "task_pt_regs")
     )
-    lock_dwarf = dwarf and bool(cfg.lock_targets)
+    return dwarf, offcpu_dwarf, dwarf and bool(cfg.lock_targets)
+
+
+def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> ProgramPlan:
+    asked = _Refusals(kernel)
+    notes: list[str] = []
+    offcpu_on = cfg.offcpu and asked.can("off-CPU profiles (offcpu)", "btf")
+    alloc_on = bool(cfg.alloc_targets) and asked.can("allocation profiles (alloc_targets)", "uprobe_multi")
+    families = (
+        ["oncpu"]
+        + (["offcpu"] if offcpu_on else [])
+        + (["lock"] if cfg.lock_targets else [])
+        + (["alloc"] if alloc_on else [])
+    )
+    defines = _defines(cfg, kernel, offcpu_on)
+    dwarf, offcpu_dwarf, lock_dwarf = _dwarf(cfg, offcpu_on, asked, notes)
     if dwarf:
         defines.update(unwind.bpf_defines(offcpu_dwarf, lock_dwarf))
     # runtime_stacks naming a runtime that walks its JIT frames from registers (the JVM): its
     # processes' on-CPU samples carry them (collector/regs.py)
     regs_names = runtime_registry.regs_mappings(cfg.runtime_stacks)
-    if regs_names and not can("JIT frames from registers (jvm_cpu)", "ringbuf"):
+    if regs_names and not asked.can("JIT frames from registers (jvm_cpu)", "ringbuf"):
         regs_names = frozenset()
     if regs_names:
         defines.update(regs.bpf_defines())
@@ -114,6 +134,6 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         offcpu_dwarf,
         lock_dwarf,
         regs_names,
-        tuple(refused),
+        tuple(asked.refused),
         tuple(notes),
     )

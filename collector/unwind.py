@@ -155,6 +155,86 @@ def supported() -> str:
     return ""
 
 
+class ProcEntries:
+    """unwind_procs: each sampled process's mappings that have tables (`modules`, as UnwindTables
+    loads and evicts them), sorted, with their biases; rewritten when they change, removed when the
+    process has not been sampled for PROC_IDLE_S, the least recently sampled evicted past
+    UNWIND_PROCS (counted in `stats`)."""
+
+    def __init__(self, procs_map: Any, modules: dict[ModuleKey, _Module], stats: dict[str, int]) -> None:
+        self._map = procs_map
+        self._modules = modules
+        self.stats = stats
+        # pid → (start ticks, entries written, when last sampled)
+        self._written: dict[int, tuple[int, tuple[tuple[int, int, int, int, int], ...], float]] = {}
+
+    def _entries(self, proc: Process) -> tuple[tuple[int, int, int, int, int], ...]:
+        out = []
+        for m in proc.mappings:
+            mod = self._modules.get((m.dev, m.inode))
+            if mod is None:
+                continue
+            h = mod.table.header
+            size = m.end - m.start
+            if m.offset >= h.text_offset + h.text_size or m.offset + size <= h.text_offset:
+                continue  # this mapping is not the part of the file the rows cover
+            bias = unwind_table.bias(mod.table, m.start, m.offset) & ((1 << 64) - 1)
+            out.append((m.start, m.end, bias, h.span, mod.slot))
+        out.sort()
+        if len(out) > UNWIND_MAPPINGS:
+            self.stats["mappings_over_cap"] += 1
+            out = out[:UNWIND_MAPPINGS]
+        return tuple(out)
+
+    def update(self, proc: Process, now: float) -> None:
+        """`proc`'s entry as its mappings with tables are now (`now`: it was sampled)."""
+        entries = self._entries(proc)
+        old = self._written.get(proc.pid)
+        if old is not None and old[0] == proc.start_ticks and old[1] == entries:
+            self._written[proc.pid] = (old[0], old[1], now)
+            return
+        if not entries:
+            if old is not None:
+                self._remove(proc.pid)
+            return
+        self._write(proc.pid, proc.start_ticks, entries, now)
+
+    def _write(self, pid: int, ticks: int, entries: tuple[tuple[int, int, int, int, int], ...], sampled: float) -> None:
+        if not entries:
+            self._remove(pid)
+            return
+        if pid not in self._written and len(self._written) >= UNWIND_PROCS:
+            oldest = min(self._written, key=lambda p: self._written[p][2])
+            self._remove(oldest)
+            self.stats["procs_evicted"] += 1
+        leaf = self._map.Leaf()
+        leaf.count = len(entries)
+        for i, (start, end, bias, span, slot) in enumerate(entries):
+            e = leaf.maps[i]
+            e.start, e.end, e.bias, e.span, e.module = start, end, bias, span, slot
+        self._map[ctypes.c_uint32(pid)] = leaf
+        self._written[pid] = (ticks, entries, sampled)
+        self.stats["procs"] = len(self._written)
+
+    def _remove(self, pid: int) -> None:
+        self._written.pop(pid, None)
+        with contextlib.suppress(KeyError):
+            del self._map[ctypes.c_uint32(pid)]
+        self.stats["procs"] = len(self._written)
+
+    def drop_slot(self, slot: int) -> None:
+        """The module in `slot` was evicted: every entry that uses it is rewritten without it."""
+        for pid, (ticks, entries, sampled) in list(self._written.items()):
+            if any(e[4] == slot for e in entries):
+                self._write(pid, ticks, tuple(e for e in entries if e[4] != slot), sampled)
+
+    def sweep(self) -> None:
+        """Remove the entries of processes not sampled for PROC_IDLE_S (most have exited)."""
+        now = time.monotonic()
+        for pid in [p for p, w in self._written.items() if now - w[2] >= PROC_IDLE_S]:
+            self._remove(pid)
+
+
 class UnwindTables:
     def __init__(
         self,
@@ -171,7 +251,6 @@ class UnwindTables:
         self._bpf = bpf
         self._rows = bpf["unwind_rows"]
         self._modules_map = bpf["unwind_modules"]
-        self._procs = bpf["unwind_procs"]
         self._counters = bpf["unwind_counters"]
         for family in families:
             fn_name, array = STEP_PROGRAMS[family]
@@ -192,7 +271,6 @@ class UnwindTables:
         self.unavailable: dict[ModuleKey, str] = {}
         self._requested: dict[ModuleKey, float] = {}
         self._waiting: dict[ModuleKey, dict[int, Process]] = {}  # asked-for module → pid → process
-        self._written: dict[int, tuple[int, tuple[tuple[int, int, int, int, int], ...], float]] = {}
         self._counters_seen = [0] * len(COUNTERS)
         self.stats = {
             "requested": 0,
@@ -208,6 +286,7 @@ class UnwindTables:
             "procs_evicted": 0,
             "mappings_over_cap": 0,
         }
+        self.procs = ProcEntries(bpf["unwind_procs"], self.modules, self.stats)
 
     # ------------------------------------------------------------ answers
 
@@ -267,7 +346,7 @@ class UnwindTables:
         if key in self.modules:  # the processes that asked unwind through it from now on
             now = time.monotonic()
             for proc in waiting.values():
-                self._update_process(proc, now)
+                self.procs.update(proc, now)
 
     def _mark_unavailable(self, key: ModuleKey, reason: str) -> None:
         if len(self.unavailable) >= MAX_UNAVAILABLE:
@@ -317,9 +396,7 @@ class UnwindTables:
         empty = self._modules_map.Leaf()
         self._modules_map[ctypes.c_int(m.slot)] = empty  # first: no program reads its rows from here on
         del self.modules[m.key]
-        for pid, (ticks, entries, sampled) in list(self._written.items()):
-            if any(e[4] == m.slot for e in entries):
-                self._write(pid, ticks, tuple(e for e in entries if e[4] != m.slot), sampled)
+        self.procs.drop_slot(m.slot)
         self._alloc.free(m.row_start, m.table.row_count)
         self._free_slots.append(m.slot)
         self._requested[m.key] = time.monotonic()  # not asked for again at once: see REQUEST_RETRY_S
@@ -350,7 +427,7 @@ class UnwindTables:
             # first sight made start-up a burst of table builds that delayed the symbolizers' windows:
             # issue 14, not done).
             self._ask(proc, self._sampled_mappings(proc, addresses.get(proc.pid, ()), now), now, requests)
-            self._update_process(proc, now)
+            self.procs.update(proc, now)
         self._forget_old_requests(now)
         if not requests:
             return batch
@@ -368,7 +445,7 @@ class UnwindTables:
             if mod is not None:
                 mod.last_used = now
         self._ask(proc, proc.mappings, now, requests)
-        self._update_process(proc, now)
+        self.procs.update(proc, now)
         self._forget_old_requests(now)
         return requests
 
@@ -426,64 +503,9 @@ class UnwindTables:
                     mod.last_used = now
         return list(seen.values())
 
-    def _entries(self, proc: Process) -> tuple[tuple[int, int, int, int, int], ...]:
-        out = []
-        for m in proc.mappings:
-            mod = self.modules.get((m.dev, m.inode))
-            if mod is None:
-                continue
-            h = mod.table.header
-            size = m.end - m.start
-            if m.offset >= h.text_offset + h.text_size or m.offset + size <= h.text_offset:
-                continue  # this mapping is not the part of the file the rows cover
-            bias = unwind_table.bias(mod.table, m.start, m.offset) & ((1 << 64) - 1)
-            out.append((m.start, m.end, bias, h.span, mod.slot))
-        out.sort()
-        if len(out) > UNWIND_MAPPINGS:
-            self.stats["mappings_over_cap"] += 1
-            out = out[:UNWIND_MAPPINGS]
-        return tuple(out)
-
-    def _update_process(self, proc: Process, now: float) -> None:
-        entries = self._entries(proc)
-        old = self._written.get(proc.pid)
-        if old is not None and old[0] == proc.start_ticks and old[1] == entries:
-            self._written[proc.pid] = (old[0], old[1], now)
-            return
-        if not entries:
-            if old is not None:
-                self._remove(proc.pid)
-            return
-        self._write(proc.pid, proc.start_ticks, entries, now)
-
-    def _write(self, pid: int, ticks: int, entries: tuple[tuple[int, int, int, int, int], ...], sampled: float) -> None:
-        if not entries:
-            self._remove(pid)
-            return
-        if pid not in self._written and len(self._written) >= UNWIND_PROCS:
-            oldest = min(self._written, key=lambda p: self._written[p][2])
-            self._remove(oldest)
-            self.stats["procs_evicted"] += 1
-        leaf = self._procs.Leaf()
-        leaf.count = len(entries)
-        for i, (start, end, bias, span, slot) in enumerate(entries):
-            e = leaf.maps[i]
-            e.start, e.end, e.bias, e.span, e.module = start, end, bias, span, slot
-        self._procs[ctypes.c_uint32(pid)] = leaf
-        self._written[pid] = (ticks, entries, sampled)
-        self.stats["procs"] = len(self._written)
-
-    def _remove(self, pid: int) -> None:
-        self._written.pop(pid, None)
-        with contextlib.suppress(KeyError):
-            del self._procs[ctypes.c_uint32(pid)]
-        self.stats["procs"] = len(self._written)
-
     def sweep(self) -> None:
-        """Remove the entries of processes not sampled for PROC_IDLE_S (most have exited)."""
-        now = time.monotonic()
-        for pid in [p for p, w in self._written.items() if now - w[2] >= PROC_IDLE_S]:
-            self._remove(pid)
+        """Remove the unwind_procs entries of processes not sampled for PROC_IDLE_S (most have exited)."""
+        self.procs.sweep()
 
     def counters(self) -> dict[str, int]:
         """The in-kernel unwinder's counters since the previous call (steps, truncations, failures)."""
