@@ -89,7 +89,7 @@ def name() -> Iterator[Path]:
         path.unlink(missing_ok=True)
 
 
-def serve(path: Path, handle: Callable[[socket.socket], None]) -> threading.Thread:
+def serve(path: Path, handle: Callable[[socket.socket], object]) -> threading.Thread:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(path))
     srv.listen(1)
@@ -237,9 +237,9 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     ctx = ProcessContext(
         SELF,
         "/proc",
-        None,
+        None,  # type: ignore[arg-type]  # no memory to read
         FileCache(),
-        start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
+        start_ticks(SELF) or 0,
         [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
     )
     # When it is detected (the command is sent; the answer is read as it arrives, at the reader's ticks)
@@ -293,9 +293,9 @@ def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
         ctx = ProcessContext(
             SELF,
             "/proc",
-            None,
+            None,  # type: ignore[arg-type]  # no memory to read
             FileCache(),
-            start_ticks(SELF) or 0,  # type: ignore[arg-type]  # no memory to read
+            start_ticks(SELF) or 0,
             [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
         )
         # When it is detected and polled as the reader's ticks do: no poll waits for the peer

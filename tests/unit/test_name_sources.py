@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from shared.wire import Mapping, Process
+from symbolizer.files import FileClient
 from symbolizer.frames import JIT_MODULE, KERNEL_MODULE, UNKNOWN_MODULE, Frame, FrameResolver
 from symbolizer.names import DebugFileNames, KernelNames, ModuleNames, NameSource, PerfMapNames
 from symbolizer.perfmap import PerfMapCache
@@ -33,8 +34,11 @@ def _proc(mappings: tuple[Mapping, ...]) -> Process:
     )
 
 
-class _NoFiles:
+class _NoFiles(FileClient):
     """A FileClient stand-in for frames that need no module file: none is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(run_dir="")  # connects only when a file is asked for, and none is
 
     def perf_map(self, pid: int, start_ticks: int) -> int:
         raise AssertionError("the resolver's own perf map cache is the one these tests pass")

@@ -94,7 +94,9 @@ def test_outputs_by_extension(tmp_path: Path) -> None:
 def test_the_report_holds_every_service_and_no_name_can_break_out_of_its_script(tmp_path: Path) -> None:
     page = html.render(profiles.load([str(local_dir(tmp_path))]))
     assert HOSTILE not in page and "<img" not in page.split('<script id="data"')[1].split("</script>")[0]
-    doc = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    data = re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)
+    assert data is not None
+    doc = json.loads(data.group(1))
     assert [(p["type"], p["service"], p["total"] // PERIOD) for p in doc["profiles"]] == [
         ("cpu", html.ALL_SERVICES, 85),
         ("cpu", "/usr/bin/a", 80),

@@ -21,6 +21,13 @@ BID = "1ed993b64906213dfeb7f0fcc692ee71ff60e2d0"
 IDENT = "fd01-3e8-5000-17f0b2c3d4e5f600-17f0b2c3d4e5f600"  # file_identity of the module it was built from
 
 
+def file_of(cache: UnwindCache, build_id: str) -> str:
+    """The file of build_id's x86-64 table of IDENT (a build id that names one, as the tests pass)."""
+    path = cache.path(build_id, IDENT, ut.ARCH_X86_64)
+    assert path is not None
+    return path
+
+
 def test_a_table_put_is_read_back_across_instances(tmp_path: Path) -> None:
     # given a table cached by one worker, when another (or a restarted one) reads the same build id
     UnwindCache(str(tmp_path)).put(BID, IDENT, ut.ARCH_X86_64, table())
@@ -36,7 +43,7 @@ def test_a_table_put_is_read_back_across_instances(tmp_path: Path) -> None:
 def test_a_corrupt_file_is_deleted_and_counted(tmp_path: Path) -> None:
     cache = UnwindCache(str(tmp_path))
     cache.put(BID, IDENT, ut.ARCH_X86_64, table())
-    path = Path(cache.path(BID, IDENT, ut.ARCH_X86_64))
+    path = Path(file_of(cache, BID))
     data = bytearray(path.read_bytes())
     data[-4] = 9  # the last row's cfa_kind: out of range
     path.write_bytes(bytes(data))
@@ -50,7 +57,7 @@ def test_a_corrupt_file_is_deleted_and_counted(tmp_path: Path) -> None:
 def test_a_truncated_or_foreign_file_is_corrupt_too(tmp_path: Path) -> None:
     cache = UnwindCache(str(tmp_path))
     for junk in (table()[:-8], b"", b"\x7fELF" + b"\0" * 100):
-        Path(cache.path(BID, IDENT, ut.ARCH_X86_64)).write_bytes(junk)
+        Path(file_of(cache, BID)).write_bytes(junk)
         assert cache.get(BID, IDENT, ut.ARCH_X86_64) is None
     assert cache.stats["corrupt"] == 3
 
@@ -69,13 +76,13 @@ def test_the_total_size_is_bounded_and_the_least_recently_used_go_first(tmp_path
     ids = [f"{i:02x}" * 20 for i in range(5)]
     for i, bid in enumerate(ids[:3]):
         cache.put(bid, IDENT, ut.ARCH_X86_64, table())
-        os.utime(cache.path(bid, IDENT, ut.ARCH_X86_64), (1000 + i, 1000 + i))
+        os.utime(file_of(cache, bid), (1000 + i, 1000 + i))
     assert cache.get(ids[0], IDENT, ut.ARCH_X86_64) is not None  # used: now the newest
     # when two more tables are put into a cache that holds three
     cache.put(ids[3], IDENT, ut.ARCH_X86_64, table())
     cache.put(ids[4], IDENT, ut.ARCH_X86_64, table())
     # then the two least recently used are gone, and the directory is within its bound
-    kept = {bid for bid in ids if os.path.exists(cache.path(bid, IDENT, ut.ARCH_X86_64))}
+    kept = {bid for bid in ids if os.path.exists(file_of(cache, bid))}
     assert kept == {ids[0], ids[3], ids[4]}
     assert sum(f.stat().st_size for f in (tmp_path / "unwind").iterdir()) <= 3 * size
     assert cache.stats["evicted"] == 2
