@@ -16,8 +16,6 @@ STILL_OVER = frozenset(
         "bench/overhead.py:OverheadBench.run",
         "bench/overhead.py:OverheadBench.under",
         "bench/python.py:PythonBench._one",
-        "bench/run.py:main",
-        "bench/run.py:parse_args",
         "bench/scaling.py:ScalingBench._replay",
         "bench/unwind.py:UnwindBench.run",
         "cli/record.py:main",
