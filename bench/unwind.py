@@ -158,7 +158,7 @@ class UnwindBench:
         ).stdout
         return float(out.split("=")[1])
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-unwind-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
@@ -166,49 +166,10 @@ class UnwindBench:
         try:
             binaries = build(tmp)
             Path(STATS_SYSCTL).write_text("1")
-            bpf_runs: list[dict] = []
-            for r in range(self.rounds):
-                row = {}
-                for depth in DEPTHS:
-                    for mode in ("fp", "dwarf"):
-                        key = f"{mode} {depth}"
-                        row[key] = self._bpf_ns(
-                            mode, binaries[mode], depth, Path(tmp) / f"b{r}-{key.replace(' ', '-')}"
-                        )
-                        self.log(
-                            f"unwind round {r + 1}/{self.rounds} {key} frames: "
-                            f"{row[key]['ns_per_sample']:.0f} ns per sample ({row[key]['samples']} samples)"
-                        )
-                for mode in ("fp", "dwarf"):
-                    key = f"offcpu {mode}"
-                    row[key] = self._switch_ns(mode, binaries["pingpong"], Path(tmp) / f"o{r}-{mode}")
-                    self.log(
-                        f"unwind round {r + 1}/{self.rounds} {key}: {row[key]['ns_per_switch']:.0f} ns per "
-                        f"sched_switch ({row[key]['switches']} switches)"
-                    )
-                bpf_runs.append(row)
+            bpf_runs = [self._bpf_round(r, binaries, Path(tmp)) for r in range(self.rounds)]
             # Slowdown: a fixed amount of work, about 4 s alone.
             units = max(1000, int(4000 * 4.0 / max(self._elapsed(binaries["dwarf"], 4000), 1e-3)))
-            configs = ["none"] + [f"pipeline {hz} Hz dwarf" for hz in self.rates]
-            slow_runs: list[dict] = []
-            for r in range(self.rounds):
-                row2: dict[str, float] = {}
-                for i, cfg in enumerate(configs):
-                    if cfg == "none":
-                        row2[cfg] = self._elapsed(binaries["dwarf"], units)
-                    else:
-                        hz = int(cfg.split()[1])
-                        p = Pipeline(
-                            Path(tmp) / f"s{r}-{i}", hz, upload_interval_s=5, workers=1, offcpu=False, dwarf_unwind=True
-                        )
-                        try:
-                            p.start()
-                            self.our_prog_ids |= p.prog_ids
-                            row2[cfg] = self._elapsed(binaries["dwarf"], units)
-                        finally:
-                            p.stop()
-                    self.log(f"unwind slowdown round {r + 1}/{self.rounds} {cfg}: {row2[cfg]:.3f} s")
-                slow_runs.append(row2)
+            slow_runs = [self._slowdown_round(r, binaries["dwarf"], units, Path(tmp)) for r in range(self.rounds)]
         finally:
             Path(STATS_SYSCTL).write_text(old_stats)
             if not self.keep:
@@ -237,6 +198,45 @@ class UnwindBench:
             "units": units,
             "seconds": round(time.monotonic() - t_start, 1),
         }
+
+    def _bpf_round(self, r: int, binaries: dict[str, str], tmp: Path) -> dict[str, dict[str, Any]]:
+        """Round r's BPF ns per sample at each depth and per sched_switch, by frame pointers and by DWARF."""
+        row: dict[str, dict[str, Any]] = {}
+        for depth in DEPTHS:
+            for mode in ("fp", "dwarf"):
+                key = f"{mode} {depth}"
+                row[key] = self._bpf_ns(mode, binaries[mode], depth, tmp / f"b{r}-{key.replace(' ', '-')}")
+                self.log(
+                    f"unwind round {r + 1}/{self.rounds} {key} frames: "
+                    f"{row[key]['ns_per_sample']:.0f} ns per sample ({row[key]['samples']} samples)"
+                )
+        for mode in ("fp", "dwarf"):
+            key = f"offcpu {mode}"
+            row[key] = self._switch_ns(mode, binaries["pingpong"], tmp / f"o{r}-{mode}")
+            self.log(
+                f"unwind round {r + 1}/{self.rounds} {key}: {row[key]['ns_per_switch']:.0f} ns per "
+                f"sched_switch ({row[key]['switches']} switches)"
+            )
+        return row
+
+    def _slowdown_round(self, r: int, binary: str, units: int, tmp: Path) -> dict[str, float]:
+        """Round r's seconds of `units` of work alone and under the pipeline with DWARF unwinding at each rate."""
+        configs = ["none"] + [f"pipeline {hz} Hz dwarf" for hz in self.rates]
+        row: dict[str, float] = {}
+        for i, cfg in enumerate(configs):
+            if cfg == "none":
+                row[cfg] = self._elapsed(binary, units)
+            else:
+                hz = int(cfg.split()[1])
+                p = Pipeline(tmp / f"s{r}-{i}", hz, upload_interval_s=5, workers=1, offcpu=False, dwarf_unwind=True)
+                try:
+                    p.start()
+                    self.our_prog_ids |= p.prog_ids
+                    row[cfg] = self._elapsed(binary, units)
+                finally:
+                    p.stop()
+            self.log(f"unwind slowdown round {r + 1}/{self.rounds} {cfg}: {row[cfg]:.3f} s")
+        return row
 
 
 def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:

@@ -17,7 +17,6 @@ STILL_OVER = frozenset(
         "bench/overhead.py:OverheadBench.under",
         "bench/python.py:PythonBench._one",
         "bench/scaling.py:ScalingBench._replay",
-        "bench/unwind.py:UnwindBench.run",
         "cli/record.py:main",
         "cli/run.py:main",
         "collector/alloc.py:AllocTracer",
