@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared import config as config_mod
@@ -285,12 +285,13 @@ def preflight(collector: Stage, prog: str) -> bool:
     starts: a host that cannot run it is told each cause and what to do, and nothing is started. What the
     kernel lacks that the agent does without is logged."""
     try:
-        out = subprocess.run(  # noqa: PLW1510
+        out = subprocess.run(
             [*collector.argv, "--preflight"],
             env=collector.env,
             capture_output=True,
             text=True,
             timeout=PREFLIGHT_TIMEOUT_S,
+            check=False,  # its exit status is read below
         )
     except subprocess.TimeoutExpired:
         print(f"{prog}: the collector's preflight took over {PREFLIGHT_TIMEOUT_S:.0f} s", file=sys.stderr)
@@ -304,7 +305,7 @@ def preflight(collector: Stage, prog: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:  # noqa: PLR0912
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> int:
     args = parse_args(argv, prog)
     log_mod.setup("run")
     try:
@@ -314,10 +315,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         return 2
     args.config = os.path.abspath(args.config)
     try:
-        prepare_dirs(args, cfg)
-        runlock.hold(args.run_dir, "run")  # a second `ebpfprofiler run` here refuses, naming this one's pid
-        hand_config(args.state_dir, cfg)
-        code = stage_code.prepare(os.path.join(args.state_dir, "code"), args.bpf_dir)
+        code = prepare(args, cfg)
     except (privileges.PrivilegeError, OSError, subprocess.SubprocessError, runlock.RunDirInUse) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
@@ -327,18 +325,47 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
     stop = stop_on_signals(log, "stopping every stage", also=wake)
     signal.signal(signal.SIGCHLD, lambda _s, _f: wake.set())
 
-    if cfg.uploads_locally:
-        where = (
-            f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
-            f"look at one with: go tool pprof -http=:8080 FILE"
-        )
-    else:
-        where = f"profiles go to {cfg.endpoint.rstrip('/')}/v1/profiles every {cfg.upload_interval_s} s"
+    where = profiles_go(cfg)
     print(f"ebpfprofiler: {where}", flush=True)
 
     all_stages = stages(args, cfg, code)
     if not preflight(all_stages[-1], prog):
         return 1
+    signal.signal(signal.SIGHUP, hup_forwarder(args, all_stages))
+    try:
+        failed = start_all(all_stages, stop)
+        if failed is not None:
+            return failed
+        log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
+        supervise(all_stages, stop, wake)
+        return 0
+    finally:
+        for stage in reversed(all_stages):  # collector, workers, uploader
+            stop_stage(stage)
+        print(f"ebpfprofiler: stopped; {where}", flush=True)
+
+
+def prepare(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> stage_code.StageCode:
+    """Everything the stages need before any starts: their directories, this run directory held, the
+    validated config handed to them, their code where they can import it."""
+    prepare_dirs(args, cfg)
+    runlock.hold(args.run_dir, "run")  # a second `ebpfprofiler run` here refuses, naming this one's pid
+    hand_config(args.state_dir, cfg)
+    return stage_code.prepare(os.path.join(args.state_dir, "code"), args.bpf_dir)
+
+
+def profiles_go(cfg: config_mod.ProfilerConfig) -> str:
+    """Where profiles go, as the start and stop lines say it."""
+    if cfg.uploads_locally:
+        return (
+            f"profiles go to {cfg.local_dir}/<service>/ every {cfg.upload_interval_s} s; "
+            f"look at one with: go tool pprof -http=:8080 FILE"
+        )
+    return f"profiles go to {cfg.endpoint.rstrip('/')}/v1/profiles every {cfg.upload_interval_s} s"
+
+
+def hup_forwarder(args: argparse.Namespace, all_stages: list[Stage]) -> Callable[[int, object], None]:
+    """The SIGHUP handler: the config validated again and handed to the stages, then the signal to the collector."""
 
     def forward_hup(_signum: int, _frame: object) -> None:
         try:  # the stages read the copy: validate the file again and replace the copy first
@@ -353,48 +380,51 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
                 return
         log.warning("received SIGHUP, but the collector is not running: nothing to reload")
 
-    signal.signal(signal.SIGHUP, forward_hup)
-    try:
-        for stage in all_stages:
-            start(stage)
-            why = wait_ready(stage, stop)
-            if why is not None:
-                if stop.is_set():
-                    return 0
-                log.error(
-                    "%s did not become ready: %s; see its log lines above%s",
-                    stage.name,
-                    why,
-                    ""
-                    if stage.proc is None or stage.proc.poll() is not None
-                    else "; stopping it (what it says as it stops is about this stop)",
-                )
-                return 1
-        log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
-        while not stop.is_set():
-            due = [s.restart_at for s in all_stages if s.restart_at is not None]
-            wake.wait(min([stopping.QUIET_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
-            wake.clear()
+    return forward_hup
+
+
+def start_all(all_stages: list[Stage], stop: threading.Event) -> int | None:
+    """Start the stages in order, each once the one before is ready: None when all are, else the exit
+    code: 0 when `stop` was set first, 1 when one did not become ready (logged)."""
+    for stage in all_stages:
+        start(stage)
+        why = wait_ready(stage, stop)
+        if why is not None:
             if stop.is_set():
-                break
-            now = time.monotonic()
-            for stage in all_stages:
-                p = stage.proc
-                if stage.restart_at is not None:
-                    if now >= stage.restart_at:
-                        stage.restarts += 1
-                        start(stage)
-                elif p is not None and p.poll() is not None:
-                    if now - stage.started > STABLE_RUN_S:
-                        stage.backoff = RESTART_BACKOFF_S[0]
-                    log.error("%s exited with %s; restarting in %.0f s", stage.name, p.returncode, stage.backoff)
-                    stage.restart_at = now + stage.backoff
-                    stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
-        return 0
-    finally:
-        for stage in reversed(all_stages):  # collector, workers, uploader
-            stop_stage(stage)
-        print(f"ebpfprofiler: stopped; {where}", flush=True)
+                return 0
+            log.error(
+                "%s did not become ready: %s; see its log lines above%s",
+                stage.name,
+                why,
+                ""
+                if stage.proc is None or stage.proc.poll() is not None
+                else "; stopping it (what it says as it stops is about this stop)",
+            )
+            return 1
+    return None
+
+
+def supervise(all_stages: list[Stage], stop: threading.Event, wake: threading.Event) -> None:
+    """Until `stop`: restart each stage that exits, after its backoff (reset when it had run STABLE_RUN_S)."""
+    while not stop.is_set():
+        due = [s.restart_at for s in all_stages if s.restart_at is not None]
+        wake.wait(min([stopping.QUIET_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
+        wake.clear()
+        if stop.is_set():
+            break
+        now = time.monotonic()
+        for stage in all_stages:
+            p = stage.proc
+            if stage.restart_at is not None:
+                if now >= stage.restart_at:
+                    stage.restarts += 1
+                    start(stage)
+            elif p is not None and p.poll() is not None:
+                if now - stage.started > STABLE_RUN_S:
+                    stage.backoff = RESTART_BACKOFF_S[0]
+                log.error("%s exited with %s; restarting in %.0f s", stage.name, p.returncode, stage.backoff)
+                stage.restart_at = now + stage.backoff
+                stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
 
 
 if __name__ == "__main__":

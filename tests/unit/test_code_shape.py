@@ -18,7 +18,6 @@ STILL_OVER = frozenset(
         "bench/python.py:PythonBench._one",
         "bench/scaling.py:ScalingBench._replay",
         "cli/record.py:main",
-        "cli/run.py:main",
         "collector/alloc.py:AllocTracer",
         "collector/alloc.py:AllocTracer.__init__",
         "collector/alloc.py:AllocTracer.add",
