@@ -23,6 +23,7 @@ Must not: read process memory (vmstructs.py and the reader do).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from runtimes.jvm.vmstructs import VMStructs
 
@@ -123,125 +124,171 @@ def is_jep223(vs: VMStructs) -> bool:
     return ("Abstract_VM_Version", "_vm_security_version") in vs.statics
 
 
-def layout(vs: VMStructs, major: int) -> Layout:
-    f, s, sz, ints = vs.fields, vs.statics, vs.sizes, vs.ints
+@dataclass(frozen=True)
+class Source:
+    """Where one Layout value is in the JVM's tables: the first of `names` the tables have."""
 
-    def field(*names: tuple[str, str]) -> int:
-        for n in names:
-            if n in f:
-                return f[n]
-        raise MissingField(" / ".join(f"{t}::{n}" for t, n in names))
+    kind: str  # "field", "opt" (a field, -1 when the tables lack it), "static", "size" or "const"
+    names: tuple[Any, ...]  # (type, name) pairs for fields and statics; names for sizes and constants
+    when: str | None = None  # the tables' condition (layout()'s `holds`) it is read under; else -1
 
-    def opt(*names: tuple[str, str]) -> int:
-        for n in names:
-            if n in f:
-                return f[n]
+
+def _field(*names: tuple[str, str], when: str | None = None) -> Source:
+    return Source("field", names, when)
+
+
+def _opt(*names: tuple[str, str]) -> Source:
+    return Source("opt", names)
+
+
+def _static(name: tuple[str, str]) -> Source:
+    return Source("static", (name,))
+
+
+def _size(name: str) -> Source:
+    return Source("size", (name,))
+
+
+def _const(*names: str, when: str | None = None) -> Source:
+    return Source("const", names, when)
+
+
+# Every Layout value read straight from the tables, in the order they are checked (the first one a
+# libjvm lacks is named); the others are derived by _derived(). Conditions: "jdk11_threads" (no
+# ThreadsSMRSupport::_java_thread_list: JDK 11), "smr_threads" (JDK 12+), "blob_kinds" (CodeBlob::_kind:
+# JDK 23+), "immutable_data" (nmethod::_immutable_data: JDK 25), "inline_data" (JDK 11-24).
+SOURCES: dict[str, Source] = {
+    "jt_next": _field(("JavaThread", "_next"), when="jdk11_threads"),
+    "jt_thread_state": _field(("JavaThread", "_thread_state")),
+    "state_in_java": _const("_thread_in_Java"),
+    "state_in_java_trans": _const("_thread_in_Java_trans"),
+    "tl_length": _field(("ThreadsList", "_length"), when="smr_threads"),
+    "tl_threads": _field(("ThreadsList", "_threads"), when="smr_threads"),
+    "jt_anchor": _field(("JavaThread", "_anchor")),
+    "jt_osthread": _field(("JavaThread", "_osthread"), ("Thread", "_osthread")),
+    "jt_stack_base": _field(("JavaThread", "_stack_base"), ("Thread", "_stack_base")),
+    "jt_stack_size": _field(("JavaThread", "_stack_size"), ("Thread", "_stack_size")),
+    "anchor_sp": _field(("JavaFrameAnchor", "_last_Java_sp")),
+    "anchor_pc": _field(("JavaFrameAnchor", "_last_Java_pc")),
+    "anchor_fp": _field(("JavaFrameAnchor", "_last_Java_fp")),
+    "os_thread_id": _field(("OSThread", "_thread_id")),
+    "call_stub_return": _static(("StubRoutines", "_call_stub_return_address")),
+    "call_wrapper_slot": _const("frame::entry_frame_call_wrapper_offset"),
+    "wrapper_anchor": _field(("JavaCallWrapper", "_anchor")),
+    "sender_sp_slot": _const("frame::interpreter_frame_sender_sp_offset"),
+    "code_heaps": _static(("CodeCache", "_heaps")),
+    "ga_len": _field(("GrowableArrayBase", "_len"), ("GenericGrowableArray", "_len")),
+    "ga_data": _field(("GrowableArray<int>", "_data")),
+    "heap_memory": _field(("CodeHeap", "_memory")),
+    "heap_segmap": _field(("CodeHeap", "_segmap")),
+    "heap_log2_segment": _field(("CodeHeap", "_log2_segment_size")),
+    "vs_low_boundary": _field(("VirtualSpace", "_low_boundary")),
+    "vs_high": _field(("VirtualSpace", "_high")),
+    "vs_low": _field(("VirtualSpace", "_low")),
+    "heap_block_size": _size("HeapBlock"),
+    "hb_used": _field(("HeapBlock::Header", "_used")),
+    "cb_name": _field(("CodeBlob", "_name")),
+    "cb_size": _field(("CodeBlob", "_size")),
+    "cb_frame_size": _field(("CodeBlob", "_frame_size")),
+    "cb_frame_complete": _opt(("CodeBlob", "_frame_complete_offset")),
+    "kind_nmethod": _const("CodeBlobKind::Nmethod", when="blob_kinds"),
+    "cb_mutable_data": _opt(("CodeBlob", "_mutable_data")),
+    "cb_relocation_size": _opt(("CodeBlob", "_relocation_size")),
+    "nm_method": _field(("CompiledMethod", "_method"), ("nmethod", "_method")),
+    "nm_scopes_data_offset": _field(("nmethod", "_scopes_data_offset"), when="immutable_data"),
+    "nm_immutable_size": _field(("nmethod", "_immutable_data_size"), when="immutable_data"),
+    "nm_scopes_pcs_offset": _field(("nmethod", "_scopes_pcs_offset")),
+    "nm_pcs_end_offset": _field(("nmethod", "_dependencies_offset"), when="inline_data"),
+    "nm_compile_id": _field(("nmethod", "_compile_id")),
+    "pc_desc_size": _size("PcDesc"),
+    "pc_offset": _field(("PcDesc", "_pc_offset")),
+    "pc_scope_decode": _field(("PcDesc", "_scope_decode_offset")),
+    "invocation_entry_bci": _const("InvocationEntryBci"),
+    "m_const_method": _field(("Method", "_constMethod")),
+    "cm_constants": _field(("ConstMethod", "_constants")),
+    "cm_code_size": _field(("ConstMethod", "_code_size")),
+    "cm_name_index": _field(("ConstMethod", "_name_index")),
+    "cm_flags": _field(("ConstMethod", "_flags"), ("ConstMethod", "_flags._flags")),
+    "cm_size": _size("ConstMethod"),
+    "has_linenumber_table": _const(
+        "ConstMethod::_has_linenumber_table", "ConstMethodFlags::_misc_has_linenumber_table"
+    ),
+    "cp_pool_holder": _field(("ConstantPool", "_pool_holder")),
+    "cp_size": _size("ConstantPool"),
+    "cp_source_file_index": _opt(("ConstantPool", "_source_file_name_index")),
+    "ik_source_file_index": _opt(("InstanceKlass", "_source_file_name_index")),
+    "klass_name": _field(("Klass", "_name")),
+    "sym_length": _field(("Symbol", "_length")),
+    "sym_body": _field(("Symbol", "_body")),
+}
+
+
+def _value(vs: VMStructs, src: Source) -> int:
+    """The value `src` names in the tables (-1 for an absent "opt"), or MissingField naming it."""
+    tables: dict[str, dict[Any, int]] = {
+        "field": vs.fields,
+        "opt": vs.fields,
+        "static": vs.statics,
+        "size": vs.sizes,
+        "const": vs.ints,
+    }
+    table = tables[src.kind]
+    for name in src.names:
+        if name in table:
+            return table[name]
+    if src.kind == "opt":
         return -1
+    if src.kind == "static":
+        raise MissingField(f"{src.names[0][0]}::{src.names[0][1]} (static)")
+    if src.kind == "size":
+        raise MissingField(f"sizeof({src.names[0]})")
+    if src.kind == "const":
+        raise MissingField(" / ".join(src.names))
+    raise MissingField(" / ".join(f"{t}::{n}" for t, n in src.names))
 
-    def static(t: str, n: str) -> int:
-        if (t, n) not in s:
-            raise MissingField(f"{t}::{n} (static)")
-        return s[(t, n)]
 
-    def size(t: str) -> int:
-        if t not in sz:
-            raise MissingField(f"sizeof({t})")
-        return sz[t]
-
-    def const(n: str, *alts: str) -> int:
-        for name in (n, *alts):
-            if name in ints:
-                return ints[name]
-        raise MissingField(" / ".join((n, *alts)))
-
+def _derived(vs: VMStructs, major: int) -> dict[str, int]:
+    """The Layout values that depend on which of the tables' alternatives a JDK has, checked first."""
+    f, s = vs.fields, vs.statics
     smr = s.get(("ThreadsSMRSupport", "_java_thread_list"), -1)
     if smr < 0:
-        static("Threads", "_thread_list")
-    cb_code_begin = opt(("CodeBlob", "_code_begin"))
-    cb_code_offset = opt(("CodeBlob", "_code_offset")) if cb_code_begin < 0 else -1
+        _value(vs, _static(("Threads", "_thread_list")))
+    cb_code_begin = f.get(("CodeBlob", "_code_begin"), -1)
+    cb_code_offset = f.get(("CodeBlob", "_code_offset"), -1) if cb_code_begin < 0 else -1
     if cb_code_begin < 0 and cb_code_offset < 0:
         raise MissingField("CodeBlob::_code_begin / CodeBlob::_code_offset")
-    cb_kind = opt(("CodeBlob", "_kind"))
-    scopes_begin = opt(("CompiledMethod", "_scopes_data_begin"))
-    immutable = opt(("nmethod", "_immutable_data"))
+    scopes_begin = f.get(("CompiledMethod", "_scopes_data_begin"), -1)
+    immutable = f.get(("nmethod", "_immutable_data"), -1)
     if scopes_begin < 0 and immutable < 0:
         raise MissingField("CompiledMethod::_scopes_data_begin / nmethod::_immutable_data")
     if ("ConstantPool", "_source_file_name_index") not in f and ("InstanceKlass", "_source_file_name_index") not in f:
         raise MissingField("ConstantPool::_source_file_name_index / InstanceKlass::_source_file_name_index")
-    metadata = opt(("nmethod", "_metadata_offset"))
+    metadata = f.get(("nmethod", "_metadata_offset"), -1)
     if metadata < 0 and immutable >= 0:
-        field(("CodeBlob", "_mutable_data"))
-    return Layout(
-        major=major,
-        stream_x=1 if major >= UNSIGNED5_X1_SINCE else 0,
-        java_thread_list=s.get(("ThreadsSMRSupport", "_java_thread_list"), -1),
-        threads_head=s.get(("Threads", "_thread_list"), -1) if smr < 0 else -1,
-        jt_next=field(("JavaThread", "_next")) if smr < 0 else -1,
-        jt_thread_state=field(("JavaThread", "_thread_state")),
-        state_in_java=const("_thread_in_Java"),
-        state_in_java_trans=const("_thread_in_Java_trans"),
-        tl_length=field(("ThreadsList", "_length")) if smr >= 0 else -1,
-        tl_threads=field(("ThreadsList", "_threads")) if smr >= 0 else -1,
-        jt_anchor=field(("JavaThread", "_anchor")),
-        jt_osthread=field(("JavaThread", "_osthread"), ("Thread", "_osthread")),
-        jt_stack_base=field(("JavaThread", "_stack_base"), ("Thread", "_stack_base")),
-        jt_stack_size=field(("JavaThread", "_stack_size"), ("Thread", "_stack_size")),
-        anchor_sp=field(("JavaFrameAnchor", "_last_Java_sp")),
-        anchor_pc=field(("JavaFrameAnchor", "_last_Java_pc")),
-        anchor_fp=field(("JavaFrameAnchor", "_last_Java_fp")),
-        os_thread_id=field(("OSThread", "_thread_id")),
-        call_stub_return=static("StubRoutines", "_call_stub_return_address"),
-        call_wrapper_slot=const("frame::entry_frame_call_wrapper_offset"),
-        wrapper_anchor=field(("JavaCallWrapper", "_anchor")),
-        sender_sp_slot=const("frame::interpreter_frame_sender_sp_offset"),
-        code_heaps=static("CodeCache", "_heaps"),
-        ga_len=field(("GrowableArrayBase", "_len"), ("GenericGrowableArray", "_len")),
-        ga_data=field(("GrowableArray<int>", "_data")),
-        heap_memory=field(("CodeHeap", "_memory")),
-        heap_segmap=field(("CodeHeap", "_segmap")),
-        heap_log2_segment=field(("CodeHeap", "_log2_segment_size")),
-        vs_low_boundary=field(("VirtualSpace", "_low_boundary")),
-        vs_high=field(("VirtualSpace", "_high")),
-        vs_low=field(("VirtualSpace", "_low")),
-        heap_block_size=size("HeapBlock"),
-        hb_used=field(("HeapBlock::Header", "_used")),
-        cb_name=field(("CodeBlob", "_name")),
-        cb_size=field(("CodeBlob", "_size")),
-        cb_frame_size=field(("CodeBlob", "_frame_size")),
-        cb_frame_complete=opt(("CodeBlob", "_frame_complete_offset")),
-        cb_code_begin=cb_code_begin,
-        cb_code_offset=cb_code_offset,
-        cb_kind=cb_kind,
-        kind_nmethod=const("CodeBlobKind::Nmethod") if cb_kind >= 0 else -1,
-        cb_mutable_data=opt(("CodeBlob", "_mutable_data")),
-        cb_relocation_size=opt(("CodeBlob", "_relocation_size")),
-        nm_method=field(("CompiledMethod", "_method"), ("nmethod", "_method")),
-        nm_scopes_data_begin=scopes_begin,
-        nm_immutable_data=immutable,
-        nm_scopes_data_offset=field(("nmethod", "_scopes_data_offset")) if immutable >= 0 else -1,
-        nm_immutable_size=field(("nmethod", "_immutable_data_size")) if immutable >= 0 else -1,
-        nm_scopes_pcs_offset=field(("nmethod", "_scopes_pcs_offset")),
-        nm_pcs_end_offset=field(("nmethod", "_dependencies_offset")) if immutable < 0 else -1,
-        nm_metadata_offset=metadata,
-        nm_compile_id=field(("nmethod", "_compile_id")),
-        pc_desc_size=size("PcDesc"),
-        pc_offset=field(("PcDesc", "_pc_offset")),
-        pc_scope_decode=field(("PcDesc", "_scope_decode_offset")),
-        invocation_entry_bci=const("InvocationEntryBci"),
-        m_const_method=field(("Method", "_constMethod")),
-        cm_constants=field(("ConstMethod", "_constants")),
-        cm_code_size=field(("ConstMethod", "_code_size")),
-        cm_name_index=field(("ConstMethod", "_name_index")),
-        cm_flags=field(("ConstMethod", "_flags"), ("ConstMethod", "_flags._flags")),
-        cm_size=size("ConstMethod"),
-        has_linenumber_table=const(
-            "ConstMethod::_has_linenumber_table", "ConstMethodFlags::_misc_has_linenumber_table"
-        ),
-        cp_pool_holder=field(("ConstantPool", "_pool_holder")),
-        cp_size=size("ConstantPool"),
-        cp_source_file_index=opt(("ConstantPool", "_source_file_name_index")),
-        ik_source_file_index=opt(("InstanceKlass", "_source_file_name_index")),
-        klass_name=field(("Klass", "_name")),
-        sym_length=field(("Symbol", "_length")),
-        sym_body=field(("Symbol", "_body")),
-    )
+        _value(vs, _field(("CodeBlob", "_mutable_data")))
+    return {
+        "major": major,
+        "stream_x": 1 if major >= UNSIGNED5_X1_SINCE else 0,
+        "java_thread_list": smr,
+        "threads_head": s.get(("Threads", "_thread_list"), -1) if smr < 0 else -1,
+        "cb_code_begin": cb_code_begin,
+        "cb_code_offset": cb_code_offset,
+        "cb_kind": f.get(("CodeBlob", "_kind"), -1),
+        "nm_scopes_data_begin": scopes_begin,
+        "nm_immutable_data": immutable,
+        "nm_metadata_offset": metadata,
+    }
+
+
+def layout(vs: VMStructs, major: int) -> Layout:
+    """The Layout of a JVM with these tables, or MissingField naming the first entry they lack."""
+    derived = _derived(vs, major)
+    holds = {
+        "jdk11_threads": derived["java_thread_list"] < 0,
+        "smr_threads": derived["java_thread_list"] >= 0,
+        "blob_kinds": derived["cb_kind"] >= 0,
+        "immutable_data": derived["nm_immutable_data"] >= 0,
+        "inline_data": derived["nm_immutable_data"] < 0,
+    }
+    values = {name: _value(vs, src) if src.when is None or holds[src.when] else -1 for name, src in SOURCES.items()}
+    return Layout(**derived, **values)

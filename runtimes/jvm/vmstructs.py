@@ -168,6 +168,35 @@ def _entries(mem: ProcessMemory, first: int, stride: int, name_offset: int, what
     raise VMStructsError(f"{what}: no end marker within {MAX_ENTRIES} entries")
 
 
+# The constant tables: (table, name offset, value offset, stride) variables and the value's format.
+CONST_TABLES = (
+    (
+        "gHotSpotVMIntConstants",
+        "gHotSpotVMIntConstantEntryNameOffset",
+        "gHotSpotVMIntConstantEntryValueOffset",
+        "gHotSpotVMIntConstantEntryArrayStride",
+        _I,
+    ),
+    (
+        "gHotSpotVMLongConstants",
+        "gHotSpotVMLongConstantEntryNameOffset",
+        "gHotSpotVMLongConstantEntryValueOffset",
+        "gHotSpotVMLongConstantEntryArrayStride",
+        _q,
+    ),
+)
+
+
+@dataclass
+class _Table:
+    """A table's raw entries and where their fields are: name pointers (`names`, the first of which is
+    the entry's end-marker field), and the values (`values`: offset and format)."""
+
+    entries: list[bytes]
+    names: tuple[int, ...]
+    values: tuple[tuple[int, struct.Struct], ...]
+
+
 def read(mem: ProcessMemory, addresses: dict[str, int]) -> VMStructs:
     """The tables of the JVM whose exported variables are at `addresses` (already biased)."""
     missing = [s for s in SYMBOLS if s not in addresses]
@@ -175,54 +204,43 @@ def read(mem: ProcessMemory, addresses: dict[str, int]) -> VMStructs:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise VMStructsError(f"libjvm does not export {', '.join(missing[:3])}{more} (HotSpot's serviceability tables)")
     v = {s: mem.u64(addresses[s]) for s in SYMBOLS}
-    out = VMStructs()
-
-    def off(name: str, entry_size: int, width: int = 8) -> int:
-        o = v[name]
-        if o > entry_size - width:
-            raise VMStructsError(f"{name} is {o}, outside its {entry_size}-byte entry")
-        return o
-
     # Structs: typeName, fieldName, typeString, isStatic (int32), offset (uint64), address (void*).
     stride = v["gHotSpotVMStructEntryArrayStride"]
-    tn = off("gHotSpotVMStructEntryTypeNameOffset", stride)
-    structs = _entries(mem, v["gHotSpotVMStructs"], stride, tn, "gHotSpotVMStructs")
-    fn, st = off("gHotSpotVMStructEntryFieldNameOffset", stride), off("gHotSpotVMStructEntryIsStaticOffset", stride, 4)
-    oo, ao = off("gHotSpotVMStructEntryOffsetOffset", stride), off("gHotSpotVMStructEntryAddressOffset", stride)
+    tn = _offset(v, "gHotSpotVMStructEntryTypeNameOffset", stride)
+    entries = _entries(mem, v["gHotSpotVMStructs"], stride, tn, "gHotSpotVMStructs")
+    fn = _offset(v, "gHotSpotVMStructEntryFieldNameOffset", stride)
+    st = _offset(v, "gHotSpotVMStructEntryIsStaticOffset", stride, 4)
+    oo = _offset(v, "gHotSpotVMStructEntryOffsetOffset", stride)
+    ao = _offset(v, "gHotSpotVMStructEntryAddressOffset", stride)
+    structs = _Table(entries, (tn, fn), ((st, _I), (oo, _Q), (ao, _Q)))
     # Types: typeName, superclassName, isOopType, isIntegerType, isUnsigned (int32 each), size (uint64).
     tstride = v["gHotSpotVMTypeEntryArrayStride"]
-    ttn = off("gHotSpotVMTypeEntryTypeNameOffset", tstride)
-    types = _entries(mem, v["gHotSpotVMTypes"], tstride, ttn, "gHotSpotVMTypes")
-    tso = off("gHotSpotVMTypeEntrySizeOffset", tstride)
+    ttn = _offset(v, "gHotSpotVMTypeEntryTypeNameOffset", tstride)
+    entries = _entries(mem, v["gHotSpotVMTypes"], tstride, ttn, "gHotSpotVMTypes")
+    types = _Table(entries, (ttn,), ((_offset(v, "gHotSpotVMTypeEntrySizeOffset", tstride), _Q),))
     consts = []
-    for table, name_var, value_var, stride_var, fmt in (
-        (
-            "gHotSpotVMIntConstants",
-            "gHotSpotVMIntConstantEntryNameOffset",
-            "gHotSpotVMIntConstantEntryValueOffset",
-            "gHotSpotVMIntConstantEntryArrayStride",
-            _I,
-        ),
-        (
-            "gHotSpotVMLongConstants",
-            "gHotSpotVMLongConstantEntryNameOffset",
-            "gHotSpotVMLongConstantEntryValueOffset",
-            "gHotSpotVMLongConstantEntryArrayStride",
-            _q,
-        ),
-    ):
+    for table, name_var, value_var, stride_var, fmt in CONST_TABLES:
         cs = v[stride_var]
-        no = off(name_var, cs)
-        vo = off(value_var, cs, fmt.size)
-        consts.append((_entries(mem, v[table], cs, no, table), no, vo, fmt))
-    pointers = (
-        {_Q.unpack_from(e, tn)[0] for e in structs}
-        | {_Q.unpack_from(e, fn)[0] for e in structs}
-        | {_Q.unpack_from(e, ttn)[0] for e in types}
-        | {_Q.unpack_from(e, no)[0] for es, no, _, _ in consts for e in es}
-    )
-    names = _names(mem, pointers)
-    for e in structs:
+        no = _offset(v, name_var, cs)
+        vo = _offset(v, value_var, cs, fmt.size)
+        consts.append(_Table(_entries(mem, v[table], cs, no, table), (no,), ((vo, fmt),)))
+    pointers = {_Q.unpack_from(e, o)[0] for t in (structs, types, *consts) for o in t.names for e in t.entries}
+    return _decoded(structs, types, consts, _names(mem, pointers))
+
+
+def _offset(v: dict[str, int], name: str, entry_size: int, width: int = 8) -> int:
+    """The exported offset `name` of a field `width` bytes wide, checked to lie within its entry."""
+    o = v[name]
+    if o > entry_size - width:
+        raise VMStructsError(f"{name} is {o}, outside its {entry_size}-byte entry")
+    return o
+
+
+def _decoded(structs: _Table, types: _Table, consts: list[_Table], names: dict[int, str]) -> VMStructs:
+    """VMStructs from the tables' entries and their names (an entry whose name is not known is skipped)."""
+    out = VMStructs()
+    (tn, fn), ((st, _), (oo, _), (ao, _)) = structs.names, structs.values
+    for e in structs.entries:
         t, f = names.get(_Q.unpack_from(e, tn)[0]), names.get(_Q.unpack_from(e, fn)[0])
         if t is None or f is None:
             out.skipped += 1
@@ -231,14 +249,9 @@ def read(mem: ProcessMemory, addresses: dict[str, int]) -> VMStructs:
             out.statics[(t, f)] = _Q.unpack_from(e, ao)[0]
         else:
             out.fields[(t, f)] = _Q.unpack_from(e, oo)[0]
-    for e in types:
-        t = names.get(_Q.unpack_from(e, ttn)[0])
-        if t is None:
-            out.skipped += 1
-            continue
-        out.sizes[t] = _Q.unpack_from(e, tso)[0]
-    for (es, no, vo, fmt), target in zip(consts, (out.ints, out.longs)):
-        for e in es:
+    for table, target in ((types, out.sizes), *zip(consts, (out.ints, out.longs))):
+        ((no,), ((vo, fmt),)) = table.names, table.values
+        for e in table.entries:
             name = names.get(_Q.unpack_from(e, no)[0])
             if name is None:
                 out.skipped += 1
