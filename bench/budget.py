@@ -226,16 +226,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         steal = procs.host_cpu()["steal_s"] - steal0
         now = {s: _cpu_rss(p) for s, p in stages.items()}
         b1 = _bpf_of(stages["collector"])
-        # The guard's first judged window (60 s after the start-up one, which ends at the first drain
-        # 60 s after start) ends about when the measurement does: wait for it, under the same load,
-        # so that what the guard decided is part of the figures.
-        seen: dict[int, tuple[str, float]] = {}
-        deadline = time.monotonic() + GUARD_WAIT_S
-        while True:
-            agent.note_window(seen)
-            if decisions(seen)["judged"] >= 1 or time.monotonic() >= deadline:
-                break
-            time.sleep(1.0)
+        seen = guard_windows(agent)
         status = agent.status()
     finally:
         for p in loads:
@@ -243,15 +234,7 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         agent.stop()
         stats.close()
     stage_ms = {s: 1000 * (now[s][0] - c0[s]) / wall for s in stages}
-    progs = {}
-    for name, (t, c) in b1.items():
-        t0_, c0_ = b0.get(name, (0, 0))
-        runs = c - c0_
-        progs[name] = {
-            "ms_per_s": (t - t0_) / 1e6 / wall,
-            "runs_per_s": runs / wall,
-            "ns_per_run": (t - t0_) / runs if runs else 0.0,
-        }
+    progs = program_rates(b0, b1, wall)
     bpf_ms = sum(p["ms_per_s"] for p in progs.values())
     total_pct = (sum(stage_ms.values()) + bpf_ms) / 10
     return {
@@ -268,6 +251,38 @@ def measure_agent(work: Path, load: list[list[str]], warm_s: float, measure_s: f
         "host_steal_pct": 100 * steal / wall / (os.cpu_count() or 1),
         "seconds": wall,
     }
+
+
+def guard_windows(agent: Agent) -> dict[int, tuple[str, float]]:
+    """The guard's windows once it has judged one, or at GUARD_WAIT_S.
+
+    Its first judged window (60 s after the start-up one, which ends at the first drain 60 s after
+    start) ends about when the measurement does: waited for under the same load, so that what the
+    guard decided is part of the figures."""
+    seen: dict[int, tuple[str, float]] = {}
+    deadline = time.monotonic() + GUARD_WAIT_S
+    while True:
+        agent.note_window(seen)
+        if decisions(seen)["judged"] >= 1 or time.monotonic() >= deadline:
+            return seen
+        time.sleep(1.0)
+
+
+def program_rates(
+    b0: dict[str, tuple[int, int]], b1: dict[str, tuple[int, int]], wall: float
+) -> dict[str, dict[str, float]]:
+    """Per BPF program, from the kernel's run time and count before and after: ms per second, runs per
+    second, ns per run."""
+    progs = {}
+    for name, (t, c) in b1.items():
+        t0, c0 = b0.get(name, (0, 0))
+        runs = c - c0
+        progs[name] = {
+            "ms_per_s": (t - t0) / 1e6 / wall,
+            "runs_per_s": runs / wall,
+            "ns_per_run": (t - t0) / runs if runs else 0.0,
+        }
+    return progs
 
 
 def measure_peer(work: Path, peer: str, load: list[list[str]], seconds: float) -> dict[str, Any]:
@@ -455,25 +470,10 @@ def model(runs: dict[str, list[dict]]) -> dict[str, float]:
     }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
-    runs, m = result["runs"], result["model"]
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
+    runs = result["runs"]
     head = ["configuration", "% of one CPU", "stages ms/s", "BPF ms/s", "RSS MB", "rate Hz", "guard"]
-    rows = []
-    for name in ("idle", "busy", "spawner"):
-        rs = runs[name]
-        rows.append(
-            [
-                name,
-                f"{_median([r['total_pct'] for r in rs]):.3f}",
-                f"{_median([sum(r['stage_ms_per_s'].values()) for r in rs]):.2f}",
-                f"{_median([r['bpf_ms_per_s'] for r in rs]):.3f}",
-                f"{_median([r['rss_total_mb'] for r in rs]):.0f}",
-                str(rs[-1]["sample_hz"]),
-                guard_text({k: sum(r["decisions"][k] for r in rs) for k in rs[0]["decisions"]})
-                if all("decisions" in r for r in rs)
-                else str(rs[-1]["guard"]),
-            ]
-        )
+    rows = [_agent_row(name, runs[name]) for name in ("idle", "busy", "spawner")]
     for peer in ("profile-bpfcc", "perf -g"):
         rows.append(
             [
@@ -501,6 +501,26 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
         f"Median of {len(runs['idle'])} round(s), {result['measure_s']:.0f} s measured after "
         f"{result['warm_s']:.0f} s at deploy/agent.yaml's defaults"
     )
+    return caption, head, rows, _notes(runs, result["model"])
+
+
+def _agent_row(name: str, rs: list[dict[str, Any]]) -> list[str]:
+    """The table's row of the agent under one load, over its rounds."""
+    return [
+        name,
+        f"{_median([r['total_pct'] for r in rs]):.3f}",
+        f"{_median([sum(r['stage_ms_per_s'].values()) for r in rs]):.2f}",
+        f"{_median([r['bpf_ms_per_s'] for r in rs]):.3f}",
+        f"{_median([r['rss_total_mb'] for r in rs]):.0f}",
+        str(rs[-1]["sample_hz"]),
+        guard_text({k: sum(r["decisions"][k] for r in rs) for k in rs[0]["decisions"]})
+        if all("decisions" in r for r in rs)
+        else str(rs[-1]["guard"]),
+    ]
+
+
+def _notes(runs: dict[str, list[dict[str, Any]]], m: dict[str, float]) -> list[str]:
+    """The table's notes: the cost model, the last rounds by stage and program, each load by round."""
     notes = [
         f"cost model: fixed {m['fixed_ms_per_s']:.2f} ms/s; per new process {m['per_new_process_us']:.0f} us; "
         f"per sample {m['per_sample_ns']:.0f} ns; per context switch with a short block "
@@ -524,4 +544,4 @@ def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
                     for r in runs[name]
                 )
             )
-    return caption, head, rows, notes
+    return notes

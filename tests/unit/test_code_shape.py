@@ -11,8 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "bench/budget.py:measure_agent",
-        "bench/budget.py:section",
         "bench/overhead.py:OverheadBench.run",
         "bench/overhead.py:OverheadBench.under",
         "bench/python.py:PythonBench._one",
