@@ -7,30 +7,30 @@ every name with a prefix asked for: node's v8dbg_* set), plus the file's
 PT_LOAD segments (the first computes the load bias in a process; all of
 them place an initialised data symbol's bytes in the file: read_values).
 
-The file is untrusted (a profiled process maps what it likes): every count,
-offset and size is checked against the caps below and the file's size before
-it is read (the first table of each type only, MAX_SYMBOL_BYTES in all, within
-READ_SECONDS), and every failure is an ElfSymbolError naming the cap that
-fired (its `kind`, which the reader counts). (symbolizer/elf.py reads
-function symbols for the symbolizer; this reads the data symbols a runtime
-reader needs, and only those.)
+The file is untrusted (a profiled process maps what it likes): it is read
+through shared/elf.py, the one bounded ELF reader (header, program and section
+header tables, symbol entries), and every count, offset and size is checked
+against the caps below and the file's size before it is read (the first table
+of each type only, MAX_SYMBOL_BYTES in all, within READ_SECONDS); every
+failure is an ElfSymbolError naming the cap that fired (its `kind`, which the
+reader counts). (symbolizer/elf.py reads function symbols for the symbolizer;
+this reads the data symbols a runtime reader needs, and only those.)
 
 Must not: read a whole file into memory, or follow anything outside the file.
 """
 
 from __future__ import annotations
 
-import os
-import struct
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
-# The kernel execs at most a page of program headers; real files have ~15.
-MAX_PROGRAM_HEADERS = 128
-# Linked binaries have ~40 sections.
-MAX_SECTION_HEADERS = 4096
+from shared import elf as shared_elf
+from shared.elf import SYM, ElfError, Reader, SectionHeader
+
+# The header caps are shared/elf.py's: MAX_PROGRAM_HEADERS, MAX_SECTION_HEADERS.
 # libpython has ~20K symbols in .dynsym, ~30K in .symtab; past this a file is not an interpreter.
 MAX_SYMBOLS = 1_000_000
 # Symbol entries read per chunk (24 bytes each).
@@ -48,13 +48,6 @@ READ_SECONDS = 2.0
 # Bytes of symbol tables and their string tables read from one file in all (libpython's are ~2 MB, node's
 # .dynsym and .dynstr ~6 MB); past it the file is refused.
 MAX_SYMBOL_BYTES = 64 << 20
-
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_PHDR = struct.Struct("<IIQQQQQQ")
-_SHDR = struct.Struct("<IIQQQQIIQQ")
-_SYM = struct.Struct("<IBBHQQ")
-_PT_LOAD = 1
-_SHT_SYMTAB, _SHT_DYNSYM, _SHT_STRTAB = 2, 11, 3
 
 
 class ElfSymbolError(Exception):
@@ -94,25 +87,26 @@ def read_values(f: BinaryIO, info: ElfInfo, names: Iterable[str], width: int = 4
     """The little-endian unsigned integers of `width` bytes the data symbols `names` hold in the file
     (initialised data: a v8dbg_ constant, V8's Version::major_); names absent or outside the file's
     loaded bytes are left out."""
-    size = os.fstat(f.fileno()).st_size
     out: dict[str, int] = {}
-    for name in names:
-        at = info.symbols.get(name)
-        off = None if at is None else info.file_offset(at, width)
-        if off is None:
-            continue
-        out[name] = int.from_bytes(_read(f, size, off, width, name), "little")
+    with _as_symbol_errors():
+        r = Reader(f, MAX_FILE_BYTES)
+        for name in names:
+            at = info.symbols.get(name)
+            off = None if at is None else info.file_offset(at, width)
+            if off is None:
+                continue
+            out[name] = int.from_bytes(r.read(off, width, name), "little")
     return out
 
 
-def _read(f: BinaryIO, size: int, offset: int, length: int, what: str) -> bytes:
-    if offset < 0 or length < 0 or offset + length > size:
-        raise ElfSymbolError(f"{what} lies outside the file")
-    f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
-        raise ElfSymbolError(f"short read of {what}")
-    return data
+@contextmanager
+def _as_symbol_errors() -> Iterator[None]:
+    """shared/elf.py's ElfError as an ElfSymbolError: the file over its cap keeps its kind, the rest is
+    "malformed"."""
+    try:
+        yield
+    except ElfError as e:
+        raise ElfSymbolError(str(e), "file_over_cap" if e.kind == "file_over_cap" else "malformed") from None
 
 
 def _starts(strtab: bytes, needles: list[bytes]) -> set[int]:
@@ -130,109 +124,98 @@ def _starts(strtab: bytes, needles: list[bytes]) -> set[int]:
     return out
 
 
-def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_only: bool = False) -> ElfInfo:  # noqa: PLR0912
+def read_symbols(f: BinaryIO, names: Iterable[str], prefix: str = "", dynsym_only: bool = False) -> ElfInfo:
     """The addresses of `names` (those present), and of every symbol starting with `prefix` when one
     is given, and the load layout of the ELF file `f`. With dynsym_only, .symtab is never read (node
     exports its v8dbg_ symbols in .dynsym; its .symtab's string table is past MAX_STRTAB_BYTES)."""
-    wanted = {n.encode(): n for n in names}
-    pre = prefix.encode()
-    longest = max([len(w) for w in wanted] + ([MAX_PREFIX_NAME_BYTES] if pre else []), default=0)
-    prefixed = 0
-    deadline = time.monotonic() + READ_SECONDS
-    size = os.fstat(f.fileno()).st_size
-    if size > MAX_FILE_BYTES:
-        raise ElfSymbolError(f"{size} bytes, more than {MAX_FILE_BYTES}", "file_over_cap")
-    (
-        ident,
-        e_type,
-        _machine,
-        _v,
-        _entry,
-        phoff,
-        shoff,
-        _flags,
-        _ehsize,
-        phentsize,
-        phnum,
-        shentsize,
-        shnum,
-        _shstrndx,
-    ) = _EHDR.unpack(_read(f, size, 0, _EHDR.size, "ELF header"))
-    if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
-        raise ElfSymbolError("not a 64-bit little-endian ELF file")
-    if e_type not in (2, 3):
-        raise ElfSymbolError(f"ELF type {e_type} is not an executable or shared object")
-    if phnum > MAX_PROGRAM_HEADERS or (phnum and phentsize != _PHDR.size):
-        raise ElfSymbolError("unusable program headers")
-    if shnum > MAX_SECTION_HEADERS or (shnum and shentsize != _SHDR.size):
-        raise ElfSymbolError("unusable section headers")
-    loads = []
-    table = _read(f, size, phoff, phnum * _PHDR.size, "program headers")
-    for i in range(phnum):
-        p_type, _pf, p_offset, p_vaddr, _paddr, p_filesz, *_ = _PHDR.unpack_from(table, i * _PHDR.size)
-        if p_type == _PT_LOAD:
-            loads.append((p_offset, p_vaddr, p_filesz))
-    if not loads:
-        raise ElfSymbolError("no PT_LOAD segment")
+    search = _Search(names, prefix, time.monotonic() + READ_SECONDS)
+    with _as_symbol_errors():
+        r = Reader(f, MAX_FILE_BYTES)
+        h = shared_elf.read_header(r)
+        if h.e_type not in (shared_elf.ET_EXEC, shared_elf.ET_DYN):
+            raise ElfSymbolError(f"ELF type {h.e_type} is not an executable or shared object")
+        phdrs = shared_elf.program_headers(r, h)
+        loads = [(p.p_offset, p.p_vaddr, p.p_filesz) for p in phdrs if p.p_type == shared_elf.PT_LOAD]
+        if not loads:
+            raise ElfSymbolError("no PT_LOAD segment")
+        shdrs = shared_elf.section_headers(r, h)  # read once (read per header, 4096 of them made 1 GiB)
+        for sh_type in (shared_elf.SHT_DYNSYM,) if dynsym_only else (shared_elf.SHT_DYNSYM, shared_elf.SHT_SYMTAB):
+            # An ELF file has at most one section of each type (the gABI): a crafted one's others are not read.
+            for sh in [sh for sh in shdrs if sh.sh_type == sh_type][:1]:
+                if not search.done():
+                    search.table(r, shdrs, sh)
     first_offset, first_vaddr, _ = min(loads)
-    # The section header table is read once (reading it per header made 4096 headers a read of 1 GiB).
-    raw_shdrs = _read(f, size, shoff, shnum * _SHDR.size, "section headers") if shoff else b""
-    shdrs = [_SHDR.unpack_from(raw_shdrs, i * _SHDR.size) for i in range(shnum)] if shoff else []
-    found: dict[str, int] = {}
-    spent = 0  # bytes of symbol and string tables read
-    for sh_type in (_SHT_DYNSYM,) if dynsym_only else (_SHT_DYNSYM, _SHT_SYMTAB):
-        # An ELF file has at most one section of each type (the gABI): a crafted one's others are not read.
-        for sh in [sh for sh in shdrs if sh[1] == sh_type][:1]:
-            if len(found) == len(wanted) and not pre:
+    return ElfInfo(h.e_type == shared_elf.ET_DYN, first_vaddr, first_offset, search.found, tuple(sorted(loads)))
+
+
+@dataclass
+class _Search:
+    """The names asked for (and the prefix), what was found of them, and the caps spent so far."""
+
+    names: Iterable[str]
+    prefix: str
+    deadline: float
+    found: dict[str, int] = field(default_factory=dict)
+    prefixed: int = 0  # symbols found by the prefix
+    spent: int = 0  # bytes of symbol and string tables read
+
+    def __post_init__(self) -> None:
+        self.wanted = {n.encode(): n for n in self.names}
+        self.pre = self.prefix.encode()
+        # No name we want is longer than this: the NUL is looked for that far only (a string table
+        # without NULs made each symbol a scan of 16 MiB).
+        self.longest = max([len(w) for w in self.wanted] + ([MAX_PREFIX_NAME_BYTES] if self.pre else []), default=0)
+
+    def done(self) -> bool:
+        return len(self.found) == len(self.wanted) and not self.pre
+
+    def table(self, r: Reader, shdrs: list[SectionHeader], sh: SectionHeader) -> None:
+        """Look for the names in the symbol table `sh`, after checking its caps."""
+        strings = shared_elf.linked_strings(shdrs, sh)
+        count = sh.sh_size // SYM.size
+        if count > MAX_SYMBOLS:
+            raise ElfSymbolError(f"{count} symbols, more than {MAX_SYMBOLS}", "symbols_over_cap")
+        if strings.sh_size > MAX_STRTAB_BYTES:
+            raise ElfSymbolError(
+                f"string table of {strings.sh_size} bytes, more than {MAX_STRTAB_BYTES}", "strtab_over_cap"
+            )
+        self.spent += strings.sh_size + count * SYM.size
+        if self.spent > MAX_SYMBOL_BYTES:
+            raise ElfSymbolError(f"symbol and string tables of more than {MAX_SYMBOL_BYTES} bytes", "bytes_over_cap")
+        strtab = r.read(strings.sh_offset, strings.sh_size, "string table")
+        # With a prefix, only symbols whose name starts where a wanted name or the prefix occurs in the
+        # string table are looked at (found by bytes.find, not per symbol: node's 90K .dynsym entries took
+        # over 2 s on a loaded host otherwise).
+        starts = _starts(strtab, [*self.wanted, self.pre]) if self.pre else None
+        self._check_time()
+        for chunk in shared_elf.symbol_chunks(r, sh, SYMBOL_CHUNK):
+            self._chunk(strtab, chunk, starts)
+            if self.done():
+                break
+            self._check_time()  # before the next chunk is read
+
+    def _check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ElfSymbolError(f"reading symbols took more than {READ_SECONDS:g} s", "time")
+
+    def _chunk(self, strtab: bytes, chunk: bytes, starts: set[int] | None) -> None:
+        for st_name, _info, _other, shndx, value, _sz in SYM.iter_unpack(chunk):
+            if not value or not shndx or st_name >= len(strtab):
                 continue
-            _name, _t, _fl, _addr, offset, sh_size, link, _info, _align, entsize = sh
-            if entsize != _SYM.size or link >= len(shdrs) or shdrs[link][1] != _SHT_STRTAB:
-                raise ElfSymbolError("unusable symbol table")
-            count = sh_size // entsize
-            if count > MAX_SYMBOLS:
-                raise ElfSymbolError(f"{count} symbols, more than {MAX_SYMBOLS}", "symbols_over_cap")
-            str_offset, str_size = shdrs[link][4], shdrs[link][5]
-            if str_size > MAX_STRTAB_BYTES:
-                raise ElfSymbolError(
-                    f"string table of {str_size} bytes, more than {MAX_STRTAB_BYTES}", "strtab_over_cap"
-                )
-            spent += str_size + count * entsize
-            if spent > MAX_SYMBOL_BYTES:
-                raise ElfSymbolError(
-                    f"symbol and string tables of more than {MAX_SYMBOL_BYTES} bytes", "bytes_over_cap"
-                )
-            strtab = _read(f, size, str_offset, str_size, "string table")
-            # With a prefix, only symbols whose name starts where a wanted name or the prefix occurs in
-            # the string table are looked at (found by bytes.find, not per symbol: node's 90K .dynsym
-            # entries took over 2 s on a loaded host otherwise).
-            starts = _starts(strtab, [*wanted, pre]) if pre else None
-            for first in range(0, count, SYMBOL_CHUNK):
-                if time.monotonic() > deadline:
-                    raise ElfSymbolError(f"reading symbols took more than {READ_SECONDS:g} s", "time")
-                n = min(SYMBOL_CHUNK, count - first)
-                chunk = _read(f, size, offset + first * entsize, n * entsize, "symbols")
-                for st_name, _info, _other, shndx, value, _sz in _SYM.iter_unpack(chunk):
-                    if not value or not shndx or st_name >= str_size:
-                        continue
-                    if starts is not None and st_name not in starts:
-                        continue
-                    # No name we want is longer than `longest`: the NUL is looked for that far only
-                    # (a string table without NULs made each symbol a scan of 16 MiB).
-                    end = strtab.find(b"\0", st_name, st_name + longest + 1)
-                    if end < 0:
-                        continue
-                    name = strtab[st_name:end]
-                    if name in wanted and wanted[name] not in found:
-                        found[wanted[name]] = value
-                    elif pre and name.startswith(pre):
-                        text = name.decode("ascii", "replace")
-                        if text not in found:
-                            prefixed += 1
-                            if prefixed > MAX_PREFIX_SYMBOLS:
-                                raise ElfSymbolError(
-                                    f"more than {MAX_PREFIX_SYMBOLS} {prefix}* symbols", "prefix_over_cap"
-                                )
-                            found[text] = value
-                if len(found) == len(wanted) and not pre:
-                    break
-    return ElfInfo(e_type == 3, first_vaddr, first_offset, found, tuple(sorted(loads)))
+            if starts is not None and st_name not in starts:
+                continue
+            end = strtab.find(b"\0", st_name, st_name + self.longest + 1)
+            if end < 0:
+                continue
+            name = strtab[st_name:end]
+            if name in self.wanted and self.wanted[name] not in self.found:
+                self.found[self.wanted[name]] = value
+            elif self.pre and name.startswith(self.pre):
+                self._prefixed(name.decode("ascii", "replace"), value)
+
+    def _prefixed(self, text: str, value: int) -> None:
+        if text not in self.found:
+            self.prefixed += 1
+            if self.prefixed > MAX_PREFIX_SYMBOLS:
+                raise ElfSymbolError(f"more than {MAX_PREFIX_SYMBOLS} {self.prefix}* symbols", "prefix_over_cap")
+            self.found[text] = value
