@@ -433,12 +433,12 @@ class OverheadBench:
         d: Path,
         runs: list[tuple[str, list[str], float]],
         warmup_argv: dict[str, list[str]],
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """`runs` ((workload, argv, CPU seconds alone), in turn) under one start of `profiler` at `hz`:
         each one's figures. The CPU alone is for a profiler that starts the workload (py-spy: its CPU
         is the difference)."""
         prof = self.make(profiler, hz, d)
-        out: list[dict] = []
+        out: list[dict[str, Any]] = []
         pids_of_runs: list[int] = []
         try:
             prof.start()
@@ -452,38 +452,9 @@ class OverheadBench:
                     run_workload(warmup_argv[workload], workload)  # untimed: tables load for DWARF
                     if isinstance(prof, PipelineProfiler) and "DWARF" in prof.name:
                         wait_for_tables(prof.p, argv[0], LIBC)
-                cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
-                bpf0 = bpf_totals(list(pids.values()))
-                if prof.wraps_workload:
-                    elapsed, both_cpu_s, pid = run_workload(prof.wrap(argv), workload)
-                    rss: dict[str, int] = {}
-                    profiler_cpu_s = max(0.0, both_cpu_s - alone_cpu_s)
-                else:
-                    elapsed, _, pid = run_workload(argv, workload)
-                    rss = {n: rss_bytes(p) for n, p in pids.items()}
-                    profiler_cpu_s = sum(procs.cpu_seconds(p) - cpu0[n] for n, p in pids.items())
-                bpf1 = bpf_totals(list(pids.values()))
+                fig, pid = self._one(prof, pids, workload, argv, alone_cpu_s)
+                out.append(fig)
                 pids_of_runs.append(pid)
-                sampling = [
-                    (bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
-                    for n in bpf1
-                    if n in SAMPLING_PROGRAMS
-                ]
-                sampled_ns, sampled = sum(t for t, _ in sampling), sum(c for _, c in sampling)
-                bpf_ns = sum(bpf1[n][0] - bpf0.get(n, (0, 0))[0] for n in bpf1)
-                out.append(
-                    {
-                        "workload": workload,
-                        "elapsed_s": elapsed,
-                        "profiler_cpu_s": profiler_cpu_s,
-                        "profiler_cpu_pct": 100 * profiler_cpu_s / elapsed,
-                        "rss_bytes": rss,
-                        "bpf_ns": bpf_ns,
-                        "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
-                        "bpf_ns_per_sample": sampled_ns / sampled if sampled else None,
-                        "samples": sampled or None,
-                    }
-                )
         finally:
             prof.stop()
         if len(runs) == 1 and out[0]["samples"] is None:
@@ -495,7 +466,43 @@ class OverheadBench:
             shutil.rmtree(d, ignore_errors=True)
         return out
 
-    def run(self) -> dict:
+    @staticmethod
+    def _one(
+        prof: Profiler, pids: dict[str, int], workload: str, argv: list[str], alone_cpu_s: float
+    ) -> tuple[dict[str, Any], int]:
+        """One timed run of `workload` under the started `prof`: (its figures, the workload's pid)."""
+        cpu0 = {n: procs.cpu_seconds(pid) for n, pid in pids.items()}
+        bpf0 = bpf_totals(list(pids.values()))
+        if prof.wraps_workload:
+            elapsed, both_cpu_s, pid = run_workload(prof.wrap(argv), workload)
+            rss: dict[str, int] = {}
+            profiler_cpu_s = max(0.0, both_cpu_s - alone_cpu_s)
+        else:
+            elapsed, _, pid = run_workload(argv, workload)
+            rss = {n: rss_bytes(p) for n, p in pids.items()}
+            profiler_cpu_s = sum(procs.cpu_seconds(p) - cpu0[n] for n, p in pids.items())
+        bpf1 = bpf_totals(list(pids.values()))
+        sampling = [
+            (bpf1[n][0] - bpf0.get(n, (0, 0))[0], bpf1[n][1] - bpf0.get(n, (0, 0))[1])
+            for n in bpf1
+            if n in SAMPLING_PROGRAMS
+        ]
+        sampled_ns, sampled = sum(t for t, _ in sampling), sum(c for _, c in sampling)
+        bpf_ns = sum(bpf1[n][0] - bpf0.get(n, (0, 0))[0] for n in bpf1)
+        fig = {
+            "workload": workload,
+            "elapsed_s": elapsed,
+            "profiler_cpu_s": profiler_cpu_s,
+            "profiler_cpu_pct": 100 * profiler_cpu_s / elapsed,
+            "rss_bytes": rss,
+            "bpf_ns": bpf_ns,
+            "bpf_pct": 100 * bpf_ns / 1e9 / elapsed,
+            "bpf_ns_per_sample": sampled_ns / sampled if sampled else None,
+            "samples": sampled or None,
+        }
+        return fig, pid
+
+    def run(self) -> dict[str, Any]:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-overhead-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
@@ -516,33 +523,8 @@ class OverheadBench:
                 if r % 2:
                     configs.reverse()
                 for profiler, hz, workloads in configs:
-                    order = list(reversed(workloads)) if r % 2 else list(workloads)
-                    alone = {w: run_workload(argvs[w], w)[:2] for w in order}  # A, each
                     n += 1
-                    figs = self.under(
-                        profiler,
-                        hz,
-                        Path(tmp) / f"r{n}",  # B, each
-                        [(w, argvs[w], alone[w][1]) for w in order],
-                        warmup,
-                    )
-                    for fig in figs:
-                        alone_s = alone[fig["workload"]][0]
-                        fig.update(
-                            {
-                                "round": r,
-                                "profiler": profiler,
-                                "hz": hz,
-                                "alone_s": alone_s,
-                                "ratio": alone_s / fig["elapsed_s"],
-                            }
-                        )
-                        runs.append(fig)
-                        self.log(
-                            f"overhead round {r + 1}/{self.rounds} {fig['workload']} {profiler} {hz} Hz: "
-                            f"ratio {fig['ratio']:.3f}, profiler CPU {fig['profiler_cpu_pct']:.2f}%"
-                            + (f", BPF {fig['bpf_ns_per_sample']:.0f} ns/sample" if fig["bpf_ns_per_sample"] else "")
-                        )
+                    runs += self._config_runs(r, profiler, hz, workloads, argvs, warmup, Path(tmp) / f"r{n}")
         finally:
             runtime_stats.close()
             if not self.keep:
@@ -560,8 +542,34 @@ class OverheadBench:
             "seconds": round(time.monotonic() - t_start, 1),
         }
 
+    def _config_runs(
+        self,
+        r: int,
+        profiler: str,
+        hz: int,
+        workloads: tuple[str, ...],
+        argvs: dict[str, list[str]],
+        warmup: dict[str, list[str]],
+        d: Path,
+    ) -> list[dict[str, Any]]:
+        """Round r's runs of `workloads`: each alone (A), then each under one start of `profiler` (B)."""
+        order = list(reversed(workloads)) if r % 2 else list(workloads)
+        alone = {w: run_workload(argvs[w], w)[:2] for w in order}  # A, each
+        figs = self.under(profiler, hz, d, [(w, argvs[w], alone[w][1]) for w in order], warmup)  # B, each
+        for fig in figs:
+            alone_s = alone[fig["workload"]][0]
+            fig.update(
+                {"round": r, "profiler": profiler, "hz": hz, "alone_s": alone_s, "ratio": alone_s / fig["elapsed_s"]}
+            )
+            self.log(
+                f"overhead round {r + 1}/{self.rounds} {fig['workload']} {profiler} {hz} Hz: "
+                f"ratio {fig['ratio']:.3f}, profiler CPU {fig['profiler_cpu_pct']:.2f}%"
+                + (f", BPF {fig['bpf_ns_per_sample']:.0f} ns/sample" if fig["bpf_ns_per_sample"] else "")
+            )
+        return figs
 
-def summarize(runs: list[dict], ncpu: int, rates: list[int]) -> dict:
+
+def summarize(runs: list[dict[str, Any]], ncpu: int, rates: list[int]) -> dict[str, Any]:
     groups: dict[tuple[str, str, int], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["workload"], r["profiler"], r["hz"]), []).append(r)

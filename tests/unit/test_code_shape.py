@@ -11,8 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "bench/overhead.py:OverheadBench.run",
-        "bench/overhead.py:OverheadBench.under",
         "bench/python.py:PythonBench._one",
         "bench/scaling.py:ScalingBench._replay",
         "cli/record.py:main",
