@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -318,40 +318,215 @@ class _Attached:
     links: list[int] = field(default_factory=list)  # open link descriptors, return link first
 
 
+class UprobeLinks:
+    """The uprobe_multi links of bpf/alloc.c's programs on targets' libc: the programs loaded once,
+    each target's links opened and closed at once from a pool of BURST_THREADS."""
+
+    def __init__(self, bpf: Any, stats: dict[str, int]) -> None:
+        self.prog_fds = {name: load_uprobe_multi(bpf, name) for name in PROGRAMS}
+        self.stats = stats  # burst_attach_failed is counted here
+        self._pool = ThreadPoolExecutor(BURST_THREADS, thread_name_prefix="alloc-probes")
+
+    def attach(self, targets: list[_Attached], raise_errors: bool = False) -> None:
+        """Each target's return link (malloc, calloc and realloc's returns), then its four entry links
+        opened at once. An entry whose return goes unseen (a call that began before its return link)
+        costs that one sample, no more (bpf/alloc.c replaces such a record; a burst's end clears them)."""
+        failed: dict[int, Exception] = {}
+        rets = [sym for sym, _e, ret in PROBES if ret]
+        for group in (
+            [(a, RETURN_PROGRAM, rets, True) for a in targets],
+            [(a, entry, [sym], False) for a in targets for sym, entry, _r in PROBES],
+        ):
+            for (a, *_), r in zip(group, self._pool.map(self._open, group)):
+                if isinstance(r, Exception):
+                    failed.setdefault(a.target.pid, r)
+                else:
+                    a.links.append(r)
+        bad = [a for a in targets if a.target.pid in failed]
+        self.detach(bad)
+        for a in bad:  # the process exited since the last scan: remove() follows
+            if raise_errors:
+                raise failed[a.target.pid]
+            self.stats["burst_attach_failed"] += 1
+            log.debug("allocation profiling: burst attach to pid %d: %s", a.target.pid, failed[a.target.pid])
+
+    def _open(self, job: tuple[_Attached, str, list[str], bool]) -> int | Exception:
+        a, prog, syms, ret = job
+        try:
+            return open_link(self.prog_fds[prog], a.path, [a.offsets[s] for s in syms], a.target.pid, ret)
+        except OSError as e:
+            return e
+
+    def detach(self, targets: list[_Attached]) -> None:
+        """Every link of `targets` closed at once: each close removes its breakpoints, then waits out
+        a grace period."""
+        links = [fd for a in targets for fd in a.links]
+        for a in targets:
+            a.links.clear()
+        list(self._pool.map(os.close, links))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+class AllocMaps:
+    """bpf/alloc.c's maps as the tracer reads them: the double-buffered counts and their losses, the
+    stack map and the lifetime of its ids, the live allocations and the frees of survivors the
+    bursts saw."""
+
+    def __init__(self, bpf: Any) -> None:
+        self.buffers = DoubleBuffer(bpf, "alloc")
+        self.lost = LostCounters(bpf["alloc_lost"], LOST_REASONS[:4])
+        self.stacks = bpf["alloc_stacks"]
+        self.live = bpf["alloc_live"]
+        self.pending = bpf["alloc_pending"]
+        self.survivors_freed = bpf["alloc_survivors_freed"]
+        self._debt: dict[tuple[int, int, int], float] = defaultdict(float)
+        self._last_used: dict[int, int] = {}
+        self.drains = 0
+
+    def forget_live(self, pids: set[int]) -> int:
+        """The live entries of `pids` deleted; how many."""
+        keys = [k for k in self.live if k.pid in pids]
+        for k in keys:
+            with contextlib.suppress(KeyError):
+                del self.live[k]
+        return len(keys)
+
+    def forget_unseen_frees(self, seen_share: Callable[[], float]) -> int:
+        """For each free of a survivor the bursts saw, forget the (1 - share) / share live entries of
+        its stack (the oldest) whose frees fell between bursts; returns how many were forgotten."""
+        seen = {(k.pid, k.user_stack, k.caller): v.value for k, v in self.survivors_freed.items()}
+        if not seen:
+            return 0
+        self.survivors_freed.clear()
+        due: dict[tuple[int, int, int], int] = {}
+        for key, n in seen.items():
+            due[key], self._debt[key] = survivors_to_forget(self._debt[key], n, seen_share())
+        by_stack: dict[tuple[int, int, int], list[tuple[int, Any]]] = defaultdict(list)
+        for k, v in self.live.items():
+            key = (k.pid, v.user_stack, v.caller)
+            if due.get(key):
+                by_stack[key].append((v.burst, k))
+        forgotten = 0
+        for key, entries in by_stack.items():
+            entries.sort(key=lambda e: e[0])
+            for _, k in entries[: due[key]]:
+                try:
+                    del self.live[k]
+                    forgotten += 1
+                except KeyError:
+                    pass
+        return forgotten
+
+    def live_rows(
+        self, attached: Container[int], scales: dict[int, float], overall: float
+    ) -> list[tuple[int, int, int, int, int, int]]:
+        """The live allocations of `attached` processes by stack, each scaled by its burst's scale
+        (`overall` for a burst no longer kept); the entries of other processes deleted."""
+        sums: dict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        gone: list[Any] = []  # entries of processes no longer attached (exited while paused)
+        for k, v in self.live.items():
+            if k.pid not in attached:
+                gone.append(k)
+                continue
+            s = sums[(k.pid, v.tid, v.user_stack, v.caller)]
+            x = scales.get(v.burst, overall)
+            s[0] += v.objects_milli * x
+            s[1] += v.bytes * x
+        for k in gone:
+            with contextlib.suppress(KeyError):
+                del self.live[k]
+        return [(*key, round(o), round(b)) for key, (o, b) in sums.items()]
+
+    def raw(self, rows: list[tuple[int, int, int, int, int, int]], inuse: bool) -> RawDrain:
+        """`rows` (pid, tid, stack id, caller, objects x 1000, bytes) as a RawDrain, with their stacks."""
+        out = RawDrain()
+        ids: dict[tuple[int, int], int] = {}
+        walked: dict[int, tuple[int, ...] | None] = {}
+        gone = 0
+        for pid, tid, sid, caller, objects_milli, nbytes in rows:
+            key = (sid, caller)
+            uid = ids.get(key)
+            if uid is None:
+                frames: tuple[int, ...] = ()
+                if sid >= 0:
+                    if sid not in walked:
+                        try:
+                            walked[sid] = tuple(self.stacks.walk(sid))
+                        except KeyError:
+                            walked[sid] = None
+                    stack = walked[sid]
+                    if stack is None:
+                        gone += 1
+                    else:
+                        frames = stack
+                        self._last_used[sid] = self.drains
+                if caller:  # the frame the entry probe's walk skipped
+                    frames = (*frames[:1], caller, *frames[1:])
+                uid = ids[key] = len(ids)
+                out.user_stacks[uid] = frames
+            objects = (objects_milli + 500) // 1000
+            if inuse:
+                out.samples.append((pid, tid, uid, -1, 0, 0, (objects, nbytes)))
+            else:
+                out.samples.append((pid, tid, uid, -1, objects, nbytes, (0, 0)))
+        if gone:
+            out.lost["stack_gone"] = gone
+        return out
+
+    def sweep(self) -> None:
+        """Delete the stack ids unused for STACK_KEEP_DRAINS drains that no live or pending entry refers to."""
+        present = [k.value for k in self.stacks]
+        for sid in present:  # an id no drain has used yet may belong to a call still in progress: young
+            self._last_used.setdefault(sid, self.drains)
+        keep = {v.user_stack for v in self.live.values()} | {v.user_stack for v in self.pending.values()}
+        delete_stacks(self.stacks, stale_ids(present, keep, self._last_used, self.drains - STACK_KEEP_DRAINS))
+
+
+def _seed_sampling(bpf: Any, plan: BurstPlan, sample_bytes: int, rng: random.Random) -> None:
+    """The sampling table (alloc_exp) and each CPU's first countdown (alloc_left)."""
+    table = bpf["alloc_exp"]
+    for i, v in enumerate(exp_quantiles()):
+        table[ctypes.c_int(i)] = ctypes.c_uint32(v)
+    left = bpf["alloc_left"]
+    left[ctypes.c_int(0)] = left.Leaf(*first_countdowns(left.total_cpu, plan.in_burst_sample_bytes(sample_bytes), rng))
+
+
+def _no_cap_hint() -> str:
+    """Why an attach may have failed, when the collector lacks CAP_SYS_ADMIN."""
+    if privileges.held()["CapEff"] >> privileges.CAP_SYS_ADMIN & 1:
+        return ""
+    return (
+        " (the collector lacks CAP_SYS_ADMIN, which creating a uprobe takes on Linux 6.16+: under "
+        'systemd add it with a drop-in, see README "Allocation and lock profiles")'
+    )
+
+
+def _log_ready(plan: BurstPlan, sample_bytes: int) -> None:
+    """The tracer's first log line: how it samples."""
+    how = f"one sample per {sample_bytes} bytes on average" if sample_bytes else "every allocation"
+    when = (
+        "uprobes attached all the time"
+        if plan.always
+        else f"uprobes attached {plan.attached_s * 1e3:.0f} ms of every {plan.period_s:g} s at a "
+        f"random phase ({plan.sampling_s * 1e3:.0f} ms sampling, one per "
+        f"{plan.in_burst_sample_bytes(sample_bytes)} bytes, scaled x{plan.scale})"
+    )
+    log.info(
+        "allocation profiling ready: uprobes on libc malloc, calloc, realloc, free of target processes; %s; %s",
+        how,
+        when,
+    )
+
+
 class AllocTracer(TargetedSource):
     profile_type = PROFILE_TYPE
     dwarf = False  # bpf/alloc.c has no DWARF path: its stacks are the stack map's frame-pointer walks
 
     def __init__(self, bpf: Any, sample_bytes: int, duty_pct: float = 100.0) -> None:
-        self._bpf = bpf
         self.sample_bytes = sample_bytes
         self.plan = BurstPlan(duty_pct)
-        self._prog_fds = {name: load_uprobe_multi(bpf, name) for name in PROGRAMS}
-        self._rng = random.Random()
-        table = bpf["alloc_exp"]
-        for i, v in enumerate(exp_quantiles()):
-            table[ctypes.c_int(i)] = ctypes.c_uint32(v)
-        left = bpf["alloc_left"]
-        left[ctypes.c_int(0)] = left.Leaf(
-            *first_countdowns(left.total_cpu, self.plan.in_burst_sample_bytes(sample_bytes), self._rng)
-        )
-        self._state = bpf["alloc_state"]
-        self._burst = 0
-        self._set_state(sampling=self.plan.always)
-        self._buffers = DoubleBuffer(bpf, "alloc")
-        self._lost = LostCounters(bpf["alloc_lost"], LOST_REASONS[:4])
-        self._stacks = bpf["alloc_stacks"]
-        self._live = bpf["alloc_live"]
-        self._pending = bpf["alloc_pending"]
-        self._survivors_freed = bpf["alloc_survivors_freed"]
-        self._debt: dict[tuple[int, int, int], float] = defaultdict(float)
-        self.attached: dict[int, _Attached] = {}  # targets (their probes on in bursts, or always)
-        self.waiting: dict[int, Target] = {}  # targets while paused
-        self.paused = False
-        self._last_used: dict[int, int] = {}
-        self._drains = 0
-        self._lock = threading.RLock()  # attached, the probes, alloc_state: the burst thread and the loop
-        self._stop = threading.Event()
         self.stats = {
             "attached": 0,
             "attach_failed": 0,
@@ -362,6 +537,18 @@ class AllocTracer(TargetedSource):
             "burst_attach_failed": 0,
             "survivors_forgotten": 0,
         }
+        self.probes = UprobeLinks(bpf, self.stats)
+        self._rng = random.Random()
+        _seed_sampling(bpf, self.plan, sample_bytes, self._rng)
+        self._state = bpf["alloc_state"]
+        self._burst = 0
+        self._set_state(sampling=self.plan.always)
+        self.maps = AllocMaps(bpf)
+        self.attached: dict[int, _Attached] = {}  # targets (their probes on in bursts, or always)
+        self.waiting: dict[int, Target] = {}  # targets while paused
+        self.paused = False
+        self._lock = threading.RLock()  # attached, the probes, alloc_state: the burst thread and the loop
+        self._stop = threading.Event()
         self.on_s = 0.0  # probes attached, summed over bursts
         # The clock of the estimate: what a sample stands for is the time profiled over the time
         # sampled, as they were, not as planned (a burst that starts late, a detach that waits out a
@@ -370,23 +557,10 @@ class AllocTracer(TargetedSource):
         self._burst_scale: OrderedDict[int, float] = OrderedDict()  # burst -> the scale of the drain that took it
         self._scaled_through = 0
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(BURST_THREADS, thread_name_prefix="alloc-probes")
         if not self.plan.always:
             self._thread = threading.Thread(target=self._bursts, name="alloc-bursts", daemon=True)
             self._thread.start()
-        how = f"one sample per {sample_bytes} bytes on average" if sample_bytes else "every allocation"
-        when = (
-            "uprobes attached all the time"
-            if self.plan.always
-            else f"uprobes attached {self.plan.attached_s * 1e3:.0f} ms of every {self.plan.period_s:g} s at a "
-            f"random phase ({self.plan.sampling_s * 1e3:.0f} ms sampling, one per "
-            f"{self.plan.in_burst_sample_bytes(sample_bytes)} bytes, scaled x{self.plan.scale})"
-        )
-        log.info(
-            "allocation profiling ready: uprobes on libc malloc, calloc, realloc, free of target processes; %s; %s",
-            how,
-            when,
-        )
+        _log_ready(self.plan, sample_bytes)
 
     def _set_state(self, sampling: bool) -> None:
         st = self._state[ctypes.c_int(0)]
@@ -401,71 +575,76 @@ class AllocTracer(TargetedSource):
             if self.paused:
                 self.waiting[t.pid] = t
                 return
-            if len(self.attached) >= MAX_ALLOC_PROCESSES:
-                self.stats["over_cap"] += 1
-                log.warning(
-                    "allocation profiling: %d processes attached already (the cap); pid %d (%s) is not profiled",
-                    MAX_ALLOC_PROCESSES,
-                    t.pid,
-                    t.executable,
-                )
-                return
-            libc = libc_of(t.pid)
-            if libc is None:
-                self.stats["no_libc"] += 1
-                log.warning(
-                    "allocation profiling: pid %d (%s) maps no libc (static, or another allocator only); not profiled",
-                    t.pid,
-                    t.executable,
-                )
-                return
-            from bcc import BPF  # only the collector imports bcc
-
-            path = f"/proc/{t.pid}/root{libc}".encode()
-            a = _Attached(t, libc, path)
-            try:
-                for sym, _entry, _ret in PROBES:
-                    a.offsets[sym] = BPF._check_path_symbol(path, sym.encode(), None, t.pid)[1]
-                if self.plan.always:
-                    self._attach_at_once([a], raise_errors=True)
-            except Exception as e:  # bcc raises bare Exception, the kernel OSError; the process may have exited
-                self._detach_at_once([a])
-                self.stats["attach_failed"] += 1
-                why = (
-                    ""
-                    if privileges.held()["CapEff"] >> privileges.CAP_SYS_ADMIN & 1
-                    else (
-                        " (the collector lacks CAP_SYS_ADMIN, which creating a uprobe takes on Linux 6.16+: under "
-                        'systemd add it with a drop-in, see README "Allocation and lock profiles")'
-                    )
-                )
-                log.warning("allocation profiling: cannot attach to pid %d (%s): %s%s", t.pid, t.executable, e, why)
+            a = self._resolve(t)
+            if a is None:
                 return
             self.attached[t.pid] = a
             self._clock_profiling()
             self.stats["attached"] += 1
-            n = 2 * len(PROBES) - 1
+            self._log_attached(a)
+
+    def _resolve(self, t: Target) -> _Attached | None:
+        """`t`'s libc and the offsets of its allocator (its probes attached at once when always on);
+        None, counted and logged, when it cannot be profiled."""
+        if len(self.attached) >= MAX_ALLOC_PROCESSES:
+            self.stats["over_cap"] += 1
+            log.warning(
+                "allocation profiling: %d processes attached already (the cap); pid %d (%s) is not profiled",
+                MAX_ALLOC_PROCESSES,
+                t.pid,
+                t.executable,
+            )
+            return None
+        libc = libc_of(t.pid)
+        if libc is None:
+            self.stats["no_libc"] += 1
+            log.warning(
+                "allocation profiling: pid %d (%s) maps no libc (static, or another allocator only); not profiled",
+                t.pid,
+                t.executable,
+            )
+            return None
+        from bcc import BPF  # only the collector imports bcc
+
+        path = f"/proc/{t.pid}/root{libc}".encode()
+        a = _Attached(t, libc, path)
+        try:
+            for sym, _entry, _ret in PROBES:
+                a.offsets[sym] = BPF._check_path_symbol(path, sym.encode(), None, t.pid)[1]
             if self.plan.always:
-                log.info(
-                    "allocation profiling: %d uprobes attached to pid %d (%s, target %r) in %s (%d links)",
-                    n,
-                    t.pid,
-                    t.executable,
-                    t.spec,
-                    libc,
-                    len(a.links),
-                )
-            else:
-                log.info(
-                    "allocation profiling: %d uprobes resolved in pid %d (%s, target %r) in %s; attached in "
-                    "bursts of %.0f ms a second",
-                    n,
-                    t.pid,
-                    t.executable,
-                    t.spec,
-                    libc,
-                    self.plan.attached_s * 1e3,
-                )
+                self.probes.attach([a], raise_errors=True)
+        except Exception as e:  # bcc raises bare Exception, the kernel OSError; the process may have exited
+            self.probes.detach([a])
+            self.stats["attach_failed"] += 1
+            log.warning(
+                "allocation profiling: cannot attach to pid %d (%s): %s%s", t.pid, t.executable, e, _no_cap_hint()
+            )
+            return None
+        return a
+
+    def _log_attached(self, a: _Attached) -> None:
+        t, n = a.target, 2 * len(PROBES) - 1
+        if self.plan.always:
+            log.info(
+                "allocation profiling: %d uprobes attached to pid %d (%s, target %r) in %s (%d links)",
+                n,
+                t.pid,
+                t.executable,
+                t.spec,
+                a.libc,
+                len(a.links),
+            )
+        else:
+            log.info(
+                "allocation profiling: %d uprobes resolved in pid %d (%s, target %r) in %s; attached in "
+                "bursts of %.0f ms a second",
+                n,
+                t.pid,
+                t.executable,
+                t.spec,
+                a.libc,
+                self.plan.attached_s * 1e3,
+            )
 
     def target_pids(self) -> set[int]:
         return set(self.attached)
@@ -484,22 +663,15 @@ class AllocTracer(TargetedSource):
             if a is None:
                 return
             self._clock_profiling()
-            self._detach_at_once([a])
+            self.probes.detach([a])
             self.stats["detached"] += 1
-            dropped = self._forget_live({t.pid})
+            dropped = self.maps.forget_live({t.pid})
         log.info(
             "allocation profiling: pid %d (%s) is gone: uprobes detached, %d live allocations forgotten",
             t.pid,
             t.executable,
             dropped,
         )
-
-    def _forget_live(self, pids: set[int]) -> int:
-        keys = [k for k in self._live if k.pid in pids]
-        for k in keys:
-            with contextlib.suppress(KeyError):
-                del self._live[k]
-        return len(keys)
 
     # ------------------------------------------------------------ bursts
 
@@ -526,7 +698,7 @@ class AllocTracer(TargetedSource):
                 return
             self._burst += 1
             self._set_state(sampling=True)
-            self._attach_at_once(list(self.attached.values()))
+            self.probes.attach(list(self.attached.values()))
             on = time.monotonic()  # the entry probes went on last
             self._time.set("sampled", True)
         try:
@@ -538,8 +710,8 @@ class AllocTracer(TargetedSource):
             with self._lock:
                 self._end_sampling()
                 off = time.monotonic()
-                self._detach_at_once(list(self.attached.values()))
-                self._pending.clear()
+                self.probes.detach(list(self.attached.values()))
+                self.maps.pending.clear()
                 self.on_s += off - on
                 self.stats["bursts"] += 1
 
@@ -564,44 +736,6 @@ class AllocTracer(TargetedSource):
                 return self.plan.seen_free_share
             return min(1.0, max(1e-3, self.on_s / profiled))
 
-    def _attach_at_once(self, targets: list[_Attached], raise_errors: bool = False) -> None:
-        """Each target's return link (malloc, calloc and realloc's returns), then its four entry links
-        opened at once. An entry whose return goes unseen (a call that began before its return link)
-        costs that one sample, no more (bpf/alloc.c replaces such a record; a burst's end clears them)."""
-        failed: dict[int, Exception] = {}
-        rets = [sym for sym, _e, ret in PROBES if ret]
-        for group in (
-            [(a, RETURN_PROGRAM, rets, True) for a in targets],
-            [(a, entry, [sym], False) for a in targets for sym, entry, _r in PROBES],
-        ):
-            for (a, *_), r in zip(group, self._pool.map(self._open, group)):
-                if isinstance(r, Exception):
-                    failed.setdefault(a.target.pid, r)
-                else:
-                    a.links.append(r)
-        bad = [a for a in targets if a.target.pid in failed]
-        self._detach_at_once(bad)
-        for a in bad:  # the process exited since the last scan: remove() follows
-            if raise_errors:
-                raise failed[a.target.pid]
-            self.stats["burst_attach_failed"] += 1
-            log.debug("allocation profiling: burst attach to pid %d: %s", a.target.pid, failed[a.target.pid])
-
-    def _open(self, job: tuple[_Attached, str, list[str], bool]) -> int | Exception:
-        a, prog, syms, ret = job
-        try:
-            return open_link(self._prog_fds[prog], a.path, [a.offsets[s] for s in syms], a.target.pid, ret)
-        except OSError as e:
-            return e
-
-    def _detach_at_once(self, targets: list[_Attached]) -> None:
-        """Every link of `targets` closed at once: each close removes its breakpoints, then waits out
-        a grace period."""
-        links = [fd for a in targets for fd in a.links]
-        for a in targets:
-            a.links.clear()
-        list(self._pool.map(os.close, links))
-
     def attach(self) -> None:
         """After detach(): every target again."""
         with self._lock:
@@ -618,11 +752,11 @@ class AllocTracer(TargetedSource):
         with self._lock:
             if self.paused:
                 return
-            self._detach_at_once(list(self.attached.values()))
+            self.probes.detach(list(self.attached.values()))
             for pid, a in list(self.attached.items()):
                 self.waiting[pid] = a.target
             self.attached.clear()
-            self._live.clear()
+            self.maps.live.clear()
             self.paused = True
             self._clock_profiling()
         log.info("allocation profiling detached")
@@ -632,8 +766,8 @@ class AllocTracer(TargetedSource):
     def drain(self) -> RawDrain:
         """The allocations counted since the previous drain, scaled from the sampling phases to the
         whole time: count and value are (objects, bytes)."""
-        self._drains += 1
-        _, counts = self._buffers.retire()
+        self.maps.drains += 1
+        _, counts = self.maps.buffers.retire()
         with self._lock:
             x = SampledTime.scale(*self._time.take(), self.plan.scale)
             # the live allocations of these bursts keep this scale (inuse): a leak that stopped
@@ -647,37 +781,17 @@ class AllocTracer(TargetedSource):
             (k.pid, k.tid, k.user_stack, k.caller, round(v.objects_milli * x), round(v.bytes * x))
             for k, v in take_all(counts)
         ]
-        out = self._raw(rows, inuse=False)
-        out.lost.update(self._lost.delta())
-        if self._drains % STACK_SWEEP_EVERY == 0:
+        out = self.maps.raw(rows, inuse=False)
+        out.lost.update(self.maps.lost.delta())
+        if self.maps.drains % STACK_SWEEP_EVERY == 0:
             self.forget_unseen_frees()
-            self._sweep()
+            self.maps.sweep()
         return out
 
     def forget_unseen_frees(self) -> int:
         """For each free of a survivor the bursts saw, forget the (1 - share) / share live entries of
         its stack (the oldest) whose frees fell between bursts; returns how many were forgotten."""
-        seen = {(k.pid, k.user_stack, k.caller): v.value for k, v in self._survivors_freed.items()}
-        if not seen:
-            return 0
-        self._survivors_freed.clear()
-        due: dict[tuple[int, int, int], int] = {}
-        for key, n in seen.items():
-            due[key], self._debt[key] = survivors_to_forget(self._debt[key], n, self._seen_free_share())
-        by_stack: dict[tuple[int, int, int], list[tuple[int, Any]]] = defaultdict(list)
-        for k, v in self._live.items():
-            key = (k.pid, v.user_stack, v.caller)
-            if due.get(key):
-                by_stack[key].append((v.burst, k))
-        forgotten = 0
-        for key, entries in by_stack.items():
-            entries.sort(key=lambda e: e[0])
-            for _, k in entries[: due[key]]:
-                try:
-                    del self._live[k]
-                    forgotten += 1
-                except KeyError:
-                    pass
+        forgotten = self.maps.forget_unseen_frees(self._seen_free_share)
         self.stats["survivors_forgotten"] += forgotten
         return forgotten
 
@@ -688,70 +802,15 @@ class AllocTracer(TargetedSource):
         with self._lock:
             overall = SampledTime.scale(self._time.total["profiled"], self._time.total["sampled"], self.plan.scale)
             scales = dict(self._burst_scale)
-        sums: dict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        gone: list[Any] = []  # entries of processes no longer attached (exited while paused)
-        for k, v in self._live.items():
-            if k.pid not in self.attached:
-                gone.append(k)
-                continue
-            s = sums[(k.pid, v.tid, v.user_stack, v.caller)]
-            x = scales.get(v.burst, overall)
-            s[0] += v.objects_milli * x
-            s[1] += v.bytes * x
-        for k in gone:
-            with contextlib.suppress(KeyError):
-                del self._live[k]
-        return self._raw([(*key, round(o), round(b)) for key, (o, b) in sums.items()], inuse=True)
-
-    def _raw(self, rows: list[tuple[int, int, int, int, int, int]], inuse: bool) -> RawDrain:
-        out = RawDrain()
-        ids: dict[tuple[int, int], int] = {}
-        walked: dict[int, tuple[int, ...] | None] = {}
-        gone = 0
-        for pid, tid, sid, caller, objects_milli, nbytes in rows:
-            key = (sid, caller)
-            uid = ids.get(key)
-            if uid is None:
-                frames: tuple[int, ...] = ()
-                if sid >= 0:
-                    if sid not in walked:
-                        try:
-                            walked[sid] = tuple(self._stacks.walk(sid))
-                        except KeyError:
-                            walked[sid] = None
-                    stack = walked[sid]
-                    if stack is None:
-                        gone += 1
-                    else:
-                        frames = stack
-                        self._last_used[sid] = self._drains
-                if caller:  # the frame the entry probe's walk skipped
-                    frames = (*frames[:1], caller, *frames[1:])
-                uid = ids[key] = len(ids)
-                out.user_stacks[uid] = frames
-            objects = (objects_milli + 500) // 1000
-            if inuse:
-                out.samples.append((pid, tid, uid, -1, 0, 0, (objects, nbytes)))
-            else:
-                out.samples.append((pid, tid, uid, -1, objects, nbytes, (0, 0)))
-        if gone:
-            out.lost["stack_gone"] = gone
-        return out
-
-    def _sweep(self) -> None:
-        present = [k.value for k in self._stacks]
-        for sid in present:  # an id no drain has used yet may belong to a call still in progress: young
-            self._last_used.setdefault(sid, self._drains)
-        keep = {v.user_stack for v in self._live.values()} | {v.user_stack for v in self._pending.values()}
-        delete_stacks(self._stacks, stale_ids(present, keep, self._last_used, self._drains - STACK_KEEP_DRAINS))
+        return self.maps.raw(self.maps.live_rows(self.attached, scales, overall), inuse=True)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            self._detach_at_once(list(self.attached.values()))
+            self.probes.detach(list(self.attached.values()))
             self.attached.clear()
-        self._pool.shutdown()
+        self.probes.close()
         if self.stats["bursts"]:
             log.info("allocation profiling: %d bursts, probes attached %.1f s in all", self.stats["bursts"], self.on_s)

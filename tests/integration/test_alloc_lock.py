@@ -487,8 +487,8 @@ def test_a_return_never_seen_does_not_stop_the_sampling(
         target = Target(t.pid, 0, str(exe), "mix_target")
         tracer.add(target)
         a = tracer.attached[t.pid]
-        tracer._detach_at_once([a])
-        fds = tracer._prog_fds
+        tracer.probes.detach([a])
+        fds = tracer.probes.prog_fds
         # Given malloc's entry probe alone, until a sampled call of the target is pending
         a.links.append(alloc.open_link(fds["alloc_malloc_enter"], a.path, [a.offsets["malloc"]], t.pid, False))
         fd = fds["alloc_malloc_enter"]
@@ -508,7 +508,7 @@ def test_a_return_never_seen_does_not_stop_the_sampling(
         # then the next second's allocations are sampled: ~300 calls' worth per sample at 64 KiB
         drained = tracer.drain()
         objects = sum(s[4] for s in drained.samples)
-        assert objects > 1000, (objects, [(k.value, v.sp, v.sampled) for k, v in tracer._pending.items()])
+        assert objects > 1000, (objects, [(k.value, v.sp, v.sampled) for k, v in tracer.maps.pending.items()])
     finally:
         tracer.close()
         programs.close()
