@@ -112,7 +112,8 @@ def python_wall_stacks(p: Pipeline, pids: set[int]) -> tuple[int, int]:
     for path in p.local_dir.glob("*/python_wall-*.pb.gz"):
         for s in pprof.read(path.read_bytes()).samples:
             total += s.values[0]
-            if s.labels.get("pid", "").isdigit() and int(s.labels["pid"]) in pids:
+            pid = str(s.labels.get("pid", ""))
+            if pid.isdigit() and int(pid) in pids:
                 ours += s.values[0]
     return ours, total
 
@@ -131,7 +132,7 @@ class PythonBench:
             for _ in range(self.copies)
         ]
 
-    def _finish(self, copies: list[subprocess.Popen[Any]]) -> dict:
+    def _finish(self, copies: list[subprocess.Popen[Any]]) -> dict[str, Any]:
         total_units, per_s, seconds = 0, 0.0, []
         deadline = time.monotonic() + RUN_TIMEOUT_S
         for c in copies:
@@ -147,52 +148,59 @@ class PythonBench:
             seconds.append(r["seconds"])
         return {"units_per_s": per_s, "timed_s": max(seconds)}
 
-    def _one(self, config: str, units: int, d: Path) -> dict:
+    def _one(self, config: str, units: int, d: Path) -> dict[str, Any]:
         if config == "none":
             return self._finish(self._start_copies(units, WARMUP_S))
         if config.startswith("pipeline"):
-            on = config.endswith("on")
-            p = Pipeline(
-                d,
-                SAMPLE_HZ,
-                upload_interval_s=5,
-                workers=1,
-                offcpu=False,
-                python_stacks=on,
-                runtime_stacks=("python_legacy",) if on else (),
-                plain_pid=True,
-            )
-            try:
-                p.start()
-                self.our_prog_ids |= p.prog_ids
-                c_start = p.cpu()
-                copies = self._start_copies(units, WARMUP_S)
-                # The timed part starts WARMUP_S after the copies (their own clocks); the reader's
-                # CPU is taken across it: from the end of the warm-up to the last copy's end.
-                procs.sleep_until_wall(time.time() + WARMUP_S)
-                c0, t0 = p.cpu(), time.monotonic()
-                row = self._finish(copies)
-                c1, t1 = p.cpu(), time.monotonic()
-            finally:
-                p.stop()
-            if not on:
-                return row
-            ours, total = python_wall_stacks(p, {c.pid for c in copies})
-            if not ours:
-                raise BenchError(f"the runtime reader read no stack of the workload:\n{p.log_tail()}")
-            reader_s = c1["runtime"] - c0["runtime"]
-            interval = t1 - t0
-            # Per stack: its CPU from ready to the workload's end (idle ticks and detection
-            # included) over every stack its profiles hold.
-            return {
-                **row,
-                "reader_cpu_s": reader_s,
-                "interval_s": interval,
-                "reader_cpu_share": reader_s / interval,
-                "reader_us_per_stack": 1e6 * (c1["runtime"] - c_start["runtime"]) / total,
-                "python_wall_stacks_of_workload": ours,
-                "python_wall_stacks_all": total,
-            }
+            return self._under_pipeline(units, d, reader_on=config.endswith("on"))
+        return self._under_py_spy(units, d)
+
+    def _under_pipeline(self, units: int, d: Path, reader_on: bool) -> dict[str, Any]:
+        """The copies under the pipeline, its runtime reader on or off; with it on, the reader's CPU."""
+        p = Pipeline(
+            d,
+            SAMPLE_HZ,
+            upload_interval_s=5,
+            workers=1,
+            offcpu=False,
+            python_stacks=reader_on,
+            runtime_stacks=("python_legacy",) if reader_on else (),
+            plain_pid=True,
+        )
+        try:
+            p.start()
+            self.our_prog_ids |= p.prog_ids
+            c_start = p.cpu()
+            copies = self._start_copies(units, WARMUP_S)
+            # The timed part starts WARMUP_S after the copies (their own clocks); the reader's
+            # CPU is taken across it: from the end of the warm-up to the last copy's end.
+            procs.sleep_until_wall(time.time() + WARMUP_S)
+            c0, t0 = p.cpu(), time.monotonic()
+            row = self._finish(copies)
+            c1, t1 = p.cpu(), time.monotonic()
+        finally:
+            p.stop()
+        if not reader_on:
+            return row
+        ours, total = python_wall_stacks(p, {c.pid for c in copies})
+        if not ours:
+            raise BenchError(f"the runtime reader read no stack of the workload:\n{p.log_tail()}")
+        reader_s = c1["runtime"] - c0["runtime"]
+        interval = t1 - t0
+        # Per stack: its CPU from ready to the workload's end (idle ticks and detection
+        # included) over every stack its profiles hold.
+        return {
+            **row,
+            "reader_cpu_s": reader_s,
+            "interval_s": interval,
+            "reader_cpu_share": reader_s / interval,
+            "reader_us_per_stack": 1e6 * (c1["runtime"] - c_start["runtime"]) / total,
+            "python_wall_stacks_of_workload": ours,
+            "python_wall_stacks_all": total,
+        }
+
+    def _under_py_spy(self, units: int, d: Path) -> dict[str, Any]:
+        """The copies under py-spy, and its CPU."""
         copies = self._start_copies(units, WARMUP_S)
         spy = PySpy(d, [c.pid for c in copies])
         try:

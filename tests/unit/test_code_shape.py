@@ -11,7 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "bench/python.py:PythonBench._one",
         "bench/scaling.py:ScalingBench._replay",
         "cli/record.py:main",
         "receiver/server.py:main",
