@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import TextIO
@@ -242,9 +243,35 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -> int:  # noqa: PLR0912
+def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -> int:
     args = parse_args(argv, prog)
     log_mod.setup("record")
+    refused = refusal(args, prog)
+    if refused is not None:
+        return refused
+    try:
+        ws = workspace()
+    except (privileges.PrivilegeError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    stop = stop_on_signals(logging.getLogger("ebpfprofiler.record"), "stopping the recording")
+    recording = Recording(args, prog, ws, stop)
+    try:
+        recording.start_agent()
+        failed = recording.wait_started()
+        if failed is not None:
+            return failed
+        progress = recording.record()
+        return recording.finish(progress)
+    finally:
+        if recording.child is not None:
+            stop_child(recording.child)
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+def refusal(args: argparse.Namespace, prog: str) -> int | None:
+    """The exit code (said on stderr) of a recording that cannot start: not root, -o's directory, a
+    process asked for that is gone; None when it can."""
     if os.geteuid() != 0:
         print(
             f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
@@ -255,37 +282,44 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
     if problem:  # before recording, not after: the recording would be lost
         print(f"{prog}: -o {problem}; nothing was recorded", file=sys.stderr)
         return 2
-    pids = set(args.pid)
-    gone = sorted(p for p in pids if not procstat.alive(p))
+    gone = sorted(p for p in set(args.pid) if not procstat.alive(p))
     if gone:
         print(f"{prog}: no process {', '.join(map(str, gone))}", file=sys.stderr)
         return 2
-    out: TextIO = sys.stdout
-    tty = out.isatty()
-    try:
-        ws = workspace()
-    except (privileges.PrivilegeError, OSError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    stop = stop_on_signals(logging.getLogger("ebpfprofiler.record"), "stopping the recording")
-    child: subprocess.Popen[bytes] | None = None
-    run_log = os.path.join(ws, "run.log")
-    try:
-        local_dir, run_dir, state_dir = (os.path.join(ws, d) for d in ("profiles", "run", "state"))
-        cfg = make_config(args, local_dir)
-        config = os.path.join(ws, "agent.yaml")
+    return None
+
+
+class Recording:
+    """One recording in its workspace: the agent (`run` as a child), the start, the recording loop with
+    its progress line, and the result."""
+
+    def __init__(self, args: argparse.Namespace, prog: str, ws: str, stop: threading.Event) -> None:
+        self.args, self.prog, self.ws, self.stop = args, prog, ws, stop
+        self.pids = set(args.pid)
+        self.target = f"processes {' '.join(map(str, sorted(self.pids)))}" if self.pids else "every process"
+        self.out: TextIO = sys.stdout
+        self.tty = self.out.isatty()
+        self.child: subprocess.Popen[bytes] | None = None
+        self.run_log = os.path.join(ws, "run.log")
+        self.local_dir, self.run_dir, self.state_dir = (os.path.join(ws, d) for d in ("profiles", "run", "state"))
+        self.stages: list[str] = []
+
+    def start_agent(self) -> None:
+        """Write the recording's config and start `run` on it."""
+        cfg = make_config(self.args, self.local_dir)
+        config = os.path.join(self.ws, "agent.yaml")
         with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(config_mod.dump(cfg))
-        stages = (
+        self.stages = (
             ["uploader", "collector"]
             + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
-            + (["runtime"] if args.python else [])
+            + (["runtime"] if self.args.python else [])
         )
-        with open(run_log, "wb") as logf:
+        with open(self.run_log, "wb") as logf:
             # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in
             # order; and a SIGTERM to `run` if this process is killed outright (else the agent, its BPF
             # programs and its perf events would run on with nobody to stop them)
-            child = subprocess.Popen(
+            self.child = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -294,9 +328,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
                     "--config",
                     config,
                     "--run-dir",
-                    run_dir,
+                    self.run_dir,
                     "--state-dir",
-                    state_dir,
+                    self.state_dir,
                 ],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -304,11 +338,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
                 preexec_fn=die_with_parent,  # noqa: PLW1509
             )
         print(
-            f"{prog}: starting the profiler (the collector compiles and loads its BPF programs) ...",
-            file=out,
+            f"{self.prog}: starting the profiler (the collector compiles and loads its BPF programs) ...",
+            file=self.out,
             flush=True,
         )
-        starting = StartProgress(run_dir, stages)
+
+    def wait_started(self) -> int | None:
+        """Show the start until every stage is ready (None), or the exit code: 1 when it will not finish
+        (said with the run log), 130 on a stop."""
+        child, out, tty = self.child, self.out, self.tty
+        assert child is not None
+        starting = StartProgress(self.run_dir, self.stages)
         last_plain = time.monotonic()
         while True:
             starting.check()
@@ -318,7 +358,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             if stuck:
                 if tty:
                     print(file=out)
-                print(f"{prog}: the profiler did not start ({stuck}); its log:\n{tail(run_log)}", file=sys.stderr)
+                print(
+                    f"{self.prog}: the profiler did not start ({stuck}); its log:\n{tail(self.run_log)}",
+                    file=sys.stderr,
+                )
                 return 1
             now = time.monotonic()
             if tty:
@@ -326,23 +369,29 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             elif now - last_plain >= PROGRESS_LOG_S:
                 print(starting.line(), file=out, flush=True)
                 last_plain = now
-            if stop.wait(TTY_PROGRESS_S if tty else START_POLL_S):
+            if self.stop.wait(TTY_PROGRESS_S if tty else START_POLL_S):
                 if tty:
                     print(file=out)
                 return 130
         if tty:
             print("\r\033[K", end="", file=out, flush=True)
-        target = f"processes {' '.join(map(str, sorted(pids)))}" if pids else "every process"
         print(
-            f"{prog}: recording {target} for {args.duration:g} s at {args.hz} Hz (the profiler started in "
-            f"{time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)",
+            f"{self.prog}: recording {self.target} for {self.args.duration:g} s at {self.args.hz} Hz (the "
+            f"profiler started in {time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)",
             file=out,
             flush=True,
         )
-        progress = Progress(local_dir, run_dir, pids)
-        end = time.monotonic() + args.duration
+        return None
+
+    def record(self) -> Progress:
+        """Record until -d ends, a stop, `run` exits or every process asked for is gone, with the progress
+        line; then stop `run` (the last windows are written)."""
+        child, out, tty, pids = self.child, self.out, self.tty, self.pids
+        assert child is not None
+        progress = Progress(self.local_dir, self.run_dir, pids)
+        end = time.monotonic() + self.args.duration
         last_plain = time.monotonic()
-        while not stop.wait(TTY_PROGRESS_S):
+        while not self.stop.wait(TTY_PROGRESS_S):
             now = time.monotonic()
             targets_gone = bool(pids) and not any(procstat.alive(p) for p in pids)
             if now >= end or child.poll() is not None or targets_gone:
@@ -357,18 +406,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             print(file=out)
         if child.poll() is not None:
             print(
-                f"{prog}: the profiler stopped early (exit {child.returncode}); its log:\n{tail(run_log)}",
+                f"{self.prog}: the profiler stopped early (exit {child.returncode}); its log:\n{tail(self.run_log)}",
                 file=sys.stderr,
             )
-        print(f"{prog}: stopping (the last windows are written) ...", file=out, flush=True)
+        print(f"{self.prog}: stopping (the last windows are written) ...", file=out, flush=True)
         stop_child(child)
-        loaded = profiles_mod.load([local_dir])
+        return progress
+
+    def finish(self, progress: Progress) -> int:
+        """Write -o from what was recorded and print the top functions: the exit code."""
+        prog, out, pids = self.prog, self.out, self.pids
+        loaded = profiles_mod.load([self.local_dir])
         if pids:
             loaded = profiles_mod.keep_pids(loaded, pids)
         if not loaded:
             print(
-                f"{prog}: no samples were recorded{' of ' + target if pids else ''}; the profiler's log:\n"
-                f"{tail(run_log)}",
+                f"{prog}: no samples were recorded{' of ' + self.target if pids else ''}; the profiler's log:\n"
+                f"{tail(self.run_log)}",
                 file=sys.stderr,
             )
             return 1
@@ -380,9 +434,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             flush=True,
         )
         try:
-            written = profiles_mod.write_outputs(loaded, args.output, args.mode)
+            written = profiles_mod.write_outputs(loaded, self.args.output, self.args.mode)
         except OSError as e:  # its directory was checked at the start; changed since
-            print(f"{prog}: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+            print(f"{prog}: cannot write {self.args.output}: {e.strerror or e}", file=sys.stderr)
             return 1
         groups = profiles_mod.by_type(loaded)
         for ptype, items in groups.items():
@@ -390,10 +444,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
             print(profiles_mod.top_table(items, TOP_N), file=out)
         print(f"\n{prog}: wrote {', '.join(written)}", file=out, flush=True)
         return 0
-    finally:
-        if child is not None:
-            stop_child(child)
-        shutil.rmtree(ws, ignore_errors=True)
 
 
 def stop_child(child: subprocess.Popen[bytes]) -> None:
