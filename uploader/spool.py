@@ -129,6 +129,7 @@ class Spool:
         self._cond = threading.Condition()
         self._no_space_since: float | None = None
         self.counts: Counter[str] = Counter()
+        self._dead_letters = DeadLetters(dead_letter_dir, log, self.counts)
 
     # ------------------------------------------------------------ figures
 
@@ -151,37 +152,10 @@ class Spool:
         """Create the directories and index what an earlier run left, oldest first."""
         os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         os.makedirs(self.dead_letter_dir, mode=DIR_MODE, exist_ok=True)
-        stale, unknown = 0, []
         with self._cond:
-            for name in sorted(os.listdir(self.directory)):
-                path = os.path.join(self.directory, name)
-                if name.startswith(".") and name.endswith(".tmp"):
-                    # A write cut short by a crash: never acknowledged, so the worker still had it.
-                    try:
-                        os.unlink(path)
-                        stale += 1
-                    except OSError as e:
-                        self.log.warning("cannot remove partial spool file %s: %s", path, e)
-                    continue
-                m = NAME_PATTERN.fullmatch(name)
-                if m is None:
-                    unknown.append(name)
-                    continue
-                try:
-                    size = os.stat(path).st_size
-                except FileNotFoundError:
-                    continue
-                self._index(Entry(name, m.group(2), size))
-                self._last_seq = max(self._last_seq, int(m.group(1)))
-            if stale:
-                self.log.info("removed %d partial spool file(s) left by a crash (never acknowledged)", stale)
-            if unknown:
-                self.log.warning(
-                    "ignoring %d file(s) in %s that are not spooled profiles, e.g. %r",
-                    len(unknown),
-                    self.directory,
-                    unknown[0],
-                )
+            for entry, seq in scan(self.directory, self.log):
+                self._index(entry)
+                self._last_seq = max(self._last_seq, seq)
             if self._entries:
                 self.log.info(
                     "spool %s holds %d profile(s), %.1f MB, from an earlier run: sending them first, oldest first",
@@ -363,56 +337,12 @@ class Spool:
 
     def dead_letter(self, entry: Entry, upload: ProfileUpload, status: int | None, reason: str) -> None:
         """The backend refused it for good: move it to the dead-letter directory with status and reason."""
-        base = os.path.join(self.dead_letter_dir, entry.name[: -len(SUFFIX)])
-        record = {
-            "id": upload.profile_id,
-            "service": upload.service,
-            "type": upload.profile_type,
-            "host": upload.host,
-            "window_start_ns": upload.window_start_ns,
-            "window_end_ns": upload.window_end_ns,
-            "samples": upload.samples,
-            "bytes": len(upload.pprof_gz),
-            "status": status,
-            "reason": reason,
-            "attempts": entry.attempts,
-            "dead_lettered_at_ns": time.time_ns(),
-        }
-        try:
-            write_atomic(base + ".pb.gz", upload.pprof_gz)
-            write_atomic(base + ".json", json.dumps(record, indent=1, sort_keys=True).encode() + b"\n")
-        except OSError as e:
-            self.counts["dropped"] += 1
-            self.log.error(
-                "profile %s service=%r type=%s window=%s was refused by the backend (%s) and cannot be "
-                "written to %s (%s): dropped (%d dropped so far)",
-                upload.profile_id,
-                upload.service,
-                upload.profile_type,
-                window_text(upload),
-                reason,
-                self.dead_letter_dir,
-                e,
-                self.counts["dropped"],
-            )
-        else:
-            self.counts["dead_lettered"] += 1
-            self.log.error(
-                "profile %s service=%r type=%s window=%s refused by the backend: %s; not retried, moved "
-                "to %s.pb.gz with the reason in %s.json",
-                upload.profile_id,
-                upload.service,
-                upload.profile_type,
-                window_text(upload),
-                reason,
-                base,
-                base,
-            )
+        self._dead_letters.refused(entry, upload, status, reason)
         with self._cond:
             self._unindex(entry)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, entry.name))
-        self._trim_dead_letters()
+        self._dead_letters.trim()
 
     # ------------------------------------------------------------ internals (callers hold the lock)
 
@@ -469,8 +399,106 @@ class Spool:
 
     def _quarantine(self, entry: Entry, reason: str) -> None:
         """A spool file that cannot be read back goes to the dead letters as it is, with the reason."""
-        src = os.path.join(self.directory, entry.name)
-        dst = os.path.join(self.dead_letter_dir, entry.name)
+        self._dead_letters.quarantine(os.path.join(self.directory, entry.name), entry, reason)
+        with self._cond:
+            self._unindex(entry)
+
+
+def scan(directory: str, log: logging.Logger) -> list[tuple[Entry, int]]:
+    """The profiles an earlier run left in `directory`, oldest first, each with its seq. A temporary
+    file left by a crash is removed; a file that is not a spooled profile is left alone; both are logged."""
+    found, stale, unknown = [], 0, []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(".") and name.endswith(".tmp"):
+            # A write cut short by a crash: never acknowledged, so the worker still had it.
+            try:
+                os.unlink(path)
+                stale += 1
+            except OSError as e:
+                log.warning("cannot remove partial spool file %s: %s", path, e)
+            continue
+        m = NAME_PATTERN.fullmatch(name)
+        if m is None:
+            unknown.append(name)
+            continue
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            continue
+        found.append((Entry(name, m.group(2), size), int(m.group(1))))
+    if stale:
+        log.info("removed %d partial spool file(s) left by a crash (never acknowledged)", stale)
+    if unknown:
+        log.warning(
+            "ignoring %d file(s) in %s that are not spooled profiles, e.g. %r",
+            len(unknown),
+            directory,
+            unknown[0],
+        )
+    return found
+
+
+class DeadLetters:
+    """The dead-letter directory: what the backend refused for good and what cannot be read back, each
+    with a JSON record of why; at most MAX_DEAD_LETTERS. Counts into the spool's counters."""
+
+    def __init__(self, directory: str, log: logging.Logger, counts: Counter[str]) -> None:
+        self.directory = directory
+        self.log = log
+        self.counts = counts
+
+    def refused(self, entry: Entry, upload: ProfileUpload, status: int | None, reason: str) -> None:
+        """Write the profile as posted and its record (counted dead_lettered), or count it dropped."""
+        base = os.path.join(self.directory, entry.name[: -len(SUFFIX)])
+        record = {
+            "id": upload.profile_id,
+            "service": upload.service,
+            "type": upload.profile_type,
+            "host": upload.host,
+            "window_start_ns": upload.window_start_ns,
+            "window_end_ns": upload.window_end_ns,
+            "samples": upload.samples,
+            "bytes": len(upload.pprof_gz),
+            "status": status,
+            "reason": reason,
+            "attempts": entry.attempts,
+            "dead_lettered_at_ns": time.time_ns(),
+        }
+        try:
+            write_atomic(base + ".pb.gz", upload.pprof_gz)
+            write_atomic(base + ".json", json.dumps(record, indent=1, sort_keys=True).encode() + b"\n")
+        except OSError as e:
+            self.counts["dropped"] += 1
+            self.log.error(
+                "profile %s service=%r type=%s window=%s was refused by the backend (%s) and cannot be "
+                "written to %s (%s): dropped (%d dropped so far)",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                reason,
+                self.directory,
+                e,
+                self.counts["dropped"],
+            )
+        else:
+            self.counts["dead_lettered"] += 1
+            self.log.error(
+                "profile %s service=%r type=%s window=%s refused by the backend: %s; not retried, moved "
+                "to %s.pb.gz with the reason in %s.json",
+                upload.profile_id,
+                upload.service,
+                upload.profile_type,
+                window_text(upload),
+                reason,
+                base,
+                base,
+            )
+
+    def quarantine(self, src: str, entry: Entry, reason: str) -> None:
+        """Move the spool file `src` here as it is, with the reason; if it cannot be moved, remove it."""
+        dst = os.path.join(self.directory, entry.name)
         try:
             os.replace(src, dst)
             write_atomic(
@@ -488,17 +516,16 @@ class Spool:
                 "spooled profile %s cannot be read back (%s) nor moved to %s (%s): dropped",
                 entry.profile_id,
                 reason,
-                self.dead_letter_dir,
+                self.directory,
                 e,
             )
             with contextlib.suppress(OSError):
                 os.unlink(src)
-        with self._cond:
-            self._unindex(entry)
 
-    def _trim_dead_letters(self) -> None:
+    def trim(self) -> None:
+        """Remove the oldest beyond MAX_DEAD_LETTERS."""
         try:
-            records = sorted(n for n in os.listdir(self.dead_letter_dir) if n.endswith(".json"))
+            records = sorted(n for n in os.listdir(self.directory) if n.endswith(".json"))
         except OSError:
             return
         extra = records[: max(0, len(records) - MAX_DEAD_LETTERS)]
@@ -506,6 +533,6 @@ class Spool:
             stem = name[: -len(".json")]
             for victim in (name, stem + ".pb.gz", stem):
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.dead_letter_dir, victim))
+                    os.unlink(os.path.join(self.directory, victim))
         if extra:
             self.log.warning("removed the %d oldest dead letter(s): at most %d are kept", len(extra), MAX_DEAD_LETTERS)

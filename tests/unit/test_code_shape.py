@@ -58,7 +58,6 @@ STILL_OVER = frozenset(
         "tests/unit/test_jvm_tables.py:_hostile_jvm",
         "tests/unit/test_spool_handoff.py:test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost",
         "uploader/main.py:main",
-        "uploader/spool.py:Spool",
     }
 )
 
