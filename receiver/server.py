@@ -494,7 +494,7 @@ def _status(value: str) -> int:
     return int(value)
 
 
-def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> int:
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -524,6 +524,17 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
         "(so it can be changed while the receiver runs) and served as it is; a missing "
         "file, or no --agent-config, answers 404 (no remote settings)",
     )
+    add_fault_options(p)
+    args = p.parse_args(argv)
+    try:
+        parse_listen(args.listen)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--listen: {e}")
+    return args
+
+
+def add_fault_options(p: argparse.ArgumentParser) -> None:
+    """The fault injection options (test aids)."""
     faults = p.add_argument_group(
         "fault injection (test aids: make the receiver misbehave on purpose; applied after the body is "
         "read and before anything is stored)"
@@ -563,11 +574,10 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> 
         help="OTLP posts: answer 200 with partial_success rejecting every profile of the "
         "request, with TEXT as error_message, storing nothing",
     )
-    args = p.parse_args(argv)
-    try:
-        parse_listen(args.listen)
-    except argparse.ArgumentTypeError as e:
-        p.error(f"--listen: {e}")
+
+
+def main(argv: list[str] | None = None, prog: str = "ebpfprofiler receiver") -> int:
+    args = parse_args(argv, prog)
     shared_log.setup(STAGE)
     try:
         server = make_server(

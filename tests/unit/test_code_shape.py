@@ -12,7 +12,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 STILL_OVER = frozenset(
     {
         "bench/scaling.py:ScalingBench._replay",
-        "receiver/server.py:main",
         "runtimes/cpython/version.py:detect",
         "runtimes/dotnet/__init__.py:DotNet._poll",
         "runtimes/dotnet/__init__.py:DotNet.stop",
