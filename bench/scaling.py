@@ -67,6 +67,75 @@ def _config(path: Path, **changes: object) -> Path:
     return path
 
 
+def _prepare_state(tmp: Path, state: Path) -> None:
+    """The replay's state directories and local profile directory, each owned as the pipeline owns it."""
+    for d, owner in (
+        (state, None),
+        (state / "symbolizer", "symbolizer"),
+        (state / "uploader", "uploader"),
+        (tmp / "profiles", "uploader"),
+    ):
+        d.mkdir(parents=True, exist_ok=True)
+        os.chown(d, privileges.ids(owner)[0] if owner else 0, privileges.ids("uploader")[1])
+        os.chmod(d, 0o750 if owner is None or owner == "uploader" else 0o700)
+
+
+def _stage_argv(stage: str, cfg: Path, run_dir: Path, state_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        f"{stage}.main",
+        "--config",
+        str(cfg),
+        "--run-dir",
+        str(run_dir),
+        "--state-dir",
+        str(state_dir),
+        *extra,
+    ]
+
+
+def _push(
+    stream: list[tuple[int, list[bytes]]],
+    run_dir: Path,
+    workers: list[subprocess.Popen[Any]],
+) -> tuple[float, list[float], list[float]]:
+    """Push the stream REPEAT times to the started workers once every stage is ready, and stop the workers
+    once each has drained its queue: (seconds, the workers' CPU seconds before, after)."""
+    ctx = zmq.Context()
+    socks = []
+    try:
+        names = ["uploader"] + [f"symbolizer-{w}" for w in range(len(workers))]
+        procs.wait_for(
+            "the replay stages",
+            lambda: all(os.path.exists(endpoints.ready_file(str(run_dir), n)) for n in names),
+            READY_TIMEOUT_S,
+        )
+        for w in range(len(workers)):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 16)
+            s.connect(endpoints.symbolizer(str(run_dir), w))
+            socks.append(s)
+        cpu0 = [procs.cpu_seconds(p.pid) for p in workers]
+        t0 = time.monotonic()
+        for _ in range(REPEAT):
+            for w, frames in stream:
+                socks[w].send_multipart(frames)  # blocks while the worker's queue is full
+        for s in socks:
+            s.close(linger=-1)  # every batch handed over
+        socks = []
+        cpu1 = [procs.cpu_seconds(p.pid) for p in workers]
+        for p in workers:
+            p.send_signal(signal.SIGTERM)  # all at once: each drains its queue,
+        for p in workers:  # closes its windows and exits
+            procs.stop(p)
+        return time.monotonic() - t0, cpu0, cpu1
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+
+
 class ScalingBench:
     def __init__(self, rounds: int, log: Callable[[str], None], keep: bool) -> None:
         self.rounds = rounds
@@ -157,18 +226,10 @@ class ScalingBench:
                     out.append((w, encode(part)))
         return out
 
-    def _replay(self, tmp: Path, stream: list[tuple[int, list[bytes]]], workers: int, samples: int) -> dict:
+    def _replay(self, tmp: Path, stream: list[tuple[int, list[bytes]]], workers: int, samples: int) -> dict[str, Any]:
         run_dir, state = tmp / "run", tmp / "state"
         _prepare_run_dir(run_dir)
-        for d, owner in (
-            (state, None),
-            (state / "symbolizer", "symbolizer"),
-            (state / "uploader", "uploader"),
-            (tmp / "profiles", "uploader"),
-        ):
-            d.mkdir(parents=True, exist_ok=True)
-            os.chown(d, privileges.ids(owner)[0] if owner else 0, privileges.ids("uploader")[1])
-            os.chmod(d, 0o750 if owner is None or owner == "uploader" else 0o700)
+        _prepare_state(tmp, state)
         cfg = _config(
             tmp / "replay.yaml", symbolizer_workers=workers, upload_interval_s=3600, local_dir=str(tmp / "profiles")
         )
@@ -177,71 +238,14 @@ class ScalingBench:
             broker = FileBroker(str(run_dir), allowed_uids={privileges.ids("symbolizer")[0]})
         finally:
             os.umask(old)
-        stages = [
-            procs.start(
-                [
-                    sys.executable,
-                    "-m",
-                    "uploader.main",
-                    "--config",
-                    str(cfg),
-                    "--run-dir",
-                    str(run_dir),
-                    "--state-dir",
-                    str(state / "uploader"),
-                ]
-            )
-        ]
+        stages = [procs.start(_stage_argv("uploader", cfg, run_dir, state / "uploader"))]
         stages += [
-            procs.start(
-                [
-                    sys.executable,
-                    "-m",
-                    "symbolizer.main",
-                    "--config",
-                    str(cfg),
-                    "--run-dir",
-                    str(run_dir),
-                    "--state-dir",
-                    str(state / "symbolizer"),
-                    "--worker",
-                    str(w),
-                ]
-            )
+            procs.start(_stage_argv("symbolizer", cfg, run_dir, state / "symbolizer", "--worker", str(w)))
             for w in range(workers)
         ]
-        ctx = zmq.Context()
-        socks = []
         try:
-            names = ["uploader"] + [f"symbolizer-{w}" for w in range(workers)]
-            procs.wait_for(
-                "the replay stages",
-                lambda: all(os.path.exists(endpoints.ready_file(str(run_dir), n)) for n in names),
-                READY_TIMEOUT_S,
-            )
-            for w in range(workers):
-                s = ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.SNDHWM, 16)
-                s.connect(endpoints.symbolizer(str(run_dir), w))
-                socks.append(s)
-            cpu0 = [procs.cpu_seconds(p.pid) for p in stages[1:]]
-            t0 = time.monotonic()
-            for _ in range(REPEAT):
-                for w, frames in stream:
-                    socks[w].send_multipart(frames)  # blocks while the worker's queue is full
-            for s in socks:
-                s.close(linger=-1)  # every batch handed over
-            socks = []
-            cpu1 = [procs.cpu_seconds(p.pid) for p in stages[1:]]
-            for p in stages[1:]:
-                p.send_signal(signal.SIGTERM)  # all at once: each drains its queue,
-            for p in stages[1:]:  # closes its windows and exits
-                procs.stop(p)
-            elapsed = time.monotonic() - t0
+            elapsed, cpu0, cpu1 = _push(stream, run_dir, stages[1:])
         finally:
-            for s in socks:
-                s.close(linger=0)
-            ctx.term()
             for p in reversed(stages):
                 procs.stop(p)
             broker.close()
@@ -267,7 +271,7 @@ class ScalingBench:
             batches = self._record(tmp)
             for p in loads:  # alive, so their files can be opened, but not competing for CPU
                 os.kill(p.pid, signal.SIGSTOP)
-            services = {os.path.realpath(p.args[0]) for p in loads}
+            services = {os.path.realpath(procs.argv_of(p)[0]) for p in loads}
             samples = sum(
                 s.count
                 for b in batches

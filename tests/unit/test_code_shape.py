@@ -11,7 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "bench/scaling.py:ScalingBench._replay",
         "runtimes/cpython/version.py:detect",
         "runtimes/dotnet/__init__.py:DotNet._poll",
         "runtimes/dotnet/__init__.py:DotNet.stop",
