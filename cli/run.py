@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared import config as config_mod
 from shared import endpoints, files, privileges, ready, runlock, stage_code, stopping
@@ -70,7 +71,7 @@ log = logging.getLogger("ebpfprofiler.run")
 class Stage:
     name: str
     argv: list[str]
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[Any] | None = None  # only its pid and exit status are used, in any pipe mode
     started: float = 0.0
     backoff: float = RESTART_BACKOFF_S[0]
     restart_at: float | None = None

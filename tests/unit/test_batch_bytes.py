@@ -152,6 +152,12 @@ def split(b: StackBatch, cap: int) -> list[StackBatch]:
     return parts
 
 
+def decoded_announcement(frames: list[bytes]) -> ProcessAnnouncement:
+    msg = wire.decode(frames)
+    assert isinstance(msg, ProcessAnnouncement)
+    return msg
+
+
 def test_a_batch_that_fits_is_one_message() -> None:
     b = batch([process(1), process(2)])
     assert wire.encode_within(b) == ([(b, wire.encode(b))], [])
@@ -227,7 +233,7 @@ def test_an_announcement_over_the_cap_is_split() -> None:
     cap = len(wire.encode(a)[0]) // 5
     fit, unfit = wire.encode_within(a, cap)
     assert not unfit and len(fit) >= 5
-    got = [wire.decode(frames) for _, frames in fit]
+    got = [decoded_announcement(frames) for _, frames in fit]
     assert all(len(frames[0]) <= cap for _, frames in fit)
     assert [p for g in got for p in g.processes] == list(procs)
     assert sorted(e for g in got for e in g.exited) == [(98, 2), (99, 1)]

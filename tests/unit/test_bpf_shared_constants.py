@@ -53,6 +53,7 @@ def defines(path: Path) -> dict[str, int]:
 def kernel_slots(module: ModuleType) -> int:
     """How many of the module's LOST_REASONS its LostCounters reads from the kernel (the rest are
     counted in Python, as stack_gone): `LOST_REASONS[:n]`, or all of them."""
+    assert module.__file__ is not None
     src = Path(module.__file__).read_text()
     m = re.search(r"LostCounters\([^)]*LOST_REASONS(?:\[:(\d+)\])?\)", src)
     assert m, f"{module.__name__} reads no LOST_REASONS"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_features_turned_off_by_the_environment_are_missing_and_unknown_names_re
 
 def test_a_recorded_probe_round_trips_through_json() -> None:
     k = features.resolve("5.10.0", {**ALL_YES, "task_storage": False}, frozenset({"ringbuf"}))
-    doc = k.to_json()
+    doc: dict[str, Any] = k.to_json()  # a JSON document: its values as json.loads would give them
     again = features.resolve(doc["release"], doc["probes"], frozenset(doc["disabled"]))
     assert again.to_json() == doc
 

@@ -94,7 +94,9 @@ def test_read_proc_reads_cpu_and_rss_of_a_process_whose_name_has_spaces_and_pare
     # changes, the new image can have no resident pages yet), then the fields after the name
     # are found
     got = wait_for(
-        "its stat to show resident pages", lambda: (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 and g, 10
+        "its stat to show resident pages",
+        lambda: g if (g := read_proc(p.pid)) is not None and g.rss_bytes > 0 else None,
+        10,
     )
     assert got.pid == p.pid and got.cpu_ns >= 0
     p.kill()

@@ -131,11 +131,13 @@ def test_a_nul_ends_an_entry_as_dotnet_8_writes_some(proc: Path) -> None:
     # When it is read / Then each entry resolves to its own name, none is counted malformed
     pm = read(proc)
     assert pm.bad_lines == 0
-    assert pm.lookup(0x7F3AA44275B0 + 0x29).endswith("ILibDL.dlsym(native int,string)[QuickJitted]")
+    dlsym = pm.lookup(0x7F3AA44275B0 + 0x29)
+    assert dlsym is not None and dlsym.endswith("ILibDL.dlsym(native int,string)[QuickJitted]")
     assert pm.lookup(0x7F3AA44275F0) == (
         "native int [Python.Runtime] dynamicClass::IL_STUB_PInvoke(native int,string)[Optimized]"
     )
-    assert pm.lookup(0x7F3AA51406A0 + 0x26).endswith("dynamicClass::HotLoopEbpfTest(int64)[Optimized]")
+    hot = pm.lookup(0x7F3AA51406A0 + 0x26)
+    assert hot is not None and hot.endswith("dynamicClass::HotLoopEbpfTest(int64)[Optimized]")
 
 
 def test_later_line_wins_for_the_same_start(proc: Path) -> None:
@@ -297,11 +299,13 @@ def test_cache_treats_a_reused_pid_as_a_new_process(proc: Path) -> None:
     # Given a cached map of a process
     cache = PerfMapCache(opener(proc))
     write_map(proc, "1000 10 old_process\n")
-    assert cache.get(PID, START_TICKS, NSPID, UID, now=0.0).lookup(0x1000) == "old_process"
+    pm = cache.get(PID, START_TICKS, NSPID, UID, now=0.0)
+    assert pm is not None and pm.lookup(0x1000) == "old_process"
     # When a new process with the same pid (other start time) writes its map
     write_map(proc, "1000 10 new_process_\n")
     # Then it is read at once, despite the recheck interval
-    assert cache.get(PID, START_TICKS + 1, NSPID, UID, now=0.1).lookup(0x1000) == "new_process_"
+    pm = cache.get(PID, START_TICKS + 1, NSPID, UID, now=0.1)
+    assert pm is not None and pm.lookup(0x1000) == "new_process_"
 
 
 def test_cache_is_a_bounded_lru(proc: Path) -> None:
@@ -354,7 +358,8 @@ def test_a_process_gone_keeps_the_map_last_read_from_it(proc: Path) -> None:
 
     cache = PerfMapCache(open_fd)
     write_map(proc, "1000 10 jitted\n")
-    assert cache.get(PID, START_TICKS, NSPID, UID, now=100.0).lookup(0x1000) == "jitted"
+    pm = cache.get(PID, START_TICKS, NSPID, UID, now=100.0)
+    assert pm is not None and pm.lookup(0x1000) == "jitted"
     # When the process exits and its samples drained after that are named
     shutil.rmtree(proc / str(PID))
     again = cache.get(PID, START_TICKS, NSPID, UID, now=100.0 + perfmap.PERF_MAP_RECHECK_S * 2)

@@ -16,14 +16,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from cli import run as run_mod
 from shared import endpoints, ready
 from tests.harness import wait_for
+
+T = TypeVar("T")
 
 # The children beat this often, so that staleness (STALE_BEATS beats) shows in a fraction of a second.
 BEAT_S = 0.05
@@ -101,7 +104,7 @@ def test_a_working_step_beats_tells_systemd_and_its_file_goes_when_it_ends(
     wait_for("the step to be seen working", lambda: watch.check().state is ready.State.WORKING, DEADLINE_S, 0.01)
     beats = wait_for(
         "three beats",
-        lambda: (g := ready.read_progress(str(tmp_path), "collector")) and g.beat >= 3 and g,
+        lambda: g if (g := ready.read_progress(str(tmp_path), "collector")) and g.beat >= 3 else None,
         DEADLINE_S,
         0.01,
     )
@@ -147,7 +150,7 @@ def test_a_stage_that_stops_beating_is_stale(tmp_path: Path, started: list[subpr
     os.kill(p.pid, signal.SIGSTOP)
     # then within a few beats the reader calls its heartbeat stale, saying what it was doing
     stale = wait_for(
-        "a stale heartbeat", lambda: (g := watch.check()).state is ready.State.STALE and g, DEADLINE_S, 0.01
+        "a stale heartbeat", lambda: g if (g := watch.check()).state is ready.State.STALE else None, DEADLINE_S, 0.01
     )
     assert stale.doing == DOING and stale.quiet_s > ready.STALE_BEATS * BEAT_S
     assert p.poll() is None  # still alive: stale is the heartbeat's judgement, not the process's
@@ -169,6 +172,16 @@ def test_a_progress_file_left_by_another_process_or_not_one_is_not_taken_for_a_h
     for text in ("not json", '{"pid": 1}', '{"pid": 1, "doing": "x", "elapsed_s": 0, "beat": 0, "beat_s": 0}'):
         Path(path).write_text(text)
         assert ready.read_progress(str(tmp_path), "collector") is None, text
+
+
+def polled(step: Callable[[], None], value: Callable[[], T]) -> Callable[[], T]:
+    """A check for wait_for that takes a step (a poll), then reads `value`."""
+
+    def check() -> T:
+        step()
+        return value()
+
+    return check
 
 
 def stage_for(run_dir: Path, p: subprocess.Popen[str]) -> run_mod.Stage:
@@ -250,16 +263,16 @@ def test_record_shows_the_step_and_calls_a_stale_heartbeat_stuck(
     # while the step works: its line says what and for how long, and the start is not stuck
     wait_for(
         "the step in record's line",
-        lambda: (starting.check(), f"collector {DOING} (" in starting.line())[1],
+        polled(starting.check, lambda: f"collector {DOING} (" in starting.line()),
         DEADLINE_S,
         0.01,
     )
     assert starting.line().startswith("starting: 0 of 1 stages ready; ") and starting.stuck() is None
     # when its heartbeat stops, record calls the start stuck, naming the stage and what it was doing
     os.kill(p.pid, signal.SIGSTOP)
-    why = wait_for("a stuck start", lambda: (starting.check(), starting.stuck())[1], DEADLINE_S, 0.01)
+    why = wait_for("a stuck start", polled(starting.check, starting.stuck), DEADLINE_S, 0.01)
     assert why.startswith("collector's heartbeat stopped ") and why.endswith(f"into {DOING}"), why
     # and once the stage is ready, so is the start
     os.kill(p.pid, signal.SIGCONT)
     tell(p, "end")
-    wait_for("the start to be ready", lambda: (starting.check(), starting.ready())[1], DEADLINE_S, 0.01)
+    wait_for("the start to be ready", polled(starting.check, starting.ready), DEADLINE_S, 0.01)

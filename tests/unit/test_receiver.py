@@ -58,8 +58,11 @@ def profile_bytes(n_samples: int = 2) -> bytes:
     return b.gzipped()
 
 
-def params(**changes: object) -> dict[str, object]:
-    p: dict[str, object] = {
+Param = str | int | None  # a query parameter's value; None leaves it out
+
+
+def params(**changes: Param) -> dict[str, str | int]:
+    p: dict[str, Param] = {
         "source": "ebpf",
         "type": "cpu",
         "service": "/usr/bin/python3.11",
@@ -71,7 +74,7 @@ def params(**changes: object) -> dict[str, object]:
     return {k: v for k, v in p.items() if v is not None}
 
 
-def post(r: Receiver, body: bytes, profile_id: str | None = "p-1", **changes: object) -> requests.Response:
+def post(r: Receiver, body: bytes, profile_id: str | None = "p-1", **changes: Param) -> requests.Response:
     headers = {"Content-Type": "application/octet-stream"}
     if profile_id is not None:
         headers["X-Profile-Id"] = profile_id
@@ -151,8 +154,8 @@ def test_an_invalid_body_is_refused_with_the_reason(receiver: Receiver, body: by
         ({"end": START_NS - 1}, f"end {START_NS - 1} is before start {START_NS}"),
     ],
 )
-def test_missing_or_bad_params_are_refused(receiver: Receiver, changes: dict[str, object], reason: str) -> None:
-    resp = post(receiver, profile_bytes(), **changes)
+def test_missing_or_bad_params_are_refused(receiver: Receiver, changes: dict[str, Param], reason: str) -> None:
+    resp = post(receiver, profile_bytes(), "p-1", **changes)
     assert resp.status_code == 400
     assert resp.json() == {"error": reason}
     assert list_profiles(str(receiver.dir)) == []
@@ -298,6 +301,7 @@ def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get
     t = threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True)
     t.start()
     host, port = s.server_address[:2]
+    assert isinstance(host, str)
     try:
         # given two senders that trickle their headers, a byte every 0.2 s (within every read timeout)
         slow = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
@@ -309,7 +313,7 @@ def test_a_trickling_sender_is_cut_at_the_deadline_and_requests_past_the_cap_get
             assert third.recv(100).startswith(b"HTTP/1.1 503")
         # and the trickling ones are cut at the deadline, not held for ever
         started = time.monotonic()
-        closed = set()
+        closed: set[int] = set()
         while len(closed) < 2 and time.monotonic() - started < 10:
             for i, c in enumerate(slow):
                 try:

@@ -20,7 +20,7 @@ from shared.wire import Mapping, Process
 SLOTS = 3
 
 
-class PidMap(dict):  # type: ignore[type-arg]  # keys: pids
+class PidMap(dict[int, Any]):  # keys: pids
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key.value, value)
 

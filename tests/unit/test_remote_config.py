@@ -196,7 +196,12 @@ def test_the_watcher_rereads_only_on_a_change(
 ) -> None:
     reads: list[str] = []
     real = rc.read_overrides
-    monkeypatch.setattr(rc, "read_overrides", lambda *a, **k: reads.append("r") or real(*a, **k))
+
+    def counted(*a: Any, **k: Any) -> dict[str, Any]:
+        reads.append("r")
+        return real(*a, **k)
+
+    monkeypatch.setattr(rc, "read_overrides", counted)
     w = rc.Watcher(str(tmp_path), logs[0])
     assert not w.check() and w.overrides == {} and reads == []  # no file: nothing to read
     rc.write_overrides(str(tmp_path), {"enabled": False})

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from shared.handoff import REFUSED, STORED
+from shared.wire import ProfileUpload
 from tests.harness import END_NS, START_NS, make_upload
 from uploader import spool as spool_mod
-from uploader.spool import Spool, decode_file, encode_file
+from uploader.spool import Entry, Spool, decode_file, encode_file
 
 LOGGER = "test.spool"
 
@@ -22,6 +23,13 @@ def open_spool(tmp_path: Path, max_bytes: int = 1 << 20, **kwargs: int) -> Spool
     s = Spool(str(tmp_path / "spool"), str(tmp_path / "dead-letter"), max_bytes, logging.getLogger(LOGGER), **kwargs)
     s.open()
     return s
+
+
+def take(s: Spool, now: float) -> tuple[Entry, ProfileUpload]:
+    """The next due profile, where the test has one waiting."""
+    item = s.take(now)
+    assert item is not None
+    return item
 
 
 def take_all(s: Spool) -> list[str]:
@@ -41,7 +49,7 @@ def test_a_spooled_profile_is_a_whole_file_that_reads_back_exactly(tmp_path: Pat
     [name] = os.listdir(tmp_path / "spool")  # no temporary file left beside it
     assert name.endswith(f"-{upload.profile_id}.prof")
     assert decode_file((tmp_path / "spool" / name).read_bytes()) == upload
-    entry, back = s.take(0.0)
+    entry, back = take(s, 0.0)
     assert back == upload and entry.in_flight
     assert s.take(0.0) is None  # in flight: not taken twice
     s.delivered(entry)
@@ -72,7 +80,7 @@ def test_a_late_copy_of_a_profile_that_left_the_spool_is_not_spooled_again(tmp_p
     uploads = [make_upload(f"/bin/late{i}") for i in range(4)]
     s = open_spool(tmp_path, max_bytes=2 * len(encode_file(uploads[0])) + 100)
     s.accept(uploads[0])
-    entry, _ = s.take(0.0)
+    entry, _ = take(s, 0.0)
     s.delivered(entry)
     for u in uploads[1:]:
         s.accept(u)  # the third drops uploads[1]
@@ -111,7 +119,7 @@ def test_the_profile_being_sent_is_not_dropped(tmp_path: Path) -> None:
     s = open_spool(tmp_path, max_bytes=2 * size + size // 2)
     s.accept(uploads[0])
     s.accept(uploads[1])
-    entry, _ = s.take(0.0)  # uploads[0] is being posted
+    entry, _ = take(s, 0.0)  # uploads[0] is being posted
     s.accept(uploads[2])  # room is made from the next oldest
     assert sorted(s.ids()) == sorted([uploads[0].profile_id, uploads[2].profile_id])
     s.delivered(entry)
@@ -180,7 +188,7 @@ def test_dead_letters_keep_the_profile_and_its_reason(tmp_path: Path) -> None:
     s = open_spool(tmp_path)
     u = make_upload("/bin/refused")
     s.accept(u)
-    entry, upload = s.take(0.0)
+    entry, upload = take(s, 0.0)
     entry.attempts = 1
     s.dead_letter(entry, upload, 400, "HTTP 400 'bad profile'")
     assert len(s) == 0 and os.listdir(tmp_path / "spool") == []
@@ -220,11 +228,11 @@ def test_retry_times_order_attempts(tmp_path: Path) -> None:
     a, b = make_upload(), make_upload()
     s.accept(a)
     s.accept(b)
-    entry, _ = s.take(10.0)
+    entry, _ = take(s, 10.0)
     s.retry_later(entry, 20.0)  # a waits; b is due first
-    nxt, up = s.take(10.0)
+    nxt, up = take(s, 10.0)
     assert up.profile_id == b.profile_id
     s.delivered(nxt)
     assert s.take(10.0) is None and s.next_due_in(10.0) == pytest.approx(10.0)
     s.make_all_due()  # the final attempt at stop
-    assert s.take(10.0)[1].profile_id == a.profile_id
+    assert take(s, 10.0)[1].profile_id == a.profile_id

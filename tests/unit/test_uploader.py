@@ -183,8 +183,13 @@ def test_local_mode_that_cannot_write_says_retry_and_the_worker_keeps_the_profil
     # when a profile is handed over
     upload = make_upload("/usr/bin/python3.11")
     worker.send(upload)
+
     # then the uploader answers "retry" and the worker keeps it and says so
-    wait_for("a retry answer", lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1])
+    def nacked() -> int:
+        worker.sender.poll(20)
+        return worker.sender.counts["nacked"]
+
+    wait_for("a retry answer", nacked)
     assert worker.sender.pending_profiles == 1
     assert "the uploader cannot take profiles now (cannot write under local_dir" in worker.logs.text()
     # and when the obstacle is gone, the next offer is written and acknowledged
@@ -253,7 +258,11 @@ def test_http_mode_to_the_reference_receiver(
     ids=["500-twice", "429-then-503", "408-then-502"],
 )
 def test_transient_failures_are_retried_until_the_profile_arrives(
-    workdir: Path, start_uploader: Callable[..., UploaderProcess], worker: TestWorker, fault_server: FaultServer, script
+    workdir: Path,
+    start_uploader: Callable[..., UploaderProcess],
+    worker: TestWorker,
+    fault_server: FaultServer,
+    script: list[tuple[int, dict[str, str]]],
 ) -> None:
     # given a backend that fails twice, then answers 200
     fault_server.script = list(script)
@@ -344,9 +353,12 @@ def test_malformed_messages_are_refused_by_id_when_possible(
         worker.sock.send_multipart(frames)
     # then the ones with an id are answered "refused", with the reason
     acks: list[handoff.Ack] = []
-    wait_for(
-        "three refusals", lambda: acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock)) or len(acks) >= 3
-    )
+
+    def three_refused() -> bool:
+        acks.extend(handoff.decode_ack(f[0]) for f in _drain(worker.sock))
+        return len(acks) >= 3
+
+    wait_for("three refusals", three_refused)
     assert sorted((a.profile_id, a.status) for a in acks) == [
         ("a-batch", "refused"),
         ("bad-wire", "refused"),
