@@ -2,7 +2,7 @@
 
 With runtime_stacks: [dotnet], the runtime reader asks each .NET process once,
 over its diagnostics socket, for a perf map. The runtimes come from PyPI
-(tests/dotnet_runtimes.py), hosted in Python processes by pythonnet
+(bench/assets/dotnet_runtimes.py), hosted in Python processes by pythonnet
 (tests/workloads/dotnet_hot.py), all started at once before the pipeline, so
 the collector's first sight of each already maps libcoreclr.so:
 

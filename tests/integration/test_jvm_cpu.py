@@ -2,7 +2,7 @@
 the thread's user registers and the top of its stack, and the runtime reader walks them into jvm_cpu profiles.
 
 Given one pipeline with runtime_stacks: [jvm] (sample_hz 127, so that ~4,000 samples a JVM come in
-~65 s on two CPUs, every one walked: under the reader's MAX_REGS_PER_S) and four JVMs, one per JDK (tests/jdks.py), each running
+~65 s on two CPUs, every one walked: under the reader's MAX_REGS_PER_S) and four JVMs, one per JDK (bench/assets/jdks.py), each running
 tests/workloads/JvmSpin.java: a thread that never blocks, its CPU time split 3:1 by work between
 splitA (a loop calling inlinedLeaf, which the JIT inlines) and splitB;
 when the jvm_cpu profiles of the windows after every JVM's warm-up hold WANT_SAMPLES samples of each

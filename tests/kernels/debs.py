@@ -8,7 +8,7 @@ and downloading that kernel's image, its headers (-amd64 and -common) and the
 linux-kbuild package they depend on into CACHE/kernels/debs-VERSION.
 
 Must not: touch the host's apt sources or state, install anything on the host,
-or name a mirror: the mirror is the host's own (tests/debroot.py's
+or name a mirror: the mirror is the host's own (bench/assets/debroot.py's
 debian_mirror()).
 """
 

@@ -1,6 +1,6 @@
 """The guest's disk for the kernel matrix: one Debian 12 root holding every kernel of the run.
 
-Owns: the base root (a bookworm minbase from tests/debroot.py's cached_root,
+Owns: the base root (a bookworm minbase from bench/assets/debroot.py's cached_root,
 with bcc, the compilers and the test tools: bpftool, gcc, python3), a cached
 copy of it with each kernel's modules and header trees unpacked
 (/lib/modules/RELEASE/build pointing at that release's tree) and the

@@ -1,7 +1,7 @@
 """.NET's diagnostics IPC, against recorded answers and hostile peers; what the environment decides.
 
 The answers are the bytes .NET 8.0.4 and .NET Core 3.1.23 sent to EnablePerfMap
-(recorded from the runtimes of tests/dotnet_runtimes.py). The hostile peers
+(recorded from the runtimes of bench/assets/dotnet_runtimes.py). The hostile peers
 are real Unix sockets at the name a .NET process with this test's pid and
 start time would use, in this process's /tmp, reached by the real connector
 (a forked process that becomes this process's user): one that answers right,
