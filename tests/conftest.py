@@ -48,6 +48,21 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.update({k: v for k, v in code.env().items() if k == "PYTHONPATH"})
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An ordinary user's run (`make unit` in a dev venv) leaves out the tests marked needs_root,
+    and says how many: they run in `make test`, as root, where nothing is left out."""
+    if os.geteuid() == 0:
+        return
+    kept = [item for item in items if item.get_closest_marker("needs_root") is None]
+    left = [item for item in items if item.get_closest_marker("needs_root") is not None]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"{len(left)} tests need root and the agent's set-up: `make test` runs them")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _code_view:
         shutil.rmtree(path, ignore_errors=True)

@@ -113,6 +113,7 @@ def ask(connector: Connector, message: bytes, timeout: float = 5.0) -> ipc.Answe
         return ipc.exchange(s, message, timeout)
 
 
+@pytest.mark.needs_root
 def test_a_peer_that_answers_like_the_runtime(connector: Connector, name: Path) -> None:
     got: list[bytes] = []
 
@@ -126,6 +127,7 @@ def test_a_peer_that_answers_like_the_runtime(connector: Connector, name: Path) 
     assert got == [ipc.enable_perf_map()] and answer.ok and answer.hresult == 0
 
 
+@pytest.mark.needs_root
 def test_a_peer_that_never_answers_costs_the_timeout(connector: Connector, name: Path) -> None:
     done = threading.Event()
     t = serve(name, lambda conn: done.wait(10))
@@ -138,6 +140,7 @@ def test_a_peer_that_never_answers_costs_the_timeout(connector: Connector, name:
     assert took < ipc.ANSWER_TIMEOUT_S + 1.5, took
 
 
+@pytest.mark.needs_root
 def test_a_peer_that_floods_is_malformed_after_the_cap(connector: Connector, name: Path) -> None:
     def flood(conn: socket.socket) -> None:
         try:  # noqa: SIM105
@@ -151,6 +154,7 @@ def test_a_peer_that_floods_is_malformed_after_the_cap(connector: Connector, nam
     t.join(5)
 
 
+@pytest.mark.needs_root
 def test_a_symlink_or_a_file_at_the_name_is_not_connected_to(connector: Connector, name: Path, tmp_path: Path) -> None:
     target = tmp_path / "elsewhere.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -174,6 +178,7 @@ def test_a_reused_pid_is_not_connected_to(connector: Connector) -> None:
         connector.connect(SELF, (start_ticks(SELF) or 0) + 1)
 
 
+@pytest.mark.needs_root
 def test_the_environment_is_read_as_the_processs_user(connector: Connector) -> None:
     env = parse_environ(connector.environ(SELF, start_ticks(SELF) or 0))
     assert env.get(b"PATH") == os.environ["PATH"].encode()
@@ -214,6 +219,7 @@ def test_parse_environ_keeps_the_first_of_a_name() -> None:
     assert parse_environ(b"A=1\0B=x=y\0A=2\0junk\0\0") == {b"A": b"1", b"B": b"x=y"}
 
 
+@pytest.mark.needs_root
 def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path) -> None:
     # Given a peer at the name that answers EnablePerfMap with garbage, then takes DisablePerfMap
     got: list[bytes] = []
@@ -261,6 +267,7 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     assert any(f"pid {SELF} (.NET 8.0.4): DisablePerfMap answered OK" in ln for ln in lines), lines
 
 
+@pytest.mark.needs_root
 def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
     name: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

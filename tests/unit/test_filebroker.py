@@ -46,6 +46,7 @@ def process(pid: int) -> Process:
     return Process(pid=pid, start_ticks=start, uid=os.getuid(), nspid=pid, comm="", executable="", service="")
 
 
+@pytest.mark.needs_root
 def test_a_mapped_module_comes_back_as_the_file_itself(
     broker: tuple[FileBroker, FileClient], jit: subprocess.Popen, build: Callable[..., Path]
 ) -> None:
@@ -131,7 +132,7 @@ def test_a_peer_of_another_uid_is_turned_away(tmp_path: Path) -> None:
 # --- debug files by build id: open_debug with temporary directories standing in for roots ---
 
 BUILD_ID = "abcdef0123"
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="root-owned debug files need root to make")
+as_root = pytest.mark.needs_root  # root-owned debug files need root to make
 
 
 def debug_file(root: Path, content: bytes = b"debug", build_id: str = BUILD_ID) -> Path:

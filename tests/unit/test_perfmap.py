@@ -185,7 +185,7 @@ def test_symlinked_tmp_is_refused(tmp_path: Path) -> None:
         read(tmp_path / "proc")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@pytest.mark.needs_root  # chown to another uid needs root
 def test_map_owned_by_another_uid_is_refused(proc: Path) -> None:
     # Given a map owned by uid 65534 while the process runs as UID
     path = write_map(proc, MAP)

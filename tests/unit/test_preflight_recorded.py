@@ -63,6 +63,7 @@ def release(root: Path) -> str:
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.needs_root
 def test_every_debian_kernel_at_stock_settings_is_ready(suite: str) -> None:
     # as recorded: paranoid 3, the collector holding CAP_SYS_ADMIN for its start, its own header tree
     checks = checks_of(FIXTURES / suite)
@@ -72,6 +73,7 @@ def test_every_debian_kernel_at_stock_settings_is_ready(suite: str) -> None:
     assert checks["kernel headers"].detail.endswith(f"has {release(FIXTURES / suite)}'s header tree")
 
 
+@pytest.mark.needs_root
 def test_paranoid_3_without_cap_sys_admin_is_named_with_its_fix(tmp_path: Path) -> None:
     # given Debian 12's 6.1 at stock, when the collector would not hold CAP_SYS_ADMIN (a unit without it)
     root = tree("bookworm", tmp_path)
@@ -123,6 +125,7 @@ def test_debian_11_names_each_kernel_feature_it_does_without() -> None:
     assert "Linux 5.15" in missing["task_pt_regs"].detail
 
 
+@pytest.mark.needs_root
 def test_a_kernel_without_btf_runs_without_off_cpu_and_says_so(tmp_path: Path) -> None:
     root = tree("bookworm", tmp_path)
     (root / "sys/kernel/btf/vmlinux").unlink()

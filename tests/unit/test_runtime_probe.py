@@ -126,6 +126,7 @@ def probe(pid: int, fifo: Path) -> object:
 
 
 @pytest.mark.parametrize("plant", ["fifo", "symlink_out"])
+@pytest.mark.needs_root
 def test_the_probe_does_not_hang_on_a_fifo_or_follow_a_symlink_out_of_the_root(
     chrooted_python: tuple[subprocess.Popen, Path], tmp_path: Path, plant: str
 ) -> None:

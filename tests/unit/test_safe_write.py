@@ -35,16 +35,8 @@ CLI_TIMEOUT_S = 60  # `report` on a few small files: about a second
 SECRET = b"root:$6$precious:19000:0:99999:7:::\n"
 
 
-def agent_users_exist() -> bool:
-    try:
-        privileges.ids("uploader")
-        return True
-    except privileges.PrivilegeError:
-        return False
-
-
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to other users needs root")
-with_agent_users = pytest.mark.skipif(not agent_users_exist(), reason="the agent's users (make setup)")
+as_root = pytest.mark.needs_root  # chown to other users needs root
+with_agent_users = pytest.mark.needs_root  # the agent's users (make setup, as root)
 
 
 @pytest.fixture

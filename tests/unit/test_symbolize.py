@@ -100,6 +100,7 @@ def address_in(proc: Process, module: Path, file_offset: int) -> int:
     return m.start + file_offset - m.offset
 
 
+@pytest.mark.needs_root
 def test_user_frames_get_module_build_id_offset_and_name(
     build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
 ) -> None:
@@ -124,6 +125,7 @@ def test_user_frames_get_module_build_id_offset_and_name(
     assert frames[3] == Frame(UNKNOWN_MODULE, "", 0x10, "")
 
 
+@pytest.mark.needs_root
 def test_a_return_address_is_looked_up_at_its_call(
     build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
 ) -> None:
@@ -139,6 +141,7 @@ def test_a_return_address_is_looked_up_at_its_call(
     assert resolver.user(proc, [main])[0].function == "main"
 
 
+@pytest.mark.needs_root
 def test_frames_resolved_again_come_from_memory_until_the_mappings_change(
     build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], files: FileClient
 ) -> None:
@@ -208,6 +211,7 @@ def test_an_empty_label_is_left_out_not_read_back_as_the_number_0() -> None:
 # --- names from separate debug files, found by build id ---
 
 
+@pytest.mark.needs_root
 def test_libc_static_functions_are_named_from_libc_debug_file(
     build: Callable[..., Path], live_jit: tuple[subprocess.Popen, int], resolver: FrameResolver
 ) -> None:
@@ -245,8 +249,6 @@ def stripped_in_root(build: Callable[..., Path], tmp_path: Path) -> Iterator[tup
     chrooted in its own root (as in a container): (process, unstripped build, place) where
     place(build_id, *flags) installs the debug file of the build with that id (and extra gcc
     flags) as the root's debug file for STATIC_ID (root-owned, mode 0644) and returns its path."""
-    if os.geteuid() != 0:
-        pytest.skip("chroot needs root")
     root = tmp_path / "root"
     root.mkdir()
     full = build("offcpu", ["-O0", "-static", f"-Wl,--build-id=0x{STATIC_ID}"])
@@ -273,6 +275,7 @@ def tiny_wait_address(proc: Process, full: Path) -> int:
     return address_in(proc, Path("offcpu"), vaddr_to_offset(full, symbol_vaddr(full, "tiny_wait")))
 
 
+@pytest.mark.needs_root  # chroot
 def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(
     stripped_in_root: tuple[Process, Path, Callable[..., Path]], files: FileClient
 ) -> None:
@@ -294,6 +297,7 @@ def test_a_module_in_its_own_root_is_named_from_that_roots_debug_file(
         (STATIC_ID, ("-Wl,-Ttext-segment=0x800000",), "loads at other addresses"),  # the id, but moved
     ],
 )
+@pytest.mark.needs_root  # chroot
 def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
     stripped_in_root: tuple[Process, Path, Callable[..., Path]],
     files: FileClient,
@@ -317,6 +321,7 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
     assert len(warnings) == 1 and STATIC_ID in warnings[0] and reason in warnings[0]
 
 
+@pytest.mark.needs_root  # chroot
 def test_a_roots_debug_file_names_only_the_processes_of_that_root(
     stripped_in_root: tuple[Process, Path, Callable[..., Path]],
     files: FileClient,

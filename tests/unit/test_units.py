@@ -206,6 +206,7 @@ def test_sysusers_creates_each_stage_user_in_the_agent_group(tmp_path: Path) -> 
         assert (gid, home, shell) == (groups[AGENT_GROUP], "/nonexistent", "/usr/sbin/nologin"), name
 
 
+@pytest.mark.needs_root
 def test_tmpfiles_creates_the_shared_directories(tmp_path: Path) -> None:
     etc = tmp_path / "etc"
     etc.mkdir()

@@ -166,6 +166,7 @@ def main_address(exe: Path) -> int:
     return next(int(line.split()[0], 16) for line in out.splitlines() if line.endswith(" T main"))
 
 
+@pytest.mark.needs_root
 def test_a_request_is_answered_with_a_table_that_covers_main(
     prog: subprocess.Popen,
     broker: FileBroker,
@@ -213,6 +214,7 @@ def test_a_request_is_answered_with_a_table_that_covers_main(
         again.close()
 
 
+@pytest.mark.needs_root
 def test_modules_without_usable_cfi_are_answered_none_or_failed_and_serving_goes_on(
     prog: subprocess.Popen,
     broker: FileBroker,
@@ -257,6 +259,7 @@ def test_a_process_that_is_gone_gets_no_answer_and_is_counted(
         server.close()
 
 
+@pytest.mark.needs_root
 def test_answers_to_an_absent_collector_are_dropped_without_blocking(
     broker: FileBroker,
     prog: subprocess.Popen,
@@ -281,6 +284,7 @@ def test_answers_to_an_absent_collector_are_dropped_without_blocking(
         server.close()
 
 
+@pytest.mark.needs_root
 def test_the_batch_budget_cuts_a_build_inside_a_module_and_defers_it(
     prog: subprocess.Popen,
     broker: FileBroker,
