@@ -42,7 +42,9 @@ def gcc(out: Path, source: str, *flags: str) -> Path:
 
 def main() -> None:
     work = Path(tempfile.mkdtemp())
-    me = replace(read_process(os.getpid(), with_cmdline=True), mappings=read_maps(os.getpid())[:8])
+    myself = read_process(os.getpid(), with_cmdline=True)
+    assert myself is not None  # this process is alive
+    me = replace(myself, mappings=read_maps(os.getpid())[:8])
     batch = wire.StackBatch(
         host="web-1",
         profile_type="cpu",

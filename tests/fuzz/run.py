@@ -91,9 +91,9 @@ def mutate_json(rng: random.Random, doc: Any) -> Any:
         return out
     if isinstance(doc, list) and doc and rng.random() < 0.8:
         i = rng.randrange(len(doc))
-        out = list(doc)
-        out[i] = mutate_json(rng, doc[i]) if rng.random() < 0.7 else rng.choice(hostile)
-        return out
+        items = list(doc)
+        items[i] = mutate_json(rng, doc[i]) if rng.random() < 0.7 else rng.choice(hostile)
+        return items
     return rng.choice(hostile)
 
 
