@@ -100,5 +100,7 @@ def otlp_samples(req: Any) -> tuple[list[Row], list[tuple[str, str]], list[dict[
             values = tuple(v for p in profiles for v in p.samples[j].values)
             rows.append((tuple(sorted(labels + extra)), _frames(frames(first.stack_index)), values))
         if "process.executable.path" in res:
-            assert res["process.executable.name"] == os.path.basename(res["process.executable.path"])
+            path = res["process.executable.path"]
+            assert isinstance(path, str), path
+            assert res["process.executable.name"] == os.path.basename(path)
     return sorted(rows), types, resources

@@ -169,6 +169,7 @@ def alloc_run(
                 timeout=2 * INTERVAL_S + 5,
             )
             # and then the target exits
+            assert t.stdin is not None
             t.stdin.close()
             assert t.wait(timeout=30) == 0
             wait_for(
@@ -412,6 +413,7 @@ def lock_run(
 
             wait_for("the target's futex waits recorded, with its tables", unwound, timeout=60)
             # when it runs its threads
+            assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
             out = next_fields(p, "the lock workload")

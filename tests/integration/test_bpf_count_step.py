@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any  # bcc's BPF and its tables: bcc has no type hints
 
 from collector.bpfmaps import DoubleBuffer, take_all
 from tests.harness import ROOT, require_root
@@ -50,13 +51,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
 """
 
 
-def _count(b, key: int, times: int = 1) -> None:
+def _count(b: Any, key: int, times: int = 1) -> None:
     b["t_next"][ctypes.c_int(0)] = ctypes.c_uint32(key)
     for _ in range(times):
         os.getppid()
 
 
-def _values(table) -> dict[int, tuple[int, int]]:
+def _values(table: Any) -> dict[int, tuple[int, int]]:
     return {k.k: (v.count, v.ns) for k, v in table.items()}
 
 

@@ -75,8 +75,9 @@ def scribble_eh_frame(src: Path, dst: Path) -> None:
     with open(dst, "rb") as f:
         elf = ELFFile(f)
         sec = elf.get_section_by_name(".eh_frame")
-        offset, size = sec["sh_offset"], sec["sh_size"]
         note = elf.get_section_by_name(".note.gnu.build-id")
+        assert sec is not None and note is not None
+        offset, size = sec["sh_offset"], sec["sh_size"]
         id_end = note["sh_offset"] + note["sh_size"]
     with open(dst, "r+b") as f:
         f.seek(offset)
@@ -143,7 +144,9 @@ def run(
                     windows[meta["type"]].setdefault(profile.time_ns, []).append(s)
                 elif path == str(corrupt) and meta["type"] == "cpu":
                     corrupt_samples.append(s)
-        loops = int(re.search(r"loops=(\d+)", outputs[1]).group(1))
+        loops_line = re.search(r"loops=(\d+)", outputs[1])
+        assert loops_line is not None, outputs[1]
+        loops = int(loops_line.group(1))
         yield Run(str(exe.resolve()), str(corrupt), windows, corrupt_samples, log, loops)
     finally:
         receiver.stop()

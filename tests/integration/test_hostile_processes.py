@@ -107,13 +107,13 @@ def run(
     bytes_dir = os.path.join(os.fsencode(home), b"\xff\xfe")
     os.mkdir(bytes_dir, 0o755)
     bytes_exe = os.path.join(bytes_dir, b"hot")
-    shutil.copy(hot, bytes_exe)
+    shutil.copy(os.fsencode(hot), bytes_exe)
     newline_dir = os.fsencode(home)
     for _ in range(NEWLINE_DIRS):
         newline_dir = os.path.join(newline_dir, b"\n" * NEWLINES_PER_DIR)
         os.mkdir(newline_dir, 0o755)
     newline_exe = os.path.join(newline_dir, b"hot")
-    shutil.copy(hot, newline_exe)
+    shutil.copy(os.fsencode(hot), newline_exe)
     receiver = Receiver(work / "received")
     procs = module_started  # killed and reaped at the module's end (conftest.py)
     stages = ["collector", "symbolizer-0", "uploader"]

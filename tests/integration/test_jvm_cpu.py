@@ -151,7 +151,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
             for v, p in procs.items():
                 wait_for(
                     f"JDK {v}'s warm-up",
-                    lambda v=v, p=p: "ready\n" in outs[v].read_text() or p.poll() is not None,
+                    lambda: "ready\n" in outs[v].read_text() or p.poll() is not None,
                     timeout=90,
                     interval=0.2,
                 )

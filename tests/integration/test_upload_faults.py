@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -30,6 +31,7 @@ import zmq
 from shared import endpoints
 from shared.config import UPLOAD_FORMATS, ProfilerConfig
 from shared.privileges import ids as stage_ids
+from shared.wire import ProfileUpload
 from symbolizer.main import WINDOW_GRACE_S
 from tests.harness import (
     FAST_BACKOFF,
@@ -143,7 +145,7 @@ def workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> sub
     return p
 
 
-def pipeline_config(tmp_path: Path, url: str, **changes: object) -> ProfilerConfig:
+def pipeline_config(tmp_path: Path, url: str, **changes: Any) -> ProfilerConfig:
     return ProfilerConfig(
         sample_hz=SAMPLE_HZ, upload_interval_s=WINDOW_S, endpoint=url, local_dir=str(tmp_path / "unused"), **changes
     )
@@ -165,7 +167,7 @@ def test_receiver_down_for_three_windows_then_up_every_profile_arrives_once(
     # when three windows close while it is down, their profiles wait in the spool
     windows = wait_for(
         "profiles of three windows in the spool",
-        lambda: len({w for _, _, w in spooled(spool).values()}) >= 3 and {w for _, _, w in spooled(spool).values()},
+        lambda: ws if len(ws := {w for _, _, w in spooled(spool).values()}) >= 3 else None,
         timeout=PIPELINE_DEADLINE_S,
     )
     during_outage = spooled(spool)
@@ -388,14 +390,19 @@ def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, pr
         worker = TestWorker(u.run_dir, zctx)
         filler = state / "filler"
 
-        def big(name: str) -> object:  # ~200 KB gzip: random bytes do not compress
+        def big(name: str) -> ProfileUpload:  # ~200 KB gzip: random bytes do not compress
             return make_upload(name, padding=os.urandom(100_000))
 
         # when something else fills the filesystem, a profile cannot be spooled even with nothing to drop
         fill(filler, 0)
         refused = big("/bin/refused-first")
         worker.send(refused)
-        wait_for("a retry answer", lambda: (worker.sender.poll(20), worker.sender.counts["nacked"])[1])
+
+        def nacked() -> int:
+            worker.sender.poll(20)
+            return worker.sender.counts["nacked"]
+
+        wait_for("a retry answer", nacked)
         assert worker.sender.pending_profiles == 1  # the worker keeps it
         log = u.log()
         assert "no space left for the spool" in log and "No space left on device" in log
@@ -506,6 +513,7 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
     procs.append(receiver)
     pipeline = Pipeline(tmp_path, pipeline_config(tmp_path, receiver.url))
     procs.append(pipeline)
+    assert isinstance(workload.args, list)
     hot = str(Path(workload.args[0]).resolve())
     w = WINDOW_S * 1_000_000_000
     grace = int(WINDOW_GRACE_S * 1e9)

@@ -84,6 +84,7 @@ def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
     tmp_path: Path, hot: subprocess.Popen, procs: list
 ) -> None:
     require_root()
+    assert isinstance(hot.args, list)
     exe = str(Path(hot.args[0]).resolve())
     build_id = gnu_build_id(exe)
     # given the pipeline exporting OTLP to a port where nobody listens yet
@@ -95,9 +96,9 @@ def test_an_otlp_export_of_a_real_window_matches_its_pprof_value_for_value(
     windows = wait_for(
         "two cpu windows of the workload in the spool",
         lambda: (
-            (w := [u for u in spooled(spool).values() if u.service == exe and u.profile_type == "cpu"])
-            and len(w) >= 2
-            and w
+            w
+            if len(w := [u for u in spooled(spool).values() if u.service == exe and u.profile_type == "cpu"]) >= 2
+            else None
         ),
         timeout=DEADLINE_S,
     )
@@ -141,6 +142,7 @@ def test_a_pyroscope_push_of_a_real_window_reads_back_with_its_name_and_labels(
     tmp_path: Path, hot: subprocess.Popen, procs: list
 ) -> None:
     require_root()
+    assert isinstance(hot.args, list)
     exe = str(Path(hot.args[0]).resolve())
     receiver = Receiver.start(tmp_path)
     procs.append(receiver)
