@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pytest
 
+from runtimes.runtime import StackReader
 from runtimes.targets import start_ticks
 from tests.harness import PY, ROOT, WORKLOADS, kill_and_reap, namespace_host_gaps, require_root, wait_for
 from tests.runtime_harness import PYTHON311, SPINNER_FUNCTIONS, DrivenReader, go, spinner, start
@@ -290,38 +291,11 @@ def _pid_reuse_driver(script: str, work: str) -> None:
     """Pid 1 of a fresh pid namespace: A at pid P, then B at pid P; print what the reader made of it."""
     from runtimes.memory import ProcessMemory, ReadBudget
 
-    # Two programs with a function each of their own, both the spinner underneath.
-    a_src, b_src = Path(work) / "a.py", Path(work) / "b.py"
-    base = Path(script).read_text()
-    a_src.write_text(
-        base.replace(
-            "def outer(end):\n    inner(end)", "def outer(end):\n    a_only(end)\n\ndef a_only(end):\n    inner(end)"
-        )
-    )
-    b_src.write_text(
-        base.replace(
-            "def outer(end):\n    inner(end)", "def outer(end):\n    b_only(end)\n\ndef b_only(end):\n    inner(end)"
-        )
-    )
+    a_src, b_src = _two_programs(Path(script), Path(work))
     driven = DrivenReader(Path(work))
     procs: list[subprocess.Popen] = []
     try:
-        a, _ = start(procs, [PYTHON311, str(a_src), str(WORKLOAD_SECONDS), "return"])
-        go(a)
-        ticks_a = start_ticks(a.pid)
-        assert ticks_a is not None
-        label_a = dict(driven.labels_of(a.pid, ticks_a))["pid"]
-        driven.announce(a.pid)
-        entry_a = None
-
-        def read_a() -> bool:
-            nonlocal entry_a
-            driven.tick()
-            entry_a = driven.reader.targets.entries.get(a.pid)
-            return driven.reader.stats["stacks"] >= 5
-
-        wait_for("stacks of A", read_a, timeout=20, interval=0.01)
-        assert entry_a is not None and entry_a.reader is not None
+        a, ticks_a, label_a, reader_a = _read_until_stacks(driven, procs, a_src)
         a.kill()
         a.wait()
         # The next pid this namespace hands out is A's.
@@ -331,7 +305,6 @@ def _pid_reuse_driver(script: str, work: str) -> None:
         go(b)
         ticks_b = start_ticks(b.pid)
         assert ticks_b is not None
-        reader_a = entry_a.reader
 
         def control_read() -> list[str]:
             got = [f.function for st in reader_a.sample(ProcessMemory(b.pid, ReadBudget(1 << 20))) for f in st.frames]
@@ -342,36 +315,65 @@ def _pid_reuse_driver(script: str, work: str) -> None:
         driven.tick()
         driven.announce(b.pid)
         before = driven.reader.stats["stacks"]
-        wait_for(
-            "stacks of B",
-            lambda: (driven.tick(), driven.reader.stats["stacks"] >= before + 5)[1],
-            timeout=20,
-            interval=0.01,
-        )
+        wait_for("stacks of B", lambda: driven.tick() >= before + 5, timeout=20, interval=0.01)
         label_b = dict(driven.labels_of(b.pid, ticks_b))["pid"]
         functions: dict[str, list[str]] = {}
         for labels, frames in driven.stacks():
             functions.setdefault(dict(labels)["pid"], [])
             functions[dict(labels)["pid"]] += [f.function for f in frames]
-        print(
-            json.dumps(
-                {
-                    "pid_a": a.pid,
-                    "pid_b": b.pid,
-                    "ticks_a": ticks_a,
-                    "ticks_b": ticks_b,
-                    "label_a": label_a,
-                    "label_b": label_b,
-                    "control": control,
-                    "functions": {k: sorted(set(v)) for k, v in functions.items()},
-                    "stats": driven.reader.targets.stats,
-                }
-            ),
-            flush=True,
-        )
+        got = {
+            "pid_a": a.pid,
+            "pid_b": b.pid,
+            "ticks_a": ticks_a,
+            "ticks_b": ticks_b,
+            "label_a": label_a,
+            "label_b": label_b,
+            "control": control,
+            "functions": {k: sorted(set(v)) for k, v in functions.items()},
+            "stats": driven.reader.targets.stats,
+        }
+        print(json.dumps(got), flush=True)
     finally:
         kill_and_reap(procs)
         driven.close()
+
+
+def _two_programs(script: Path, work: Path) -> tuple[Path, Path]:
+    """Two programs with a function each of their own (a_only, b_only), both the spinner underneath."""
+    a_src, b_src = work / "a.py", work / "b.py"
+    base = script.read_text()
+    for src, own in ((a_src, "a_only"), (b_src, "b_only")):
+        src.write_text(
+            base.replace(
+                "def outer(end):\n    inner(end)",
+                f"def outer(end):\n    {own}(end)\n\ndef {own}(end):\n    inner(end)",
+            )
+        )
+    return a_src, b_src
+
+
+def _read_until_stacks(
+    driven: DrivenReader, procs: list[subprocess.Popen], src: Path
+) -> tuple[subprocess.Popen, int, str, StackReader]:
+    """src started, let go and announced; the reader ticks until it has 5 of its stacks: (the process, its
+    start time, its pid label, the reader's StackReader of it)."""
+    p, _ = start(procs, [PYTHON311, str(src), str(WORKLOAD_SECONDS), "return"])
+    go(p)
+    ticks = start_ticks(p.pid)
+    assert ticks is not None
+    label = dict(driven.labels_of(p.pid, ticks))["pid"]
+    driven.announce(p.pid)
+    entry = None
+
+    def read() -> bool:
+        nonlocal entry
+        driven.tick()
+        entry = driven.reader.targets.entries.get(p.pid)
+        return driven.reader.stats["stacks"] >= 5
+
+    wait_for("stacks of A", read, timeout=20, interval=0.01)
+    assert entry is not None and entry.reader is not None
+    return p, ticks, label, entry.reader
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["pid-reuse"]:
