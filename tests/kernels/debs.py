@@ -66,12 +66,14 @@ class KernelDebs:
 
     @classmethod
     def from_json(cls, doc: dict[str, object]) -> KernelDebs:
+        debs = doc["debs"]
+        assert isinstance(debs, list), debs
         return cls(
             suite=str(doc["suite"]),
             release=str(doc["release"]),
             version=str(doc["version"]),
-            debs=tuple(Path(str(d)) for d in doc["debs"]),
-        )  # type: ignore[attr-defined]
+            debs=tuple(Path(str(d)) for d in debs),
+        )
 
 
 def apt_options(suite: str) -> list[str]:

@@ -6,6 +6,8 @@ import os
 import subprocess
 from collections import Counter
 
+import pytest
+
 from collector.batcher import UNKNOWN_PID, UNKNOWN_SERVICE, build_batches
 from collector.bpfmaps import RawDrain
 from collector.procfs import ProcessTable
@@ -49,7 +51,7 @@ def test_batches_land_in_wall_clock_aligned_windows_and_close_after_grace() -> N
     assert [(c.start_ns, c.data.rows) for c in rest] == [(110 * S, {(("l",), ("f",)): [6, 60]})]
 
 
-def test_rows_are_bounded_per_service_window(monkeypatch) -> None:
+def test_rows_are_bounded_per_service_window(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(window_mod, "MAX_ROWS_PER_SERVICE_WINDOW", 3)
     sw = window_mod.ServiceWindow()
     for i in range(10):
