@@ -12,12 +12,13 @@ logged each window; MAX_SECONDS_PER_TICK of reading — each process within its
 share of them (a PROCESS_SHARE_DIVISOR-th of the bytes, MAX_SECONDS_PER_PROCESS;
 one over it is skipped that tick, counted by reason and logged once), and the
 next tick starting after the last process this one tried (round robin that
-always moves on); sum the stacks per service per window
+always moves on; the caps and their accounting are Caps); sum the stacks per service per window
 and profile type (shared/window.py) with the process labels plus
 thread.name and thread.id; hand each closed window's profile (profile.py) to the uploader.
 On-CPU samples with registers from the collector (RegsBatch, for runtimes
 with a cpu profile type: the JVM) are walked by their process's plug-in
-(sample_regs) as they arrive, into that runtime's cpu profile (jvm_cpu).
+(sample_regs) as they arrive, into that runtime's cpu profile (jvm_cpu), at
+most MAX_REGS_PER_S a second (RegsGate: past it a weighted subsample).
 A stop (SIGTERM/SIGINT) hands out the window in progress, after each plug-in's
 stop() has undone what it asked of processes (the .NET plug-in's perf maps).
 Plug-ins with a helper (shared/runtime_registry.py helper_caps: the .NET

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
 from runtimes.runtime import (
+    Detected,
     FileCache,
     Pending,
     ProcessContext,
@@ -148,7 +149,7 @@ class Targets:
     def _detect(self, e: Entry, budget: ReadBudget) -> None:
         pid = e.process.pid
         ctx = ProcessContext(pid, self.proc, ProcessMemory(pid, budget), self.files, e.process.start_ticks)
-        got: StackReader | Refusal | Served | Pending | None = None
+        got: Detected = None
         runtime: Runtime | None = None
         try:
             for runtime in self.runtimes:
