@@ -14,14 +14,20 @@ plug-in whose whole life holds what the reader relies on:
   runtime reader's RUN_DIR/runtime.counters.json (read by shared/counters.py
   as status reads it), written by the stage's own Reader with every plug-in
   loaded; closing that Reader stops each plug-in, and a later stop() has
-  nothing left to do.
+  nothing left to do;
+- reading: a process of the runtime at hand (this test's CPython) is read
+  into ThreadStacks, leaf first, whose frames carry the registry's frame
+  fields (every runtime's own integration test reads its real runtimes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+import platform
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +35,7 @@ import pytest
 
 from runtimes.main import Reader
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
-from runtimes.runtime import DETECTED_TYPES, FileCache, ProcessContext, Runtime
+from runtimes.runtime import DETECTED_TYPES, FileCache, ProcessContext, Runtime, StackReader
 from shared import counters, runtime_registry
 from shared.config import ProfilerConfig
 from shared.runtime_registry import RuntimeSpec
@@ -143,3 +149,29 @@ def test_the_readers_status_counters_hold_every_runtimes_and_closing_stops_them(
     assert all(type(v) is int for v in shown.values()), shown
     for r in reader.runtimes:
         assert r.stop() == [], f"{r.spec.name}: closing the reader did not stop it"
+
+
+def test_a_process_of_the_runtime_is_read_into_stacks_with_the_registrys_frame_fields() -> None:
+    # Given CPython's plug-in with 3.11 and 3.12 on, and this test's own interpreter (the runtime at hand)
+    spec = runtime_registry.spec_of("cpython")
+    runtime = plugin(spec)
+    try:
+        # When it detects this process and reads its stacks
+        reader = runtime.detect(context(os.getpid()))
+        assert isinstance(reader, StackReader), reader
+        stacks = reader.sample(ProcessMemory(os.getpid(), ReadBudget(DETECT_READ_BYTES)))
+    finally:
+        runtime.stop()
+    # Then it is read: a version, counts of what it dropped, and this thread's stack, leaf first, whose
+    # frames carry the fields the registry names
+    assert reader.version == platform.python_version()
+    assert isinstance(reader.dropped, dict)
+    (mine,) = [st for st in stacks if st.native_tid == threading.get_native_id()]
+    names = [f.function for f in mine.frames]  # read while sampling itself: the reader's frames are the leaves
+    assert names.index("CPythonProcess.sample") < names.index(
+        "test_a_process_of_the_runtime_is_read_into_stacks_with_the_registrys_frame_fields"
+    ), names
+    for frame in mine.frames:
+        assert tuple(f.name for f in dataclasses.fields(frame)) == spec.frame_fields, frame
+        assert isinstance(frame.function, str) and isinstance(frame.filename, str)
+        assert type(frame.line) is int and frame.line >= 0
