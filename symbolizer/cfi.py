@@ -84,6 +84,9 @@ _u64 = struct.Struct("<Q").unpack_from
 _s16 = struct.Struct("<h").unpack_from
 _s32 = struct.Struct("<i").unpack_from
 _s64 = struct.Struct("<q").unpack_from
+_pack = ut.ROW.pack
+_Span = tuple[int, int, int]  # an FDE program's first pc, its end, and the program's address
+_NO_ROW: tuple[int, ...] = ()
 
 
 class CfiError(Exception):
@@ -282,19 +285,18 @@ _FIXED = {0x02: (_u16, 2), 0x03: (_u32, 4), 0x04: (_u64, 8), 0x0A: (_s16, 2), 0x
 
 
 class _Parser:
-    """Walks one CFI section: CIEs on demand (cached by offset), FDEs in order."""
+    """Walks one CFI section: CIEs on demand (cached by offset), FDEs in order; their CFA programs are
+    run by a _Program."""
 
     def __init__(self, data: bytes, sec: Section, m: Module) -> None:
         self.data = data
         self.sec = sec
         self.eh = sec.name == ".eh_frame"
         self.m = m
-        self.fp_reg, self.ra_col, self.sp_reg = _REGS[m.arch]
-        self.row = _x86_row if m.arch == ut.ARCH_X86_64 else _arm_row
+        self.program = _Program(m)
         self.lo, self.hi = m.text_vaddr, m.text_vaddr + m.text_size
         self.cies: dict[int, _Cie] = {}
         self.stats = dict.fromkeys(("fdes", "fallback_fdes", "skipped_fdes", "signed_ra_fdes"), 0)
-        self._signed = False
 
     # ------------------------------------------------ entries
 
@@ -353,131 +355,112 @@ class _Parser:
             pos = end
         return out
 
-    def _cie(self, off: int) -> _Cie:  # noqa: PLR0912
+    # ------------------------------------------------ CIE
+
+    def _cie(self, off: int) -> _Cie:
+        """The CIE at `off`, cached: what its FDEs need, or why they cannot be read (cie.unsupported)."""
         if not 0 <= off < len(self.data):
             raise CfiError("malformed", f"{self.sec.name}: CIE pointer {off:#x} outside the section")
         id_pos, id_size, end, ident = self._entry(off)
         if not self._is_cie(ident, id_size):
             raise CfiError("malformed", f"{self.sec.name}: CIE pointer {off:#x} does not point at a CIE")
         cie = self.cies[off] = _Cie()
-        d = self.data
         try:
-            p = id_pos + id_size
-            version = d[p]
-            p += 1
-            if version not in ((1, 3) if self.eh else (1, 3, 4)):
-                cie.unsupported = f"CIE version {version}"
-                return cie
-            nul = d.find(b"\0", p, min(end, p + MAX_AUGMENTATION_BYTES + 1))
-            if nul < 0:
-                cie.unsupported = "augmentation string too long or unterminated"
-                return cie
-            aug = d[p:nul]
-            p = nul + 1
-            if version == 4:
-                cie.addr_size, segment_size = d[p], d[p + 1]
-                p += 2
-                if cie.addr_size not in (4, 8) or segment_size:
-                    cie.unsupported = f"address size {cie.addr_size}, segment selector size {segment_size}"
-                    return cie
-            if aug.startswith(b"eh"):
-                p += 8  # gcc 2.x: a pointer to exception data
-                aug = aug[2:]
-            cie.caf, p = _uleb(d, p)
-            cie.daf, p = _sleb(d, p)
-            if version == 1:
-                cie.ra_reg = d[p]
-                p += 1
-            else:
-                cie.ra_reg, p = _uleb(d, p)
-            cie.fde_enc = 0x00  # absptr
-            if aug[:1] == b"z":
-                cie.has_z = True
-                aug_len, p = _uleb(d, p)
-                aug_end = p + aug_len
-                if aug_end > end:
-                    raise _BadFde("augmentation data past the end of the CIE")
-                for c in aug[1:]:
-                    if c == 0x52:  # R: FDE pointer encoding
-                        cie.fde_enc = d[p]
-                        p += 1
-                    elif c == 0x4C:  # L: LSDA encoding; the pointer is in each FDE's augmentation data
-                        p += 1
-                    elif c == 0x50:  # P: personality routine encoding and pointer
-                        enc = d[p]
-                        p = self._skip_pointer(enc, p + 1)
-                    elif c in (0x53, 0x42, 0x47):  # S: signal frame; B: arm64 B key; G: MTE tagged frames
-                        pass
-                    else:
-                        break  # unknown: the rest is skipped by length ("z" says how long)
-                if p > aug_end:
-                    raise _BadFde("augmentation data longer than declared")
-                p = aug_end
-            elif aug:
-                cie.unsupported = f"augmentation {aug!r}"
-                return cie
-            enc = cie.fde_enc
-            if (
-                enc & 0x80
-                or (enc & 0x70) not in (0x00, 0x10, 0x20, 0x30)
-                or (enc & 0x0F) not in (0x00, 0x01, 0x02, 0x03, 0x04, 0x09, 0x0A, 0x0B, 0x0C)
-            ):
-                cie.unsupported = f"FDE pointer encoding {enc:#x}"
-                return cie
-            if p > end:
-                raise _BadFde("CIE fields past its end")
+            p = self._cie_fields(cie, id_pos + id_size, end)
         except (IndexError, struct.error, _BadFde) as e:
             cie.unsupported = f"CIE at {off:#x}: {e or 'truncated'}"
             return cie
-        if cie.ra_reg != self.ra_col:
+        if p is None:
+            return cie
+        if cie.ra_reg != self.program.ra_col:
             cie.initial = None  # a return address column the table does not know: FALLBACK rows
             return cie
         base = (0, 0, _EXPR_OTHER, _SAME, 0, _SAME, 0)  # CFA unknown until defined
         try:
-            cie.initial = self._run(d[p:end], base, base, 0, 0, cie, None, 0)[0]
+            # Run over no range (0 to 0), its first advance makes a row: an advance, which the initial
+            # instructions may not have, gives FALLBACK rows.
+            state, rows = self.program.run(self.data[p:end], base, base, cie, (0, 0, 0))
+            cie.initial = None if rows else state
         except (IndexError, struct.error, _BadFde, ValueError):
             cie.initial = None
         return cie
 
-    def _skip_pointer(self, enc: int, p: int) -> int:
-        if enc == 0xFF:
-            return p
-        fmt = enc & 0x0F
-        if fmt == 0x00:
-            return p + 8
-        if fmt in (0x01, 0x09):
-            return _uleb(self.data, p)[1]
-        fixed = _FIXED.get(fmt)
-        if fixed is None:
-            raise _BadFde(f"pointer encoding {enc:#x}")
-        return p + fixed[1]
-
-    def _pointer(self, d: bytes, p: int, enc: int, addr_size: int, field_addr: int) -> tuple[int, int]:
-        """(value, position after) of an encoded pointer at d[p]; field_addr: its virtual address."""
-        fmt = enc & 0x0F
-        if fmt == 0x00:
-            v = (_u64 if addr_size == 8 else _u32)(d, p)[0]
-            q = p + addr_size
-        elif fmt == 0x01:
-            v, q = _uleb(d, p)
-        elif fmt == 0x09:
-            v, q = _sleb(d, p)
+    def _cie_fields(self, cie: _Cie, p: int, end: int) -> int | None:
+        """Read a CIE's fields from `p` into `cie`: the position of its initial instructions, or None
+        with cie.unsupported saying why its FDEs cannot be read. _BadFde, IndexError or struct.error
+        for fields that run past it."""
+        d = self.data
+        version = d[p]
+        p += 1
+        if version not in ((1, 3) if self.eh else (1, 3, 4)):
+            cie.unsupported = f"CIE version {version}"
+            return None
+        nul = d.find(b"\0", p, min(end, p + MAX_AUGMENTATION_BYTES + 1))
+        if nul < 0:
+            cie.unsupported = "augmentation string too long or unterminated"
+            return None
+        aug = d[p:nul]
+        p = nul + 1
+        if version == 4:
+            cie.addr_size, segment_size = d[p], d[p + 1]
+            p += 2
+            if cie.addr_size not in (4, 8) or segment_size:
+                cie.unsupported = f"address size {cie.addr_size}, segment selector size {segment_size}"
+                return None
+        if aug.startswith(b"eh"):
+            p += 8  # gcc 2.x: a pointer to exception data
+            aug = aug[2:]
+        cie.caf, p = _uleb(d, p)
+        cie.daf, p = _sleb(d, p)
+        if version == 1:
+            cie.ra_reg = d[p]
+            p += 1
         else:
-            unpack, size = _FIXED[fmt]
-            v = unpack(d, p)[0]
-            q = p + size
-        app = enc & 0x70
-        if app == 0x10:
-            v += field_addr
-        elif app == 0x20:
-            if self.m.text_addr is None:
-                raise _BadFde("textrel pointer without .text")
-            v += self.m.text_addr
-        elif app == 0x30:
-            if self.m.got_addr is None:
-                raise _BadFde("datarel pointer without .got")
-            v += self.m.got_addr
-        return v & _U64, q
+            cie.ra_reg, p = _uleb(d, p)
+        cie.fde_enc = 0x00  # absptr
+        if aug[:1] == b"z":
+            cie.has_z = True
+            p = self._augmentation(cie, aug, p, end)
+        elif aug:
+            cie.unsupported = f"augmentation {aug!r}"
+            return None
+        enc = cie.fde_enc
+        if (
+            enc & 0x80
+            or (enc & 0x70) not in (0x00, 0x10, 0x20, 0x30)
+            or (enc & 0x0F) not in (0x00, 0x01, 0x02, 0x03, 0x04, 0x09, 0x0A, 0x0B, 0x0C)
+        ):
+            cie.unsupported = f"FDE pointer encoding {enc:#x}"
+            return None
+        if p > end:
+            raise _BadFde("CIE fields past its end")
+        return p
+
+    def _augmentation(self, cie: _Cie, aug: bytes, p: int, end: int) -> int:
+        """Read the augmentation data of a "z" CIE at `p` (its length first): the position after it."""
+        d = self.data
+        aug_len, p = _uleb(d, p)
+        aug_end = p + aug_len
+        if aug_end > end:
+            raise _BadFde("augmentation data past the end of the CIE")
+        for c in aug[1:]:
+            if c == 0x52:  # R: FDE pointer encoding
+                cie.fde_enc = d[p]
+                p += 1
+            elif c == 0x4C:  # L: LSDA encoding; the pointer is in each FDE's augmentation data
+                p += 1
+            elif c == 0x50:  # P: personality routine encoding and pointer
+                enc = d[p]
+                p = _skip_pointer(d, enc, p + 1)
+            elif c in (0x53, 0x42, 0x47):  # S: signal frame; B: arm64 B key; G: MTE tagged frames
+                pass
+            else:
+                break  # unknown: the rest is skipped by length ("z" says how long)
+        if p > aug_end:
+            raise _BadFde("augmentation data longer than declared")
+        return aug_end
+
+    # ------------------------------------------------ FDE
 
     def _fde(self, cie: _Cie, p: int, end: int) -> tuple[int, int, bytes] | None:
         st = self.stats
@@ -486,8 +469,8 @@ class _Parser:
             return None
         d = self.data
         try:
-            begin, p = self._pointer(d, p, cie.fde_enc, cie.addr_size, self.sec.addr + p)
-            size, p = self._pointer(d, p, cie.fde_enc & 0x0F, cie.addr_size, 0)
+            begin, p = _pointer(d, p, cie.fde_enc, cie.addr_size, self.sec.addr + p, self.m)
+            size, p = _pointer(d, p, cie.fde_enc & 0x0F, cie.addr_size, 0, self.m)
             if cie.has_z:
                 aug_len, p = _uleb(d, p)
                 p += aug_len
@@ -505,10 +488,11 @@ class _Parser:
         st["fdes"] += 1
         init = cie.initial
         if init is not None and end - p <= MAX_CFA_PROGRAM_BYTES:
-            self._signed = False
+            program = self.program
+            program.signed = False
             try:
-                parts = self._run(d[p:end], init, init, begin, stop, cie, [], self.sec.addr + p)[1]
-                if self._signed:
+                parts = program.run(d[p:end], init, init, cie, (begin, stop, self.sec.addr + p))[1]
+                if program.signed:
                     st["signed_ra_fdes"] += 1
                 return begin, stop, b"".join(parts)
             except (IndexError, struct.error, _BadFde, ValueError):
@@ -516,196 +500,218 @@ class _Parser:
         st["fallback_fdes"] += 1
         return begin, stop, ut.ROW.pack(begin - self.lo, *_FALLBACK)
 
-    # ------------------------------------------------ CFA programs
 
-    def _run(  # noqa: PLR0912
-        self,
-        prog: bytes,
-        state: tuple,
-        initial: tuple,
-        loc: int,
-        stop: int,
-        cie: _Cie,
-        parts: list[bytes] | None,
-        prog_addr: int,
-    ) -> tuple[tuple, list[bytes]]:
-        """Interpret `prog` from `state`; with `parts`, append the packed rows of [loc, stop) to it.
+def _skip_pointer(d: bytes, enc: int, p: int) -> int:
+    """The position after the pointer encoded `enc` at d[p] (its value is not needed)."""
+    if enc == 0xFF:
+        return p
+    fmt = enc & 0x0F
+    if fmt == 0x00:
+        return p + 8
+    if fmt in (0x01, 0x09):
+        return _uleb(d, p)[1]
+    fixed = _FIXED.get(fmt)
+    if fixed is None:
+        raise _BadFde(f"pointer encoding {enc:#x}")
+    return p + fixed[1]
 
-        Returns (final state, parts). Raises _BadFde (or
-        IndexError/struct.error for an operand past the end) for what the table cannot express."""
+
+def _pointer(d: bytes, p: int, enc: int, addr_size: int, field_addr: int, m: Module) -> tuple[int, int]:
+    """(value, position after) of an encoded pointer at d[p]; field_addr: its virtual address."""
+    fmt = enc & 0x0F
+    if fmt == 0x00:
+        v = (_u64 if addr_size == 8 else _u32)(d, p)[0]
+        q = p + addr_size
+    elif fmt == 0x01:
+        v, q = _uleb(d, p)
+    elif fmt == 0x09:
+        v, q = _sleb(d, p)
+    else:
+        unpack, size = _FIXED[fmt]
+        v = unpack(d, p)[0]
+        q = p + size
+    app = enc & 0x70
+    if app == 0x10:
+        v += field_addr
+    elif app == 0x20:
+        if m.text_addr is None:
+            raise _BadFde("textrel pointer without .text")
+        v += m.text_addr
+    elif app == 0x30:
+        if m.got_addr is None:
+            raise _BadFde("datarel pointer without .got")
+        v += m.got_addr
+    return v & _U64, q
+
+
+# ---------------------------------------------------------------- CFA programs
+
+
+class _Program:
+    """The interpreter of CFA programs for one module: it tracks the CFA rule, the frame pointer's and
+    the return address's (a state: cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off) and
+    packs the rows of an FDE's range. The frequent opcodes are run inline in run(), the others by _op."""
+
+    def __init__(self, m: Module) -> None:
+        self.m = m
+        self.fp_reg, self.ra_col, self.sp_reg = _REGS[m.arch]
+        self.row = _x86_row if m.arch == ut.ARCH_X86_64 else _arm_row
+        self.lo = m.text_vaddr
+        self.signed = False  # a program run toggled return address signing (recorded, not applied)
+
+    # The frequent opcodes stay inline in one loop (PLR0912's branches): a call each would slow every build.
+    def run(self, prog: bytes, state: tuple, init: tuple, cie: _Cie, span: _Span) -> tuple[tuple, list[bytes]]:  # noqa: PLR0912
+        """`prog` run from `state` (`init`: the CIE's) over `span`: (the final state, the packed rows of [loc, stop)).
+        _BadFde, IndexError or struct.error: what the table cannot express."""
+        loc, stop, prog_addr = span
         cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = state
-        fp_reg, ra_reg = self.fp_reg, self.ra_col
-        caf, daf = cie.caf, cie.daf
-        row = self.row
-        pack = ut.ROW.pack
-        base = self.lo
-        last: tuple = ()
-        last_loc = -1  # the pc of the row last appended by this run
-        dirty = True
-        stack: list[tuple[int, ...]] = []
-        n = len(prog)
-        p = 0
-        while p < n:
-            op = prog[p]
-            p += 1
-            hi = op & 0xC0
-            if hi:
-                if hi == 0x40:  # DW_CFA_advance_loc
+        fp_reg, ra_reg, caf, daf, row, base = self.fp_reg, self.ra_col, cie.caf, cie.daf, self.row, self.lo
+        parts: list[bytes] = []
+        stack: list[tuple] = []  # DW_CFA_remember_state's
+        n, p, dirty, last, last_loc = len(prog), 0, True, _NO_ROW, -1  # last_loc: the pc of the last row made
+        while True:
+            if p < n:
+                op = prog[p]
+                p += 1
+                if op >= 0x80:  # DW_CFA_offset (and its operand), DW_CFA_restore: a register's rule
+                    reg = op & 0x3F
+                    if op < 0xC0:
+                        v, p = (prog[p], p + 1) if prog[p] < 0x80 else _uleb(prog, p)
+                    if reg == fp_reg:
+                        fp_rule, fp_off, dirty = (_OFFSET, v * daf, True) if op < 0xC0 else (init[3], init[4], True)
+                    elif reg == ra_reg:
+                        ra_rule, ra_off, dirty = (_OFFSET, v * daf, True) if op < 0xC0 else (init[5], init[6], True)
+                    continue
+                if op == 0x0E:  # DW_CFA_def_cfa_offset
+                    cfa_off, p = (prog[p], p + 1) if prog[p] < 0x80 else _uleb(prog, p)
+                    cfa_expr, dirty = _EXPR_OTHER if cfa_expr else _EXPR_NONE, True
+                    continue
+                if op >= 0x40:  # DW_CFA_advance_loc
                     new = loc + (op & 0x3F) * caf
-                elif hi == 0x80:  # DW_CFA_offset
-                    reg = op & 0x3F
-                    v = prog[p]
-                    p += 1
-                    if v >= 0x80:
-                        v, p = _uleb(prog, p - 1)
-                    if reg == fp_reg:
-                        fp_rule, fp_off, dirty = _OFFSET, v * daf, True
-                    elif reg == ra_reg:
-                        ra_rule, ra_off, dirty = _OFFSET, v * daf, True
-                    continue
-                else:  # DW_CFA_restore
-                    reg = op & 0x3F
-                    if reg == fp_reg:
-                        fp_rule, fp_off, dirty = initial[3], initial[4], True
-                    elif reg == ra_reg:
-                        ra_rule, ra_off, dirty = initial[5], initial[6], True
-                    continue
-            elif op == 0x0E:  # DW_CFA_def_cfa_offset
-                v = prog[p]
-                p += 1
-                if v >= 0x80:
-                    v, p = _uleb(prog, p - 1)
-                cfa_off, dirty = v, True
-                if cfa_expr:
-                    cfa_expr = _EXPR_OTHER
-                continue
-            elif op == 0x0A:  # DW_CFA_remember_state
-                if len(stack) >= MAX_REMEMBER_DEPTH:
-                    raise _BadFde("remember_state nested too deep")
-                stack.append((cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off))
-                continue
-            elif op == 0x0B:  # DW_CFA_restore_state
-                if not stack:
-                    raise _BadFde("restore_state without remember_state")
-                cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = stack.pop()
-                dirty = True
-                continue
-            elif op == 0x02:  # DW_CFA_advance_loc1
-                new = loc + prog[p] * caf
-                p += 1
-            elif op == 0x03:  # DW_CFA_advance_loc2
-                new = loc + _u16(prog, p)[0] * caf
-                p += 2
-            elif op == 0x04:  # DW_CFA_advance_loc4
-                new = loc + _u32(prog, p)[0] * caf
-                p += 4
-            elif op == 0x01:  # DW_CFA_set_loc
-                new, p = self._pointer(prog, p, cie.fde_enc, cie.addr_size, prog_addr + p)
-                if new < loc:
-                    raise _BadFde("set_loc backwards")
-            elif op == 0x00:  # DW_CFA_nop
-                continue
-            else:
-                if op == 0x0C or op == 0x12:  # DW_CFA_def_cfa, DW_CFA_def_cfa_sf  # noqa: PLR1714
-                    cfa_reg, p = _uleb(prog, p)
-                    if op == 0x0C:
-                        cfa_off, p = _uleb(prog, p)
-                    else:
-                        cfa_off, p = _sleb(prog, p)
-                        cfa_off *= daf
-                    cfa_expr = _EXPR_NONE
-                elif op == 0x0D:  # DW_CFA_def_cfa_register
-                    cfa_reg, p = _uleb(prog, p)
-                    if cfa_expr:
-                        cfa_expr = _EXPR_OTHER
-                elif op == 0x13:  # DW_CFA_def_cfa_offset_sf
-                    cfa_off, p = _sleb(prog, p)
-                    cfa_off *= daf
-                    if cfa_expr:
-                        cfa_expr = _EXPR_OTHER
-                elif op == 0x0F:  # DW_CFA_def_cfa_expression
-                    size, p = _uleb(prog, p)
-                    block = prog[p : p + size]
-                    p += size
-                    if p > n:
-                        raise _BadFde("expression past the end of the program")
-                    cfa_expr = _EXPR_OTHER
-                    if fp_reg == 6 and block[:1] == b"\x77" and block.endswith(_PLT_TAIL):
-                        off, q = _sleb(block, 1)
-                        if q == len(block) - len(_PLT_TAIL):
-                            cfa_expr, cfa_off = _EXPR_PLT, off
-                elif op in (0x05, 0x11, 0x2F, 0x14, 0x15):  # offset_extended(_sf), GNU_negative_offset_extended,
-                    reg, p = _uleb(prog, p)  # val_offset(_sf)
-                    if op in (0x11, 0x15):
-                        v, p = _sleb(prog, p)
-                    else:
-                        v, p = _uleb(prog, p)
-                    v = -v * daf if op == 0x2F else v * daf
-                    rule = _OFFSET if op in (0x05, 0x11, 0x2F) else _OTHER
-                    if reg == fp_reg:
-                        fp_rule, fp_off = rule, v
-                    elif reg == ra_reg:
-                        ra_rule, ra_off = rule, v
-                elif op in (0x06, 0x07, 0x08, 0x09):  # restore_extended, undefined, same_value, register
-                    reg, p = _uleb(prog, p)
-                    if op == 0x09:
-                        _, p = _uleb(prog, p)
-                    if reg == fp_reg:
-                        fp_rule, fp_off = (
-                            (initial[3], initial[4]) if op == 0x06 else ((_OTHER if op == 0x09 else _SAME), 0)
-                        )
-                    elif reg == ra_reg:
-                        ra_rule, ra_off = (
-                            (initial[5], initial[6])
-                            if op == 0x06
-                            else ({0x07: _UNDEFINED, 0x08: _SAME, 0x09: _OTHER}[op], 0)
-                        )
-                elif op in (0x10, 0x16):  # DW_CFA_expression, DW_CFA_val_expression
-                    reg, p = _uleb(prog, p)
-                    size, p = _uleb(prog, p)
-                    p += size
-                    if p > n:
-                        raise _BadFde("expression past the end of the program")
-                    if reg == fp_reg:
-                        fp_rule, fp_off = _OTHER, 0
-                    elif reg == ra_reg:
-                        ra_rule, ra_off = _OTHER, 0
-                elif op == 0x2E:  # DW_CFA_GNU_args_size
-                    _, p = _uleb(prog, p)
-                    continue
-                elif op == 0x2D:  # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
-                    self._signed = True
-                    continue
+                elif op == 0x02:  # DW_CFA_advance_loc1
+                    new, p = loc + prog[p] * caf, p + 1
+                elif op in (0x01, 0x03, 0x04):  # DW_CFA_set_loc, DW_CFA_advance_loc2, 4
+                    new, p = self._advance(op, prog, p, loc, caf, cie, prog_addr)
                 else:
-                    raise _BadFde(f"unknown CFA opcode {op:#x}")
-                dirty = True
-                continue
-            # an advance to `new`: the state so far holds from loc
-            if parts is None:
-                raise _BadFde("advance in a CIE's initial instructions")
-            if dirty:
+                    if op == 0x0A:  # DW_CFA_remember_state
+                        if len(stack) >= MAX_REMEMBER_DEPTH:
+                            raise _BadFde("remember_state nested too deep")
+                        stack.append((cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off))
+                    elif op == 0x0B:  # DW_CFA_restore_state (IndexError without a remember_state)
+                        (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), dirty = stack.pop(), True
+                    elif op:  # the less frequent opcodes (not DW_CFA_nop)
+                        st = (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
+                        p, st, dirty = self._op(op, prog, p, st, init, daf, dirty)
+                        cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = st
+                    continue
+            elif loc < stop:  # the end of the program: its rules hold to the end of the FDE
+                new = stop
+            else:
+                break
+            if dirty:  # an advance to `new`: the rules so far hold from loc
                 c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
-                if loc == last_loc:
-                    # A second row at one pc (DW_CFA_advance_loc 0): the last one holds there, as
-                    # other unwinders take it.
-                    parts[-1] = pack(loc - base, *c)
-                    last = c
+                if loc == last_loc:  # a second row at one pc (DW_CFA_advance_loc 0) holds there, as elsewhere
+                    parts[-1], last = _pack(loc - base, *c), c
                 elif c != last:
-                    parts.append(pack(loc - base, *c))
+                    parts.append(_pack(loc - base, *c))
                     last, last_loc = c, loc
-                dirty = False
-            loc = new
+            loc, dirty = new, False
             if loc >= stop:
                 break
-        if p > n:
-            raise _BadFde("operand past the end of the program")
-        if parts is not None and loc < stop and dirty:
-            c = row(cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
-            if loc == last_loc:
-                parts[-1] = pack(loc - base, *c)
-            elif c != last:
-                parts.append(pack(loc - base, *c))
-        return (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), parts or []
+        return (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), parts
+
+    def _advance(self, op: int, prog: bytes, p: int, loc: int, caf: int, cie: _Cie, prog_addr: int) -> tuple[int, int]:
+        """(the new location, position after) of DW_CFA_set_loc (0x01) or DW_CFA_advance_loc1/2/4."""
+        if op == 0x02:
+            return loc + prog[p] * caf, p + 1
+        if op == 0x03:
+            return loc + _u16(prog, p)[0] * caf, p + 2
+        if op == 0x04:
+            return loc + _u32(prog, p)[0] * caf, p + 4
+        new, p = _pointer(prog, p, cie.fde_enc, cie.addr_size, prog_addr + p, self.m)
+        if new < loc:
+            raise _BadFde("set_loc backwards")
+        return new, p
+
+    def _op(
+        self, op: int, prog: bytes, p: int, st: tuple, init: tuple, daf: int, dirty: bool
+    ) -> tuple[int, tuple, bool]:
+        """One of the less frequent opcodes from state `st`: (position after it, the state after it,
+        whether the row may have changed since the last one: `dirty`, or true if it sets a rule).
+        _BadFde for an opcode the table cannot follow."""
+        if op == 0x2E:  # DW_CFA_GNU_args_size
+            return _uleb(prog, p)[1], st, dirty
+        if op == 0x2D:  # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
+            self.signed = True
+            return p, st, dirty
+        if op in (0x0C, 0x12, 0x0D, 0x13, 0x0F):
+            p, cfa = self._cfa_op(op, prog, p, st[0], st[1], st[2], daf)
+            return p, (*cfa, *st[3:]), True
+        p, reg, rule = _register_op(op, prog, p, daf)
+        if reg == self.fp_reg:  # (a frame pointer "undefined" is taken as the same value)
+            fp = (init[3], init[4]) if rule is None else (_SAME if rule[0] == _UNDEFINED else rule[0], rule[1])
+            return p, (*st[:3], *fp, *st[5:]), True
+        if reg == self.ra_col:
+            return p, (*st[:5], *((init[5], init[6]) if rule is None else rule)), True
+        return p, st, True
+
+    def _cfa_op(
+        self, op: int, prog: bytes, p: int, cfa_reg: int, cfa_off: int, cfa_expr: int, daf: int
+    ) -> tuple[int, tuple[int, int, int]]:
+        """DW_CFA_def_cfa(_sf), def_cfa_register, def_cfa_offset_sf or def_cfa_expression: (position
+        after it, the CFA rule after it)."""
+        if op in (0x0C, 0x12):  # DW_CFA_def_cfa, DW_CFA_def_cfa_sf
+            cfa_reg, p = _uleb(prog, p)
+            if op == 0x0C:
+                cfa_off, p = _uleb(prog, p)
+            else:
+                cfa_off, p = _sleb(prog, p)
+                cfa_off *= daf
+            return p, (cfa_reg, cfa_off, _EXPR_NONE)
+        if op == 0x0D:  # DW_CFA_def_cfa_register
+            cfa_reg, p = _uleb(prog, p)
+        elif op == 0x13:  # DW_CFA_def_cfa_offset_sf
+            cfa_off, p = _sleb(prog, p)
+            cfa_off *= daf
+        else:  # DW_CFA_def_cfa_expression
+            size, p = _uleb(prog, p)
+            block = prog[p : p + size]
+            p += size
+            if p > len(prog):
+                raise _BadFde("expression past the end of the program")
+            if self.fp_reg == 6 and block[:1] == b"\x77" and block.endswith(_PLT_TAIL):
+                off, q = _sleb(block, 1)
+                if q == len(block) - len(_PLT_TAIL):
+                    return p, (cfa_reg, off, _EXPR_PLT)
+            return p, (cfa_reg, cfa_off, _EXPR_OTHER)
+        return p, (cfa_reg, cfa_off, _EXPR_OTHER if cfa_expr else cfa_expr)
+
+
+def _register_op(op: int, prog: bytes, p: int, daf: int) -> tuple[int, int, tuple[int, int] | None]:
+    """(position after, register, its rule as the return address's: (rule, offset), or None: its
+    initial rule) of an opcode that sets one register's rule other than DW_CFA_offset and
+    DW_CFA_restore; _BadFde for an unknown opcode."""
+    if op in (0x05, 0x11, 0x2F, 0x14, 0x15):  # offset_extended(_sf), GNU_negative_offset_extended, val_offset(_sf)
+        reg, p = _uleb(prog, p)
+        if op in (0x11, 0x15):
+            v, p = _sleb(prog, p)
+        else:
+            v, p = _uleb(prog, p)
+        v = -v * daf if op == 0x2F else v * daf
+        return p, reg, (_OFFSET if op in (0x05, 0x11, 0x2F) else _OTHER, v)
+    if op in (0x06, 0x07, 0x08, 0x09):  # restore_extended, undefined, same_value, register
+        reg, p = _uleb(prog, p)
+        if op == 0x09:
+            _, p = _uleb(prog, p)
+        return p, reg, None if op == 0x06 else ({0x07: _UNDEFINED, 0x08: _SAME, 0x09: _OTHER}[op], 0)
+    if op in (0x10, 0x16):  # DW_CFA_expression, DW_CFA_val_expression
+        reg, p = _uleb(prog, p)
+        size, p = _uleb(prog, p)
+        p += size
+        if p > len(prog):
+            raise _BadFde("expression past the end of the program")
+        return p, reg, (_OTHER, 0)
+    raise _BadFde(f"unknown CFA opcode {op:#x}")
 
 
 def _fits16(v: int) -> bool:
