@@ -234,7 +234,7 @@ class AllocLockBench:
         self.log(f"lock round {r + 1}/{self.rounds} {config}: {fig[0]:,.0f} lock/unlock pairs/s")
         return {"round": r, "suite": "mutex", "config": config, "rate": fig[0], "cpu_rate": fig[1], "bpf_ns": ns}
 
-    def _accuracy(self, d: Path, exe: str) -> dict:
+    def _accuracy(self, d: Path, exe: str) -> dict[str, Any]:
         """The mixed workload under the pipeline at the defaults: shares, totals and inuse against the truth."""
         p = Pipeline(d, SAMPLE_HZ, upload_interval_s=5, workers=1, offcpu=False, alloc_targets=("alloc_mix",))
         try:

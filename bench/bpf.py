@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 from bench.procs import BenchError
 
@@ -20,7 +21,7 @@ from bench.procs import BenchError
 PROFILER_PROGRAM_NAMES = ("on_cpu_sample", "do_perf_event")
 
 
-def programs() -> list[dict]:
+def programs() -> list[dict[str, Any]]:
     """Every loaded BPF program: dicts with at least id, type and name."""
     try:
         out = subprocess.run(
@@ -75,7 +76,7 @@ def owners(prog_ids: set[int]) -> dict[int, list[str]]:
     return found
 
 
-def foreign_profilers(ours: set[int]) -> list[dict]:
+def foreign_profilers(ours: set[int]) -> list[dict[str, Any]]:
     """Profiler programs (PROFILER_PROGRAM_NAMES or type perf_event) that bench did not load."""
     return [
         p

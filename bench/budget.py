@@ -346,7 +346,7 @@ class BudgetBench:
                 ["python3", "-c", "while True: pass"],
                 ["sh", "-c", SPAWNER],
             ]
-            runs: dict[str, list[dict]] = {
+            runs: dict[str, list[dict[str, Any]]] = {
                 "idle": [],
                 "busy": [],
                 "spawner": [],
@@ -434,7 +434,7 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else 0.0
 
 
-def model(runs: dict[str, list[dict]]) -> dict[str, float]:
+def model(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     """The cost-model terms, medians over rounds."""
     idle = _median([r["total_pct"] for r in runs["idle"]]) * 10  # ms per s
     spawn = [

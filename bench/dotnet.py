@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import procs, stats
 from bench.procs import BenchError
@@ -41,7 +42,7 @@ class DotNetBench:
         self.rounds, self.log, self.keep = rounds, log, keep
         self.our_prog_ids: set[int] = set()  # none: no BPF here
 
-    def _one(self, plugin: dotnet.DotNet, argv: list[str]) -> dict:
+    def _one(self, plugin: dotnet.DotNet, argv: list[str]) -> dict[str, Any]:
         p = procs.start(argv, stdout=subprocess.PIPE, text=True)
         assert p.stdout is not None
         line = p.stdout.readline()
@@ -75,7 +76,7 @@ class DotNetBench:
             "map_entries": text.count(b"\n") + text.count(b"\0"),
         }
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         from bench.assets import dotnet_runtimes
 
         venv = dotnet_runtimes.venv()
@@ -126,7 +127,7 @@ class DotNetBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the dotnet suite."""
     from bench.report import _mmm
 

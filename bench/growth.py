@@ -131,7 +131,7 @@ def late_growth_mb(pts: list[tuple[float, float]], run_s: float) -> float:
     return _median_mb(pts, run_s - TAIL_S) - _median_mb(pts, run_s - 2 * TAIL_S, run_s - TAIL_S)
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     head = [
         "stage",
         "RSS after warm-up MB",

@@ -128,7 +128,7 @@ class JvmBench:
         finally:
             procs.stop(shell)
 
-    def _read(self, java: Path, classes: Path, d: Path) -> dict:
+    def _read(self, java: Path, classes: Path, d: Path) -> dict[str, Any]:
         shell, out = self._start(java, classes, d, "read", [])
         reader = Reader(
             ProfilerConfig(plain_pid=True, cpu_budget=100.0, python_stacks=False, runtime_stacks=("jvm",)),
@@ -194,10 +194,10 @@ class JvmBench:
                 procs.stop(rec, sig=2)
             procs.stop(shell)
 
-    def _cpu_path(self, java: Path, classes: Path, d: Path) -> dict:
+    def _cpu_path(self, java: Path, classes: Path, d: Path) -> dict[str, Any]:
         """The pipeline without and with runtime_stacks: [jvm] on one JVM whose threads never park."""
         shell, out = self._start(java, classes, d, "spin", [], park_ns=0, seconds=WORKLOAD_S + 60)
-        row: dict = {}
+        row: dict[str, Any] = {}
         stats_on = kernel_stats()
         jvm = 0
         try:
@@ -240,7 +240,7 @@ class JvmBench:
                 procs.kill_pid(jvm, jvm_started)
         return row
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         from bench.assets import jdks  # the JDK the JVM tests install, cached
 
         t_start = time.monotonic()
@@ -295,7 +295,7 @@ class JvmBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the jvm suite."""
     from bench.report import _mmm
 

@@ -134,13 +134,13 @@ class PingPongBench:
         finally:
             perf.stop()
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-pingpong-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
         try:
             binary = build(tmp)
-            runs: list[dict] = []
+            runs: list[dict[str, Any]] = []
             for r in range(self.rounds):
                 row: dict[str, float] = {}
                 for i, config in enumerate(CONFIGS):

@@ -193,11 +193,11 @@ class OnCpuBench:
         self._foreign = [f"{p.get('name', '?')} (prog {p['id']})" for p in bpf.foreign_profilers(self.our_prog_ids)]
         return w
 
-    def run_none(self, _cfg: Configuration, _dir: Path) -> dict:
+    def run_none(self, _cfg: Configuration, _dir: Path) -> dict[str, Any]:
         w = self._measured()
         return {**_workload_fields(w), "profiler_cpu_s": 0.0, "other_cpu_s": _other(w, 0.0)}
 
-    def run_peer(self, cfg: Configuration, d: Path) -> dict:
+    def run_peer(self, cfg: Configuration, d: Path) -> dict[str, Any]:
         peer = ProfileBpfcc(d, cfg.sample_hz)
         try:
             peer.start()
@@ -405,11 +405,11 @@ class OnCpuBench:
         }
 
 
-def _workload_fields(w: workload.Result) -> dict:
+def _workload_fields(w: workload.Result) -> dict[str, Any]:
     return {"elapsed_s": round(w.elapsed_s, 6), "workload_cpu_s": round(w.cpu_s, 6), "host_cpu": w.host}
 
 
-def _other_max(rec: dict) -> float:
+def _other_max(rec: dict[str, Any]) -> float:
     """Other processes' CPU seconds during the measurement (pipeline runs: the larger of the
     workload's span and the whole CPU-accounting interval)."""
     return max(rec["other_cpu_s"], rec.get("other_cpu_interval_s", 0.0))
@@ -419,7 +419,7 @@ def _other(w: workload.Result, profiler_cpu_s: float) -> float:
     return round(w.host["busy_s"] - w.cpu_s - profiler_cpu_s, 3)
 
 
-def _progress(r: int, rounds: int, cfg: Configuration, rec: dict) -> str:
+def _progress(r: int, rounds: int, cfg: Configuration, rec: dict[str, Any]) -> str:
     line = f"round {r + 1}/{rounds} {cfg.label:<20} elapsed {rec['elapsed_s']:7.3f} s"
     if cfg.kind != "none":
         line += f"  profiler CPU {rec['profiler_cpu_s']:.3f} s"
@@ -436,10 +436,10 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def summarize(configs: list[Configuration], rates: list[int], runs: list[dict], units: int) -> dict:
+def summarize(configs: list[Configuration], rates: list[int], runs: list[dict[str, Any]], units: int) -> dict[str, Any]:
     by = {c.key: {r["round"]: r for r in runs if r["config"] == c.key} for c in configs}
     rounds = sorted(by["none"])
-    out: dict = {"configurations": {}, "cpu_per_10k_samples_s": {}}
+    out: dict[str, Any] = {"configurations": {}, "cpu_per_10k_samples_s": {}}
     for c in configs:
         mine = by[c.key]
         elapsed = [mine[r]["elapsed_s"] for r in rounds if r in mine]

@@ -507,7 +507,7 @@ class OverheadBench:
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
         runtime_stats = kernel_stats()
-        runs: list[dict] = []
+        runs: list[dict[str, Any]] = []
         try:
             cmds = build(tmp)
             units = {w: size(cmds, w, self.seconds) for w in self.workloads}
@@ -570,7 +570,7 @@ class OverheadBench:
 
 
 def summarize(runs: list[dict[str, Any]], ncpu: int, rates: list[int]) -> dict[str, Any]:
-    groups: dict[tuple[str, str, int], list[dict]] = {}
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["workload"], r["profiler"], r["hz"]), []).append(r)
     out = {}
@@ -600,7 +600,7 @@ def summarize(runs: list[dict[str, Any]], ncpu: int, rates: list[int]) -> dict[s
     return out
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) for RESULTS.md and the terminal."""
     from bench.report import _mmm
 

@@ -219,16 +219,16 @@ class PythonBench:
             "py_spy_us_per_stack": 1e6 * (s1 - s0) / (SAMPLE_HZ * interval * self.copies * THREADS_PER_COPY),
         }
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = tempfile.mkdtemp(prefix="ebpfprofiler-bench-python-")
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
         try:
             probe = self._finish(self._start_copies(200, 0.0))
             units = max(200, int(probe["units_per_s"] / self.copies * TIMED_S))
-            runs: list[dict] = []
+            runs: list[dict[str, Any]] = []
             for r in range(self.rounds):
-                row: dict[str, dict] = {}
+                row: dict[str, dict[str, Any]] = {}
                 for i, config in enumerate(CONFIGS):
                     row[config] = self._one(config, units, Path(tmp) / f"r{r}-{i}")
                     extra = ""
@@ -276,7 +276,7 @@ class PythonBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the python suite."""
     from bench.report import _mmm
 

@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 
 
-def _mmm(s: dict, fmt: str = "{:.3f}") -> str:
+def _mmm(s: dict[str, Any], fmt: str = "{:.3f}") -> str:
     """ "median (min–max)" of a stats.summary()."""
     if not s or s.get("median") is None:
         return "n/a"
     return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
 
 
-def oncpu_tables(result: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+def oncpu_tables(result: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     """(header, rows) of the overhead table and of the CPU-per-sample table."""
     summ = result["summary"]
     head1 = [
@@ -69,7 +70,7 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def oncpu_caption(result: dict) -> str:
+def oncpu_caption(result: dict[str, Any]) -> str:
     w, m, s = result["workload"], result["machine"], result["settings"]
     return (
         f"cpu_loop: {w['units']} units ({w['iterations']:.2e} iterations) on {w['threads']} threads, "
@@ -78,11 +79,11 @@ def oncpu_caption(result: dict) -> str:
     )
 
 
-def oncpu_notes(result: dict) -> list[str]:
+def oncpu_notes(result: dict[str, Any]) -> list[str]:
     result["summary"]["configurations"]
     notes = []
 
-    def other(r: dict) -> float:
+    def other(r: dict[str, Any]) -> float:
         return max(r["other_cpu_s"], r.get("other_cpu_interval_s", 0.0))
 
     worst = max(result["runs"], key=other)
@@ -133,7 +134,7 @@ def _ids(ids: list[int]) -> str:
     return f", ids {ids[0]}" if len(ids) == 1 else f", ids {min(ids)}–{max(ids)}"
 
 
-def print_oncpu(result: dict) -> str:
+def print_oncpu(result: dict[str, Any]) -> str:
     h1, r1, h2, r2 = oncpu_tables(result)
     text = "\n".join(
         [
@@ -155,7 +156,7 @@ def print_oncpu(result: dict) -> str:
     return text
 
 
-def read_json(name: str) -> dict | None:
+def read_json(name: str) -> dict[str, Any] | None:
     """The last results of a suite, or None."""
     try:
         return json.loads((RESULTS_DIR / f"{name}.json").read_text())
@@ -163,7 +164,7 @@ def read_json(name: str) -> dict | None:
         return None
 
 
-def write_json(name: str, result: dict) -> Path:
+def write_json(name: str, result: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
@@ -172,7 +173,7 @@ def write_json(name: str, result: dict) -> Path:
     return path
 
 
-def offcpu_section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def offcpu_section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the ping-pong table."""
     head = ["configuration", "round trips/s", "ratio to none (same round)"]
     rows = []
@@ -190,7 +191,7 @@ def offcpu_section(result: dict) -> tuple[str, list[str], list[list[str]], list[
     return caption, head, rows, [f"full run: {result['seconds']} s"]
 
 
-def scaling_section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def scaling_section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the symbolizer throughput table."""
     rec = result["recorded"]
     head = ["symbolizer workers", "samples/s", "speedup over 1 worker (same round)"]
@@ -235,7 +236,7 @@ def md_section(title: str, json_name: str, section: tuple[str, list[str], list[l
     )
 
 
-def write_results_md(result: dict, extra_sections: tuple[str, ...] = ()) -> Path:
+def write_results_md(result: dict[str, Any], extra_sections: tuple[str, ...] = ()) -> Path:
     h1, r1, h2, r2 = oncpu_tables(result)
     text = "\n".join(
         [

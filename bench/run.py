@@ -174,7 +174,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--round-trips must be at least 1000")
 
 
-def machine() -> dict:
+def machine() -> dict[str, Any]:
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -194,7 +194,7 @@ def machine() -> dict:
     }
 
 
-def source_version() -> dict:
+def source_version() -> dict[str, Any]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = _first_line(["git", "-C", root, "rev-parse", "HEAD"])
     dirty = bool(_first_line(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"]))
@@ -336,7 +336,7 @@ def write_tables(suites: list[str], results: dict[str, dict[str, Any]]) -> list[
     return [report.write_results_md(oncpu, tuple(extra))] if oncpu else []
 
 
-def bpf_left_behind(ours: set[int]) -> dict:
+def bpf_left_behind(ours: set[int]) -> dict[str, Any]:
     """Is any program that bench's profilers loaded still loaded? (ids are never reused soon)."""
     deadline = time.monotonic() + 10.0
     while True:  # a program goes once the last fd on it closes: allow the kernel a moment

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import procs, stats
 from bench.procs import BenchError
@@ -53,7 +54,7 @@ def _inside(trixie: Path) -> Path:
     return trixie / "tmp" / f"ebpfprofiler-bench-{os.getpid()}"
 
 
-def _cases(tmp: Path, trixie: Path) -> dict[str, tuple[list[str], dict, str]]:
+def _cases(tmp: Path, trixie: Path) -> dict[str, tuple[list[str], dict[str, Any], str]]:
     """runtime → (argv of one copy, config changes, profile type)."""
     inside = Path("/") / _inside(trixie).relative_to(trixie)
     (trixie / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
@@ -96,7 +97,7 @@ class RuntimesBench:
         self.our_prog_ids: set[int] = set()  # none: no BPF here
         self.copies = os.sysconf("SC_NPROCESSORS_ONLN")
 
-    def _one(self, argv: list[str], cfg: dict, profile_type: str, d: Path) -> dict:
+    def _one(self, argv: list[str], cfg: dict[str, Any], profile_type: str, d: Path) -> dict[str, Any]:
         d.mkdir(parents=True)
         copies = [procs.start(argv) for _ in range(self.copies)]
         reader = Reader(ProfilerConfig(plain_pid=True, cpu_budget=100.0, **cfg), str(d), str(d))
@@ -131,11 +132,11 @@ class RuntimesBench:
             "dropped": reader.dropped(),
         }
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-runtimes-"))
         os.chmod(tmp, 0o755)
         t_start = time.monotonic()
-        runs: list[dict[str, dict]] = []
+        runs: list[dict[str, dict[str, Any]]] = []
         from bench.assets import runtime_roots  # the cached Debian root the PHP and Ruby tests use
 
         trixie = runtime_roots.trixie()
@@ -175,7 +176,7 @@ class RuntimesBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the runtimes suite."""
     from bench.report import _mmm
 

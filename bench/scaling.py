@@ -258,7 +258,7 @@ class ScalingBench:
             "worker_cpu_s": [round(b - a, 3) for a, b in zip(cpu0, cpu1)],
         }
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix="ebpfprofiler-bench-scaling-"))
         tmp.chmod(0o755)
         t_start = time.monotonic()

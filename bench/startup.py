@@ -314,7 +314,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     return out
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the start-up table."""
     cols = [c for c in result["summary"] if result["summary"][c]["ready"]["n"]]
     head = ["seconds", *cols]

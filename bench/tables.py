@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from elftools.dwarf.callframe import FDE
 from elftools.elf.elffile import ELFFile
@@ -55,7 +56,7 @@ class TablesBench:
         self.rounds = rounds
         self.log = log
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         started = time.monotonic()
         modules = []
         for name, path, target in MODULES:
@@ -73,7 +74,7 @@ class TablesBench:
             "seconds": round(time.monotonic() - started, 1),
         }
 
-    def _module(self, name: str, path: str, target: float | None) -> dict:
+    def _module(self, name: str, path: str, target: float | None) -> dict[str, Any]:
         cpu, wall = [], []
         built = None
         for _ in range(self.rounds):
@@ -102,7 +103,7 @@ class TablesBench:
             "peak_rss_added_mb": round((mem["rss_after_kb"] - mem["rss_before_kb"]) / 1024, 1),
         }
 
-    def _peer(self, path: str) -> dict:
+    def _peer(self, path: str) -> dict[str, Any]:
         cpu, wall = [], []
         fdes = errors = 0
         first_error = ""
@@ -131,7 +132,7 @@ class TablesBench:
         }
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of the table build figures."""
     head = [
         "module",

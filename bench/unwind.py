@@ -103,7 +103,7 @@ class UnwindBench:
         self.our_prog_ids: set[int] = set()
         self.ncpu = os.sysconf("SC_NPROCESSORS_ONLN")
 
-    def _bpf_ns(self, mode: str, binary: str, depth: int, d: Path) -> dict:
+    def _bpf_ns(self, mode: str, binary: str, depth: int, d: Path) -> dict[str, Any]:
         p = Pipeline(d, 99, upload_interval_s=5, workers=1, offcpu=False, dwarf_unwind=(mode == "dwarf"))
         workers: list[subprocess.Popen[Any]] = []
         try:
@@ -127,7 +127,7 @@ class UnwindBench:
             "whole_share": whole_share(p, binary, depth),
         }
 
-    def _switch_ns(self, mode: str, binary: str, d: Path) -> dict:
+    def _switch_ns(self, mode: str, binary: str, d: Path) -> dict[str, Any]:
         """BPF ns per sched_switch with off-CPU stacks by frame pointers or by DWARF tables (offcpu_dwarf)."""
         p = Pipeline(
             d, 19, upload_interval_s=5, workers=1, offcpu=True, dwarf_unwind=True, offcpu_dwarf=(mode == "dwarf")
@@ -239,7 +239,7 @@ class UnwindBench:
         return row
 
 
-def section(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+def section(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(caption, header, rows, notes) of BPF time per sample and the slowdown with DWARF unwinding."""
     from bench.report import _mmm
 
