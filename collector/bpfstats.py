@@ -20,10 +20,9 @@ import os
 from dataclasses import dataclass
 
 from collector import syscalls
+from collector.syscalls import BPF_ENABLE_STATS, BPF_OBJ_GET_INFO_BY_FD
 
-# bpf(2) commands and the one statistics type (include/uapi/linux/bpf.h).
-BPF_OBJ_GET_INFO_BY_FD = 15
-BPF_ENABLE_STATS = 32
+# The one statistics type (include/uapi/linux/bpf.h); the commands are collector/syscalls.py's.
 BPF_STATS_RUN_TIME = 0
 # Offsets of id, run_time_ns and run_cnt in struct bpf_prog_info (stable uapi since 5.1).
 PROG_INFO_ID = 4

@@ -32,9 +32,7 @@ from typing import Any
 
 from collector import syscalls
 
-# bpf(2) commands and types of include/uapi/linux/bpf.h (kernel ABI, stable).
-_BPF_PROG_LOAD = 5
-_BPF_RAW_TRACEPOINT_OPEN = 17
+# bpf(2) types of include/uapi/linux/bpf.h (kernel ABI, stable); its commands are collector/syscalls.py's.
 _BPF_PROG_TYPE_TRACING = 26
 _BPF_TRACE_RAW_TP = 23
 _ATTR_BYTES = 128  # of union bpf_attr: more than PROG_LOAD's fields up to attach_btf_id
@@ -255,7 +253,7 @@ class BtfProgram:
             struct.pack_into("I", attr, 68, _BPF_TRACE_RAW_TP)  # expected_attach_type
             struct.pack_into("I", attr, 108, tracepoint_btf_id(tracepoint))  # attach_btf_id
             try:
-                self.fd = syscalls.bpf(_BPF_PROG_LOAD, attr)
+                self.fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
                 return
             except OSError as e:
                 if level:
@@ -274,7 +272,7 @@ class BtfProgram:
         attr = ctypes.create_string_buffer(_ATTR_BYTES)
         struct.pack_into("QI", attr, 0, 0, self.fd)  # name: none (the program's BTF id names it)
         try:
-            self._link = syscalls.bpf(_BPF_RAW_TRACEPOINT_OPEN, attr)
+            self._link = syscalls.bpf(syscalls.BPF_RAW_TRACEPOINT_OPEN, attr)
         except OSError as e:
             raise BtfProgramError(f"attaching {self.name} to {self.tracepoint}: {e.strerror}") from None
 

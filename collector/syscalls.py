@@ -1,9 +1,10 @@
 """The raw system calls the collector makes that Python's os module lacks: bpf(2) and perf_event_open(2).
 
 Owns: their numbers on each machine the collector runs on (they differ: bpf(2) is 321 on x86-64
-and 280 on arm64, where 321 is unassigned and answers ENOSYS), the one wrapper each, and the
-perf-event ioctls. Every module that calls bpf(2) itself (collector/btfprog.py, collector/bpfstats.py,
-collector/alloc.py) and collector/perfevents.py call them here.
+and 280 on arm64, where 321 is unassigned and answers ENOSYS), the one wrapper each, the bpf(2)
+command numbers, and the perf-event ioctls. Every module that calls bpf(2) itself
+(collector/btfprog.py, collector/bpfstats.py, collector/alloc.py) and collector/perfevents.py call
+them here; bcc's and libbpf's own calls (map batches, feature probes) are theirs.
 
 Must not: know what a program, a map or an event is for; build attribute structures beyond the
 perf_event_attr fields the collector sets.
@@ -22,6 +23,13 @@ SYSCALL_NUMBERS: dict[str, tuple[int, int]] = {
     "x86_64": (321, 298),
     "aarch64": (280, 241),
 }
+
+# bpf(2) commands (enum bpf_cmd, include/uapi/linux/bpf.h: kernel ABI, stable).
+BPF_PROG_LOAD = 5
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_RAW_TRACEPOINT_OPEN = 17
+BPF_LINK_CREATE = 28
+BPF_ENABLE_STATS = 32
 
 # perf_event_attr (include/uapi/linux/perf_event.h): PERF_ATTR_SIZE_VER5 (Linux 4.1) covers every field
 # the collector sets; the kernel zero-fills the rest.
