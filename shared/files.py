@@ -11,12 +11,11 @@ starts); parse_mode (a --mode argument); ensure_dir (a directory created or
 taken over by root for a stage user without following any symlink: each
 component opened O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, owner
 and mode set on the descriptor, refused when a symlink or someone else's);
-open_in_root and
-open_under (the one openat2 wrapper, RESOLVE_IN_ROOT: a path inside a process's
-root whose symlinks and .. cannot leave it), reopen and open_regular (an O_PATH
-descriptor opened for reading, by open_regular only once fstat says it is a
-regular file: a FIFO would hang the reader, a device node would be opened by
-whoever asks).
+open_in_root and open_under (the one openat2 wrapper of the tree, RESOLVE_IN_ROOT:
+a path inside a process's root whose symlinks and .. cannot leave it), reopen
+and open_regular (an O_PATH descriptor opened for reading, by open_regular only
+once fstat says it is a regular file: a FIFO would hang the reader, a device
+node would be opened by whoever asks).
 
 Must not: choose paths or names.
 """
