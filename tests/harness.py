@@ -418,6 +418,13 @@ class UploaderProcess:
     def log(self) -> str:
         return self.stderr.read_text()
 
+    def counters(self) -> dict[str, int]:
+        """RUN_DIR/uploader.counters.json's counts as last written (at the latest, at exit: the exit
+        line's totals); read whether or not the uploader still runs, unlike `ebpfprofiler status`."""
+        path = self.run_dir / "uploader.counters.json"
+        counts: dict[str, int] = json.loads(path.read_text())["counters"] if path.exists() else {}
+        return counts
+
     def stop(self, timeout: float = DEADLINE_S) -> int:
         """SIGTERM, then the exit code (killed after a deadline if it does not exit)."""
         if self.proc.poll() is None:

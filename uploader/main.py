@@ -10,7 +10,8 @@ profiles, stores and acknowledges what is already queued, makes a bounded
 final delivery attempt, removes its ready file and exits 0. With an endpoint it
 also fetches the backend's agent config (remote.py) and writes the overrides
 file the other stages follow; with endpoint "" there is no backend and so no
-remote config: a stale overrides file is removed.
+remote config: a stale overrides file is removed. At exit the totals of its
+exit line go to RUN_DIR/uploader.counters.json (shared/counters.py) as well.
 
 The upload format (formats.py, chosen by upload_format) decides what each post
 looks like; the spool, retries, TLS and token are the same for all. Remote
@@ -190,6 +191,7 @@ class Delivery:
 
     store: Store
     where: str  # for the start line
+    checks: counters.CounterFile  # RUN_DIR/uploader.counters.json: failed attempts by cause, and the exit totals
     client: HttpClient | None = None
     spool: Spool | None = None
     sender: Sender | None = None
@@ -271,9 +273,10 @@ def open_delivery(
 ) -> Delivery | None:
     """The local writer, or the HTTP client with the spool opened and its sender (not started yet);
     None, logged, when the spool cannot be used."""
+    checks = counters.CounterFile(run_dir, STAGE)
     if cfg.uploads_locally:
         writer = LocalWriter(cfg.local_dir)
-        return Delivery(writer, f"the {writer.describe()}")
+        return Delivery(writer, f"the {writer.describe()}", checks)
     from uploader.http import HttpClient, backoff_base_s
     from uploader.sender import Sender
 
@@ -295,14 +298,14 @@ def open_delivery(
     except OSError as e:
         log.error("cannot use the spool in %s: %s", spool.directory, e)
         return None
-    sender = Sender(spool, client, log, backoff_base_s(), counters.CounterFile(run_dir, STAGE))
+    sender = Sender(spool, client, log, backoff_base_s(), checks)
     where = (
         f"the {client.describe()} (TLS: {client.tls_note}; {client.auth_note}; read timeout "
         f"{cfg.upload_timeout_s} s, {client.deadline_s:g} s a request) through the spool {spool.directory} (cap {cfg.spool_max_mb} MB)"
     )
     if token and cfg.endpoint.startswith("http://"):
         log.warning("the bearer token is sent over plain http:// to %s; use https://", cfg.endpoint)
-    return Delivery(spool, where, client, spool, sender)
+    return Delivery(spool, where, checks, client, spool, sender)
 
 
 def remote_config_fetcher(
@@ -350,17 +353,18 @@ def _remove_overrides(run_dir: str, log: logging.Logger) -> None:
 
 
 def finish_delivery(delivery: Delivery, c: Counter[str], log: logging.Logger) -> None:
-    """The sender's bounded final attempt (with an endpoint), then the exit line with what was done."""
+    """The sender's bounded final attempt (with an endpoint), then the exit line with what was done; its
+    totals also go to the counters file (exit_totals), where they outlast the stage's log."""
     sender, client, spool = delivery.sender, delivery.client, delivery.spool
     if sender is None or client is None or spool is None:
+        delivery.checks.update(exit_totals(c), force=True)
         log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"], c["retry"])
         return
     if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
         log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
-    if sender.checks is not None:
-        sender.checks.flush(force=True)
     client.close()
     s = spool.counts
+    delivery.checks.update(exit_totals(c, s, sender.counts["rejected"]), force=True)
     log.info(
         "exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
         "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "
@@ -375,6 +379,17 @@ def finish_delivery(delivery: Delivery, c: Counter[str], log: logging.Logger) ->
         spool.bytes / 1e6,
         sender.counts["rejected"],
     )
+
+
+def exit_totals(received: Counter[str], spooled: Counter[str] | None = None, rejected: int = 0) -> dict[str, int]:
+    """The exit line's counts as counters: the messages the receive loop answered stored, refused or
+    retry (`messages_*`), and with an endpoint what became of spooled profiles (`spool_*`) and the
+    profiles a 2xx reply rejected (what is left in the spool is its files)."""
+    out = {f"messages_{status}": received[status] for status in ("stored", "refused", "retry")}
+    if spooled is not None:
+        out |= {f"spool_{what}": spooled[what] for what in ("delivered", "dead_lettered", "dropped")}
+        out["rejected_in_2xx"] = rejected
+    return out
 
 
 if __name__ == "__main__":
