@@ -29,8 +29,8 @@ by its compile id once per sample), method names and line tables by Method*.
 
 Validation: every pointer is checked before it is followed (alignment, the
 thread's stack bounds for stack slots, the code heaps for pcs); counts and
-lengths are capped (the constants below). A thread or frame that fails is
-dropped and counted in `dropped` by reason.
+lengths are capped (each part's named constants). A thread or frame that
+fails is dropped and counted in `dropped` by reason.
 
 The parts, one responsibility each: threads.py (discovery: the Java
 threads, their stack bounds and anchors), codecache.py (the symbol table:
@@ -68,8 +68,8 @@ __all__ = [
     "describe",
 ]
 
-# Bytes of a thread's stack read with its anchor at first (then what its last walk needed, rounded up
-# to pages, at most MAX_STACK_WINDOW).
+# Bytes of a thread's stack read with its anchor: STACK_CHUNK at first, then what its last walk needed,
+# rounded up to pages, at most this.
 MAX_STACK_WINDOW = 48 << 10
 # Stack read beyond the deepest slot the last walk needed, and the granule the window is rounded to.
 STACK_SLACK, STACK_GRANULE = 1024, 4096
