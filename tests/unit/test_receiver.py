@@ -284,6 +284,7 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_400(receiver: Receiver, 
         assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]
     finally:
         conn.close()
+    # a guard on the log, not an outcome: a 400 can also come after a handler crashed and logged it
     assert "Traceback" not in (receiver.log() or "")
 
 

@@ -316,7 +316,7 @@ def test_the_fetcher_refuses_once_logs_changes_once_and_writes_only_on_change(
     written = target.stat().st_mtime_ns, target.stat().st_ino
     f.fetch_once()
     assert (target.stat().st_mtime_ns, target.stat().st_ino) == written  # unchanged: not rewritten
-    assert receiver.log().count("served the agent config to host='web-1'") == 4
+    assert f.fetches == 5 and f.failures == 0  # the 404 and four answers, none failed
 
     path.write_text(json.dumps(doc(sample_hz=99)))  # the backend stops setting the interval
     f.fetch_once()
@@ -406,5 +406,4 @@ def test_the_uploader_writes_the_file_for_the_agent_group_and_local_mode_removes
     give("uploader", local)
     u2 = start_uploader(ProfilerConfig(local_dir=str(local)))
     assert not target.exists(), u2.log()
-    assert "removing the overrides file of an earlier run" in u2.log()
     assert u2.stop() == 0

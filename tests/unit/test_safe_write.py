@@ -282,4 +282,5 @@ def test_runs_advice_for_an_unreadable_token_file_gives_one_the_uploader_reads_w
     run_mod.prepare_dirs(args, cfg)  # now readable by the uploader
     with caplog.at_level(logging.WARNING, logger="uploader.http"):
         assert read_token(str(token)) == "s3cret"
+    # the log line is the feature: the advice, once followed, leaves no warning about the token file
     assert not [r for r in caplog.records if "token file" in r.getMessage()], caplog.text

@@ -192,6 +192,7 @@ def test_otlp_upload_is_stored_once_and_decodes_to_the_same_profile(
         "the start-up line",
         lambda: f"profiles go to the endpoint {url}/v1development/profiles (upload_format otlp)" in u.log(),
     )
+    # the log line is the feature: the start says that remote config is off, and why
     assert "remote config: off (upload_format otlp" in u.log()
     upload = window_profile(plain_pid=False)
     worker.send(upload, upload)  # the same profile twice (a worker's resend): stored once
