@@ -51,9 +51,13 @@ def _in(i: int, table: Any, what: str) -> None:
         raise BadRequest(400, f"{what} index {i} outside its table of {len(table)}")
 
 
-def check(req: Any) -> None:  # noqa: PLR0912
+def check(req: Any) -> None:
     """Every reference into the dictionary is in range, and every profile has an id."""
-    d = req.dictionary
+    _check_dictionary(req.dictionary)
+    _check_profiles(req)
+
+
+def _check_dictionary(d: Any) -> None:
     if not d.string_table or d.string_table[0] != "":
         raise BadRequest(400, "dictionary.string_table must start with the empty string")
     for name in ("mapping_table", "location_table", "function_table", "attribute_table", "stack_table"):
@@ -76,6 +80,11 @@ def check(req: Any) -> None:  # noqa: PLR0912
     for s in d.stack_table:
         for i in s.location_indices:
             _in(i, d.location_table, "stack location")
+
+
+def _check_profiles(req: Any) -> None:
+    d = req.dictionary
+    strings = d.string_table
     n = 0
     for rp in req.resource_profiles:
         for sp in rp.scope_profiles:

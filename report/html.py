@@ -116,8 +116,8 @@ def _tree(stacks: dict[tuple[str, ...], int], root: str, budget: int) -> tuple[_
     for stack, v in top:
         node.value += v
         cur = node
-        for depth, name in enumerate(stack):
-            name = name[:MAX_NAME_CHARS]  # noqa: PLW2901
+        for depth, frame in enumerate(stack):
+            name = frame[:MAX_NAME_CHARS]
             nxt = cur.children.get(name) if cur.children is not None else None
             if nxt is None:
                 cost = _node_bytes(name)
