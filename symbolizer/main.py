@@ -127,6 +127,8 @@ class Worker:
             "lost_in_kernel": 0,
             "unwind_batches_dropped": 0,
             "samples_over_row_cap": 0,
+            # the messages dropped whole, by the check that refused them (WireError.reason)
+            **{f"bad_messages_{reason}": 0 for reason in WireError.REASONS},
         }
         # the checks that fired, for status (RUN_DIR/symbolizer-N.counters.json)
         self.counters = counters.CounterFile(run_dir, f"symbolizer-{worker}")
@@ -142,6 +144,7 @@ class Worker:
                 raise WireError(f"a symbolizer takes stack batches, not {type(msg).__name__}")
         except WireError as e:
             self.stats["bad_messages"] += 1
+            self.stats[f"bad_messages_{e.reason}"] = self.stats.get(f"bad_messages_{e.reason}", 0) + 1
             log.warning("dropped a malformed message (%d so far): %s", self.stats["bad_messages"], e)
             return
         self.stats["batches"] += 1
@@ -256,6 +259,7 @@ class Worker:
             "unwind_batches_dropped": self.stats["unwind_batches_dropped"],
             "samples_over_row_cap": self.stats["samples_over_row_cap"],
             "samples_over_service_cap": self.windows.samples_over_service_cap,
+            **{k: v for k, v in self.stats.items() if k.startswith("bad_messages_")},
         }
 
     def set_interval(self, interval_s: int, why: str) -> None:
