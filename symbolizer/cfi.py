@@ -561,25 +561,21 @@ class _Program:
 
     # The frequent opcodes stay inline in one loop (PLR0912's branches): a call each would slow every build.
     def run(self, prog: bytes, state: tuple, init: tuple, cie: _Cie, span: _Span) -> tuple[tuple, list[bytes]]:  # noqa: PLR0912
-        """`prog` run from `state` (`init`: the CIE's) over `span`: (the final state, the packed rows of [loc, stop)).
-        _BadFde, IndexError or struct.error: what the table cannot express."""
-        loc, stop, prog_addr = span
-        cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off = state
+        """(the final state, the packed rows of [loc, stop)) of `prog` run from `state` over `span` (`init`: the CIE's
+        state; `last_loc`: the pc of the last row; `stack`: remember_state's); _BadFde, IndexError, struct.error."""
+        (loc, stop, prog_addr), (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off) = span, state
         fp_reg, ra_reg, caf, daf, row, base = self.fp_reg, self.ra_col, cie.caf, cie.daf, self.row, self.lo
-        parts: list[bytes] = []
-        stack: list[tuple] = []  # DW_CFA_remember_state's
-        n, p, dirty, last, last_loc = len(prog), 0, True, _NO_ROW, -1  # last_loc: the pc of the last row made
+        n, p, dirty, last, last_loc, parts, stack = len(prog), 0, True, _NO_ROW, -1, [], []  # type: int, int, bool, tuple[int, ...], int, list[bytes], list[tuple]
         while True:
             if p < n:
                 op = prog[p]
                 p += 1
                 if op >= 0x80:  # DW_CFA_offset (and its operand), DW_CFA_restore: a register's rule
-                    reg = op & 0x3F
                     if op < 0xC0:
                         v, p = (prog[p], p + 1) if prog[p] < 0x80 else _uleb(prog, p)
-                    if reg == fp_reg:
+                    if op & 0x3F == fp_reg:
                         fp_rule, fp_off, dirty = (_OFFSET, v * daf, True) if op < 0xC0 else (init[3], init[4], True)
-                    elif reg == ra_reg:
+                    elif op & 0x3F == ra_reg:
                         ra_rule, ra_off, dirty = (_OFFSET, v * daf, True) if op < 0xC0 else (init[5], init[6], True)
                     continue
                 if op == 0x0E:  # DW_CFA_def_cfa_offset
@@ -599,6 +595,11 @@ class _Program:
                         stack.append((cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off))
                     elif op == 0x0B:  # DW_CFA_restore_state (IndexError without a remember_state)
                         (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off), dirty = stack.pop(), True
+                    elif op == 0x0C:  # DW_CFA_def_cfa
+                        (cfa_reg, p), cfa_expr, dirty = _uleb(prog, p), _EXPR_NONE, True
+                        cfa_off, p = _uleb(prog, p)
+                    elif op == 0x0D:  # DW_CFA_def_cfa_register
+                        (cfa_reg, p), cfa_expr, dirty = _uleb(prog, p), _EXPR_OTHER if cfa_expr else _EXPR_NONE, True
                     elif op:  # the less frequent opcodes (not DW_CFA_nop)
                         st = (cfa_reg, cfa_off, cfa_expr, fp_rule, fp_off, ra_rule, ra_off)
                         p, st, dirty = self._op(op, prog, p, st, init, daf, dirty)
@@ -644,7 +645,7 @@ class _Program:
         if op == 0x2D:  # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
             self.signed = True
             return p, st, dirty
-        if op in (0x0C, 0x12, 0x0D, 0x13, 0x0F):
+        if op in (0x0C, 0x12, 0x0D, 0x13, 0x0F):  # (run() does 0x0C and 0x0D itself: they are frequent)
             p, cfa = self._cfa_op(op, prog, p, st[0], st[1], st[2], daf)
             return p, (*cfa, *st[3:]), True
         p, reg, rule = _register_op(op, prog, p, daf)
