@@ -378,13 +378,7 @@ class Spool:
 
     def _drop(self, entry: Entry, why: str) -> None:
         path = os.path.join(self.directory, entry.name)
-        what = f"id={entry.profile_id}"
-        try:
-            with open(path, "rb") as f:
-                head = decode_file(f.read(len(MAGIC) + 4 + MAX_HEADER_BYTES), header_only=True)
-            what += f" service={head.service!r} type={head.profile_type} window={window_text(head)}"
-        except (OSError, SpoolFormatError) as e:
-            what += f" (header unreadable: {e})"
+        what = describe(path, entry)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -402,6 +396,18 @@ class Spool:
         self._dead_letters.quarantine(os.path.join(self.directory, entry.name), entry, reason)
         with self._cond:
             self._unindex(entry)
+
+
+def describe(path: str, entry: Entry) -> str:
+    """The spooled profile at `path` for a log line: its id, and its service, type and window as its header says."""
+    what = f"id={entry.profile_id}"
+    try:
+        with open(path, "rb") as f:
+            head = decode_file(f.read(len(MAGIC) + 4 + MAX_HEADER_BYTES), header_only=True)
+        what += f" service={head.service!r} type={head.profile_type} window={window_text(head)}"
+    except (OSError, SpoolFormatError) as e:
+        what += f" (header unreadable: {e})"
+    return what
 
 
 def scan(directory: str, log: logging.Logger) -> list[tuple[Entry, int]]:
