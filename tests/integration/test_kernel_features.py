@@ -87,6 +87,7 @@ def test_a_kernel_without_btf_profiles_on_cpu_and_names_the_off_cpu_refusal(
     finally:
         receiver.stop()
     # and the log and status name the missing feature and the refusal, with the version that has it
+    # the log line is the feature: a refusal the operator must see, with what it needs
     assert "off-CPU profiles (offcpu) refused: needs the kernel's type information" in p.log()
     assert "missing btf (turned off by EBPFPROFILER_DISABLE_FEATURES" in shown.stdout, shown.stdout + shown.stderr
     assert "refused: off-CPU profiles (offcpu)" in shown.stdout
@@ -138,6 +139,7 @@ def test_under_paranoid_3_cap_sys_admin_is_held_at_start_only(
         assert held["NoNewPrivs"] == 1
         # and it says why it held it, and that it dropped it
         assert kernel["cap_sys_admin"].startswith("held at start only")
+        # the log line is the feature: the start says why it took CAP_SYS_ADMIN
         assert f"kernel.perf_event_paranoid > {PARANOID_MAX_WITHOUT_SYS_ADMIN}: CAP_SYS_ADMIN was held" in p.log()
         assert "CAP_SYS_ADMIN: held at start only" in shown.stdout
         # and it samples with the perf events it opened before
