@@ -645,7 +645,7 @@ class _Program:
         if op == 0x2D:  # DW_CFA_GNU_window_save / DW_CFA_AARCH64_negate_ra_state
             self.signed = True
             return p, st, dirty
-        if op in (0x0C, 0x12, 0x0D, 0x13, 0x0F):  # (run() does 0x0C and 0x0D itself: they are frequent)
+        if op in (0x12, 0x13, 0x0F):
             p, cfa = self._cfa_op(op, prog, p, st[0], st[1], st[2], daf)
             return p, (*cfa, *st[3:]), True
         p, reg, rule = _register_op(op, prog, p, daf)
@@ -659,19 +659,13 @@ class _Program:
     def _cfa_op(
         self, op: int, prog: bytes, p: int, cfa_reg: int, cfa_off: int, cfa_expr: int, daf: int
     ) -> tuple[int, tuple[int, int, int]]:
-        """DW_CFA_def_cfa(_sf), def_cfa_register, def_cfa_offset_sf or def_cfa_expression: (position
-        after it, the CFA rule after it)."""
-        if op in (0x0C, 0x12):  # DW_CFA_def_cfa, DW_CFA_def_cfa_sf
+        """DW_CFA_def_cfa_sf, def_cfa_offset_sf or def_cfa_expression (run() does def_cfa and
+        def_cfa_register itself: they are frequent): (position after it, the CFA rule after it)."""
+        if op == 0x12:  # DW_CFA_def_cfa_sf
             cfa_reg, p = _uleb(prog, p)
-            if op == 0x0C:
-                cfa_off, p = _uleb(prog, p)
-            else:
-                cfa_off, p = _sleb(prog, p)
-                cfa_off *= daf
-            return p, (cfa_reg, cfa_off, _EXPR_NONE)
-        if op == 0x0D:  # DW_CFA_def_cfa_register
-            cfa_reg, p = _uleb(prog, p)
-        elif op == 0x13:  # DW_CFA_def_cfa_offset_sf
+            cfa_off, p = _sleb(prog, p)
+            return p, (cfa_reg, cfa_off * daf, _EXPR_NONE)
+        if op == 0x13:  # DW_CFA_def_cfa_offset_sf
             cfa_off, p = _sleb(prog, p)
             cfa_off *= daf
         else:  # DW_CFA_def_cfa_expression
