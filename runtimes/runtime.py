@@ -96,6 +96,7 @@ from runtimes.elfsyms import ElfSymbolError
 from runtimes.memory import ProcessMemory
 from shared.files import open_under
 from shared.runtime_registry import RuntimeSpec
+from shared.safestr import process_string
 from shared.wire import RegsSample
 
 # /proc/<pid>/maps of a PHP or Python process is a few hundred lines; a JVM's a few MB.
@@ -139,7 +140,7 @@ class Mapping:
     perms: str  # "r-xp"
     offset: int
     inode: int
-    path: str  # as this host sees it ("" for anonymous memory)
+    path: str  # as this host sees it ("" for anonymous memory): its bytes, surrogateescape-decoded
 
 
 @runtime_checkable
@@ -194,16 +195,20 @@ class Runtime(Protocol):
 
 
 def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
+    """The process's mappings. A path is the file's own bytes (surrogateescape; the kernel's \\012 for a
+    newline turned back), so it opens as the file it names; shared/safestr's process_string names it for
+    a log line."""
     with open(f"{proc}/{pid}/maps", "rb") as f:
-        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "replace")
+        text = f.read(MAX_MAPS_BYTES).decode("utf-8", "surrogateescape")
     out: list[Mapping] = []
     for line in text.splitlines()[:MAX_MAPPINGS]:
         parts = line.split(maxsplit=5)
         if len(parts) < 5:
             continue
+        path = parts[5].replace("\\012", "\n") if len(parts) > 5 else ""
         try:
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]), parts[5] if len(parts) > 5 else ""))
+            out.append(Mapping(lo, hi, parts[1], int(parts[2], 16), int(parts[4]), path))
         except ValueError:
             continue
     return out
@@ -258,7 +263,7 @@ def mapped_file_facts(
     """compute(the file `mod` maps), cached in process.files by `tag` and the file's identity, or the
     Refusal every runtime gives (its text starting with `where`, by default the mapped path) when the
     file is not reachable as the process maps it or its ELF is unreadable (an ElfSymbolError)."""
-    where = where or mod.path
+    where = where or process_string(mod.path)
     f = open_mapped(process.pid, mod, process.proc)
     if f is None:
         return Refusal(

@@ -142,3 +142,19 @@ def test_ruby_version_comes_from_the_library_name() -> None:
     assert ruby_version("libruby-3.4.so") == (3, 4)
     assert ruby_version("libruby.so") is None
     assert ruby_version("libruby-static.a") is None
+
+
+def test_mapped_paths_are_the_files_own_bytes(tmp_path: Path) -> None:
+    # A path with bytes that are not UTF-8, and one with a newline (the kernel writes it as \012).
+    (tmp_path / "400").mkdir()
+    (tmp_path / "400" / "maps").write_bytes(
+        b"7f0000000000-7f0000100000 r-xp 00001000 08:01 1234 /opt/\xff\xfe/python3.11\n"
+        b"7f0000100000-7f0000200000 r-xp 00001000 08:01 1235 /opt/a\\012b/libpython3.12.so.1.0\n"
+    )
+    paths = [m.path for m in _context(400, str(tmp_path)).mappings]
+    assert [os.fsencode(p) for p in paths] == [b"/opt/\xff\xfe/python3.11", b"/opt/a\nb/libpython3.12.so.1.0"]
+    # and CPython's detection finds the interpreter among them, the library first
+    assert [os.path.basename(m.path) for m in version._modules(_context(400, str(tmp_path)).mappings)] == [
+        "libpython3.12.so.1.0",
+        "python3.11",
+    ]
