@@ -35,7 +35,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 RESULT_MARK = "KTEST-RESULT "
 # The host's choices for this run (tests/kernels/guestroot.py writes it into the root).
@@ -526,7 +526,13 @@ def windows_of(local: Path, kind: str, pid: int) -> dict[str, list[str]]:
     return out
 
 
-def steady_figures(local: Path, pids: dict[str, int], p: subprocess.Popen[str]) -> dict[str, Any]:
+class Polled(Protocol):
+    """What steady_figures needs of `run`'s process: whether it still runs (a Popen, or a test's stand-in)."""
+
+    def poll(self) -> int | None: ...
+
+
+def steady_figures(local: Path, pids: dict[str, int], p: Polled) -> dict[str, Any]:
     """The FP, DWARF and off-CPU shares in `run`'s last whole window, once STEADY_WINDOWS windows have
     been written: apart from `record`'s figures, which include its first seconds (unwind tables are
     built after a process is first seen), they say whether the unwinding works once it has them."""

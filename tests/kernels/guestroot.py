@@ -107,7 +107,7 @@ def _unpack(deb: Path, root: Path) -> None:
 
 
 def _kernels_key(base: Path, kernels: list[KernelDebs]) -> str:
-    keyed = [KERNELS_RECIPE, base.name, sorted(k.to_json()["debs"] for k in kernels)]  # type: ignore[type-var]
+    keyed = [KERNELS_RECIPE, base.name, sorted([str(d) for d in k.debs] for k in kernels)]  # as in k.to_json()
     return hashlib.sha256(json.dumps(keyed, default=str).encode()).hexdigest()[:16]
 
 

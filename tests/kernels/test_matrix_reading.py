@@ -133,7 +133,7 @@ def test_figures_count_a_programs_samples_and_read_runs_last_whole_window(
             return None
 
     monkeypatch.setattr(guest_smoke, "STEADY_WINDOWS", 3)
-    steady = guest_smoke.steady_figures(tmp_path, {"kfp": 8, "knofp": 7, "kblock": 9, "kblocklibc": 10}, Running())  # type: ignore[arg-type]
+    steady = guest_smoke.steady_figures(tmp_path, {"kfp": 8, "knofp": 7, "kblock": 9, "kblocklibc": 10}, Running())
     assert steady["dwarf"]["window"] == "20261206T040010Z"  # the last whole one, not the newest
     assert steady["dwarf"]["pct"] == 75.0 and steady["dwarf"]["samples"] == 5
     assert steady["fp"]["pct"] == 100.0 and steady["offcpu"] == {"pct": None, "windows": 0}

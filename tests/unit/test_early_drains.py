@@ -76,12 +76,25 @@ def test_waiting_pids_are_capped() -> None:
     assert len(early._pending) == MAX_EARLY_PIDS
 
 
-def delay(**kw: float) -> float:
-    args = dict(
-        keys=0, pids_made=0, stretch_s=60.0, pid_max=32768, until_boundary_s=1000.0, shortest_s=1.0, longest_s=60.0
+def delay(
+    *,
+    keys: int = 0,
+    pids_made: int = 0,
+    stretch_s: float = 60.0,
+    pid_max: int = 32768,
+    until_boundary_s: float = 1000.0,
+    shortest_s: float = 1.0,
+    longest_s: float = 60.0,
+) -> float:
+    return regular_delay(
+        keys=keys,
+        pids_made=pids_made,
+        stretch_s=stretch_s,
+        pid_max=pid_max,
+        until_boundary_s=until_boundary_s,
+        shortest_s=shortest_s,
+        longest_s=longest_s,
     )
-    args.update(kw)
-    return regular_delay(**args)  # type: ignore[arg-type]
 
 
 def test_a_quiet_host_drains_at_the_longest_interval_or_at_the_window_boundary() -> None:
