@@ -37,6 +37,8 @@ opentelemetry-ebpf-profiler's interpreter loaders):
      ("dotnet_stalled"); the reader writes them with its own to
      RUN_DIR/runtime.counters.json, which `ebpfprofiler status` shows ({}:
      none of its own).
+   tests/unit/test_runtime_contract.py holds every registered runtime to
+   this level, with real processes.
    - Per-file data (symbols and offsets read from a binary; what the
      loader of the OTel profiler computes once per ELF file) goes in
      `process.files`, a FileCache keyed by the file's identity (device,
