@@ -233,7 +233,7 @@ def stop_on_signals() -> None:
         signal.signal(sig, stop)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m tests.kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -250,51 +250,39 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: KVM only if a stock kernel boots with it here, else TCG (default)",
     )
     args = p.parse_args(argv)
-    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
-    unknown = [n for n in names if n not in debs.SUITES]
+    args.names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    unknown = [n for n in args.names if n not in debs.SUITES]
     if unknown:
         p.error(f"unknown kernels {unknown}; known: {', '.join(debs.SUITES)}")
-    stop_on_signals()
-    gaps = host_gaps()
-    if gaps:
-        print(
-            f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
-            "the tools (run as root)",
-            file=sys.stderr,
-        )
-        return 2
-    started = time.monotonic()
-    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    outdir = Path(args.results) / run_id
+    return args
+
+
+def results_dir(base: str, run_id: str) -> Path:
+    """The run's own directory under `base`, whose contents stay out of git."""
+    outdir = Path(base) / run_id
     outdir.mkdir(parents=True, exist_ok=True)
     ignore = outdir.parent / ".gitignore"  # serial logs and initrds are a run's, not the repository's
     if not ignore.exists():
         ignore.write_text("# written by python -m tests.kernels: every run's results stay out of git\n*\n")
-    log(f"results in {outdir}")
-    timings: dict[str, float] = {}
+    return outdir
 
+
+def fetch_kernels(names: list[str], rows: list[dict[str, Any]]) -> dict[str, debs.KernelDebs]:
+    """Each named suite's kernel packages; a suite that cannot be fetched is a row that says why."""
     kernels: dict[str, debs.KernelDebs] = {}
-    rows: list[dict[str, Any]] = []
-    t = time.monotonic()
     for n in names:
         try:
             kernels[n] = debs.fetch(n, log)
             log(f"{n}: {kernels[n].release} ({kernels[n].version})")
-        except Exception as e:  # a suite that cannot be fetched is a row that says why; the others run
+        except Exception as e:  # the others run
             rows.append(row_of(n, "?", None, f"download: {e}"[:300]))
-    timings["download_s"] = round(time.monotonic() - t, 1)
-    t = time.monotonic()
-    image = guestroot.KERNEL_CACHE / "disk.img"
-    prep: dict[str, object] = {}
-    try:
-        prep = guestroot.make_image(list(kernels.values()), image, {"fp_flags": frame_pointer_flags()}, log)
-    except Exception as e:  # no disk: every kernel's row says why
-        rows += [row_of(n, k.release, None, f"guest disk: {e}"[:300]) for n, k in kernels.items()]
-        kernels = {}
-    timings["prepare_s"] = round(time.monotonic() - t, 1)
-    root = Path(str(prep.get("root", "")))
+    return kernels
 
-    accel = args.accel
+
+def boot_each(
+    kernels: dict[str, debs.KernelDebs], root: Path, image: Path, outdir: Path, accel: str, rows: list[dict[str, Any]]
+) -> tuple[str, dict[str, float]]:
+    """Boots each kernel on the guest disk, a row each; the accelerator used and each kernel's seconds."""
     per_kernel: dict[str, float] = {}
     for n, k in kernels.items():
         t = time.monotonic()
@@ -315,6 +303,57 @@ def main(argv: list[str] | None = None) -> int:
         per_kernel[n] = round(time.monotonic() - t, 1)
         summary = ", ".join(f"{c}: {row['cells'][c]}" for c in [*REQUIRED, "startup", "panics"])
         log(f"{n}: {summary} ({per_kernel[n]:.0f} s)")
+    return accel, per_kernel
+
+
+def write_results(outdir: Path, doc: dict[str, Any]) -> None:
+    """results.json and results.md of the run (and latest.* beside the runs), and the table on stdout."""
+    rows, names, timings, per_kernel = doc["rows"], doc["kernels"], doc["timings"], doc["per_kernel_s"]
+    md = (
+        f"# Kernel matrix {doc['run_id']}\n\n`python -m tests.kernels --kernels {','.join(names)}` on "
+        f"{doc['host']} ({doc['accel']}); {timings['total_s']:.0f} s in all (downloads {timings['download_s']:.0f} s, "
+        f"guest disk {timings['prepare_s']:.0f} s; per kernel: "
+        f"{', '.join(f'{n} {s:.0f} s' for n, s in per_kernel.items())}).\n\n"
+        f"{table(rows, markdown=True)}\n\n{LEGEND}\n\n## Details\n\n{details(rows)}"
+    )
+    (outdir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (outdir / "results.md").write_text(md)
+    shutil.copy2(outdir / "results.json", outdir.parent / "latest.json")
+    shutil.copy2(outdir / "results.md", outdir.parent / "latest.md")
+    print("\n" + table(rows, markdown=False) + "\n\n" + LEGEND + "\n", flush=True)
+    log(f"wrote {outdir / 'results.md'}, {outdir / 'results.json'} and the serial logs beside them")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop_on_signals()
+    gaps = host_gaps()
+    if gaps:
+        print(
+            f"test-kernels: this host cannot run the matrix: {'; '.join(gaps)}; `make test-setup` installs "
+            "the tools (run as root)",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.monotonic()
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    outdir = results_dir(args.results, run_id)
+    log(f"results in {outdir}")
+    timings: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []
+    t = time.monotonic()
+    kernels = fetch_kernels(args.names, rows)
+    timings["download_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    image = guestroot.KERNEL_CACHE / "disk.img"
+    prep: dict[str, object] = {}
+    try:
+        prep = guestroot.make_image(list(kernels.values()), image, {"fp_flags": frame_pointer_flags()}, log)
+    except Exception as e:  # no disk: every kernel's row says why
+        rows += [row_of(n, k.release, None, f"guest disk: {e}"[:300]) for n, k in kernels.items()]
+        kernels = {}
+    timings["prepare_s"] = round(time.monotonic() - t, 1)
+    accel, per_kernel = boot_each(kernels, Path(str(prep.get("root", ""))), image, outdir, args.accel, rows)
     timings["total_s"] = round(time.monotonic() - started, 1)
     order = {n: i for i, n in enumerate(debs.SUITES)}  # the table in the suites' order, whatever ran first
     rows.sort(key=lambda r: order.get(r["name"], 99))
@@ -323,27 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         "run_id": run_id,
         "host": platform.release(),
         "accel": accel,
-        "kernels": names,
+        "kernels": args.names,
         "timings": timings,
         "per_kernel_s": per_kernel,
         "prepare": prep,
         "rows": rows,
         "failed": failed,
     }
-    text_table = table(rows, markdown=False)
-    md = (
-        f"# Kernel matrix {run_id}\n\n`python -m tests.kernels --kernels {','.join(names)}` on {platform.release()}"
-        f" ({accel}); {timings['total_s']:.0f} s in all (downloads {timings['download_s']:.0f} s, guest disk "
-        f"{timings['prepare_s']:.0f} s; per kernel: "
-        f"{', '.join(f'{n} {s:.0f} s' for n, s in per_kernel.items())}).\n\n"
-        f"{table(rows, markdown=True)}\n\n{LEGEND}\n\n## Details\n\n{details(rows)}"
-    )
-    (outdir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-    (outdir / "results.md").write_text(md)
-    shutil.copy2(outdir / "results.json", outdir.parent / "latest.json")
-    shutil.copy2(outdir / "results.md", outdir.parent / "latest.md")
-    print("\n" + text_table + "\n\n" + LEGEND + "\n", flush=True)
-    log(f"wrote {outdir / 'results.md'}, {outdir / 'results.json'} and the serial logs beside them")
+    write_results(outdir, doc)
     if failed:
         log("FAILED: " + "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items()))
         return 1
