@@ -88,6 +88,13 @@ def scribble_eh_frame(src: Path, dst: Path) -> None:
         f.write(bytes([last ^ 0xFF]))
 
 
+def loops_of(output: str) -> int:
+    """The workload's count of loops, from its `loops=N` line."""
+    m = re.search(r"loops=(\d+)", output)
+    assert m is not None, output
+    return int(m.group(1))
+
+
 @pytest.fixture(scope="module")
 def run(
     build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
@@ -144,9 +151,7 @@ def run(
                     windows[meta["type"]].setdefault(profile.time_ns, []).append(s)
                 elif path == str(corrupt) and meta["type"] == "cpu":
                     corrupt_samples.append(s)
-        loops_line = re.search(r"loops=(\d+)", outputs[1])
-        assert loops_line is not None, outputs[1]
-        loops = int(loops_line.group(1))
+        loops = loops_of(outputs[1])
         yield Run(str(exe.resolve()), str(corrupt), windows, corrupt_samples, log, loops)
     finally:
         receiver.stop()
