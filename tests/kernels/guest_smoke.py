@@ -561,10 +561,8 @@ def steady_figures(local: Path, pids: dict[str, int], p: Polled) -> dict[str, An
     return out
 
 
-def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
-    from report import profiles as pm
-
-    local = WORK / "profiles"
+def run_config(local: Path) -> Path:
+    """The agent.yaml of the run step."""
     config = WORK / "agent.yaml"
     # overhead_budget_pct 100, as `record` sets it: under TCG every stage costs ~50x its real CPU, and the
     # guard would halve the rate each window (19 → 1 Hz by the 5th), leaving run's figures a few samples
@@ -574,100 +572,88 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
         "    runtime_stacks: [python_legacy]\n    plain_pid: true\n    offcpu: true\n"
         "    overhead_budget_pct: 100\n"
     )
-    before = bpf_objects()
-    argv = [ebpfprofiler(), "run", "--config", str(config)]
-    report.progress(f"run: {' '.join(argv[1:])} (runtime_stacks: [python_legacy], window {RUN_WINDOW_S} s)")
-    p, output = start("run", argv)
-    cells: dict[str, dict[str, Any]] = {}
+    return config
+
+
+def _frame_names(files: list[str], kind: str | None, pid: int) -> set[str]:
+    """The frame names of `pid`'s samples in the profiles of `files` (of one type, if `kind`)."""
+    from report import profiles as pm
+
+    return {
+        pm.frame_name(f)
+        for x in pm.load(files)
+        if kind is None or x.profile_type == kind
+        for s in x.profile.samples
+        if str(s.labels.get("pid")) == str(pid)
+        for f in s.frames
+    }
+
+
+def _short(names: set[str]) -> set[str]:
+    return {n.split(" ")[0].split("(")[0].rsplit(".", 1)[-1] for n in names}
+
+
+def profile_cells(local: Path, pids: dict[str, int], py_pid: int, p: subprocess.Popen[str]) -> dict[str, Any]:
+    """The run cell (a cpu profile of kfp) and the python cell (python_wall names alpha and beta)."""
+    from report import profiles as pm
+
+    def written(kind: str, pid: int) -> bool:
+        files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith(kind + "-")]
+        return any(str(s.labels.get("pid")) == str(pid) for x in pm.load(files) for s in x.profile.samples)
+
+    got_cpu = wait_until(
+        lambda: written("cpu", pids["kfp"]), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
+    )
+    cpu_files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith("cpu-")]
+    run = (
+        {"status": "ok", "cpu_profiles": len(cpu_files)}
+        if got_cpu
+        else {
+            "status": "failed",
+            "reason": f"no cpu profile of kfp within {PROFILES_TIMEOUT_S} s "
+            f"of ready ({len(cpu_files)} cpu files; exit {p.poll()})",
+        }
+    )
+    got_py = wait_until(
+        lambda: written("python_wall", py_pid), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
+    )
+    all_files = pm.profile_files([str(local)])
+    wall = [x for x in pm.load(all_files) if x.profile_type == "python_wall"]
+    names = _frame_names(all_files, "python_wall", py_pid)
+    has = {"alpha", "beta"} <= _short(names)
+    python = {
+        "status": "ok" if has else "failed",
+        "python_wall_files": len(wall),
+        "cpu_names_alpha_beta": {"alpha", "beta"} <= _short(_frame_names(cpu_files, None, py_pid)),
+        "names": sorted(names)[:20],
+        "reason": ""
+        if has
+        else (
+            f"python_wall of python3 names {sorted(names)[:8]}"
+            if got_py
+            else f"no python_wall profile of python3 within {PROFILES_TIMEOUT_S} s"
+        ),
+    }
+    return {"run": run, "python": python}
+
+
+def status_cell() -> dict[str, Any]:
+    """`ebpfprofiler status` while run runs: exit 0."""
     try:
-        ready = wait_until(
-            lambda: output.first(r"all stages ready") is not None, READY_TIMEOUT_S, alive=lambda: p.poll() is None
-        )
-        ready_s = output.first(r"all stages ready")
-        if not ready:
-            why = f"exited {p.poll()} before ready" if p.poll() is not None else f"not ready in {READY_TIMEOUT_S} s"
-            cells["run"] = {"status": "failed", "reason": f"{why}: {cause(output.snapshot())}"[:300]}
-        else:
+        st = subprocess.run([ebpfprofiler(), "status"], capture_output=True, text=True, timeout=STATUS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"timeout {STATUS_TIMEOUT_S} s"}
+    echo("status", st.stdout + st.stderr)
+    return {
+        "status": "ok" if st.returncode == 0 else "failed",
+        "exit": st.returncode,
+        "reason": "" if st.returncode == 0 else tail(st.stdout + st.stderr, 1)[0][:300],
+        "output": (st.stdout + st.stderr)[-2000:],
+    }
 
-            def written(kind: str, pid: int) -> bool:
-                files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith(kind + "-")]
-                return any(str(s.labels.get("pid")) == str(pid) for x in pm.load(files) for s in x.profile.samples)
 
-            got_cpu = wait_until(
-                lambda: written("cpu", pids["kfp"]), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
-            )
-            cpu_files = [f for f in pm.profile_files([str(local)]) if os.path.basename(f).startswith("cpu-")]
-            cells["run"] = (
-                {"status": "ok", "cpu_profiles": len(cpu_files)}
-                if got_cpu
-                else {
-                    "status": "failed",
-                    "reason": f"no cpu profile of kfp within {PROFILES_TIMEOUT_S} s "
-                    f"of ready ({len(cpu_files)} cpu files; exit {p.poll()})",
-                }
-            )
-            got_py = wait_until(
-                lambda: written("python_wall", py_pid), PROFILES_TIMEOUT_S, step_s=3.0, alive=lambda: p.poll() is None
-            )
-            wall = [x for x in pm.load(pm.profile_files([str(local)])) if x.profile_type == "python_wall"]
-            names = {
-                pm.frame_name(f)
-                for x in wall
-                for s in x.profile.samples
-                if str(s.labels.get("pid")) == str(py_pid)
-                for f in s.frames
-            }
-            cpu_names = {
-                pm.frame_name(f)
-                for x in pm.load(cpu_files)
-                for s in x.profile.samples
-                if str(s.labels.get("pid")) == str(py_pid)
-                for f in s.frames
-            }
-            has = {"alpha", "beta"} <= {n.split(" ")[0].split("(")[0].rsplit(".", 1)[-1] for n in names}
-            cpu_has = {"alpha", "beta"} <= {n.split(" ")[0].split("(")[0].rsplit(".", 1)[-1] for n in cpu_names}
-            cells["python"] = {
-                "status": "ok" if has else "failed",
-                "python_wall_files": len(wall),
-                "cpu_names_alpha_beta": cpu_has,
-                "names": sorted(names)[:20],
-                "reason": ""
-                if has
-                else (
-                    f"python_wall of python3 names {sorted(names)[:8]}"
-                    if got_py
-                    else f"no python_wall profile of python3 within {PROFILES_TIMEOUT_S} s"
-                ),
-            }
-            try:
-                st = subprocess.run(
-                    [ebpfprofiler(), "status"], capture_output=True, text=True, timeout=STATUS_TIMEOUT_S
-                )
-                echo("status", st.stdout + st.stderr)
-                cells["status"] = {
-                    "status": "ok" if st.returncode == 0 else "failed",
-                    "exit": st.returncode,
-                    "reason": "" if st.returncode == 0 else tail(st.stdout + st.stderr, 1)[0][:300],
-                    "output": (st.stdout + st.stderr)[-2000:],
-                }
-            except subprocess.TimeoutExpired:
-                cells["status"] = {"status": "failed", "reason": f"timeout {STATUS_TIMEOUT_S} s"}
-            try:
-                cells["run"]["steady"] = steady_figures(local, pids, p)
-            except Exception as e:  # informational figures: their failure must not cost the stop's check
-                cells["run"]["steady"] = {"error": repr(e)[:300]}
-        # the stop: SIGINT, as Ctrl-C; it must end by itself within the deadline, exit 0, leave nothing
-        stop_started = time.monotonic()
-        exited_before = p.poll()
-        if exited_before is None:
-            p.send_signal(signal.SIGINT)
-        try:
-            rc: int | None = p.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        stop_s = round(time.monotonic() - stop_started, 1)
-    finally:
-        kill_group(p)
+def stop_cell(rc: int | None, exited_before: int | None, stop_s: float, before: dict[str, set[str]]) -> dict[str, Any]:
+    """The stop: run ended by itself after SIGINT, exit 0, and left no process or BPF object."""
     leftover = subprocess.run(
         ["pgrep", "-a", "-f", AGENT_PROCESS_RE], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S
     ).stdout.strip()
@@ -688,13 +674,51 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
         problems.append(f"left {left}")
     if leftover:
         problems.append(f"processes left: {leftover[:200]}")
-    cells["stop"] = {
+    return {
         "status": "ok" if clean else "failed",
         "exit": rc,
         "stop_s": stop_s,
         "left": left,
         "reason": "; ".join(problems)[:300],
     }
+
+
+def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
+    local = WORK / "profiles"
+    config = run_config(local)
+    before = bpf_objects()
+    argv = [ebpfprofiler(), "run", "--config", str(config)]
+    report.progress(f"run: {' '.join(argv[1:])} (runtime_stacks: [python_legacy], window {RUN_WINDOW_S} s)")
+    p, output = start("run", argv)
+    cells: dict[str, dict[str, Any]] = {}
+    try:
+        ready = wait_until(
+            lambda: output.first(r"all stages ready") is not None, READY_TIMEOUT_S, alive=lambda: p.poll() is None
+        )
+        ready_s = output.first(r"all stages ready")
+        if not ready:
+            why = f"exited {p.poll()} before ready" if p.poll() is not None else f"not ready in {READY_TIMEOUT_S} s"
+            cells["run"] = {"status": "failed", "reason": f"{why}: {cause(output.snapshot())}"[:300]}
+        else:
+            cells.update(profile_cells(local, pids, py_pid, p))
+            cells["status"] = status_cell()
+            try:
+                cells["run"]["steady"] = steady_figures(local, pids, p)
+            except Exception as e:  # informational figures: their failure must not cost the stop's check
+                cells["run"]["steady"] = {"error": repr(e)[:300]}
+        # the stop: SIGINT, as Ctrl-C; it must end by itself within the deadline, exit 0, leave nothing
+        stop_started = time.monotonic()
+        exited_before = p.poll()
+        if exited_before is None:
+            p.send_signal(signal.SIGINT)
+        try:
+            rc: int | None = p.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        stop_s = round(time.monotonic() - stop_started, 1)
+    finally:
+        kill_group(p)
+    cells["stop"] = stop_cell(rc, exited_before, stop_s, before)
     text = output.text()
     run_cell = cells["run"]
     for name in ("python", "status"):
