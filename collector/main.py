@@ -135,6 +135,8 @@ def raise_memlock(kernel: features.KernelFeatures) -> str:
 
 
 def _main(args: argparse.Namespace, prog: str, hup: threading.Event) -> int:
+    """The stage's life: start-up in order (the privilege drop first of all the checks and steps),
+    the main loop (collector/loop.py), and on every way out of it the clean stop."""
     kernel = _probe_kernel(prog)
     memlock = raise_memlock(kernel)
     keep, for_start = start_caps(args.config if not args.preflight else None, preflight.Host().paranoid())
