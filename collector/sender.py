@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
-from collector.links import BATCH_QUEUE_PER_WORKER, WorkerLinks
+from collector.links import BATCH_QUEUE_PER_WORKER
 from shared import log as log_mod
 from shared.wire import MAX_BATCH_BYTES, StackBatch, encode_within
 
@@ -24,11 +25,17 @@ DROP_LOG_EVERY_S = 60
 log = logging.getLogger("ebpfprofiler.collector")
 
 
-class BatchSender:
-    """Batches to workers over `links`; samples that cannot be sent are added to `lost` (shared with
-    the collector's in-kernel losses)."""
+class Links(Protocol):
+    """What the sender needs of collector/links.py's WorkerLinks."""
 
-    def __init__(self, links: WorkerLinks, lost: dict[str, int]) -> None:
+    def send(self, worker: int, frames: list[bytes]) -> bool: ...
+
+
+class BatchSender:
+    """Batches to workers over `links` (WorkerLinks); samples that cannot be sent are added to `lost`
+    (shared with the collector's in-kernel losses)."""
+
+    def __init__(self, links: Links, lost: dict[str, int]) -> None:
         self.links = links
         self.lost = lost
         # batches_split: batches over MAX_BATCH_BYTES, sent in parts; parts_unsendable: a part that could
