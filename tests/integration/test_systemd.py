@@ -403,6 +403,177 @@ def wait_ready(ct: Container, what: str) -> None:
     wait_for(what, ready, timeout=120, interval=0.25)
 
 
+# ------------------------------------------------------------------ the test's steps
+
+
+def put_tree_and_config(ct: Container) -> None:
+    """This working tree in /root/ebpfprofiler, and a config that exists before install."""
+    copy_tree(ct.root / "root/ebpfprofiler")
+    # A config that exists before install: make install must keep it (and the test's window).
+    (ct.root / "etc/wt-agent").mkdir()
+    (ct.root / "etc/wt-agent/agent.yaml").write_text(TEST_CONFIG)
+
+
+def make_install(ct: Container) -> None:
+    """`make install` keeps the config and makes the shared runtime directory."""
+    install = ct.run(["make", "-C", "/root/ebpfprofiler", "install"], timeout=420, env=ct.env)
+    log("make install:\n" + install.stdout[-1500:] + install.stderr[-1500:])
+    assert ct.path("/etc/wt-agent/agent.yaml").read_text() == TEST_CONFIG, "make install replaced the config"
+    assert ct.run(["stat", "-c", "%a %U %G", RUN_DIR]).stdout.split() == ["3770", "root", "ebpfprofiler"]
+
+
+def check_stage_identities(ct: Container) -> dict[str, int]:
+    """Each stage as its own user, with exactly its capabilities, and no_new_privs: its main pid by stage."""
+    main_pids = {}
+    for unit, stage in STAGE_OF_UNIT.items():
+        show = unit_show(ct, unit, "MainPID", "Type")
+        assert show["Type"] == "notify", show
+        pid = int(show["MainPID"])
+        st = status_of(ct, pid)
+        user = ct.run(["id", "-un", st["Uid"].split()[0]]).stdout.strip()
+        group = ct.run(["getent", "group", st["Gid"].split()[0]]).stdout.split(":")[0]
+        assert (user, group) == (STAGES[stage].user, "ebpfprofiler"), (unit, user, group)
+        for key in ("CapEff", "CapPrm"):
+            assert int(st[key], 16) == mask(STAGES[stage].caps), (unit, key, st[key])
+        # The collector's unit grants CAP_SYS_ADMIN for start-up (kernel.perf_event_paranoid=3); the stage
+        # drops it from its effective and permitted sets, and the bounding set, which it cannot change
+        # without CAP_SETPCAP, gives nothing back under no_new_privs.
+        start_up = OPTIONAL_CAPS["collector"] if stage == "collector" else frozenset()
+        assert int(st["CapBnd"], 16) == mask(STAGES[stage].caps | start_up), (unit, st["CapBnd"])
+        assert int(st["CapAmb"], 16) == 0 and st["NoNewPrivs"] == "1", (unit, st["CapAmb"], st["NoNewPrivs"])
+        main_pids[stage] = pid
+    return main_pids
+
+
+def collector_programs(ct: Container, collector_pid: int) -> set[int]:
+    """Positive control for the end: the collector's programs are loaded, and it holds them (their ids)."""
+    prog_ids, perf_events = bpf_holdings(ct.host_pid(collector_pid))
+    names = {p.get("name", "") for p in bpftool("prog", "show") if p["id"] in prog_ids}
+    assert perf_events > 0
+    assert "on_cpu_sample" in names and all(OUR_PROGRAMS.match(n) for n in names), names
+    return prog_ids
+
+
+def kill_a_worker(ct: Container) -> None:
+    """Restart on failure, and the shared runtime directory outlives a unit's restart."""
+    ct.run(["systemctl", "kill", "--signal=SIGKILL", "ebpfprofiler-symbolizer@0.service"])
+    wait_for(
+        "symbolizer worker 0 restarted by systemd",
+        lambda: unit_show(ct, UNITS[1], "NRestarts")["NRestarts"] == "1",
+        timeout=30,
+        interval=0.25,
+    )
+    wait_ready(ct, "every unit ready again after the worker's restart")
+    for sock in ("uploader.sock", "files.sock", "symbolizer-0.sock"):
+        assert ct.path(f"{RUN_DIR}/{sock}").exists(), sock
+
+
+def start_jit_workload(ct: Container, collector_pid: int) -> int:
+    """An ordinary user's JIT, run from its home directory, its perf map in /tmp: its pid in the container."""
+    ct.run(["useradd", "--create-home", WORKLOAD_USER])
+    ct.run(["gcc", *FRAME_POINTER_FLAGS, "-o", WORKLOAD, "/root/ebpfprofiler/tests/workloads/jit.c"])
+    ct.run(
+        [
+            "systemd-run",
+            "--unit=ebpfprofiler-test-workload",
+            f"--uid={WORKLOAD_USER}",
+            "--property=PrivateTmp=no",
+            WORKLOAD,
+            "120",
+            "own",
+        ]
+    )
+    wpid = wait_for(
+        "the workload's pid",
+        lambda: int(unit_show(ct, "ebpfprofiler-test-workload.service", "MainPID")["MainPID"]),
+        timeout=15,
+    )
+    perf_map = f"/tmp/perf-{wpid}.map"
+    wait_for(f"{perf_map} in the container", lambda: ct.path(perf_map).exists(), timeout=15)
+    # The collector's /tmp is its own (PrivateTmp=) and does not have the map.
+    assert not ct.path(f"/proc/{collector_pid}/root{perf_map}").exists()
+    return wpid
+
+
+def check_named_profile(ct: Container, wpid: int) -> None:
+    """A cpu profile of the JIT in the default local_dir, named from its ELF symbols and its perf map."""
+    service_dir = ct.path(f"{PROFILES}/{WORKLOAD_SERVICE_DIR}")
+
+    def named_profile() -> pprof.ReadProfile | None:
+        for f in sorted(service_dir.glob("cpu-*.pb.gz")):
+            prof = pprof.read(f.read_bytes())
+            # main: ELF symbols of a file under /home (ProtectHome=); jit_spin_loop: the perf map
+            # in /tmp (the collector's PrivateTmp=).
+            if {"jit_spin_loop", "main"} <= {fn for smp in prof.samples for fn in smp.functions}:
+                return prof
+        return None
+
+    try:
+        prof = wait_for(
+            f"a cpu profile of {WORKLOAD} with names from its ELF symbols and its perf map",
+            named_profile,
+            timeout=60,
+            interval=0.25,
+        )
+    except AssertionError as e:
+        present = sorted(p.name for p in ct.path(PROFILES).iterdir())
+        host_pid = ct.host_pid(wpid)
+        raise AssertionError(
+            f"{e}; service directories under {PROFILES}: {present}. The workload is pid {wpid} in the "
+            f"container's pid namespace and pid {host_pid} in the host's, where BPF sees it; the collector "
+            f"reads /proc of the container's namespace"
+        ) from None
+    assert {smp.labels.get("process.executable") for smp in prof.samples} == {WORKLOAD}
+    owner = ct.run(["stat", "-c", "%U %G %a", f"{PROFILES}/{WORKLOAD_SERVICE_DIR}"]).stdout.split()
+    assert owner == ["ebpfprofiler-uploader", "ebpfprofiler", "750"], owner
+
+
+def check_python_stacks(ct: Container) -> None:
+    """The runtime reader, as its unit runs it (CAP_SYS_PTRACE, hardened), reads another user's Python stacks."""
+    ct.path(PY_WORKLOAD).write_text(PY_WORKLOAD_TEXT)
+    ct.run(
+        [
+            "systemd-run",
+            "--unit=ebpfprofiler-test-python",
+            f"--uid={WORKLOAD_USER}",
+            "/usr/bin/python3.11",
+            PY_WORKLOAD,
+        ]
+    )
+    py_dir = ct.path(f"{PROFILES}/{PY_SERVICE_DIR}")
+
+    def python_profile() -> bool:
+        return any(
+            "spin_here" in {fn for smp in pprof.read(f.read_bytes()).samples for fn in smp.functions}
+            for f in sorted(py_dir.glob("python_wall-*.pb.gz"))
+        )
+
+    wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
+    ct.run(["systemctl", "stop", "ebpfprofiler-test-python.service"], timeout=30)
+
+
+def stop_target(ct: Container) -> None:
+    """Stop the target and wait for its units (its own stop job ends at once: it stops before them)."""
+    ct.run(["systemctl", "stop", "ebpfprofiler.target"], timeout=60)
+    wait_for(
+        "every unit stopped",
+        lambda: all(st in ("inactive", "failed") for st in unit_states(ct).values()),
+        timeout=90,
+        interval=0.25,
+    )
+
+
+def check_clean_stop(ct: Container, prog_ids: set[int]) -> None:
+    """A clean exit (0) of each stage on SIGTERM, no ready file left, and no BPF program of the collector."""
+    for unit in UNITS:
+        show = unit_show(ct, unit, "ActiveState", "Result", "ExecMainStatus")
+        assert show == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, (unit, show)
+    left = [f for f in READY_FILES if ct.path(f"{RUN_DIR}/{f}").exists()]
+    assert not left, f"ready files left behind: {left}"
+    remaining = {p["id"]: p.get("name") for p in bpftool("prog", "show") if p["id"] in prog_ids}
+    assert not remaining, f"BPF programs left after stopping the target: {remaining}"
+
+
 # ------------------------------------------------------------------ the test
 
 
@@ -415,163 +586,30 @@ def test_units_run_in_a_booted_container(container: Container) -> None:
     def lap(name: str) -> None:
         timings[name] = time.monotonic() - t0 - sum(timings.values())
 
-    copy_tree(ct.root / "root/ebpfprofiler")
-    # A config that exists before install: make install must keep it (and the test's window).
-    (ct.root / "etc/wt-agent").mkdir()
-    (ct.root / "etc/wt-agent/agent.yaml").write_text(TEST_CONFIG)
+    put_tree_and_config(ct)
     lap("tree copied")
-
     ct.boot()
     lap("boot")
-
     try:
-        install = ct.run(["make", "-C", "/root/ebpfprofiler", "install"], timeout=420, env=ct.env)
-        log("make install:\n" + install.stdout[-1500:] + install.stderr[-1500:])
+        make_install(ct)
         lap("make install")
-        assert ct.path("/etc/wt-agent/agent.yaml").read_text() == TEST_CONFIG, "make install replaced the config"
-        assert ct.run(["stat", "-c", "%a %U %G", RUN_DIR]).stdout.split() == ["3770", "root", "ebpfprofiler"]
-
         ct.run(["systemctl", "start", "ebpfprofiler.target"], timeout=180)
         wait_ready(ct, "every unit active and every ready file")
         lap("target started")
-
-        # Each stage as its own user, with exactly its capabilities, and no_new_privs.
-        main_pids = {}
-        for unit, stage in STAGE_OF_UNIT.items():
-            show = unit_show(ct, unit, "MainPID", "Type")
-            assert show["Type"] == "notify", show
-            pid = int(show["MainPID"])
-            st = status_of(ct, pid)
-            user = ct.run(["id", "-un", st["Uid"].split()[0]]).stdout.strip()
-            group = ct.run(["getent", "group", st["Gid"].split()[0]]).stdout.split(":")[0]
-            assert (user, group) == (STAGES[stage].user, "ebpfprofiler"), (unit, user, group)
-            for key in ("CapEff", "CapPrm"):
-                assert int(st[key], 16) == mask(STAGES[stage].caps), (unit, key, st[key])
-            # The collector's unit grants CAP_SYS_ADMIN for start-up (kernel.perf_event_paranoid=3); the stage
-            # drops it from its effective and permitted sets, and the bounding set, which it cannot change
-            # without CAP_SETPCAP, gives nothing back under no_new_privs.
-            start_up = OPTIONAL_CAPS["collector"] if stage == "collector" else frozenset()
-            assert int(st["CapBnd"], 16) == mask(STAGES[stage].caps | start_up), (unit, st["CapBnd"])
-            assert int(st["CapAmb"], 16) == 0 and st["NoNewPrivs"] == "1", (unit, st["CapAmb"], st["NoNewPrivs"])
-            main_pids[stage] = pid
-
-        # Positive control for the end: the collector's programs are loaded, and it holds them.
-        prog_ids, perf_events = bpf_holdings(ct.host_pid(main_pids["collector"]))
-        names = {p.get("name", "") for p in bpftool("prog", "show") if p["id"] in prog_ids}
-        assert perf_events > 0
-        assert "on_cpu_sample" in names and all(OUR_PROGRAMS.match(n) for n in names), names
-
-        # Restart on failure, and the shared runtime directory outlives a unit's restart.
-        ct.run(["systemctl", "kill", "--signal=SIGKILL", "ebpfprofiler-symbolizer@0.service"])
-        wait_for(
-            "symbolizer worker 0 restarted by systemd",
-            lambda: unit_show(ct, UNITS[1], "NRestarts")["NRestarts"] == "1",
-            timeout=30,
-            interval=0.25,
-        )
-        wait_ready(ct, "every unit ready again after the worker's restart")
-        for sock in ("uploader.sock", "files.sock", "symbolizer-0.sock"):
-            assert ct.path(f"{RUN_DIR}/{sock}").exists(), sock
+        main_pids = check_stage_identities(ct)
+        prog_ids = collector_programs(ct, main_pids["collector"])
+        kill_a_worker(ct)
         lap("worker restarted")
-
-        # A workload: an ordinary user's JIT, run from its home directory, its perf map in /tmp.
-        ct.run(["useradd", "--create-home", WORKLOAD_USER])
-        ct.run(["gcc", *FRAME_POINTER_FLAGS, "-o", WORKLOAD, "/root/ebpfprofiler/tests/workloads/jit.c"])
-        ct.run(
-            [
-                "systemd-run",
-                "--unit=ebpfprofiler-test-workload",
-                f"--uid={WORKLOAD_USER}",
-                "--property=PrivateTmp=no",
-                WORKLOAD,
-                "120",
-                "own",
-            ]
-        )
-        wpid = wait_for(
-            "the workload's pid",
-            lambda: int(unit_show(ct, "ebpfprofiler-test-workload.service", "MainPID")["MainPID"]),
-            timeout=15,
-        )
-        perf_map = f"/tmp/perf-{wpid}.map"
-        wait_for(f"{perf_map} in the container", lambda: ct.path(perf_map).exists(), timeout=15)
-        # The collector's /tmp is its own (PrivateTmp=) and does not have the map.
-        assert not ct.path(f"/proc/{main_pids['collector']}/root{perf_map}").exists()
+        wpid = start_jit_workload(ct, main_pids["collector"])
         lap("workload started")
-
-        service_dir = ct.path(f"{PROFILES}/{WORKLOAD_SERVICE_DIR}")
-
-        def named_profile() -> pprof.ReadProfile | None:
-            for f in sorted(service_dir.glob("cpu-*.pb.gz")):
-                prof = pprof.read(f.read_bytes())
-                # main: ELF symbols of a file under /home (ProtectHome=); jit_spin_loop: the perf map
-                # in /tmp (the collector's PrivateTmp=).
-                if {"jit_spin_loop", "main"} <= {fn for smp in prof.samples for fn in smp.functions}:
-                    return prof
-            return None
-
-        try:
-            prof = wait_for(
-                f"a cpu profile of {WORKLOAD} with names from its ELF symbols and its perf map",
-                named_profile,
-                timeout=60,
-                interval=0.25,
-            )
-        except AssertionError as e:
-            present = sorted(p.name for p in ct.path(PROFILES).iterdir())
-            host_pid = ct.host_pid(wpid)
-            raise AssertionError(
-                f"{e}; service directories under {PROFILES}: {present}. The workload is pid {wpid} in the "
-                f"container's pid namespace and pid {host_pid} in the host's, where BPF sees it; the collector "
-                f"reads /proc of the container's namespace"
-            ) from None
-        assert {smp.labels.get("process.executable") for smp in prof.samples} == {WORKLOAD}
-        owner = ct.run(["stat", "-c", "%U %G %a", f"{PROFILES}/{WORKLOAD_SERVICE_DIR}"]).stdout.split()
-        assert owner == ["ebpfprofiler-uploader", "ebpfprofiler", "750"], owner
+        check_named_profile(ct, wpid)
         lap("profile written")
-
         ct.run(["systemctl", "stop", "ebpfprofiler-test-workload.service"], timeout=30)
-
-        # The runtime reader, as its unit runs it (CAP_SYS_PTRACE, hardened), reads the
-        # Python stacks of another user's process.
-        ct.path(PY_WORKLOAD).write_text(PY_WORKLOAD_TEXT)
-        ct.run(
-            [
-                "systemd-run",
-                "--unit=ebpfprofiler-test-python",
-                f"--uid={WORKLOAD_USER}",
-                "/usr/bin/python3.11",
-                PY_WORKLOAD,
-            ]
-        )
-        py_dir = ct.path(f"{PROFILES}/{PY_SERVICE_DIR}")
-
-        def python_profile() -> bool:
-            return any(
-                "spin_here" in {fn for smp in pprof.read(f.read_bytes()).samples for fn in smp.functions}
-                for f in sorted(py_dir.glob("python_wall-*.pb.gz"))
-            )
-
-        wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
-        ct.run(["systemctl", "stop", "ebpfprofiler-test-python.service"], timeout=30)
+        check_python_stacks(ct)
         lap("python stacks read")
-        # The target's own stop job ends at once (it stops before the units it is After=):
-        # wait for the units.
-        ct.run(["systemctl", "stop", "ebpfprofiler.target"], timeout=60)
-        wait_for(
-            "every unit stopped",
-            lambda: all(st in ("inactive", "failed") for st in unit_states(ct).values()),
-            timeout=90,
-            interval=0.25,
-        )
+        stop_target(ct)
         lap("target stopped")
-        for unit in UNITS:  # a clean exit (0) of each stage on SIGTERM
-            show = unit_show(ct, unit, "ActiveState", "Result", "ExecMainStatus")
-            assert show == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, (unit, show)
-        left = [f for f in READY_FILES if ct.path(f"{RUN_DIR}/{f}").exists()]
-        assert not left, f"ready files left behind: {left}"
-        remaining = {p["id"]: p.get("name") for p in bpftool("prog", "show") if p["id"] in prog_ids}
-        assert not remaining, f"BPF programs left after stopping the target: {remaining}"
+        check_clean_stop(ct, prog_ids)
     except BaseException:
         log("journal of the agent's units:\n" + journal(ct))
         raise
