@@ -68,7 +68,15 @@ MAX_REGS_STACK_BYTES = 4096
 
 
 class WireError(ValueError):
-    """A message that is not a valid message of this version."""
+    """A message that is not a valid message of this version; `reason` names the check that refused
+    it, as a counter's name (receivers count refusals per reason, for `ebpfprofiler status`)."""
+
+    # The reasons: another wire version; a frame over its byte cap; anything else malformed.
+    REASONS = ("wire_version", "over_cap", "malformed")
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,9 +355,11 @@ def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912
     if not frames or len(frames) > 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
     head = frames[0]
+    if len(head) > MAX_BATCH_BYTES:  # json_object's own check, with its reason
+        raise WireError(f"header of {len(head)} bytes is over the cap of {MAX_BATCH_BYTES}", "over_cap")
     doc = json_object(head, MAX_BATCH_BYTES, "header")
     if doc.get("v") != WIRE_VERSION:
-        raise WireError(f"wire version {quote(doc.get('v'))}, this build speaks {WIRE_VERSION}")
+        raise WireError(f"wire version {quote(doc.get('v'))}, this build speaks {WIRE_VERSION}", "wire_version")
     kind, body = doc.get("kind"), doc.get("body")
     if not isinstance(body, dict):
         raise WireError("body is not a JSON object")
@@ -362,13 +372,15 @@ def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912
             if len(frames) != 2:
                 raise WireError("a profile has two frames")
             if len(frames[1]) > MAX_PROFILE_BYTES:
-                raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}")
+                raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}", "over_cap")
             return _profile(body, bytes(frames[1]))
         if kind == "unwind_table":
             if len(frames) != 2:
                 raise WireError("an unwind_table has two frames")
             if len(frames[1]) > MAX_UNWIND_TABLE_BYTES:
-                raise WireError(f"unwind table of {len(frames[1])} bytes is over the cap of {MAX_UNWIND_TABLE_BYTES}")
+                raise WireError(
+                    f"unwind table of {len(frames[1])} bytes is over the cap of {MAX_UNWIND_TABLE_BYTES}", "over_cap"
+                )
             return _unwind_table(body, bytes(frames[1]))
         if kind == "process_announcement":
             if len(frames) != 1:
