@@ -46,6 +46,76 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def start_collector(work: Path, started: list[subprocess.Popen]) -> tuple[subprocess.Popen, Path, Path]:
+    """The collector with SLOTS slots, reading JVM registers, windows of 1 s: (it, its run dir, its log)."""
+    cfg = work / "agent.yaml"
+    cfg.write_text(
+        dump(
+            ProfilerConfig(
+                sample_hz=49,
+                offcpu=False,
+                dwarf_unwind=False,
+                python_stacks=False,
+                runtime_stacks=("jvm",),
+                upload_interval_s=1,
+            )
+        )
+    )
+    run_dir = work / "run"
+    run_dir.mkdir()
+    shutil.chown(run_dir, group="ebpfprofiler")
+    run_dir.chmod(0o3770)
+    log_path = work / "collector.err"
+    with open(log_path, "wb") as err:
+        collector = subprocess.Popen([PY, "-c", COLLECTOR, "--config", str(cfg), "--run-dir", str(run_dir)], stderr=err)
+    started.append(collector)
+    wait_for(
+        "the collector to be ready",
+        lambda: collector.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
+        timeout=READY_TIMEOUT_S,
+    )
+    assert collector.poll() is None, log_path.read_text()
+    return collector, run_dir, log_path
+
+
+def fill_slots_with_idle(fake: Path, libjvm: Path, log_path: Path, started: list[subprocess.Popen]) -> list[int]:
+    """Every slot taken by a process that ran for a second and sleeps since: their pids."""
+
+    def marked() -> set[int]:
+        return {int(m) for m in re.findall(r"registers with on-CPU samples: pid (\d+) \(maps", log_path.read_text())}
+
+    idle = []
+    for _ in range(SLOTS):
+        p = subprocess.Popen(
+            [str(fake), "burst", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        started.append(p)
+        idle.append(p.pid)
+    try:
+        wait_for("every idle process to hold a slot", lambda: set(idle) <= marked(), timeout=SLOT_DEADLINE_S)
+    except AssertionError as e:
+        said = [ln for ln in log_path.read_text().splitlines() if "overhead:" not in ln]
+        raise AssertionError(f"{e}; the collector said: " + "\n".join(said[-30:])) from None
+    return idle
+
+
+def wait_for_registers_of(sub: zmq.Socket, pid: int) -> None:
+    """On-CPU samples of `pid` come with registers on the processes channel within the deadline."""
+    seen: set[int] = set()
+
+    def has_registers() -> bool:
+        while sub.poll(0):
+            try:
+                msg = decode(sub.recv_multipart())
+            except WireError:
+                continue
+            if isinstance(msg, RegsBatch):
+                seen.update(s.pid for s in msg.samples)
+        return pid in seen
+
+    wait_for("registers with the busy process's on-CPU samples", has_registers, timeout=SLOT_DEADLINE_S, interval=0.1)
+
+
 def test_a_busy_process_gets_a_register_slot_from_idle_holders(
     build: Callable[..., Path], started: list[subprocess.Popen]
 ) -> None:
@@ -59,80 +129,18 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
         libjvm = work / "jdk" / "lib" / "server" / "libjvm.so"
         libjvm.parent.mkdir(parents=True)
         libjvm.write_bytes(bytes(4096))
-        cfg = work / "agent.yaml"
-        cfg.write_text(
-            dump(
-                ProfilerConfig(
-                    sample_hz=49,
-                    offcpu=False,
-                    dwarf_unwind=False,
-                    python_stacks=False,
-                    runtime_stacks=("jvm",),
-                    upload_interval_s=1,
-                )
-            )
-        )
-        run_dir = work / "run"
-        run_dir.mkdir()
-        shutil.chown(run_dir, group="ebpfprofiler")
-        run_dir.chmod(0o3770)
-        log_path = work / "collector.err"
-        with open(log_path, "wb") as err:
-            collector = subprocess.Popen(
-                [PY, "-c", COLLECTOR, "--config", str(cfg), "--run-dir", str(run_dir)], stderr=err
-            )
-        started.append(collector)
-        wait_for(
-            "the collector to be ready",
-            lambda: collector.poll() is not None or os.path.exists(endpoints.ready_file(str(run_dir), "collector")),
-            timeout=READY_TIMEOUT_S,
-        )
-        assert collector.poll() is None, log_path.read_text()
+        collector, run_dir, log_path = start_collector(work, started)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoints.processes(str(run_dir)))
-
-        def marked() -> set[int]:
-            return {
-                int(m) for m in re.findall(r"registers with on-CPU samples: pid (\d+) \(maps", log_path.read_text())
-            }
-
         # Given every slot taken by a process that ran for a second and sleeps since
-        idle = []
-        for _ in range(SLOTS):
-            p = subprocess.Popen(
-                [str(fake), "burst", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-            started.append(p)
-            idle.append(p.pid)
-        try:
-            wait_for("every idle process to hold a slot", lambda: set(idle) <= marked(), timeout=SLOT_DEADLINE_S)
-        except AssertionError as e:
-            said = [ln for ln in log_path.read_text().splitlines() if "overhead:" not in ln]
-            raise AssertionError(f"{e}; the collector said: " + "\n".join(said[-30:])) from None
+        idle = fill_slots_with_idle(fake, libjvm, log_path, started)
         # When a process that maps a libjvm.so and runs appears
         busy = subprocess.Popen(
             [str(fake), "spin", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         started.append(busy)
         # Then its on-CPU samples come with registers within the deadline
-        seen: set[int] = set()
-
-        def busy_has_registers() -> bool:
-            while sub.poll(0):
-                try:
-                    msg = decode(sub.recv_multipart())
-                except WireError:
-                    continue
-                if isinstance(msg, RegsBatch):
-                    seen.update(s.pid for s in msg.samples)
-            return busy.pid in seen
-
-        wait_for(
-            "registers with the busy process's on-CPU samples",
-            busy_has_registers,
-            timeout=SLOT_DEADLINE_S,
-            interval=0.1,
-        )
+        wait_for_registers_of(sub, busy.pid)
         # from a slot taken back from an idle holder: logged, and counted for status
         text = log_path.read_text()
         evictions = re.findall(
