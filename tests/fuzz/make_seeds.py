@@ -40,12 +40,9 @@ def gcc(out: Path, source: str, *flags: str) -> Path:
     return out
 
 
-def main() -> None:
-    work = Path(tempfile.mkdtemp())
-    myself = read_process(os.getpid(), with_cmdline=True)
-    assert myself is not None  # this process is alive
-    me = replace(myself, mappings=read_maps(os.getpid())[:8])
-    batch = wire.StackBatch(
+def stack_batch(me: wire.Process) -> wire.StackBatch:
+    """A collector's batch about this process: two samples (one with a value), a kernel stack, a request."""
+    return wire.StackBatch(
         host="web-1",
         profile_type="cpu",
         sample_hz=19,
@@ -70,12 +67,27 @@ def main() -> None:
             ),
         ),
     )
+
+
+def put_elf_seeds(work: Path) -> bytes:
+    """Programs built by gcc, stripped and not, and the unwind table of the stripped one: that table."""
     prog = gcc(work / "cfi_prog", "cfi_prog.c", "-O2", "-fomit-frame-pointer")
     stripped = work / "cfi_prog.stripped"
     subprocess.run(["strip", "--strip-all", "-o", str(stripped), str(prog)], check=True)
     with stripped.open("rb") as f:
         table = cfi.build_table(f).table
-    put("wire", "stack_batch.bin", frames(batch))
+    put("cfi", "cfi_prog.stripped", stripped.read_bytes())
+    put("unwind_table", "cfi_prog.tbl", table)
+    put("elf", "cfi_prog", prog.read_bytes())
+    put("elf", "cfi_prog.stripped", stripped.read_bytes())
+    fake = gcc(work / "python3.13", "fake_python.c", "-O0")
+    put("elfsyms", "python3.13", fake.read_bytes())
+    return table
+
+
+def put_wire_seeds(me: wire.Process, table: bytes) -> None:
+    """One of each message the stages exchange, about this process."""
+    put("wire", "stack_batch.bin", frames(stack_batch(me)))
     put(
         "wire",
         "unwind_table.bin",
@@ -93,13 +105,9 @@ def main() -> None:
     put("wire", "file_request.bin", frames(wire.FileRequest(me.pid, me.start_ticks, "debug", build_id="ab" * 20)))
     put("wire", "file_reply.bin", frames(wire.FileReply(False, "refused", "perf-1.map is a symlink")))
 
-    put("cfi", "cfi_prog.stripped", stripped.read_bytes())
-    put("unwind_table", "cfi_prog.tbl", table)
-    put("elf", "cfi_prog", prog.read_bytes())
-    put("elf", "cfi_prog.stripped", stripped.read_bytes())
-    fake = gcc(work / "python3.13", "fake_python.c", "-O0")
-    put("elfsyms", "python3.13", fake.read_bytes())
 
+def put_perf_map_seeds(work: Path) -> None:
+    """A real JIT's perf map, and a Node-like one."""
     jit = gcc(work / "jit", "jit.c", "-O0")
     p = subprocess.Popen([str(jit), "1", "own"], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().startswith("ready")
@@ -113,15 +121,28 @@ def main() -> None:
         b"".join(b"%x %x LazyCompile:~fn%d /app/index.js:%d\n" % (0x3A0000 + i * 64, 48, i, i) for i in range(50)),
     )
 
+
+def put_config_and_receiver_seeds() -> None:
+    """Agent config documents, and receiver requests (an upload, and an empty profile)."""
     put("remote_config", "enabled.json", json.dumps({"enabled": False, "upload_interval_s": 30}).encode())
     put("remote_config", "refused.json", json.dumps({"sample_hz": 99, "endpoint": "http://x"}).encode())
-
     query = (
         f"source=ebpf&type=cpu&service=%2Fusr%2Fbin%2Fpython3.11&host=web-1&start={START_NS}&end={END_NS}"
     ).encode()
     body = make_upload(n_samples=3).pprof_gz
     put("receiver", "upload.bin", query + SEP + str(len(body)).encode() + SEP + body)
     put("receiver", "empty_profile.bin", query + SEP + b"20" + SEP + gzip.compress(b"\x32\x00"))
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp())
+    myself = read_process(os.getpid(), with_cmdline=True)
+    assert myself is not None  # this process is alive
+    me = replace(myself, mappings=read_maps(os.getpid())[:8])
+    table = put_elf_seeds(work)
+    put_wire_seeds(me, table)
+    put_perf_map_seeds(work)
+    put_config_and_receiver_seeds()
     subprocess.run(["rm", "-rf", str(work)], check=True)
     for d in sorted(SEEDS.iterdir()):
         print(d.name, sorted(f.name for f in d.iterdir()))
