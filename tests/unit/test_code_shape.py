@@ -11,7 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "tests/fuzz/make_seeds.py:main",
         "tests/fuzz/run.py:main",
         "tests/integration/test_alloc_lock.py:alloc_run",
         "tests/integration/test_dotnet_stacks.py:run",
@@ -27,7 +26,6 @@ STILL_OVER = frozenset(
         "tests/integration/test_php_stacks.py:run",
         "tests/integration/test_python_stacks.py:run",
         "tests/integration/test_record.py:test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing",
-        "tests/integration/test_regs_slots.py:test_a_busy_process_gets_a_register_slot_from_idle_holders",
         "tests/integration/test_report_html.py:test_the_report_draws_searches_zooms_and_shows_in_chromium",
         "tests/integration/test_ruby_stacks.py:run",
         "tests/integration/test_runtime_fairness.py:test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_the_stop",
