@@ -96,14 +96,8 @@ def push_unasked_unwind_table(run_dir: Path) -> None:
         ctx.term()
 
 
-@pytest.fixture(scope="module")
-def run(
-    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
-) -> Iterator[Run]:
-    require_root()
-    hot = build("hot")
-    work = tmp_path_factory.mktemp("hostile")
-    home = open_dir("hostile")
+def hostile_copies(hot: Path, home: Path) -> tuple[bytes, bytes]:
+    """Copies of `hot` under a directory named ff fe (not UTF-8) and under 1,400 newlines: their paths."""
     bytes_dir = os.path.join(os.fsencode(home), b"\xff\xfe")
     os.mkdir(bytes_dir, 0o755)
     bytes_exe = os.path.join(bytes_dir, b"hot")
@@ -114,6 +108,38 @@ def run(
         os.mkdir(newline_dir, 0o755)
     newline_exe = os.path.join(newline_dir, b"hot")
     shutil.copy(os.fsencode(hot), newline_exe)
+    return bytes_exe, newline_exe
+
+
+def start_second_instances(
+    pipeline: Pipeline,
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """A second `ebpfprofiler run` and a second collector on the pipeline's run directory, to their end."""
+    cfg, run_dir = str(pipeline.config_path), str(pipeline.run_dir)
+    second_run = subprocess.run(
+        [PY, "-m", "cli.main", "run", "--config", cfg, "--run-dir", run_dir, "--state-dir", str(pipeline.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    second_collector = subprocess.run(
+        [PY, "-m", "cli.main", "collector", "--config", cfg, "--run-dir", run_dir],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return second_run, second_collector
+
+
+@pytest.fixture(scope="module")
+def run(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Run]:
+    require_root()
+    hot = build("hot")
+    work = tmp_path_factory.mktemp("hostile")
+    home = open_dir("hostile")
+    bytes_exe, newline_exe = hostile_copies(hot, home)
     receiver = Receiver(work / "received")
     procs = module_started  # killed and reaped at the module's end (conftest.py)
     stages = ["collector", "symbolizer-0", "uploader"]
@@ -135,38 +161,7 @@ def run(
             for exe in (bytes_exe, newline_exe):
                 procs.append(subprocess.Popen([exe, str(HOSTILE_CPU_S)], stdout=subprocess.DEVNULL))
             push_unasked_unwind_table(pipeline.run_dir)
-            second_run = subprocess.run(
-                [
-                    PY,
-                    "-m",
-                    "cli.main",
-                    "run",
-                    "--config",
-                    str(pipeline.config_path),
-                    "--run-dir",
-                    str(pipeline.run_dir),
-                    "--state-dir",
-                    str(pipeline.state_dir),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            second_collector = subprocess.run(
-                [
-                    PY,
-                    "-m",
-                    "cli.main",
-                    "collector",
-                    "--config",
-                    str(pipeline.config_path),
-                    "--run-dir",
-                    str(pipeline.run_dir),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            second_run, second_collector = start_second_instances(pipeline)
             ordinary = subprocess.Popen([str(hot), str(ORDINARY_CPU_S)], stdout=subprocess.PIPE, text=True)
             procs.append(ordinary)
             out, _ = ordinary.communicate(timeout=120)
