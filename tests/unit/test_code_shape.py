@@ -14,7 +14,6 @@ STILL_OVER = frozenset(
         "tests/fuzz/run.py:main",
         "tests/integration/test_alloc_lock.py:alloc_run",
         "tests/integration/test_dotnet_stacks.py:run",
-        "tests/integration/test_hostile_processes.py:run",
         "tests/integration/test_jvm_cpu.py:run",
         "tests/integration/test_jvm_stacks.py:run",
         "tests/integration/test_many_mappings.py:test_many_long_mappings_cost_the_others_nothing",
