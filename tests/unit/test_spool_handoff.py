@@ -221,10 +221,8 @@ def test_close_reports_what_it_could_not_hand_off(workdir: Path, zctx: zmq.Conte
     w.close()
 
 
-def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
-    workdir: Path, zctx: zmq.Context, started: list[subprocess.Popen]
-) -> None:
-    """A real worker with no uploader: its stop waits a bounded time, then names what it could not hand off."""
+def start_a_worker(workdir: Path, started: list[subprocess.Popen]) -> tuple[subprocess.Popen, Path, Path]:
+    """A real symbolizer worker 0 with no uploader, ready (or exited): it, its run dir and its log."""
     config = write_config(workdir / "agent.yaml", ProfilerConfig(upload_interval_s=1, plain_pid=True))
     run_dir = workdir / "run"
     run_dir.mkdir()
@@ -252,11 +250,12 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
         "the worker's ready file",
         lambda: Path(endpoints.ready_file(str(run_dir), "symbolizer-0")).exists() or proc.poll() is not None,
     )
-    # given one batch of one service
-    push = zctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(endpoints.symbolizer(str(run_dir), 0))
-    batch = StackBatch(
+    return proc, run_dir, err
+
+
+def one_batch_of_svc() -> StackBatch:
+    """One batch of one sample of one service, from 5 s ago."""
+    return StackBatch(
         host="h",
         profile_type="cpu",
         sample_hz=19,
@@ -276,7 +275,18 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
         kernel_stacks=(),
         samples=(Sample(4242, 4242, -1, -1, 3, 3),),
     )
-    push.send_multipart(encode(batch))
+
+
+def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
+    workdir: Path, zctx: zmq.Context, started: list[subprocess.Popen]
+) -> None:
+    """A real worker with no uploader: its stop waits a bounded time, then names what it could not hand off."""
+    proc, run_dir, err = start_a_worker(workdir, started)
+    # given one batch of one service
+    push = zctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(endpoints.symbolizer(str(run_dir), 0))
+    push.send_multipart(encode(one_batch_of_svc()))
     # when its window has closed (the batch is from 5 s ago, windows are 1 s) and the profile was built
     wait_for(
         "the worker to build the profile",
