@@ -32,7 +32,6 @@ STILL_OVER = frozenset(
         "tests/integration/test_upload_faults.py:test_spool_on_a_tiny_filesystem_that_fills",
         "tests/unit/test_dotnet_ipc.py:test_a_peer_that_never_answers_is_retried_with_backoff_then_refused",
         "tests/unit/test_jvm_tables.py:_hostile_jvm",
-        "tests/unit/test_spool_handoff.py:test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost",
     }
 )
 
