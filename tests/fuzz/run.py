@@ -21,7 +21,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.fuzz.targets import Target
 
 HERE = Path(__file__).resolve().parent
 SEEDS, CRASHERS = HERE / "seeds", HERE / "crashers"
@@ -112,6 +115,30 @@ def structured(rng: random.Random, data: bytes) -> bytes | None:
     return text + sep + tail
 
 
+def run_once(target: Target, data: bytes) -> tuple[str, float]:
+    """`data` through the target under the watchdog: how it failed ("" if it did not), and the seconds it took."""
+    failure = ""
+    started = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)
+    try:
+        target.run(data)
+    except target.errors:
+        pass
+    except Watchdog:
+        failure = f"still running after {WATCHDOG_S} s"
+    except MemoryError:
+        failure = f"over the memory cap of {MAX_MEMORY_BYTES} bytes"
+    except Exception as e:  # that is what a fuzzer is looking for
+        failure = (
+            "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
+            + "\n"
+            + "".join(traceback.format_tb(e.__traceback__)[-3:])
+        )
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return failure, time.monotonic() - started
+
+
 def main(name: str, seconds: float) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
     from tests.fuzz.targets import TARGETS
@@ -132,26 +159,7 @@ def main(name: str, seconds: float) -> int:
     def one(data: bytes, origin: str) -> None:
         nonlocal slowest, runs
         runs += 1
-        failure = ""
-        started = time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)
-        try:
-            target.run(data)
-        except target.errors:
-            pass
-        except Watchdog:
-            failure = f"still running after {WATCHDOG_S} s"
-        except MemoryError:
-            failure = f"over the memory cap of {MAX_MEMORY_BYTES} bytes"
-        except Exception as e:  # that is what a fuzzer is looking for
-            failure = (
-                "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
-                + "\n"
-                + "".join(traceback.format_tb(e.__traceback__)[-3:])
-            )
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        took = time.monotonic() - started
+        failure, took = run_once(target, data)
         slowest = max(slowest, took)
         if not failure and took > MAX_INPUT_SECONDS:
             failure = f"took {took:.2f} s, more than {MAX_INPUT_SECONDS} s"
