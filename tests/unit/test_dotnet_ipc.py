@@ -267,16 +267,9 @@ def test_a_process_sent_enable_without_a_good_answer_is_told_to_stop(name: Path)
     assert any(f"pid {SELF} (.NET 8.0.4): DisablePerfMap answered OK" in ln for ln in lines), lines
 
 
-@pytest.mark.needs_root
-def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
-    name: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Given a peer at the name that takes every connection and never answers (time limits made short)
-    monkeypatch.setattr(ipc, "ENABLE_ANSWER_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(dotnet_plugin, "RETRY_AFTER_S", 0.5)
-    monkeypatch.setattr(dotnet_plugin, "ENABLE_ATTEMPTS", 2)
-    connected: list[float] = []
-    done = threading.Event()
+def start_a_silent_peer(name: Path, connected: list[float], done: threading.Event) -> threading.Thread:
+    """A peer at `name` that takes two connections (their times into `connected`) and never answers,
+    holding them until `done` (10 s at most): its thread, started."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(name))
     srv.listen(4)
@@ -295,18 +288,36 @@ def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
 
     t = threading.Thread(target=peer, daemon=True)
     t.start()
+    return t
+
+
+def dotnet8_context() -> ProcessContext:
+    """This process as the reader sees a .NET 8 process: libcoreclr.so mapped, no memory to read."""
+    return ProcessContext(
+        SELF,
+        "/proc",
+        None,  # type: ignore[arg-type]  # no memory to read
+        FileCache(),
+        start_ticks(SELF) or 0,
+        [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
+    )
+
+
+@pytest.mark.needs_root
+def test_a_peer_that_never_answers_is_retried_with_backoff_then_refused(
+    name: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a peer at the name that takes every connection and never answers (time limits made short)
+    monkeypatch.setattr(ipc, "ENABLE_ANSWER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(dotnet_plugin, "RETRY_AFTER_S", 0.5)
+    monkeypatch.setattr(dotnet_plugin, "ENABLE_ATTEMPTS", 2)
+    connected: list[float] = []
+    done = threading.Event()
+    t = start_a_silent_peer(name, connected, done)
     plugin = DotNet()
     try:
-        ctx = ProcessContext(
-            SELF,
-            "/proc",
-            None,  # type: ignore[arg-type]  # no memory to read
-            FileCache(),
-            start_ticks(SELF) or 0,
-            [Mapping(0x1000, 0x2000, "r-xp", 0, 1, "/opt/dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so")],
-        )
         # When it is detected and polled as the reader's ticks do: no poll waits for the peer
-        pending = plugin.detect(ctx)
+        pending = plugin.detect(dotnet8_context())
         assert isinstance(pending, Pending), pending
         longest = 0.0
 
