@@ -222,6 +222,29 @@ def test_unterminated_line_table_is_an_error() -> None:
         line_table(bytes([(1 << 3) | 1] * 10), 0)
 
 
+def _hostile_thread(img: _Image, rng: random.Random, lay: layouts.Layout, heap: int) -> int:
+    """A JavaThread of random words but its stack bounds and its anchor (sp, pc in the heap or 0, fp) into
+    a stack of random words, some of them pointers into itself or the heap: its address."""
+    stack_size = 1 << 14
+    words = [rng.choice((rng.getrandbits(64), heap + rng.randrange(1 << 16), 0)) for _ in range(stack_size // 8)]
+    stack = img.block(struct.pack(f"<{len(words)}Q", *words))
+    for k in range(0, len(words), 7):  # some frame pointers and sender sps into the stack itself
+        struct.pack_into("<Q", img.keep[-1], 8 * k, stack + 8 * rng.randrange(len(words)))
+    t = bytearray(rng.randbytes(max(lay.jt_anchor + 24, lay.jt_osthread, lay.jt_stack_base, lay.jt_stack_size) + 16))
+    struct.pack_into(
+        "<QQQ",
+        t,
+        lay.jt_anchor + lay.anchor_sp,
+        stack + 8 * rng.randrange(len(words)),
+        rng.choice((0, heap + rng.randrange(1 << 16))),
+        stack + 8 * rng.randrange(len(words)),
+    )
+    struct.pack_into("<Q", t, lay.jt_stack_base, stack + stack_size)
+    struct.pack_into("<Q", t, lay.jt_stack_size, stack_size)
+    struct.pack_into("<Q", t, lay.jt_osthread, 0)
+    return img.block(bytes(t))
+
+
 def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layouts.Layout:
     """A JVM's thread list, threads, stacks and code heap in this process's memory, their words random but
     for the pointers that lead the reader on (stack bounds, anchors inside the stacks, pcs in the heap)."""
@@ -253,28 +276,7 @@ def _hostile_jvm(img: _Image, rng: random.Random, lay: layouts.Layout) -> layout
     ga = bytearray(max(lay.ga_len, lay.ga_data) + 8)
     struct.pack_into("<i", ga, lay.ga_len, 1)
     struct.pack_into("<Q", ga, lay.ga_data, heaps)
-    threads = []
-    for _ in range(8):
-        stack_size = 1 << 14
-        words = [rng.choice((rng.getrandbits(64), heap + rng.randrange(1 << 16), 0)) for _ in range(stack_size // 8)]
-        stack = img.block(struct.pack(f"<{len(words)}Q", *words))
-        for k in range(0, len(words), 7):  # some frame pointers and sender sps into the stack itself
-            struct.pack_into("<Q", img.keep[-1], 8 * k, stack + 8 * rng.randrange(len(words)))
-        t = bytearray(
-            rng.randbytes(max(lay.jt_anchor + 24, lay.jt_osthread, lay.jt_stack_base, lay.jt_stack_size) + 16)
-        )
-        struct.pack_into(
-            "<QQQ",
-            t,
-            lay.jt_anchor + lay.anchor_sp,
-            stack + 8 * rng.randrange(len(words)),
-            rng.choice((0, heap + rng.randrange(1 << 16))),
-            stack + 8 * rng.randrange(len(words)),
-        )
-        struct.pack_into("<Q", t, lay.jt_stack_base, stack + stack_size)
-        struct.pack_into("<Q", t, lay.jt_stack_size, stack_size)
-        struct.pack_into("<Q", t, lay.jt_osthread, 0)
-        threads.append(img.block(bytes(t)))
+    threads = [_hostile_thread(img, rng, lay, heap) for _ in range(8)]
     arr = img.block(struct.pack(f"<{len(threads)}Q", *threads))
     tl = bytearray(max(lay.tl_length + 4, lay.tl_threads + 8))
     struct.pack_into("<I", tl, lay.tl_length, len(threads))
