@@ -29,7 +29,6 @@ STILL_OVER = frozenset(
         "tests/integration/test_runtime_fairness.py:test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_the_stop",
         "tests/integration/test_soak.py:soak",
         "tests/integration/test_upload_faults.py:test_spool_on_a_tiny_filesystem_that_fills",
-        "tests/unit/test_jvm_tables.py:_hostile_jvm",
     }
 )
 
