@@ -158,6 +158,55 @@ def answers(log: str, pid: int) -> list[str]:
     return [ln for ln in log.splitlines() if re.search(rf"\bpid {pid} \(.*(: \.NET: |refused: \.NET: )", ln)]
 
 
+def launch_workloads(
+    started: list[subprocess.Popen], venv: Path, script: Path, other_tmp: Path, workloads: list[Workload]
+) -> tuple[Workload, dict[str, Workload]]:
+    """The .NET 8 process (as nobody) and the three to refuse, ready, each in `workloads` once launched."""
+    net8_root, net31_root = dotnet_runtimes.dotnet8_root(venv), dotnet_runtimes.dotnet31_root(venv)
+    net8 = launch(started, "net8", script, net8_root, "8.0.4", "hot", user=NOBODY)
+    workloads.append(net8)
+    refused = {
+        "net31": launch(started, "net31", script, net31_root, "3.1.23", "fresh"),
+        "no_diagnostics": launch(
+            started, "no_diagnostics", script, net8_root, "8.0.4", "fresh", DOTNET_EnableDiagnostics="0"
+        ),
+        "other_tmpdir": launch(started, "other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)),
+    }
+    workloads.extend(refused.values())
+    for w in workloads:
+        w.wait_ready()
+    return net8, refused
+
+
+def watch_while_on(pipeline: Pipeline, receiver: Receiver, workloads: list[Workload], r: Run) -> None:
+    """While the agent runs: every process answered, the windows wanted, the reader's and its
+    connectors' status, and the latest fresh method in the map (into `r`)."""
+    net8 = r.net8
+    ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
+    wait_for("the runtime reader", ready.exists, timeout=30)
+    wait_for(
+        "an answer for every .NET process",
+        lambda: all(answers(pipeline.log(), w.pid) for w in workloads),
+        timeout=60,
+        interval=0.5,
+    )
+
+    def windows() -> bool:
+        return len(cpu_samples(receiver.dir).get(net8.pid, {})) >= WANT_WINDOWS
+
+    wait_for(f"{WANT_WINDOWS} windows of the .NET 8 process's cpu profiles", windows, timeout=90, interval=1.0)
+    reader = int(Path(endpoints.ready_file(str(pipeline.run_dir), "runtime")).read_text())
+    r.reader_status = status(reader)
+    r.connector_status = [status(c) for c in children(reader)]
+    # The map is written as the runtime compiles: the latest fresh method is in it.
+    r.written_while_on = f"FreshEbpfTest_{net8.fresh}("
+    wait_for(
+        f"{r.written_while_on} in {net8.perf_map}",
+        lambda: net8.perf_map.exists() and r.written_while_on in net8.perf_map.read_text(errors="replace"),
+        timeout=10,
+    )
+
+
 @pytest.fixture(scope="module")
 def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
     require_root()
@@ -170,21 +219,7 @@ def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        net8_root, net31_root = dotnet_runtimes.dotnet8_root(venv), dotnet_runtimes.dotnet31_root(venv)
-        net8 = launch(module_started, "net8", script, net8_root, "8.0.4", "hot", user=NOBODY)
-        workloads.append(net8)
-        refused = {
-            "net31": launch(module_started, "net31", script, net31_root, "3.1.23", "fresh"),
-            "no_diagnostics": launch(
-                module_started, "no_diagnostics", script, net8_root, "8.0.4", "fresh", DOTNET_EnableDiagnostics="0"
-            ),
-            "other_tmpdir": launch(
-                module_started, "other_tmpdir", script, net8_root, "8.0.4", "fresh", TMPDIR=str(other_tmp)
-            ),
-        }
-        workloads.extend(refused.values())
-        for w in workloads:
-            w.wait_ready()
+        net8, refused = launch_workloads(module_started, venv, script, other_tmp, workloads)
         pipeline = Pipeline(
             work,
             ProfilerConfig(
@@ -200,29 +235,7 @@ def run(module_started: list[subprocess.Popen]) -> Iterator[Run]:
         )
         r = Run("", {}, net8, refused)
         try:
-            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
-            wait_for("the runtime reader", ready.exists, timeout=30)
-            wait_for(
-                "an answer for every .NET process",
-                lambda: all(answers(pipeline.log(), w.pid) for w in workloads),
-                timeout=60,
-                interval=0.5,
-            )
-
-            def windows() -> bool:
-                return len(cpu_samples(receiver.dir).get(net8.pid, {})) >= WANT_WINDOWS
-
-            wait_for(f"{WANT_WINDOWS} windows of the .NET 8 process's cpu profiles", windows, timeout=90, interval=1.0)
-            reader = int(Path(endpoints.ready_file(str(pipeline.run_dir), "runtime")).read_text())
-            r.reader_status = status(reader)
-            r.connector_status = [status(c) for c in children(reader)]
-            # The map is written as the runtime compiles: the latest fresh method is in it.
-            r.written_while_on = f"FreshEbpfTest_{net8.fresh}("
-            wait_for(
-                f"{r.written_while_on} in {net8.perf_map}",
-                lambda: net8.perf_map.exists() and r.written_while_on in net8.perf_map.read_text(errors="replace"),
-                timeout=10,
-            )
+            watch_while_on(pipeline, receiver, workloads, r)
         except AssertionError as e:
             said = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "perf map" in ln]
             raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(said[-30:])) from None
