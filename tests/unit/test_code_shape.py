@@ -12,7 +12,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 STILL_OVER = frozenset(
     {
         "tests/integration/test_alloc_lock.py:alloc_run",
-        "tests/integration/test_dotnet_stacks.py:run",
         "tests/integration/test_jvm_cpu.py:run",
         "tests/integration/test_jvm_stacks.py:run",
         "tests/integration/test_many_mappings.py:test_many_long_mappings_cost_the_others_nothing",
