@@ -77,7 +77,7 @@ def start(
         stdin=stdin,
         text=text,
         start_new_session=True,
-        preexec_fn=_child_setup(default_sigint),  # noqa: PLW1509
+        preexec_fn=_child_setup(default_sigint),  # noqa: PLW1509 - signals set in the child
         env=env,
         cwd=cwd,
     )

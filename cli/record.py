@@ -335,7 +335,7 @@ class Recording:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - prctl(PR_SET_PDEATHSIG) must run in the child
             )
         print(
             f"{self.prog}: starting the profiler (the collector compiles and loads its BPF programs) ...",

@@ -218,7 +218,7 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
 def start(stage: Stage) -> None:
     ready.forget(run_dir_of(stage), stage.name)
     # cwd /: the directory `run` was started in may be one the stage's user cannot enter
-    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")  # noqa: PLW1509
+    stage.proc = subprocess.Popen(stage.argv, preexec_fn=_child_setup, env=stage.env, cwd="/")  # noqa: PLW1509 - the child's own set-up (parent-death signal, process group)
     stage.started = time.monotonic()
     stage.restart_at = None
     log.info("started %s (pid %d)", stage.name, stage.proc.pid)

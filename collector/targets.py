@@ -50,7 +50,7 @@ def matches(spec: str, p: _Proc) -> bool:
     """Does `spec` (validated by shared/config) name this process?"""
     if spec.startswith("cgroup:"):
         path = spec[len("cgroup:") :].rstrip("/") or "/"
-        return bool(p.cgroup) and (path == "/" or p.cgroup == path or p.cgroup.startswith(path + "/"))  # noqa: PLR1714
+        return bool(p.cgroup) and (path == "/" or p.cgroup == path or p.cgroup.startswith(path + "/"))  # noqa: PLR1714 - two different values
     if _CONTAINER_ID.fullmatch(spec) and p.container_id.startswith(spec):
         return True
     if spec.startswith("/"):

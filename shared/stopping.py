@@ -49,7 +49,7 @@ def stop_on_signals(
 def wakeup_fd() -> int:
     """A descriptor that becomes readable whenever a signal arrives (call from the main thread, once
     the handlers are installed); poll it beside the sockets and `drain_wakeups()` when it is."""
-    global _wakeup  # noqa: PLW0603
+    global _wakeup  # noqa: PLW0603 - one wake-up pipe per process, made on first use
     if _wakeup is None:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)

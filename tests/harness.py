@@ -522,7 +522,7 @@ class Pipeline:
         self.state_dir = self.root / "state"
         self.config_path = write_config(self.root / "agent.yaml", cfg)
         self.log_path = workdir / "pipeline.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - the pipeline's log, open until stop()
         self.proc = subprocess.Popen(
             [
                 PY,

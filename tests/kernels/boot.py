@@ -232,7 +232,7 @@ def read_results(path: Path, final: bool = True) -> list[dict]:
     return out
 
 
-def boot(  # noqa: PLR0913, PLR0917
+def boot(  # noqa: PLR0913, PLR0917 - one boot's every input, named at its one caller
     release: str,
     kernel: Path,
     initrd: Path,

@@ -160,7 +160,7 @@ class Reporter:
     """Result lines to the results port, and a copy on the console."""
 
     def __init__(self, path: str) -> None:
-        self.out: TextIO = open(path, "w", buffering=1)  # noqa: SIM115
+        self.out: TextIO = open(path, "w", buffering=1)  # noqa: SIM115 - open for the guest's whole run
 
     def __call__(self, step: str, **fields: Any) -> None:
         doc = {"step": step, **fields}
