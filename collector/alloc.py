@@ -76,8 +76,6 @@ BURST_THREADS = 16
 # bpf(2), include/uapi/linux/bpf.h: the probes are uprobe_multi links (Linux 6.6+), not perf events:
 # closing a uprobe perf event holds the kernel's event_mutex through its grace period (~116 ms), so
 # seven closed in turn kept malloc's breakpoint for ~0.8 s after every burst.
-BPF_PROG_LOAD = 5
-BPF_LINK_CREATE = 28
 BPF_PROG_TYPE_KPROBE = 2
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_F_UPROBE_MULTI_RETURN = 1
@@ -280,11 +278,11 @@ def load_uprobe_multi(bpf: Any, name: str) -> int:
         expected_attach_type=BPF_TRACE_UPROBE_MULTI,
     )
     try:
-        fd = syscalls.bpf(BPF_PROG_LOAD, attr)
+        fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
     except OSError:
         attr.log_level = 1
         try:
-            fd = syscalls.bpf(BPF_PROG_LOAD, attr)
+            fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
         except OSError as e:
             raise OSError(
                 e.errno, f"loading {name}: {e.strerror}: {log_buf.value[-2000:].decode(errors='replace')}"
@@ -306,7 +304,7 @@ def open_link(prog_fd: int, path: bytes, offsets: list[int], pid: int, ret: bool
         multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0,
         pid=pid,
     )
-    return syscalls.bpf(BPF_LINK_CREATE, attr)
+    return syscalls.bpf(syscalls.BPF_LINK_CREATE, attr)
 
 
 @dataclass
