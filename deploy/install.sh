@@ -72,7 +72,7 @@ tar --exclude='./.*' --exclude=./build --exclude='./*.egg-info' --exclude=./test
     --exclude='__pycache__' -cf - . | tar -xf - -C "$src"
 say "installing ebpfprofiler and its pinned dependencies into $VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check --use-pep517 -c requirements.txt "$src"
-"$VENV/bin/python" -c 'import bcc, zmq, elftools, google.protobuf, requests, prctl, yaml, cli.main' \
+"$VENV/bin/python" -c 'import bcc, zmq, google.protobuf, requests, prctl, yaml, cli.main' \
     || die "$VENV is incomplete; remove it and run make install again"
 for stage in collector symbolizer runtime uploader; do
     [ -x "$VENV/bin/ebpfprofiler-$stage" ] || die "$VENV/bin/ebpfprofiler-$stage was not installed"

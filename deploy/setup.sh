@@ -202,7 +202,7 @@ if ! stamp_matches "$VENV/.requirements" "$want"; then
 fi
 
 # --- 6. what the tests add ------------------------------------------------------------
-checks='import bcc, zmq, elftools, google.protobuf, requests, prctl, yaml, cli.main'
+checks='import bcc, zmq, google.protobuf, requests, prctl, yaml, cli.main'
 if [ "$MODE" = test ]; then
     want=$(sha256sum requirements.txt requirements-dev.txt)
     if ! stamp_matches "$VENV/.requirements-dev" "$want"; then
