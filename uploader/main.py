@@ -381,13 +381,28 @@ def finish_delivery(delivery: Delivery, c: Counter[str], log: logging.Logger) ->
     )
 
 
+# What the spool counts (spool.py's Spool.counts), written at exit as spool_<name>: what became of
+# the profiles, and why some were refused or dropped (the exit line has only the first).
+SPOOL_TOTALS = (
+    "spooled",
+    "duplicates",
+    "delivered",
+    "dead_lettered",
+    "dropped",
+    "refused_too_large",
+    "refused_no_space",
+    "no_space_errors",
+    "write_errors",
+)
+
+
 def exit_totals(received: Counter[str], spooled: Counter[str] | None = None, rejected: int = 0) -> dict[str, int]:
     """The exit line's counts as counters: the messages the receive loop answered stored, refused or
-    retry (`messages_*`), and with an endpoint what became of spooled profiles (`spool_*`) and the
+    retry (`messages_*`), and with an endpoint what the spool counted (`spool_*`, SPOOL_TOTALS) and the
     profiles a 2xx reply rejected (what is left in the spool is its files)."""
     out = {f"messages_{status}": received[status] for status in ("stored", "refused", "retry")}
     if spooled is not None:
-        out |= {f"spool_{what}": spooled[what] for what in ("delivered", "dead_lettered", "dropped")}
+        out |= {f"spool_{what}": spooled[what] for what in SPOOL_TOTALS}
         out["rejected_in_2xx"] = rejected
     return out
 
