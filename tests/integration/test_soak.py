@@ -77,16 +77,9 @@ def ready_line(p: subprocess.Popen) -> str:
     return p.stdout.readline()
 
 
-@pytest.fixture(scope="module")
-def soak(
-    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
-) -> Iterator[Soak]:
-    require_root()
-    hot, jit = build("hot"), build("jit")
-    duty = build("duty")
-    libc_id_copy = build("duty", [*FRAME_POINTER_FLAGS, f"-Wl,--build-id=0x{libc_build_id()}"])
-    work = tmp_path_factory.mktemp("soak")
-    home = open_dir("soak")
+def hostile_copies(home: Path, duty: Path, libc_id_copy: Path) -> dict[str, bytes]:
+    """`duty` under a directory named ff fe (not UTF-8) and under 1,400 newlines, and the copy with
+    libc's build id: their paths by kind."""
     root = os.fsencode(home)
     bytes_dir = os.path.join(root, b"\xff\xfe")
     os.mkdir(bytes_dir, 0o755)
@@ -102,36 +95,64 @@ def soak(
     shutil.copy(os.fsencode(duty), exes["bytes"])
     shutil.copy(os.fsencode(duty), exes["newlines"])
     shutil.copy(os.fsencode(libc_id_copy), exes["libc_id"])
+    return exes
+
+
+def soak_pipeline(work: Path, receiver: Receiver) -> Pipeline:
+    """The whole pipeline, one symbolizer worker, Python stacks read, 10 s windows, posting to `receiver`."""
+    return Pipeline(
+        work,
+        ProfilerConfig(
+            sample_hz=SAMPLE_HZ,
+            upload_interval_s=10,
+            symbolizer_workers=1,
+            endpoint=receiver.url,
+            local_dir=str(work / "unused"),
+            python_stacks=True,
+            offcpu=False,
+        ),
+    )
+
+
+def start_the_soak_programs(
+    procs: list[subprocess.Popen], exes: dict[str, bytes], duty: Path, fake_python: Path, jit: Path
+) -> subprocess.Popen:
+    """The hostile copies, the fake Python's caller and the JIT, each in `procs` once started, and
+    ready: the JIT (its map becomes a FIFO)."""
+    for exe in exes.values():
+        procs.append(subprocess.Popen([exe, str(SOAK_S)], stdout=subprocess.PIPE, text=True))
+    procs.append(subprocess.Popen([duty, str(SOAK_S), fake_python], stdout=subprocess.PIPE, text=True))
+    fifo_jit = subprocess.Popen([str(jit), str(SOAK_S), "own"], stdout=subprocess.PIPE, text=True)
+    procs.append(fifo_jit)
+    for p in procs:
+        assert ready_line(p).split()[:1] == ["ready"]
+    return fifo_jit
+
+
+@pytest.fixture(scope="module")
+def soak(
+    build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
+) -> Iterator[Soak]:
+    require_root()
+    hot, jit = build("hot"), build("jit")
+    duty = build("duty")
+    libc_id_copy = build("duty", [*FRAME_POINTER_FLAGS, f"-Wl,--build-id=0x{libc_build_id()}"])
+    work = tmp_path_factory.mktemp("soak")
+    home = open_dir("soak")
+    exes = hostile_copies(home, duty, libc_id_copy)
     fake_python = home / "python3.13"
     crafted_elf(fake_python)
     receiver = Receiver(work / "received")
     procs = module_started  # killed and reaped at the module's end (conftest.py)
     perf_map: Path | None = None
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                sample_hz=SAMPLE_HZ,
-                upload_interval_s=10,
-                symbolizer_workers=1,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                python_stacks=True,
-                offcpu=False,
-            ),
-        )
+        pipeline = soak_pipeline(work, receiver)
         try:
             wait_for(
                 "the runtime reader", lambda: os.path.exists(endpoints.ready_file(str(pipeline.run_dir), "runtime")), 60
             )
             before = stage_pids(pipeline.run_dir, STAGES)
-            for exe in exes.values():
-                procs.append(subprocess.Popen([exe, str(SOAK_S)], stdout=subprocess.PIPE, text=True))
-            procs.append(subprocess.Popen([duty, str(SOAK_S), fake_python], stdout=subprocess.PIPE, text=True))
-            fifo_jit = subprocess.Popen([str(jit), str(SOAK_S), "own"], stdout=subprocess.PIPE, text=True)
-            procs.append(fifo_jit)
-            for p in procs:
-                assert ready_line(p).split()[:1] == ["ready"]
+            fifo_jit = start_the_soak_programs(procs, exes, duty, fake_python, jit)
             perf_map = Path(f"/tmp/perf-{fifo_jit.pid}.map")
             perf_map.unlink()
             os.mkfifo(perf_map, 0o644)
