@@ -4,26 +4,33 @@ Owns: DrivenReader (runtimes/main.py's Reader in the test process: the
 collector's announcements in, built from /proc by the collector's own
 read_process; ticks; its closed windows out as stacks), start and go (a
 workload started with a pipe for stdin, and its go), spinner (a CPython
-script whose stacks are known), and the interpreter the runtime tests run
-(PYTHON311). Every runtime's integration tests and the runtime contract
-tests (tests/unit/test_runtime_contract.py) use it; no test module imports
-another.
+script whose stacks are known), the interpreter the runtime tests run
+(PYTHON311), and the pipeline a runtime's module fixture profiles its
+workloads with (runtime_config, runtime_pipeline, wait_for_stacks,
+start_logged, wait_warmed_up). Every runtime's integration tests and the
+runtime contract tests (tests/unit/test_runtime_contract.py) use it; no test
+module imports another.
 
-Must not: assert (the tests do), or mock what a runtime decides.
+Must not: assert what a test judges (the tests do; the harness asserts only
+that its processes started and ended cleanly), or mock what a runtime decides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from collector.procfs import read_process
 from runtimes.main import Reader
+from shared import endpoints
 from shared.config import ProfilerConfig
 from shared.labels import process_labels
 from shared.wire import ProcessAnnouncement
+from tests.harness import Pipeline, Receiver, wait_for
 
 PYTHON311 = "/usr/bin/python3.11"
 
@@ -112,3 +119,61 @@ def spinner(directory: Path) -> Path:
     path = directory / "spinner.py"
     path.write_text(SPINNER)
     return path
+
+
+def runtime_config(work: Path, receiver: Receiver, runtime: str, **changes: Any) -> ProfilerConfig:
+    """The config of a runtime's pipeline test: 5 s windows to `receiver`, plain pids, `runtime`'s stacks
+    alone, and `changes` over that. Other processes of a busy test host are read too; a budget the
+    test's CPU will not hit keeps the reader at full rate for the workloads. Nothing else of the
+    pipeline competes for the CPU with the workloads: building unwind tables for every process on a
+    fresh start takes seconds of CPU, and a preempted thread's wall time blurs the ratios judged."""
+    fields: dict[str, Any] = {
+        "upload_interval_s": 5,
+        "endpoint": receiver.url,
+        "local_dir": str(work / "unused"),
+        "plain_pid": True,
+        "python_stacks": False,
+        "runtime_stacks": (runtime,),
+        "cpu_budget": 50.0,
+        "dwarf_unwind": False,
+        "offcpu": False,
+    }
+    return ProfilerConfig(**{**fields, **changes})
+
+
+@contextlib.contextmanager
+def runtime_pipeline(work: Path, cfg: ProfilerConfig) -> Iterator[Pipeline]:
+    """The pipeline run with `cfg`, once its runtime reader is ready; stopped on the way out, and its
+    exit 0 asserted when the body ended without an error."""
+    pipeline = Pipeline(work, cfg)
+    try:
+        ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
+        wait_for("the runtime reader", ready.exists, timeout=30)
+        yield pipeline
+    finally:
+        code = pipeline.stop()
+    assert code == 0, pipeline.log()
+
+
+def wait_for_stacks(pipeline: Pipeline, what: str, enough: Callable[[], bool], timeout: float) -> None:
+    """wait_for `enough`, each second; when it times out, the runtime reader's last lines say why."""
+    try:
+        wait_for(what, enough, timeout=timeout, interval=1.0)
+    except AssertionError as e:
+        runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
+        raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+
+
+def start_logged(argv: list[str], out: Path, started: list[subprocess.Popen]) -> subprocess.Popen:
+    """argv with its output in `out` and no stdin, handed to `started` (a module's module_started:
+    killed and reaped at the module's end, conftest.py) as it starts."""
+    with open(out, "w") as f:
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    started.append(p)
+    return p
+
+
+def wait_warmed_up(name: str, p: subprocess.Popen, out: Path, marker: str) -> None:
+    """Until `marker` is in p's output `out`, or p ends (asserted it did not)."""
+    wait_for(f"{name}'s warm-up", lambda: marker in out.read_text() or p.poll() is not None, timeout=90, interval=0.2)
+    assert p.poll() is None, f"{name} ended:\n{out.read_text()[-2000:]}"

@@ -36,10 +36,10 @@ import pytest
 
 from bench.assets import jdks
 from receiver.store import list_profiles
-from shared import endpoints, pprof
-from shared.config import ProfilerConfig
+from shared import pprof
 from tests import harness
 from tests.harness import Pipeline, Receiver, require_root, wait_for
+from tests.runtime_harness import runtime_config, runtime_pipeline, start_logged, wait_warmed_up
 
 VERSIONS = jdks.VERSIONS
 SAMPLE_HZ = 127
@@ -109,71 +109,54 @@ def count(samples: list[pprof.ReadSample]) -> int:
     return sum(s.values[0] for s in samples)
 
 
+def start_jdks(
+    work: Path, classes: Path, javas: dict[str, Path], started: list[subprocess.Popen]
+) -> tuple[dict[str, subprocess.Popen], dict[str, Path]]:
+    """JvmSpin on every JDK, each handed to `started` as it starts; (version → process, version → its
+    output) once every one has warmed up."""
+    procs: dict[str, subprocess.Popen] = {}
+    outs: dict[str, Path] = {}
+    for v, java in javas.items():
+        outs[v] = work / f"jdk{v}.out"
+        argv = [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSpin", str(WORKLOAD_SECONDS), "1"]
+        procs[v] = start_logged(argv, outs[v], started)
+    for v, p in procs.items():
+        wait_warmed_up(f"JDK {v}", p, outs[v], "ready\n")
+    return procs, outs
+
+
+def wait_for_spins(pipeline: Pipeline, receiver: Receiver, procs: dict[str, subprocess.Popen], since_ns: int) -> None:
+    """Until every JDK's spinning thread has WANT_SAMPLES samples received since `since_ns`; when it times
+    out, their counts and the pipeline's lines of the runtime reader and of registration say why."""
+
+    def enough() -> bool:
+        got = spin_samples(receiver.dir, since_ns)
+        return all(count(got.get(p.pid, [])) >= WANT_SAMPLES for p in procs.values())
+
+    try:
+        wait_for("jvm_cpu profiles of every JDK", enough, timeout=240, interval=1.0)
+    except AssertionError as e:
+        got = spin_samples(receiver.dir, since_ns)
+        runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "regist" in ln]
+        raise AssertionError(
+            f"{e}; samples {[count(got.get(p.pid, [])) for p in procs.values()]}; "
+            "the pipeline said:\n" + "\n".join(runtime_log[-30:])
+        ) from None
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    """Given the pipeline sampling JVM threads on CPU, when JvmSpin runs on every JDK, then its profiles."""
     require_root()
     work = tmp_path_factory.mktemp("jvmcpu")
     classes = jdks.classes(jdks.SPIN_SOURCE)
     javas = {v: jdks.java_of(v) for v in VERSIONS}
     receiver = Receiver(work / "received")
-    procs: dict[str, subprocess.Popen] = {}
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                upload_interval_s=5,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                plain_pid=True,
-                python_stacks=False,
-                runtime_stacks=("jvm",),
-                cpu_budget=50.0,
-                dwarf_unwind=False,
-                offcpu=False,
-                sample_hz=SAMPLE_HZ,
-            ),
-        )
-        try:
-            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
-            wait_for("the runtime reader", ready.exists, timeout=30)
-            outs: dict[str, Path] = {}
-            for v, java in javas.items():
-                outs[v] = work / f"jdk{v}.out"
-                with open(outs[v], "w") as f:
-                    p = subprocess.Popen(
-                        [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSpin", str(WORKLOAD_SECONDS), "1"],
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                    )
-                module_started.append(p)  # killed and reaped at the module's end (conftest.py)
-                procs[v] = p
-            for v, p in procs.items():
-                wait_for(
-                    f"JDK {v}'s warm-up",
-                    lambda: "ready\n" in outs[v].read_text() or p.poll() is not None,
-                    timeout=90,
-                    interval=0.2,
-                )
-                assert p.poll() is None, f"JDK {v} ended:\n{outs[v].read_text()[-2000:]}"
+        with runtime_pipeline(work, runtime_config(work, receiver, "jvm", sample_hz=SAMPLE_HZ)) as pipeline:
+            procs, outs = start_jdks(work, classes, javas, module_started)
             warm_ns = time.time_ns()
-
-            def enough() -> bool:
-                got = spin_samples(receiver.dir, warm_ns)
-                return all(count(got.get(p.pid, [])) >= WANT_SAMPLES for p in procs.values())
-
-            try:
-                wait_for("jvm_cpu profiles of every JDK", enough, timeout=240, interval=1.0)
-            except AssertionError as e:
-                got = spin_samples(receiver.dir, warm_ns)
-                runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln or "regist" in ln]
-                raise AssertionError(
-                    f"{e}; samples {[count(got.get(p.pid, [])) for p in procs.values()]}; "
-                    "the pipeline said:\n" + "\n".join(runtime_log[-30:])
-                ) from None
-        finally:
-            code = pipeline.stop()
-        assert code == 0, pipeline.log()
+            wait_for_spins(pipeline, receiver, procs, warm_ns)
         yield Run(procs, outs, spin_samples(receiver.dir, warm_ns), pipeline.log())
     finally:
         receiver.stop()

@@ -48,11 +48,18 @@ from receiver.store import list_profiles
 from runtimes import jvm
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.runtime import FileCache, ProcessContext
-from shared import endpoints, pprof
-from shared.config import ProfilerConfig
+from shared import pprof
 from tests import harness
-from tests.harness import Pipeline, Receiver, require_root, wait_for
-from tests.runtime_harness import DrivenReader, start
+from tests.harness import Receiver, require_root
+from tests.runtime_harness import (
+    DrivenReader,
+    runtime_config,
+    runtime_pipeline,
+    start,
+    start_logged,
+    wait_for_stacks,
+    wait_warmed_up,
+)
 
 VERSIONS = jdks.VERSIONS
 # Worker threads per JVM: 5,000 worker stacks judge 3:1 within ±10% (2.8 standard deviations of a
@@ -129,74 +136,50 @@ def read_kinds(pid: int, rounds: int = 40) -> Counter[tuple[str, str]]:
     return out
 
 
+def start_jdks(
+    work: Path, classes: Path, javas: dict[str, Path], started: list[subprocess.Popen]
+) -> dict[str, Workload]:
+    """JvmSplit on every JDK, each handed to `started` (killed and reaped at the module's end,
+    conftest.py) as it starts; returned once every one has warmed up."""
+    workloads: dict[str, Workload] = {}
+    for v, java in javas.items():
+        out = work / f"jdk{v}.out"
+        argv = [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSplit", str(WORKLOAD_SECONDS), str(WORKERS)]
+        workloads[v] = Workload(v, start_logged(argv, out, started), out)
+    for w in workloads.values():
+        wait_warmed_up(f"JDK {w.version}", w.proc, w.out, "\nready\n")
+    return workloads
+
+
+def worker_stacks_of_every_jdk(receiver: Receiver, workloads: dict[str, Workload], since_ns: int) -> bool:
+    """Whether every JDK's worker threads have WANT_STACKS stacks received since `since_ns`."""
+    got = received_samples(receiver.dir, since_ns)
+    return all(
+        sum(s.values[0] for s in got.get(w.proc.pid, []) if str(s.labels.get("thread.name", "")).startswith("worker-"))
+        >= WANT_STACKS
+        for w in workloads.values()
+    )
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    """Given the pipeline reading JVM stacks, when JvmSplit runs on every JDK, then its profiles."""
     require_root()
     work = tmp_path_factory.mktemp("jvm")
     classes = jdks.classes()
     javas = {v: jdks.java_of(v) for v in VERSIONS}
     receiver = Receiver(work / "received")
-    workloads: dict[str, Workload] = {}
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                upload_interval_s=5,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                plain_pid=True,
-                python_stacks=False,
-                runtime_stacks=("jvm",),
-                cpu_budget=50.0,
-                dwarf_unwind=False,
-                offcpu=False,
-            ),
-        )
-        try:
-            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
-            wait_for("the runtime reader", ready.exists, timeout=30)
-            for v, java in javas.items():
-                out = work / f"jdk{v}.out"
-                with open(out, "w") as f:
-                    p = subprocess.Popen(
-                        [str(java), *JAVA_FLAGS, "-cp", str(classes), "JvmSplit", str(WORKLOAD_SECONDS), str(WORKERS)],
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                    )
-                module_started.append(p)  # killed and reaped at the module's end (conftest.py)
-                workloads[v] = Workload(v, p, out)
-            for w in workloads.values():
-                wait_for(
-                    f"JDK {w.version}'s warm-up",
-                    lambda: "\nready\n" in w.out.read_text() or w.proc.poll() is not None,
-                    timeout=90,
-                    interval=0.2,
-                )
-                assert w.proc.poll() is None, f"JDK {w.version} ended:\n{w.out.read_text()[-2000:]}"
+        with runtime_pipeline(work, runtime_config(work, receiver, "jvm")) as pipeline:
+            workloads = start_jdks(work, classes, javas, module_started)
             warm_ns = time.time_ns()
-
-            def enough() -> bool:
-                got = received_samples(receiver.dir, warm_ns)
-                return all(
-                    sum(
-                        s.values[0]
-                        for s in got.get(w.proc.pid, [])
-                        if str(s.labels.get("thread.name", "")).startswith("worker-")
-                    )
-                    >= WANT_STACKS
-                    for w in workloads.values()
-                )
-
-            try:
-                wait_for("jvm_wall profiles of every JDK", enough, timeout=150, interval=1.0)
-            except AssertionError as e:
-                runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
-                raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+            wait_for_stacks(
+                pipeline,
+                "jvm_wall profiles of every JDK",
+                lambda: worker_stacks_of_every_jdk(receiver, workloads, warm_ns),
+                timeout=150,
+            )
             kinds = {v: read_kinds(w.proc.pid) for v, w in workloads.items()}
-        finally:
-            code = pipeline.stop()
-        assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), received_samples(receiver.dir, warm_ns), kinds)
     finally:
         receiver.stop()

