@@ -34,18 +34,60 @@ while time.monotonic() < end:
 """
 
 
-def test_many_long_mappings_cost_the_others_nothing(
-    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
-) -> None:
-    require_root()
-    hot = build("hot")
-    home = open_dir("mappings")
+def long_named_file(home: Path) -> Path:
+    """A 4 KB file under `home`, at a path of 960 bytes of "é"."""
     d = home
     for _ in range(4):
         d = d / ("é" * 120)
     d.mkdir(parents=True)
     target = d / "file"
     target.write_bytes(b"\0" * 4096)
+    return target
+
+
+def start_hostile(target: Path, started: list[subprocess.Popen]) -> list[subprocess.Popen]:
+    """Two processes mapping `target` MAPPINGS times and spinning SPIN_S seconds, handed to `started`;
+    returned once both have mapped it."""
+    hostile = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOSTILE, str(target), str(MAPPINGS), str(SPIN_S)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    started.extend(hostile)
+    for h in hostile:
+        assert h.stdout is not None and h.stdout.readline().strip() == "ready"
+    return hostile
+
+
+def wait_cut_and_ordinary(pipeline: Pipeline, receiver: Receiver, hot: Path) -> None:
+    """Until the collector counts the cut mapping tables and the ordinary process's samples arrive."""
+    wait_for(
+        "the mapping tables cut, counted",
+        lambda: counters.read_all(str(pipeline.run_dir)).get("collector", {}).get("mappings_cut", 0) >= MAPPINGS,
+        timeout=30,
+    )
+    wait_for(
+        "the ordinary process's samples",
+        lambda: any(
+            s.labels.get("process.executable") == str(hot.resolve())
+            for r in read_received(receiver.dir)
+            if r.meta["type"] == "cpu"
+            for s in r.profile.samples
+        ),
+        timeout=60,
+    )
+
+
+def test_many_long_mappings_cost_the_others_nothing(
+    build: Callable[..., Path], tmp_path: Path, started: list[subprocess.Popen]
+) -> None:
+    require_root()
+    hot = build("hot")
+    home = open_dir("mappings")
+    target = long_named_file(home)
     receiver = Receiver(tmp_path / "received")
     try:
         pipeline = Pipeline(
@@ -62,37 +104,11 @@ def test_many_long_mappings_cost_the_others_nothing(
             ),
         )
         try:
-            hostile = [
-                subprocess.Popen(
-                    [sys.executable, "-c", HOSTILE, str(target), str(MAPPINGS), str(SPIN_S)],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                for _ in range(2)
-            ]
-            started.extend(hostile)
-            for h in hostile:
-                assert h.stdout is not None and h.stdout.readline().strip() == "ready"
+            hostile = start_hostile(target, started)
             ordinary = subprocess.Popen([str(hot), "6"], stdout=subprocess.DEVNULL)
             started.append(ordinary)
             assert ordinary.wait(timeout=60) == 0
-            wait_for(
-                "the mapping tables cut, counted",
-                lambda: (
-                    counters.read_all(str(pipeline.run_dir)).get("collector", {}).get("mappings_cut", 0) >= MAPPINGS
-                ),
-                timeout=30,
-            )
-            wait_for(
-                "the ordinary process's samples",
-                lambda: any(
-                    s.labels.get("process.executable") == str(hot.resolve())
-                    for r in read_received(receiver.dir)
-                    if r.meta["type"] == "cpu"
-                    for s in r.profile.samples
-                ),
-                timeout=60,
-            )
+            wait_cut_and_ordinary(pipeline, receiver, hot)
         finally:
             code = pipeline.stop()
         assert code == 0

@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -289,6 +290,49 @@ def test_frames_name_the_functions_and_the_script(run: Run, version: str) -> Non
     assert set(seen) == {"cpu_a", "cpu_b", "run", "work"}, f"Node {version}: {seen}"
 
 
+@dataclass
+class Tally:
+    """Per Node version, what the driven reader read: work()'s frames by kind (split workload), whether
+    by_value() was under the sort builtin (sort workload), whether the blocked process's leaf was
+    Atomics.wait under blocked_here() (block workload); stacks each."""
+
+    kinds: dict[str, Counter[str]]
+    sorts: dict[str, Counter[bool]]
+    blocks: dict[str, Counter[bool]]
+
+    @classmethod
+    def of(cls, versions: tuple[str, ...]) -> Tally:
+        return cls({v: Counter() for v in versions}, {v: Counter() for v in versions}, {v: Counter() for v in versions})
+
+    def add(self, version: str, mode: str, frames: tuple[Any, ...], n: int) -> None:
+        if mode == "split":
+            for f in frames:
+                if f.function == "work":
+                    self.kinds[version][f.kind] += n
+        elif mode == "sort" and frames[0].function == "by_value":
+            caller, outer = frames[1], frames[2]
+            self.sorts[version][
+                (caller.function, caller.filename, caller.line, caller.kind, outer.function)
+                == ("sort", "", 0, "builtin", "sort_loop")
+            ] += n
+        elif mode == "block":
+            leaf, caller = frames[0], frames[1] if len(frames) > 1 else frames[0]
+            self.blocks[version][
+                (leaf.function, leaf.filename, leaf.kind, caller.function, caller.filename)
+                == ("wait", "", "builtin", "blocked_here", str(SCRIPT))
+            ] += n
+
+    def enough(self) -> bool:
+        return (
+            all(
+                sum(n for kind, n in k.items() if kind not in ("interpreted", "baseline")) >= WANT_OPTIMIZED
+                for k in self.kinds.values()
+            )
+            and all(self.sorts[v][True] >= WANT_SORTED for v in SORT_VERSIONS)
+            and all(c[True] >= WANT_OPTIMIZED for c in self.blocks.values())
+        )
+
+
 def test_the_hot_function_runs_optimized_and_builtins_are_named(
     tmp_path: Path,
     started: list[subprocess.Popen],
@@ -307,40 +351,16 @@ def test_the_hot_function_runs_optimized_and_builtins_are_named(
             for v in versions
             for mode in ("split", "sort", "block")
         }
-        kinds: dict[str, Counter[str]] = {v: Counter() for v in versions}
-        sorts: dict[str, Counter[bool]] = {v: Counter() for v in versions}
-        blocks: dict[str, Counter[bool]] = {v: Counter() for v in versions}
+        tally = Tally.of(versions)
 
         def enough() -> bool:
             driven.announce(*pids, full=True)
             driven.tick()
             for (labels, frames), n in driven.stacks().items():
                 v, mode = pids.get(int(dict(labels)["thread.id"]), ("", ""))  # the main thread's id is the pid
-                if mode == "split":
-                    for f in frames:
-                        if f.function == "work":
-                            kinds[v][f.kind] += n
-                elif mode == "sort" and frames[0].function == "by_value":
-                    caller, outer = frames[1], frames[2]
-                    sorts[v][
-                        (caller.function, caller.filename, caller.line, caller.kind, outer.function)
-                        == ("sort", "", 0, "builtin", "sort_loop")
-                    ] += n
-                elif mode == "block":
-                    leaf, caller = frames[0], frames[1] if len(frames) > 1 else frames[0]
-                    blocks[v][
-                        (leaf.function, leaf.filename, leaf.kind, caller.function, caller.filename)
-                        == ("wait", "", "builtin", "blocked_here", str(SCRIPT))
-                    ] += n
+                tally.add(v, mode, frames, n)
             driven.rows.clear()
-            return (
-                all(
-                    sum(n for kind, n in k.items() if kind not in ("interpreted", "baseline")) >= WANT_OPTIMIZED
-                    for k in kinds.values()
-                )
-                and all(sorts[v][True] >= WANT_SORTED for v in SORT_VERSIONS)
-                and all(c[True] >= WANT_OPTIMIZED for c in blocks.values())
-            )
+            return tally.enough()
 
         try:  # a cold work() is interpreted, then baseline (Sparkplug), then optimized (Maglev, TurboFan)
             wait_for(
@@ -350,10 +370,10 @@ def test_the_hot_function_runs_optimized_and_builtins_are_named(
                 interval=0.05,
             )
         except AssertionError as e:
-            raise AssertionError(f"{e}: {kinds}, {sorts}, {blocks}") from None
-        for v, c in sorts.items():
+            raise AssertionError(f"{e}: {tally.kinds}, {tally.sorts}, {tally.blocks}") from None
+        for v, c in tally.sorts.items():
             assert c[False] <= 0.1 * c[True], f"Node {v}: by_value() under something else than sort: {c}"
-        for v, c in blocks.items():  # its wakeups (a new Atomics.wait each second) are short
+        for v, c in tally.blocks.items():  # its wakeups (a new Atomics.wait each second) are short
             assert c[False] <= 0.05 * c[True], f"Node {v}: the blocked process was not in wait: {c}"
     finally:
         driven.close()

@@ -65,6 +65,32 @@ def start_workload(started: list[subprocess.Popen], *argv: str, user: int | None
     return p
 
 
+def run_hot(started: list[subprocess.Popen], hot: Path) -> tuple[float, int]:
+    """The hot loop run to its end: (the CPU seconds it says it used, its pid)."""
+    p = start_workload(started, str(hot), str(HOT_CPU_SECONDS))
+    out, _ = p.communicate(timeout=60)
+    return float(out.split("=")[1]), p.pid
+
+
+def run_syscall_and_jits(
+    started: list[subprocess.Popen], syscall: Path, jit: Path, jit_symlink: Path, stolen: Path
+) -> int:
+    """The syscall workload, the JIT with its own perf map and the symlinking one (as nobody, its perf
+    map pointed at `stolen`, which names its code) together, each to a clean end; the symlinking one's pid."""
+    sc = start_workload(started, str(syscall), "3")
+    jt = start_workload(started, str(jit), "3", "own")
+    js = start_workload(started, str(jit_symlink), "3", "symlink", str(stolen), user=65534)
+    for q in (jt, js):
+        assert q.stdout is not None
+        line = q.stdout.readline().split()
+        assert line[:1] == ["ready"], line
+    stolen.write_text(f"{line[1]} 10 stolen_name\n")
+    for q in (sc, jt, js):
+        q.communicate(timeout=60)
+        assert q.returncode == 0
+    return js.pid
+
+
 @pytest.fixture(scope="module")
 def run(
     build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
@@ -79,7 +105,6 @@ def run(
     shared_dir.chmod(0o755)
     jit_symlink = shared_dir / "jit_symlink"
     shutil.copy(jit, jit_symlink)
-    stolen = shared_dir / "stolen.map"
     receiver = Receiver(work / "received")
     try:
         pipeline = Pipeline(
@@ -95,25 +120,10 @@ def run(
             ),
         )
         try:
-            p = start_workload(module_started, str(hot), str(HOT_CPU_SECONDS))
-            out, _ = p.communicate(timeout=60)
-            hot_cpu = float(out.split("=")[1])
-            hot_pid = p.pid
-
-            sc = start_workload(module_started, str(syscall), "3")
-            jt = start_workload(module_started, str(jit), "3", "own")
-            js = start_workload(module_started, str(jit_symlink), "3", "symlink", str(stolen), user=65534)
-            for q in (jt, js):
-                assert q.stdout is not None
-                line = q.stdout.readline().split()
-                assert line[:1] == ["ready"], line
-            stolen.write_text(f"{line[1]} 10 stolen_name\n")
-            for q in (sc, jt, js):
-                q.communicate(timeout=60)
-                assert q.returncode == 0
-            collector_progs, _ = bpf_holdings(
-                int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text())
-            )
+            hot_cpu, hot_pid = run_hot(module_started, hot)
+            symlink_pid = run_syscall_and_jits(module_started, syscall, jit, jit_symlink, shared_dir / "stolen.map")
+            collector = int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text())
+            collector_progs, _ = bpf_holdings(collector)
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
@@ -125,7 +135,7 @@ def run(
             str(syscall.resolve()),
             str(jit.resolve()),
             str(jit_symlink),
-            js.pid,
+            symlink_pid,
             pipeline.log(),
             collector_progs,
         )

@@ -108,72 +108,98 @@ def test_record_to_folded_stacks_keeps_the_workloads_ratio(
     del other
 
 
+class Terminal:
+    """A pseudo-terminal: its program's side (slave, closed here once handed over), and what the
+    program has drawn on it so far (read)."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = pty.openpty()
+        self.screen = b""
+
+    def read(self) -> bytes:
+        while select.select([self.master], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.screen += chunk
+        return self.screen
+
+    def close(self) -> None:
+        os.close(self.master)
+
+
+def record_on(terminal: Terminal, cwd: Path, pid: int, started: list[subprocess.Popen]) -> subprocess.Popen:
+    """`record` of `pid` for 120 s to out.folded, on `terminal`, in a session of its own."""
+    p = subprocess.Popen(
+        [PY, "-m", "cli.main", "record", "-d", "120", "-p", str(pid), "-o", "out.folded"],
+        cwd=cwd,
+        stdout=terminal.slave,
+        stderr=terminal.slave,
+        start_new_session=True,
+    )
+    started.append(p)  # killed with its session at the end, if a check failed before the Ctrl-C
+    os.close(terminal.slave)
+    return p
+
+
+def recording(p: subprocess.Popen, terminal: Terminal) -> tuple[dict[int, int], set[int]]:
+    """Once two progress lines with samples are drawn: (record's descendants, pid → start time; the BPF
+    programs its collector holds, asserted some)."""
+    # the progress line is redrawn in place (carriage return, erase line) with live figures
+    wait_for(
+        "two progress lines with samples",
+        lambda: (
+            len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes", terminal.read()))
+            >= 2
+        ),
+        RECORD_TIMEOUT_S,
+        0.2,
+    )
+    tree = _descendants(p.pid)  # record → its `run` (a session of its own) → the stages
+    collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
+    progs, _ = bpf_holdings(collector)
+    assert progs, "the recording's collector holds no BPF program"
+    return tree, progs
+
+
+def assert_nothing_left(session: int, tree: dict[int, int], workspaces_before: set[Path], progs: set[int]) -> None:
+    """No process of the recording's session or of the agent it ran, no workspace, and none of its BPF
+    programs (the kernel frees a tail-call array's programs a moment later)."""
+    left = [
+        pid
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if _sid(pid) == session or (pid, _start(pid)) in tree.items()
+    ]
+    assert not left, left
+    assert set(Path("/tmp").glob("ebpfprofiler-record-*")) <= workspaces_before
+    wait_for(
+        "the recording's BPF programs to be freed",
+        lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
+        10,
+    )
+
+
 def test_ctrl_c_on_a_terminal_ends_early_writes_the_result_and_leaves_nothing(
     private_cwd: Path, workload: Callable[[str], subprocess.Popen[bytes]], started: list[subprocess.Popen]
 ) -> None:
     hot = workload("hot")
     workspaces_before = set(Path("/tmp").glob("ebpfprofiler-record-*"))
-    master, slave = pty.openpty()
-    p = subprocess.Popen(
-        [PY, "-m", "cli.main", "record", "-d", "120", "-p", str(hot.pid), "-o", "out.folded"],
-        cwd=private_cwd,
-        stdout=slave,
-        stderr=slave,
-        start_new_session=True,
-    )
-    started.append(p)  # killed with its session at the end, if a check failed before the Ctrl-C
-    os.close(slave)
-    screen = b""
-
-    def read() -> bytes:
-        nonlocal screen
-        while select.select([master], [], [], 0)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            screen += chunk
-        return screen
-
-    tree: dict[int, int] = {}
+    terminal = Terminal()
+    p = record_on(terminal, private_cwd, hot.pid, started)
     try:
-        # the progress line is redrawn in place (carriage return, erase line) with live figures
-        wait_for(
-            "two progress lines with samples",
-            lambda: (
-                len(re.findall(rb"\r\x1b\[Krecording: +\d+ s left, [1-9]\d* cpu samples, 1 processes", read())) >= 2
-            ),
-            RECORD_TIMEOUT_S,
-            0.2,
-        )
-        tree.update(_descendants(p.pid))  # record → its `run` (a session of its own) → the stages
-        collector = next(pid for pid in tree if b"collector.main" in _cmdline(pid))
-        progs, _ = bpf_holdings(collector)
-        assert progs, "the recording's collector holds no BPF program"
+        tree, progs = recording(p, terminal)
         interrupted = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's foreground group
-        assert p.wait(RECORD_TIMEOUT_S) == 0, read().decode(errors="replace")
+        assert p.wait(RECORD_TIMEOUT_S) == 0, terminal.read().decode(errors="replace")
         assert time.monotonic() - interrupted < 60
         out = (private_cwd / "out.folded").read_text()
         assert "main;top;mid;leaf " in out, out
-        # nothing of the recording is left: no process of its session or of the agent it ran, no workspace
-        left = [
-            pid
-            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if _sid(pid) == p.pid or (pid, _start(pid)) in tree.items()
-        ]
-        assert not left, left
-        assert set(Path("/tmp").glob("ebpfprofiler-record-*")) <= workspaces_before
-        # and none of its BPF programs (the kernel frees a tail-call array's programs a moment later)
-        wait_for(
-            "the recording's BPF programs to be freed",
-            lambda: not progs & {q["id"] for q in bpftool("prog", "show")},
-            10,
-        )
+        assert_nothing_left(p.pid, tree, workspaces_before, progs)
     finally:
-        os.close(master)
+        terminal.close()
 
 
 def test_record_killed_outright_takes_its_agent_and_bpf_programs_with_it(

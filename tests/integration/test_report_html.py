@@ -172,51 +172,53 @@ def share_of(profile: pprof.ReadProfile, name: str) -> float:
     return through / total
 
 
-def test_the_report_draws_searches_zooms_and_shows_in_chromium(
-    tmp_path: Path, ratio_workload: subprocess.Popen[bytes]
-) -> None:
-    require_root()
+def record_and_report(directory: Path, pid: int) -> str:
+    """5 s of `pid` recorded to out.pb.gz, and report.html of it and of an off-CPU profile of two other
+    services (as the agent's local_dir would hold them), in `directory`; the page."""
     r = subprocess.run(
-        [PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199", "-p", str(ratio_workload.pid), "-o", "out.pb.gz"],
-        cwd=tmp_path,
+        [PY, "-m", "cli.main", "record", "-d", "5", "--hz", "199", "-p", str(pid), "-o", "out.pb.gz"],
+        cwd=directory,
         capture_output=True,
         text=True,
         timeout=RECORD_TIMEOUT_S,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    # and a second profile type of two other services, as the agent's local_dir would hold it
-    (tmp_path / "offcpu-20261201T000000Z-1.pb.gz").write_bytes(offcpu_profile("/usr/bin/sleeper"))
-    (tmp_path / "offcpu-20261201T000000Z-2.pb.gz").write_bytes(offcpu_profile("/usr/bin/waiter"))
+    offcpu = ["offcpu-20261201T000000Z-1.pb.gz", "offcpu-20261201T000000Z-2.pb.gz"]
+    (directory / offcpu[0]).write_bytes(offcpu_profile("/usr/bin/sleeper"))
+    (directory / offcpu[1]).write_bytes(offcpu_profile("/usr/bin/waiter"))
     r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "cli.main",
-            "report",
-            "out.pb.gz",
-            "offcpu-20261201T000000Z-1.pb.gz",
-            "offcpu-20261201T000000Z-2.pb.gz",
-            "-o",
-            "report.html",
-        ],
-        cwd=tmp_path,
+        [PY, "-m", "cli.main", "report", "out.pb.gz", *offcpu, "-o", "report.html"],
+        cwd=directory,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    page = (tmp_path / "report.html").read_text()
-    # one file, nothing fetched: no external script, style, font or URL to load
-    assert not re.search(r"""<(script|link|img)[^>]+(src|href)=""", page)
-    assert "Content-Security-Policy" in page
-    driven = tmp_path / "driven.html"
+    return (directory / "report.html").read_text()
+
+
+def drive_in_chromium(page: str, directory: Path) -> tuple[dict, Path]:
+    """The page with the frame clock and DRIVE added (driven.html in `directory`), run in chromium:
+    (what DRIVE saw, the driven page)."""
+    driven = directory / "driven.html"
     first_script = page.index("<script")
     driven.write_text(page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", DRIVE + "</body>"))
-
-    dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
+    dom = chromium("--dump-dom", driven.as_uri(), cwd=directory)
     m = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
     assert m, f"the page did not run: {dom.stderr[-3000:]}"
     got = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+    return got, driven
+
+
+def test_the_report_draws_searches_zooms_and_shows_in_chromium(
+    tmp_path: Path, ratio_workload: subprocess.Popen[bytes]
+) -> None:
+    require_root()
+    page = record_and_report(tmp_path, ratio_workload.pid)
+    # one file, nothing fetched: no external script, style, font or URL to load
+    assert not re.search(r"""<(script|link|img)[^>]+(src|href)=""", page)
+    assert "Content-Security-Policy" in page
+    got, driven = drive_in_chromium(page, tmp_path)
     # the flame graph drew the workload's frames
     assert {"main", "work", "heavy", "light"} <= set(got["names"]), got["names"]
     assert got["types"] == ["cpu", "offcpu"]

@@ -131,47 +131,65 @@ def _stacks_of(d: DrivenReader, function: str) -> int:
     return n
 
 
+def start_dotnet_and_spinner(
+    d: DrivenReader, started: list[subprocess.Popen], fake: Path, directory: Path
+) -> tuple[list[subprocess.Popen], subprocess.Popen]:
+    """SILENT_DOTNET fake .NET processes that listen on their diagnostics socket and never answer,
+    announced first, then one that answers like .NET 8, and an ordinary CPython spinner (going), all
+    announced to `d`; (the silent ones, the answering one)."""
+    coreclr = directory / "dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so"
+    coreclr.parent.mkdir(parents=True)
+    coreclr.write_bytes(b"\0" * 4096)
+    silent = [
+        start(started, [str(fake), "silent", str(coreclr), str(WORKLOAD_SECONDS)])[0] for _ in range(SILENT_DOTNET)
+    ]
+    answering, _ = start(started, [str(fake), "answer", str(coreclr), str(WORKLOAD_SECONDS)])
+    spin, _ = start(started, [PYTHON311, str(spinner(directory)), str(WORKLOAD_SECONDS), "return"])
+    go(spin)
+    d.announce(*(p.pid for p in silent))
+    d.announce(answering.pid)
+    d.announce(spin.pid)
+    return silent, answering
+
+
+def tick_until_served(d: DrivenReader, answering: subprocess.Popen) -> tuple[float, float | None, float | None]:
+    """Ticks at the reader's own pace until the answering process is served and every silent one is
+    stalled (or long enough for both); (the longest tick, when it was served, when the spinner's
+    stacks were read), in seconds."""
+    began = time.monotonic()
+    served_at = stacks_at = None
+    longest = 0.0
+    while time.monotonic() - began < ipc.ENABLE_ANSWER_TIMEOUT_S + 2 * SERVED_WITHIN_S:
+        t = time.monotonic()
+        d.tick()
+        longest = max(longest, time.monotonic() - t)
+        if served_at is None and d.reader.targets.entries[answering.pid].state == "served":
+            served_at = time.monotonic() - began
+        if stacks_at is None and _stacks_of(d, "spin"):
+            stacks_at = time.monotonic() - began
+        if (
+            served_at is not None
+            and d.reader.targets.stats.get("pending", 0)
+            and _plugin(d).stats["stalled"] >= SILENT_DOTNET
+        ):
+            break
+        time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))  # the reader's own pace
+    return longest, served_at, stacks_at
+
+
 def test_fake_dotnet_processes_that_never_answer_hold_up_neither_the_others_nor_the_stop(
     tmp_path: Path, build: Callable[..., Path], started: list[subprocess.Popen], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="ebpfprofiler.runtime")
     fake = build("fake_runtime", ["-O1", "-Wall", "-Werror"])
-    coreclr = tmp_path / "dotnet/shared/Microsoft.NETCore.App/8.0.4/libcoreclr.so"
-    coreclr.parent.mkdir(parents=True)
-    coreclr.write_bytes(b"\0" * 4096)
     d = DrivenReader(tmp_path, runtime_stacks=("python_legacy", "dotnet"))
     stopped = False
     try:
-        # Given ten fake .NET processes that listen on their diagnostics socket and never answer, announced
-        # first, then one that answers like .NET 8, and an ordinary CPython spinner
-        silent = [
-            start(started, [str(fake), "silent", str(coreclr), str(WORKLOAD_SECONDS)])[0] for _ in range(SILENT_DOTNET)
-        ]
-        answering, _ = start(started, [str(fake), "answer", str(coreclr), str(WORKLOAD_SECONDS)])
-        spin, _ = start(started, [PYTHON311, str(spinner(tmp_path)), str(WORKLOAD_SECONDS), "return"])
-        go(spin)
-        d.announce(*(p.pid for p in silent))
-        d.announce(answering.pid)
-        d.announce(spin.pid)
+        # Given ten fake .NET processes that never answer, announced first, then one that answers like
+        # .NET 8, and an ordinary CPython spinner
+        silent, answering = start_dotnet_and_spinner(d, started, fake, tmp_path)
         # When the reader ticks
-        began = time.monotonic()
-        served_at = stacks_at = None
-        longest = 0.0
-        while time.monotonic() - began < ipc.ENABLE_ANSWER_TIMEOUT_S + 2 * SERVED_WITHIN_S:
-            t = time.monotonic()
-            d.tick()
-            longest = max(longest, time.monotonic() - t)
-            if served_at is None and d.reader.targets.entries[answering.pid].state == "served":
-                served_at = time.monotonic() - began
-            if stacks_at is None and _stacks_of(d, "spin"):
-                stacks_at = time.monotonic() - began
-            if (
-                served_at is not None
-                and d.reader.targets.stats.get("pending", 0)
-                and _plugin(d).stats["stalled"] >= SILENT_DOTNET
-            ):
-                break
-            time.sleep(max(0.0, t + 1 / 19 - time.monotonic()))  # the reader's own pace
+        longest, served_at, stacks_at = tick_until_served(d, answering)
         # Then no tick waited for a silent process, the answering one was served and the spinner read in time
         assert longest < MAX_TICK_S, f"a tick took {longest:.2f} s"
         assert served_at is not None and served_at < SERVED_WITHIN_S, served_at
