@@ -11,6 +11,7 @@ one is ended by pid, also when a test fails. Waiting is polling with deadlines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -379,89 +380,110 @@ def fill(path: Path, leave: int) -> None:
                 return
 
 
+@contextlib.contextmanager
+def tiny_filesystem(path: Path) -> Iterator[None]:
+    """A 1 MiB tmpfs on `path` (a new directory), the uploader's own (it runs as its own user), until
+    the end of the with."""
+    path.mkdir()
+    uid, gid = stage_ids("uploader")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=1m,mode=0700,uid={uid},gid={gid}", "tmpfs", str(path)], check=True
+    )
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def big(name: str) -> ProfileUpload:  # ~200 KB gzip: random bytes do not compress
+    return make_upload(name, padding=os.urandom(100_000))
+
+
+def refused_until_space_returns(u: UploaderProcess, worker: TestWorker, filler: Path) -> ProfileUpload:
+    """When something else fills the filesystem, a profile cannot be spooled even with nothing to drop;
+    when some space returns, it is spooled. The profile."""
+    fill(filler, 0)
+    refused = big("/bin/refused-first")
+    worker.send(refused)
+
+    def nacked() -> int:
+        worker.sender.poll(20)
+        return worker.sender.counts["nacked"]
+
+    wait_for("a retry answer", nacked)
+    assert worker.sender.pending_profiles == 1  # the worker keeps it
+    log = u.log()
+    # the log line is the feature: one line per episode says the disk is full and what happens
+    assert "no space left for the spool" in log and "No space left on device" in log
+    assert "nothing left to drop" in log and "the worker keeps it and offers it again" in log
+    filler.unlink()
+    fill(filler, 450 << 10)
+    worker.wait_acked()
+    assert refused.profile_id in spooled(u.spool_dir)
+    return refused
+
+
+def oldest_dropped(u: UploaderProcess, worker: TestWorker, refused: ProfileUpload) -> tuple[list[str], list[str]]:
+    """When more profiles come than fit, the oldest are dropped, each counted and logged: (the ids
+    dropped, the ids kept)."""
+    rest = [big(f"/bin/p{i}") for i in range(4)]
+    worker.send(*rest)
+    worker.wait_acked()
+    sent = [refused, *rest]
+    drops = re.findall(
+        r"dropped the oldest spooled profile id=(\w+) service='([^']+)' type=cpu "
+        r"window=(\S+): no space left on the spool's filesystem \((\d+) dropped so far\)",
+        u.log(),
+    )
+    assert drops, u.log()[-3000:]
+    dropped = [d[0] for d in drops]
+    order = [x.profile_id for x in sent]
+    # oldest first, but for the one the sender may hold in flight (it is not dropped while sent)
+    assert dropped == sorted(dropped, key=order.index)
+    assert sum(1 for k in order[: order.index(dropped[-1])] if k not in dropped) <= 1
+    assert [int(d[3]) for d in drops] == list(range(1, len(drops) + 1))
+    assert all(d[2] == "2023-11-14T22:13:20Z+60s" for d in drops)
+    kept = [k for k in order if k not in dropped]
+    assert sorted(spooled(u.spool_dir)) == sorted(kept)
+    return dropped, kept
+
+
 def test_spool_on_a_tiny_filesystem_that_fills(tmp_path: Path, workdir: Path, procs: list, zctx: zmq.Context) -> None:
     require_root()
     state = workdir / "state"
-    state.mkdir()
-    uid, gid = stage_ids("uploader")  # the uploader runs as its own user
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size=1m,mode=0700,uid={uid},gid={gid}", "tmpfs", str(state)], check=True
-    )
-    try:
-        # given an uploader whose spool is on a 1 MiB tmpfs, with the backend down
-        port = reserve_port()
-        u = launch_uploader(
-            workdir,
-            http_config(workdir, f"http://127.0.0.1:{port}", spool_max_mb=64),
-            state_dir=state,
-            env=FAST_BACKOFF,
-        )
-        procs.append(u)
-        worker = TestWorker(u.run_dir, zctx)
-        filler = state / "filler"
-
-        def big(name: str) -> ProfileUpload:  # ~200 KB gzip: random bytes do not compress
-            return make_upload(name, padding=os.urandom(100_000))
-
-        # when something else fills the filesystem, a profile cannot be spooled even with nothing to drop
-        fill(filler, 0)
-        refused = big("/bin/refused-first")
-        worker.send(refused)
-
-        def nacked() -> int:
-            worker.sender.poll(20)
-            return worker.sender.counts["nacked"]
-
-        wait_for("a retry answer", nacked)
-        assert worker.sender.pending_profiles == 1  # the worker keeps it
-        log = u.log()
-        # the log line is the feature: one line per episode says the disk is full and what happens
-        assert "no space left for the spool" in log and "No space left on device" in log
-        assert "nothing left to drop" in log and "the worker keeps it and offers it again" in log
-        # and when some space returns, it is spooled
-        filler.unlink()
-        fill(filler, 450 << 10)
-        worker.wait_acked()
-        assert refused.profile_id in spooled(u.spool_dir)
-        # when more profiles come than fit, the oldest are dropped, each counted and logged
-        rest = [big(f"/bin/p{i}") for i in range(4)]
-        worker.send(*rest)
-        worker.wait_acked()
-        sent = [refused, *rest]
-        drops = re.findall(
-            r"dropped the oldest spooled profile id=(\w+) service='([^']+)' type=cpu "
-            r"window=(\S+): no space left on the spool's filesystem \((\d+) dropped so far\)",
-            u.log(),
-        )
-        assert drops, u.log()[-3000:]
-        dropped = [d[0] for d in drops]
-        order = [x.profile_id for x in sent]
-        # oldest first, but for the one the sender may hold in flight (it is not dropped while sent)
-        assert dropped == sorted(dropped, key=order.index)
-        assert sum(1 for k in order[: order.index(dropped[-1])] if k not in dropped) <= 1
-        assert [int(d[3]) for d in drops] == list(range(1, len(drops) + 1))
-        assert all(d[2] == "2023-11-14T22:13:20Z+60s" for d in drops)
-        kept = [k for k in order if k not in dropped]
-        assert sorted(spooled(u.spool_dir)) == sorted(kept)
-        assert u.proc.poll() is None  # no crash
-        # then, when space returns and the backend is up, uploads resume: the kept ones and new ones arrive
-        filler.unlink()
-        receiver = Receiver.start(tmp_path, port=port)
-        procs.append(receiver)
-        after = big("/bin/after")
-        worker.send(after)
-        worker.wait_acked()
-        wait_for("the kept profiles and the new one", lambda: len(receiver.received()) == len(kept) + 1)
-        assert sorted(receiver.received_ids()) == sorted([*kept, after.profile_id])
-        assert u.stop() == 0
-        counts = u.counters()
-        assert counts["spool_dropped"] == len(dropped) and counts["spool_refused_no_space"] >= 1
-        worker.close()
-    finally:
-        for p in procs:
-            if isinstance(p, UploaderProcess):
-                p.kill()
-        subprocess.run(["umount", str(state)], check=False)
+    with tiny_filesystem(state):
+        try:
+            # given an uploader whose spool is on a 1 MiB tmpfs, with the backend down
+            port = reserve_port()
+            u = launch_uploader(
+                workdir,
+                http_config(workdir, f"http://127.0.0.1:{port}", spool_max_mb=64),
+                state_dir=state,
+                env=FAST_BACKOFF,
+            )
+            procs.append(u)
+            worker = TestWorker(u.run_dir, zctx)
+            filler = state / "filler"
+            refused = refused_until_space_returns(u, worker, filler)
+            dropped, kept = oldest_dropped(u, worker, refused)
+            assert u.proc.poll() is None  # no crash
+            # then, when space returns and the backend is up, uploads resume: the kept ones and new ones arrive
+            filler.unlink()
+            receiver = Receiver.start(tmp_path, port=port)
+            procs.append(receiver)
+            after = big("/bin/after")
+            worker.send(after)
+            worker.wait_acked()
+            wait_for("the kept profiles and the new one", lambda: len(receiver.received()) == len(kept) + 1)
+            assert sorted(receiver.received_ids()) == sorted([*kept, after.profile_id])
+            assert u.stop() == 0
+            counts = u.counters()
+            assert counts["spool_dropped"] == len(dropped) and counts["spool_refused_no_space"] >= 1
+            worker.close()
+        finally:
+            for p in procs:
+                if isinstance(p, UploaderProcess):
+                    p.kill()
 
 
 # ---------------------------------------------------------------- a 400
