@@ -147,6 +147,11 @@ def test_tiny_budget_halves_the_rate_and_a_raised_budget_brings_it_back(pipeline
     later = next_status(p, back["time_ns"])
     assert later["rate_hz"] == later["next_rate_hz"] == CONFIGURED_HZ
     # and `ebpfprofiler status` prints the figures as a table
+    check_status_table(p)
+
+
+def check_status_table(p: Pipeline) -> None:
+    """`ebpfprofiler status` prints the rate, the programs' and stages' figures, and the cost model's terms."""
     shown = subprocess.run(
         [PY, "-m", "cli.main", "status", "--run-dir", str(p.run_dir)],
         check=False,
@@ -200,6 +205,60 @@ def empty_programs(tracepoints: Iterable[str]) -> Iterator[dict[str, int]]:
         module.cleanup()
 
 
+Poll = tuple[int, int, dict[str, dict]]  # bpftool's programs by name, and the ns before and after reading them
+
+
+def poll_through_windows(p: Pipeline, first: dict, empty: dict[str, int]) -> tuple[list[Poll], dict]:
+    """bpftool polled until a window COMPARE_S seconds after `first` ends: the polls, and that window's status."""
+    ids = bpf_holdings(first["pid"])[0]
+    polls: list[Poll] = []
+
+    def poll() -> None:
+        t0 = time.time_ns()
+        shown = {q["id"]: q for q in bpftool("prog", "show")}
+        progs = {q["name"]: q for q in shown.values() if q["id"] in ids}
+        progs |= {f"empty on {tp}": shown[i] for tp, i in empty.items()}
+        polls.append((t0, time.time_ns(), progs))
+
+    deadline = time.monotonic() + 60
+    last = first
+    while time.monotonic() < deadline and last["time_ns"] < first["time_ns"] + COMPARE_S * 10**9:
+        poll()
+        last = status(p) or last
+    poll()
+    assert last["time_ns"] >= first["time_ns"] + COMPARE_S * 10**9, "no window ended late enough"
+    return polls, last
+
+
+def check_family_agrees(
+    name: str, members: tuple[str, ...], totals: dict, around: tuple[dict, dict], polls: list[Poll]
+) -> None:
+    """A family's runs and time as the programs count them agree with the kernel's, polled `around` the read."""
+    before, after = around
+    # then every run the kernel counted, the program counted: a run is counted here when it
+    # begins and there when it ends (at most one run a CPU in between)
+    assert (
+        int(before[name]["run_cnt"]) <= totals[name]["run_cnt"] <= int(after[name]["run_cnt"]) + (os.cpu_count() or 1)
+    ), (name, before[name], totals[name], after[name])
+    # and the time it estimates from the runs it timed is the kernel's: at most 1.25 times it, and
+    # at least 0.6 times what is left of it without the statistics' own cost a run, which the
+    # empty program on the same tracepoint measured over the same seconds
+    ours = sum(ProgTime(t["run_cnt"], t["timed"], t["timed_ns"]).run_time_ns for m in members if (t := totals.get(m)))
+    theirs = int(after[name]["run_time_ns"])
+    overhead_ns = 0.0
+    if name in TRACEPOINTS:
+        probe = f"empty on {TRACEPOINTS[name]}"
+        runs = int(polls[-1][2][probe]["run_cnt"]) - int(polls[0][2][probe]["run_cnt"])
+        assert runs > 0, (probe, polls[0][2][probe], polls[-1][2][probe])
+        overhead_ns = (int(polls[-1][2][probe]["run_time_ns"]) - int(polls[0][2][probe]["run_time_ns"])) / runs
+    body = theirs - overhead_ns * int(after[name]["run_cnt"])
+    print(
+        f"{name}: ours {ours} ns, kernel {theirs} ns ({overhead_ns:.1f} ns a run of it the statistics'), "
+        f"ratio {ours / max(1, theirs):.3f}, to the body {ours / max(1.0, body):.3f}"
+    )
+    assert ours > 0 and 0.6 * body <= ours <= 1.25 * theirs, (name, ours, theirs, overhead_ns)
+
+
 def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_path: Path) -> None:
     require_root()
     # given the kernel's statistics switched on (by the test: the collector leaves them off) before
@@ -227,56 +286,15 @@ def test_the_bpf_time_the_programs_count_agrees_with_the_kernels_statistics(tmp_
         # (the collector holds no statistics descriptor, and says how it counts)
         assert "anon_inode:bpf-stats" not in fd_targets(first["pid"])
         assert first["bpf_stats"].startswith("counted by the programs"), first["bpf_stats"]
-        ids = bpf_holdings(first["pid"])[0]
-        polls: list[tuple[int, int, dict[str, dict]]] = []
-
-        def poll() -> None:
-            t0 = time.time_ns()
-            shown = {q["id"]: q for q in bpftool("prog", "show")}
-            progs = {q["name"]: q for q in shown.values() if q["id"] in ids}
-            progs |= {f"empty on {tp}": shown[i] for tp, i in empty.items()}
-            polls.append((t0, time.time_ns(), progs))
-
         # when windows end for COMPARE_S seconds, bpftool polled all along
-        deadline = time.monotonic() + 60
-        last = first
-        while time.monotonic() < deadline and last["time_ns"] < first["time_ns"] + COMPARE_S * 10**9:
-            poll()
-            last = status(p) or last
-        poll()
-        assert last["time_ns"] >= first["time_ns"] + COMPARE_S * 10**9, "no window ended late enough"
+        polls, last = poll_through_windows(p, first, empty)
     read_start, read_end = last["bpf_read_ns"]
     before = [progs for _, t1, progs in polls if t1 < read_start][-1]
     after = next(progs for t0, _, progs in polls if t0 > read_end)
     totals = last["bpf_totals"]
     assert set(FAMILIES) <= set(totals), totals
     for name, members in FAMILIES.items():
-        # then every run the kernel counted, the program counted: a run is counted here when it
-        # begins and there when it ends (at most one run a CPU in between)
-        assert (
-            int(before[name]["run_cnt"])
-            <= totals[name]["run_cnt"]
-            <= int(after[name]["run_cnt"]) + (os.cpu_count() or 1)
-        ), (name, before[name], totals[name], after[name])
-        # and the time it estimates from the runs it timed is the kernel's: at most 1.25 times it, and
-        # at least 0.6 times what is left of it without the statistics' own cost a run, which the
-        # empty program on the same tracepoint measured over the same seconds
-        ours = sum(
-            ProgTime(t["run_cnt"], t["timed"], t["timed_ns"]).run_time_ns for m in members if (t := totals.get(m))
-        )
-        theirs = int(after[name]["run_time_ns"])
-        overhead_ns = 0.0
-        if name in TRACEPOINTS:
-            probe = f"empty on {TRACEPOINTS[name]}"
-            runs = int(polls[-1][2][probe]["run_cnt"]) - int(polls[0][2][probe]["run_cnt"])
-            assert runs > 0, (probe, polls[0][2][probe], polls[-1][2][probe])
-            overhead_ns = (int(polls[-1][2][probe]["run_time_ns"]) - int(polls[0][2][probe]["run_time_ns"])) / runs
-        body = theirs - overhead_ns * int(after[name]["run_cnt"])
-        print(
-            f"{name}: ours {ours} ns, kernel {theirs} ns ({overhead_ns:.1f} ns a run of it the statistics'), "
-            f"ratio {ours / max(1, theirs):.3f}, to the body {ours / max(1.0, body):.3f}"
-        )
-        assert ours > 0 and 0.6 * body <= ours <= 1.25 * theirs, (name, ours, theirs, overhead_ns)
+        check_family_agrees(name, members, totals, (before, after), polls)
     # and a window's figure is the change of the counters over it, the timed runs' mean times its runs
     assert last["bpf_ns"] == sum(v["run_time_ns"] for v in last["bpf"].values())
 
