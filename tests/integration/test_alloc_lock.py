@@ -117,6 +117,47 @@ class AllocRun:
     alloc: list[pprof.ReadProfile]
 
 
+def alloc_pipeline(work: Path, receiver: Receiver) -> Pipeline:
+    """The whole pipeline with alloc_target's allocations sampled all the time, posting to `receiver`."""
+    return Pipeline(
+        work,
+        ProfilerConfig(
+            sample_hz=19,
+            upload_interval_s=INTERVAL_S,
+            offcpu=False,
+            python_stacks=False,
+            dwarf_unwind=False,
+            alloc_targets=("alloc_target",),
+            alloc_duty_pct=100,
+            endpoint=receiver.url,
+        ),
+    )
+
+
+def run_bystander(
+    bystander: Path, collector: int, started: list[subprocess.Popen]
+) -> tuple[subprocess.Popen, dict[str, str], int]:
+    """A process that is not a target allocating to its end: it, its figures, and the runs of
+    alloc_malloc_enter meanwhile."""
+    runs0 = program_runs(collector, "alloc_malloc_enter")
+    b = subprocess.Popen(
+        [str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    started.append(b)
+    by = next_fields(b, "the bystander")
+    return b, by, program_runs(collector, "alloc_malloc_enter") - runs0
+
+
+def wait_for_a_window_boundary() -> None:
+    """Until 2 s after the next upload window's boundary."""
+    idle_from = time.time()
+    wait_for(
+        "a window boundary after the target finished",
+        lambda: time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0,
+        timeout=2 * INTERVAL_S + 5,
+    )
+
+
 @pytest.fixture(scope="module")
 def alloc_run(
     build: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory, module_started: list[subprocess.Popen]
@@ -129,19 +170,7 @@ def alloc_run(
     shutil.copy(exe, bystander)
     receiver = Receiver(work / "received")
     try:
-        pipeline = Pipeline(
-            work,
-            ProfilerConfig(
-                sample_hz=19,
-                upload_interval_s=INTERVAL_S,
-                offcpu=False,
-                python_stacks=False,
-                dwarf_unwind=False,
-                alloc_targets=("alloc_target",),
-                alloc_duty_pct=100,
-                endpoint=receiver.url,
-            ),
-        )
+        pipeline = alloc_pipeline(work, receiver)
         try:
             collector = collector_pid(pipeline)
             # Given a target that waits for its uprobes, then allocates and leaks
@@ -152,22 +181,11 @@ def alloc_run(
             done = next_fields(t, "the target")
             addr = int(done["malloc_addr"], 16)
             # and a process that is not a target, allocating as much while the target's probes are on
-            runs0 = program_runs(collector, "alloc_malloc_enter")
-            b = subprocess.Popen(
-                [str(bystander), "free-run", str(ITERATIONS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            module_started.append(b)
-            by = next_fields(b, "the bystander")
-            bystander_runs = program_runs(collector, "alloc_malloc_enter") - runs0
+            b, by, bystander_runs = run_bystander(bystander, collector, module_started)
             target_byte, bystander_byte = first_byte(t.pid, addr), first_byte(b.pid, int(by["malloc_addr"], 16))
             uprobes_attached = collector_uprobes(collector)
             # When an upload window ends with the target idle (its leak live, the rest freed)
-            idle_from = time.time()
-            wait_for(
-                "a window boundary after the target finished",
-                lambda: time.time() // INTERVAL_S > idle_from // INTERVAL_S and time.time() % INTERVAL_S >= 2.0,
-                timeout=2 * INTERVAL_S + 5,
-            )
+            wait_for_a_window_boundary()
             # and then the target exits
             assert t.stdin is not None
             t.stdin.close()
