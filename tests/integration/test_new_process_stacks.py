@@ -55,44 +55,55 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
                 timeout=4 * WINDOW_S,
             )
             # When the process starts just after a window boundary and runs its course
-            wait_for(
-                "the start of an upload window",
-                lambda: 0.1 <= time.time() % WINDOW_S < 0.6,
-                timeout=WINDOW_S + 1,
-                interval=0.02,
-            )
-            first_start = int(time.time() // WINDOW_S * WINDOW_S) * 10**9
-            proc = subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True)
-            started.append(proc)
-            out = proc.communicate(timeout=CPU_SECONDS * 4)[0]
-            assert proc.returncode == 0, out
-            # (its last window is handed in a grace period after it ends)
-            last_end_ns = (int(time.time() // WINDOW_S) + 1) * WINDOW_S * 10**9
-
-            def windows() -> dict[int, list[pprof.ReadSample]]:
-                got: dict[int, list[pprof.ReadSample]] = {}
-                for meta in list_profiles(str(receiver.dir)):
-                    if meta["type"] != "cpu":
-                        continue
-                    profile = pprof.read(Path(meta["path"]).read_bytes())
-                    for s in profile.samples:
-                        if s.labels.get("process.executable") == str(exe.resolve()):
-                            got.setdefault(profile.time_ns, []).append(s)
-                return got
-
+            first_start, last_end_ns = run_from_a_window_start(exe, started)
             wait_for(
                 "the process's last window",
-                lambda: any(t + WINDOW_S * 10**9 >= last_end_ns for t in windows()),
+                lambda: any(t + WINDOW_S * 10**9 >= last_end_ns for t in windows_of(receiver.dir, exe)),
                 timeout=6 * WINDOW_S,
             )
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
-        by_window = windows()
+        by_window = windows_of(receiver.dir, exe)
     finally:
         receiver.stop()
-
     # Then the first window's stacks, and all of its life's, are whole
+    check_whole(by_window, first_start, cfg.sample_hz)
+
+
+def run_from_a_window_start(exe: Path, started: list[subprocess.Popen]) -> tuple[int, int]:
+    """`exe` started just after a window boundary, to its end: the ns its window starts and its last ends."""
+    wait_for(
+        "the start of an upload window",
+        lambda: 0.1 <= time.time() % WINDOW_S < 0.6,
+        timeout=WINDOW_S + 1,
+        interval=0.02,
+    )
+    first_start = int(time.time() // WINDOW_S * WINDOW_S) * 10**9
+    proc = subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True)
+    started.append(proc)
+    out = proc.communicate(timeout=CPU_SECONDS * 4)[0]
+    assert proc.returncode == 0, out
+    # (its last window is handed in a grace period after it ends)
+    return first_start, (int(time.time() // WINDOW_S) + 1) * WINDOW_S * 10**9
+
+
+def windows_of(received: Path, exe: Path) -> dict[int, list[pprof.ReadSample]]:
+    """The cpu samples of `exe` received, by the start of their window."""
+    got: dict[int, list[pprof.ReadSample]] = {}
+    for meta in list_profiles(str(received)):
+        if meta["type"] != "cpu":
+            continue
+        profile = pprof.read(Path(meta["path"]).read_bytes())
+        for s in profile.samples:
+            if s.labels.get("process.executable") == str(exe.resolve()):
+                got.setdefault(profile.time_ns, []).append(s)
+    return got
+
+
+def check_whole(by_window: dict[int, list[pprof.ReadSample]], first_start: int, sample_hz: int) -> None:
+    """The samples of the first window, and of the whole life, are whole stacks in their shares."""
+
     def share(samples: list[pprof.ReadSample]) -> tuple[int, int]:
         return sum(s.values[0] for s in samples if whole(s)), sum(s.values[0] for s in samples)
 
@@ -108,6 +119,6 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
         f"broken: {broken.most_common(3)}; by window: "
         f"{[(t // 10**9 % 1000, sum(s.values[0] for s in v)) for t, v in sorted(by_window.items())]}"
     )
-    assert ft >= 0.5 * WINDOW_S * cfg.sample_hz, f"only {ft} samples in the first window"
+    assert ft >= 0.5 * WINDOW_S * sample_hz, f"only {ft} samples in the first window"
     assert fw / ft >= FIRST_WINDOW_WHOLE, f"first window {fw}/{ft} whole; broken: {broken.most_common(5)}"
     assert lw / lt >= LIFE_WHOLE, f"its life {lw}/{lt} whole"
