@@ -11,7 +11,6 @@ from tests.code_shape import CLASS_MAX_LINES, FUNCTION_MAX_LINES, over_limits
 
 STILL_OVER = frozenset(
     {
-        "tests/integration/test_new_process_stacks.py:test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window",
     }
 )
 
