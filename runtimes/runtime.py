@@ -88,7 +88,6 @@ Must not: know any one runtime.
 from __future__ import annotations
 
 import os
-import stat
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -96,7 +95,8 @@ from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from runtimes.elfsyms import ElfSymbolError
 from runtimes.memory import ProcessMemory
-from shared.files import open_under
+from shared.files import PATH_ONLY as _PATH_ONLY
+from shared.files import open_regular, open_under
 from shared.runtime_registry import RuntimeSpec
 from shared.safestr import process_string
 from shared.wire import RegsSample
@@ -228,27 +228,36 @@ def first_mappings(maps: list[Mapping], match: Callable[[str], bool]) -> dict[st
     return out
 
 
-# What open_mapped opens a mapped file with (through shared.files.open_under: openat2 with
-# RESOLVE_IN_ROOT, so a container's absolute symlinks resolve inside its root).
+# How open_mapped opens a mapped file once its O_PATH descriptor (shared.files.open_under: openat2
+# with RESOLVE_IN_ROOT, so a container's absolute symlinks resolve inside its root) is checked.
 _OPEN_MAPPED = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
-def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | None:
+def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> BinaryIO | str:
     """The file of mapping `m`, opened as the process sees it: inside /proc/<pid>/root with its
     links resolved in that root (a container's own files), else by the path as this host sees it
-    (maps shows a chroot's files with the host's path). Only a regular file with the mapped inode
-    is returned (never a FIFO or device: opened non-blocking, checked before any read)."""
-    for root, path in ((f"{proc}/{pid}/root", m.path), ("/", m.path)):
+    (maps shows a chroot's files with the host's path); or, when neither is it, why not (for the
+    refusal). Only a regular file with the mapped inode is opened: the path is opened O_PATH and
+    fstat'd first, so a FIFO or device node planted there is never opened."""
+    why = []
+    for where, root in ((f"through {proc}/{pid}/root", f"{proc}/{pid}/root"), ("on this host", "")):
         try:
-            fd = open_under(root, path, _OPEN_MAPPED)
-        except OSError:
+            # the host's own path needs no openat2 (a seccomp filter may refuse it: ENOSYS)
+            path_fd = open_under(root, m.path) if root else os.open(m.path, _PATH_ONLY)
+        except OSError as e:
+            why.append(f"{where}: {e.strerror}")
             continue
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_ino != m.inode:
-            os.close(fd)
-            continue
-        return os.fdopen(fd, "rb")
-    return None
+        try:
+            st = os.fstat(path_fd)
+            if st.st_ino != m.inode:
+                why.append(f"{where}: another file (inode {st.st_ino}, mapped {m.inode})")
+                continue
+            return os.fdopen(open_regular(path_fd, where, _OPEN_MAPPED), "rb")
+        except OSError as e:
+            why.append(f"{where}: {e.strerror}")
+        finally:
+            os.close(path_fd)
+    return "; ".join(why)
 
 
 def file_key(f: BinaryIO) -> tuple[int, int, int, int]:
@@ -267,11 +276,8 @@ def mapped_file_facts(
     file is not reachable as the process maps it or its ELF is unreadable (an ElfSymbolError)."""
     where = where or process_string(mod.path)
     f = open_mapped(process.pid, mod, process.proc)
-    if f is None:
-        return Refusal(
-            f"{where}: the file is not reachable as the process maps it "
-            f"(through /proc/{process.pid}/root, nor on this host)"
-        )
+    if isinstance(f, str):
+        return Refusal(f"{where}: the file is not reachable as the process maps it ({f})")
     with f:
         try:
             got: _Facts = process.files.get((tag, *file_key(f)), lambda: compute(f))

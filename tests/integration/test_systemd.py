@@ -548,7 +548,11 @@ def check_python_stacks(ct: Container) -> None:
             for f in sorted(py_dir.glob("python_wall-*.pb.gz"))
         )
 
-    wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
+    try:
+        wait_for(f"a python_wall profile of {PY_WORKLOAD} in spin_here()", python_profile, timeout=60, interval=0.25)
+    except AssertionError as e:  # the reader's own journal, which the agent's busier units crowd out of the tail
+        runtime = ct.run(["journalctl", "--no-pager", "-u", "ebpfprofiler-runtime"], check=False, timeout=30).stdout
+        raise AssertionError(f"{e}; the runtime reader's journal:\n{runtime[-6000:]}") from None
     ct.run(["systemctl", "stop", "ebpfprofiler-test-python.service"], timeout=30)
 
 
