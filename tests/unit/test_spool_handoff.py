@@ -132,7 +132,6 @@ def test_unacked_profiles_are_offered_again_after_the_uploader_is_killed(
         # then the worker offers the profiles again and each arrives once
         w.wait_acked()
         assert w.sender.counts["resent"] >= 4
-        assert "no acknowledgement from the uploader: offered" in w.logs.text()
         wait_for("five profiles at the receiver", lambda: len(receiver.received()) == 5)
         assert sorted(receiver.received_ids()) == sorted(x.profile_id for x in [first, *uploads])
         assert u2.stop() == 0
@@ -168,16 +167,17 @@ def test_a_full_queue_blocks_the_worker_and_says_so_until_acks_make_room(
     t.start()
     try:
         # when it has handed over three, the fourth send blocks and the worker says why, with figures
-        wait_for("the waiting log line", lambda: worker and "waiting on the uploader" in worker[0].logs.text())
+        wait_for("the worker to wait", lambda: worker and worker[0].sender.counts["waits"] >= 1)
         assert not done.wait(1.0) and len(peak) == 3
         line = next(x for x in worker[0].logs.lines if "waiting on the uploader" in x)
+        # the log line is the feature: it tells the operator why the worker stopped reading, with the figures
         assert "3 profiles" in line and "caps 3 profiles" in line and "service '/bin/s0'" in line
         # then, once the uploader answers again, the worker goes on, and never held more than its cap
         os.kill(u.proc.pid, signal.SIGCONT)
         assert done.wait(DEADLINE_S)
         assert max(peak) <= 3
-        assert "the uploader caught up after" in worker[0].logs.text()
-        assert worker[0].logs.text().count("waiting on the uploader") <= 2  # once per episode
+        assert worker[0].sender.counts["caught_up"] >= 1
+        assert worker[0].sender.counts["waits"] <= 2  # once per episode
         assert len(list((workdir / "profiles").rglob("*.pb.gz"))) == 5
     finally:
         os.kill(u.proc.pid, signal.SIGCONT)
@@ -199,7 +199,7 @@ def test_a_stop_request_ends_the_wait(workdir: Path, zctx: zmq.Context) -> None:
     # then the send returns (the profile kept over the cap for close) within a poll or two
     assert time.monotonic() - started < 3
     assert w.sender.pending_profiles == 2
-    assert "stop requested while waiting on the uploader" in w.logs.text()
+    assert w.sender.counts["stopped_waiting"] == 1
     t.join()
     w.close()
 
@@ -215,7 +215,9 @@ def test_close_reports_what_it_could_not_hand_off(workdir: Path, zctx: zmq.Conte
     # then it returns within its bound and names count, services and windows
     assert time.monotonic() - started < 2
     assert [x.profile_id for x in left] == [a.profile_id, b.profile_id]
+    assert w.sender.counts["lost_at_close"] == 2
     [line] = [x for x in w.logs.lines if "could not hand" in x]
+    # the log line is the feature: the profiles lost at close are named only there (services, windows)
     assert "could not hand 2 profile(s)" in line and "'/bin/a', '/bin/b'" in line
     assert "2023-11-14T22:13:20Z+60s" in line
     w.close()
@@ -300,5 +302,6 @@ def test_a_symbolizer_worker_that_cannot_hand_off_says_what_it_lost(
     assert proc.returncode == 0
     assert time.monotonic() - stop_at < handoff.CLOSE_TIMEOUT_S + 5
     log = err.read_text()
+    # the log line is the feature: the profiles lost at exit are named only there, for the operator
     assert "could not hand 1 profile(s)" in log and "'/usr/bin/svc'" in log, log
     push.close()

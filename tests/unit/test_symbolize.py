@@ -318,6 +318,7 @@ def test_a_debug_file_of_another_build_is_ignored_counted_and_logged_once(
     assert [f.function for f in frames] == ["", ""] and frames[0].build_id == STATIC_ID
     assert cache.stats["rejected"] == 1 and resolver.stats["debug_named"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.name == elf.__name__]
+    # the log line is the feature: the wrong debug file is logged once with the build id and why (counted above)
     assert len(warnings) == 1 and STATIC_ID in warnings[0] and reason in warnings[0]
 
 
