@@ -298,6 +298,7 @@ def test_a_jit_compiled_hot_method_is_named_from_the_second_window_on(run: Run) 
 
 def test_each_answer_is_logged_once(run: Run) -> None:
     for w in [run.net8, *run.refused.values()]:
+        # the log line is the feature: each process's answer is logged once, saying what the runtime did
         assert len(answers(run.log, w.pid)) == 1, (w.name, answers(run.log, w.pid))
     (enabled,) = answers(run.log, run.net8.pid)
     assert "(.NET 8.0.4): EnablePerfMap answered OK" in enabled, enabled
@@ -305,6 +306,7 @@ def test_each_answer_is_logged_once(run: Run) -> None:
 
 def test_dotnet_3_1_is_refused_with_the_reason_and_left_without_a_map(run: Run) -> None:
     (line,) = answers(run.log, run.refused["net31"].pid)
+    # the log line is the feature: the refusal says why and what to do (start with DOTNET_PerfMapEnabled=1)
     assert (
         "refused: .NET: " in line
         and "(.NET 3.1.23): EnablePerfMap answered error HRESULT 0x80131385 (unknown command)" in line
@@ -315,6 +317,7 @@ def test_dotnet_3_1_is_refused_with_the_reason_and_left_without_a_map(run: Run) 
 
 def test_no_diagnostics_socket_and_another_tmpdir_are_refused_with_the_reason(run: Run) -> None:
     (line,) = answers(run.log, run.refused["no_diagnostics"].pid)
+    # the log line is the feature: each refusal says why the process is not named
     assert "refused: .NET: " in line and "DOTNET_EnableDiagnostics=0: the runtime opened no diagnostics socket" in line
     (line,) = answers(run.log, run.refused["other_tmpdir"].pid)
     assert "refused: .NET: " in line and "TMPDIR is '/tmp/ebpfprofiler-dotnet-" in line, line

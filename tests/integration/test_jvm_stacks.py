@@ -313,6 +313,7 @@ def test_jdk8_is_refused_once_with_the_reason(
             driven.announce(p.pid, full=True)
             driven.tick()
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+        # the log line is the feature: a refused JVM is logged once with the reason and the JDKs that are supported
         assert len(lines) == 1, lines
         assert (
             "refused: JVM: " in lines[0] and "is JDK 8's or older" in lines[0] and "JDK 11 and newer are" in lines[0]
@@ -348,6 +349,7 @@ def test_a_libjvm_without_the_tables_is_refused_once_naming_them(
             driven.announce(p.pid, full=True)
             driven.tick()
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+        # the log line is the feature: a refused JVM is logged once with the reason, for the user
         assert len(lines) == 1, lines
         assert "refused: JVM: " in lines[0] and "libjvm does not export gHotSpotVMStructs" in lines[0], lines
         assert p.poll() is None

@@ -567,6 +567,7 @@ def test_zts_and_other_versions_are_refused_once_with_the_reason(
             driven.tick()
         for pid, variant in pids.items():
             lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {pid} ")]
+            # the log line is the feature: a refused process is logged once with the reason, for the user
             assert len(lines) == 1 and "refused: PHP: " in lines[0] and REASONS[variant] in lines[0], lines
             assert driven.reader.targets.entries[pid].state == "refused"
         assert driven.reader.stats["stacks"] == 0

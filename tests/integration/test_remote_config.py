@@ -144,6 +144,7 @@ def test_remote_sample_hz_is_refused_once_and_upload_interval_applies(setup: Set
         "remote config: refused modules.ebpf_profiler.sample_hz = 99: remote config may set only "
         "enabled, upload_interval_s; the local value 19 stays"
     )
+    # the log line is the feature: a refusal and a change are each logged once; they tell the user what the backend did
     assert log.count(refusal) == 1, log
     assert log.count("remote config: upload_interval_s 2 -> 4") == 1, log
     assert "windows of 4 s instead of 2 s" in log, log
@@ -211,6 +212,7 @@ def test_remote_enabled_false_stops_sampling_and_true_brings_it_back(setup: Setu
     assert any(w.samples for w in setup.windows() if w.end <= off)
     after = [w for w in setup.windows() if w.start >= on]
     assert after and all(w.profile.period == S // LOCAL_HZ for w in after)
+    # the log line is the feature: each change of enabled is logged once, telling the user profiling stopped or resumed
     assert log.count("remote config: enabled True -> False") == 1, log
     assert log.count("remote config: enabled False -> True") == 1, log
     assert log.count("remote config: profiling disabled") == 1, log
@@ -222,6 +224,7 @@ def test_a_collector_started_remotely_disabled_loads_nothing_until_enabled(start
     # given the backend says enabled: false before the agent starts (the uploader fetches first)
     setup = start(enabled=False)
     log = setup.pipeline.log()
+    # the log line is the feature: the only sign that an idle agent is idle on purpose, and why
     assert "profiling is disabled by remote config (enabled: false)" in log, log
     collector = int(Path(endpoints.ready_file(str(setup.pipeline.run_dir), "collector")).read_text())
     # then the collector holds no BPF program and no perf event, and no profile arrives

@@ -309,6 +309,7 @@ def test_ruby_3_1_is_refused_once_with_the_reason(
             driven.announce(p.pid, full=True)
             driven.tick()
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+        # the log line is the feature: a refused process is logged once with the reason and the supported versions
         assert len(lines) == 1, lines
         assert "refused: Ruby: " in lines[0] and "Ruby 3.1 is not supported (3.3 and 3.4 are" in lines[0], lines
         assert driven.reader.targets.entries[p.pid].state == "refused"
@@ -389,6 +390,7 @@ def test_libruby_with_the_symbol_is_read_through_it_and_checked(
             assert frames and all("Object#spin_here" in f for f in frames), frames[:5]
             assert driven.reader.targets.entries[p.pid].state != "refused", lines
         else:
+            # the log line is the feature: the self-check's refusal is logged once, saying why the process is not read
             assert len(lines) == 1 and "self-check failed: ruby_current_vm_ptr does not point at a VM" in lines[0], (
                 lines
             )

@@ -120,6 +120,7 @@ def test_refused_processes_are_logged_once_with_their_reason_and_left_alone(
     # Then each is refused with its reason, logged once at info level, and never detected again
     for pid, reason in pids.items():
         lines = [r for r in caplog.records if r.getMessage().startswith(f"pid {pid} ")]
+        # the log line is the feature: each refusal is logged once, at info level, with its reason
         assert [(r.levelno, reason in r.getMessage()) for r in lines] == [(logging.INFO, True)], [
             r.getMessage() for r in lines
         ]

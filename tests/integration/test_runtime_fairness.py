@@ -112,6 +112,7 @@ def test_a_process_over_the_read_budget_never_starves_the_next_one(
         lines = [
             r for r in caplog.records if f"pid {big.pid} " in r.getMessage() and "share of a tick" in r.getMessage()
         ]
+        # the log line is the feature: a process over its share is logged once (the counters are asserted below)
         assert len(lines) == 1, [r.getMessage() for r in lines]
         # and in the stage's counters, which `ebpfprofiler status` prints
         status = _status(d, tmp_path)
@@ -266,6 +267,7 @@ def test_fake_jvms_with_huge_symbol_tables_cost_a_bounded_share_of_the_reader(
         for p in [*fakes, bad]:
             assert d.reader.targets.entries[p.pid].state == "refused", p.pid
             lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"pid {p.pid} ")]
+            # the log line is the feature: each refused process is logged once, not at every tick
             assert len([ln for ln in lines if "refused" in ln]) == 1, lines
         # and the spinner kept most of the stacks it would have had at 19 a second
         spun = _stacks_of(d, "spin")

@@ -213,6 +213,7 @@ def test_the_ordinary_workload_keeps_its_samples_and_stacks(soak: Soak) -> None:
 
 def test_the_fifo_perf_map_is_refused_and_logged_once(soak: Soak) -> None:
     lines = [ln for ln in soak.log.splitlines() if f"perf map of pid {soak.fifo_pid}" in ln]
+    # the log line is the feature: a refused perf map is logged once with the reason
     assert len(lines) == 1 and "not a regular file" in lines[0], lines
 
 
@@ -226,5 +227,6 @@ def test_the_fake_python_is_refused_once_within_the_read_budget(soak: Soak) -> N
     lines = [ln for ln in soak.log.splitlines() if soak.fake_python in ln and " runtime[" in ln]
     # one line, and not a read: with the runtime plug-ins the reason is the CPython plug-in's (its symbol
     # reading, under the time budget, finds no Py_Version in the crafted file)
+    # the log line is the feature: the fake runtime's refusal is logged once with the reason
     assert len(lines) == 1 and "reading CPython" not in lines[0], lines
     assert "unreadable ELF file" in lines[0] or "no Py_Version symbol" in lines[0], lines

@@ -218,7 +218,7 @@ def test_sigterm_stops_the_receiver_cleanly(tmp_path: Path) -> None:
     finally:
         code = r.stop()
     assert code == 0
-    assert "Traceback" not in (tmp_path / "receiver.err").read_text()
+    assert "Traceback" not in (tmp_path / "receiver.err").read_text()  # a guard on the log, not an outcome: no crash
 
 
 def test_fault_injection_options_are_documented_and_checked(tmp_path: Path) -> None:

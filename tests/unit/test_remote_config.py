@@ -313,7 +313,7 @@ def test_the_fetcher_refuses_once_logs_changes_once_and_writes_only_on_change(
         "remote config: refused modules.ebpf_profiler.sample_hz = 99: remote config may set only "
         "enabled, upload_interval_s; the local value 19 stays"
     )
-    # the log line is the feature: a refused setting is logged once, a change once; they tell the user what the backend did
+    # the log line is the feature: a refusal is logged once, a change once; they tell the user what the backend did
     assert handler.lines.count(refusal) == 1, handler.text()
     assert handler.lines.count("remote config: upload_interval_s 2 -> 4") == 1, handler.text()
     written = target.stat().st_mtime_ns, target.stat().st_ino
