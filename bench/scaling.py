@@ -83,6 +83,7 @@ def _prepare_state(tmp: Path, state: Path) -> None:
 def _stage_argv(stage: str, cfg: Path, run_dir: Path, state_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
+        "-P",  # the checkout must not shadow the code view a stage reads once it drops root
         "-m",
         f"{stage}.main",
         "--config",

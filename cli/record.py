@@ -322,6 +322,7 @@ class Recording:
             self.child = subprocess.Popen(
                 [
                     sys.executable,
+                    "-P",  # the user's working directory must not shadow the installed code
                     "-m",
                     "cli.main",
                     "run",

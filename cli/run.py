@@ -122,7 +122,7 @@ def stages(
     args: argparse.Namespace, cfg: config_mod.ProfilerConfig, code: stage_code.StageCode | None = None
 ) -> list[Stage]:
     code = code or stage_code.StageCode(bpf_dir=args.bpf_dir)
-    py = [sys.executable, "-m"]
+    py = [sys.executable, "-P", "-m"]  # -P: no working directory shadows the code the stage may read
     common = ["--config", stage_config(args.state_dir), "--run-dir", args.run_dir]
     out = [
         Stage("uploader", [*py, "uploader.main", *common, "--state-dir", stage_state_dir(args.state_dir, "uploader")])

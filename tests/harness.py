@@ -446,6 +446,7 @@ class UploaderProcess:
 def uploader_command(config: Path, run_dir: Path, state_dir: Path) -> list[str]:
     return [
         PY,
+        "-P",  # the checkout (the working directory) must not shadow the code view the stage reads
         "-m",
         "cli.main",
         "uploader",

@@ -234,6 +234,7 @@ def start_a_worker(workdir: Path, started: list[subprocess.Popen]) -> tuple[subp
         proc = subprocess.Popen(
             [
                 sys.executable,
+                "-P",  # the checkout must not shadow the code view the worker reads once it drops root
                 "-m",
                 "symbolizer.main",
                 "--config",
