@@ -33,7 +33,7 @@ from collector.loop import MainLoop
 from collector.programs import capture_stderr, explain
 from collector.stage import Collector
 from shared import config as config_mod
-from shared import endpoints, lifecycle, privileges, ready, remote_config, stopping
+from shared import lifecycle, privileges, ready, remote_config, stopping
 from shared import log as log_mod
 from shared.stage_code import default_bpf_dir
 from shared.stopping import stop_on_signals
@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         "--config again. Stops cleanly on SIGTERM/SIGINT, detaching every BPF program and "
         "perf event.",
     )
-    p.add_argument("--config", help="agent YAML file (modules.ebpf_profiler block); required unless --preflight")
+    lifecycle.add_stage_arguments(p, config_required=False)
     p.add_argument(
         "--preflight",
         action="store_true",
@@ -80,11 +80,6 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     )
     p.add_argument(
         "--bpf-dir", default=default_bpf_dir(), help="directory of the BPF C programs (default: %(default)s)"
-    )
-    p.add_argument(
-        "--run-dir",
-        default=endpoints.DEFAULT_RUN_DIR,
-        help="runtime directory holding the stages' sockets (default: %(default)s)",
     )
     args = p.parse_args(argv)
     if not args.preflight and not args.config:

@@ -116,17 +116,7 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         + ") per service per window to the uploader. "
         "Needs CAP_SYS_PTRACE only.",
     )
-    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
-    p.add_argument(
-        "--run-dir",
-        default=endpoints.DEFAULT_RUN_DIR,
-        help="runtime directory holding the stages' sockets (default: %(default)s)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=endpoints.DEFAULT_STATE_DIR,
-        help="state directory: the per-host secret for pid labels (default: %(default)s)",
-    )
+    lifecycle.add_stage_arguments(p, state_dir_holds="the per-host secret for pid labels")
     return p.parse_args(argv)
 
 

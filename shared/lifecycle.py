@@ -13,16 +13,44 @@ Owns: those steps and their messages. Must not: know what a stage does between t
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 from shared import config as config_mod
-from shared import privileges, ready, runlock
+from shared import endpoints, privileges, ready, runlock
 
 # Exit statuses of a stage that cannot start.
 EXIT_CANNOT_RUN = 1
 EXIT_BAD_CONFIG = 2
+
+
+def add_stage_arguments(
+    p: argparse.ArgumentParser, *, config_required: bool = True, state_dir_holds: str | None = None
+) -> None:
+    """The arguments every stage takes: --config, --run-dir and, for a stage that keeps state,
+    --state-dir (`state_dir_holds`: what it keeps there, for --help)."""
+    p.add_argument(
+        "--config",
+        required=config_required,
+        metavar="FILE",
+        help="agent YAML file (modules.ebpf_profiler block)"
+        + ("" if config_required else "; required unless --preflight"),
+    )
+    p.add_argument(
+        "--run-dir",
+        default=endpoints.DEFAULT_RUN_DIR,
+        metavar="DIR",
+        help="runtime directory holding the stages' sockets and ready files (default: %(default)s)",
+    )
+    if state_dir_holds is not None:
+        p.add_argument(
+            "--state-dir",
+            default=endpoints.DEFAULT_STATE_DIR,
+            metavar="DIR",
+            help=f"state directory: {state_dir_holds} (default: %(default)s)",
+        )
 
 
 def refuse(prog: str, message: str, code: int) -> NoReturn:

@@ -64,18 +64,8 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         "/tmp/perf-<pid>.map for JIT code), and builds one gzip pprof per service per "
         "upload window, which it hands to the uploader. Needs no privileges.",
     )
-    p.add_argument("--config", required=True, help="agent YAML file (modules.ebpf_profiler block)")
+    lifecycle.add_stage_arguments(p, state_dir_holds="the per-host secret for pid labels")
     p.add_argument("--worker", type=int, default=0, help="this worker's index, 0-based (default: 0)")
-    p.add_argument(
-        "--run-dir",
-        default=endpoints.DEFAULT_RUN_DIR,
-        help="runtime directory holding the stages' sockets (default: %(default)s)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=endpoints.DEFAULT_STATE_DIR,
-        help="state directory: the per-host secret for pid labels (default: %(default)s)",
-    )
     return p.parse_args(argv)
 
 

@@ -105,24 +105,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
             "to RUN_DIR/remote-config.json for the other stages."
         ),
     )
-    p.add_argument(
-        "--config",
-        required=True,
-        metavar="FILE",
-        help="agent YAML config file (the modules.ebpf_profiler block is used)",
-    )
-    p.add_argument(
-        "--run-dir",
-        default=endpoints.DEFAULT_RUN_DIR,
-        metavar="DIR",
-        help="runtime directory holding the stage sockets and ready files (default: %(default)s)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=endpoints.DEFAULT_STATE_DIR,
-        metavar="DIR",
-        help="state directory holding the spool and dead-letter directories (default: %(default)s)",
-    )
+    lifecycle.add_stage_arguments(p, state_dir_holds="the spool and dead-letter directories")
     return p.parse_args(argv)
 
 
