@@ -32,6 +32,8 @@ DEFAULT_RESULTS = guestroot.REPO / "bench" / "results" / "kernels"
 # Boot to the guest's init, and power-off, under TCG: ~1 min; on top of the suite's own budget.
 BOOT_MARGIN_S = 300
 GUEST_TIMEOUT_S = guest_smoke.SUITE_BUDGET_S + BOOT_MARGIN_S
+# Lines of a failed kernel's console log printed at the end (the whole log stays in the results).
+FAILED_LOG_LINES = 60
 # The table's columns: (key of the row, header). Those of REQUIRED must pass.
 COLUMNS = [
     ("kernel", "kernel"),
@@ -116,6 +118,23 @@ def short(text: str) -> str:
     return text if len(text) <= CELL_REASON_CHARS else text[: CELL_REASON_CHARS - 1] + "…"
 
 
+def boot_cell(b: boot.BootResult | None, by_step: dict[str, dict[str, Any]], error: str) -> tuple[str, bool]:
+    """The boot cell: ✓ when the suite started and finished, else why not (a panic, a timeout, silence)."""
+    if b is None or error:
+        return f"✗ {error or 'not booted'}", False
+    limit = f"silent for {boot.SILENT_S:.0f} s" if b.silent else f"timeout {GUEST_TIMEOUT_S} s"
+    if "env" not in by_step:
+        if b.timed_out:
+            return f"✗ {limit} before the suite started", False
+        return f"✗ qemu exit {b.exit_code} before the suite started" + (
+            f": {b.qemu_said}" if b.qemu_said else ""
+        ), False
+    if "done" not in by_step:
+        ended = limit if b.timed_out else f"guest ended (qemu exit {b.exit_code})"
+        return f"✗ {ended} before the suite finished" + (": kernel panic" if b.panics else ""), False
+    return "✓", True
+
+
 def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") -> dict[str, Any]:
     """One kernel's row: cells (short), passed flags, and everything reported."""
     results = b.results if b else []
@@ -126,25 +145,7 @@ def row_of(name: str, release: str, b: boot.BootResult | None, error: str = "") 
     env = by_step.get("env", {})
     cells: dict[str, str] = {"kernel": f"{name} {env.get('uname_r', release)}"}
     passed: dict[str, bool] = {}
-    if b is None or error:
-        booted, why = False, error or "not booted"
-    elif "env" in by_step:
-        booted, why = True, ""
-    elif b.timed_out:
-        booted, why = False, f"timeout {GUEST_TIMEOUT_S} s before the suite started"
-    else:
-        booted, why = (
-            False,
-            f"qemu exit {b.exit_code} before the suite started" + (f": {b.qemu_said}" if b.qemu_said else ""),
-        )
-    cells["boot"], passed["boot"] = ("✓", True) if booted else (f"✗ {why}", False)
-    if b is not None and booted and "done" not in by_step:
-        why = (
-            (f"timeout {GUEST_TIMEOUT_S} s" if b.timed_out else f"guest ended (qemu exit {b.exit_code})")
-            + " before the suite finished"
-            + (": kernel panic" if b.panics else "")
-        )
-        cells["boot"], passed["boot"] = f"✗ {why}", False
+    cells["boot"], passed["boot"] = boot_cell(b, by_step, error)
     rec, run = by_step.get("record", {}), by_step.get("run", {})
     steady = run.get("steady") or {}
     for key in REQUIRED[1:] + INFORMATIONAL:
@@ -279,6 +280,15 @@ def fetch_kernels(names: list[str], rows: list[dict[str, Any]]) -> dict[str, deb
     return kernels
 
 
+def hung_guest(name: str, b: boot.BootResult, outdir: Path) -> str:
+    """What a first boot that went silent said last; its console log kept as NAME.hung.console.log."""
+    last = [r for r in b.results if r.get("step") == "progress"]
+    kept = outdir / f"{name}.hung.console.log"
+    b.console_log.replace(kept)
+    where = f" after {last[-1].get('message', '')[:120]!r}" if last else ""
+    return f"went silent for {boot.SILENT_S:.0f} s{where} (log {kept.name})"
+
+
 def boot_each(
     kernels: dict[str, debs.KernelDebs], root: Path, image: Path, outdir: Path, accel: str, rows: list[dict[str, Any]]
 ) -> tuple[str, dict[str, float]]:
@@ -297,8 +307,16 @@ def boot_each(
             accel = "kvm" if boot.kvm_boots(kernel, initrd, image, outdir, log) else "tcg"
         log(f"booting {n} ({k.release}, {accel}; initrd loads {', '.join(mods)}; deadline {GUEST_TIMEOUT_S} s)")
         b = boot.boot(k.release, kernel, initrd, image, outdir, accel, GUEST_TIMEOUT_S, log, name=n)
+        hung = ""
+        if b.silent and not b.panics:  # a hung guest, not a failed step: booted once more, and said
+            hung = hung_guest(n, b, outdir)
+            log(f"{n}: {hung}; booting it once more")
+            b = boot.boot(k.release, kernel, initrd, image, outdir, accel, GUEST_TIMEOUT_S, log, name=n)
         initrd.unlink(missing_ok=True)
         row = row_of(n, k.release, b)
+        if hung:
+            row["hung_first"] = hung
+            row["cells"]["boot"] += f" (2nd boot: the 1st {hung})"
         rows.append(row)
         per_kernel[n] = round(time.monotonic() - t, 1)
         summary = ", ".join(f"{c}: {row['cells'][c]}" for c in [*REQUIRED, "startup", "panics"])
@@ -370,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         "failed": failed,
     }
     write_results(outdir, doc)
+    for r in rows:  # the logs go with a CI checkout: the ends of a failed or hung guest's are said here
+        for kept in sorted(outdir.glob(f"{r['name']}.*console.log")) if r["failed"] or "hung_first" in r else []:
+            tail = kept.read_text(errors="replace").splitlines()[-FAILED_LOG_LINES:]
+            log(f"{kept.name}, its last {len(tail)} lines:\n" + "\n".join(tail))
     if failed:
         log("FAILED: " + "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items()))
         return 1

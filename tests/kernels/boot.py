@@ -46,6 +46,10 @@ KVM_PROBE_TIMEOUT_S = 60
 POLL_S = 2.0
 # Lines of a panic or oops kept in the results (the whole log is kept beside them).
 PANIC_CONTEXT_LINES = 40
+# A guest whose serial logs stay unchanged this long has hung (one was seen to stop for good in
+# `record`'s start-up, with no panic): every step in it ends by its own deadline (the longest,
+# `record`'s, 510 s), and the agent's start-up says a line every 10 s: no working guest is this silent.
+SILENT_S = 600.0
 
 
 @dataclass
@@ -59,6 +63,7 @@ class BootResult:
     results: list[dict] = field(default_factory=list)
     panics: list[str] = field(default_factory=list)
     qemu_said: str = ""  # the last of qemu's own output (why it would not start)
+    silent: bool = False  # killed after SILENT_S with nothing new on either serial port
 
 
 def _module_paths(moddir: Path) -> tuple[dict[str, str], dict[str, list[str]], set[str]]:
@@ -249,32 +254,12 @@ def boot(  # noqa: PLR0913, PLR0917 - one boot's every input, named at its one c
     argv = qemu_argv(kernel, initrd, image, console, results, accel)
     (outdir / f"{tag}.qemu.argv").write_text(" ".join(argv) + "\n")
     started = time.monotonic()
-    seen = 0
     with open(outdir / f"{tag}.qemu.log", "w") as qlog:
         p = subprocess.Popen(
             argv, stdout=qlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
-        timed_out = False
         try:
-            while True:
-                try:
-                    p.wait(POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                got = read_results(results, final=False)
-                for r in got[seen:]:
-                    if r.get("step") == "progress":
-                        log(f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('message', '')}")
-                    else:
-                        log(
-                            f"  [{tag} {time.monotonic() - started:4.0f} s] {r.get('step')}: "
-                            f"{r.get('status', '')} {r.get('reason', '')}".rstrip()
-                        )
-                seen = len(got)
-                if time.monotonic() - started > timeout_s:
-                    timed_out = True
-                    break
+            timed_out, silent = watch(p, tag, console, results, started + timeout_s, log)
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -291,7 +276,44 @@ def boot(  # noqa: PLR0913, PLR0917 - one boot's every input, named at its one c
         results=read_results(results),
         panics=panics(text),
         qemu_said=said[-1][:300] if said else "",
+        silent=silent,
     )
+
+
+def watch(
+    p: subprocess.Popen[bytes], tag: str, console: Path, results: Path, deadline: float, log: Callable[[str], None]
+) -> tuple[bool, bool]:
+    """Until qemu exits: its results said as they come; (timed out, silent) when it had to be stopped at
+    the deadline, or after SILENT_S with neither log growing."""
+    started, seen = time.monotonic(), 0
+    grown = (-1, -1, started)  # the serial logs' sizes, and when they last changed
+    while True:
+        try:
+            p.wait(POLL_S)
+            return False, False
+        except subprocess.TimeoutExpired:
+            pass
+        got = read_results(results, final=False)
+        for r in got[seen:]:
+            said = (
+                r.get("message", "")
+                if r.get("step") == "progress"
+                else f"{r.get('step')}: {r.get('status', '')} {r.get('reason', '')}"
+            )
+            log(f"  [{tag} {time.monotonic() - started:4.0f} s] {said}".rstrip())
+        seen = len(got)
+        grown = logs_grown(grown, console, results)
+        if time.monotonic() - grown[2] > SILENT_S:
+            return True, True
+        if time.monotonic() > deadline:
+            return True, False
+
+
+def logs_grown(last: tuple[int, int, float], *logs: Path) -> tuple[int, int, float]:
+    """(console size, results size, when either last changed), after one more look at them."""
+    sizes = [f.stat().st_size if f.exists() else 0 for f in logs]
+    now = (sizes[0], sizes[1])
+    return (*now, time.monotonic()) if now != last[:2] else last
 
 
 def kvm_boots(kernel: Path, initrd: Path, image: Path, outdir: Path, log: Callable[[str], None] = print) -> bool:

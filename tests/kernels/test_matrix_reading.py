@@ -2,7 +2,7 @@
 
 What a guest reports must reach the table as it was: a panic in the serial
 log, a result line the guest had not finished writing, the stage error behind
-the supervisor's, a module order the kernel can load, a guest that timed out.
+the supervisor's, a module order the kernel can load, a guest that timed out or went silent.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.kernels import boot
-from tests.kernels.__main__ import GUEST_TIMEOUT_S, row_of
+from tests.kernels.__main__ import GUEST_TIMEOUT_S, hung_guest, row_of
 from tests.kernels.guest_smoke import RESULT_MARK, cause
 
 PANIC_LOG = """initrd: loading 12 modules
@@ -91,6 +91,43 @@ def test_a_guest_that_hung_mid_suite_fails_its_boot_cell_with_the_panic(tmp_path
         row_of("bullseye", "5.10.0-32-amd64", timed_out)["cells"]["boot"]
         == f"✗ timeout {GUEST_TIMEOUT_S} s before the suite started"
     )
+
+
+def test_a_guest_gone_silent_is_said_with_its_last_step_and_its_log_kept(tmp_path: Path) -> None:
+    console = tmp_path / "bookworm.console.log"
+    console.write_text("[record  33.9] starting: 2 of 3 stages ready\n")
+    silent = boot.BootResult(
+        release="6.1.0-50-amd64",
+        accel="tcg",
+        seconds=700.0,
+        timed_out=True,
+        exit_code=None,
+        console_log=console,
+        results=[
+            {"step": "env", "status": "ok", "uname_r": "6.1.0-50-amd64"},
+            {"step": "progress", "message": "record: record -d 30 --offcpu"},
+        ],
+        silent=True,
+    )
+    # its row says the guest went silent, not that the suite ran out of time
+    row = row_of("bookworm", "6.1.0-50-amd64", silent)
+    assert row["cells"]["boot"] == f"✗ silent for {boot.SILENT_S:.0f} s before the suite finished"
+    # and what the second boot's row carries names the step it hung in, with its log kept beside
+    said = hung_guest("bookworm", silent, tmp_path)
+    assert said == (
+        f"went silent for {boot.SILENT_S:.0f} s after 'record: record -d 30 --offcpu' (log bookworm.hung.console.log)"
+    )
+    assert (tmp_path / "bookworm.hung.console.log").read_text().startswith("[record  33.9]")
+    assert not console.exists()  # the second boot writes its own
+
+
+def test_the_silence_watch_sees_either_log_grow(tmp_path: Path) -> None:
+    console, results = tmp_path / "c.log", tmp_path / "r.log"
+    first = boot.logs_grown((-1, -1, 0.0), console, results)
+    assert first[:2] == (0, 0) and first[2] > 0
+    assert boot.logs_grown(first, console, results) is first  # nothing new: the clock stays
+    results.write_text("x")
+    assert boot.logs_grown(first, console, results)[:2] == (0, 1)
 
 
 def _profile(path: Path, sample_types: list[tuple[str, str]], stacks: list[tuple[list[str], list[int], int]]) -> None:
