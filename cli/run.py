@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import config as config_mod
-from shared import endpoints, files, privileges, ready, runlock, stage_code, stopping
+from shared import counters, endpoints, files, privileges, ready, runlock, stage_code, stopping
 from shared import log as log_mod
 from shared.stage_code import default_bpf_dir
 from shared.stopping import stop_on_signals
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler run") -> i
         if failed is not None:
             return failed
         log.info("all stages ready: %s", ", ".join(s.name for s in all_stages))
-        supervise(all_stages, stop, wake)
+        supervise(all_stages, stop, wake, counters.CounterFile(args.run_dir, "run"))
         return 0
     finally:
         for stage in reversed(all_stages):  # collector, workers, uploader
@@ -405,8 +405,11 @@ def start_all(all_stages: list[Stage], stop: threading.Event) -> int | None:
     return None
 
 
-def supervise(all_stages: list[Stage], stop: threading.Event, wake: threading.Event) -> None:
-    """Until `stop`: restart each stage that exits, after its backoff (reset when it had run STABLE_RUN_S)."""
+def supervise(
+    all_stages: list[Stage], stop: threading.Event, wake: threading.Event, exits: counters.CounterFile
+) -> None:
+    """Until `stop`: restart each stage that exits, after its backoff (reset when it had run STABLE_RUN_S).
+    Each exit is counted (`<stage>_exits` in RUN_DIR/run.counters.json, shown by `status`)."""
     while not stop.is_set():
         due = [s.restart_at for s in all_stages if s.restart_at is not None]
         wake.wait(min([stopping.QUIET_WAKE_S] + [max(0.0, t - time.monotonic()) for t in due]))
@@ -424,6 +427,7 @@ def supervise(all_stages: list[Stage], stop: threading.Event, wake: threading.Ev
                 if now - stage.started > STABLE_RUN_S:
                     stage.backoff = RESTART_BACKOFF_S[0]
                 log.error("%s exited with %s; restarting in %.0f s", stage.name, p.returncode, stage.backoff)
+                exits.update({f"{stage.name}_exits": stage.restarts + 1}, force=True)  # rare: written at once
                 stage.restart_at = now + stage.backoff
                 stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
 

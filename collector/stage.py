@@ -297,6 +297,7 @@ class Collector:
             "announcements_split": a["split"],
             "announcement_parts_unsendable": a["unsendable"],
             **(self.regs.checks() if self.regs is not None else {}),
+            **(self.unwind.checks() if self.unwind is not None else {}),
         }
 
     # ------------------------------------------------------------ stop

@@ -307,6 +307,19 @@ class UnwindTables:
                 continue
             self._answer(msg)
 
+    def checks(self) -> dict[str, int]:
+        """The checks on the unwind service's answers and on the files behind them that fired, for
+        status: a file whose CFI could not be read (its frames use frame pointers), an answer not
+        asked for, a malformed one, a table over its cap, a process over its mappings cap."""
+        s = self.stats
+        return {
+            "unwind_tables_failed": s["failed"],
+            "unwind_answers_unasked": s["unasked"],
+            "unwind_answers_rejected": s["rejected"],
+            "unwind_tables_too_large": s["too_large"],
+            "unwind_mappings_over_cap": s["mappings_over_cap"],
+        }
+
     def _answer(self, msg: UnwindTable) -> None:
         key = (msg.dev, msg.inode)
         waiting = self._waiting.pop(key, {})

@@ -340,6 +340,9 @@ class Reader:
             "detect_slow": self.targets.stats["detect_slow"],
             "read_errors": self.targets.stats["read_errors"],
             "samples_over_service_cap": self.windows.samples_over_service_cap,
+            "regs_subsampled": self.stats["regs_subsampled"],  # over MAX_REGS_PER_S: a subsample walked
+            "regs_not_read": self.stats["regs_not_read"],
+            **self.sender.checks(),
         }
         out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
         for r in self.runtimes:

@@ -241,6 +241,10 @@ class ProfileSender:
 
     # ------------------------------------------------------------ sending
 
+    def checks(self) -> dict[str, int]:
+        """What status shows of the hand-off: waits on a full uploader, and malformed acks ignored."""
+        return {"uploader_waits": self.counts["waits"], "uploader_bad_acks": self.counts["bad_acks"]}
+
     def send(self, upload: ProfileUpload) -> None:
         """Queue one profile for the uploader; blocks while the queue is full (backpressure).
 

@@ -250,6 +250,8 @@ class Worker:
             "samples_over_row_cap": self.stats["samples_over_row_cap"],
             "samples_over_service_cap": self.windows.samples_over_service_cap,
             **{k: v for k, v in self.stats.items() if k.startswith("bad_messages_")},
+            **self.sender.checks(),
+            **({f"unwind_failed_{k}": v for k, v in self.unwind.failed_by_reason.items()} if self.unwind else {}),
         }
 
     def set_interval(self, interval_s: int, why: str) -> None:

@@ -41,7 +41,7 @@ import zmq
 from bench.polling import wait_for
 from receiver.store import list_profiles
 from shared import config as config_mod
-from shared import endpoints, handoff
+from shared import counters, endpoints, handoff
 from shared.pprof import ProfileBuilder
 from shared.privileges import ids as stage_ids
 from shared.wire import ProfileUpload
@@ -518,6 +518,7 @@ class Pipeline:
             # guard sets a budget of its own, or keeps the shipped one (shipped_budget).
             cfg = cfg.replace(overhead_budget_pct=KEEP_RATE_BUDGET_PCT)
         self.cfg = cfg
+        self.final_counters: dict[str, dict[str, int]] | None = None
         self.root = open_dir("pipeline")
         self.run_dir = self.root / "run"
         self.state_dir = self.root / "state"
@@ -558,8 +559,27 @@ class Pipeline:
             self._log.flush()
         return self.log_path.read_text()
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Every RUN_DIR/<stage>.counters.json as last written (the supervisor's `run` one counts each
+        stage's exits), whether or not its stage still runs, unlike `ebpfprofiler status`; after stop(),
+        as the stages left them."""
+        if self.final_counters is not None:
+            return self.final_counters
+        out: dict[str, dict[str, int]] = {}
+        for path in sorted(self.run_dir.glob("*" + counters.SUFFIX)):
+            try:
+                out[path.name.removesuffix(counters.SUFFIX)] = json.loads(path.read_text())["counters"]
+            except (OSError, ValueError, KeyError):
+                continue  # being replaced: write_atomic renames over it
+        return out
+
+    def exits(self) -> dict[str, int]:
+        """Stage → how often it exited and was restarted by `run` (none: {})."""
+        return {k.removesuffix("_exits"): v for k, v in self.counters().get("run", {}).items()}
+
     def stop(self) -> int:
         code = stop_process(self.proc, timeout=90)
         self._log.close()
+        self.final_counters = self.counters()
         shutil.rmtree(self.root, ignore_errors=True)
         return code

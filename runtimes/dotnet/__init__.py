@@ -387,11 +387,14 @@ class DotNet:
                 select.select([p.sock for _, p in asking], [], [], max(0.0, soonest - time.monotonic()) + 0.001)
 
     def counters(self) -> dict[str, int]:
-        """The checks on what processes answered that fired, for the reader's status counters."""
+        """The checks on what processes answered that fired, for the reader's status counters, and the
+        perf maps asked back at stop (disabled, or failed to)."""
         return {
             "dotnet_stalled": self.stats["stalled"],
             "dotnet_malformed": self.stats["malformed"],
             "dotnet_not_answered": self.stats["not_answered"],
+            "dotnet_perf_maps_disabled": self.stats["disabled"],
+            "dotnet_disable_failed": self.stats["disable_failed"],
         }
 
     def _stop_failed(self, lines: list[str], e: _Enabled, why: str) -> None:
