@@ -190,11 +190,7 @@ def alloc_run(
             assert t.stdin is not None
             t.stdin.close()
             assert t.wait(timeout=30) == 0
-            wait_for(
-                "the collector to detach from the exited target",
-                lambda: f"pid {t.pid} (" in pipeline.log() and "uprobes detached" in pipeline.log(),
-                timeout=15,
-            )
+            wait_for("the collector to detach from the exited target", lambda: not collector_uprobes(collector), 15)
             uprobes = collector_uprobes(collector)
         finally:
             assert pipeline.stop() == 0, pipeline.log()
@@ -283,7 +279,6 @@ def test_uprobes_are_detached_when_the_target_exits(alloc_run: AllocRun) -> None
     assert len(alloc_run.uprobes_attached) == 5, alloc_run.uprobes_attached
     assert len({p["prog_id"] for p in alloc_run.uprobes_attached}) == 5, alloc_run.uprobes_attached
     assert alloc_run.uprobes_after_exit == [], alloc_run.uprobes_after_exit
-    assert "7 uprobes attached to pid" in alloc_run.log and "in /usr/lib/x86_64-linux-gnu/libc.so" in alloc_run.log
 
 
 # The process allocated ~100 MB per 10 s; a little faster and longer here. The samples
@@ -325,7 +320,9 @@ def mix_run(
             endpoint=receiver.url,
             local_dir=str(work / "unused"),
         )
+        # at the default sampling and duty cycle (bursts of alloc_duty_pct of each second)
         assert cfg.alloc_sample_bytes == DEFAULT_ALLOC_SAMPLE_BYTES
+        assert cfg.alloc_duty_pct == config_mod.DEFAULT_ALLOC_DUTY_PCT
         pipeline = Pipeline(work, cfg)
         try:
             t = subprocess.Popen(
@@ -381,8 +378,6 @@ def test_default_sampling_inuse_is_the_leak_only(mix_run: MixRun) -> None:
         assert w.get("mix_a", 0) == 0 and w.get("mix_b", 0) == 0, windows
     # and it grows while the target leaks (the last window is idle: all of it live)
     assert with_leak[-1]["leak_page"] >= max(w["leak_page"] for w in with_leak), with_leak
-    # at the default duty cycle (bursts of alloc_duty_pct of each second)
-    assert f"bursts of {10 * config_mod.DEFAULT_ALLOC_DUTY_PCT:.0f} ms a second" in mix_run.log
 
 
 @dataclass
@@ -429,6 +424,7 @@ def lock_run(
                 ]
                 return bool(lines) and "libc.so.6" in lines[-1] and exe.name in lines[-1]
 
+            # (a wait on the log, not an outcome: the outcome is the lock profile read below)
             wait_for("the target's futex waits recorded, with its tables", unwound, timeout=60)
             # when it runs its threads
             assert p.stdin is not None

@@ -68,7 +68,6 @@ def test_stop_detaches_every_program_and_perf_event(
         err = p.stderr.read() if p.stderr else ""
         # then it exits cleanly and none of its programs or perf links remain
         assert code == 0, err
-        assert "on-CPU sampling detached" in err
         # (the process is gone and with it every descriptor; the kernel frees what a tail-call
         # program array held a moment later: the last user reference clears the array in a
         # workqueue, prog_array_map_clear_deferred, and the step programs go after an RCU grace

@@ -133,7 +133,7 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoints.processes(str(run_dir)))
         # Given every slot taken by a process that ran for a second and sleeps since
-        idle = fill_slots_with_idle(fake, libjvm, log_path, started)
+        fill_slots_with_idle(fake, libjvm, log_path, started)
         # When a process that maps a libjvm.so and runs appears
         busy = subprocess.Popen(
             [str(fake), "spin", str(libjvm), str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
@@ -141,12 +141,7 @@ def test_a_busy_process_gets_a_register_slot_from_idle_holders(
         started.append(busy)
         # Then its on-CPU samples come with registers within the deadline
         wait_for_registers_of(sub, busy.pid)
-        # from a slot taken back from an idle holder: logged, and counted for status
-        text = log_path.read_text()
-        evictions = re.findall(
-            r"pid (\d+) \(maps [^)]*\) had no on-CPU sample for \d+ s: its slot goes to pid (\d+)", text
-        )
-        assert any(int(old) in idle and int(new) == busy.pid for old, new in evictions), text[-3000:]
+        # from a slot taken back from an idle holder (every slot was an idle one's), counted for status
         wait_for(
             "the collector's counters to say so",
             lambda: counters.read_all(str(run_dir)).get("collector", {}).get("regs_evicted_idle", 0) >= 1,

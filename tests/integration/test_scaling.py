@@ -86,9 +86,7 @@ def test_killing_a_worker_moves_its_services_and_loses_at_most_one_window(
                 assert p.wait(timeout=60) == 0
         finally:
             assert pipeline.stop() == 0, pipeline.log()
-        log = pipeline.log()
-        assert f"symbolizer-{victim} exited with -9; restarting" in log
-        assert f"symbolizer worker {victim} disconnected: its services move" in log
+        assert pipeline.exits() == {f"symbolizer-{victim}": 1}, pipeline.log()  # restarted by `run`, once
     finally:
         receiver.stop()
 

@@ -76,6 +76,8 @@ class Produced:
 
 
 def produced(log: str) -> list[Produced]:
+    """Each profile a worker handed over, from the line it logs for each (the log line is the feature:
+    the audit trail an operator matches against the backend's)."""
     return [Produced(int(m[2]), m[3], m[4], m[5], m[6]) for m in PROFILE_LINE.finditer(log)]
 
 
@@ -267,7 +269,10 @@ def test_receiver_hanging_past_the_read_timeout_uploader_retries_and_memory_stay
     # and the workers kept producing: the spool grew window after window, and no worker waited
     assert spool_sizes[-1] > spool_sizes[len(spool_sizes) // 2] > 0, spool_sizes
     assert len({w for _, _, w in spooled(spool).values()}) >= 4
-    assert "waiting on the uploader" not in log
+    waits = {
+        stage: c.get("uploader_waits") for stage, c in pipeline.counters().items() if stage.startswith("symbolizer-")
+    }
+    assert waits and not any(waits.values()), waits
     # and no stage's memory went past its bound or kept growing
     for stage, mb in samples.items():
         assert max(mb) < RSS_BOUND_MB[stage], f"{stage}: RSS up to {max(mb):.0f} MB, bound {RSS_BOUND_MB[stage]}"
@@ -567,7 +572,7 @@ def test_collector_or_symbolizer_restart_loses_at_most_the_window_in_progress(
     wait_for("two more windows", lambda: len(hot_windows()) >= seen + 2, timeout=PIPELINE_DEADLINE_S)
     assert pipeline.stop() == 0
     log = pipeline.log()
-    assert "symbolizer-0 exited with -9; restarting" in log and "collector exited with -9; restarting" in log
+    assert pipeline.exits() == {"symbolizer-0": 1, "collector": 1}  # each restarted by `run`, once
     # then every profile a worker handed over arrived once, but what the killed worker had not yet
     # had acknowledged, which must be of a window open when it died
     made = produced(log)
