@@ -3,8 +3,10 @@
 Owns: RUN_DIR/<stage>.counters.json, {"version", "stage", "pid", "time_ns",
 "counters": {reason: count since the stage started}}, written whole
 (shared/files.write_atomic) when a count changed, at most every WRITE_GAP_S
-(a change within it waits for the next count or flush) and at a stage's close; and reading those files back as untrusted input of
-bounded size (cli/status.py prints the ones whose stage still runs).
+(a change within it is written when the gap ends, by a one-shot timer: a
+stage that sleeps long, as the uploader does, still shows it) and at a
+stage's close; and reading those files back as untrusted input of bounded
+size (cli/status.py prints the ones whose stage still runs).
 
 Must not: decide what is counted, or log (the stage that counts logs once per
 process or reason).
@@ -51,6 +53,7 @@ class CounterFile:
         self._counts: dict[str, int] = {}
         self._written: dict[str, int] | None = None
         self._at = float("-inf")
+        self._later: threading.Timer | None = None  # the write of a change held back by WRITE_GAP_S
 
     def count(self, reason: str, n: int = 1) -> None:
         """One more (or `n` more) of `reason`; written as update() writes."""
@@ -69,7 +72,13 @@ class CounterFile:
         with self._lock:
             now = self._clock()
             current = dict(self._counts)
-            if current == self._written or (not force and now - self._at < WRITE_GAP_S):
+            if current == self._written:
+                return
+            if not force and now - self._at < WRITE_GAP_S:
+                if self._later is None:  # one timer at a time, only while counts change: none when idle
+                    self._later = threading.Timer(WRITE_GAP_S - (now - self._at), self._write_later)
+                    self._later.daemon = True
+                    self._later.start()
                 return
             doc = {
                 "version": VERSION,
@@ -84,6 +93,11 @@ class CounterFile:
                 log.warning("cannot write %s: %s", self.path, e.strerror)
                 return
             self._written, self._at = current, now
+
+    def _write_later(self) -> None:
+        with self._lock:
+            self._later = None
+        self.flush()
 
     def get(self, reason: str) -> int:
         with self._lock:

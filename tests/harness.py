@@ -419,8 +419,8 @@ class UploaderProcess:
         return self.stderr.read_text()
 
     def counters(self) -> dict[str, int]:
-        """RUN_DIR/uploader.counters.json's counts as last written (at the latest, at exit: the exit
-        line's totals); read whether or not the uploader still runs, unlike `ebpfprofiler status`."""
+        """RUN_DIR/uploader.counters.json's counts as last written (as they change, and at exit: the
+        exit line's totals); read whether or not it still runs, unlike `ebpfprofiler status`."""
         path = self.run_dir / "uploader.counters.json"
         counts: dict[str, int] = json.loads(path.read_text())["counters"] if path.exists() else {}
         return counts

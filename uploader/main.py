@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
@@ -112,10 +113,13 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
 class Uploader:
     """The receive loop around one ROUTER socket and one Store."""
 
-    def __init__(self, sock: zmq.Socket, store: Store, log: logging.Logger) -> None:
+    def __init__(
+        self, sock: zmq.Socket, store: Store, log: logging.Logger, totals: Callable[[Counter[str]], None]
+    ) -> None:
         self.sock = sock
         self.store = store
         self.log = log
+        self.totals = totals  # given the receive counts, writes the running totals for status
         self.log_once = shared_log.LogOnce(log)
         self.stopping = False
         self.counts: Counter[str] = Counter()
@@ -136,6 +140,7 @@ class Uploader:
             stopping.drain_wakeups()
             if self.sock in events:
                 self._handle(self.sock.recv_multipart())
+                self.totals(self.counts)
         # Stop: no new waiting, but everything already queued is stored and acknowledged.
         poller.unregister(stopping.wakeup_fd())
         while poller.poll(DRAIN_IDLE_MS):
@@ -174,10 +179,18 @@ class Delivery:
 
     store: Store
     where: str  # for the start line
-    checks: counters.CounterFile  # RUN_DIR/uploader.counters.json: failed attempts by cause, and the exit totals
+    checks: counters.CounterFile  # RUN_DIR/uploader.counters.json: failed attempts by cause, and the totals
     client: HttpClient | None = None
     spool: Spool | None = None
     sender: Sender | None = None
+
+    def totals(self, received: Counter[str], force: bool = False) -> None:
+        """The exit line's totals so far, into the counters file: as they change while the stage runs
+        (written at most every counters.WRITE_GAP_S, so `status` shows them), and at exit (`force`)."""
+        if self.sender is None or self.spool is None:
+            self.checks.update(exit_totals(received), force=force)
+        else:
+            self.checks.update(exit_totals(received, self.spool.counts, self.sender.counts["rejected"]), force=force)
 
 
 def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> int:
@@ -201,7 +214,9 @@ def main(argv: list[str] | None = None, prog: str = "ebpfprofiler-uploader") -> 
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-    uploader = Uploader(sock, delivery.store, log)
+    uploader = Uploader(sock, delivery.store, log, delivery.totals)
+    if delivery.sender is not None:  # each post changes the spool's totals
+        delivery.sender.after_attempt = lambda: delivery.totals(uploader.counts)
     # From here a stop request is remembered; the loop then drains and exits.
     signal.signal(signal.SIGTERM, uploader.request_stop)
     signal.signal(signal.SIGINT, uploader.request_stop)
@@ -340,14 +355,14 @@ def finish_delivery(delivery: Delivery, c: Counter[str], log: logging.Logger) ->
     totals also go to the counters file (exit_totals), where they outlast the stage's log."""
     sender, client, spool = delivery.sender, delivery.client, delivery.spool
     if sender is None or client is None or spool is None:
-        delivery.checks.update(exit_totals(c), force=True)
+        delivery.totals(c, force=True)
         log.info("exiting: %d written, %d refused, %d not written for now", c["stored"], c["refused"], c["retry"])
         return
     if not sender.stop(FINAL_ATTEMPT_S, JOIN_SLACK_S):
         log.warning("a post was still in flight at exit; its profile stays in the spool for the next start")
     client.close()
     s = spool.counts
-    delivery.checks.update(exit_totals(c, s, sender.counts["rejected"]), force=True)
+    delivery.totals(c, force=True)
     log.info(
         "exiting: %d spooled, %d refused, %d not taken for now; %d delivered, %d dead-lettered, "
         "%d dropped; %d profile(s) (%.1f MB) left in the spool for the next start; %d rejected by "

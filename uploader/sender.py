@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from shared.counters import CounterFile
 from shared.handoff import window_text
@@ -58,6 +59,7 @@ class Sender:
         self.backoff_base_s = backoff_base_s
         self.counts: Counter[str] = Counter()
         self.checks = checks  # failed attempts by cause, for status
+        self.after_attempt: Callable[[], None] = lambda: None  # the uploader's running totals, for status
         self._stopping = threading.Event()
         self._final_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
@@ -107,6 +109,7 @@ class Sender:
             entry, upload = item
             try:
                 failures, pause_until = self._attempt(entry, upload, failures, pause_until)
+                self.after_attempt()
             except Exception:
                 self.log.exception("unexpected error sending profile %s; it stays in the spool", entry.profile_id)
                 self.spool.retry_later(entry, time.monotonic() + ERROR_PAUSE_S)

@@ -25,7 +25,7 @@ import zmq
 
 from receiver.server import make_server
 from receiver.store import list_profiles
-from shared import endpoints, handoff
+from shared import counters, endpoints, handoff
 from shared.config import UPLOAD_FORMATS, ProfilerConfig
 from shared.wire import StackBatch, encode
 from tests.harness import (
@@ -232,6 +232,11 @@ def test_http_mode_spools_acks_and_delivers_with_the_right_params(
         "end": [str(END_NS)],
     }
     wait_for("the spool to be emptied after the 2xx", lambda: not u.spooled())
+    # and `ebpfprofiler status` shows the totals while the uploader runs, not only at its exit
+    wait_for(
+        "the running totals in the counters status reads",
+        lambda: counters.read_all(str(u.run_dir)).get("uploader", {}).get("spool_delivered") == 1,
+    )
     assert u.stop() == 0
     counts = u.counters()
     assert (counts["messages_stored"], counts["messages_refused"], counts["messages_retry"]) == (1, 0, 0)
