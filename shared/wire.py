@@ -350,7 +350,7 @@ _ENCODERS: dict[type, Callable[[Any], list[bytes]]] = {
 }
 
 
-def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912
+def decode(frames: Sequence[bytes]) -> Message:
     """The message in `frames`; WireError if it is not a valid one."""
     if not frames or len(frames) > 2:
         raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
@@ -364,39 +364,21 @@ def decode(frames: Sequence[bytes]) -> Message:  # noqa: PLR0912
     if not isinstance(body, dict):
         raise WireError("body is not a JSON object")
     try:
-        if kind == "stack_batch":
-            if len(frames) != 1:
-                raise WireError("a stack_batch has one frame")
-            return _batch(body)
-        if kind == "profile":
-            if len(frames) != 2:
-                raise WireError("a profile has two frames")
-            if len(frames[1]) > MAX_PROFILE_BYTES:
-                raise WireError(f"profile of {len(frames[1])} bytes is over the cap of {MAX_PROFILE_BYTES}", "over_cap")
-            return _profile(body, bytes(frames[1]))
-        if kind == "unwind_table":
-            if len(frames) != 2:
-                raise WireError("an unwind_table has two frames")
-            if len(frames[1]) > MAX_UNWIND_TABLE_BYTES:
-                raise WireError(
-                    f"unwind table of {len(frames[1])} bytes is over the cap of {MAX_UNWIND_TABLE_BYTES}", "over_cap"
-                )
-            return _unwind_table(body, bytes(frames[1]))
-        if kind == "process_announcement":
-            if len(frames) != 1:
-                raise WireError("a process_announcement has one frame")
-            return _announcement(body)
-        if kind == "regs_batch":
-            if len(frames) != 2:
-                raise WireError("a regs_batch has two frames")
-            return _regs_batch(body, bytes(frames[1]))
-        if kind in ("file_request", "file_reply"):
+        if isinstance(kind, str) and kind in _FILE_KINDS:
             if len(frames) != 1 or len(head) > MAX_FILE_MESSAGE_BYTES:
                 raise WireError(f"a {kind} is one frame of at most {MAX_FILE_MESSAGE_BYTES} bytes")
-            return _file_request(body) if kind == "file_request" else _file_reply(body)
+            return _FILE_KINDS[kind](body)
+        k = _KINDS.get(kind) if isinstance(kind, str) else None
+        if k is None:
+            raise WireError(f"unknown message kind {quote(kind)}")
+        if len(frames) != k.frames:
+            raise WireError(f"{k.name} has {'one frame' if k.frames == 1 else 'two frames'}")
+        data = bytes(frames[1]) if k.frames == 2 else b""
+        if k.cap and len(data) > k.cap:
+            raise WireError(f"{k.what} of {len(data)} bytes is over the cap of {k.cap}", "over_cap")
+        return k.decode(body, data)
     except (KeyError, TypeError) as e:
         raise WireError(f"{quote(kind)}: malformed body ({type(e).__name__}: {cut(str(e))})") from None
-    raise WireError(f"unknown message kind {quote(kind)}")
 
 
 def json_object(frame: bytes, cap: int, what: str, error: type[Exception] = WireError) -> dict[str, Any]:
@@ -804,3 +786,26 @@ def _file_reply(b: dict[str, Any]) -> FileReply:
     if not ok and error not in FILE_ERRORS:
         raise WireError(f"error {quote(error)} is not one of {FILE_ERRORS}")
     return FileReply(ok=ok, error=error, reason=_str(b["reason"], "reason"))
+
+
+# The kinds decode() takes (after their decoders, which they name).
+@dataclass(frozen=True)
+class _Kind:
+    """How a message kind is framed: its frames, its second frame's cap, and the decoder of its body."""
+
+    name: str  # as the frame-count error says it ("a profile", "an unwind_table")
+    frames: int
+    decode: Callable[[dict[str, Any], bytes], Message]
+    cap: int = 0  # the second frame's own cap in bytes (0: none)
+    what: str = ""  # the second frame, as its over-cap error names it
+
+
+_KINDS: dict[str, _Kind] = {
+    "stack_batch": _Kind("a stack_batch", 1, lambda body, _: _batch(body)),
+    "profile": _Kind("a profile", 2, _profile, MAX_PROFILE_BYTES, "profile"),
+    "unwind_table": _Kind("an unwind_table", 2, _unwind_table, MAX_UNWIND_TABLE_BYTES, "unwind table"),
+    "process_announcement": _Kind("a process_announcement", 1, lambda body, _: _announcement(body)),
+    "regs_batch": _Kind("a regs_batch", 2, _regs_batch),
+}
+# The file broker's messages: one small frame each.
+_FILE_KINDS: dict[str, Callable[[dict[str, Any]], Message]] = {"file_request": _file_request, "file_reply": _file_reply}
