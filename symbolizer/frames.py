@@ -54,8 +54,13 @@ def _start(m: Mapping) -> int:
     return m.start
 
 
+# Mappings with no file of their own, whose code a perf map may name (perf's is_anon_memory: "//anon",
+# "/dev/zero" for shared anonymous memory, "/anon_hugepage"; and memfds, the kernel's "[anon:NAME]").
+ANONYMOUS_PREFIXES = ("[anon", "//anon", "/dev/zero", "/anon_hugepage", "/memfd:", "[heap]", "[stack]")
+
+
 def _is_anonymous(path: str) -> bool:
-    return path == "" or path.startswith(("[anon", "//anon", "/memfd:", "[heap]", "[stack]"))
+    return path == "" or path.startswith(ANONYMOUS_PREFIXES)
 
 
 class FrameResolver:

@@ -42,6 +42,7 @@ class Run:
     hot_cpu_seconds: float
     syscall_exe: str
     jit_exe: str
+    jit_shared_exe: str  # the JIT whose code is in shared anonymous memory
     jit_symlink_exe: str
     jit_symlink_pid: int
     log: str
@@ -73,19 +74,21 @@ def run_hot(started: list[subprocess.Popen], hot: Path) -> tuple[float, int]:
 
 
 def run_syscall_and_jits(
-    started: list[subprocess.Popen], syscall: Path, jit: Path, jit_symlink: Path, stolen: Path
+    started: list[subprocess.Popen], syscall: Path, jit: Path, jit_shared: Path, jit_symlink: Path, stolen: Path
 ) -> int:
-    """The syscall workload, the JIT with its own perf map and the symlinking one (as nobody, its perf
-    map pointed at `stolen`, which names its code) together, each to a clean end; the symlinking one's pid."""
+    """The syscall workload, the JIT with its own perf map (its code in private, and in shared anonymous
+    memory) and the symlinking one (as nobody, its perf map pointed at `stolen`, which names its code)
+    together, each to a clean end; the symlinking one's pid."""
     sc = start_workload(started, str(syscall), "3")
     jt = start_workload(started, str(jit), "3", "own")
+    jh = start_workload(started, str(jit_shared), "3", "shared")
     js = start_workload(started, str(jit_symlink), "3", "symlink", str(stolen), user=65534)
-    for q in (jt, js):
+    for q in (jt, jh, js):
         assert q.stdout is not None
         line = q.stdout.readline().split()
         assert line[:1] == ["ready"], line
     stolen.write_text(f"{line[1]} 10 stolen_name\n")
-    for q in (sc, jt, js):
+    for q in (sc, jt, jh, js):
         q.communicate(timeout=60)
         assert q.returncode == 0
     return js.pid
@@ -103,8 +106,9 @@ def run(
     # and points its perf map at a file owned by root that names its code.
     shared_dir = Path(tempfile.mkdtemp(prefix="ebpfprofiler-test-"))
     shared_dir.chmod(0o755)
-    jit_symlink = shared_dir / "jit_symlink"
+    jit_symlink, jit_shared = shared_dir / "jit_symlink", shared_dir / "jit_shared"
     shutil.copy(jit, jit_symlink)
+    shutil.copy(jit, jit_shared)
     receiver = Receiver(work / "received")
     try:
         pipeline = Pipeline(
@@ -121,7 +125,9 @@ def run(
         )
         try:
             hot_cpu, hot_pid = run_hot(module_started, hot)
-            symlink_pid = run_syscall_and_jits(module_started, syscall, jit, jit_symlink, shared_dir / "stolen.map")
+            symlink_pid = run_syscall_and_jits(
+                module_started, syscall, jit, jit_shared, jit_symlink, shared_dir / "stolen.map"
+            )
             collector = int(Path(endpoints.ready_file(str(pipeline.run_dir), "collector")).read_text())
             collector_progs, _ = bpf_holdings(collector)
         finally:
@@ -134,6 +140,7 @@ def run(
             hot_cpu,
             str(syscall.resolve()),
             str(jit.resolve()),
+            str(jit_shared),
             str(jit_symlink),
             symlink_pid,
             pipeline.log(),
@@ -247,6 +254,18 @@ def test_jit_frames_named_from_perf_map(run: Run) -> None:
         leaves[s.frames[-1].function if s.frames else ""] += s.values[0]
     assert leaves.most_common(1)[0][0] == "jit_spin_loop", leaves
     assert all(s.frames[-1].module == "[jit]" for s in samples if s.frames[-1].function == "jit_spin_loop")
+
+
+def test_jit_frames_in_shared_anonymous_memory_named_from_perf_map(run: Run) -> None:
+    # code in a MAP_SHARED|MAP_ANONYMOUS mapping ("/dev/zero (deleted)" in its maps) is named as perf
+    # names it, from the perf map: not as an offset into a file called "zero"
+    samples = run.samples_of(run.jit_shared_exe)
+    leaves: Counter[str] = Counter()
+    for s in samples:
+        leaves[s.frames[-1].function if s.frames else ""] += s.values[0]
+    assert leaves.most_common(1)[0][0] == "jit_spin_loop", leaves
+    assert all(s.frames[-1].module == "[jit]" for s in samples if s.frames[-1].function == "jit_spin_loop")
+    assert not [f.function for s in samples for f in s.frames if f.function.startswith("zero+")], leaves
 
 
 def test_symlinked_perf_map_is_refused(run: Run) -> None:

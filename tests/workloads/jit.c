@@ -2,6 +2,7 @@
  * it in /tmp/perf-<pid>.map and runs it.
  * Usage: jit SECONDS MODE [TARGET]
  *   MODE own      write the map file itself (it owns it)
+ *   MODE shared   the same, its code in shared anonymous memory ("/dev/zero (deleted)" in its maps)
  *   MODE symlink  make /tmp/perf-<pid>.map a symlink to TARGET instead
  * Prints "ready <code address>" once the map is in place. Removes the map file at exit. */
 #include <stdio.h>
@@ -23,9 +24,10 @@ static const unsigned char code[] = {0xb9, 0x80, 0xf0, 0xfa, 0x02, 0xff, 0xc9, 0
 __attribute__((noinline)) void call_jit(void (*fn)(void)) { fn(); }
 
 int main(int argc, char **argv) {
-    if (argc < 3) { fprintf(stderr, "usage: jit SECONDS own|symlink [TARGET]\n"); return 2; }
+    if (argc < 3) { fprintf(stderr, "usage: jit SECONDS own|shared|symlink [TARGET]\n"); return 2; }
     double seconds = atof(argv[1]);
-    unsigned char *mem = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int shared = strcmp(argv[2], "shared") == 0;
+    unsigned char *mem = mmap(NULL, 4096, PROT_READ | PROT_WRITE, (shared ? MAP_SHARED : MAP_PRIVATE) | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) { perror("mmap"); return 1; }
     memcpy(mem, code, sizeof code);
     if (mprotect(mem, 4096, PROT_READ | PROT_EXEC)) { perror("mprotect"); return 1; }
