@@ -93,9 +93,13 @@ class Workload:
                 self.fresh = int(line.split()[1])
 
     def remove_leftovers(self) -> None:
-        """The test's own clean-up: a killed runtime leaves its socket, and every runtime its map."""
-        for sock in Path("/tmp").glob(f"dotnet-diagnostic-{self.pid}-*-socket"):
-            sock.unlink(missing_ok=True)
+        """The test's own clean-up: a killed runtime leaves its diagnostics socket and its debugger
+        pipes (clr-debug-pipe-PID-*-in/out), and every runtime its map."""
+        for left in (
+            *Path("/tmp").glob(f"dotnet-diagnostic-{self.pid}-*-socket"),
+            *Path("/tmp").glob(f"clr-debug-pipe-{self.pid}-*"),
+        ):
+            left.unlink(missing_ok=True)
         self.perf_map.unlink(missing_ok=True)
 
     @property
