@@ -226,7 +226,7 @@ class Reader:
         self.host = socket.gethostname()
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
         self.runtimes = load_runtimes(cfg)
-        self.targets = Targets(self.runtimes)
+        self.targets = Targets(self.runtimes, own_uids=privileges.agent_uids())
         self.windows = Windows(cfg.upload_interval_s)
         self.period_ns = 1_000_000_000 // SAMPLE_HZ
         self.inbox, self.outbox = _sockets(run_dir)

@@ -113,6 +113,17 @@ def ids(stage: str) -> tuple[int, int]:
     return uid, gid
 
 
+def agent_uids() -> frozenset[int]:
+    """The uids of the stages' users that exist: the agent's own processes, by the user each runs as."""
+    out = set()
+    for priv in STAGES.values():
+        try:
+            out.add(pwd.getpwnam(priv.user).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(out)
+
+
 def become(stage: str, extra: frozenset[int] = frozenset()) -> None:
     """Run as `stage`'s user with exactly its capabilities (and those of `extra`, which must be among
     its OPTIONAL_CAPS), and no_new_privs."""

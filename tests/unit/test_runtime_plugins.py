@@ -20,6 +20,7 @@ from runtimes.memory import ProcessMemory
 from runtimes.ruby.layouts import LAYOUTS as RUBY_LAYOUTS
 from runtimes.ruby.reader import RubyProcess
 from runtimes.runtime import FileCache
+from runtimes.targets import Targets
 from shared import config, runtime_registry, wire
 
 
@@ -191,3 +192,16 @@ def test_on_cpu_samples_past_the_readers_cap_are_a_weighted_subsample(tmp_path: 
     finally:
         r.inbox.close()
         r.outbox.close()
+
+
+def test_the_agents_own_processes_are_not_targets() -> None:
+    # given the reader's targets, with the agent's stages running as uid 990
+    targets = Targets([], own_uids=frozenset({990}))
+
+    def process(pid: int, uid: int) -> wire.Process:
+        return wire.Process(pid, 1, uid, pid, "python3", "/usr/bin/python3.11", "/usr/bin/python3.11")
+
+    # when the collector announces a stage of the agent and a process of the host's
+    targets.announce(wire.ProcessAnnouncement("h", 0, (process(10, 990), process(11, 1000))))
+    # then only the host's process is one to read
+    assert list(targets.entries) == [11]
