@@ -637,8 +637,18 @@ def profile_cells(local: Path, pids: dict[str, int], py_pid: int, p: subprocess.
     return {"run": run, "python": python}
 
 
-def status_cell() -> dict[str, Any]:
-    """`ebpfprofiler status` while run runs: exit 0."""
+def status_cell(p: subprocess.Popen[str]) -> dict[str, Any]:
+    """`ebpfprofiler status` while run runs, once the collector's first window has ended (before it,
+    status says there are no figures yet, and exits 2): exit 0."""
+    from collector.overhead import status_path
+    from shared.endpoints import DEFAULT_RUN_DIR
+
+    # The collector's windows start when it is ready, not on the symbolizers' wall-clock boundaries:
+    # the profiles waited for before this may come first.
+    if not wait_until(
+        lambda: os.path.exists(status_path(DEFAULT_RUN_DIR)), 2 * RUN_WINDOW_S, alive=lambda: p.poll() is None
+    ):
+        return {"status": "failed", "reason": f"no {status_path(DEFAULT_RUN_DIR)} within {2 * RUN_WINDOW_S} s"}
     try:
         st = subprocess.run([ebpfprofiler(), "status"], capture_output=True, text=True, timeout=STATUS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -701,7 +711,7 @@ def run_step(report: Reporter, pids: dict[str, int], py_pid: int) -> None:
             cells["run"] = {"status": "failed", "reason": f"{why}: {cause(output.snapshot())}"[:300]}
         else:
             cells.update(profile_cells(local, pids, py_pid, p))
-            cells["status"] = status_cell()
+            cells["status"] = status_cell(p)
             try:
                 cells["run"]["steady"] = steady_figures(local, pids, p)
             except Exception as e:  # informational figures: their failure must not cost the stop's check
