@@ -247,19 +247,11 @@ def test_syscall_workload_has_named_kernel_frames_under_user_frames(run: Run) ->
     assert names.keys() & {"ksys_read", "vfs_read", "__x64_sys_read", "read_zero", "do_syscall_64"}, names
 
 
-def test_jit_frames_named_from_perf_map(run: Run) -> None:
-    samples = run.samples_of(run.jit_exe)
-    leaves: Counter[str] = Counter()
-    for s in samples:
-        leaves[s.frames[-1].function if s.frames else ""] += s.values[0]
-    assert leaves.most_common(1)[0][0] == "jit_spin_loop", leaves
-    assert all(s.frames[-1].module == "[jit]" for s in samples if s.frames[-1].function == "jit_spin_loop")
-
-
-def test_jit_frames_in_shared_anonymous_memory_named_from_perf_map(run: Run) -> None:
-    # code in a MAP_SHARED|MAP_ANONYMOUS mapping ("/dev/zero (deleted)" in its maps) is named as perf
-    # names it, from the perf map: not as an offset into a file called "zero"
-    samples = run.samples_of(run.jit_shared_exe)
+@pytest.mark.parametrize("exe", ["jit_exe", "jit_shared_exe"])
+def test_jit_frames_named_from_perf_map(run: Run, exe: str) -> None:
+    # the JIT's code in private anonymous memory, and in shared ("/dev/zero (deleted)" in its maps):
+    # both named as perf names them, from the perf map, not as an offset into a file called "zero"
+    samples = run.samples_of(getattr(run, exe))
     leaves: Counter[str] = Counter()
     for s in samples:
         leaves[s.frames[-1].function if s.frames else ""] += s.values[0]
