@@ -427,7 +427,8 @@ def supervise(
                 if now - stage.started > STABLE_RUN_S:
                     stage.backoff = RESTART_BACKOFF_S[0]
                 log.error("%s exited with %s; restarting in %.0f s", stage.name, p.returncode, stage.backoff)
-                exits.update({f"{stage.name}_exits": stage.restarts + 1}, force=True)  # rare: written at once
+                key = f"{stage.name}_exits"
+                exits.update({key: exits.get(key) + 1}, force=True)  # rare: written at once
                 stage.restart_at = now + stage.backoff
                 stage.backoff = min(stage.backoff * 2, RESTART_BACKOFF_S[1])
 
