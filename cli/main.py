@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the runtime reader: interpreter and JIT stacks (CPython, PHP, Ruby, Node.js, JVM, .NET)",
     ),
     "receiver": ("receiver.server", "a reference backend implementing POST /v1/profiles"),
-    "record": ("cli.record", "profile this host now, in the foreground, into .html, .pb.gz or .folded"),
+    "record": ("cli.record", "profile this host now, or a command (record -- CMD), into .html, .pb.gz, .folded"),
     "report": ("cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
     "status": ("cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
 }

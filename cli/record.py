@@ -10,6 +10,12 @@ writing -o by its extension (report/profiles.py; 0600 unless --mode, never
 through a symlink: shared/files.py's write_atomic) and printing the top
 functions. -o's directory is checked before the recording starts.
 
+With `-- COMMAND ARGS...` (cli/record_command.py) it starts the command once
+the agent is ready, keeps the samples of the command's process tree, stops
+when the command exits and exits with the command's status; its own lines
+then go to stderr (stdout is the command's), the progress line only to a
+terminal.
+
 Must not: do any stage's work itself, or leave anything behind (the child
 `run` stops every stage in order on Ctrl-C, SIGTERM or the end).
 """
@@ -30,14 +36,17 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from cli import status
+from cli import record_command, status
+from cli.record_command import ProcessTree
 from cli.run import PROGRESS_LOG_S, READY_TIMEOUT_S, die_with_parent
 from report import profiles as profiles_mod
 from shared import config as config_mod
 from shared import files, privileges, procstat, ready
 from shared import log as log_mod
+from shared.safestr import printable
 from shared.stopping import stop_on_signals
 
+DEFAULT_DURATION_S = 30.0
 # Windows this long: profiles (and the progress line's figures) arrive every few seconds.
 WINDOW_S = 2
 # `run` judges each stage's start (shared/ready.py: no limit while a heartbeat is fresh, READY_TIMEOUT_S
@@ -46,6 +55,9 @@ WINDOW_S = 2
 START_QUIET_S = READY_TIMEOUT_S + 30.0
 # `run` drains once more and every window is written before it exits; then it is killed.
 STOP_TIMEOUT_S = 90.0
+# With a command: the progress line is redrawn this often (on a terminal only), the tree looked at this often.
+COMMAND_PROGRESS_S = 1.0
+TREE_POLL_S = 0.1
 # A plain progress line this often when stdout is not a terminal.
 PLAIN_PROGRESS_S = 3.0
 # How often the progress line is redrawn on a terminal.
@@ -58,20 +70,72 @@ TOP_N = 15
 LOG_TAIL_LINES = 40
 
 
+DESCRIPTION = (
+    "Profile this host now, without a config file or a backend: runs the agent's stages in the foreground "
+    "for -d seconds (Ctrl-C ends it early and still writes the result), then writes -o and prints the top "
+    "functions. Run as root, like `ebpfprofiler run`."
+)
+COMMAND_HELP = """\
+With -- COMMAND ARGS...: the agent starts first; once it is ready (a few seconds), the command
+is started and profiled, it and every process it starts, from its first instruction; the
+recording stops when the command exits (the last windows are written), and record exits with
+the command's status (killed by signal N: 128+N, as a shell says it). Only the samples of the
+command's process tree are kept: a process whose parent chain leads to the command when record
+sees it (record is the tree's subreaper, so a daemonizing child stays in it). A child that
+lives under about a second may be sampled before the collector reads its /proc, and its
+samples then go to [unknown], which is left out. The command runs as the user who ran sudo
+(SUDO_UID, SUDO_GID and that user's groups) when record runs under sudo, else as root, with
+record's environment, working directory and standard streams: record's own lines go to stderr,
+the progress line (elapsed time, cpu samples, processes, samples lost; redrawn once a second)
+only when stderr is a terminal. A Ctrl-C on the terminal reaches the command directly; SIGINT
+or SIGTERM sent to record alone is passed on to the command; the third kills it (SIGKILL).
+-d and -p cannot be given with a command (it is recorded for as long as it runs).
+
+examples:
+  ebpfprofiler record -o out.html -- python3 app.py --port 8080
+  sudo ebpfprofiler record --runtime python,node -o out.speedscope.json -- make test
+"""
+
+
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
+    options, command = record_command.split_command(sys.argv[1:] if argv is None else argv)
+    p = _parser(prog)
+    args = p.parse_args(options)
+    args.command = command
+    _check_duration_and_targets(p, args)
+    try:
+        args.runtimes = record_command.parse_runtimes(args.runtime + (["python"] if args.python else []))
+    except ValueError as e:
+        p.error(str(e))
+    if profiles_mod.output_extension(args.output) is None:
+        p.error(f"-o {args.output}: the extension must be one of {', '.join(profiles_mod.OUTPUT_EXTENSIONS)}")
+    return args
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """record's options, in the order --help lists them: what and how long, what is sampled, the result."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Profile this host now, without a config file or a backend: runs the agent's stages "
-        "in the foreground for -d seconds (Ctrl-C ends it early and still writes the result), "
-        "then writes -o and prints the top functions. Run as root, like `ebpfprofiler run`.",
+        usage=f"{prog} [options] [-- COMMAND ARGS...]",
+        description=DESCRIPTION,
+        epilog=COMMAND_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_target_options(p)
+    _add_sampling_options(p)
+    _add_output_options(p)
+    return p
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    """-d, and -p or --all: how long and which processes (a command's recording has neither)."""
     p.add_argument(
         "-d",
         "--duration",
         type=float,
-        default=30.0,
+        default=None,
         metavar="SECONDS",
-        help="how long to record (default: %(default)s)",
+        help=f"how long to record (default: {DEFAULT_DURATION_S:g}; not with a command)",
     )
     who = p.add_mutually_exclusive_group()
     who.add_argument(
@@ -85,15 +149,34 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         help="keep only the samples of these processes (recording stops early when all have exited)",
     )
     who.add_argument("--all", action="store_true", help="every process of the host (the default)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """--hz, --offcpu, --runtime and --python: what the agent samples."""
     p.add_argument("--hz", type=int, default=99, help="samples per second per CPU (default: %(default)s)")
     p.add_argument("--offcpu", action="store_true", help="off-CPU profiles too (time blocked, with stacks)")
-    p.add_argument("--python", action="store_true", help="python_wall profiles of CPython 3.13+ too")
+    names = ",".join(record_command.runtime_names())
+    p.add_argument(
+        "--runtime",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        help=f"read these runtimes' stacks too: a comma-separated list of {names}, or all "
+        "(python: python_wall of CPython 3.11 and newer; node: node_cpu; jvm: jvm_wall and jvm_cpu; "
+        "php, ruby: their _wall profiles; dotnet: JIT names in cpu); may be repeated",
+    )
+    p.add_argument("--python", action="store_true", help="the same as --runtime python")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """-o and --mode: the file written and its permissions."""
     p.add_argument(
         "-o",
         "--output",
         default="profile.html",
         help="result by extension: .html (the report), .pb.gz (pprof: the cpu profile; other "
-        "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise) "
+        "types beside it as NAME.TYPE.pb.gz), .folded (folded stacks, likewise), .speedscope.json "
+        "(speedscope's viewer: one profile per type, process and thread, in time order) "
         "(default: %(default)s); written beside its name, then renamed into place (a "
         "symlink there is replaced, never followed); its directory must exist",
     )
@@ -105,20 +188,33 @@ def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
         help="permissions of the files written, such as 0644 (default: 0600, root's alone: the "
         "stacks recorded may be other users')",
     )
-    args = p.parse_args(argv)
-    if args.duration <= 0:
+
+
+def _check_duration_and_targets(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """With a command: a command after --, and no -d, -p or --all. Without: -d defaults. -d above 0 either way.
+    (p.error exits on the first wrong one.)"""
+    if args.command is not None:
+        if not args.command:
+            p.error("no command after --")
+        if args.duration is not None:
+            p.error("-d cannot be given with a command: it is recorded for as long as it runs")
+        if args.pid or args.all:
+            p.error("-p and --all cannot be given with a command: its own processes are recorded")
+    elif args.duration is None:
+        args.duration = DEFAULT_DURATION_S
+    if args.duration is not None and args.duration <= 0:
         p.error("-d must be more than 0 seconds")
-    if not any(args.output.endswith(e) for e in (".html", ".pb.gz", ".folded")):
-        p.error(f"-o {args.output}: the extension must be .html, .pb.gz or .folded")
-    return args
 
 
 def make_config(args: argparse.Namespace, local_dir: str) -> config_mod.ProfilerConfig:
-    return config_mod.ProfilerConfig(
+    """The recording's config, validated as a config file is (config_mod.ConfigError: --hz out of range)."""
+    runtimes: record_command.Runtimes = args.runtimes
+    return config_mod.ProfilerConfig().replace(
         sample_hz=args.hz,
         upload_interval_s=WINDOW_S,
         offcpu=args.offcpu,
-        python_stacks=args.python,
+        python_stacks=runtimes.python_stacks,
+        runtime_stacks=runtimes.runtime_stacks,
         plain_pid=True,
         endpoint="",
         local_dir=local_dir,
@@ -261,11 +357,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         failed = recording.wait_started()
         if failed is not None:
             return failed
+        if args.command is not None:
+            progress, status_ = recording.record_command()
+            if recording.command is None:  # it could not be started (said): nothing of it to write
+                return status_
+            return recording.finish(progress, status_)
         progress = recording.record()
         return recording.finish(progress)
     finally:
         if recording.child is not None:
             stop_child(recording.child)
+        if recording.command is not None and record_command.exit_of(recording.command) is not None:
+            recording.command.wait()  # exited, left a zombie until the agent's last drain: reaped
         shutil.rmtree(ws, ignore_errors=True)
 
 
@@ -278,6 +381,16 @@ def refusal(args: argparse.Namespace, prog: str) -> int | None:
             file=sys.stderr,
         )
         return 1
+    try:
+        make_config(args, "/")
+    except config_mod.ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if args.command is not None:
+        why = record_command.find_command(args.command)
+        if why:
+            print(f"{prog}: {why}; nothing was recorded", file=sys.stderr)
+            return 127
     problem = files.output_dir_problem(args.output)
     if problem:  # before recording, not after: the recording would be lost
         print(f"{prog}: -o {problem}; nothing was recorded", file=sys.stderr)
@@ -297,9 +410,11 @@ class Recording:
         self.args, self.prog, self.ws, self.stop = args, prog, ws, stop
         self.pids = set(args.pid)
         self.target = f"processes {' '.join(map(str, sorted(self.pids)))}" if self.pids else "every process"
-        self.out: TextIO = sys.stdout
+        # with a command, stdout is the command's: record's own lines go to stderr
+        self.out: TextIO = sys.stdout if args.command is None else sys.stderr
         self.tty = self.out.isatty()
         self.child: subprocess.Popen[bytes] | None = None
+        self.command: subprocess.Popen[bytes] | None = None
         self.run_log = os.path.join(ws, "run.log")
         self.local_dir, self.run_dir, self.state_dir = (os.path.join(ws, d) for d in ("profiles", "run", "state"))
         self.stages: list[str] = []
@@ -313,7 +428,7 @@ class Recording:
         self.stages = (
             ["uploader", "collector"]
             + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
-            + (["runtime"] if self.args.python else [])
+            + (["runtime"] if cfg.runtime_reader_wanted else [])
         )
         with open(self.run_log, "wb") as logf:
             # its own session: Ctrl-C reaches this process, which stops `run`, which stops the stages in
@@ -376,12 +491,16 @@ class Recording:
                 return 130
         if tty:
             print("\r\033[K", end="", file=out, flush=True)
-        print(
-            f"{self.prog}: recording {self.target} for {self.args.duration:g} s at {self.args.hz} Hz (the "
-            f"profiler started in {time.monotonic() - starting.started:.1f} s; Ctrl-C ends it early)",
-            file=out,
-            flush=True,
-        )
+        took = f"the profiler started in {time.monotonic() - starting.started:.1f} s"
+        if self.args.command is not None:
+            print(f"{self.prog}: recording the command at {self.args.hz} Hz ({took})", file=out, flush=True)
+        else:
+            print(
+                f"{self.prog}: recording {self.target} for {self.args.duration:g} s at {self.args.hz} Hz "
+                f"({took}; Ctrl-C ends it early)",
+                file=out,
+                flush=True,
+            )
         return None
 
     def record(self) -> Progress:
@@ -414,9 +533,86 @@ class Recording:
         stop_child(child)
         return progress
 
-    def finish(self, progress: Progress) -> int:
-        """Write -o from what was recorded and print the top functions: the exit code."""
+    def record_command(self) -> tuple[Progress, int]:
+        """Start the command (the agent is ready), follow its process tree until it exits, with the progress
+        line on a terminal; then stop `run` (the last windows are written). (progress, the command's exit
+        status as a shell gives it.)"""
+        child, out, tty = self.child, self.out, self.tty
+        assert child is not None and self.args.command is not None
+        who = record_command.run_as(os.environ)
+        record_command.become_subreaper()
+        try:
+            proc = self.command = record_command.start(self.args.command, who)
+        except OSError as e:
+            print(f"{self.prog}: cannot start {printable(self.args.command[0])}: {e.strerror or e}", file=sys.stderr)
+            return Progress(self.local_dir, self.run_dir, set()), 126 if isinstance(e, PermissionError) else 127
+        forward_signals_to(proc)
+        tree = record_command.ProcessTree(proc.pid, os.getpid(), other_session=child.pid)
+        self.pids = tree.members  # grows as the tree does: Progress and finish keep its samples
+        self.target = "the command's processes"
+        progress = Progress(self.local_dir, self.run_dir, tree.members)
+        name = printable(os.path.basename(self.args.command[0]))[:40]
+        began = time.monotonic()
+        status_ = self.follow_command(proc, tree, progress, name, began)
+        tree.scan()
+        if tty:
+            print(file=out)
+        print(
+            f"{self.prog}: {name} exited ({record_command.describe(status_)}) after {time.monotonic() - began:.1f} s; "
+            "stopping (the last windows are written) ...",
+            file=out,
+            flush=True,
+        )
+        stop_child(child)
+        return progress, status_
+
+    def follow_command(
+        self,
+        proc: subprocess.Popen[bytes],
+        tree: ProcessTree,  # record_command here would be the method
+        progress: Progress,
+        name: str,
+        began: float,
+    ) -> int:
+        """Scan the command's tree every TREE_POLL_S until the command exits (its status as a shell gives it),
+        redrawing the progress line on a terminal; said once (with the run log) if `run` stops first, the
+        command then running on unrecorded."""
+        child, out, tty = self.child, self.out, self.tty
+        assert child is not None
+        drawn = float("-inf")
+        said_stopped = False
+        status_ = None
+        while status_ is None:
+            tree.scan()
+            if child.poll() is not None and not said_stopped:
+                if tty:
+                    print(file=out)
+                print(
+                    f"{self.prog}: the profiler stopped early (exit {child.returncode}); the command runs on, "
+                    f"unrecorded; its log:\n{tail(self.run_log)}",
+                    file=sys.stderr,
+                )
+                said_stopped = True
+            now = time.monotonic()
+            if tty and now - drawn >= COMMAND_PROGRESS_S:
+                progress.update()
+                print(
+                    "\r\033[K" + command_line(name, now - began, progress, len(tree.members)),
+                    end="",
+                    file=out,
+                    flush=True,
+                )
+                drawn = now
+            status_ = record_command.exit_of(proc)
+            if status_ is None:
+                time.sleep(TREE_POLL_S)
+        return status_
+
+    def finish(self, progress: Progress, command_status: int | None = None) -> int:
+        """Write -o from what was recorded and print the top functions: the exit code (with a command, its
+        status; 1 in its place when it exited 0 but nothing could be written)."""
         prog, out, pids = self.prog, self.out, self.pids
+        failed = command_status or 1
         loaded = profiles_mod.load([self.local_dir])
         if pids:
             loaded = profiles_mod.keep_pids(loaded, pids)
@@ -426,7 +622,7 @@ class Recording:
                 f"{tail(self.run_log)}",
                 file=sys.stderr,
             )
-            return 1
+            return failed
         progress.update()  # the last windows, and the collector's last figures
         print(
             f"recorded: {progress.samples} cpu samples, {len(progress.processes)} processes, "
@@ -438,13 +634,34 @@ class Recording:
             written = profiles_mod.write_outputs(loaded, self.args.output, self.args.mode)
         except OSError as e:  # its directory was checked at the start; changed since
             print(f"{prog}: cannot write {self.args.output}: {e.strerror or e}", file=sys.stderr)
-            return 1
+            return failed
         groups = profiles_mod.by_type(loaded)
         for ptype, items in groups.items():
             print(f"\ntop {TOP_N} functions, {ptype} ({items[0].profile.sample_types[-1][0]}):", file=out)
             print(profiles_mod.top_table(items, TOP_N), file=out)
         print(f"\n{prog}: wrote {', '.join(written)}", file=out, flush=True)
-        return 0
+        return command_status or 0
+
+
+def forward_signals_to(proc: subprocess.Popen[bytes]) -> None:
+    """From now on the SIGINT and SIGTERM record receives go to record_command.forward (passed on to the
+    command, the third as SIGKILL); the recording itself goes on until the command exits."""
+    signals: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        record_command.forward(proc, signum, len(signals))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def command_line(name: str, elapsed_s: float, progress: Progress, processes: int) -> str:
+    """The progress line of a command's recording (`name` already printable)."""
+    return (
+        f"recording {name}: {elapsed_s:4.0f} s, {progress.samples} cpu samples, {processes} processes, "
+        f"{progress.lost} samples lost"
+    )
 
 
 def stop_child(child: subprocess.Popen[bytes]) -> None:

@@ -142,7 +142,7 @@ def stages(
                 ],
             )
         )
-    if runtime_reader_wanted(cfg):  # before the collector: subscribed before the first announcement
+    if cfg.runtime_reader_wanted:  # before the collector: subscribed before the first announcement
         out.append(
             Stage("runtime", [*py, "runtimes.main", *common, "--state-dir", stage_state_dir(args.state_dir, "runtime")])
         )
@@ -161,11 +161,6 @@ def stage_config(state_dir: str) -> str:
 def hand_config(state_dir: str, cfg: config_mod.ProfilerConfig) -> None:
     gid = privileges.ids("uploader")[1]
     files.write_atomic(stage_config(state_dir), config_mod.dump(cfg).encode(), mode=0o640, gid=gid)
-
-
-def runtime_reader_wanted(cfg: config_mod.ProfilerConfig) -> bool:
-    """The runtime reader runs when some runtime's stacks are asked for."""
-    return cfg.python_stacks or bool(cfg.runtime_stacks)
 
 
 def stage_state_dir(state_dir: str, stage: str) -> str:
@@ -203,7 +198,7 @@ def prepare_dirs(args: argparse.Namespace, cfg: config_mod.ProfilerConfig) -> No
     ensure(args.state_dir, None, 0o750)
     ensure(stage_state_dir(args.state_dir, "symbolizer"), "symbolizer", 0o700)
     ensure(stage_state_dir(args.state_dir, "uploader"), "uploader", 0o700)
-    if runtime_reader_wanted(cfg):
+    if cfg.runtime_reader_wanted:
         ensure(stage_state_dir(args.state_dir, "runtime"), "runtime", 0o700)
     if cfg.uploads_locally:
         ensure(cfg.local_dir, "uploader", 0o750)

@@ -111,6 +111,11 @@ class ProfilerConfig:
         return self.endpoint == ""
 
     @property
+    def runtime_reader_wanted(self) -> bool:
+        """The runtime reader runs when some runtime's stacks are asked for."""
+        return self.python_stacks or bool(self.runtime_stacks)
+
+    @property
     def agent_config_url(self) -> str:
         """Where the uploader fetches remote config; "" when it is off.
 

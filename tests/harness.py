@@ -55,6 +55,8 @@ FRAME_POINTER_FLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-f
 
 # The deadline of a lone stage's start, stop and acknowledgements.
 DEADLINE_S = 15
+# The deadline of a short `ebpfprofiler record` run: the BPF compile, a few seconds recorded, the last windows written.
+RECORD_TIMEOUT_S = 240
 START_NS = 1_700_000_000_000_000_000  # 2023-11-14T22:13:20Z
 END_NS = START_NS + 60_000_000_000
 # Retries in tests wait milliseconds, not seconds.
