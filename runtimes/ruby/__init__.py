@@ -12,6 +12,13 @@ from the file's name, checked against ruby_version in memory; then the VM:
   identity), so the next process of the same libruby is checked, not
   scanned;
 - else a Refusal with the reason.
+Then the VM's global symbol table (ruby_global_symbols: the names of C
+functions' methods), the same way: the symbol if the file has one; else a
+scan of the same data for an rb_symbols_t (last_id past the operators' IDs,
+two heap pointers) whose lookup names the one-character operators' serials
+as Init_op_tbl registers them ("+", "~"); exactly one must pass, and its
+place is kept per file too. None found is no refusal: the reader leaves C
+functions' frames out, counted.
 Ruby 3.2 and older (Debian bookworm's 3.1) are refused with the reason.
 
 Must not: walk frames (reader.py does), or log.
@@ -21,13 +28,14 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from runtimes import elfsyms
 from runtimes.memory import MemoryReadError, ProcessMemory
 from runtimes.ruby.layouts import LAYOUTS, Layout
-from runtimes.ruby.reader import RubyProcess
+from runtimes.ruby.reader import MAX_SYMBOL_SERIAL, Iseqs, RubyProcess, Symbols
 from runtimes.runtime import (
     Mapping,
     ProcessContext,
@@ -47,7 +55,10 @@ MAX_CANDIDATES = 65536
 MAX_VERSION_CHARS = 16
 
 _NAME = re.compile(r"^libruby(-(\d+)\.(\d+))?\.so(\.(\d+)\.(\d+)[.\d]*)?$")
-SYMBOLS = ("ruby_current_vm_ptr", "ruby_version")
+SYMBOLS = ("ruby_current_vm_ptr", "ruby_version", "ruby_global_symbols")
+# Serials of one-character operators, registered under their own character (symbol.c's Init_op_tbl): a
+# symbol table must name them so.
+KNOWN_SERIALS = {ord("+"): "+", ord("~"): "~"}
 _Q = struct.Struct("<Q")
 
 
@@ -55,6 +66,7 @@ _Q = struct.Struct("<Q")
 class FileFacts:
     elf: elfsyms.ElfInfo
     vm_place: int | None = None  # link-time address of the VM pointer a scan found (no symbol for it)
+    symbols_place: int | None = None  # link-time address of ruby_global_symbols a scan found
 
 
 def _version(base: str) -> tuple[int, int] | None:
@@ -106,11 +118,11 @@ class Ruby:
                     f"{where}: self-check failed: ruby_current_vm_ptr does not point at a VM whose "
                     f"main thread points back"
                 )
-            return RubyProcess(version, layout, vm)
+            return RubyProcess(version, layout, vm, _symbols(process, mod, layout, facts, bias))
         if facts.vm_place is not None:
             vm = mem.u64(facts.vm_place + bias)
             if _valid_vm(mem, layout, vm):
-                return RubyProcess(version, layout, vm)
+                return RubyProcess(version, layout, vm, _symbols(process, mod, layout, facts, bias))
         found = _scan(process, mod, layout)
         if len(found) != 1:
             return Refusal(
@@ -119,7 +131,7 @@ class Ruby:
             )
         at, vm = found[0]
         facts.vm_place = at - bias
-        return RubyProcess(version, layout, vm)
+        return RubyProcess(version, layout, vm, _symbols(process, mod, layout, facts, bias))
 
     def stop(self) -> list[str]:
         """Nothing to undo: detect asks nothing of a process, only reads it."""
@@ -153,8 +165,71 @@ def _valid_vm(mem: ProcessMemory, lay: Layout, vm: int) -> bool:
     return 0 < size < 1 << 28 and stack <= cfp < stack + 8 * size
 
 
-def _scan(process: ProcessContext, mod: Mapping, lay: Layout) -> list[tuple[int, int]]:
-    """(address, value) of each pointer in libruby's writable data (and the .bss right after it) to a valid VM."""
+def _valid_symbols(mem: ProcessMemory, lay: Layout, at: int) -> bool:
+    """`at` holds an rb_symbols_t: the operators' serials name them (KNOWN_SERIALS), each step of the
+    lookup checked as the reader checks it."""
+    table = Symbols(lay, at, lambda _reason: None, Iseqs(lay, lambda _reason: None).string)
+    try:
+        return all(table.name(mem, serial) == text for serial, text in KNOWN_SERIALS.items())
+    except MemoryReadError as err:
+        if err.reason in ("gone", "budget"):
+            raise
+        return False
+
+
+def _symbols(process: ProcessContext, mod: Mapping, lay: Layout, facts: FileFacts, bias: int) -> int:
+    """The address of the VM's global symbol table (the names of C functions' methods): the symbol
+    ruby_global_symbols if the file has it; else the place a scan found in this file before, checked;
+    else a scan of libruby's writable data for the one table that passes the check. 0 when none is (or
+    several are) found: C functions' frames are then left out, counted by the reader."""
+    mem = process.mem
+    for place in (facts.elf.symbols.get("ruby_global_symbols"), facts.symbols_place):
+        if place is not None and _valid_symbols(mem, lay, place + bias):
+            return place + bias
+    found = _scan_symbols(process, mod, lay)
+    if len(found) != 1:
+        return 0
+    facts.symbols_place = found[0] - bias
+    return found[0]
+
+
+def _scan_symbols(process: ProcessContext, mod: Mapping, lay: Layout) -> list[int]:
+    """The address of each rb_symbols_t in libruby's writable data (it is initialised: {tNEXT_ID-1}):
+    last_id a serial past the operators' with its padding zero, then two pointers into the heap (the
+    string table, the ids), and the table passes the check (_valid_symbols)."""
+    heap = _heap(process)
+    mem, candidates = process.mem, 0
+    found: list[int] = []
+    ids = lay.sym_ids - lay.sym_last_id
+    tail_at, tail = 0, b""  # the last words of the previous chunk: a table may straddle two
+    for chunk_at, chunk in _chunks(process, mod):
+        at, data = (tail_at, tail + chunk) if tail and tail_at + len(tail) == chunk_at else (chunk_at, chunk)
+        tail_at, tail = chunk_at + len(chunk) - ids, chunk[-ids:]
+        words = [w for (w,) in _Q.iter_unpack(data)]
+        for k in range(len(words) - ids // 8):
+            head, table, ary = words[k], words[k + 1], words[k + ids // 8]
+            if not lay.last_op_id < head <= MAX_SYMBOL_SERIAL or not table or not ary or (table | ary) & 7:
+                continue
+            if not any(lo <= ary < hi for lo, hi in heap) or not any(lo <= table < hi for lo, hi in heap):
+                continue
+            candidates += 1
+            if candidates > MAX_CANDIDATES:
+                return found
+            if _valid_symbols(mem, lay, at + 8 * k):
+                found.append(at + 8 * k)
+    return found
+
+
+def _heap(process: ProcessContext) -> list[tuple[int, int]]:
+    """Writable anonymous memory and the brk heap: where Ruby's objects and malloc's blocks are."""
+    return [
+        (m.start, m.end) for m in process.mappings if m.perms.startswith("rw") and (not m.path or m.path == "[heap]")
+    ]
+
+
+def _chunks(process: ProcessContext, mod: Mapping) -> Iterator[tuple[int, bytes]]:
+    """(address, bytes) of libruby's writable data and the .bss right after it, in reads of 64 KB, at most
+    MAX_SCAN_BYTES; a chunk that cannot be read is passed over."""
     maps = process.mappings
     regions: list[Mapping] = []
     for i, m in enumerate(maps):
@@ -167,29 +242,35 @@ def _scan(process: ProcessContext, mod: Mapping, lay: Layout) -> list[tuple[int,
                 and maps[i + 1].perms.startswith("rw")
             ):
                 regions.append(maps[i + 1])
-    heap = [(m.start, m.end) for m in maps if m.perms.startswith("rw") and (not m.path or m.path == "[heap]")]
-    mem, scanned, candidates = process.mem, 0, 0
-    found: list[tuple[int, int]] = []
+    scanned = 0
     for r in regions:
         for at in range(r.start, r.end, 1 << 16):
             n = min(1 << 16, r.end - at)
             if scanned + n > MAX_SCAN_BYTES:
-                return found
+                return
             scanned += n
             try:
-                data = mem.read(at, n)
+                yield at, process.mem.read(at, n)
             except MemoryReadError as e:
                 if e.reason in ("gone", "budget"):
                     raise
                 continue
-            for k, (value,) in enumerate(_Q.iter_unpack(data)):
-                if not value or value & 7 or not any(lo <= value < hi for lo, hi in heap):
-                    continue
-                candidates += 1
-                if candidates > MAX_CANDIDATES:
-                    return found
-                if _valid_vm(mem, lay, value):
-                    found.append((at + 8 * k, value))
+
+
+def _scan(process: ProcessContext, mod: Mapping, lay: Layout) -> list[tuple[int, int]]:
+    """(address, value) of each pointer in libruby's writable data (and the .bss right after it) to a valid VM."""
+    heap = _heap(process)
+    mem, candidates = process.mem, 0
+    found: list[tuple[int, int]] = []
+    for at, data in _chunks(process, mod):
+        for k, (value,) in enumerate(_Q.iter_unpack(data)):
+            if not value or value & 7 or not any(lo <= value < hi for lo, hi in heap):
+                continue
+            candidates += 1
+            if candidates > MAX_CANDIDATES:
+                return found
+            if _valid_vm(mem, lay, value):
+                found.append((at + 8 * k, value))
     return found
 
 

@@ -12,8 +12,17 @@ Ruby's own profiling API names it (rb_profile_frame_full_label:
 "block in Worker#hot", "Spin#cpu_b" for a module's method; the bare label,
 "<main>", for code outside any method), file (the iseq's path) and line
 (from the iseq's instruction info at the frame's pc, through the succinct
-index table as Ruby's iseq.c encodes it). Frames of C functions (sleep,
-Integer#times in 3.3) have no iseq and are skipped.
+index table as Ruby's iseq.c encodes it). As rb_profile_frames does, the
+thread's bottom frame (the VM's dummy; in the main thread an empty "<main>"
+that showed as a second <main> at line 0) and frames of Ruby code whose pc
+is 0 (not yet run) are left out. A frame without an iseq whose
+environment's flags (ep[0]) say VM_FRAME_MAGIC_CFUNC is a C function's
+("Kernel#sleep", "Thread#join", "Array#each", "Process.clock_gettime"): its
+method entry is ep[-2], its class the entry's owner (as for Ruby code), its
+name the definition's original_id (else the called_id), an ID, turned into
+its string through the VM's global symbol table (ruby_global_symbols,
+located by detect) as rb_id2str does; it has no file or line ("", 0). Other
+frames without Ruby code (the VM's dummy frames, a C block's) are skipped.
 
 The class: the frame's environment (cfp->ep; for a block, the chain of
 previous environments up to the method's own, as rb_vm_frame_method_entry
@@ -24,18 +33,25 @@ singleton class's methods are named after the class it is attached to, with
 "."; a singleton of an ordinary object, an anonymous class (no classpath)
 or a temporary path ("#<Class:0x...>") leave the bare label, as Ruby's own
 backtraces do. Decoded iseqs are cached by address and body, class names by
-method entry and owner, both bounded. In three parts: RubyProcess (the
-threads and their control frames), _Iseqs (each frame's iseq: label, path,
-line) and _Names (each frame's class, through its environments).
+method entry and owner, method names by ID, all bounded. In four parts:
+RubyProcess (the threads and their control frames), Iseqs (each frame's
+iseq: label, path, line), _Names (each frame's class, through its
+environments) and Symbols (a C function's name from its ID).
 
 Validation: a ractor or thread whose links do not point back, an iseq that
 is not an imemo_iseq, a path or label that is not a string, a pc outside the
 iseq or an index outside its table drops the thread or frame, counted in
 `dropped` by reason. An environment, method entry or class that cannot be
 read or is not what it must be is counted too (bad_env, env_too_deep,
-bad_method_entry, bad_class), and its frame keeps its bare label. Reads are
+bad_method_entry, bad_class), and its frame keeps its bare label. A C
+function's frame whose method entry is missing or whose definition is not a
+C function's (bad_cfunc), whose ID the symbol table does not hold as it must
+(bad_symbol: the serial within last_id, each array a T_ARRAY read within its
+length, the name a T_STRING), or of a process whose table was not found
+(no_symbol_table) is left out, counted: a name is never guessed. Reads are
 bounded (MAX_RACTORS, MAX_THREADS, MAX_FRAMES, MAX_ENV_HOPS,
-MAX_NAME_BYTES, MAX_INSN_ENTRIES); the ReadBudget bounds the bytes.
+MAX_NAME_BYTES, MAX_INSN_ENTRIES, MAX_SYMBOL_SERIAL); the ReadBudget bounds
+the bytes.
 
 Must not: write to, stop or attach to the target; log.
 """
@@ -73,6 +89,10 @@ MAX_INSN_ENTRIES = 1 << 16
 MAX_ISEQ_SIZE = 1 << 24
 # Decoded iseqs cached per process.
 ISEQ_CACHE_ENTRIES = 4096
+# Method names (ID → string) cached per process: an ID of a method's name never changes its name.
+ID_CACHE_ENTRIES = 4096
+# Serials a symbol table may hold (a program with millions of symbols is not a program, a leak is).
+MAX_SYMBOL_SERIAL = 1 << 26
 
 _Q = struct.Struct("<Q")
 _I = struct.Struct("<I")
@@ -99,7 +119,7 @@ class _Iseq:
     cache: dict[int, int]  # position → entry index
 
 
-class _Iseqs:
+class Iseqs:
     """Iseqs decoded (cached by address and body, bounded) and the strings they hold: each Ruby frame's
     label, path and line."""
 
@@ -242,6 +262,87 @@ class _Iseqs:
         return self.string(mem, value)
 
 
+class Symbols:
+    """A method's name from its ID through the VM's global symbol table (ruby_global_symbols, found by
+    detect), as rb_id2str does: the ID's serial, the array of ID_ENTRY_UNIT serials holding it in the
+    table's ids, the name (an fstring) in that array. Every step is checked (the serial within the
+    table's last_id, each array a T_ARRAY read within its length, the name a T_STRING); names are cached
+    by ID, bounded."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        table: int,
+        drop: Callable[[str], None],
+        string: Callable[[ProcessMemory, int], str | None],
+    ) -> None:
+        self.layout = layout
+        self.table = table  # the address of ruby_global_symbols in the process; 0: not found
+        self._drop = drop
+        self._string = string
+        self._names: OrderedDict[int, str] = OrderedDict()
+
+    def serial(self, ident: int) -> int:
+        """rb_id_to_serial (symbol.h)."""
+        return ident >> layouts.ID_SCOPE_SHIFT if ident > self.layout.last_op_id else ident
+
+    def name(self, mem: ProcessMemory, ident: int) -> str | None:
+        """The name of ID `ident`; None (counted) when the table does not hold it as it must."""
+        got = self._names.get(ident)
+        if got is not None:
+            self._names.move_to_end(ident)
+            return got
+        try:
+            got = self._lookup(mem, self.serial(ident))
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            got = None
+        if got is None:
+            self._drop("bad_symbol")
+            return None
+        self._names[ident] = got
+        if len(self._names) > ID_CACHE_ENTRIES:
+            self._names.popitem(last=False)
+        return got
+
+    def _lookup(self, mem: ProcessMemory, serial: int) -> str | None:
+        """get_id_serial_entry (symbol.c) for the name: None when any step is not what it must be."""
+        lay = self.layout
+        if not self.table:
+            return None
+        raw = mem.read(self.table + lay.sym_last_id, lay.sym_ids + 8 - lay.sym_last_id)
+        last = _I.unpack_from(raw, 0)[0]
+        if not 0 < serial <= last or last > MAX_SYMBOL_SERIAL:
+            return None
+        unit = self.entry(mem, _Q.unpack_from(raw, lay.sym_ids - lay.sym_last_id)[0], serial // layouts.ID_ENTRY_UNIT)
+        if unit is None:
+            return None
+        pos = (serial % layouts.ID_ENTRY_UNIT) * layouts.ID_ENTRY_SIZE + layouts.ID_ENTRY_STR
+        value = self.entry(mem, unit, pos)
+        if value is None or not value or value & 7:
+            return None
+        return self._string(mem, value)
+
+    def entry(self, mem: ProcessMemory, ary: int, index: int) -> int | None:
+        """Element `index` of the T_ARRAY `ary`; None when it is no array or the index is past its length."""
+        lay = self.layout
+        if not ary or ary & 7:
+            return None
+        raw = mem.read(ary, lay.ary_heap_ptr + 8)
+        flags = _Q.unpack_from(raw, 0)[0]
+        if flags & layouts.T_MASK != layouts.T_ARRAY:
+            return None
+        if flags & layouts.ARRAY_EMBED:
+            length = (flags & layouts.ARRAY_EMBED_LEN_MASK) >> layouts.ARRAY_EMBED_LEN_SHIFT
+            first = ary + lay.ary_embed
+        else:
+            length, first = _Q.unpack_from(raw, lay.ary_heap_len)[0], _Q.unpack_from(raw, lay.ary_heap_ptr)[0]
+        if not 0 <= index < length or length > MAX_SYMBOL_SERIAL:
+            return None
+        return mem.u64(first + 8 * index)
+
+
 class _Envs:
     """The three words before and at each environment pointer (ep[-2], ep[-1], ep[0]) of one thread's
     frames: those on its VM stack (between `stack` and `top`) from one read of their span (up to
@@ -298,6 +399,7 @@ class _Names:
         self._drop = drop
         self._string = string
         self._classes: OrderedDict[tuple[int, int], tuple[str, str]] = OrderedDict()
+        self._heads: dict[int, bytes | None] = {}  # the method entries read by the last owners(): their first bytes
 
     def named(self, mem: ProcessMemory, info: _Iseq, line: int, owner: tuple[int, int] | None) -> RubyFrame:
         """The frame of `info` at `line`, named after its method entry and owner (if any)."""
@@ -307,15 +409,19 @@ class _Names:
         prefix = info.label[: len(info.label) - len(info.base_label)]  # "block in ", "rescue in "
         return RubyFrame(f"{prefix}{cls}{sep}{info.base_label}", cls, info.path, line)
 
-    def owners(self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0) -> list[tuple[int, int] | None]:
+    def owners(
+        self, mem: ProcessMemory, eps: list[int], stack: int = 0, top: int = 0, envs: _Envs | None = None
+    ) -> list[tuple[int, int] | None]:
         """(method entry, its owner) of each frame's environment, as rb_vm_frame_method_entry finds it:
         ep[-2] of the environment, or of the previous ones up to the method's own (a block's frame);
         None where there is none (top-level code: a cref) or it fails its checks (counted).
-        Environments on the thread's VM stack (between `stack` and `top`) are read in one span;
-        others (a block that outlived its frame has its environment on the heap) one by one."""
-        chains = self._chains(_Envs(mem, eps, stack, top), eps)
+        Environments on the thread's VM stack (between `stack` and `top`) are read in one span (or
+        those of `envs`, already read); others (a block that outlived its frame has its environment on
+        the heap) one by one."""
+        chains = self._chains(envs if envs is not None else _Envs(mem, eps, stack, top), eps)
         values = list({v for chain in chains for v, _ in chain})
-        heads = dict(zip(values, mem.read_many([(v, self.layout.me_owner + 8) for v in values]))) if values else {}
+        heads = dict(zip(values, mem.read_many([(v, self._entry_bytes()) for v in values]))) if values else {}
+        self._heads = heads
         out: list[tuple[int, int] | None] = []
         for chain in chains:
             found = None
@@ -376,13 +482,34 @@ class _Names:
             if not inner or inner & 7:
                 return None
             try:
-                got = mem.read(inner, lay.me_owner + 8)
+                got = mem.read(inner, self._entry_bytes())
+                self._heads[inner] = got
             except MemoryReadError as e:
                 if e.reason in ("gone", "budget"):
                     raise
                 got = None
             return self._method_entry(mem, inner, got, False)
         return None  # a cref (top-level or class body code), or another imemo
+
+    def _entry_bytes(self) -> int:
+        """The first bytes of a method entry read: up to its owner, its definition and called_id in them."""
+        lay = self.layout
+        return max(lay.me_owner, lay.me_def, lay.me_called_id) + 8
+
+    def definition(self, entry: int) -> tuple[int, int] | None:
+        """(definition, called_id) of a method entry the last owners() found, from the bytes it read."""
+        head = self._heads.get(entry)
+        if head is None:
+            return None
+        lay = self.layout
+        return _Q.unpack_from(head, lay.me_def)[0], _Q.unpack_from(head, lay.me_called_id)[0]
+
+    def c_function(self, mem: ProcessMemory, entry: tuple[int, int], method: str) -> RubyFrame:
+        """A C function's frame: `method` (its name) with the class of its method entry, as
+        rb_profile_frame_full_label names it ("Kernel#sleep", "Process.clock_gettime"); a C function
+        has no file or line."""
+        cls, sep = self._class_name(mem, entry)
+        return RubyFrame(f"{cls}{sep}{method}" if cls else method, cls, "", 0)
 
     def _class_name(self, mem: ProcessMemory, entry: tuple[int, int]) -> tuple[str, str]:
         """("Worker", "#") for a method of Worker, ("Worker", ".") for one of Worker's singleton class,
@@ -437,14 +564,17 @@ class _Names:
 
 
 class RubyProcess:
-    """Reads the stacks of one Ruby process: its threads (here), their frames' iseqs (_Iseqs) and names
+    """Reads the stacks of one Ruby process: its threads (here), their frames' iseqs (Iseqs) and names
     (_Names); sample() once per tick."""
 
-    def __init__(self, version: str, layout: Layout, vm: int) -> None:
+    def __init__(self, version: str, layout: Layout, vm: int, symbols: int = 0) -> None:
+        """`symbols`: the address of the VM's global symbol table (0: not found; C functions' frames
+        are then left out, counted)."""
         self.version, self.layout, self.vm = version, layout, vm
         self.dropped: dict[str, int] = {}
-        self.iseqs = _Iseqs(layout, self._drop)
+        self.iseqs = Iseqs(layout, self._drop)
         self.names = _Names(layout, self._drop, self.iseqs.string)
+        self.symbols = Symbols(layout, symbols, self._drop, self.iseqs.string)
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -536,20 +666,88 @@ class RubyProcess:
         if not stack <= cfp < end or size > 1 << 28:
             self._drop("bad_stack")
             return []
-        n = min(MAX_FRAMES, (end - cfp) // lay.cfp_bytes)
-        if (end - cfp) // lay.cfp_bytes > MAX_FRAMES:
+        # The bottom frame is the VM's dummy (rb_ec_initialize_vm_stack's; in the main thread Init_VM gave it
+        # an empty "<main>" iseq, whose path rb_vm_set_progname set to the script's): thread_profile_frames
+        # stops before it, and so does the reader.
+        total = (end - cfp) // lay.cfp_bytes - 1
+        n = min(MAX_FRAMES, total)
+        if total > MAX_FRAMES:
             self._drop("too_deep")
         cfps = mem.read_many([(cfp + i * lay.cfp_bytes, lay.cfp_bytes) for i in range(n)])
-        got: list[tuple[_Iseq, int, int]] = []  # each Ruby frame's iseq, line and environment
+        got: list[tuple[_Iseq | None, int, int]] = []  # each frame's iseq (None: not Ruby code), line, environment
         for c in cfps:
             if c is None:
                 self._drop("bad_pointer")
                 break
-            iseq = _Q.unpack_from(c, lay.cfp_iseq)[0]
-            if not iseq or iseq & 7:
-                continue  # a C function's frame, or the VM's dummy bottom frame
-            frame = self.iseqs.frame(mem, iseq, _Q.unpack_from(c, lay.cfp_pc)[0])
+            iseq, ep, pc = (_Q.unpack_from(c, o)[0] for o in (lay.cfp_iseq, lay.cfp_ep, lay.cfp_pc))
+            if iseq and not pc:
+                continue  # code that has not run: the VM's top frame (rb_profile_frames skips it too), a C block's
+            frame = self.iseqs.frame(mem, iseq, pc) if iseq and not iseq & 7 else None
             if frame is not None:
-                got.append((frame[0], frame[1], _Q.unpack_from(c, lay.cfp_ep)[0]))
-        owners = self.names.owners(mem, [ep for _, _, ep in got], stack, cfp)
-        return [self.names.named(mem, info, line, owner) for (info, line, _), owner in zip(got, owners)]
+                got.append((frame[0], frame[1], ep))
+            elif ep and not ep & 7:
+                got.append((None, 0, ep))  # a C function's frame if its flags say so (else a dummy, an ifunc's)
+        envs = _Envs(mem, [ep for _, _, ep in got], stack, cfp)
+        got = self._c_functions_only(envs, got)
+        eps = [ep for _, _, ep in got]
+        owners = self.names.owners(mem, eps, envs=envs)
+        methods = self._c_names(mem, [owner for (info, _, _), owner in zip(got, owners) if info is None])
+        out: list[RubyFrame] = []
+        for (info, line, _), owner in zip(got, owners):
+            if info is not None:
+                out.append(self.names.named(mem, info, line, owner))
+                continue
+            method = methods.pop(0)
+            if method is not None and owner is not None:
+                out.append(self.names.c_function(mem, owner, method))
+        return out
+
+    def _c_functions_only(
+        self, envs: _Envs, got: list[tuple[_Iseq | None, int, int]]
+    ) -> list[tuple[_Iseq | None, int, int]]:
+        """`got` without the frames that are neither Ruby code nor a C function's (VM_FRAME_MAGIC_CFUNC in
+        their environment's flags): the VM's dummy frames, a C block's (ifunc)."""
+        others = [ep for info, _, ep in got if info is None]
+        if not others:
+            return got
+        envs.fetch(others)
+        kept: list[tuple[_Iseq | None, int, int]] = []
+        for item in got:
+            if item[0] is None:
+                slots = envs.slots(item[2])
+                if slots is None:
+                    self._drop("bad_env")
+                    continue
+                if slots[2] & layouts.FRAME_MAGIC_MASK != layouts.FRAME_MAGIC_CFUNC:
+                    continue
+            kept.append(item)
+        return kept
+
+    def _c_names(self, mem: ProcessMemory, entries: list[tuple[int, int] | None]) -> list[str | None]:
+        """The method name of each C function's method entry: its definition's original_id (or, if
+        none, the ID it was called by) through the symbol table; None, counted, where the entry is
+        missing, its definition is not a C function's, or the name is not in the table."""
+        if not entries:
+            return []
+        lay = self.layout
+        heads = [self.names.definition(e[0]) if e else None for e in entries]  # read by owners()
+        bodies = mem.read_many(
+            [(h[0], lay.def_original_id + 8) if h and h[0] and not h[0] & 7 else (0, 0) for h in heads]
+        )
+        out: list[str | None] = []
+        for head, body in zip(heads, bodies):
+            if head is None or body is None:
+                self._drop("bad_cfunc")
+                out.append(None)
+                continue
+            if _I.unpack_from(body, 0)[0] & layouts.METHOD_TYPE_MASK != layouts.METHOD_TYPE_CFUNC:
+                self._drop("bad_cfunc")
+                out.append(None)
+                continue
+            if not self.symbols.table:
+                self._drop("no_symbol_table")
+                out.append(None)
+                continue
+            ident = _Q.unpack_from(body, lay.def_original_id)[0] or head[1]
+            out.append(self.symbols.name(mem, ident))
+        return out

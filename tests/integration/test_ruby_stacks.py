@@ -8,11 +8,16 @@ its scan of libruby's writable data. The received ruby_wall profiles show,
 per version, methods named with their class as Ruby's own profiling API
 names them: the main thread in <main> → Work.run (a class method) →
 Work#cpu_a / Spin#cpu_b (a method of a module Work includes) in a 3:1 ratio
-(±10%) with the script's file and lines; a second thread blocked in "block in
-Object#blocked_here" (a block of a top-level method, in sleep, a C function:
-not a frame of its own) under Object#blocked_here; and, in a second process,
-the thread of a second ractor busy in Crunch.in_ractor (the reader walks the
-VM's ring of ractors) while the main ractor's thread waits in Ractor#take.
+(±10%) with the script's file and lines; a second thread asleep in
+Object#blocked_here → Array#each → "block in Object#blocked_here" →
+Kernel#sleep (C functions named through the VM's symbol table, with the class
+of their method entry); in a second process, the thread of a second ractor
+busy in Crunch.in_ractor (the reader walks the VM's ring of ractors) while
+the main ractor's thread waits in Ractor#take; in a third, threads waiting in
+C functions (ruby_waits.rb): the main thread's stack ends <main> (at its JOIN
+line, with the script's file) → Thread#join, a thread's Object#park_here →
+Kernel#sleep, another's Cycle#each_round → Array#each → "block in
+Cycle#each_round" → Kernel#sleep.
 
 Refusal, logged once with the reason (the stage's Reader driven tick by
 tick): Ruby 3.1 (Debian bookworm's, in its root).
@@ -50,6 +55,7 @@ from tests.runtime_harness import DrivenReader, runtime_config, runtime_pipeline
 
 SCRIPT = WORKLOADS / "ruby_split.rb"
 RACTOR_SCRIPT = WORKLOADS / "ruby_ractor.rb"
+WAITS_SCRIPT = WORKLOADS / "ruby_waits.rb"
 # Processes per version: sampled at random phases of their cycle (a loaded host moves them), each
 # stack is a draw with p = 3/4, so N stacks judge 3:1 to one sigma of 6.9/sqrt(N) (binomial; 2,400
 # put +-10% at under two sigma). Twelve give 6,400 in ~28 s, where +-10% is 3.5 sigma.
@@ -60,6 +66,8 @@ WANT_STACKS = 6400
 WANT_BLOCKED = 1800
 # Stacks of the second ractor's thread at least (one process read 19 times a second for ~28 s).
 WANT_RACTOR = 200
+# Stacks of each thread of ruby_waits.rb at least (one process read 19 times a second for ~28 s).
+WANT_WAITS = 200
 # The workload's own deadline: it ends by itself even if the test cannot end it.
 WORKLOAD_SECONDS = 180
 
@@ -89,6 +97,8 @@ class Workload:
     filename: str
     ractor: subprocess.Popen | None = None  # ruby_ractor.rb
     ractor_filename: str = ""
+    waits: subprocess.Popen | None = None  # ruby_waits.rb
+    waits_filename: str = ""
 
 
 @dataclass
@@ -121,6 +131,15 @@ def ractor_samples(samples: dict[int, list[pprof.ReadSample]], w: Workload, main
     return [s for s in samples.get(w.ractor.pid, []) if (s.labels.get("thread.id") == str(w.ractor.pid)) == main]
 
 
+def waits_per_thread(samples: dict[int, list[pprof.ReadSample]], w: Workload) -> Counter[str]:
+    """Stacks of the waits process per thread (its three, once each has been read)."""
+    assert w.waits is not None
+    got: Counter[str] = Counter()
+    for s in samples.get(w.waits.pid, []):
+        got[str(s.labels.get("thread.id", ""))] += s.values[0]
+    return got if len(got) >= 3 else Counter()
+
+
 def start_ruby(started: list[subprocess.Popen], root: Path, version: str, filename: str) -> subprocess.Popen:
     """ruby<version> running `filename` in `root`, handed to `started` (module_started) as it starts."""
     p = subprocess.Popen(
@@ -143,13 +162,21 @@ def profile_version(
     workloads: list[Workload],
     started: list[subprocess.Popen],
 ) -> None:
-    """Ruby `version`'s ractor process and COPIES copies of the workload in `root` (appended to
-    `workloads` as they start), until WANT_STACKS of the copies' main threads and WANT_RACTOR of the
-    second ractor are received; then they are killed."""
+    """Ruby `version`'s ractor process, its waits process and COPIES copies of the workload in `root`
+    (appended to `workloads` as they start), until WANT_STACKS of the copies' main threads, WANT_RACTOR
+    of the second ractor and WANT_WAITS of each thread of the waits process are received; then they
+    are killed."""
     filename = str(inside / SCRIPT.name)
-    w = Workload(version, [], filename, ractor_filename=str(inside / RACTOR_SCRIPT.name))
+    w = Workload(
+        version,
+        [],
+        filename,
+        ractor_filename=str(inside / RACTOR_SCRIPT.name),
+        waits_filename=str(inside / WAITS_SCRIPT.name),
+    )
     workloads.append(w)
     w.ractor = start_ruby(started, root, version, w.ractor_filename)
+    w.waits = start_ruby(started, root, version, w.waits_filename)
     for _ in range(COPIES):
         w.procs.append(start_ruby(started, root, version, filename))
 
@@ -159,10 +186,11 @@ def profile_version(
             sum(s.values[0] for p in w.procs for s in got.get(p.pid, []) if s.labels.get("thread.id") == str(p.pid))
             >= WANT_STACKS
             and sum(s.values[0] for s in ractor_samples(got, w, main=False)) >= WANT_RACTOR
+            and min(waits_per_thread(got, w).values(), default=0) >= WANT_WAITS
         )
 
     wait_for_stacks(pipeline, f"ruby_wall profiles of Ruby {version}", enough, timeout=120)
-    for p in [*w.procs, w.ractor]:
+    for p in [*w.procs, w.ractor, w.waits]:
         p.kill()
         p.wait()
 
@@ -178,6 +206,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
         (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
         shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
         shutil.copy(RACTOR_SCRIPT, root / inside.relative_to("/") / RACTOR_SCRIPT.name)
+        shutil.copy(WAITS_SCRIPT, root / inside.relative_to("/") / WAITS_SCRIPT.name)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
@@ -204,7 +233,9 @@ def test_main_thread_is_in_cpu_a_and_cpu_b_three_to_one(run: Run, version: str) 
     inside: Counter[str] = Counter()
     for s in main_samples(run, w):
         names = [f.function for f in s.frames]
-        assert names[0] == "<main>", f"{version}: {names}"
+        # The script's <main>, or, in Ruby's start-up, gem_prelude's (as rb_profile_frames reads them: the
+        # VM's bottom frame, an empty "<main>" with the script's path, is under neither).
+        assert names[0] in ("<main>", "<internal:gem_prelude>"), f"{version}: {names}"
         # Not in Work.run: Ruby's start-up (gem_prelude requiring rubygems), or run's own loop.
         inside[names[-1] if names[-1] in ("Work#cpu_a", "Spin#cpu_b") and "Work.run" in names else "other"] += s.values[
             0
@@ -248,13 +279,20 @@ def test_second_thread_is_blocked_in_blocked_here(run: Run, version: str) -> Non
     n = sum(s.values[0] for s in samples)
     assert n >= WANT_BLOCKED, f"{version}: only {n} stacks of the second threads"
     wait = marked_lines("WAIT")
+    asleep = 0
     for s in samples:
-        leaf, caller = s.frames[-1], s.frames[-2]
-        assert leaf.function == "block in Object#blocked_here" and leaf.filename == w.filename and leaf.line in wait, (
+        # Kernel#sleep (a C function: no file, no line), or, between two sleeps, Process.clock_gettime.
+        leaf, block, each, method = s.frames[-1], s.frames[-2], s.frames[-3], s.frames[-4]
+        assert leaf.function in ("Kernel#sleep", "Process.clock_gettime") and (leaf.filename, leaf.line) == ("", 0), (
             s.frames
         )
-        assert caller.function == "Object#blocked_here" and caller.line in method_lines("blocked_here"), s.frames
+        assert block.function == "block in Object#blocked_here" and block.filename == w.filename, s.frames
+        assert block.line in wait, s.frames
+        assert each.function == "Array#each" and (each.filename, each.line) == ("", 0), s.frames
+        assert method.function == "Object#blocked_here" and method.line in method_lines("blocked_here"), s.frames
         assert s.labels["thread.name"], s.labels
+        asleep += s.values[0] if leaf.function == "Kernel#sleep" else 0
+    assert asleep >= 0.99 * n, f"{version}: {asleep} of {n} in Kernel#sleep"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -267,7 +305,11 @@ def test_second_ractor_thread_is_in_crunch_in_ractor(run: Run, version: str) -> 
     assert n >= WANT_RACTOR, f"{version}: only {n} stacks of the second ractor's thread"
     block = marked_lines("RACTOR", RACTOR_SCRIPT)
     for s in others:
-        leaf, caller = s.frames[-1], s.frames[-2] if len(s.frames) > 1 else None
+        frames = s.frames
+        if frames[-1].function == "Process.clock_gettime":  # the loop's test, a C function: no file, no line
+            assert (frames[-1].filename, frames[-1].line) == ("", 0) and frames[-2].function == "Crunch.in_ractor", s
+            frames = frames[:-1]
+        leaf, caller = frames[-1], frames[-2] if len(frames) > 1 else None
         if leaf.function == "block in <main>":  # the ractor's block, read before it called in_ractor
             assert leaf.line in block and leaf.filename == w.ractor_filename, s.frames
             continue
@@ -288,10 +330,59 @@ def test_second_ractor_thread_is_in_crunch_in_ractor(run: Run, version: str) -> 
         script = [f for f in s.frames if f.filename == w.ractor_filename]
         if script:
             assert script[-1].function == "<main>" and script[-1].line in take, s.frames
-            assert s.frames[-1].function == "Ractor#take", s.frames
-            waiting += s.values[0]
+            # (or, for a moment, in the C function respond_to? the line calls first)
+            assert s.frames[-1].function in ("Ractor#take", "Kernel#respond_to?"), s.frames
+            waiting += s.values[0] if s.frames[-1].function == "Ractor#take" else 0
     n = sum(s.values[0] for s in mains)
     assert waiting >= 0.9 * n and waiting, f"{version}: {waiting} of {n} main-thread stacks in Ractor#take"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_threads_waiting_in_c_functions_are_named(run: Run, version: str) -> None:
+    """The user's outcome of issue 43: C functions' frames named with their class (a C function has no
+    file or line), blocks as "block in" their method, the main thread's <main> with its file."""
+    w = workload(run, version)
+    assert w.waits is not None
+    join, park, each, rnd = (marked_lines(tag, WAITS_SCRIPT) for tag in ("JOIN", "PARK", "EACH", "ROUND"))
+    threads = marked_lines("THREAD", WAITS_SCRIPT)
+    c_frame = ("", 0)
+    got: Counter[str] = Counter()
+    seen: Counter[tuple[str, ...]] = Counter()
+    for s in run.samples.get(w.waits.pid, []):
+        f = s.frames
+        names = tuple(x.function for x in f)
+        seen[names] += s.values[0]
+        if s.labels.get("thread.id") == str(w.waits.pid):
+            script = [x for x in f if x.filename == w.waits_filename]
+            if not script or script[-1].line not in join:  # Ruby's start-up, or the script before its join
+                got["main, elsewhere"] += s.values[0]
+                continue
+            # One <main> (the VM's bottom frame, an empty "<main>" at line 0, is not one), with its file.
+            assert names == ("<main>", "Thread#join") and (f[-1].filename, f[-1].line) == c_frame, f
+            assert f[0].filename == w.waits_filename, f
+            got["main in Thread#join"] += s.values[0]
+        elif names == ("block in <main>", "Object#park_here", "Kernel#sleep"):
+            assert f[-3].filename == f[-2].filename == w.waits_filename and f[-3].line in threads, f
+            assert f[-2].line in park and (f[-1].filename, f[-1].line) == c_frame, f
+            got["Object#park_here → Kernel#sleep"] += s.values[0]
+        elif names == (
+            "block in <main>",
+            "Cycle#each_round",
+            "Array#each",
+            "block in Cycle#each_round",
+            "Kernel#sleep",
+        ):
+            assert f[-4].line in each and f[-2].line in rnd and f[-2].filename == w.waits_filename, f
+            assert (f[-3].filename, f[-3].line) == (f[-1].filename, f[-1].line) == c_frame, f
+            got["Cycle#each_round → Array#each → block → Kernel#sleep"] += s.values[0]
+        else:  # between two sleeps (Process.clock_gettime), or a thread before its first call
+            got["other thread, elsewhere"] += s.values[0]
+    print(f"Ruby {version}: {dict(got)}; most seen: {seen.most_common(4)}")
+    main = got["main in Thread#join"] + got["main, elsewhere"]
+    assert got["main in Thread#join"] >= 0.9 * main and main >= WANT_WAITS, f"{version}: {got}"
+    assert got["Object#park_here → Kernel#sleep"] >= WANT_WAITS, f"{version}: {got}"
+    assert got["Cycle#each_round → Array#each → block → Kernel#sleep"] >= WANT_WAITS, f"{version}: {got}"
+    assert got["other thread, elsewhere"] <= 0.02 * sum(got.values()), f"{version}: {got}; {seen.most_common(8)}"
 
 
 def test_ruby_3_1_is_refused_once_with_the_reason(
