@@ -78,6 +78,15 @@ class Announcer:
             if len(self._known) > MAX_KNOWN:
                 self._known.popitem(last=False)
 
+    def knows(self, pid: int) -> bool:
+        """Whether a process with this pid was announced and has not been found gone."""
+        return pid in self._known
+
+    def start_ticks_of(self, pid: int) -> int | None:
+        """The start time of the process announced with this pid and not found gone, or None."""
+        p = self._known.get(pid)
+        return None if p is None else p.start_ticks
+
     def flush(self) -> None:
         """Send what is new, exits found by a check of the pids, and the periodic full list."""
         now = time.monotonic()
