@@ -68,7 +68,7 @@ class Pipeline:
         self.config_path.write_text(config_mod.dump(self.cfg))
         self.config_path.chmod(0o644)  # read by every stage's own user
         self.log_path = workdir / "pipeline.log"
-        reader = ["runtime"] if self.cfg.python_stacks or self.cfg.runtime_stacks else []
+        reader = ["runtime"] if self.cfg.runtime_reader_wanted else []
         self.stages = ["uploader"] + [f"symbolizer-{w}" for w in range(workers)] + reader + ["collector"]
         self.pids: dict[str, int] = {}
         self.started: dict[str, int] = {}  # stage → start time, to never signal a reused pid

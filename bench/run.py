@@ -37,6 +37,8 @@ from bench.overhead import section as overhead_section
 from bench.procs import BenchError
 from bench.python import PythonBench
 from bench.python import section as python_section
+from bench.python_walk import PythonWalkBench
+from bench.python_walk import section as python_walk_section
 from bench.runtimes import RuntimesBench
 from bench.runtimes import section as runtimes_section
 from bench.scaling import ScalingBench
@@ -57,6 +59,7 @@ SUITES = (
     "tables",
     "unwind",
     "python",
+    "python_walk",
     "runtimes",
     "jvm",
     "overhead",
@@ -77,7 +80,8 @@ DESCRIPTION = (
     "(symbolizer throughput with 1 and 2 workers on a recorded batch stream), tables (unwind "
     "table build time and size for libc, libpython and node, pyelftools as the peer), python "
     "(a CPU-bound CPython 3.11 workload under the runtime reader and py-spy; the reader's CPU "
-    "per stack), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
+    "per stack), python_walk (on_cpu_sample's BPF ns per sample with and without the in-BPF walk of "
+    "a CPython 3.11 stack 10, 30 and 100 frames deep; the added ns per sample and per frame), overhead (four workloads under the pipeline, profile-bpfcc, perf -g, perf "
     "--call-graph dwarf and py-spy at --rates, each paired with a run alone; throughput ratio, "
     "profiler CPU and RSS, BPF ns per sample, whole stacks without frame pointers; at "
     "--high-rates the cost per sample implied against the BPF ns counted; a full run, 11 "
@@ -234,6 +238,7 @@ SECTIONS: dict[str, tuple[Callable[[dict[str, Any]], Section], str]] = {
     "tables": (tables_section, "Unwind table build time and size"),
     "unwind": (unwind_section, "DWARF unwinding in BPF: time per sample and slowdown"),
     "python": (python_section, "Python stacks: the runtime reader against py-spy"),
+    "python_walk": (python_walk_section, "Python frames walked in BPF: time per sample with and without"),
     "runtimes": (runtimes_section, "Runtime stacks: the reader's CPU per stack, per runtime"),
     "jvm": (jvm_section, "JVM stacks: the reader's CPU per 30-frame stack, the workload's throughput"),
     "overhead": (overhead_section, "Measured overhead against the peers"),
@@ -282,6 +287,7 @@ def benches(args: argparse.Namespace) -> dict[str, Bench]:
         "tables": TablesBench(args.rounds, log),
         "unwind": UnwindBench(args.rounds, args.rates, log, args.keep),
         "python": PythonBench(args.rounds, log, args.keep),
+        "python_walk": PythonWalkBench(args.rounds, args.quiet_wait, log, args.keep),
         "runtimes": RuntimesBench(args.rounds, log, args.keep),
         "jvm": JvmBench(args.rounds, log, args.keep),
         "overhead": OverheadBench(

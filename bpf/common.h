@@ -18,6 +18,9 @@ static __always_inline int regs_user_mode(struct pt_regs *regs) {
     return (*(u64 *)((char *)regs + __builtin_offsetof(struct pt_regs, cs)) & 3) == 3;
 }
 
+// The FNV-1a prime the stack hashes of unwind.h and python.h step with.
+#define STACK_HASH_PRIME 0x100000001b3ULL
+
 #ifdef PIDNS_INO
 static __always_inline int current_ids(u32 *pid, u32 *tid) {
     struct bpf_pidns_info ns = {};

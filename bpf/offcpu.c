@@ -66,7 +66,6 @@
 // only copy a thread's record names (no thread keeps its own), so there is room for many times
 // that: a place evicted while a thread waits in it costs that thread one more walk (20-60 us).
 #define OFFCPU_KSTACKS 4096
-#define OFFCPU_HASH_PRIME 0x100000001b3ULL
 // x86-64's kernel text and module space (Documentation/arch/x86/x86_64/mm.rst): the words of a
 // sleeping task's stack that may be code addresses (offcpu_same_block).
 #define OFFCPU_CODE_START 0xffffffff80000000ULL
@@ -82,6 +81,7 @@ struct offcpu_key {
     u32 tid;
     u64 user_hash;     // in offcpu_stacks_<buf>, or 0
     u64 kernel_hash;   // likewise
+    u64 py_hash;       // Python stack in py_stacks_offcpu_<buf> (bpf/python.h), or 0
 };
 
 struct offcpu_value {   // u64 fields only, each summed (counts_add in common.h)
@@ -245,7 +245,7 @@ static __always_inline u64 offcpu_hash(struct offcpu_stack *s, u32 n, int pad) {
                 break;
             s->pcs[i] = 0;
         } else {
-            h = (h ^ s->pcs[i]) * OFFCPU_HASH_PRIME;
+            h = (h ^ s->pcs[i]) * STACK_HASH_PRIME;
         }
     }
     if (n == 0)
@@ -278,9 +278,10 @@ static __always_inline u64 offcpu_store(struct offcpu_stack *s, u32 n, u32 buf, 
     return h;
 }
 
-// Charge to (pid, tid), the user stack `user` and the kernel stack kept under `kernel_print`.
+// Charge to (pid, tid), the user stack `user` and the kernel stack kept under `kernel_print`; with
+// `in_thread` (called in the thread's own context, at its return to user space) its Python frames too.
 static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack *user, u32 user_n,
-                                          u64 kernel_print, u32 kernel_n, u64 count, u64 ns) {
+                                          u64 kernel_print, u32 kernel_n, u64 count, u64 ns, int in_thread) {
     u32 zero = 0;
     u32 *active = offcpu_active.lookup(&zero);
     if (!active)
@@ -291,6 +292,10 @@ static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack 
     key.pid = pid;
     key.tid = tid;
     key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK, 1) : 0;
+#ifdef PY_WALK
+    if (in_thread)
+        key.py_hash = py_walk(pid, tid, buf, PY_OFFCPU);
+#endif
     if (kernel_n) {
         // Its frames as kept now: another task that blocked in the same place may have replaced it.
         struct offcpu_stack *kernel = offcpu_kstacks.lookup(&kernel_print);
@@ -349,7 +354,7 @@ static __always_inline int offcpu_same_block(struct task_struct *task, struct of
             break;
         u64 w = words->pcs[i];
         if (w >= OFFCPU_CODE_START && w < OFFCPU_CODE_END)
-            h = (h ^ w) * OFFCPU_HASH_PRIME;
+            h = (h ^ w) * STACK_HASH_PRIME;
     }
 #ifdef HAVE_TASK_PT_REGS
     // the same wait reached from another call (a page-cache wait from read() or from a fault,
@@ -358,7 +363,7 @@ static __always_inline int offcpu_same_block(struct task_struct *task, struct of
     u64 nr = 0;
     if (regs)
         bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
-    h = (h ^ nr) * OFFCPU_HASH_PRIME;
+    h = (h ^ nr) * STACK_HASH_PRIME;
 #endif
     if (t->kernel_n && t->kernel_print == h)
         return 1;
@@ -553,7 +558,7 @@ int offcpu_switch(u64 *ctx) {
         if (picked && net >= OFFCPU_MIN_NS && offcpu_second_pick(delta, net, &count, &ns)) {
             if (t->flags & OFFCPU_KTHREAD) {
                 offcpu_read_kernel(next, t);
-                offcpu_charge(t->pid, t->tid, 0, 0, t->kernel_print, t->kernel_n, count, ns);
+                offcpu_charge(t->pid, t->tid, 0, 0, t->kernel_print, t->kernel_n, count, ns, 0);
             } else if (t->flags & OFFCPU_RSEQ) {
                 // blocked again before it returned: same stacks
                 if (t->pending_count == 0)
@@ -565,7 +570,7 @@ int offcpu_switch(u64 *ctx) {
                 struct offcpu_stack *user = t->user_n ? offcpu_user_stack_of(next, 0) : 0;
                 if (t->user_n && !user)
                     offcpu_count_lost(OFFCPU_LOST_USER_STACK);   // evicted (records by thread id only)
-                offcpu_charge(t->pid, t->tid, user, user ? t->user_n : 0, t->kernel_print, t->kernel_n, count, ns);
+                offcpu_charge(t->pid, t->tid, user, user ? t->user_n : 0, t->kernel_print, t->kernel_n, count, ns, 0);
             }
         }
         t->ts = 0;
@@ -652,7 +657,7 @@ int offcpu_unwind_finish(u64 *ctx) {
     if (!t || t->pending_count == 0)
         TIMED_RETURN(timing, 0);
     offcpu_charge(t->pid, t->tid, (struct offcpu_stack *)&st->stack, st->n, t->kernel_print, t->kernel_n,
-                  t->pending_count, t->pending_ns);
+                  t->pending_count, t->pending_ns, 1);
     t->pending_ns = 0;
     t->pending_count = 0;
     TIMED_RETURN(timing, 0);
@@ -700,7 +705,7 @@ int offcpu_resume(u64 *ctx) {
     if (!user)
         TIMED_RETURN(timing, 0);
     u32 n = offcpu_frames(bpf_get_stack(ctx, user->pcs, sizeof(user->pcs), BPF_F_USER_STACK));
-    offcpu_charge(t->pid, t->tid, user, n, t->kernel_print, t->kernel_n, t->pending_count, t->pending_ns);
+    offcpu_charge(t->pid, t->tid, user, n, t->kernel_print, t->kernel_n, t->pending_count, t->pending_ns, 1);
     t->pending_ns = 0;
     t->pending_count = 0;
     TIMED_RETURN(timing, 0);

@@ -19,6 +19,9 @@
 // oncpu_regs_record; its layout is RECORD in collector/regs.py), for the
 // runtime reader to walk its JIT frames with.
 //
+// With -DPY_WALK (after python.h), a sample of a CPython process the collector named in py_procs has
+// its Python frames walked too (bpf/python.h), and the key's py_hash names them in py_stacks_oncpu_<buf>.
+//
 // Compiled by bcc (with offcpu.c when off-CPU profiling is on), with
 // -DCOUNTS_ENTRIES and -DSTACK_ENTRIES from the collector.
 
@@ -38,6 +41,7 @@ struct oncpu_key {
     s32 user_stack;    // stack id, or -1 (kernel thread, or not recorded)
     s32 kernel_stack;  // stack id, or -1 (sample taken in user mode, or not recorded)
     u64 user_hash;     // DWARF-unwound user stack in oncpu_dwarf_stacks_<buf>, or 0
+    u64 py_hash;       // Python stack in py_stacks_<buf> (bpf/python.h), or 0
 };
 
 // Indexes of `oncpu_lost`; the collector names them (LOST_REASONS in collector/oncpu.py).
@@ -172,6 +176,7 @@ static __always_inline void oncpu_count_dwarf(struct unwind_state *st) {
     key.user_stack = -1;
     key.kernel_stack = st->kernel_stack;
     key.user_hash = hash;
+    key.py_hash = st->py_hash;
     oncpu_count(&key, st->buf);
 }
 
@@ -215,6 +220,9 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
         key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_0.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
     else
         key.kernel_stack = oncpu_stack_or_lost(oncpu_stacks_1.get_stackid(&ctx->regs, 0), ONCPU_LOST_KERNEL_STACK);
+#ifdef PY_WALK
+    key.py_hash = py_walk(pid, tid, b, PY_ONCPU);
+#endif
 
 #ifdef DWARF_UNWIND
     if (unwind_procs.lookup(&pid)) {   // the collector loaded unwind tables for this process
@@ -225,6 +233,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx) {
             st->tid = tid;
             st->buf = b;
             st->kernel_stack = key.kernel_stack;
+            st->py_hash = key.py_hash;
             timing_end(timing);
             oncpu_unwind_progs.call(ctx, 0);
             unwind_count(UNWIND_LOST_TAIL_CALL);   // not entered: frame pointers below

@@ -80,6 +80,7 @@ struct unwind_state {
     u64 fp;
     u64 hash;
     u64 ts;            // off-CPU: when the thread blocked
+    u64 py_hash;       // the sample's Python stack (bpf/python.h), or 0
     u32 pid;
     u32 tid;
     s32 kernel_stack;
@@ -118,14 +119,12 @@ static __always_inline void unwind_count(int slot) {
     unwind_add(slot, 1);
 }
 
-#define UNWIND_HASH_PRIME 0x100000001b3ULL
-
 static __always_inline void unwind_record(struct unwind_state *st, u64 pc) {
     u32 i = st->n;
     if (i < UNWIND_MAX_FRAMES) {
         st->stack.pcs[i & (UNWIND_MAX_FRAMES - 1)] = pc;
         st->n = i + 1;
-        st->hash = (st->hash ^ pc) * UNWIND_HASH_PRIME;
+        st->hash = (st->hash ^ pc) * STACK_HASH_PRIME;
     }
 }
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from collector.bpfmaps import RawDrain
 from collector.procfs import ProcessTable
 from collector.routing import worker_for
-from shared.wire import Process, Sample, StackBatch
+from shared.wire import Process, PythonStack, Sample, StackBatch
 
 # Service of samples whose process exited before the collector could read it.
 UNKNOWN_SERVICE = "[unknown]"
@@ -46,6 +46,8 @@ class _Builder:
         self.user_stacks: list[tuple[int, ...]] = []
         self.kernel_stacks: list[tuple[int, ...]] = []
         self.samples: list[Sample] = []
+        self.python: dict[int, int] = {}  # drain Python stack hash → index in this batch
+        self.python_stacks: list[PythonStack] = []
 
     def stack(
         self, sid: int, stacks: dict[int, tuple[int, ...]], index: dict[int, int], out: list[tuple[int, ...]]
@@ -69,8 +71,18 @@ class _Builder:
                 count=s[4],
                 value=s[5],
                 extra=tuple(s[6]) if len(s) > 6 else (),
+                python_stack=self.python_stack(s[7], drain.python_stacks) if len(s) > 7 else -1,
             )
         )
+
+    def python_stack(self, h: int, stacks: dict[int, PythonStack]) -> int:
+        if h not in stacks:
+            return -1
+        i = self.python.get(h)
+        if i is None:
+            i = self.python[h] = len(self.python_stacks)
+            self.python_stacks.append(stacks[h])
+        return i
 
     def batch(self, drain: RawDrain, ksym: Callable[[int], str], head: StackBatch, with_lost: bool) -> StackBatch:
         """The message: `head`'s host, type, rate and time; the host-wide losses only `with_lost`."""
@@ -81,6 +93,7 @@ class _Builder:
             user_stacks=tuple(self.user_stacks),
             kernel_stacks=tuple(self.kernel_stacks),
             samples=tuple(self.samples),
+            python_stacks=tuple(self.python_stacks),
             kernel_symbols={a: ksym(a) for a in kaddrs},
             lost=dict(drain.lost) if with_lost else {},
         )

@@ -38,10 +38,12 @@ class RawDrain:
     """One drain: counts by key, and the stacks the keys refer to (leaf first)."""
 
     samples: list[tuple] = field(default_factory=list)
-    # (pid, tid, user stack id, kernel stack id, count, value[, extra values]): value in ns, or bytes (alloc)
+    # (pid, tid, user stack id, kernel stack id, count, value[, extra values[, Python stack hash]]): value
+    # in ns, or bytes (alloc); the hash names a stack of python_stacks (collector/pywalk.py)
     user_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     kernel_stacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)
+    python_stacks: dict[int, Any] = field(default_factory=dict)  # hash → collector/pywalk.py PyStack
 
 
 class DoubleBuffer:
@@ -70,11 +72,13 @@ class DoubleBuffer:
 
 @dataclass
 class StackRefs:
-    """The stacks the keys of one drain name: stack-map ids, and hashes of DWARF-unwound user stacks."""
+    """The stacks the keys of one drain name: stack-map ids, and hashes of DWARF-unwound user stacks
+    and of Python stacks."""
 
     user: set[int] = field(default_factory=set)
     kernel: set[int] = field(default_factory=set)
     hashes: set[int] = field(default_factory=set)
+    python: set[int] = field(default_factory=set)
 
 
 def _objects(array: Any, n: int, kind: type) -> list[Any]:
@@ -124,9 +128,11 @@ def take_all(table: Any) -> list[tuple[Any, Any]]:
 
 def take_counts(counts: Any, out: RawDrain, values: Callable[[Any], tuple[int, int]]) -> StackRefs:
     """Move a retired counts map into out.samples, emptying it; `values` turns a map value into
-    (count, value in ns). A DWARF stack (key.user_hash) gets the id DWARF_STACK_ID_BASE + hash."""
+    (count, value in ns). A DWARF stack (key.user_hash) gets the id DWARF_STACK_ID_BASE + hash; a Python
+    stack (key.py_hash, bpf/python.h) is named by its hash after the values, and in refs.python."""
     refs = StackRefs()
     for k, v in take_all(counts):
+        py = getattr(k, "py_hash", 0)
         if k.user_hash:
             refs.hashes.add(k.user_hash)
             user = DWARF_STACK_ID_BASE + k.user_hash
@@ -134,7 +140,11 @@ def take_counts(counts: Any, out: RawDrain, values: Callable[[Any], tuple[int, i
             user = k.user_stack
             if user >= 0:
                 refs.user.add(user)
-        out.samples.append((k.pid, k.tid, user, k.kernel_stack, *values(v)))
+        if py:
+            refs.python.add(py)
+            out.samples.append((k.pid, k.tid, user, k.kernel_stack, *values(v), (), py))
+        else:
+            out.samples.append((k.pid, k.tid, user, k.kernel_stack, *values(v)))
         if k.kernel_stack >= 0:
             refs.kernel.add(k.kernel_stack)
     return refs

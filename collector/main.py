@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from collector import bpftime, features, preflight
+from collector import bpftime, features, plan, preflight
 from collector.drains import DRAIN_INTERVAL_S, IDLE_DRAIN_INTERVAL_S
 from collector.loop import MainLoop
 from collector.programs import capture_stderr, explain
@@ -35,6 +35,7 @@ from collector.stage import Collector
 from shared import config as config_mod
 from shared import lifecycle, privileges, ready, remote_config, stopping
 from shared import log as log_mod
+from shared.safestr import cut
 from shared.stage_code import default_bpf_dir
 from shared.stopping import stop_on_signals
 
@@ -204,16 +205,24 @@ def _wait_until_enabled(
 def _load(
     cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str, kernel: features.KernelFeatures
 ) -> Collector | None:
-    """The BPF programs compiled and loaded, with all the collector holds; None (logged) if refused."""
-    try:
-        with (
-            ready.progress(run_dir, "collector", "compiling and loading BPF programs"),  # heartbeat
-            capture_stderr() as said,
-        ):  # the compiler's and the verifier's words, quoted if refused
-            return Collector(cfg, bpf_dir, run_dir, kernel)
-    except Exception as e:  # bcc raises bare Exception for compile and load failures
-        log.error("cannot load the BPF programs from %s: %s", bpf_dir, explain(e, said))
-        return None
+    """The BPF programs compiled and loaded, with all the collector holds; None (logged) if refused. A
+    kernel that refuses them with the Python walker (bpf/python.h) gets them without it: that feature is
+    refused alone, with the verifier's words, and the rest of the agent runs."""
+    python_refused = ""
+    while True:
+        try:
+            with (
+                ready.progress(run_dir, "collector", "compiling and loading BPF programs"),  # heartbeat
+                capture_stderr() as said,
+            ):  # the compiler's and the verifier's words, quoted if refused
+                return Collector(cfg, bpf_dir, run_dir, kernel, python_refused)
+        except Exception as e:  # bcc raises bare Exception for compile and load failures
+            why = explain(e, said)
+            if python_refused or not plan.wants_python_walk(cfg):
+                log.error("cannot load the BPF programs from %s: %s", bpf_dir, why)
+                return None
+            log.warning("the BPF programs with the Python walker were refused: %s; loading them without it", why)
+            python_refused = f"the kernel refused the programs with the walker: {cut(why.splitlines()[0])}"
 
 
 def _drop_start_caps(keep: frozenset[int], for_start: frozenset[int]) -> None:

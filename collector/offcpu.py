@@ -17,6 +17,7 @@ from typing import Any
 
 from collector.bpfmaps import DWARF_STACK_ID_BASE, DoubleBuffer, LostCounters, RawDrain, take_all, take_dwarf_stacks
 from collector.btfprog import BtfProgram, BtfProgramError, member_offsets
+from collector.pywalk import PyWalker
 from collector.sources import EventSource
 
 __all__ = ["LOST_REASONS", "PROFILE_TYPE", "TRACEPOINTS", "OffCpuTracer", "bpf_defines"]
@@ -134,9 +135,10 @@ def state_field() -> tuple[int, int]:
 class OffCpuTracer(EventSource):
     profile_type = PROFILE_TYPE
 
-    def __init__(self, bpf: Any, min_ms: int, dwarf: bool = False) -> None:
+    def __init__(self, bpf: Any, min_ms: int, dwarf: bool = False, python: PyWalker | None = None) -> None:
         self.min_ms = min_ms
         self.dwarf = dwarf
+        self.python = python  # bpf/offcpu.c compiled with PY_WALK: Python stacks in py_stacks_offcpu_<buf>
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "offcpu")
         self._lost = LostCounters(bpf["offcpu_lost"], LOST_REASONS)
@@ -190,6 +192,7 @@ class OffCpuTracer(EventSource):
         out = RawDrain()
         user: set[int] = set()
         kernel: set[int] = set()
+        python: set[int] = set()
         for k, v in take_all(counts):
             u = DWARF_STACK_ID_BASE + k.user_hash if k.user_hash else -1
             kk = DWARF_STACK_ID_BASE + k.kernel_hash if k.kernel_hash else -1
@@ -197,8 +200,15 @@ class OffCpuTracer(EventSource):
                 user.add(k.user_hash)
             if k.kernel_hash:
                 kernel.add(k.kernel_hash)
-            out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns))
+            if k.py_hash:
+                python.add(k.py_hash)
+                out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns, (), k.py_hash))
+            else:
+                out.samples.append((k.pid, k.tid, u, kk, v.count, v.ns))
         gone = take_dwarf_stacks(stacks, [(user, out.user_stacks), (kernel, out.kernel_stacks)])
+        if self.python is not None:
+            out.python_stacks, missing = self.python.take("offcpu", old, python)
+            gone += missing
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone

@@ -23,6 +23,7 @@ from collector.bpfmaps import (
     take_dwarf_stacks,
 )
 from collector.perfevents import CpuClockEvents
+from collector.pywalk import PyWalker
 from collector.sources import EventSource
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ NSEC_PER_SEC = 1_000_000_000
 class OnCpuSampler(EventSource):
     profile_type = PROFILE_TYPE
 
-    def __init__(self, bpf: Any, sample_hz: int, dwarf: bool = False) -> None:
+    def __init__(self, bpf: Any, sample_hz: int, dwarf: bool = False, python: PyWalker | None = None) -> None:
         self.sample_hz = sample_hz
         self.dwarf = dwarf  # bpf/oncpu.c compiled with DWARF_UNWIND: oncpu_dwarf_stacks_<buf> exist
+        self.python = python  # bpf/oncpu.c compiled with PY_WALK: Python stacks in py_stacks_oncpu_<buf>
         self.period_ns = NSEC_PER_SEC // sample_hz
         self._bpf = bpf
         self._buffers = DoubleBuffer(bpf, "oncpu")
@@ -92,6 +94,9 @@ class OnCpuSampler(EventSource):
         if self.dwarf:
             dwarf_stacks = self._bpf[f"oncpu_dwarf_stacks_{old}"]
             gone += take_dwarf_stacks(dwarf_stacks, [(refs.hashes, out.user_stacks)])
+        if self.python is not None:
+            out.python_stacks, missing = self.python.take("oncpu", old, refs.python)
+            gone += missing
         out.lost = self._lost.delta()
         if gone:
             out.lost["stack_gone"] = gone

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from collector import alloc, drains, features, regs, unwind
+from collector import alloc, drains, features, pywalk, regs, unwind
+from collector.btfprog import BtfProgramError
 from collector.intervals import START_ENTRIES
 from collector.lock import LOCK_PIDS
 from collector.offcpu import bpf_defines as offcpu_defines
@@ -43,6 +44,7 @@ class ProgramPlan:
     offcpu_dwarf: bool
     lock_dwarf: bool
     regs_names: frozenset[str]  # mappings whose processes' samples carry registers (collector/regs.py)
+    python_walk: bool = False  # CPython frames walked in BPF at the on-CPU sample (collector/pywalk.py)
     refused: tuple[tuple[str, str], ...] = field(default=())  # (what the config asked for, why not)
     notes: tuple[str, ...] = field(default=())  # what else was turned off, and why
 
@@ -103,7 +105,31 @@ def _dwarf(
     return dwarf, offcpu_dwarf, dwarf and bool(cfg.lock_targets)
 
 
-def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> ProgramPlan:
+def wants_python_walk(cfg: config_mod.ProfilerConfig) -> bool:
+    """Whether the config asks for CPython stacks (python_stacks, or python_legacy): their frames are then
+    walked in BPF where the kernel can."""
+    return cfg.python_stacks or "python_legacy" in cfg.runtime_stacks
+
+
+def _python_walk(cfg: config_mod.ProfilerConfig, asked: _Refusals, refused: str) -> dict[str, int]:
+    """bpf/python.h's -D flags when CPython stacks are asked for and the kernel can give them; else none
+    (`refused`: why the kernel did not take them at an earlier load)."""
+    if not wants_python_walk(cfg):
+        return {}
+    what = "Python frames in cpu profiles"
+    if refused:
+        asked.refused.append((what, refused))
+        return {}
+    if not asked.can(what, "btf"):
+        return {}
+    try:
+        return pywalk.bpf_defines()
+    except BtfProgramError as e:
+        asked.refused.append((what, str(e)))
+        return {}
+
+
+def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: str = "") -> ProgramPlan:
     asked = _Refusals(kernel)
     notes: list[str] = []
     offcpu_on = cfg.offcpu and asked.can("off-CPU profiles (offcpu)", "btf")
@@ -125,6 +151,9 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         regs_names = frozenset()
     if regs_names:
         defines.update(regs.bpf_defines())
+    python_walk = _python_walk(cfg, asked, python_refused)
+    if python_walk:
+        defines.update(python_walk)
     return ProgramPlan(
         tuple(families),
         defines,
@@ -134,6 +163,7 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> Pro
         offcpu_dwarf,
         lock_dwarf,
         regs_names,
+        bool(python_walk),
         tuple(asked.refused),
         tuple(notes),
     )

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from collector import bpftime
 
 FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
+# Headers the families call into, each compiled when its -D flag is passed, in this order.
+OPTIONAL_HEADERS = (("DWARF_UNWIND", "unwind.h"), ("PY_WALK", "python.h"))
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace.
 INIT_PID_NS_INO = 0xEFFFFFFC
 
@@ -38,8 +40,8 @@ class Programs:
                 raise FileNotFoundError(f"BPF program {path} not found (--bpf-dir {bpf_dir})")
         # Concatenated, not #included: bcc generates TRACEPOINT_PROBE argument
         # structs only for the main source. common.h comes first, then the
-        # DWARF unwinder both families use when it is on.
-        headers = ["common.h"] + (["unwind.h"] if "DWARF_UNWIND" in defines else [])
+        # DWARF unwinder and the Python walker the families use when they are on.
+        headers = ["common.h"] + [h for flag, h in OPTIONAL_HEADERS if flag in defines]
         text = "\n".join(_read(os.path.join(bpf_dir, f)) for f in headers + [f"{f}.c" for f in families])
         cflags = [f"-D{k}={v}" for k, v in {**defines, **bpftime.bpf_defines(), **pid_namespace_defines()}.items()]
         self.kernel_cflags = kernel_cflags()

@@ -2,7 +2,7 @@
 
 Owns: making what the plan (collector/plan.py) turns on, in order (the programs, the event sources
 and the targets they follow, the unwind tables, the links to the workers, the file broker, the
-announcer, the register forwarder, the overhead guard); starting sampling, pausing and resuming it;
+announcer and the /proc sweep that feeds it, the register forwarder, the Python walks, the overhead guard); starting sampling, pausing and resuming it;
 the new-process events; one drain (targets followed, every source drained, joined with /proc and
 shipped, what fired counted); once per upload window each source's snapshot and the overhead
 guard's verdict and rate; and, on stop, detaching and closing all of it, with the totals logged.
@@ -24,6 +24,7 @@ import zmq
 from collector import alloc, bpftime, features, heap, overhead, plan, regs, unwind
 from collector.announce import Announcer
 from collector.bpfmaps import RawDrain
+from collector.discovery import ProcessSweep
 from collector.drains import DRAIN_INTERVAL_S, DrainPace, EarlyDrains
 from collector.filebroker import FileBroker
 from collector.following import TargetFollower
@@ -31,6 +32,7 @@ from collector.kallsyms import KernelSymbols
 from collector.links import WorkerLinks
 from collector.lock import LockTracer
 from collector.newprocs import NewProcessEvents
+from collector.pythonwalks import PythonWalks
 from collector.sender import BatchSender
 from collector.sources import EventSource, TargetedSource
 from collector.targets import TargetWatcher
@@ -49,7 +51,12 @@ class Collector:
     resume sampling, drain, close the windows, close."""
 
     def __init__(
-        self, cfg: config_mod.ProfilerConfig, bpf_dir: str, run_dir: str, kernel: features.KernelFeatures
+        self,
+        cfg: config_mod.ProfilerConfig,
+        bpf_dir: str,
+        run_dir: str,
+        kernel: features.KernelFeatures,
+        python_refused: str = "",
     ) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from collector.procfs import ProcessTable
@@ -61,14 +68,23 @@ class Collector:
         self.host = socket.gethostname()
         self.procs = ProcessTable(with_cmdline=not cfg.strip_process_args)
         self.ksyms = KernelSymbols()
-        p = self._plan(cfg, kernel)
+        p = self._plan(cfg, kernel, python_refused)
         self.programs = Programs(bpf_dir, p.families, p.defines)
-        self._make_sources(cfg, p)
         ctx: zmq.Context = zmq.Context.instance()
-        self.unwind = self._make_unwind(p, run_dir, ctx)
+        self.python = PythonWalks(self.programs.bpf, run_dir, ctx) if p.python_walk else None
+        try:  # a program the kernel refuses leaves nothing loaded (collector/main.py may load again)
+            self._make_sources(cfg, p)
+        except BaseException:
+            self.programs.close()
+            if self.python is not None:
+                self.python.close()
+            raise
+        self.unwind = _make_unwind(p, self.programs.bpf, run_dir, ctx)
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
         self.broker = FileBroker(run_dir, allowed_uids=privileges.uids_with("symbolizer"))
         self.announcer = Announcer(zmq.Context.instance(), run_dir, self.host)  # to runtime readers
+        # Processes that never run, found for the runtime readers (none run without a runtime asked for).
+        self.sweep = ProcessSweep(with_cmdline=not cfg.strip_process_args) if cfg.runtime_reader_wanted else None
         self.regs = (
             regs.RegsForwarder(self.programs.bpf, p.regs_names, self.announcer.publish, self.host)
             if p.regs_names
@@ -97,10 +113,12 @@ class Collector:
 
     # ------------------------------------------------------------ start-up
 
-    def _plan(self, cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures) -> plan.ProgramPlan:
+    def _plan(
+        self, cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: str
+    ) -> plan.ProgramPlan:
         """What to compile for this config on this kernel (collector/plan.py); what the kernel cannot
         give is refused alone: in the log, and in status (kernel.json)."""
-        p = plan.plan(cfg, kernel)
+        p = plan.plan(cfg, kernel, python_refused)
         self.refused = list(p.refused)
         for what, why in p.refused:
             log.warning("%s refused: %s; the rest of the agent runs", what, why)
@@ -115,10 +133,11 @@ class Collector:
         from collector.oncpu import OnCpuSampler
 
         bpf = self.programs.bpf
-        self.oncpu = OnCpuSampler(bpf, cfg.sample_hz, dwarf=p.dwarf)
+        walker = self.python.walker if self.python else None
+        self.oncpu = OnCpuSampler(bpf, cfg.sample_hz, dwarf=p.dwarf, python=walker)
         self.sources: list[EventSource] = [self.oncpu]
         if p.offcpu:
-            self.sources.append(OffCpuTracer(bpf, cfg.offcpu_min_ms, dwarf=p.offcpu_dwarf))
+            self.sources.append(OffCpuTracer(bpf, cfg.offcpu_min_ms, dwarf=p.offcpu_dwarf, python=walker))
         # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
         self.watchers: list[tuple[TargetWatcher, TargetedSource]] = []
         if cfg.lock_targets:
@@ -127,19 +146,6 @@ class Collector:
             tracer = alloc.AllocTracer(bpf, cfg.alloc_sample_bytes, cfg.alloc_duty_pct)
             self.watchers.append((TargetWatcher(cfg.alloc_targets), tracer))
         self.sources += [source for _, source in self.watchers]
-
-    def _make_unwind(self, p: plan.ProgramPlan, run_dir: str, ctx: zmq.Context[Any]) -> unwind.UnwindTables | None:
-        """The unwind tables of DWARF unwinding, or None without it (off-CPU's step program is a
-        tp_btf program: OffCpuTracer loads it)."""
-        if not p.dwarf:
-            return None
-        tables = unwind.UnwindTables(self.programs.bpf, ["oncpu"] + (["lock"] if p.lock_dwarf else []), run_dir, ctx)
-        log.info(
-            "DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from the symbolizers at %s",
-            " and off-CPU" if p.offcpu_dwarf else "",
-            endpoints.unwind(run_dir),
-        )
-        return tables
 
     def start(self) -> None:
         """Open the perf events and start sampling: after this the collector opens no perf event again
@@ -212,7 +218,11 @@ class Collector:
         """What follows a drain: exited processes forgotten, announcements and registers flushed, the
         unwinder's and the checks' counters, the heap trimmed."""
         self.procs.forget_exited()
+        if self.sweep is not None and self.sweep.due():
+            self.announcer.observe(self.sweep.run(known=self.announcer.knows))
         self.announcer.flush()
+        if self.python is not None:
+            self.python.after_drain(self.announcer)
         if self.regs is not None:
             self.regs.flush(self.oncpu.period_ns)
         if self.unwind is not None:
@@ -295,8 +305,10 @@ class Collector:
             "batches_split": self.sender.totals["batches_split"],
             "batch_parts_unsendable": self.sender.totals["parts_unsendable"],
             "announcements_split": a["split"],
+            **({"processes_swept": self.sweep.stats["read"]} if self.sweep is not None else {}),
             "announcement_parts_unsendable": a["unsendable"],
             **(self.regs.checks() if self.regs is not None else {}),
+            **(self.python.counters() if self.python is not None else {}),
             **(self.unwind.checks() if self.unwind is not None else {}),
         }
 
@@ -319,6 +331,8 @@ class Collector:
                 log.info("%s profiling: %s", src.profile_type, counts)
         if self.regs is not None:
             self.regs.close()
+        if self.python is not None:
+            self.python.close()
         self.programs.close()
         overhead.remove_status(self.run_dir)
         self.links.close()
@@ -332,3 +346,17 @@ class Collector:
             {**self.sender.totals, "early_drains_not_made": self.early.gone},
             self.broker.stats,
         )
+
+
+def _make_unwind(p: plan.ProgramPlan, bpf: Any, run_dir: str, ctx: zmq.Context[Any]) -> unwind.UnwindTables | None:
+    """The unwind tables of DWARF unwinding, or None without it (off-CPU's step program is a
+    tp_btf program: OffCpuTracer loads it)."""
+    if not p.dwarf:
+        return None
+    tables = unwind.UnwindTables(bpf, ["oncpu"] + (["lock"] if p.lock_dwarf else []), run_dir, ctx)
+    log.info(
+        "DWARF unwinding on: on-CPU%s stacks of processes with unwind tables; tables from the symbolizers at %s",
+        " and off-CPU" if p.offcpu_dwarf else "",
+        endpoints.unwind(run_dir),
+    )
+    return tables

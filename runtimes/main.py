@@ -8,7 +8,9 @@ new processes and read the thread stacks of the ones a plug-in reads
 (targets.py), within this tick's caps, shared by every runtime — MAX_PROCESSES_PER_TICK processes and MAX_BYTES_PER_TICK
 bytes read, halved for every window whose CPU time went over cpu_budget and
 doubled back (up to the caps) for every window well under it, the figures
-logged each window; MAX_SECONDS_PER_TICK of reading — each process within its
+logged each window; and no tick at all while the reader's CPU time is over
+cpu_budget (CpuPace: a token bucket; the next tick that reads stands for the
+ticks skipped); MAX_SECONDS_PER_TICK of reading — each process within its
 share of them (a PROCESS_SHARE_DIVISOR-th of the bytes, MAX_SECONDS_PER_PROCESS;
 one over it is skipped that tick, counted by reason and logged once), and the
 next tick starting after the last process this one tried (round robin that
@@ -47,6 +49,7 @@ from functools import partial
 import zmq
 
 from runtimes import profile as profile_mod
+from runtimes.bpf_walks import BpfWalks
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
 from runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
 from runtimes.targets import Entry, Targets
@@ -97,6 +100,9 @@ MIN_BYTES_PER_TICK = 64 << 10
 # of busy JVMs 1,216): past it a uniform subsample is walked, each worth the samples it stands for.
 MAX_REGS_PER_S = 256
 MIN_REGS_PER_S = 8
+# CPU seconds of cpu_budget a quiet reader may save up (CpuPace): this many seconds of wall time's worth,
+# so a burst after a quiet spell (many new processes detected at once) is not cut short.
+PACE_BURST_S = 5.0
 # A window under this fraction of cpu_budget doubles the caps back.
 RELAX_BELOW = 0.5
 # Windows close this long after their end (as in the symbolizer; nothing arrives late here).
@@ -157,6 +163,73 @@ class Caps:
             self.max_bytes = min(MAX_BYTES_PER_TICK, self.max_bytes * 2)
             self.max_regs_per_s = min(MAX_REGS_PER_S, self.max_regs_per_s * 2)
         return pct, used, before
+
+
+class CpuPace:
+    """Which ticks run, so that the reader keeps to cpu_budget within seconds, not only by the caps'
+    halving once a window (a host of many threads per process, which the caps on processes do not
+    reach, ran the reader at 4x its budget for minutes while they came down). A token bucket of CPU
+    seconds, filled at cpu_budget of wall time (at most PACE_BURST_S of it saved) and spent by all the
+    reader's CPU time, in ticks and between them; a tick that finds it empty reads nothing, and the next tick that runs weighs its
+    stacks for the ticks skipped before it: skipped ticks are uniform, so wall-time totals and every
+    split stay right, with fewer stacks."""
+
+    def __init__(
+        self,
+        cpu_budget: float,
+        clock: Callable[[], float] = time.monotonic,
+        cpu: Callable[[], float] = time.thread_time,  # the thread that ticks: the reader's own work
+    ) -> None:
+        self._rate = cpu_budget / 100.0
+        self._clock, self._cpu = clock, cpu
+        self._tokens = self._rate * PACE_BURST_S
+        self._last = clock()
+        self._cpu_seen = cpu()
+        self._skipped = 0  # ticks skipped since the last that ran
+        self._window_skipped = 0  # ticks skipped since take_window_skipped()
+
+    def _spend(self) -> None:
+        """Every CPU second the reader spent since the last look: ticks, and what runs between them
+        (announcements, register samples, profiles built at a window's end)."""
+        now = self._cpu()
+        self._tokens -= now - self._cpu_seen
+        self._cpu_seen = now
+
+    def _refill(self) -> None:
+        self._spend()
+        now = self._clock()
+        self._tokens = min(self._tokens + (now - self._last) * self._rate, self._rate * PACE_BURST_S)
+        self._last = now
+
+    def start(self) -> int | None:
+        """At a tick's start: None to skip it, else how many ticks it stands for (1 + those skipped)."""
+        self._refill()
+        if self._tokens <= 0:
+            self._skipped += 1
+            self._window_skipped += 1
+            return None
+        weight, self._skipped = self._skipped + 1, 0
+        return weight
+
+    def end(self) -> None:
+        """At the end of a tick that ran."""
+        self._spend()
+
+    def take_window_skipped(self) -> int:
+        """The ticks skipped since the last call (a window's, for its log line)."""
+        n, self._window_skipped = self._window_skipped, 0
+        return n
+
+
+def _regs_note(stats: dict[str, int], max_regs_per_s: int) -> str:
+    """The window log line's part on on-CPU samples with registers ("" when there were none)."""
+    if not stats["regs_samples"] and not stats["regs_not_read"]:
+        return ""
+    return (
+        f"; on-CPU samples with registers: {stats['regs_samples']} walked, "
+        f"{stats['regs_subsampled']} left out of a subsample, {stats['regs_not_read']} of "
+        f"processes not read (totals), at most {max_regs_per_s} a second"
+    )
 
 
 class RegsGate:
@@ -226,12 +299,14 @@ class Reader:
         self.host = socket.gethostname()
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
         self.runtimes = load_runtimes(cfg)
-        self.targets = Targets(self.runtimes, own_uids=privileges.agent_uids())
+        self.walks = BpfWalks(run_dir)  # walk data to the collector, names to the symbolizers
+        self.targets = Targets(self.runtimes, own_uids=privileges.agent_uids(), on_reading=self.walks.offer)
         self.windows = Windows(cfg.upload_interval_s)
         self.period_ns = 1_000_000_000 // SAMPLE_HZ
         self.inbox, self.outbox = _sockets(run_dir)
         self.sender = handoff.ProfileSender(self.outbox, log, should_stop=should_stop)
         self.caps = Caps()
+        self.pace = CpuPace(cfg.cpu_budget)
         self._rng = random.Random()
         self._regs_gate = RegsGate(self._rng)
         self._rr = 0
@@ -261,6 +336,8 @@ class Reader:
                 self.regs(msg, time.time_ns())
             else:
                 self.targets.announce(msg)
+                if msg.full:  # the collector's periodic list: it may have restarted since it was told
+                    self.walks.reoffer(self.targets)
 
     def regs(self, msg: RegsBatch, now_ns: int) -> None:
         """The collector's on-CPU samples with registers: each one walked by its process's plug-in, into
@@ -297,11 +374,23 @@ class Reader:
     # ------------------------------------------------------------ sampling
 
     def tick(self, now_ns: int) -> None:
+        """One tick, unless the reader is over cpu_budget (CpuPace): then nothing is read, and the next
+        tick that reads stands for this one too."""
         self.stats["ticks"] += 1
+        self.counters.update(self.checks())  # written at most every counters.WRITE_GAP_S
+        weight = self.pace.start()
+        if weight is None:
+            return
+        try:
+            self._tick(now_ns, weight)
+        finally:
+            self.pace.end()
+
+    def _tick(self, now_ns: int, weight: int) -> None:
+        """Detect, poll, and read the processes of this tick's turn; each stack worth `weight` ticks."""
         budget = ReadBudget(self.caps.max_bytes, time.monotonic() + MAX_SECONDS_PER_TICK)
         self.targets.detect_some(budget)
         self.targets.poll_pending()
-        self.counters.update(self.checks())  # written at most every counters.WRITE_GAP_S
         entries = self.targets.readable()
         if not entries:
             return
@@ -325,7 +414,7 @@ class Reader:
                 continue
             if not self.targets.current(e):  # reused while we read: what we read is not e's
                 continue
-            self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns)
+            self._add(e, e.runtime.spec.profile_type, stacks, self.period_ns, now_ns, weight)
         self._rr = start + tried
 
     def checks(self) -> dict[str, int]:
@@ -343,6 +432,7 @@ class Reader:
             "regs_subsampled": self.stats["regs_subsampled"],  # over MAX_REGS_PER_S: a subsample walked
             "regs_not_read": self.stats["regs_not_read"],
             **self.sender.checks(),
+            **self.walks.checks(),
         }
         out.update({k: v for k, v in self.targets.stats.items() if k.startswith("refused_")})
         for r in self.runtimes:
@@ -393,7 +483,7 @@ class Reader:
         self, e: Entry, profile_type: str, stacks: list[ThreadStack], value: int, now_ns: int, weight: float = 1.0
     ) -> None:
         """A process's stacks into its service's window of profile_type, each worth `value` ns (and
-        `weight` samples: a subsample's stand for more)."""
+        `weight` samples: a subsample's, or a tick's after ticks skipped over cpu_budget, stand for more)."""
         base = process_labels(
             self.host,
             e.process,
@@ -424,26 +514,22 @@ class Reader:
         pct, used, before = self.caps.account(self.cfg.cpu_budget)
         caps = self.caps
         per_stack = 1e6 * used / self._window_stacks if self._window_stacks else 0.0
-        regs = ""
-        if self.stats["regs_samples"] or self.stats["regs_not_read"]:
-            regs = (
-                f"; on-CPU samples with registers: {self.stats['regs_samples']} walked, "
-                f"{self.stats['regs_subsampled']} left out of a subsample, {self.stats['regs_not_read']} of "
-                f"processes not read (totals), at most {caps.max_regs_per_s} a second"
-            )
         log.info(
-            "window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack; caps per tick "
-            "%d processes, %d bytes%s; targets %s; frames dropped %s%s",
+            "window: %.2f%% of a CPU (budget %.2f%%), %d stacks, %.0f us CPU per stack, %d ticks skipped "
+            "over the budget (each stack then stands for them); caps per tick "
+            "%d processes, %d bytes%s; targets %s; frames dropped %s%s%s",
             pct,
             self.cfg.cpu_budget,
             self._window_stacks,
             per_stack,
+            self.pace.take_window_skipped(),
             caps.max_processes,
             caps.max_bytes,
             "" if before == (caps.max_processes, caps.max_bytes) else f" (were {before[0]}, {before[1]})",
             self.targets.stats,
             self.dropped() or "none",
-            regs,
+            _regs_note(self.stats, caps.max_regs_per_s),
+            self.walks.note(),
         )
         self._window_stacks = 0
 
@@ -491,6 +577,7 @@ class Reader:
         self.sender.close(handoff.CLOSE_TIMEOUT_S)
         self.inbox.close()
         self.outbox.close()
+        self.walks.close()
         log.info(
             "runtime reader stopped: %s, targets %s, frames dropped %s",
             self.stats,
@@ -499,13 +586,17 @@ class Reader:
         )
 
     def stop_runtimes(self) -> None:
-        """Each plug-in's stop(): undo what it asked of processes (its lines logged)."""
-        for r in self.runtimes:
-            try:
-                for line in r.stop():
-                    log.info("%s", line)
-            except Exception as e:  # any error: one plug-in's undoing must not stop the others'
-                log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
+        stop_runtimes(self.runtimes)
+
+
+def stop_runtimes(runtimes: Sequence[Runtime]) -> None:
+    """Each plug-in's stop(): undo what it asked of processes (its lines logged)."""
+    for r in runtimes:
+        try:
+            for line in r.stop():
+                log.info("%s", line)
+        except Exception as e:  # any error: one plug-in's undoing must not stop the others'
+            log.warning("%s: stopping failed: %s: %s", r.spec.title, type(e).__name__, e)
 
 
 def _regs_reader(e: Entry | None, start_ticks: int) -> RegsStackReader | None:
@@ -580,6 +671,7 @@ def _loop(
     next_tick = time.monotonic()
     poller = zmq.Poller()
     poller.register(reader.inbox, zmq.POLLIN)
+    poller.register(reader.walks.names, zmq.POLLIN)
     poller.register(stopping.wakeup_fd(), zmq.POLLIN)
     while not stopped():
         now = time.monotonic()
@@ -590,6 +682,8 @@ def _loop(
             next_tick = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
         events = dict(poller.poll(stopping.poll_timeout_ms(next_tick, now, watcher.wake_s)))
         stopping.drain_wakeups()
+        if reader.walks.names in events:  # symbolizers asking for names: within the reader's CPU pace
+            reader.walks.serve(reader.targets, reader.caps.max_bytes)
         if reader.inbox in events:
             reader.receive()
             if reader.targets.idle():

@@ -88,6 +88,9 @@ _REMOTE_VECS = ctypes.create_string_buffer(_IOVEC.size * MAX_IOVECS)
 _LOCAL_VECS_P = ctypes.cast(_LOCAL_VECS, ctypes.POINTER(_IoVec))
 _REMOTE_VECS_P = ctypes.cast(_REMOTE_VECS, ctypes.POINTER(_IoVec))
 
+# Pages are read whole or not at all (read_window).
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 _REASONS = {errno.ESRCH: "gone", errno.EFAULT: "unmapped", errno.EPERM: "denied", errno.EACCES: "denied"}
 
 
@@ -170,6 +173,42 @@ class ProcessMemory:
                 done += 1
             todo = todo[done + 1 :] if done < k else todo[k:]  # past the one that failed
         return out
+
+    def read_window(self, address: int, size: int, below: int) -> tuple[int, bytes]:
+        """`size` bytes at `address` and as much as can be read of the `below` bytes under it, in one
+        system call: (the window's start address, its bytes, which end at address + size). A chain of
+        records laid out downwards (CPython's frames in a thread's data stack) is then walked from one
+        read instead of one read a record. The part below is read a page at a time from the top down,
+        and the kernel stops at the first page it cannot read, so an unmapped page under `address`
+        only shortens the window. MemoryReadError as read() when `address` itself cannot be read."""
+        if size <= 0 or below < 0 or size + below > MAX_READ_BYTES:
+            raise MemoryReadError("too_large", f"{size} + {below} bytes at {address:#x}")
+        if not 0 < address <= MAX_USER_ADDRESS - size:
+            raise MemoryReadError("bad_address", f"{address:#x}")
+        low = max(address - below, _PAGE)  # the first page is never mapped
+        pieces = [(address, size)]
+        top = address
+        while top > low:
+            start = max((top - 1) & ~(_PAGE - 1), low)
+            pieces.append((start, top - start))
+            top = start
+        self.budget.charge(size + address - low)
+        self.reads += 1
+        for j, (at, n) in enumerate(pieces):  # each piece in its place: the buffer holds [low, address + size)
+            _IOVEC.pack_into(_LOCAL_VECS, j * 16, self._buf_address + at - low, n)
+            _IOVEC.pack_into(_REMOTE_VECS, j * 16, at, n)
+        got = _readv(self.pid, _LOCAL_VECS_P, len(pieces), _REMOTE_VECS_P, len(pieces), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise MemoryReadError(_REASONS.get(err, "failed"), f"{os.strerror(err)} at {address:#x}")
+        if got < size:
+            raise MemoryReadError("unmapped", f"short read ({got} of {size}) at {address:#x}")
+        start, done = address, size
+        for at, n in pieces[1:]:  # the kernel copies whole pieces, in order, and stops at the first it cannot
+            if done + n > got:
+                break
+            start, done = at, done + n
+        return start, ctypes.string_at(self._buf_address + start - low, address + size - start)
 
     def u64(self, address: int) -> int:
         return _U64.unpack(self.read(address, 8))[0]

@@ -57,6 +57,20 @@ opentelemetry-ebpf-profiler's interpreter loaders):
      stack when the sample was taken; tid is the runtime's own thread id),
      one ThreadStack each, frames walked from those registers (the stack
      copy first, the process's memory above it). Same errors as sample().
+   - In-BPF walks (issue 42; CPython today): a runtime whose frames the
+     collector also walks in BPF at every sample gives, per version, a layout
+     table (its layouts as data), a BPF walker (the collector's: bpf/python.h,
+     collector/pywalk.py), and here, on its StackReader, the two halves the
+     reader serves (WalkedReader): `walk_data(start_ticks)`, what the walker
+     needs of this process (a wire message: CPython's PythonProcess, its
+     _PyRuntime address and its version's layout), which
+     runtimes/bpf_walks.py pushes to the collector when the process is first
+     read and at each full announcement; and `name(mem, code, offset)`, the
+     user-space finisher: a frame as the walk recorded it (the code object's
+     address, the instruction's offset in bytes, None: not started) named
+     with function, file and line (a Frame below), or None (counted in
+     `dropped`). The next runtime adds its layouts, its walker, these two
+     methods and its request type to runtimes/bpf_walks.py.
 3. Frames: any frozen dataclass with `function` (the qualified name as the
    profile shows it: "Class::method", "Class#method"), `filename` and
    `line` (0: unknown); fields beyond those are the runtime's own (its
@@ -99,7 +113,7 @@ from shared.files import PATH_ONLY as _PATH_ONLY
 from shared.files import open_regular, open_under
 from shared.runtime_registry import RuntimeSpec
 from shared.safestr import process_string
-from shared.wire import RegsSample
+from shared.wire import Message, RegsSample
 
 # /proc/<pid>/maps of a PHP or Python process is a few hundred lines; a JVM's a few MB.
 MAX_MAPS_BYTES = 4 << 20
@@ -158,6 +172,15 @@ class RegsStackReader(StackReader, Protocol):
     """A StackReader that also walks the collector's on-CPU samples from their registers."""
 
     def sample_regs(self, mem: ProcessMemory, samples: Sequence[RegsSample]) -> list[ThreadStack]: ...
+
+
+@runtime_checkable
+class WalkedReader(StackReader, Protocol):
+    """A StackReader whose process the collector also walks in BPF (the docstring above: level 2)."""
+
+    def walk_data(self, start_ticks: int) -> Message: ...
+
+    def name(self, mem: ProcessMemory, code: int, offset: int | None) -> Any | None: ...
 
 
 @dataclass

@@ -10,7 +10,8 @@ it; its message logged once the same way); none: "other"; the per-file cache the
 plug-ins share; the check, before every read of a process, that its pid
 still names the same process (else no stack is read for it); thread names
 (/proc/<pid>/task/<tid>/comm) and, for processes in a pid namespace, the map
-from the thread ids a runtime records to this host's tids.
+from the thread ids a runtime records to this host's tids; on_reading, told
+of each process once a plug-in reads it.
 
 Must not: read process memory itself (the plug-ins do), or build profiles.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
@@ -68,8 +70,16 @@ class Entry:
 
 
 class Targets:
-    def __init__(self, runtimes: list[Runtime], *, proc: str = "/proc", own_uids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        runtimes: list[Runtime],
+        *,
+        proc: str = "/proc",
+        own_uids: frozenset[int] = frozenset(),
+        on_reading: Callable[[Entry], None] = lambda e: None,
+    ) -> None:
         self.runtimes, self.proc = runtimes, proc
+        self.on_reading = on_reading  # told of each process once it is read (bpf_walks.py: its walk data out)
         # The agent's own stages (by their users) are not read: their stacks are the agent's, not the
         # host's work (their native samples stay in `cpu`), and reading them cost the reader ~1% of one
         # CPU of an idle host where the agent runs on a CPython it reads (Debian 12's 3.11, python_legacy).
@@ -216,6 +226,7 @@ class Targets:
             e.state, e.reader, e.pending = "reading", got, None
             self.stats["reading"] += 1
             log.info("pid %d (%s): reading %s %s stacks", pid, e.process.executable, title, got.version)
+            self.on_reading(e)
 
     def poll_pending(self) -> None:
         """Every process with a request pending: its outcome, if known (each poll never blocks; at most

@@ -47,3 +47,14 @@ def progress_file(run_dir: str, stage: str) -> str:
 def processes(run_dir: str) -> str:
     """The collector's PUB socket; runtime readers subscribe to process announcements on it."""
     return f"ipc://{os.path.join(run_dir, 'processes.sock')}"
+
+
+def python_walk(run_dir: str) -> str:
+    """The collector's PULL socket; runtime readers push PythonProcess answers (a CPython process they detected,
+    with its layout, for the walk in BPF) to it."""
+    return f"ipc://{os.path.join(run_dir, 'python-walk.sock')}"
+
+
+def python_names(run_dir: str) -> str:
+    """The runtime reader's ROUTER socket; symbolizer workers ask it to name Python frames (PythonNameRequest)."""
+    return f"ipc://{os.path.join(run_dir, 'python-names.sock')}"

@@ -3,7 +3,9 @@
 Owns: every message that crosses a socket between stages (StackBatch
 collector → symbolizer, with the UnwindRequests it carries; UnwindTable
 symbolizer → collector; ProfileUpload symbolizer or runtime reader → uploader;
-ProcessAnnouncement and RegsBatch collector → runtime readers; FileRequest and
+ProcessAnnouncement and RegsBatch collector → runtime readers; PythonProcess
+runtime reader → collector, the answer to an announcement; PythonNameRequest
+and PythonNames between a symbolizer and the runtime reader; FileRequest and
 FileReply between a symbolizer and the collector's file broker), its version,
 its size caps and its validation, and the splitting of a StackBatch or a
 ProcessAnnouncement over MAX_BATCH_BYTES into parts that fit (encode_within). A message is a list of frames: frame 0 is a
@@ -65,6 +67,12 @@ MAX_ANNOUNCED_PROCESSES = 4096
 MAX_REGS_SAMPLES = 65536
 # Bytes of stack a RegsSample carries at most (bpf/oncpu.c copies ONCPU_REGS_STACK_BYTES).
 MAX_REGS_STACK_BYTES = 4096
+# Frames of a Python stack (bpf/python.h keeps PY_MAX_FRAMES = 64).
+MAX_PYTHON_FRAMES = 256
+# Frames named in one request or answer: a symbolizer asks for a batch's new frames of one process.
+MAX_PYTHON_NAMES = 4096
+# An offset in a PythonLayout: CPython's structs are a few KB.
+MAX_PYTHON_OFFSET = 1 << 16
 
 
 class WireError(ValueError):
@@ -119,6 +127,25 @@ class Sample:
     count: int  # samples (cpu), blocking intervals (offcpu), waits (lock), allocations (alloc)
     value: int  # nanoseconds: on-CPU, blocked or waiting time; bytes (alloc)
     extra: tuple[int, ...] = ()  # alloc: (inuse objects, inuse bytes); at most MAX_EXTRA_VALUES
+    python_stack: int = -1  # index into StackBatch.python_stacks, -1 if none
+
+
+@dataclass(frozen=True, slots=True)
+class PyFrameRef:
+    """One Python frame as the walk in BPF saw it (bpf/python.h): named later, by the runtime reader."""
+
+    code: int  # the code object's address in the process
+    instr: int | None  # bytes from the code's first code unit to its instruction; None: not started
+    entry: bool  # the first frame of its _PyEval_EvalFrameDefault call
+
+
+@dataclass(frozen=True, slots=True)
+class PythonStack:
+    """The Python frames of a sample, leaf first (collector/pywalk.py)."""
+
+    frames: tuple[PyFrameRef, ...]
+    truncated: bool = False  # frames were left out at the leaf end (a deep stack keeps its root-most)
+    cut: bool = False  # the walk ended at a frame that failed validation
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +188,7 @@ class StackBatch:
     kernel_symbols: dict[int, str] = field(default_factory=dict)  # address → name
     lost: dict[str, int] = field(default_factory=dict)  # reason → samples
     unwind_requests: tuple[UnwindRequest, ...] = ()
+    python_stacks: tuple[PythonStack, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +245,77 @@ class RegsBatch:
     samples: tuple[RegsSample, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PythonLayout:
+    """Where a CPython version keeps what the walk in BPF reads (collector/pywalk.py Layout), in bytes."""
+
+    runtime_interpreters_head: int
+    interp_threads_head: int
+    tstate_next: int
+    tstate_thread_id: int
+    tstate_current_frame: int
+    cframe_current_frame: int | None  # 3.11/3.12
+    frame_previous: int
+    frame_executable: int
+    frame_instr_ptr: int
+    frame_owner: int
+    frame_is_entry: int | None  # 3.11
+    code_adaptive: int
+    skip_owners: frozenset[int]
+    tag_mask: int
+
+
+@dataclass(frozen=True, slots=True)
+class PythonProcess:
+    """A runtime reader answers the collector's announcement of a process it found to be CPython: where
+    its _PyRuntime is, and its version's layout, for the walk in BPF (collector/pywalk.py)."""
+
+    pid: int
+    start_ticks: int
+    version: str
+    runtime: int
+    layout: PythonLayout
+
+
+@dataclass(frozen=True, slots=True)
+class PythonNameRequest:
+    """A symbolizer asks the runtime reader to name Python frames of one process: (code, instr) pairs as
+    the walk recorded them (PyFrameRef; instr -1: not started)."""
+
+    request_id: int
+    pid: int
+    start_ticks: int
+    frames: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PythonNames:
+    """The runtime reader's answer: (code, instr, function, file, line) of each frame it could name (the
+    others are left out: not a code object of that process, or the process is gone)."""
+
+    request_id: int
+    pid: int
+    start_ticks: int
+    names: tuple[tuple[int, int, str, str, int], ...]
+
+
+# PythonLayout's offsets, as a PythonProcess carries them (the two optional ones absent when None).
+PYTHON_LAYOUT_OFFSETS = (
+    "runtime_interpreters_head",
+    "interp_threads_head",
+    "tstate_next",
+    "tstate_thread_id",
+    "tstate_current_frame",
+    "cframe_current_frame",
+    "frame_previous",
+    "frame_executable",
+    "frame_instr_ptr",
+    "frame_owner",
+    "frame_is_entry",
+    "code_adaptive",
+)
+_OPTIONAL_PYTHON_OFFSETS = frozenset({"cframe_current_frame", "frame_is_entry"})
+
 FILE_KINDS = ("module", "perf_map", "debug")
 # gone: the process exited (or its pid is another process's): says nothing about the file.
 FILE_ERRORS = ("missing", "gone", "refused", "unreadable", "bad_request")
@@ -248,7 +347,18 @@ class FileReply:
     reason: str = ""
 
 
-Message = StackBatch | ProfileUpload | FileRequest | FileReply | UnwindTable | ProcessAnnouncement | RegsBatch
+Message = (
+    StackBatch
+    | ProfileUpload
+    | FileRequest
+    | FileReply
+    | UnwindTable
+    | ProcessAnnouncement
+    | RegsBatch
+    | PythonProcess
+    | PythonNameRequest
+    | PythonNames
+)
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -273,7 +383,40 @@ def _encode_stack_batch(msg: StackBatch) -> list[bytes]:
         "lost": msg.lost,
         "unwind_requests": [[r.pid, r.start_ticks, r.start, r.end, r.dev, r.inode] for r in msg.unwind_requests],
     }
+    if msg.python_stacks:
+        body["python_stacks"] = [_python_stack_json(st) for st in msg.python_stacks]
+        body["python_samples"] = [[i, s.python_stack] for i, s in enumerate(msg.samples) if s.python_stack >= 0]
     return [_header("stack_batch", body)]
+
+
+def _python_stack_json(st: PythonStack) -> list[Any]:
+    frames = [[f.code, -1 if f.instr is None else f.instr, int(f.entry)] for f in st.frames]
+    return [frames, int(st.truncated) | int(st.cut) << 1]
+
+
+def _encode_python_process(msg: PythonProcess) -> list[bytes]:
+    lay = msg.layout
+    layout = {k: getattr(lay, k) for k in PYTHON_LAYOUT_OFFSETS if getattr(lay, k) is not None}
+    body = {
+        "pid": msg.pid,
+        "start_ticks": msg.start_ticks,
+        "version": msg.version,
+        "runtime": msg.runtime,
+        "layout": layout,
+        "skip_owners": sorted(lay.skip_owners),
+        "tag_mask": lay.tag_mask,
+    }
+    return [_header("python_process", body)]
+
+
+def _encode_python_name_request(msg: PythonNameRequest) -> list[bytes]:
+    body = {"request_id": msg.request_id, "pid": msg.pid, "start_ticks": msg.start_ticks, "frames": msg.frames}
+    return [_header("python_name_request", body)]
+
+
+def _encode_python_names(msg: PythonNames) -> list[bytes]:
+    body = {"request_id": msg.request_id, "pid": msg.pid, "start_ticks": msg.start_ticks, "names": msg.names}
+    return [_header("python_names", body)]
 
 
 def _encode_unwind_table(msg: UnwindTable) -> list[bytes]:
@@ -347,6 +490,9 @@ _ENCODERS: dict[type, Callable[[Any], list[bytes]]] = {
     RegsBatch: _encode_regs_batch,
     FileRequest: _encode_file_request,
     FileReply: _encode_file_reply,
+    PythonProcess: _encode_python_process,
+    PythonNameRequest: _encode_python_name_request,
+    PythonNames: _encode_python_names,
 }
 
 
@@ -455,6 +601,7 @@ def _batch_halves(b: StackBatch) -> tuple[StackBatch, StackBatch] | None:
                 samples=(),
                 user_stacks=(),
                 kernel_stacks=(),
+                python_stacks=(),
                 kernel_symbols={},
                 lost={},
                 unwind_requests=b.unwind_requests[half:],
@@ -480,11 +627,24 @@ def _batch_part(b: StackBatch, pids: set[int], samples: list[Sample], first: boo
             out.append(stacks[i])
         return j
 
+    python: dict[int, int] = {}
+    python_stacks: list[PythonStack] = []
+
+    def renumber_python(i: int) -> int:
+        if i < 0:
+            return -1
+        j = python.get(i)
+        if j is None:
+            j = python[i] = len(python_stacks)
+            python_stacks.append(b.python_stacks[i])
+        return j
+
     part = [
         replace(
             s,
             user_stack=renumber(s.user_stack, b.user_stacks, user, user_stacks),
             kernel_stack=renumber(s.kernel_stack, b.kernel_stacks, kernel, kernel_stacks),
+            python_stack=renumber_python(s.python_stack),
         )
         for s in samples
     ]
@@ -496,6 +656,7 @@ def _batch_part(b: StackBatch, pids: set[int], samples: list[Sample], first: boo
         user_stacks=tuple(user_stacks),
         kernel_stacks=tuple(kernel_stacks),
         samples=tuple(part),
+        python_stacks=tuple(python_stacks),
         kernel_symbols={a: n for a, n in b.kernel_symbols.items() if a in kaddrs},
         lost=b.lost if first else {},
         unwind_requests=tuple(r for r in b.unwind_requests if r.pid in pids or (first and r.pid not in known)),
@@ -627,6 +788,10 @@ def _batch(b: dict[str, Any]) -> StackBatch:
             raise WireError(f"{what}: not an [address, name] pair")
         return _int(pair[0], what), _str(pair[1], what)
 
+    samples = _each(b["samples"], "samples", sample)
+    python_stacks = _each(b.get("python_stacks", []), "python_stacks", _python_stack)
+    if python_stacks or "python_samples" in b:
+        samples = _with_python_stacks(samples, b["python_samples"], len(python_stacks))
     return StackBatch(
         host=_str(b["host"], "host"),
         profile_type=profile_type,
@@ -635,10 +800,101 @@ def _batch(b: dict[str, Any]) -> StackBatch:
         processes=_each(b["processes"], "processes", _process),
         user_stacks=user_stacks,
         kernel_stacks=kernel_stacks,
-        samples=_each(b["samples"], "samples", sample),
+        samples=samples,
+        python_stacks=python_stacks,
         kernel_symbols=dict(_each(b["kernel_symbols"], "kernel_symbols", ksym)),
         lost={_str(k, "lost reason"): _int(n, "lost count") for k, n in _dict(b["lost"], "lost").items()},
         unwind_requests=_each(b.get("unwind_requests", []), "unwind_requests", _unwind_request, MAX_UNWIND_REQUESTS),
+    )
+
+
+def _python_stack(v: Any, what: str) -> PythonStack:
+    pair = _list(v, what, 2)
+    if len(pair) != 2:
+        raise WireError(f"{what}: a Python stack is [frames, flags]")
+
+    def frame(f: Any, what: str) -> PyFrameRef:
+        t = _list(f, what, 3)
+        if len(t) != 3:
+            raise WireError(f"{what}: a Python frame is [code, instr, entry]")
+        instr = _int(t[1], "instr", -1, 1 << 32)
+        return PyFrameRef(_int(t[0], "code", 1), None if instr == -1 else instr, bool(_int(t[2], "entry", 0, 1)))
+
+    flags = _int(pair[1], "python stack flags", 0, 3)
+    return PythonStack(_each(pair[0], what, frame, MAX_PYTHON_FRAMES), bool(flags & 1), bool(flags & 2))
+
+
+def _with_python_stacks(samples: tuple[Sample, ...], pairs: Any, n: int) -> tuple[Sample, ...]:
+    """`samples` with the Python stacks [sample index, python stack index] `pairs` name."""
+    out = list(samples)
+    for pair in _list(pairs, "python_samples"):
+        p = _list(pair, "python_samples", 2)
+        if len(p) != 2:
+            raise WireError("python_samples: not a [sample, python stack] pair")
+        i = _int(p[0], "python sample", 0, len(out) - 1)
+        out[i] = replace(out[i], python_stack=_int(p[1], "python stack index", 0, n - 1))
+    return tuple(out)
+
+
+def _python_process(b: dict[str, Any]) -> PythonProcess:
+    offsets = _dict(b["layout"], "layout")
+    unknown = set(offsets) - set(PYTHON_LAYOUT_OFFSETS)
+    if unknown:
+        raise WireError(f"layout: unknown offsets {sorted(quote(k) for k in unknown)}")
+    values: dict[str, int | None] = {}
+    for name in PYTHON_LAYOUT_OFFSETS:
+        if name not in offsets and name in _OPTIONAL_PYTHON_OFFSETS:
+            values[name] = None
+        else:
+            values[name] = _int(offsets[name], name, 0, MAX_PYTHON_OFFSET - 1)
+    owners = _each(b["skip_owners"], "skip_owners", lambda v, w: _int(v, w, 0, 7), 8)
+    layout = PythonLayout(
+        **values,  # type: ignore[arg-type]
+        skip_owners=frozenset(owners),
+        tag_mask=_int(b["tag_mask"], "tag_mask", 0, 7),
+    )
+    return PythonProcess(
+        pid=_int(b["pid"], "pid", 1, 1 << 32),
+        start_ticks=_int(b["start_ticks"], "start_ticks"),
+        version=_str(b["version"], "version"),
+        runtime=_int(b["runtime"], "runtime", 1),
+        layout=layout,
+    )
+
+
+def _python_name_request(b: dict[str, Any]) -> PythonNameRequest:
+    def pair(v: Any, what: str) -> tuple[int, int]:
+        p = _list(v, what, 2)
+        if len(p) != 2:
+            raise WireError(f"{what}: not a [code, instr] pair")
+        return _int(p[0], "code", 1), _int(p[1], "instr", -1, 1 << 32)
+
+    return PythonNameRequest(
+        request_id=_int(b["request_id"], "request_id"),
+        pid=_int(b["pid"], "pid", 1, 1 << 32),
+        start_ticks=_int(b["start_ticks"], "start_ticks"),
+        frames=_each(b["frames"], "frames", pair, MAX_PYTHON_NAMES),
+    )
+
+
+def _python_names(b: dict[str, Any]) -> PythonNames:
+    def name(v: Any, what: str) -> tuple[int, int, str, str, int]:
+        n = _list(v, what, 5)
+        if len(n) != 5:
+            raise WireError(f"{what}: not [code, instr, function, file, line]")
+        return (
+            _int(n[0], "code", 1),
+            _int(n[1], "instr", -1, 1 << 32),
+            _str(n[2], "function"),
+            _str(n[3], "file"),
+            _int(n[4], "line", 0, 1 << 31),
+        )
+
+    return PythonNames(
+        request_id=_int(b["request_id"], "request_id"),
+        pid=_int(b["pid"], "pid", 1, 1 << 32),
+        start_ticks=_int(b["start_ticks"], "start_ticks"),
+        names=_each(b["names"], "names", name, MAX_PYTHON_NAMES),
     )
 
 
@@ -806,6 +1062,9 @@ _KINDS: dict[str, _Kind] = {
     "unwind_table": _Kind("an unwind_table", 2, _unwind_table, MAX_UNWIND_TABLE_BYTES, "unwind table"),
     "process_announcement": _Kind("a process_announcement", 1, lambda body, _: _announcement(body)),
     "regs_batch": _Kind("a regs_batch", 2, _regs_batch),
+    "python_process": _Kind("a python_process", 1, lambda body, _: _python_process(body)),
+    "python_name_request": _Kind("a python_name_request", 1, lambda body, _: _python_name_request(body)),
+    "python_names": _Kind("a python_names", 1, lambda body, _: _python_names(body)),
 }
 # The file broker's messages: one small frame each.
 _FILE_KINDS: dict[str, Callable[[dict[str, Any]], Message]] = {"file_request": _file_request, "file_reply": _file_reply}

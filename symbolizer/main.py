@@ -8,7 +8,11 @@ progress included, so a clean stop loses nothing. When remote config changes
 upload_interval_s (the overrides file, shared/remote_config.py, checked every
 loop turn with one stat), it hands out the windows in progress and goes on
 with windows of the new length. With dwarf_unwind, it also answers the
-unwind requests a batch carries (unwind.py), after the batch's samples.
+unwind requests a batch carries (unwind.py), after the batch's samples. A
+sample with a Python stack has it spliced into its user frames (pystacks.py),
+and the frames' names are asked of the runtime reader as the batch arrives
+(pynames.py), its answers taken in the same loop; a frame still unnamed when
+its window is built gets a placeholder, never loses its sample.
 
 Must not: load BPF, write outside its state directory, or talk to the network.
 """
@@ -24,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -33,10 +38,13 @@ from shared import log as log_mod
 from shared.labels import process_labels
 from shared.stopping import stop_on_signals
 from shared.window import ClosedWindow, ServiceWindow, Windows
-from shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, StackBatch, WireError, decode
+from shared.wire import RECEIVE_LIMIT_BYTES, Process, ProfileUpload, Sample, StackBatch, WireError, decode
 from symbolizer import profile as profile_mod
+from symbolizer import pystacks
 from symbolizer.files import FileClient
 from symbolizer.frames import Frame, FrameResolver
+from symbolizer.pynames import PythonNameClient
+from symbolizer.pystacks import AnyFrame
 from symbolizer.unwind import UnwindServer
 
 # Batches from the collector's last drain of a window arrive within about a
@@ -50,10 +58,22 @@ MAX_QUEUED_UNWIND_BATCHES = 64
 # Address space of a worker: Python, ZeroMQ's threads and the caches need a
 # few hundred MB of it (mostly untouched reservations); more is a runaway parse.
 ADDRESS_SPACE_BYTES = 2 << 30
+# On stop, how long the last batches' Python frames may wait for their names (else placeholders).
+NAMES_AT_CLOSE_S = 0.5
 # Batches queued in the socket before the collector's sends fail (it counts them).
 BATCH_QUEUE = 64
 
 log = logging.getLogger("ebpfprofiler.symbolizer")
+
+
+@dataclass
+class _BatchStacks:
+    """The frames of one batch's stacks, each resolved once, and the Python frames to ask names for."""
+
+    kernel: dict[int, tuple[Frame, ...]] = field(default_factory=dict)
+    user: dict[tuple[int, int], tuple[Frame, ...]] = field(default_factory=dict)  # (pid, user stack)
+    mixed: dict[tuple[int, int, int], tuple[tuple[AnyFrame, ...], str]] = field(default_factory=dict)
+    python_keys: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
@@ -83,6 +103,8 @@ class Worker:
         self.secret = b"" if cfg.plain_pid else identity.load_or_create_secret(state_dir)
         files = FileClient(run_dir)
         self.resolver = FrameResolver(files)
+        # Names of the Python frames of mixed stacks, asked of the runtime reader (issue 42).
+        self.python = PythonNameClient(run_dir)
         # Answers the collector's unwind requests (docs/unwinding.md); same broker connection.
         self.unwind = UnwindServer(files, run_dir, state_dir) if cfg.dwarf_unwind else None
         self.windows = Windows(cfg.upload_interval_s)
@@ -117,6 +139,8 @@ class Worker:
             "lost_in_kernel": 0,
             "unwind_batches_dropped": 0,
             "samples_over_row_cap": 0,
+            # samples whose Python calls and native eval frames did not pair one to one (pystacks.splice)
+            **{f"python_splice_{kind}": 0 for kind in pystacks.SPLICE_MISMATCHES},
             # the messages dropped whole, by the check that refused them (WireError.reason)
             **{f"bad_messages_{reason}": 0 for reason in WireError.REASONS},
         }
@@ -162,8 +186,7 @@ class Worker:
         by_service = self.windows.services(batch.profile_type, batch.time_ns)
         period = 1_000_000_000 // batch.sample_hz if batch.profile_type == "cpu" else 0
         targets: dict[int, tuple[tuple[tuple[str, str], ...], ServiceWindow]] = {}
-        user_frames: dict[tuple[int, int], tuple[Frame, ...]] = {}
-        kernel_frames: dict[int, tuple[Frame, ...]] = {}
+        stacks = _BatchStacks()
         for s in batch.samples:
             proc = procs.get(s.pid)
             if proc is None:
@@ -173,24 +196,43 @@ class Worker:
             if target is None:
                 window = self.windows.service_in(by_service, proc.service)
                 target = targets[s.pid] = (self.labels(batch.host, proc), window)
-            frames: tuple[Frame, ...] = ()
+            frames: tuple[AnyFrame, ...] = ()
             if s.kernel_stack >= 0:
-                kf = kernel_frames.get(s.kernel_stack)
+                kf = stacks.kernel.get(s.kernel_stack)
                 if kf is None:
-                    kf = kernel_frames[s.kernel_stack] = tuple(
+                    kf = stacks.kernel[s.kernel_stack] = tuple(
                         self.resolver.kernel(batch.kernel_stacks[s.kernel_stack], batch.kernel_symbols)
                     )
                 frames += kf
-            if s.user_stack >= 0:
-                key = (s.pid, s.user_stack)
-                uf = user_frames.get(key)
-                if uf is None:
-                    uf = user_frames[key] = tuple(self.resolver.user(proc, batch.user_stacks[s.user_stack]))
-                frames += uf
+            frames += self.user_frames(batch, proc, s, stacks)
             labels, window = target
             window.add(labels, frames, s.count, s.value, s.extra)
             window.period = period or window.period
             self.stats["samples"] += s.count
+        for (pid, start_ticks), keys in stacks.python_keys.items():
+            self.python.ask(pid, start_ticks, keys)
+
+    def user_frames(self, batch: StackBatch, proc: Process, s: Sample, stacks: _BatchStacks) -> tuple[AnyFrame, ...]:
+        """A sample's user frames, leaf first, with its Python frames spliced in (symbolizer/pystacks.py)."""
+        key = (s.pid, s.user_stack)
+        uf = stacks.user.get(key)
+        if uf is None:
+            uf = ()
+            if s.user_stack >= 0:
+                uf = tuple(self.resolver.user(proc, batch.user_stacks[s.user_stack]))
+            stacks.user[key] = uf
+        if s.python_stack < 0:
+            return uf
+        got = stacks.mixed.get((s.pid, s.user_stack, s.python_stack))
+        if got is None:
+            py = batch.python_stacks[s.python_stack]
+            got = stacks.mixed[(s.pid, s.user_stack, s.python_stack)] = pystacks.splice(
+                uf, py, proc.pid, proc.start_ticks
+            )
+            stacks.python_keys.setdefault((proc.pid, proc.start_ticks), []).extend(pystacks.frame_keys(py))
+        if got[1]:
+            self.stats[f"python_splice_{got[1]}"] += 1
+        return got[0]
 
     def labels(self, host: str, p: Process) -> tuple[tuple[str, str], ...]:
         key = (p.pid, p.start_ticks)
@@ -208,8 +250,10 @@ class Worker:
 
     def flush(self, closed: list[ClosedWindow]) -> None:
         self.sender.poll()  # acks in, overdue resends out; never blocks
+        if closed:
+            self.python.poll()  # the names that arrived, before the windows that need them are built
         for w in closed:
-            gz, n = profile_mod.build(w, w.data.period or self.period[w.profile_type])
+            gz, n = profile_mod.build(w, w.data.period or self.period[w.profile_type], self.python.name)
             upload = ProfileUpload(
                 profile_id=str(uuid.uuid4()),
                 host=os.uname().nodename,
@@ -251,6 +295,8 @@ class Worker:
             "samples_over_service_cap": self.windows.samples_over_service_cap,
             **{k: v for k, v in self.stats.items() if k.startswith("bad_messages_")},
             **self.sender.checks(),
+            **{k: v for k, v in self.stats.items() if k.startswith("python_splice_")},
+            **self.python.checks(),
             **({f"unwind_failed_{k}": v for k, v in self.unwind.failed_by_reason.items()} if self.unwind else {}),
         }
 
@@ -270,14 +316,52 @@ class Worker:
         self.flush(closed)
 
     def close(self) -> None:
+        self.python.settle(NAMES_AT_CLOSE_S)  # the names of the last batches, before their windows are built
         self.flush(list(self.windows.close_all()))
         self.counters.update(self.checks(), force=True)
         self.sender.close(handoff.CLOSE_TIMEOUT_S)  # waits for the last acks; logs what it could not hand off
         if self.unwind is not None:
             self.unwind.close()
+        self.python.close()
         self.inbox.close()
         self.outbox.close()
         log.info("symbolizer worker %d stopped: %s, frames %s", self.worker, self.stats, self.resolver.stats)
+
+
+def serve(
+    worker: Worker, watcher: remote_config.Watcher, cfg: config_mod.ProfilerConfig, stopped: Callable[[], bool]
+) -> None:
+    """The worker's loop, until asked to stop: batches in, name answers in, windows out."""
+    grace_ns = int(WINDOW_GRACE_S * 1e9)
+    poller = zmq.Poller()
+    poller.register(worker.inbox, zmq.POLLIN)
+    poller.register(worker.python.sock, zmq.POLLIN)
+    poller.register(stopping.wakeup_fd(), zmq.POLLIN)
+    while not stopped():
+        # Asleep until a batch, a name answer, a signal, the next window to hand out or a name to ask
+        # again: an idle worker costs nothing.
+        due_ns = worker.windows.next_close_ns(grace_ns)
+        now = time.monotonic()
+        deadline = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
+        deadline = min(deadline, worker.python.next_due() or deadline)
+        busy = bool(worker._unwind_queue)
+        events = dict(poller.poll(0 if busy else stopping.poll_timeout_ms(deadline, now, watcher.wake_s)))
+        stopping.drain_wakeups()
+        if worker.inbox in events:
+            for _ in range(MAX_BATCHES_PER_WAKE):
+                worker.handle(worker.inbox.recv_multipart(copy=True))
+                if not worker.inbox.poll(0):
+                    break
+        elif busy:
+            worker.serve_unwind()
+        worker.python.poll()
+        if watcher.check():
+            worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
+        worker.flush(list(worker.windows.close_due(time.time_ns(), grace_ns)))
+    # The collector drains once more when it stops; take what is queued.
+    while worker.inbox.poll(0):
+        worker.handle(worker.inbox.recv_multipart())
+    worker._unwind_queue.clear()  # not built on stop: the collector is going
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer") -> int:
@@ -305,33 +389,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler-symbolizer
     stage = f"symbolizer-{args.worker}"
     ready.announce(args.run_dir, stage)
     log.info("symbolizer worker %d ready: windows of %d s", args.worker, worker.windows.interval_s)
-    grace_ns = int(WINDOW_GRACE_S * 1e9)
-    poller = zmq.Poller()
-    poller.register(worker.inbox, zmq.POLLIN)
-    poller.register(stopping.wakeup_fd(), zmq.POLLIN)
     try:
-        while not stop.is_set():
-            # Asleep until a batch, a signal, or the next window to hand out: an idle worker costs nothing.
-            due_ns = worker.windows.next_close_ns(grace_ns)
-            now = time.monotonic()
-            deadline = now + watcher.wake_s if due_ns is None else now + (due_ns - time.time_ns()) / 1e9
-            busy = bool(worker._unwind_queue)
-            events = dict(poller.poll(0 if busy else stopping.poll_timeout_ms(deadline, now, watcher.wake_s)))
-            stopping.drain_wakeups()
-            if worker.inbox in events:
-                for _ in range(MAX_BATCHES_PER_WAKE):
-                    worker.handle(worker.inbox.recv_multipart(copy=True))
-                    if not worker.inbox.poll(0):
-                        break
-            elif busy:
-                worker.serve_unwind()
-            if watcher.check():
-                worker.set_interval(remote_config.effective(cfg, watcher.overrides).upload_interval_s, "remote config")
-            worker.flush(list(worker.windows.close_due(time.time_ns(), grace_ns)))
-        # The collector drains once more when it stops; take what is queued.
-        while worker.inbox.poll(0):
-            worker.handle(worker.inbox.recv_multipart())
-        worker._unwind_queue.clear()  # not built on stop: the collector is going
+        serve(worker, watcher, cfg, stop.is_set)
     finally:
         lifecycle.shut_down(args.run_dir, stage, worker.close)
     return 0

@@ -96,6 +96,7 @@ class DrivenReader:
     def close(self) -> None:
         self.reader.inbox.close()
         self.reader.outbox.close()
+        self.reader.walks.close()
 
 
 def start(procs: list[subprocess.Popen], argv: list[str]) -> tuple[subprocess.Popen, str]:

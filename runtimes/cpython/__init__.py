@@ -1,4 +1,4 @@
-"""CPython 3.11 to 3.14 (GIL builds), the plug-in: version.py detects, reader.py reads.
+"""CPython 3.11 to 3.15 (GIL builds), the plug-in: version.py detects, reader.py reads.
 
 Owns: the plug-in entry (runtime(cfg), runtimes/runtime.py's contract) that
 turns the config's python_stacks and runtime_stacks: [python_legacy] into

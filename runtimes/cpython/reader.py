@@ -2,7 +2,7 @@
 
 Owns: the walk from _PyRuntime to every interpreter, every thread state and
 its chain of interpreter frames (shim and entry frames skipped by their
-owner; 3.14's tagged frame references masked), each frame turned into
+owner; 3.14's and 3.15's tagged frame references masked), each frame turned into
 (qualified name, file, line): the code object checked to be a code object,
 its names read as compact unicode, its line decoded from the location table
 at the frame's instruction pointer. Code objects are cached by address and
@@ -16,6 +16,10 @@ is skipped. Reads are bounded per thread (MAX_FRAMES) and per process
 (MAX_THREADS, MAX_INTERPRETERS); the ReadBudget of the ProcessMemory bounds
 the bytes.
 
+Also what the collector's walk in BPF needs of the process (walk_data) and the
+naming of a frame as that walk records it (name): runtimes/runtime.py
+WalkedReader.
+
 Must not: write to, stop or attach to the target; log (the caller counts).
 """
 
@@ -25,10 +29,12 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from runtimes.cpython.layouts import wire_layout
 from runtimes.cpython.lines import addr2line
 from runtimes.cpython.version import Target
 from runtimes.memory import MemoryReadError, ProcessMemory
 from runtimes.runtime import ThreadStack
+from shared.wire import PythonProcess
 
 # Frames read per thread: deeper stacks are cut (and counted), like the kernel's 127.
 MAX_FRAMES = 128
@@ -36,6 +42,11 @@ MAX_FRAMES = 128
 MAX_THREADS = 512
 # Subinterpreters per process.
 MAX_INTERPRETERS = 16
+# Bytes read at a frame and below it in one system call: a thread's frames are pushed upwards in its
+# data stack, so its callers usually lie just under its newest (a frame is 80-300 bytes). Every byte
+# counts against the tick's byte caps, which the reader halves to keep to cpu_budget: 1 KiB reads
+# 4.8-frame stacks in as few calls as 4 KiB did (3.3 a stack), at 1.3 KB a stack instead of 4.4.
+FRAME_WINDOW_BYTES = 1024
 # Characters of a function or file name; longer ones are cut.
 MAX_NAME_CHARS = 1024
 # Location table bytes of one code object (a 10,000-line function has ~40 KB).
@@ -95,12 +106,20 @@ class CPythonProcess:
     def version(self) -> str:
         return self.target.version
 
+    def walk_data(self, start_ticks: int) -> PythonProcess:
+        """What the collector's walk in BPF needs of this process (runtimes/runtime.py WalkedReader)."""
+        t = self.target
+        return PythonProcess(t.pid, start_ticks, t.version, t.runtime, wire_layout(t.layout))
+
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def sample(self, mem: ProcessMemory) -> list[ThreadStack]:
-        """Every thread's stack. MemoryReadError 'gone' or 'budget' propagates; other failures skip a thread."""
-        lay, out = self.target.layout, []
+        """Every thread's stack: every thread's frame chain first, then the code objects of all their
+        Python frames in one read (a process's threads run the same code). MemoryReadError 'gone' or
+        'budget' propagates; other failures skip a thread."""
+        lay = self.target.layout
+        chains: list[tuple[int, list[bytes], list[int]]] = []
         interp = mem.u64(self.target.runtime + lay.runtime_interpreters_head)
         seen_interps: set[int] = set()
         while interp and interp not in seen_interps and len(seen_interps) < MAX_INTERPRETERS:
@@ -111,7 +130,7 @@ class CPythonProcess:
                 seen_threads.add(tstate)
                 try:
                     raw = mem.read(tstate, self._tstate_bytes)
-                    out.append(self._thread(mem, raw))
+                    chains.append(self._chain(mem, raw))
                     tstate = _Q.unpack_from(raw, lay.tstate_next)[0]
                 except MemoryReadError as e:
                     if e.reason in ("gone", "budget"):
@@ -119,11 +138,17 @@ class CPythonProcess:
                     self._drop("thread_unreadable")
                     break
             interp = mem.u64(interp + lay.interp_next)
+        wanted = sorted({c for _, _, codes in chains for c in codes if c and not c & 7})
+        heads = dict(zip(wanted, mem.read_many([(c, self._code_bytes) for c in wanted]))) if wanted else {}
+        out = []
+        for tid, raws, codes in chains:
+            frames = (self._frame(mem, raw, code, heads.get(code)) for raw, code in zip(raws, codes))
+            out.append(ThreadStack(tid, tuple(f for f in frames if f is not None)))
         return out
 
-    def _thread(self, mem: ProcessMemory, tstate: bytes) -> ThreadStack:
-        """One thread's stack from its thread state: the frame chain first, then the code
-        objects of its Python frames, in one read."""
+    def _chain(self, mem: ProcessMemory, tstate: bytes) -> tuple[int, list[bytes], list[int]]:
+        """One thread's id, and its Python frames (raw, newest first) with their code pointers, from its
+        thread state."""
         lay = self.target.layout
         tid = _Q.unpack_from(tstate, lay.tstate_native_thread_id)[0]
         frame = _Q.unpack_from(tstate, lay.tstate_current_frame)[0]
@@ -131,6 +156,8 @@ class CPythonProcess:
             frame = mem.u64(frame + lay.cframe_current_frame)
         raws: list[bytes] = []
         seen: set[int] = set()
+        size = self._frame_bytes
+        window_start, window = 0, b""  # the last read: frames lie below their callees in a data stack
         while frame:
             if frame in seen:
                 self._drop("loop")
@@ -139,25 +166,21 @@ class CPythonProcess:
                 self._drop("too_deep")
                 break
             seen.add(frame)
-            try:
-                raw = mem.read(frame, self._frame_bytes)
-            except MemoryReadError as e:
-                if e.reason in ("gone", "budget"):
-                    raise
-                self._drop("bad_pointer")
-                break
+            at = frame - window_start
+            if not 0 <= at <= len(window) - size:
+                try:
+                    window_start, window = mem.read_window(frame, size, FRAME_WINDOW_BYTES - size)
+                except MemoryReadError as e:
+                    if e.reason in ("gone", "budget"):
+                        raise
+                    self._drop("bad_pointer")
+                    break
+                at = frame - window_start
+            raw = window[at : at + size]
             if raw[lay.frame_owner] not in lay.skip_owners:
                 raws.append(raw)
             frame = _Q.unpack_from(raw, lay.frame_previous)[0]
-        codes = [_Q.unpack_from(raw, lay.frame_executable)[0] & ~lay.tag_mask for raw in raws]
-        wanted = sorted({c for c in codes if c and not c & 7})
-        heads = dict(zip(wanted, mem.read_many([(c, self._code_bytes) for c in wanted])))
-        frames: list[PyFrame] = []
-        for raw, code in zip(raws, codes):
-            got = self._frame(mem, raw, code, heads.get(code))
-            if got is not None:
-                frames.append(got)
-        return ThreadStack(tid, tuple(frames))
+        return tid, raws, [_Q.unpack_from(raw, lay.frame_executable)[0] & ~lay.tag_mask for raw in raws]
 
     def _frame(self, mem: ProcessMemory, raw: bytes, code: int, head: bytes | None) -> PyFrame | None:
         """A frame whose code object's header `head` was read (None: it could not be)."""
@@ -166,6 +189,25 @@ class CPythonProcess:
         if head is None:  # a null, misaligned or unreadable code pointer
             self._drop("bad_pointer")
             return None
+        return self._named(mem, code, head, instr - (code + lay.code_adaptive) if instr else None)
+
+    def name(self, mem: ProcessMemory, code: int, offset: int | None) -> PyFrame | None:
+        """The frame of the code object at `code` at the instruction `offset` bytes from its first code unit
+        (None: not started), as the walk in BPF records them (collector/pywalk.py PyFrameRef); None, counted,
+        if `code` is not a code object of this process. MemoryReadError 'gone' or 'budget' propagates."""
+        if not code or code & 7:
+            self._drop("bad_pointer")
+            return None
+        try:
+            head = mem.read(code, self._code_bytes)
+        except MemoryReadError as e:
+            if e.reason in ("gone", "budget"):
+                raise
+            self._drop("bad_pointer")
+            return None
+        return self._named(mem, code, head, offset)
+
+    def _named(self, mem: ProcessMemory, code: int, head: bytes, offset: int | None) -> PyFrame | None:
         try:
             info = self._code(mem, code, head)
         except MemoryReadError as e:
@@ -175,7 +217,7 @@ class CPythonProcess:
             return None
         if info is None:
             return None
-        units = (instr - (code + lay.code_adaptive)) // 2 if instr else -1
+        units = offset // 2 if offset is not None else -1
         if units == -1:  # not started yet (3.11/3.12 point before the first instruction)
             return PyFrame(info.qualname, info.filename, info.firstlineno)
         if not 0 <= units < MAX_CODE_UNITS:

@@ -65,6 +65,7 @@ _EPILOGUE = (
     _Insn(b"\x48\x81\xc4", 7, imm=4, imm_sign=1),  # add rsp, imm32
     _Insn(b"\x5d", 1, _RBP_LOAD, sp=8),  # pop rbp
     _Insn(b"\x49\x3b\xa7", 7),  # cmp rsp, [r15+disp32]: the return poll (JDK 16+)
+    _Insn(b"\x49\x3b\x67", 4),  # cmp rsp, [r15+disp8]: the same, its word near the thread's start (JDK 25)
     _Insn(b"\x0f\x87", 6),  # ja rel32: its slow path (falls through)
     _Insn(b"\x4d\x8b\x97", 7),  # mov r10, [r15+disp32]: the poll page (JDK 11)
     _Insn(b"\x41\x85\x02", 3),  # test [r10], eax: the poll (JDK 11)

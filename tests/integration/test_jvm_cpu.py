@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,10 @@ def test_a_method_sampled_entering_or_returning_keeps_its_callers(run: Run, vers
     )
 
 
+# The frames the workload's own timing ends in (JvmSpin's ThreadMXBean.getCurrentThreadCpuTime calls).
+TIMING_FRAMES = ("sun.management.ThreadImpl.", "java.lang.System.nanoTime")
+
+
 def measured_split(out: Path) -> float:
     """splitA's time over splitB's, as the workload last measured it (its "split A_NS B_NS" lines)."""
     lines = re.findall(r"^split (\d+) (\d+)$", out.read_text(), re.MULTILINE)
@@ -203,7 +208,19 @@ def test_spinning_thread_splits_three_to_one(run: Run, version: str) -> None:
     samples = run.samples[run.procs[version].pid]
     a = sum(s.values[0] for s in samples if "JvmSpin.splitA" in s.functions)
     b = sum(s.values[0] for s in samples if "JvmSpin.splitB" in s.functions)
-    assert a + b >= WANT_NAMED * count(samples), f"JDK {version}: splitA {a}, splitB {b} of {count(samples)}"
+    # The workload times each split with the thread's CPU clock: those calls, named under it, are its own
+    # work too (a system call each, dearer on some VMs: 1.1% of the samples on one).
+    neither = Counter(
+        s.functions[-1]
+        for s in samples
+        for _ in range(s.values[0])
+        if not {"JvmSpin.splitA", "JvmSpin.splitB"} & set(s.functions)
+    )
+    timing = sum(n for leaf, n in neither.items() if leaf.startswith(TIMING_FRAMES))
+    assert a + b + timing >= WANT_NAMED * count(samples), (
+        f"JDK {version}: splitA {a}, splitB {b}, the workload's timing {timing} of {count(samples)}; "
+        f"the others end in {neither.most_common(5)}"
+    )
     truth = measured_split(run.outs[version])
     assert 2.7 <= truth <= 3.3, f"JDK {version}: the workload itself split {truth:.2f}:1"
     se = (a / b) * (1 / a + 1 / b) ** 0.5  # the sampled ratio's standard error (binomial counts)

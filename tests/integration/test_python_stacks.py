@@ -3,7 +3,7 @@
 Given `ebpfprofiler run` (collector, symbolizer, runtime reader, uploader)
 posting to the reference receiver with runtime_stacks: [python_legacy], when
 tests/workloads/py_threads.py runs under the host's CPython 3.11 and under
-CPython 3.13 and 3.14 from Debian sid in a debootstrap root (chroot: its
+CPython 3.13, 3.14 and 3.15 from Debian sid in a debootstrap root (chroot: its
 files are found through /proc/<pid>/root or the host's view of them), then
 the received python_wall profiles show, per interpreter, the worker thread in
 run() → cpu_a()/cpu_b() at the workload's lines with a 3:1 ratio (±10%), the
@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.assets.debroot import cached_root
-from receiver.store import list_profiles
 from shared import pprof
 from tests import harness
 from tests.harness import (
@@ -35,12 +33,10 @@ from tests.harness import (
     Receiver,
     require_root,
 )
+from tests.python_roots import VERSIONS, interpreters, samples_by_pid, sid_root
 from tests.runtime_harness import runtime_config, runtime_pipeline, wait_for_stacks
 
 SCRIPT = WORKLOADS / "py_threads.py"
-SID_PACKAGES = ["python3.13", "python3.14"]
-# Bump when the way the sid root is built changes.
-SID_RECIPE = 1
 # Copies of the workload per interpreter, and their worker-thread stacks before the ratio is
 # judged. Sampled at random phases of its cycle, each stack is a draw with p = 3/4, so N stacks
 # judge 3:1 to one sigma of 6.9/sqrt(N) in the ratio: 500 from one copy made the ±10% band one
@@ -80,13 +76,6 @@ class Run:
     log: str
 
 
-def sid_root() -> Path:
-    root, _ = cached_root(
-        "sid", SID_PACKAGES, SID_RECIPE, name="sid-python", log=lambda m: print(f"test_python_stacks: {m}", flush=True)
-    )
-    return root
-
-
 def start(version: str, argv: list[str], filename: str, started: list[subprocess.Popen]) -> Workload:
     p = subprocess.Popen(
         [*argv, filename, str(WORKLOAD_SECONDS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -115,26 +104,7 @@ def worker_stacks(got: dict[int, list[pprof.ReadSample]], w: Workload) -> int:
 
 
 def received_samples(directory: Path) -> dict[int, list[pprof.ReadSample]]:
-    by_pid: dict[int, list[pprof.ReadSample]] = {}
-    for meta in list_profiles(str(directory)):
-        if meta["type"] != "python_wall":
-            continue
-        for s in pprof.read(Path(meta["path"]).read_bytes()).samples:
-            by_pid.setdefault(int(s.labels["pid"]), []).append(s)
-    return by_pid
-
-
-def interpreters(work: Path, root: Path, inside: Path) -> dict[str, tuple[list[str], str]]:
-    """version → (the interpreter's argv, the script as it sees it): 3.11 on the host with the script
-    copied to `work`, 3.13 and 3.14 chrooted in the sid root with the script in `inside` there."""
-    (root / inside.relative_to("/")).mkdir(parents=True, exist_ok=True)
-    shutil.copy(SCRIPT, root / inside.relative_to("/") / SCRIPT.name)
-    host_copy = work / SCRIPT.name
-    shutil.copy(SCRIPT, host_copy)
-    argvs = {"3.11": (["/usr/bin/python3.11"], str(host_copy))}
-    for v in ("3.13", "3.14"):
-        argvs[v] = (["chroot", str(root), f"/usr/bin/python{v}"], str(inside / SCRIPT.name))
-    return argvs
+    return samples_by_pid(directory, "python_wall")
 
 
 def profile_copies(pipeline: Pipeline, receiver: Receiver, w: Workload) -> None:
@@ -166,7 +136,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     root = sid_root()
     work = tmp_path_factory.mktemp("python")
     inside = Path("/tmp") / f"ebpfprofiler-test-{os.getpid()}"
-    argvs = interpreters(work, root, inside)
+    argvs = interpreters(SCRIPT, work, root, inside)
     receiver = Receiver(work / "received")
     workloads: list[Workload] = []
     try:
@@ -184,9 +154,6 @@ def run(tmp_path_factory: pytest.TempPathFactory, module_started: list[subproces
     finally:
         receiver.stop()
         shutil.rmtree(root / inside.relative_to("/"), ignore_errors=True)
-
-
-VERSIONS = ["3.11", "3.13", "3.14"]
 
 
 def workload(run: Run, version: str) -> Workload:

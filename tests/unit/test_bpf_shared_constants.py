@@ -152,3 +152,38 @@ def test_the_perf_event_context_bpf_oncpu_declares_is_the_kernels() -> None:
     generic = (tree / "include/uapi/asm-generic/bpf_perf_event.h").read_text()
     assert re.search(r"typedef struct pt_regs bpf_user_pt_regs_t;", generic)
     assert ours_fields[0][0] == "struct pt_regs"
+
+
+def test_the_python_walkers_constants_and_proc_entry_are_the_programs() -> None:
+    """collector/pywalk.py reads what bpf/python.h writes: its caps, flags and counter slots, and struct
+    py_proc field for field (PyProc)."""
+    import ctypes
+
+    from collector import pywalk
+
+    source = (BPF / "python.h").read_text()
+    d = defines(BPF / "python.h")
+    for name in (
+        "PY_MAX_FRAMES",
+        "PY_WALK_FRAMES",
+        "PY_FRAME_BYTES",
+        "PY_NO_OFFSET",
+        "PY_NO_INSTR",
+        "PY_FRAME_ENTRY",
+        "PY_FRAME_SHIM",
+        "PY_STACK_TRUNCATED",
+        "PY_STACK_CUT",
+    ):
+        assert d[name] == getattr(pywalk, name), name
+    slots = {v: k for k, v in d.items() if k.startswith("PY_") and k in {f"PY_{c.upper()}" for c in pywalk.COUNTERS}}
+    assert d["PY_COUNTER_SLOTS"] == len(pywalk.COUNTERS)
+    assert [slots[i] for i in range(len(pywalk.COUNTERS))] == [f"PY_{c.upper()}" for c in pywalk.COUNTERS]
+    body = re.search(r"struct py_proc \{(.*?)\};", source, re.DOTALL)
+    assert body
+    fields = re.findall(r"^\s*(u8|u16|u32|u64)\s+([\w, ]+);", body.group(1), re.MULTILINE)
+    c_fields = [(t, name.strip()) for t, names in fields for name in names.split(",")]
+    sizes = {"u8": 1, "u16": 2, "u32": 4, "u64": 8}
+    assert [(n, sizes[t]) for t, n in c_fields] == [(f[0], ctypes.sizeof(f[1])) for f in pywalk.PyProc._fields_]
+    passed = set(pywalk.bpf_defines()) - {"PY_WALK"}
+    for name in passed:
+        assert re.search(rf"\b{name}\b", source), name

@@ -27,10 +27,13 @@ PROLOGUE = {
     "25": (26, bytes.fromhex("4881ec1800000048896c241041817f20010000000f858700000041bb0100000049ba2d7f954c2df4")),
 }
 # C2's return of step: add rsp, 0x10; pop rbp; the return poll (JDK 11: mov r10, [r15+0x108]; test [r10],
-# eax; JDK 16+: cmp rsp, [r15+0x448]; ja); ret. JDK 21's recorded whole; JDK 11's recorded from its poll
+# eax; JDK 16+: cmp rsp, [r15+disp]; ja); ret. JDK 21's recorded whole; JDK 11's recorded from its poll
 # on, its add and pop as JDK 21's (the same frame).
 EPILOGUE_11 = bytes.fromhex("4883c4105d4d8b9708010000418502c3f4f4f4f4")
 EPILOGUE_21 = bytes.fromhex("4883c4105d493ba7480400000f8701000000c349ba00028d70437f0000")
+# JDK 25's, recorded from its pop rbp on (an AMD EPYC host; its add as JDK 21's): the poll word at
+# [r15+0x28], so cmp rsp, [r15+disp8].
+EPILOGUE_25 = bytes.fromhex("4883c410") + bytes.fromhex("5d493b67280f8701000000c349ba8ffd8cf4ce7f0000")
 # The loop of step's body (imul, add), recorded from JDK 17.
 BODY = bytes.fromhex("490faff24903f0490faff24903f0490faff24903f0458bcb4183c1044183f93d7cd4")
 
@@ -61,7 +64,7 @@ def test_a_stack_bang_prologue_counts_push_rbp_and_sub_rsp() -> None:
     assert in_prologue(code[8:], 4, 64) == Edge(ret_at=8, caller_rbp_at=0)  # pushed, on sub rsp
 
 
-@pytest.mark.parametrize("code", [EPILOGUE_11, EPILOGUE_21], ids=["11", "21"])
+@pytest.mark.parametrize("code", [EPILOGUE_11, EPILOGUE_21, EPILOGUE_25], ids=["11", "21", "25"])
 def test_an_epilogue_counts_what_is_popped_before_the_ret(code: bytes) -> None:
     assert in_epilogue(code) == Edge(ret_at=24, caller_rbp_at=16)  # on add rsp, 0x10: still whole
     assert in_epilogue(code[4:]) == Edge(ret_at=8, caller_rbp_at=0)  # on pop rbp

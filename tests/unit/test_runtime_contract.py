@@ -27,7 +27,7 @@ import importlib
 import os
 import platform
 import subprocess
-import threading
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,27 +151,40 @@ def test_the_readers_status_counters_hold_every_runtimes_and_closing_stops_them(
         assert r.stop() == [], f"{r.spec.name}: closing the reader did not stop it"
 
 
+# A CPython process parked in a known function until its stdin closes (then it ends by itself).
+PARKED = """
+import sys
+
+def parked_here():
+    print("parked", flush=True)
+    sys.stdin.read()
+
+parked_here()
+"""
+
+
 def test_a_process_of_the_runtime_is_read_into_stacks_with_the_registrys_frame_fields() -> None:
-    # Given CPython's plug-in with 3.11 and 3.12 on, and this test's own interpreter (the runtime at hand)
+    # Given CPython's plug-in with 3.11 and 3.12 on, and a process of this test's own interpreter (the
+    # runtime at hand) parked in parked_here()
     spec = runtime_registry.spec_of("cpython")
     runtime = plugin(spec)
+    parked = subprocess.Popen([sys.executable, "-c", PARKED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        # When it detects this process and reads its stacks
-        reader = runtime.detect(context(os.getpid()))
+        assert parked.stdout is not None and parked.stdout.readline() == "parked\n"
+        # When it detects that process and reads its stacks
+        reader = runtime.detect(context(parked.pid))
         assert isinstance(reader, StackReader), reader
-        stacks = reader.sample(ProcessMemory(os.getpid(), ReadBudget(DETECT_READ_BYTES)))
+        stacks = reader.sample(ProcessMemory(parked.pid, ReadBudget(DETECT_READ_BYTES)))
     finally:
         runtime.stop()
-    # Then it is read: a version, counts of what it dropped, and this thread's stack, leaf first, whose
+        parked.communicate(timeout=30)  # closing stdin ends it
+    # Then it is read: a version, counts of what it dropped, and its thread's stack, leaf first, whose
     # frames carry the fields the registry names
     assert reader.version == platform.python_version()
     assert isinstance(reader.dropped, dict)
-    (mine,) = [st for st in stacks if st.native_tid == threading.get_native_id()]
-    names = [f.function for f in mine.frames]  # read while sampling itself: the reader's frames are the leaves
-    assert names.index("CPythonProcess.sample") < names.index(
-        "test_a_process_of_the_runtime_is_read_into_stacks_with_the_registrys_frame_fields"
-    ), names
-    for frame in mine.frames:
+    (main,) = [st for st in stacks if st.native_tid == parked.pid]
+    assert [f.function for f in main.frames] == ["parked_here", "<module>"], main.frames
+    for frame in main.frames:
         assert tuple(f.name for f in dataclasses.fields(frame)) == spec.frame_fields, frame
         assert isinstance(frame.function, str) and isinstance(frame.filename, str)
         assert type(frame.line) is int and frame.line >= 0

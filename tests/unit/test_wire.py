@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from shared import wire
-from shared.wire import FileRequest, Mapping, Process, ProfileUpload, Sample, StackBatch, WireError
+from shared.wire import (
+    FileRequest,
+    Mapping,
+    Process,
+    ProfileUpload,
+    PyFrameRef,
+    PythonLayout,
+    PythonNameRequest,
+    PythonNames,
+    PythonProcess,
+    PythonStack,
+    Sample,
+    StackBatch,
+    WireError,
+)
 
 
 def batch() -> StackBatch:
@@ -222,3 +237,105 @@ def test_malformed_regs_batches_are_wire_errors(change: str) -> None:
     frames = [json.dumps(doc).encode()] + ([] if change == "one frame" else [stacks])
     with pytest.raises(WireError):
         wire.decode(frames)
+
+
+# ---------------------------------------------------------------- the Python walker's messages
+
+LAYOUT = PythonLayout(
+    runtime_interpreters_head=40,
+    interp_threads_head=16,
+    tstate_next=8,
+    tstate_thread_id=152,
+    tstate_current_frame=56,
+    cframe_current_frame=8,
+    frame_previous=48,
+    frame_executable=32,
+    frame_instr_ptr=56,
+    frame_owner=69,
+    frame_is_entry=68,
+    code_adaptive=184,
+    skip_owners=frozenset(),
+    tag_mask=0,
+)
+STACK = PythonStack((PyFrameRef(0x7F0010, 24, False), PyFrameRef(0x7F0020, None, True)), truncated=True)
+
+
+def with_python() -> wire.StackBatch:
+    b = batch()
+    samples = (replace(b.samples[0], python_stack=0), b.samples[1], Sample(10, 13, 0, -1, 2, 20, (), 1))
+    return replace(b, samples=samples, python_stacks=(STACK, PythonStack((PyFrameRef(0x7F0030, 0, True),), cut=True)))
+
+
+def test_a_batch_carries_each_samples_python_stack() -> None:
+    b = with_python()
+    assert wire.decode(wire.encode(b)) == b
+    assert "python_stacks" not in json.loads(wire.encode(batch())[0])["body"]  # none: nothing on the wire
+
+
+def test_a_split_batch_keeps_each_sample_with_its_python_stack() -> None:
+    b = with_python()
+    parts, unfit = wire.encode_within(b, len(wire.encode(b)[0]) - 1)
+    assert not unfit and len(parts) > 1
+    got = [
+        (s.tid, part.python_stacks[s.python_stack] if s.python_stack >= 0 else None)
+        for part, _ in parts
+        for s in part.samples
+    ]
+    want = [(s.tid, b.python_stacks[s.python_stack] if s.python_stack >= 0 else None) for s in b.samples]
+    assert sorted(got, key=lambda t: t[0]) == sorted(want, key=lambda t: t[0])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda body: body["python_samples"].append([0, 5]),  # no such stack
+        lambda body: body["python_samples"].append([9, 0]),  # no such sample
+        lambda body: body["python_stacks"][0][0].append([0, 1, 0]),  # code 0
+        lambda body: body["python_stacks"][0][0].append([8, -2, 0]),  # instr below -1
+        lambda body: body["python_stacks"][0].append(1),  # three fields
+        lambda body: body.pop("python_samples"),
+    ],
+)
+def test_malformed_python_stacks_are_wire_errors(change) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(wire.encode(with_python())[0])
+    change(doc["body"])
+    with pytest.raises(WireError):
+        wire.decode([json.dumps(doc).encode()])
+
+
+def test_a_python_process_round_trips_with_its_optional_offsets() -> None:
+    for lay in (
+        LAYOUT,
+        replace(LAYOUT, cframe_current_frame=None, frame_is_entry=None, skip_owners=frozenset({3, 4}), tag_mask=3),
+    ):
+        msg = PythonProcess(pid=42, start_ticks=7, version="3.11.2", runtime=0x7F00001000, layout=lay)
+        assert wire.decode(wire.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda body: body["layout"].update(frame_owner=1 << 16),
+        lambda body: body["layout"].update(surprise=1),
+        lambda body: body["layout"].pop("frame_previous"),
+        lambda body: body.update(skip_owners=[8]),
+        lambda body: body.update(tag_mask=8),
+        lambda body: body.update(runtime=0),
+    ],
+)
+def test_a_malformed_python_process_is_a_wire_error(change) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(wire.encode(PythonProcess(42, 7, "3.11.2", 0x1000, LAYOUT))[0])
+    change(doc["body"])
+    with pytest.raises(WireError):
+        wire.decode([json.dumps(doc).encode()])
+
+
+def test_name_requests_and_answers_round_trip() -> None:
+    req = PythonNameRequest(request_id=3, pid=42, start_ticks=7, frames=((0x7F0010, 24), (0x7F0020, -1)))
+    assert wire.decode(wire.encode(req)) == req
+    names = PythonNames(request_id=3, pid=42, start_ticks=7, names=((0x7F0010, 24, "Handler.get", "app.py", 31),))
+    assert wire.decode(wire.encode(names)) == names
+    doc = json.loads(wire.encode(req)[0])
+    doc["body"]["frames"] = [[1, 0]] * (wire.MAX_PYTHON_NAMES + 1)
+    with pytest.raises(WireError):
+        wire.decode([json.dumps(doc).encode()])
