@@ -36,6 +36,7 @@ import zmq
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
 from runtimes.runtime import WalkedReader
 from runtimes.targets import Entry, Targets
+from runtimes.tokens import TokenBucket
 from shared import endpoints
 from shared.log import LogOnce
 from shared.wire import PythonNameRequest, PythonNames, WireError, decode, encode
@@ -113,8 +114,7 @@ class BpfWalks:
         self.names.bind(endpoints.python_names(run_dir))
         self._clock = clock
         self._reoffered: float | None = None
-        self._name_tokens = NAME_BURST_S  # seconds of naming allowed now (NAME_CPU_SHARE)
-        self._name_refill = clock()
+        self.naming = TokenBucket(NAME_CPU_SHARE, NAME_BURST_S, clock)  # seconds of naming allowed now
         self.stats = dict.fromkeys(STATS, 0)
         self._log_once = LogOnce(log)
 
@@ -199,15 +199,13 @@ class BpfWalks:
         ):
             self.stats["names_refused"] += 1
             return ()
-        now = self._clock()
-        self._name_tokens = min(NAME_BURST_S, self._name_tokens + (now - self._name_refill) * NAME_CPU_SHARE)
-        self._name_refill = now
-        if self._name_tokens <= 0:
+        if self.naming.refill() <= 0:
             self.stats["names_over_share"] += 1
             self.stats["frames_not_named"] += len(req.frames)
             return None
+        began = self._clock()
         out = self._named(e, e.reader, req, ReadBudget(min(max_bytes, NAME_BYTES_PER_REQUEST), self._deadline()))
-        self._name_tokens -= self._clock() - now
+        self.naming.spend(self._clock() - began)
         if not targets.current(e):  # its pid named another process while we read: what we read is not its
             self.stats["names_refused"] += 1
             out = []

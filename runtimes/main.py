@@ -53,6 +53,7 @@ from runtimes.bpf_walks import BpfWalks
 from runtimes.memory import MemoryReadError, ProcessMemory, ReadBudget
 from runtimes.runtime import SAMPLE_HZ, RegsStackReader, Runtime, ThreadStack
 from runtimes.targets import Entry, Targets
+from runtimes.tokens import TokenBucket
 from shared import config as config_mod
 from shared import (
     counters,
@@ -180,10 +181,9 @@ class CpuPace:
         clock: Callable[[], float] = time.monotonic,
         cpu: Callable[[], float] = time.thread_time,  # the thread that ticks: the reader's own work
     ) -> None:
-        self._rate = cpu_budget / 100.0
-        self._clock, self._cpu = clock, cpu
-        self._tokens = self._rate * PACE_BURST_S
-        self._last = clock()
+        rate = cpu_budget / 100.0
+        self._cpu = cpu
+        self.bucket = TokenBucket(rate, rate * PACE_BURST_S, clock)  # CPU seconds the reader may spend now
         self._cpu_seen = cpu()
         self._skipped = 0  # ticks skipped since the last that ran
         self._window_skipped = 0  # ticks skipped since take_window_skipped()
@@ -192,19 +192,13 @@ class CpuPace:
         """Every CPU second the reader spent since the last look: ticks, and what runs between them
         (announcements, register samples, profiles built at a window's end)."""
         now = self._cpu()
-        self._tokens -= now - self._cpu_seen
+        self.bucket.spend(now - self._cpu_seen)
         self._cpu_seen = now
-
-    def _refill(self) -> None:
-        self._spend()
-        now = self._clock()
-        self._tokens = min(self._tokens + (now - self._last) * self._rate, self._rate * PACE_BURST_S)
-        self._last = now
 
     def start(self) -> int | None:
         """At a tick's start: None to skip it, else how many ticks it stands for (1 + those skipped)."""
-        self._refill()
-        if self._tokens <= 0:
+        self._spend()
+        if self.bucket.refill() <= 0:
             self._skipped += 1
             self._window_skipped += 1
             return None
@@ -238,19 +232,18 @@ class RegsGate:
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
-        self._tokens, self._refilled = float(MAX_REGS_PER_S), time.monotonic()
+        self.bucket = TokenBucket(MAX_REGS_PER_S, MAX_REGS_PER_S)
 
     def choose(self, samples: Sequence[RegsSample], per_s: int) -> tuple[Sequence[RegsSample], float]:
         """(the samples to walk, what each is worth)."""
-        now = time.monotonic()
-        self._tokens = min(float(per_s), self._tokens + (now - self._refilled) * per_s)
-        self._refilled = now
+        self.bucket.rate = self.bucket.capacity = per_s
+        tokens = self.bucket.refill()
         chosen, weight = samples, 1.0
-        if len(samples) > self._tokens:
-            k = max(1, int(self._tokens))
+        if len(samples) > tokens:
+            k = max(1, int(tokens))
             chosen = self._rng.sample(samples, k)
             weight = len(samples) / k
-        self._tokens = max(0.0, self._tokens - len(chosen))
+        self.bucket.tokens = max(0.0, tokens - len(chosen))
         return chosen, weight
 
 

@@ -339,28 +339,26 @@ def debug_layout(v: tuple[int, int]) -> layouts.Layout:
     return layouts.layout_from_debug(values, extras)
 
 
-def test_names_have_a_cpu_share_of_their_own_not_the_readers_pace(
-    stage: Stage, workload: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_names_have_a_cpu_share_of_their_own_not_the_readers_pace(stage: Stage, workload: subprocess.Popen) -> None:
     # Given the workload read by the reader, one of its frames, and a reader whose CpuPace is spent (its
     # wall reading over budget, as on a busy host)
     detected(stage, workload.pid)
     ticks = start_ticks(workload.pid)
     assert ticks is not None
     code, instr = next(iter(frame_refs(workload.pid, target_of(workload.pid))))
-    stage.reader.pace._tokens = -1.0
+    stage.reader.pace.bucket.tokens = -1.0
     # When a symbolizer asks to name it
     named = ask(stage, PythonNameRequest(1, workload.pid, ticks, ((code, instr),)))
     # Then it is answered all the same
     assert named is not None and len(named.names) == 1
     # When naming's own share is spent (and refills no more)
-    monkeypatch.setattr(bpf_walks, "NAME_CPU_SHARE", 0.0)
-    stage.reader.walks._name_tokens = 0.0
+    stage.reader.walks.naming.rate = 0.0
+    stage.reader.walks.naming.tokens = 0.0
     waiting = ask(stage, PythonNameRequest(2, workload.pid, ticks, ((code, instr),)))
     # Then the request is left unanswered, counted, for the symbolizer to ask again; and answered once the
     # share allows
     assert waiting is None
     assert stage.reader.walks.stats["names_over_share"] == 1
-    stage.reader.walks._name_tokens = bpf_walks.NAME_BURST_S
+    stage.reader.walks.naming.tokens = bpf_walks.NAME_BURST_S
     again = ask(stage, PythonNameRequest(3, workload.pid, ticks, ((code, instr),)))
     assert again is not None and again.names == named.names
