@@ -241,6 +241,14 @@ class ProcessTable:
             self._entries.popitem(last=False)
         return entry[0]
 
+    def known(self, pid: int) -> bool:
+        """Whether `pid` is in the table as the process it is now (the same start time and name, from
+        /proc/PID/stat alone): read already, so a new-process event for it needs no early drain."""
+        entry = self._entries.get(pid)
+        if entry is None:
+            return False
+        return procstat.identity(pid, self._proc) == (entry[0].comm, entry[0].start_ticks)
+
     def forget_exited(self, alive: Callable[[int], bool] = procstat.alive) -> int:
         """Called after each drain: forget the processes that had exited at the last call (their last
         samples, in the buffer that drain did not take, came with this one), and note those that

@@ -92,7 +92,7 @@ class Collector:
         )
         self.counters = counters.CounterFile(run_dir, "collector")  # the checks that fired, for status
         self.early = EarlyDrains()
-        self.new_processes = NewProcessEvents(self.programs.bpf, self.early, kernel.has("ringbuf"))
+        self.new_processes = NewProcessEvents(self.programs.bpf, self.early, kernel.has("ringbuf"), self.procs.known)
         self.samples = {src.profile_type: 0 for src in self.sources}
         self.lost: dict[str, int] = {}
         self.sender = BatchSender(self.links, self.lost)
@@ -343,7 +343,11 @@ class Collector:
             "collector stopped: samples %s, lost %s, %s, files %s",
             self.samples,
             self.lost or "none",
-            {**self.sender.totals, "early_drains_not_made": self.early.gone},
+            {
+                **self.sender.totals,
+                "early_drains_not_made": self.early.gone,
+                "new_process_events_known": self.new_processes.known_dropped,
+            },
             self.broker.stats,
         )
 

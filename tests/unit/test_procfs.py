@@ -175,3 +175,30 @@ def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_so
         "libjvm.so" not in names
         and marked_by(process("/usr/local/bin/node"), runtime_registry.regs_mappings(("jvm",))) is None
     )
+
+
+def test_a_process_read_already_is_known_until_it_is_another(tmp_path: Path) -> None:
+    # given a fake /proc with pid 5, read by the table (a new-process event for it needs no early drain)
+    proc = tmp_path / "proc"
+    (proc / "5").mkdir(parents=True)
+
+    def write(start: int, name: str) -> None:
+        (proc / "5" / "stat").write_text(f"5 ({name}) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
+        (proc / "5" / "status").write_text("Uid:\t7\t7\t7\t7\n")
+        (proc / "5" / "cgroup").write_text("0::/\n")
+        (proc / "5" / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 /bin/{name}\n")
+
+    write(100, "one")
+    table = procfs.ProcessTable(with_cmdline=False, proc=str(proc))
+    assert not table.known(5) and not table.known(6)  # never read; no such process
+    assert table.get(5) is not None
+    assert table.known(5)
+    # when it execs (same start time, another name), or its pid is reused, it is new again
+    write(100, "two")
+    assert not table.known(5)
+    assert table.get(5) is not None and table.known(5)
+    write(300, "two")
+    assert not table.known(5)
+    # and once it has exited, it is not known as a living process
+    (proc / "5" / "stat").unlink()
+    assert not table.known(5)
