@@ -97,7 +97,7 @@ struct py_stack {
 struct py_scratch {
     u64 hash;
     u64 tstate;                 // the sampled thread's state, as py_thread_state found it
-    u64 n, cut, at, passed;     // the walk's state between its parts (see PY_FORGET)
+    u64 n, cut, frame_at, passed;   // the walk's state between its parts (see PY_FORGET)
     struct py_stack stack;
     u64 ring[PY_MAX_FRAMES];    // frame w of the walk's address at w % PY_MAX_FRAMES
     u64 frame[2 * PY_FRAME_BYTES / 8];   // twice the bytes read: a size masked to 2 * PY_FRAME_BYTES - 1 fits
@@ -258,7 +258,7 @@ static __always_inline u64 py_walk(u32 pid, u32 tid, u32 buf, u32 slot) {
     }
     PY_FORGET(s, n);            // the first part's ends
     PY_FORGET(s, cut);
-    PY_FORGET_AS(s, at, frame);
+    PY_FORGET_AS(s, frame_at, frame);
     u64 passed = 0;
     if (!cut && frame) {
         for (u32 i = 0; i < PY_WALK_FRAMES - PY_MAX_FRAMES && frame; i++) {
@@ -278,7 +278,7 @@ static __always_inline u64 py_walk(u32 pid, u32 tid, u32 buf, u32 slot) {
         }
         PY_FORGET(s, passed);   // the second part's ends
         PY_FORGET(s, cut);
-        PY_FORGET_AS(s, at, frame);
+        PY_FORGET_AS(s, frame_at, frame);
         // Frame w of the walk is at ring[w % PY_MAX_FRAMES] (the first part's too), so the last
         // PY_MAX_FRAMES of the n + passed walked are ring[(passed + j) % PY_MAX_FRAMES]: every one a
         // frame, whatever `passed` is (a loop with no early end, which the verifier checks once).
