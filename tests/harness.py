@@ -41,7 +41,7 @@ import zmq
 from bench.polling import wait_for
 from receiver.store import list_profiles
 from shared import config as config_mod
-from shared import counters, endpoints, handoff
+from shared import counters, endpoints, handoff, pprof
 from shared.pprof import ProfileBuilder
 from shared.privileges import ids as stage_ids
 from shared.wire import ProfileUpload
@@ -585,3 +585,16 @@ class Pipeline:
         self.final_counters = self.counters()
         shutil.rmtree(self.root, ignore_errors=True)
         return code
+
+
+@dataclass
+class Received:
+    """A profile the test receiver stored: its metadata and the profile read back."""
+
+    meta: dict
+    profile: pprof.ReadProfile
+
+
+def read_received(directory: Path) -> list[Received]:
+    """Every profile stored in the receiver's `directory`."""
+    return [Received(m, pprof.read(Path(m["path"]).read_bytes())) for m in list_profiles(str(directory))]

@@ -27,8 +27,7 @@ import zmq
 from shared import endpoints, pprof, unwind_table, wire
 from shared.config import ProfilerConfig
 from shared.safestr import CUT_MARKER, process_string
-from tests.harness import PY, Pipeline, Receiver, open_dir, require_root, workload_fields
-from tests.integration.test_oncpu_pipeline import read_received
+from tests.harness import PY, Pipeline, Receiver, open_dir, read_received, require_root, workload_fields
 
 SAMPLE_HZ = 99
 ORDINARY_CPU_S = 4.0

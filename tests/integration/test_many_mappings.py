@@ -16,8 +16,7 @@ from pathlib import Path
 
 from shared import counters
 from shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, open_dir, require_root, wait_for
-from tests.integration.test_oncpu_pipeline import read_received
+from tests.harness import Pipeline, Receiver, open_dir, read_received, require_root, wait_for
 
 MAPPINGS = 15_000
 SPIN_S = 20

@@ -18,20 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from receiver.store import list_profiles
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
-from tests.harness import Pipeline, Receiver, bpf_holdings, bpftool, require_root
+from tests.harness import Pipeline, Received, Receiver, bpf_holdings, bpftool, read_received, require_root
 
 SAMPLE_HZ = 99
 HOT_CPU_SECONDS = 4.0
 HOT_STACK = ("main", "top", "mid", "leaf")
-
-
-@dataclass
-class Received:
-    meta: dict
-    profile: pprof.ReadProfile
 
 
 @dataclass
@@ -53,10 +46,6 @@ class Run:
 
     def samples_of(self, exe: str) -> list[pprof.ReadSample]:
         return [s for r in self.cpu() for s in r.profile.samples if s.labels.get("process.executable") == exe]
-
-
-def read_received(directory: Path) -> list[Received]:
-    return [Received(m, pprof.read(Path(m["path"]).read_bytes())) for m in list_profiles(str(directory))]
 
 
 def start_workload(started: list[subprocess.Popen], *argv: str, user: int | None = None) -> subprocess.Popen:

@@ -30,9 +30,17 @@ import pytest
 from shared import endpoints, pprof
 from shared.config import ProfilerConfig
 from shared.safestr import process_string
-from tests.harness import FRAME_POINTER_FLAGS, Pipeline, Receiver, open_dir, require_root, wait_for, workload_fields
+from tests.harness import (
+    FRAME_POINTER_FLAGS,
+    Pipeline,
+    Receiver,
+    open_dir,
+    read_received,
+    require_root,
+    wait_for,
+    workload_fields,
+)
 from tests.integration.test_hostile_processes import NEWLINE_DIRS, NEWLINES_PER_DIR, stage_pids
-from tests.integration.test_oncpu_pipeline import read_received
 from tests.unit.test_runtime_probe import crafted_elf
 
 SOAK_S = 60
