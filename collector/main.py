@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from collector import bpftime, features, plan, preflight
 from collector.drains import DRAIN_INTERVAL_S, IDLE_DRAIN_INTERVAL_S
 from collector.loop import MainLoop
-from collector.programs import capture_stderr, explain
+from collector.programs import capture_stderr, explain, is_refusal
 from collector.stage import Collector
 from shared import config as config_mod
 from shared import lifecycle, privileges, ready, remote_config, stopping
@@ -217,6 +217,8 @@ def _load(
             ):  # the compiler's and the verifier's words, quoted if refused
                 return Collector(cfg, bpf_dir, run_dir, kernel, python_refused)
         except Exception as e:  # bcc raises bare Exception for compile and load failures
+            if not is_refusal(e):  # not the compiler's nor the kernel's word: where it came from, for a report
+                log.warning("loading the BPF programs raised %s", type(e).__name__, exc_info=True)
             why = explain(e, said)
             if python_refused or not plan.wants_python_walk(cfg):
                 log.error("cannot load the BPF programs from %s: %s", bpf_dir, why)

@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
 from collector import bpftime
+from collector.btfprog import BtfProgramError
 
 FAMILIES = ("oncpu", "offcpu", "lock", "alloc")
 # Headers the families call into, each compiled when its -D flag is passed, in this order.
@@ -141,6 +142,12 @@ def capture_stderr() -> Iterator[Captured]:
             os.write(2, raw)
 
 
+def is_refusal(error: BaseException) -> bool:
+    """Whether `error` is the compiler's or the kernel's word on the programs (bcc raises bare Exception;
+    collector/btfprog.py BtfProgramError; a bpf() call OSError), not a fault of the collector's own."""
+    return type(error) is Exception or isinstance(error, (OSError, BtfProgramError))
+
+
 def explain(error: BaseException, captured: Captured) -> str:
     """One message for a failed compile or load: what failed (the program bcc or the kernel refused),
     the error, and the last lines the compiler or the verifier wrote."""
@@ -150,8 +157,10 @@ def explain(error: BaseException, captured: Captured) -> str:
         head = f"the kernel refused BPF program {m.group(1)}: {m.group(2)}"
     elif "Failed to compile BPF" in text or "error:" in captured.text:
         head = "the BPF programs did not compile against this kernel's headers"
-    else:
+    elif is_refusal(error):
         head = text
+    else:  # a fault of ours, named by its type (an assert's message is empty)
+        head = f"{type(error).__name__}: {text}" if text else type(error).__name__
     if "verifier:" in text:  # a program we load ourselves (collector/btfprog.py): its log is in the error
         return head
     tail = captured.tail()

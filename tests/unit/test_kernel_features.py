@@ -119,6 +119,19 @@ def test_a_refused_program_is_named_with_the_verifiers_last_lines() -> None:
     assert errno.EACCES  # (the error is the kernel's EACCES, passed on as its text)
 
 
+def test_a_fault_of_ours_while_loading_is_named_by_its_type_not_taken_for_the_kernels_word() -> None:
+    # an assert of the collector's own failing during the load (its message is empty): on sid 7.2 the
+    # refusal read "the BPF programs with the Python walker were refused: " and nothing more
+    with programs.capture_stderr() as said:
+        os.write(2, b"3 warnings generated.\n")
+    assert not programs.is_refusal(AssertionError())
+    assert programs.explain(AssertionError(), said).startswith("AssertionError\n")
+    assert programs.explain(KeyError("py_counters"), said).startswith("KeyError: 'py_counters'")
+    # and the kernel's and bcc's words stay as they are
+    assert programs.is_refusal(Exception("Failed to compile BPF module"))
+    assert programs.is_refusal(OSError(7, "Argument list too long"))
+
+
 def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them() -> None:
     assert perfevents.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert perfevents.cpu_list("0\n") == [0]
