@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import struct
 from collections.abc import Sequence
@@ -256,11 +257,18 @@ class BtfProgram:
                 self.fd = syscalls.bpf(syscalls.BPF_PROG_LOAD, attr)
                 return
             except OSError as e:
-                if level:
-                    text = log.value.decode("utf-8", "replace")
-                    raise BtfProgramError(
-                        f"loading {fn_name} on {tracepoint}: {e.strerror}; verifier: {text[-_LOG_QUOTED:]}"
-                    ) from None
+                if not level:
+                    first = e  # the refusal; the log pass may fail otherwise (ENOSPC: the log overflowed)
+                    if e.errno == errno.E2BIG:  # too complex: the log of a million instructions says no more,
+                        raise BtfProgramError(  # and under emulation took as long again as the check itself
+                            f"loading {fn_name} on {tracepoint}: {e.strerror} (the verifier's instruction or "
+                            f"complexity limit)"
+                        ) from None
+                    continue
+                text = log.value.decode("utf-8", "replace")
+                raise BtfProgramError(
+                    f"loading {fn_name} on {tracepoint}: {first.strerror}; verifier: {text[-_LOG_QUOTED:]}"
+                ) from None
 
     @property
     def attached(self) -> bool:

@@ -75,9 +75,9 @@ class Collector:
         try:  # a program the kernel refuses leaves nothing loaded (collector/main.py may load again)
             self._make_sources(cfg, p)
         except BaseException:
-            self.programs.close()
-            if self.python is not None:
+            if self.python is not None:  # first: its last reading needs the maps the programs hold
                 self.python.close()
+            self.programs.close()
             raise
         self.unwind = _make_unwind(p, self.programs.bpf, run_dir, ctx)
         self.links = WorkerLinks(ctx, run_dir, cfg.symbolizer_workers)
