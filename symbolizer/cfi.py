@@ -173,6 +173,25 @@ def build_table(f: BinaryIO, module: Module | None = None, seconds: float = CFI_
         raise _as_cfi_error(e) from None
 
 
+def fde_ranges(f: BinaryIO, module: Module, seconds: float = CFI_BUILD_SECONDS) -> list[tuple[int, int]]:
+    """The (begin, end) addresses of every FDE of `f`'s .eh_frame (or .debug_frame), in file order,
+    their programs not run; CfiError (NoCfi) as build_table raises it."""
+    try:
+        with time_budget(max(0.001, min(seconds, CFI_BUILD_SECONDS))):
+            sec = module.eh_frame if module.eh_frame is not None and module.eh_frame.size else module.debug_frame
+            if sec is None or not sec.size:
+                raise NoCfi("no .eh_frame or .debug_frame")
+            if sec.compressed or sec.size > MAX_CFI_SECTION_BYTES:
+                raise CfiError("unsupported", f"{sec.name} is compressed or over {MAX_CFI_SECTION_BYTES} bytes")
+            parser = _Parser(Reader(f, MAX_FILE_BYTES).read(sec.offset, sec.size, sec.name), sec, module)
+            parser.ranges_only = True
+            return [(begin, end) for begin, end, _ in parser.fdes()]
+    except CfiError:
+        raise
+    except Exception as e:  # hostile input: whatever it provokes becomes a CfiError
+        raise _as_cfi_error(e) from None
+
+
 def _as_cfi_error(e: Exception) -> CfiError:
     over = shared_elf.caused_by(e, BudgetExceeded)
     if over is not None:
@@ -297,6 +316,7 @@ class _Parser:
         self.lo, self.hi = m.text_vaddr, m.text_vaddr + m.text_size
         self.cies: dict[int, _Cie] = {}
         self.stats = dict.fromkeys(("fdes", "fallback_fdes", "skipped_fdes", "signed_ra_fdes"), 0)
+        self.ranges_only = False  # fde_ranges(): each FDE's addresses, its program not run
 
     # ------------------------------------------------ entries
 
@@ -486,6 +506,8 @@ class _Parser:
             st["skipped_fdes"] += 1  # empty, or outside the executable segment
             return None
         st["fdes"] += 1
+        if self.ranges_only:
+            return begin, stop, b""
         init = cie.initial
         if init is not None and end - p <= MAX_CFA_PROGRAM_BYTES:
             program = self.program

@@ -101,6 +101,14 @@ ELF_CACHE_ENTRIES = 256
 # A file that could not be opened (process exited, fd raced) may be tried again after this.
 UNREADABLE_RETRY_S = 60.0
 
+# Functions whose compiler-split parts are recovered from a file without a .symtab, named NAME.cold as
+# GCC's .symtab names them: symbolizer/pystacks.py puts Python frames in place of this function's frames,
+# and Debian's PGO builds of CPython 3.13-3.15 run the eval loop in a part split away from the exported
+# symbol (python3.14: 1,184 bytes exported, an 84 KB part elsewhere, entered by jumps alone).
+SPLIT_FUNCTIONS = (b"_PyEval_EvalFrameDefault",)
+# Bytes of such a function scanned for its jumps into a split part (CPython's exported parts: 0.8-55 KB).
+MAX_SPLIT_SCAN_BYTES = 256 << 10
+_EM_X86_64 = 62
 _SYM_CHUNK = 4096  # symbol entries per read
 _STRTAB_WINDOW = 64 << 10  # string table bytes per read; must be >= MAX_SYMBOL_NAME_BYTES
 
@@ -256,7 +264,52 @@ def _parse(f: BinaryIO) -> ElfSymbols:
                 name_room -= _read_symbol_table(r, shdrs, sh, table_rank * 3, known, symbols, name_room)
         if sh_type == shared_elf.SHT_SYMTAB:
             has_symtab = bool(symbols)
+    if not has_symtab and h.e_machine == _EM_X86_64:
+        symbols.extend(_split_parts(f, r, loads, symbols))
     return _build(build_id, has_symtab, loads, [(p.p_vaddr, p.p_memsz) for p in segments], symbols)
+
+
+def _split_parts(
+    f: BinaryIO, r: Reader, loads: tuple[tuple[int, int, int], ...], symbols: list[tuple[int, int, int, bytes]]
+) -> list[tuple[int, int, int, bytes]]:
+    """Symbols NAME.cold for the parts of each SPLIT_FUNCTIONS function a stripped x86-64 file holds: the
+    FDEs (.eh_frame) that begin exactly where a direct jump of the function (jmp or jcc, rel32) lands and
+    where no symbol begins. A split part is entered by jumps, not calls; a function it calls begins at a
+    symbol. The bytes are scanned, not decoded: a false match must hit an FDE's first byte exactly."""
+    wanted = [(value, size, name) for value, _, size, name in symbols if name in SPLIT_FUNCTIONS and size]
+    if not wanted:
+        return []
+    from symbolizer import cfi  # here, not at the top: cfi takes its caps from this module
+
+    try:
+        fdes = cfi.fde_ranges(f, cfi.read_module(f))
+    except cfi.CfiError:
+        return []
+    starts = {value for value, *_ in symbols}
+    unnamed = {begin: end for begin, end in fdes if begin not in starts}
+    out: list[tuple[int, int, int, bytes]] = []
+    for value, size, name in wanted:
+        offset = next((o + value - v for o, n, v in loads if v <= value < v + n), None)
+        if offset is None:
+            continue
+        code = r.read(offset, min(size, MAX_SPLIT_SCAN_BYTES), "a split function")
+        out.extend((t, 0, unnamed[t] - t, name + b".cold") for t in sorted(_jump_targets(code, value) & unnamed.keys()))
+    return out
+
+
+def _jump_targets(code: bytes, address: int) -> set[int]:
+    """Where every rel32 jmp (E9) and jcc (0F 80-8F) found in `code`, loaded at `address`, would land."""
+    out: set[int] = set()
+    for i in range(len(code) - 4):
+        if code[i] == 0xE9:
+            n = 1
+        elif code[i] == 0x0F and 0x80 <= code[i + 1] <= 0x8F:
+            n = 2
+        else:
+            continue
+        if i + n + 4 <= len(code):
+            out.add(address + i + n + 4 + int.from_bytes(code[i + n : i + n + 4], "little", signed=True))
+    return out
 
 
 def _preferences(rank: int) -> list[int | None]:
