@@ -292,7 +292,7 @@ static __always_inline void offcpu_charge(u32 pid, u32 tid, struct offcpu_stack 
     key.pid = pid;
     key.tid = tid;
     key.user_hash = user ? offcpu_store(user, user_n, buf, OFFCPU_LOST_USER_STACK, 1) : 0;
-#ifdef PY_WALK
+#ifdef PY_WALK_OFFCPU
     if (in_thread)
         key.py_hash = py_walk(pid, tid, buf, PY_OFFCPU);
 #endif

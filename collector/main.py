@@ -20,6 +20,7 @@ Must not: parse ELF files or process memory, or talk to the network.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import resource
 import signal
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Sequence
 
 from collector import bpftime, features, plan, preflight
+from collector.btfprog import BtfProgramError
 from collector.drains import DRAIN_INTERVAL_S, IDLE_DRAIN_INTERVAL_S
 from collector.loop import MainLoop
 from collector.programs import capture_stderr, explain, is_refusal
@@ -208,23 +210,30 @@ def _load(
     """The BPF programs compiled and loaded, with all the collector holds; None (logged) if refused. A
     kernel that refuses them with the Python walker (bpf/python.h) gets them without it: that feature is
     refused alone, with the verifier's words, and the rest of the agent runs."""
-    python_refused = ""
+    refused = plan.WalkRefusals()
     while True:
         try:
             with (
                 ready.progress(run_dir, "collector", "compiling and loading BPF programs"),  # heartbeat
                 capture_stderr() as said,
             ):  # the compiler's and the verifier's words, quoted if refused
-                return Collector(cfg, bpf_dir, run_dir, kernel, python_refused)
+                return Collector(cfg, bpf_dir, run_dir, kernel, refused)
         except Exception as e:  # bcc raises bare Exception for compile and load failures
             if not is_refusal(e):  # not the compiler's nor the kernel's word: where it came from, for a report
                 log.warning("loading the BPF programs raised %s", type(e).__name__, exc_info=True)
             why = explain(e, said)
-            if python_refused or not plan.wants_python_walk(cfg):
+            if refused.all or not plan.wants_python_walk(cfg):
                 log.error("cannot load the BPF programs from %s: %s", bpf_dir, why)
                 return None
-            log.warning("the BPF programs with the Python walker were refused: %s; loading them without it", why)
-            python_refused = f"the kernel refused the programs with the walker: {cut(why.splitlines()[0])}"
+            said_why = f"the kernel refused the programs with the walker: {cut(why.splitlines()[0])}"
+            if isinstance(e, BtfProgramError) and cfg.offcpu and not refused.offcpu:  # the off-CPU programs'
+                log.warning(
+                    "the off-CPU programs with the Python walker were refused: %s; loading them without it", why
+                )
+                refused = dataclasses.replace(refused, offcpu=said_why)
+            else:
+                log.warning("the BPF programs with the Python walker were refused: %s; loading them without it", why)
+                refused = dataclasses.replace(refused, all=said_why)
 
 
 def _drop_start_caps(keep: frozenset[int], for_start: frozenset[int]) -> None:

@@ -45,8 +45,22 @@ class ProgramPlan:
     lock_dwarf: bool
     regs_names: frozenset[str]  # mappings whose processes' samples carry registers (collector/regs.py)
     python_walk: bool = False  # CPython frames walked in BPF at the on-CPU sample (collector/pywalk.py)
+    python_walk_offcpu: bool = False  # ... and at an off-CPU block's end (bpf/offcpu.c, -DPY_WALK_OFFCPU)
     refused: tuple[tuple[str, str], ...] = field(default=())  # (what the config asked for, why not)
     notes: tuple[str, ...] = field(default=())  # what else was turned off, and why
+
+
+@dataclass(frozen=True)
+class WalkRefusals:
+    """Why an earlier load refused the Python walker ("": it did not): in the off-CPU programs alone (a
+    verifier that takes the on-CPU walk can find the off-CPU program, with its own loops, too complex:
+    sid's 7.2), or in all of them. collector/main.py loads again with what was refused left out."""
+
+    offcpu: str = ""
+    all: str = ""
+
+
+NO_REFUSALS = WalkRefusals()
 
 
 class _Refusals:
@@ -111,25 +125,34 @@ def wants_python_walk(cfg: config_mod.ProfilerConfig) -> bool:
     return cfg.python_stacks or "python_legacy" in cfg.runtime_stacks
 
 
-def _python_walk(cfg: config_mod.ProfilerConfig, asked: _Refusals, refused: str) -> dict[str, int]:
+def _python_walk(
+    cfg: config_mod.ProfilerConfig, asked: _Refusals, refused: WalkRefusals, offcpu_on: bool
+) -> dict[str, int]:
     """bpf/python.h's -D flags when CPython stacks are asked for and the kernel can give them; else none
-    (`refused`: why the kernel did not take them at an earlier load)."""
+    (`refused`: what the kernel did not take at an earlier load)."""
     if not wants_python_walk(cfg):
         return {}
     what = "Python frames in cpu profiles"
-    if refused:
-        asked.refused.append((what, refused))
+    if refused.all:
+        asked.refused.append((what, refused.all))
         return {}
     if not asked.can(what, "btf"):
         return {}
     try:
-        return pywalk.bpf_defines()
+        defines = pywalk.bpf_defines()
     except BtfProgramError as e:
         asked.refused.append((what, str(e)))
         return {}
+    if refused.offcpu:
+        asked.refused.append(("Python frames in offcpu profiles", refused.offcpu))
+    elif offcpu_on:
+        defines["PY_WALK_OFFCPU"] = 1
+    return defines
 
 
-def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: str = "") -> ProgramPlan:
+def plan(
+    cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: WalkRefusals = NO_REFUSALS
+) -> ProgramPlan:
     asked = _Refusals(kernel)
     notes: list[str] = []
     offcpu_on = cfg.offcpu and asked.can("off-CPU profiles (offcpu)", "btf")
@@ -151,7 +174,7 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python
         regs_names = frozenset()
     if regs_names:
         defines.update(regs.bpf_defines())
-    python_walk = _python_walk(cfg, asked, python_refused)
+    python_walk = _python_walk(cfg, asked, python_refused, offcpu_on)
     if python_walk:
         defines.update(python_walk)
     return ProgramPlan(
@@ -164,6 +187,7 @@ def plan(cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python
         lock_dwarf,
         regs_names,
         bool(python_walk),
+        "PY_WALK_OFFCPU" in python_walk,
         tuple(asked.refused),
         tuple(notes),
     )

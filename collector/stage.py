@@ -56,7 +56,7 @@ class Collector:
         bpf_dir: str,
         run_dir: str,
         kernel: features.KernelFeatures,
-        python_refused: str = "",
+        python_refused: plan.WalkRefusals = plan.NO_REFUSALS,
     ) -> None:
         # bcc is imported here, not at the top: only this stage pays for it.
         from collector.procfs import ProcessTable
@@ -114,7 +114,7 @@ class Collector:
     # ------------------------------------------------------------ start-up
 
     def _plan(
-        self, cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: str
+        self, cfg: config_mod.ProfilerConfig, kernel: features.KernelFeatures, python_refused: plan.WalkRefusals
     ) -> plan.ProgramPlan:
         """What to compile for this config on this kernel (collector/plan.py); what the kernel cannot
         give is refused alone: in the log, and in status (kernel.json)."""
@@ -137,7 +137,8 @@ class Collector:
         self.oncpu = OnCpuSampler(bpf, cfg.sample_hz, dwarf=p.dwarf, python=walker)
         self.sources: list[EventSource] = [self.oncpu]
         if p.offcpu:
-            self.sources.append(OffCpuTracer(bpf, cfg.offcpu_min_ms, dwarf=p.offcpu_dwarf, python=walker))
+            off_walker = walker if p.python_walk_offcpu else None
+            self.sources.append(OffCpuTracer(bpf, cfg.offcpu_min_ms, dwarf=p.offcpu_dwarf, python=off_walker))
         # Opt-in, per target process: lock waits (futex tracepoints) and allocations (uprobes).
         self.watchers: list[tuple[TargetWatcher, TargetedSource]] = []
         if cfg.lock_targets:

@@ -136,3 +136,23 @@ def test_kernel_cpu_lists_are_read_as_the_kernel_writes_them() -> None:
     assert perfevents.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert perfevents.cpu_list("0\n") == [0]
     assert perfevents.cpu_list("") == []
+
+
+def test_a_walker_the_off_cpu_programs_refused_stays_in_the_on_cpu_ones() -> None:
+    # sid's 7.2 took the on-CPU walk and found offcpu_resume with it too complex: the next load leaves the
+    # walk out of the off-CPU programs alone, and the one after that out of all
+    from collector import plan
+    from shared.config import ProfilerConfig
+
+    kernel = features.resolve("7.2.0", ALL_YES)
+    cfg = ProfilerConfig(python_stacks=True, offcpu=True)
+    first = plan.plan(cfg, kernel)
+    assert first.python_walk and first.python_walk_offcpu
+    assert {"PY_WALK", "PY_WALK_OFFCPU"} <= first.defines.keys()
+    second = plan.plan(cfg, kernel, plan.WalkRefusals(offcpu="too complex"))
+    assert second.python_walk and not second.python_walk_offcpu
+    assert "PY_WALK" in second.defines and "PY_WALK_OFFCPU" not in second.defines
+    assert ("Python frames in offcpu profiles", "too complex") in second.refused
+    last = plan.plan(cfg, kernel, plan.WalkRefusals(offcpu="too complex", all="refused"))
+    assert not last.python_walk and "PY_WALK" not in last.defines
+    assert ("Python frames in cpu profiles", "refused") in last.refused
