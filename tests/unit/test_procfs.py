@@ -63,20 +63,26 @@ def test_this_process_is_read_whole() -> None:
     assert table.stats["maps_read"] == reads + 1
 
 
+def write_process(proc: Path, pid: int, start: int, exe: str) -> None:
+    """Process `pid` in a fake /proc, started at `start` (ticks), running `exe` (its name too)."""
+    d = proc / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(f"{pid} ({Path(exe).name}) S 1 {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
+    (d / "status").write_text(f"Uid:\t7\t7\t7\t7\nNSpid:\t{pid}\n")
+    (d / "cgroup").write_text("0::/\n")
+    (d / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 {exe}\n")
+    link = d / "exe"
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(exe)
+
+
 def test_a_reused_pid_is_a_new_process(tmp_path: Path) -> None:
     # given a fake /proc where pid 5 is replaced by a process with another start time
     proc = tmp_path / "proc"
-    (proc / "5").mkdir(parents=True)
 
     def write(start: int, exe: str) -> None:
-        (proc / "5" / "stat").write_text(f"5 ({Path(exe).name}) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
-        (proc / "5" / "status").write_text("Uid:\t7\t7\t7\t7\nNSpid:\t5\n")
-        (proc / "5" / "cgroup").write_text("0::/\n")
-        (proc / "5" / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 {exe}\n")
-        link = proc / "5" / "exe"
-        if link.is_symlink():
-            link.unlink()
-        link.symlink_to(exe)
+        write_process(proc, 5, start, exe)
 
     write(100, "/bin/one")
     table = procfs.ProcessTable(with_cmdline=False, proc=str(proc))
@@ -180,13 +186,9 @@ def test_node_processes_are_marked_by_the_node_executable_or_a_libnode_of_any_so
 def test_a_process_read_already_is_known_until_it_is_another(tmp_path: Path) -> None:
     # given a fake /proc with pid 5, read by the table (a new-process event for it needs no early drain)
     proc = tmp_path / "proc"
-    (proc / "5").mkdir(parents=True)
 
     def write(start: int, name: str) -> None:
-        (proc / "5" / "stat").write_text(f"5 ({name}) S 1 5 5 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0")
-        (proc / "5" / "status").write_text("Uid:\t7\t7\t7\t7\n")
-        (proc / "5" / "cgroup").write_text("0::/\n")
-        (proc / "5" / "maps").write_text(f"1000-2000 r-xp 00000000 fd:01 9 /bin/{name}\n")
+        write_process(proc, 5, start, f"/bin/{name}")
 
     write(100, "one")
     table = procfs.ProcessTable(with_cmdline=False, proc=str(proc))
