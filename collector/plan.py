@@ -139,14 +139,12 @@ def _python_walk(
     if not asked.can(what, "btf"):
         return {}
     try:
-        defines = pywalk.bpf_defines()
+        defines = pywalk.bpf_defines(offcpu=offcpu_on and not refused.offcpu)
     except BtfProgramError as e:
         asked.refused.append((what, str(e)))
         return {}
     if refused.offcpu:
         asked.refused.append(("Python frames in offcpu profiles", refused.offcpu))
-    elif offcpu_on:
-        defines["PY_WALK_OFFCPU"] = 1
     return defines
 
 

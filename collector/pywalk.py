@@ -123,15 +123,22 @@ class LayoutRefused(ValueError):
     """A layout the walk cannot use; the message says which offset and why."""
 
 
-def bpf_defines() -> dict[str, int]:
+def bpf_defines(offcpu: bool = False) -> dict[str, int]:
     """The -D flags of bpf/python.h: its caps, and task_struct.thread.fsbase (the thread pointer the
-    walk finds a thread's state by) from the running kernel's BTF."""
+    walk finds a thread's state by) from the running kernel's BTF; with `offcpu`, PY_WALK_OFFCPU too
+    (bpf/offcpu.c walks at an off-CPU block's end: a kernel may take the walk on-CPU only)."""
     if platform.machine() != "x86_64":
         raise BtfProgramError(f"the walk finds a thread's state by its x86-64 fs base; this is {platform.machine()}")
     fsbase = member_offsets("task_struct", [("thread", "fsbase")])[0]
     if fsbase is None:
         raise BtfProgramError("Python frames in BPF need task_struct.thread.fsbase, which the kernel's BTF lacks")
-    return {"PY_WALK": 1, "PY_PROCS": PY_PROCS, "PY_STACK_ENTRIES": PY_STACK_ENTRIES, "PY_TASK_FSBASE_OFFSET": fsbase}
+    defines = {
+        "PY_WALK": 1,
+        "PY_PROCS": PY_PROCS,
+        "PY_STACK_ENTRIES": PY_STACK_ENTRIES,
+        "PY_TASK_FSBASE_OFFSET": fsbase,
+    }
+    return {**defines, "PY_WALK_OFFCPU": 1} if offcpu else defines
 
 
 def proc_entry(layout: Layout, runtime: int) -> PyProc:

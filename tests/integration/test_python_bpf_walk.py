@@ -79,7 +79,7 @@ class Sampler:
             "OFFCPU_MIN_NS": 1_000_000,
             "OFFCPU_SAMPLE_NS": 0,
             **offcpu_defines(),
-            **pywalk.bpf_defines(),
+            **pywalk.bpf_defines(offcpu=True),
         }
         self.programs = Programs(default_bpf_dir(), ["oncpu", "offcpu"], defines)
         self.walker = pywalk.PyWalker(self.programs.bpf)
