@@ -340,17 +340,22 @@ class Collector:
         self.broker.close()
         self.announcer.close()
         self.counters.update(self.checks(), force=True)
-        log.info(
-            "collector stopped: samples %s, lost %s, %s, files %s",
-            self.samples,
-            self.lost or "none",
-            {
-                **self.sender.totals,
-                "early_drains_not_made": self.early.gone,
-                "new_process_events_known": self.new_processes.known_dropped,
-            },
-            self.broker.stats,
-        )
+        _log_stopped(self)
+
+
+def _log_stopped(c: Collector) -> None:
+    """The run's totals, as the collector stops."""
+    log.info(
+        "collector stopped: samples %s, lost %s, %s, files %s",
+        c.samples,
+        c.lost or "none",
+        {
+            **c.sender.totals,
+            "early_drains_not_made": c.early.gone,
+            "new_process_events_known": c.new_processes.known_dropped,
+        },
+        c.broker.stats,
+    )
 
 
 def _make_unwind(p: plan.ProgramPlan, bpf: Any, run_dir: str, ctx: zmq.Context[Any]) -> unwind.UnwindTables | None:
