@@ -39,6 +39,7 @@ import pytest
 import zmq
 
 from bench.polling import wait_for
+from cli.run import die_with_parent
 from receiver.store import list_profiles
 from shared import config as config_mod
 from shared import counters, endpoints, handoff, pprof
@@ -543,6 +544,8 @@ class Pipeline:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            # a pytest killed mid-test (a CI timeout) must not leave `run` and its BPF programs loaded
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - prctl(PR_SET_PDEATHSIG) must run in the child
         )
         stages = ["uploader", "collector"] + [f"symbolizer-{w}" for w in range(cfg.symbolizer_workers)]
         try:
