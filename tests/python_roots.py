@@ -2,11 +2,13 @@
 in a debootstrap root (a container stand-in: chrooted, its files found through /proc/<pid>/root).
 
 Owns: the sid root (built once, cached by bench/assets/debroot.py), each interpreter's argv with the
-path a copied script has as that interpreter sees it, and reading the Python tests' received profiles.
+path a copied script has as that interpreter sees it, reading the Python tests' received profiles, and
+checking a sampled cpu_a:cpu_b split against the one tests/workloads/py_threads.py measured itself.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -30,6 +32,18 @@ def samples_by_pid(directory: Path, profile_type: str) -> dict[int, list[pprof.R
         for s in pprof.read(Path(meta["path"]).read_bytes()).samples:
             by_pid.setdefault(int(s.labels.get("pid", 0)), []).append(s)
     return by_pid
+
+
+def assert_split_is_the_workloads(version: str, a: int, b: int, output: str) -> None:
+    """The samples' cpu_a:cpu_b split is the one py_threads.py measured in its own thread CPU time
+    (its last line of `output`) ±10%. The loops are 3:1 by work; a host that runs them at unequal speeds
+    per iteration moves the true split (CI saw 2.5 once on 3.15), and the profile must follow it."""
+    spent = json.loads(output.strip().splitlines()[-1])["spent_ns"]
+    measured = spent["cpu_a"] / max(spent["cpu_b"], 1)
+    sampled = a / max(b, 1)
+    said = f"{version}: cpu_a {a} / cpu_b {b} = {sampled:.2f} sampled, {measured:.2f} by the workload's clock"
+    print(said)
+    assert 0.9 * measured <= sampled <= 1.1 * measured, said
 
 
 def sid_root() -> Path:
