@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "receiver": ("receiver.server", "a reference backend implementing POST /v1/profiles"),
     "record": ("cli.record", "profile this host now, or a command (record -- CMD), into .html, .pb.gz, .folded"),
+    "top": ("cli.top", "a live view of the hottest functions, host-wide or of -p PID (keys sort and switch views)"),
     "report": ("cli.report", "an offline HTML flame graph of pprof files or a local_dir"),
     "status": ("cli.status", "what the running profiler costs: stage CPU, BPF time, samples, rate"),
 }

@@ -23,6 +23,7 @@ Must not: do any stage's work itself, or leave anything behind (the child
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -122,7 +123,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_target_options(p)
-    _add_sampling_options(p)
+    add_sampling_options(p)
     _add_output_options(p)
     return p
 
@@ -151,10 +152,13 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
     who.add_argument("--all", action="store_true", help="every process of the host (the default)")
 
 
-def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    """--hz, --offcpu, --runtime and --python: what the agent samples."""
+def add_sampling_options(p: argparse.ArgumentParser, offcpu: bool = True) -> None:
+    """--hz, --offcpu (unless not `offcpu`: then False), --runtime and --python: what the agent samples."""
     p.add_argument("--hz", type=int, default=99, help="samples per second per CPU (default: %(default)s)")
-    p.add_argument("--offcpu", action="store_true", help="off-CPU profiles too (time blocked, with stacks)")
+    if offcpu:
+        p.add_argument("--offcpu", action="store_true", help="off-CPU profiles too (time blocked, with stacks)")
+    else:
+        p.set_defaults(offcpu=False)
     names = ",".join(record_command.runtime_names())
     p.add_argument(
         "--runtime",
@@ -206,12 +210,12 @@ def _check_duration_and_targets(p: argparse.ArgumentParser, args: argparse.Names
         p.error("-d must be more than 0 seconds")
 
 
-def make_config(args: argparse.Namespace, local_dir: str) -> config_mod.ProfilerConfig:
+def make_config(args: argparse.Namespace, local_dir: str, window_s: int = WINDOW_S) -> config_mod.ProfilerConfig:
     """The recording's config, validated as a config file is (config_mod.ConfigError: --hz out of range)."""
     runtimes: record_command.Runtimes = args.runtimes
     return config_mod.ProfilerConfig().replace(
         sample_hz=args.hz,
-        upload_interval_s=WINDOW_S,
+        upload_interval_s=window_s,
         offcpu=args.offcpu,
         python_stacks=runtimes.python_stacks,
         runtime_stacks=runtimes.runtime_stacks,
@@ -264,18 +268,25 @@ def sweep_stale_workspaces(tmp: str = "/tmp") -> list[str]:
 class Progress:
     """What has been recorded so far, from the profiles written and the collector's status file."""
 
-    def __init__(self, local_dir: str, run_dir: str, pids: set[int]) -> None:
+    def __init__(self, local_dir: str, run_dir: str, pids: set[int], consume: bool = False) -> None:
         self.local_dir, self.run_dir, self.pids = local_dir, run_dir, pids
+        self.consume = consume  # remove each file once read (top: a recording with no end)
         self.seen: set[str] = set()
         self.samples = 0
         self.processes: set[str] = set()
         self.lost = 0
         self._status_time = 0
 
-    def update(self) -> None:
+    def update(self) -> list[profiles_mod.Loaded]:
+        """Read the profiles written since the last call: their samples of the processes asked for."""
         new = [p for p in profiles_mod.profile_files([self.local_dir]) if p not in self.seen]
         loaded = profiles_mod.load(new, profiles_mod.Skipped())
-        self.seen.update(x.path for x in loaded)  # a file still being written is read again next time
+        if self.consume:  # the agent writes each file whole (files.write_atomic): none is read again
+            for path in new:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        else:
+            self.seen.update(x.path for x in loaded)  # a file still being written is read again next time
         if self.pids:
             loaded = profiles_mod.keep_pids(loaded, self.pids)
         for item in loaded:
@@ -289,6 +300,7 @@ class Progress:
                 self.lost += sum(int(v) for v in doc.get("lost", {}).values())
         except (OSError, ValueError, TypeError, AttributeError):
             pass  # being replaced, or not written yet
+        return loaded
 
     def line(self, left_s: float) -> str:
         return (
@@ -372,9 +384,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         shutil.rmtree(ws, ignore_errors=True)
 
 
-def refusal(args: argparse.Namespace, prog: str) -> int | None:
-    """The exit code (said on stderr) of a recording that cannot start: not root, -o's directory, a
-    process asked for that is gone; None when it can."""
+def agent_refusal(args: argparse.Namespace, prog: str) -> int | None:
+    """The exit code (said on stderr) of an agent that cannot start for `prog`: not root, a bad option
+    value, a process asked for (-p) that is gone; None when it can."""
     if os.geteuid() != 0:
         print(
             f"{prog}: run as root (the collector loads BPF programs; every stage then drops to its own user)",
@@ -386,6 +398,19 @@ def refusal(args: argparse.Namespace, prog: str) -> int | None:
     except config_mod.ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    gone = sorted(p for p in set(args.pid) if not procstat.alive(p))
+    if gone:
+        print(f"{prog}: no process {', '.join(map(str, gone))}", file=sys.stderr)
+        return 2
+    return None
+
+
+def refusal(args: argparse.Namespace, prog: str) -> int | None:
+    """The exit code (said on stderr) of a recording that cannot start: agent_refusal's, a command not
+    found, -o's directory; None when it can."""
+    refused = agent_refusal(args, prog)
+    if refused is not None:
+        return refused
     if args.command is not None:
         why = record_command.find_command(args.command)
         if why:
@@ -395,16 +420,14 @@ def refusal(args: argparse.Namespace, prog: str) -> int | None:
     if problem:  # before recording, not after: the recording would be lost
         print(f"{prog}: -o {problem}; nothing was recorded", file=sys.stderr)
         return 2
-    gone = sorted(p for p in set(args.pid) if not procstat.alive(p))
-    if gone:
-        print(f"{prog}: no process {', '.join(map(str, gone))}", file=sys.stderr)
-        return 2
     return None
 
 
 class Recording:
     """One recording in its workspace: the agent (`run` as a child), the start, the recording loop with
     its progress line, and the result."""
+
+    window_s = WINDOW_S  # the agent's windows: how often profiles are written
 
     def __init__(self, args: argparse.Namespace, prog: str, ws: str, stop: threading.Event) -> None:
         self.args, self.prog, self.ws, self.stop = args, prog, ws, stop
@@ -421,7 +444,7 @@ class Recording:
 
     def start_agent(self) -> None:
         """Write the recording's config and start `run` on it."""
-        cfg = make_config(self.args, self.local_dir)
+        cfg = make_config(self.args, self.local_dir, self.window_s)
         config = os.path.join(self.ws, "agent.yaml")
         with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(config_mod.dump(cfg))
@@ -492,16 +515,17 @@ class Recording:
         if tty:
             print("\r\033[K", end="", file=out, flush=True)
         took = f"the profiler started in {time.monotonic() - starting.started:.1f} s"
-        if self.args.command is not None:
-            print(f"{self.prog}: recording the command at {self.args.hz} Hz ({took})", file=out, flush=True)
-        else:
-            print(
-                f"{self.prog}: recording {self.target} for {self.args.duration:g} s at {self.args.hz} Hz "
-                f"({took}; Ctrl-C ends it early)",
-                file=out,
-                flush=True,
-            )
+        print(self.started_line(took), file=out, flush=True)
         return None
+
+    def started_line(self, took: str) -> str:
+        """What is said once every stage is ready (`took`: how long that took)."""
+        if self.args.command is not None:
+            return f"{self.prog}: recording the command at {self.args.hz} Hz ({took})"
+        return (
+            f"{self.prog}: recording {self.target} for {self.args.duration:g} s at {self.args.hz} Hz "
+            f"({took}; Ctrl-C ends it early)"
+        )
 
     def record(self) -> Progress:
         """Record until -d ends, a stop, `run` exits or every process asked for is gone, with the progress

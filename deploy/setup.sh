@@ -69,9 +69,10 @@ done
 # (unwind-table tests); chromium (the HTML report in a headless browser);
 # openjdk-17-jdk-headless (the JVM tests' JDK and javac); php8.2-cli, php8.2-fpm (the PHP
 # tests; Debian starts its own php-fpm, stopped below); nodejs; qemu-system-x86,
-# qemu-utils, e2fsprogs, cpio and busybox-static (the kernel matrix: guests booted under qemu).
+# qemu-utils, e2fsprogs, cpio and busybox-static (the kernel matrix: guests booted under qemu);
+# tmux (`ebpfprofiler top` drawn on a real terminal, its screen captured).
 SYSTEM_PACKAGES="python3-bpfcc python3-venv python3-dev libcap-dev gcc make ca-certificates"
-TEST_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg chromium php8.2-cli php8.2-fpm openjdk-17-jdk-headless nodejs qemu-system-x86 qemu-utils e2fsprogs cpio busybox-static"
+TEST_PACKAGES="bpfcc-tools linux-perf bpftool golang-go systemd systemd-container debootstrap gcc-aarch64-linux-gnu libc6-dbg chromium php8.2-cli php8.2-fpm openjdk-17-jdk-headless nodejs qemu-system-x86 qemu-utils e2fsprogs cpio busybox-static tmux"
 PACKAGES=$SYSTEM_PACKAGES
 [ "$MODE" != test ] || PACKAGES="$PACKAGES $TEST_PACKAGES"
 
