@@ -139,17 +139,13 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
         help=f"how long to record (default: {DEFAULT_DURATION_S:g}; not with a command)",
     )
     who = p.add_mutually_exclusive_group()
-    who.add_argument(
-        "-p",
-        "--pid",
-        type=int,
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="PID",
-        help="keep only the samples of these processes (recording stops early when all have exited)",
-    )
+    add_pid_option(who, "keep only the samples of these processes (recording stops early when all have exited)")
     who.add_argument("--all", action="store_true", help="every process of the host (the default)")
+
+
+def add_pid_option(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, help_: str) -> None:
+    """-p PID...: repeatable, each taking one or more pids."""
+    p.add_argument("-p", "--pid", type=int, nargs="+", action="extend", default=[], metavar="PID", help=help_)
 
 
 def add_sampling_options(p: argparse.ArgumentParser, offcpu: bool = True) -> None:
@@ -357,13 +353,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
     refused = refusal(args, prog)
     if refused is not None:
         return refused
-    try:
-        ws = workspace()
-    except (privileges.PrivilegeError, OSError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    stop = stop_on_signals(logging.getLogger("ebpfprofiler.record"), "stopping the recording")
-    recording = Recording(args, prog, ws, stop)
+    recording = open_recording(args, prog, "stopping the recording")
+    if isinstance(recording, int):
+        return recording
     try:
         recording.start_agent()
         failed = recording.wait_started()
@@ -377,11 +369,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler record") -
         progress = recording.record()
         return recording.finish(progress)
     finally:
-        if recording.child is not None:
-            stop_child(recording.child)
+        recording.close()
         if recording.command is not None and record_command.exit_of(recording.command) is not None:
             recording.command.wait()  # exited, left a zombie until the agent's last drain: reaped
-        shutil.rmtree(ws, ignore_errors=True)
+
+
+def open_recording(
+    args: argparse.Namespace, prog: str, stopping: str, cls: type[Recording] | None = None
+) -> Recording | int:
+    """A `cls` (Recording) in a new workspace, SIGINT and SIGTERM setting its stop (logged as
+    `stopping`); or the exit code, said, when no workspace can be made."""
+    try:
+        ws = workspace()
+    except (privileges.PrivilegeError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    stop = stop_on_signals(logging.getLogger("ebpfprofiler.record"), stopping)
+    return (cls or Recording)(args, prog, ws, stop)
 
 
 def agent_refusal(args: argparse.Namespace, prog: str) -> int | None:
@@ -441,6 +445,12 @@ class Recording:
         self.run_log = os.path.join(ws, "run.log")
         self.local_dir, self.run_dir, self.state_dir = (os.path.join(ws, d) for d in ("profiles", "run", "state"))
         self.stages: list[str] = []
+
+    def close(self) -> None:
+        """Stop the agent (its last windows are written) and remove the workspace."""
+        if self.child is not None:
+            stop_child(self.child)
+        shutil.rmtree(self.ws, ignore_errors=True)
 
     def start_agent(self) -> None:
         """Write the recording's config and start `run` on it."""

@@ -20,7 +20,6 @@ import curses
 import locale
 import math
 import os
-import shutil
 import sys
 import time
 from collections import Counter, deque
@@ -31,7 +30,6 @@ from cli import record, record_command
 from report import profiles as profiles_mod
 from shared import log as log_mod
 from shared.safestr import printable
-from shared.stopping import stop_on_signals
 
 # The agent's windows: the shortest the config allows, so the view is at most a second or two old.
 TOP_WINDOW_S = 1
@@ -163,16 +161,7 @@ class TopRecording(record.Recording):
 
 def parse_args(argv: Sequence[str] | None, prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    p.add_argument(
-        "-p",
-        "--pid",
-        type=int,
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="PID",
-        help="only these processes (default: every process of the host)",
-    )
+    record.add_pid_option(p, "only these processes (default: every process of the host)")
     record.add_sampling_options(p, offcpu=False)  # top shows on-CPU time
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -189,17 +178,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler top") -> i
     if not (sys.stdout.isatty() and sys.stdin.isatty()):
         print(f"{prog}: needs a terminal (to a file or a pipe: ebpfprofiler record)", file=sys.stderr)
         return 2
-    log = log_mod.setup("top", "ERROR")  # a log line would tear the screen
+    log_mod.setup("top", "ERROR")  # a log line would tear the screen
     refused = record.agent_refusal(args, prog)
     if refused is not None:
         return refused
-    try:
-        ws = record.workspace()
-    except OSError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    stop = stop_on_signals(log, "stopping top")
-    rec = TopRecording(args, prog, ws, stop)
+    rec = record.open_recording(args, prog, "stopping top", TopRecording)
+    if isinstance(rec, int):
+        return rec
     try:
         rec.start_agent()
         failed = rec.wait_started()
@@ -212,12 +197,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "ebpfprofiler top") -> i
             return 1
         return 0
     finally:
-        if rec.child is not None:
-            record.stop_child(rec.child)
-        shutil.rmtree(ws, ignore_errors=True)
+        rec.close()
 
 
-def live(scr: curses.window, rec: TopRecording) -> str:
+def live(scr: curses.window, rec: record.Recording) -> str:
     """Draw until q, a stop, or `run` ending: "" or why the agent ended."""
     assert rec.child is not None
     going = True
