@@ -7,8 +7,8 @@ EarlyDrains (collector/drains.py).
 An event for a process the collector has read already (the same start time and name) is dropped:
 the programs notify a pid again when its last count is over EARLY_STALE_S old, so every long-lived
 process that runs once a window (the uploader, a cron-like worker) brought an early look at each
-window's start. A look is at most once a second (EARLY_LOOK_GAP_S), so a new process started just
-then waited a second for its tables: its first window's whole stacks fell from ~98% to 90%
+window's start. Looks are at least EARLY_LOOK_GAP_S apart (then a second), so a new process started
+just then waited a second for its tables: its first window's whole stacks fell from ~98% to 90%
 (tests/integration/test_new_process_stacks.py, one run in four).
 
 Must not: read the processes beyond their /proc/PID/stat (see NewProcessEvents.take), or decide when
