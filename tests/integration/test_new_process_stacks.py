@@ -11,6 +11,7 @@ before most of its stacks have gone by.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import subprocess
 import time
 from collections import Counter
@@ -55,7 +56,7 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
                 timeout=4 * WINDOW_S,
             )
             # When the process starts just after a window boundary and runs its course
-            first_start, last_end_ns = run_from_a_window_start(exe, started)
+            first_start, last_end_ns, started_at = run_from_a_window_start(exe, started)
             wait_for(
                 "the process's last window",
                 lambda: any(t + WINDOW_S * 10**9 >= last_end_ns for t in windows_of(receiver.dir, exe)),
@@ -64,15 +65,26 @@ def test_a_new_no_frame_pointer_process_has_whole_stacks_from_its_first_window(
         finally:
             code = pipeline.stop()
         assert code == 0, pipeline.log()
+        tables_after = table_latency(pipeline.log(), exe, started_at)
         by_window = windows_of(receiver.dir, exe)
     finally:
         receiver.stop()
     # Then the first window's stacks, and all of its life's, are whole
-    check_whole(by_window, first_start, cfg.sample_hz)
+    check_whole(by_window, first_start, cfg.sample_hz, f"its table loaded {tables_after} after its start")
 
 
-def run_from_a_window_start(exe: Path, started: list[subprocess.Popen]) -> tuple[int, int]:
-    """`exe` started just after a window boundary, to its end: the ns its window starts and its last ends."""
+def table_latency(log: str, exe: Path, started_at: float) -> str:
+    """How long after `started_at` (time.time()) the collector logged `exe`'s unwind table as loaded."""
+    for line in log.splitlines():
+        if f"unwind table loaded for {exe.resolve()}" in line:
+            when = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            return f"{when - started_at:.2f} s"
+    return "never"
+
+
+def run_from_a_window_start(exe: Path, started: list[subprocess.Popen]) -> tuple[int, int, float]:
+    """`exe` started just after a window boundary, to its end: the ns its window starts and its last ends,
+    and the time it was started."""
     wait_for(
         "the start of an upload window",
         lambda: 0.1 <= time.time() % WINDOW_S < 0.6,
@@ -80,12 +92,13 @@ def run_from_a_window_start(exe: Path, started: list[subprocess.Popen]) -> tuple
         interval=0.02,
     )
     first_start = int(time.time() // WINDOW_S * WINDOW_S) * 10**9
+    started_at = time.time()
     proc = subprocess.Popen([str(exe), "cpu", str(CPU_SECONDS)], stdout=subprocess.PIPE, text=True)
     started.append(proc)
     out = proc.communicate(timeout=CPU_SECONDS * 4)[0]
     assert proc.returncode == 0, out
     # (its last window is handed in a grace period after it ends)
-    return first_start, (int(time.time() // WINDOW_S) + 1) * WINDOW_S * 10**9
+    return first_start, (int(time.time() // WINDOW_S) + 1) * WINDOW_S * 10**9, started_at
 
 
 def windows_of(received: Path, exe: Path) -> dict[int, list[pprof.ReadSample]]:
@@ -101,8 +114,9 @@ def windows_of(received: Path, exe: Path) -> dict[int, list[pprof.ReadSample]]:
     return got
 
 
-def check_whole(by_window: dict[int, list[pprof.ReadSample]], first_start: int, sample_hz: int) -> None:
-    """The samples of the first window, and of the whole life, are whole stacks in their shares."""
+def check_whole(by_window: dict[int, list[pprof.ReadSample]], first_start: int, sample_hz: int, why: str) -> None:
+    """The samples of the first window, and of the whole life, are whole stacks in their shares (`why`:
+    what the pipeline's log says of its table, printed with the figures)."""
 
     def share(samples: list[pprof.ReadSample]) -> tuple[int, int]:
         return sum(s.values[0] for s in samples if whole(s)), sum(s.values[0] for s in samples)
@@ -115,10 +129,10 @@ def check_whole(by_window: dict[int, list[pprof.ReadSample]], first_start: int, 
     (fw, ft), (lw, lt) = share(first), share(life)
     broken = Counter(" > ".join(f.function for f in s.frames) for s in first if not whole(s))
     print(
-        f"first window: {fw}/{ft} = {fw / ft:.3f} whole; life: {lw}/{lt} = {lw / lt:.3f}; "
+        f"first window: {fw}/{ft} = {fw / ft:.3f} whole ({why}); life: {lw}/{lt} = {lw / lt:.3f}; "
         f"broken: {broken.most_common(3)}; by window: "
         f"{[(t // 10**9 % 1000, sum(s.values[0] for s in v)) for t, v in sorted(by_window.items())]}"
     )
     assert ft >= 0.5 * WINDOW_S * sample_hz, f"only {ft} samples in the first window"
-    assert fw / ft >= FIRST_WINDOW_WHOLE, f"first window {fw}/{ft} whole; broken: {broken.most_common(5)}"
+    assert fw / ft >= FIRST_WINDOW_WHOLE, f"first window {fw}/{ft} whole ({why}); broken: {broken.most_common(5)}"
     assert lw / lt >= LIFE_WHOLE, f"its life {lw}/{lt} whole"
